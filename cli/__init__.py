@@ -1,0 +1,1 @@
+"""The ``hal`` console script (tyro subcommands: info, launch, sync, bench)."""

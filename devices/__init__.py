@@ -1,0 +1,19 @@
+"""Device kinds: the only package that knows which hardware exists.
+
+Each built-in kind is one module holding one ``SPEC`` (a frozen :class:`devices.base.DeviceSpec`).
+They are listed here by module path, in automatic-resolution order, and imported only when asked for.
+Third-party kinds come from the entry-point group ``hal.devices`` (see :mod:`hal.registry`).
+"""
+
+from devices.base import Availability, DeviceSpec
+
+# kind -> module holding SPEC. Order is the auto-resolution order (npu, cuda, then cpu last);
+# npu-sim is never picked automatically (auto_probe=False) and must be asked for.
+BUILTIN_KINDS: dict[str, str] = {
+    "npu": "devices.npu",
+    "cuda": "devices.cuda",
+    "npu-sim": "devices.sim",
+    "cpu": "devices.cpu",
+}
+
+__all__ = ["Availability", "DeviceSpec", "BUILTIN_KINDS"]

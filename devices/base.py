@@ -1,0 +1,91 @@
+"""The data every device kind carries, and the result type of its availability probe.
+
+A device kind is one frozen dataclass: plain facts as fields (after vLLM's ``Platform`` class attributes)
+plus two probes, :meth:`DeviceSpec.torch_module` and :meth:`DeviceSpec.availability`. Nothing here imports
+a vendor package; each kind's module does that lazily, inside its probes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+
+
+@dataclasses.dataclass(frozen=True)
+class Availability:
+    """Outcome of a device kind's probe: ``ok`` or the ``reason`` it is not usable.
+
+    Truthy when available, so ``if spec.availability(): ...`` reads naturally.
+    """
+
+    ok: bool
+    reason: str = ""
+    device_count: int = 0
+
+    def __bool__(self) -> bool:
+        return self.ok
+
+    @classmethod
+    def available(cls, device_count: int = 1) -> "Availability":
+        return cls(True, "", device_count)
+
+    @classmethod
+    def unavailable(cls, reason: str) -> "Availability":
+        return cls(False, reason, 0)
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceSpec:
+    """One device kind, immutable.
+
+    Fields:
+        kind: the name users select it by (``HAL_DEVICE``, ``--device``); usually equal to ``name``,
+            but the simulated Ascend kind is selected as ``"npu-sim"`` and creates ``"npu"`` tensors.
+        name: the ``torch.device`` type of its tensors (``"cuda"``, ``"npu"``, ``"cpu"``).
+        dist_backend: the ``torch.distributed`` backend for tensors of this kind (``"nccl"``, ``"hccl"``,
+            ``"gloo"``), as in ``torch.distributed.Backend.default_device_backend_map``.
+        visible_devices_env: the environment variable that restricts which devices a process sees
+            (``CUDA_VISIBLE_DEVICES``, ``ASCEND_RT_VISIBLE_DEVICES``), ``None`` where there is none.
+        ray_resource: the custom resource name Ray schedules this kind by (``"GPU"``, ``"NPU"``), or ``None``.
+        auto_probe: whether automatic resolution may pick this kind (a simulated kind must be asked for).
+        host_memory: ``True`` when tensors of this kind live in ordinary host memory (the cpu kind), so that
+            offloading to the host moves nothing.
+
+    Subclasses override :meth:`torch_module` and :meth:`availability` and nothing else.
+    """
+
+    kind: str
+    name: str
+    dist_backend: str
+    visible_devices_env: str | None = None
+    ray_resource: str | None = None
+    auto_probe: bool = True
+    host_memory: bool = False
+
+    def torch_module(self) -> types.ModuleType:
+        """The torch module with this kind's runtime calls (``torch.cuda``, ``torch.npu``, ...).
+
+        Raises:
+            NotImplementedError: the kind did not define one.
+            ImportError: the vendor package backing it cannot be imported.
+        """
+        raise NotImplementedError(f"device kind {self.kind!r} needs a torch_module() probe")
+
+    def availability(self) -> Availability:
+        """Whether this kind can be used in this process; never raises (failures become the reason)."""
+        raise NotImplementedError(f"device kind {self.kind!r} needs an availability() probe")
+
+
+def probe_safely(spec_kind: str, probe) -> Availability:
+    """Run ``probe`` (returning :class:`Availability`) and turn any exception into an unavailable reason.
+
+    Vendor stacks fail in many ways when the driver or toolkit is missing (``ImportError``,
+    ``RuntimeError`` from a driver call, ``OSError`` from a missing shared library), so every one of them is
+    caught here and reported as text rather than crashing resolution.
+    """
+    try:
+        return probe()
+    except BaseException as exc:  # noqa: BLE001 - any failure of a vendor probe means "not available"
+        if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+            raise
+        return Availability.unavailable(f"{spec_kind} probe raised {type(exc).__name__}: {exc}")

@@ -1,0 +1,63 @@
+"""The cpu kind: tensors in host memory, collectives over gloo."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import types
+
+from devices.base import Availability, DeviceSpec
+
+
+def _host_mem_get_info() -> tuple[int, int]:
+    """(free, total) host memory in bytes, read from ``os.sysconf`` (the cpu analogue of ``mem_get_info``)."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    return os.sysconf("SC_AVPHYS_PAGES") * page, os.sysconf("SC_PHYS_PAGES") * page
+
+
+def _make_cpu_module() -> types.ModuleType:
+    """``torch.cpu`` completed with the calls ``hal`` makes of an accelerator module.
+
+    ``torch.cpu`` already has ``is_available``, ``device_count``, ``current_device``, ``set_device``,
+    ``synchronize``, ``Stream`` and ``Event``; it lacks the memory and seeding calls, which are filled in
+    with their host meaning: nothing is cached, so there is nothing to empty, and allocation counters are 0.
+    """
+    import torch
+
+    mod = types.ModuleType("hal_cpu_module", "torch.cpu plus the memory/seed calls hal uses")
+    for name in ("is_available", "device_count", "current_device", "set_device", "synchronize",
+                 "Stream", "Event", "current_stream", "stream"):
+        setattr(mod, name, getattr(torch.cpu, name))
+    mod.empty_cache = lambda: None
+    mod.memory_allocated = lambda device=None: 0
+    mod.max_memory_allocated = lambda device=None: 0
+    mod.memory_reserved = lambda device=None: 0
+    mod.reset_peak_memory_stats = lambda device=None: None
+    mod.memory_stats = lambda device=None: {}
+    mod.mem_get_info = lambda device=None: _host_mem_get_info()
+    mod.manual_seed = torch.manual_seed
+    mod.manual_seed_all = torch.manual_seed
+    return mod
+
+
+_CPU_MODULE: types.ModuleType | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class CpuDevice(DeviceSpec):
+    kind: str = "cpu"
+    name: str = "cpu"
+    dist_backend: str = "gloo"
+    host_memory: bool = True
+
+    def torch_module(self) -> types.ModuleType:
+        global _CPU_MODULE
+        if _CPU_MODULE is None:
+            _CPU_MODULE = _make_cpu_module()
+        return _CPU_MODULE
+
+    def availability(self) -> Availability:
+        return Availability.available(1)
+
+
+SPEC = CpuDevice()

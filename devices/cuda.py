@@ -1,0 +1,38 @@
+"""The cuda kind: NVIDIA GPUs through ``torch.cuda``, collectives over NCCL."""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+
+from devices.base import Availability, DeviceSpec, probe_safely
+
+
+@dataclasses.dataclass(frozen=True)
+class CudaDevice(DeviceSpec):
+    kind: str = "cuda"
+    name: str = "cuda"
+    dist_backend: str = "nccl"
+    visible_devices_env: str | None = "CUDA_VISIBLE_DEVICES"
+    ray_resource: str | None = "GPU"
+
+    def torch_module(self) -> types.ModuleType:
+        import torch
+
+        return torch.cuda
+
+    def availability(self) -> Availability:
+        return probe_safely(self.kind, self._probe)
+
+    def _probe(self) -> Availability:
+        import torch
+
+        if not torch.backends.cuda.is_built():
+            return Availability.unavailable(f"torch {torch.__version__} was built without CUDA")
+        count = torch.cuda.device_count()
+        if count == 0 or not torch.cuda.is_available():
+            return Availability.unavailable("torch.cuda.is_available() is False (no driver or no GPU visible)")
+        return Availability.available(count)
+
+
+SPEC = CudaDevice()

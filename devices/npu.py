@@ -1,0 +1,44 @@
+"""The npu kind: Huawei Ascend NPUs through ``torch_npu`` (``torch.npu``), collectives over HCCL.
+
+``torch_npu`` is imported only inside the probes, never at import time: without CANN its import fails,
+and on some installs it has side effects (it renames PrivateUse1 to ``npu`` once per process).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+
+from devices.base import Availability, DeviceSpec, probe_safely
+
+
+@dataclasses.dataclass(frozen=True)
+class NpuDevice(DeviceSpec):
+    kind: str = "npu"
+    name: str = "npu"
+    dist_backend: str = "hccl"
+    visible_devices_env: str | None = "ASCEND_RT_VISIBLE_DEVICES"
+    ray_resource: str | None = "NPU"
+
+    def torch_module(self) -> types.ModuleType:
+        import torch
+        import torch_npu  # noqa: F401  - registers torch.npu and the hccl backend
+
+        return torch.npu
+
+    def availability(self) -> Availability:
+        return probe_safely(self.kind, self._probe)
+
+    def _probe(self) -> Availability:
+        try:
+            module = self.torch_module()
+        except BaseException as exc:  # noqa: BLE001 - ImportError, OSError (no CANN libs), RuntimeError
+            if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+                raise
+            return Availability.unavailable(f"import torch_npu failed: {type(exc).__name__}: {exc}")
+        if not module.is_available():
+            return Availability.unavailable("torch.npu.is_available() is False (no Ascend device visible)")
+        return Availability.available(module.device_count())
+
+
+SPEC = NpuDevice()

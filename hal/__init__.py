@@ -1,0 +1,48 @@
+"""hal: one device API for cuda (NCCL), npu (HCCL through torch_npu) and cpu (gloo).
+
+Importing ``hal`` probes no hardware and imports no vendor package; the first call does, and caches.
+"""
+
+from hal.device import (
+    ENV_VAR,
+    availability,
+    available_kinds,
+    describe,
+    empty_cache,
+    get_device,
+    get_device_id,
+    get_device_name,
+    get_dist_backend,
+    get_torch_device,
+    get_visible_devices_keyword,
+    manual_seed,
+    memory_stats,
+    reset,
+    resolve_device,
+    synchronize,
+)
+from hal.distributed import (
+    DEFAULT_TIMEOUT_S,
+    StoreGroup,
+    connect_store,
+    init_process_group,
+    new_group_from_store,
+)
+from hal.errors import (
+    DeviceUnavailableError,
+    DistributedTimeoutError,
+    DuplicateDeviceError,
+    HalError,
+    UnknownDeviceError,
+)
+from hal.registry import known_kinds, plugin_errors, register_device, unregister_device
+
+__all__ = [
+    "ENV_VAR", "DEFAULT_TIMEOUT_S",
+    "resolve_device", "get_device", "get_device_name", "get_torch_device", "get_device_id", "get_dist_backend",
+    "get_visible_devices_keyword", "synchronize", "empty_cache", "memory_stats", "manual_seed",
+    "init_process_group", "new_group_from_store", "connect_store", "StoreGroup",
+    "availability", "available_kinds", "known_kinds", "describe", "reset",
+    "register_device", "unregister_device", "plugin_errors",
+    "HalError", "UnknownDeviceError", "DeviceUnavailableError", "DuplicateDeviceError", "DistributedTimeoutError",
+]

@@ -1,0 +1,251 @@
+"""Process groups on the resolved device kind, with timeouts that turn a missing peer into an error.
+
+Two ways in:
+
+* :func:`init_process_group` - the default (training) group of ``torch.distributed``, launched by
+  ``torch.distributed.run``: picks the kind's backend and binds ``LOCAL_RANK``'s device.
+* :func:`new_group_from_store` - a standalone group built from a ``torch.distributed`` store, outside the
+  default world. Trainer and rollout processes are usually not one training world, so checkpoint engines
+  form their own group this way and keep it across updates (rebuilding a communicator per update
+  exhausts HCCL resources, a failure reported upstream).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from typing import Sequence, Union
+
+import torch
+import torch.distributed as dist
+
+from hal.device import DeviceLike, get_dist_backend, get_torch_device, resolve_device
+from hal.errors import DistributedTimeoutError
+
+DEFAULT_TIMEOUT_S = 300.0
+"""Default timeout of rendezvous and collectives, in seconds (torch's own default is 10-30 minutes)."""
+
+Timeout = Union[float, int, datetime.timedelta]
+
+
+def as_timedelta(timeout: Timeout | None) -> datetime.timedelta:
+    """Seconds (float) or a timedelta -> timedelta; ``None`` -> :data:`DEFAULT_TIMEOUT_S`.
+
+    Raises:
+        ValueError: the timeout is not positive.
+    """
+    if timeout is None:
+        timeout = DEFAULT_TIMEOUT_S
+    if not isinstance(timeout, datetime.timedelta):
+        timeout = datetime.timedelta(seconds=float(timeout))
+    if timeout.total_seconds() <= 0:
+        raise ValueError(f"timeout must be positive, got {timeout.total_seconds()} s")
+    return timeout
+
+
+def _is_timeout(exc: BaseException) -> bool:
+    text = str(exc).lower()
+    return isinstance(exc, (TimeoutError, dist.DistStoreError)) or "timed out" in text or "timeout" in text
+
+
+def bind_local_device(device: DeviceLike = None) -> torch.device:
+    """Make ``LOCAL_RANK`` (default 0) the current device of the resolved kind; returns that device."""
+    spec = resolve_device(device)
+    if spec.host_memory:
+        return torch.device("cpu")
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    get_torch_device(spec).set_device(local_rank)
+    return torch.device(spec.name, local_rank)
+
+
+def init_process_group(
+    device: DeviceLike = None,
+    *,
+    backend: str | None = None,
+    timeout: Timeout | None = None,
+    init_method: str | None = None,
+    rank: int | None = None,
+    world_size: int | None = None,
+    with_host: bool = False,
+) -> str:
+    """Initialise the default ``torch.distributed`` group on the resolved kind.
+
+    Args:
+        device: the kind (see :func:`hal.resolve_device`).
+        backend: override of the backend name; by default the kind's (nccl / hccl / gloo), or with
+            ``with_host`` the pair ``"cpu:gloo,<name>:<backend>"``.
+        timeout: seconds (or timedelta) for the rendezvous and every collective; default
+            :data:`DEFAULT_TIMEOUT_S`.
+        init_method, rank, world_size: as in ``torch.distributed.init_process_group``; by default read
+            from the ``MASTER_ADDR``/``MASTER_PORT``/``RANK``/``WORLD_SIZE`` variables that
+            ``torch.distributed.run`` sets.
+
+    Returns:
+        The backend string used.
+
+    Raises:
+        DistributedTimeoutError: a peer did not join within ``timeout``.
+        UnknownDeviceError, DeviceUnavailableError: see :func:`hal.resolve_device`.
+    """
+    spec = resolve_device(device)
+    backend = backend or get_dist_backend(spec, with_host=with_host)
+    local_device = bind_local_device(spec)
+    td = as_timedelta(timeout)
+    kwargs = {}
+    if not spec.host_memory and "," not in backend:
+        # device_id binds the group to one device (eager communicator init on NCCL/HCCL).
+        kwargs["device_id"] = local_device
+    try:
+        dist.init_process_group(
+            backend=backend, init_method=init_method, timeout=td,
+            rank=-1 if rank is None else rank, world_size=-1 if world_size is None else world_size, **kwargs)
+    except Exception as exc:
+        if _is_timeout(exc):
+            raise DistributedTimeoutError(
+                f"rendezvous for a {backend} group of world size {world_size or os.environ.get('WORLD_SIZE')} "
+                f"did not complete within {td.total_seconds():g} s (a peer is missing): {exc}") from exc
+        raise
+    return backend
+
+
+def _create_backend(spec, store: dist.Store, rank: int, world_size: int, td: datetime.timedelta):
+    """A c10d backend object (ProcessGroupGloo / ProcessGroupNCCL / a registered plugin such as hccl)."""
+    name = spec.dist_backend
+    if name == dist.Backend.GLOO:
+        return dist.ProcessGroupGloo(store, rank, world_size, td)
+    if name == dist.Backend.NCCL:
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = td
+        return dist.ProcessGroupNCCL(store, rank, world_size, opts)
+    get_torch_device(spec)  # importing the vendor module registers its backend plugin
+    plugin = dist.Backend._plugins.get(name.upper())  # torch's registry of register_backend() plugins
+    if plugin is None:
+        raise RuntimeError(f"collective backend {name!r} of device kind {spec.kind!r} is not registered "
+                           f"with torch.distributed (registered plugins: {sorted(dist.Backend._plugins)})")
+    if not plugin.extended_api:
+        return plugin.creator_fn(store, rank, world_size, td)
+    opts = dist.distributed_c10d._DistributedBackendOptions()
+    opts.store, opts.group_rank, opts.group_size, opts.timeout = store, rank, world_size, td
+    opts.group_id = "hal"
+    opts.global_ranks_in_group = list(range(world_size))
+    return plugin.creator_fn(opts, None)
+
+
+class StoreGroup:
+    """A standalone communicator over ``world_size`` processes, outside the default ``torch.distributed`` world.
+
+    Every collective blocks until done or until ``timeout`` passes, then raises
+    :class:`DistributedTimeoutError` (a dead or missing peer never hangs the caller). Tensors must live on
+    the group's device kind (``device.name``), except on gloo which also takes host tensors.
+    """
+
+    def __init__(self, backend, rank: int, world_size: int, timeout: datetime.timedelta, spec) -> None:
+        self.backend = backend
+        self.rank = rank
+        self.world_size = world_size
+        self.timeout = timeout
+        self.spec = spec
+
+    def _wait(self, work, what: str) -> None:
+        try:
+            ok = work.wait(self.timeout)
+        except Exception as exc:
+            if _is_timeout(exc) or "connection" in str(exc).lower() or "closed" in str(exc).lower():
+                raise DistributedTimeoutError(
+                    f"{what} on rank {self.rank}/{self.world_size} ({self.spec.dist_backend}) failed within "
+                    f"{self.timeout.total_seconds():g} s, a peer is dead or missing: {exc}") from exc
+            raise
+        if ok is False:
+            raise DistributedTimeoutError(f"{what} on rank {self.rank} did not complete within "
+                                          f"{self.timeout.total_seconds():g} s")
+
+    def broadcast(self, tensor: torch.Tensor, src: int) -> None:
+        """In-place broadcast of ``tensor`` from rank ``src`` to every rank."""
+        opts = dist.BroadcastOptions()
+        opts.rootRank, opts.rootTensor = src, 0
+        opts.timeout = self.timeout
+        self._wait(self.backend.broadcast([tensor], opts), f"broadcast from rank {src}")
+
+    def all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM) -> None:
+        """In-place all-reduce of ``tensor``."""
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = op
+        opts.timeout = self.timeout
+        self._wait(self.backend.allreduce([tensor], opts), "all_reduce")
+
+    def barrier(self) -> None:
+        """Block until every rank reaches the barrier, by an all-reduce of one element on the group device."""
+        device = torch.device("cpu") if self.spec.host_memory else torch.device(
+            self.spec.name, get_torch_device(self.spec).current_device())
+        self.all_reduce(torch.zeros(1, device=device))
+
+    def close(self) -> None:
+        """Release the communicator (also done when the object is collected)."""
+        shutdown = getattr(self.backend, "shutdown", None) or getattr(self.backend, "abort", None)
+        if shutdown is not None:
+            try:
+                shutdown()
+            except Exception:  # a torn-down peer can make shutdown itself fail; nothing is left to free
+                pass
+        self.backend = None
+
+
+def new_group_from_store(
+    store: dist.Store,
+    rank: int,
+    world_size: int,
+    device: DeviceLike = None,
+    timeout: Timeout | None = None,
+    prefix: str = "hal",
+) -> StoreGroup:
+    """Form a standalone group from a store and the kind's backend (nccl / hccl / gloo).
+
+    Args:
+        store: a ``torch.distributed`` store (e.g. ``TCPStore(host, port, world_size, is_master=rank==0)``)
+            shared by the ``world_size`` processes; ``prefix`` namespaces the keys so one store can serve
+            several groups.
+        rank: this process's rank in the group, ``0 <= rank < world_size``.
+        timeout: seconds for the rendezvous and every collective.
+
+    Raises:
+        ValueError: bad rank or world size.
+        DistributedTimeoutError: the peers did not all join within ``timeout``.
+    """
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(f"need 0 <= rank < world_size, got rank={rank}, world_size={world_size}")
+    spec = resolve_device(device)
+    td = as_timedelta(timeout)
+    store.set_timeout(td)
+    try:
+        backend = _create_backend(spec, dist.PrefixStore(f"{prefix}/", store), rank, world_size, td)
+    except Exception as exc:
+        if _is_timeout(exc):
+            raise DistributedTimeoutError(
+                f"rendezvous of group {prefix!r} ({spec.dist_backend}, world size {world_size}) did not "
+                f"complete within {td.total_seconds():g} s: {exc}") from exc
+        raise
+    return StoreGroup(backend, rank, world_size, td, spec)
+
+
+def connect_store(host: str, port: int, rank: int, world_size: int, timeout: Timeout | None = None) -> dist.TCPStore:
+    """A ``TCPStore`` whose rank 0 hosts the server; waits at most ``timeout`` for the server.
+
+    Raises:
+        DistributedTimeoutError: the server (rank 0) did not come up within ``timeout``.
+    """
+    td = as_timedelta(timeout)
+    try:
+        return dist.TCPStore(host, port, world_size, is_master=(rank == 0), timeout=td,
+                             wait_for_workers=False)
+    except Exception as exc:
+        if _is_timeout(exc) or "connect" in str(exc).lower():
+            raise DistributedTimeoutError(
+                f"could not reach the rendezvous store at {host}:{port} within {td.total_seconds():g} s: {exc}"
+            ) from exc
+        raise
+
+
+__all__: Sequence[str] = [
+    "DEFAULT_TIMEOUT_S", "as_timedelta", "bind_local_device", "init_process_group", "StoreGroup",
+    "new_group_from_store", "connect_store",
+]

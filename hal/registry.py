@@ -1,0 +1,108 @@
+"""The one registry of device kinds: built-ins from :mod:`devices`, plugins from entry points.
+
+A third-party package adds a kind by declaring, in its own ``pyproject.toml``::
+
+    [project.entry-points."hal.devices"]
+    xpu = "my_pkg.xpu:SPEC"      # a devices.base.DeviceSpec instance (or a zero-argument callable)
+
+Plugins are loaded once, on the first lookup, never at ``import hal``. Registering a name twice raises
+:class:`hal.errors.DuplicateDeviceError`, so two packages cannot silently fight over a kind.
+"""
+
+from __future__ import annotations
+
+import importlib
+from importlib.metadata import entry_points
+
+from devices import BUILTIN_KINDS
+from devices.base import DeviceSpec
+from hal.errors import DuplicateDeviceError, UnknownDeviceError
+
+ENTRY_POINT_GROUP = "hal.devices"
+
+_specs: dict[str, DeviceSpec] = {}
+_plugin_kinds: list[str] = []
+_plugin_errors: dict[str, str] = {}
+_plugins_loaded = False
+
+
+def register_device(spec: DeviceSpec) -> DeviceSpec:
+    """Add a device kind under ``spec.kind``.
+
+    Args:
+        spec: the kind's frozen spec.
+
+    Returns:
+        ``spec``, so it can be used as ``SPEC = register_device(MyDevice())``.
+
+    Raises:
+        TypeError: ``spec`` is not a :class:`devices.base.DeviceSpec`.
+        DuplicateDeviceError: a built-in or an already registered kind has that name.
+    """
+    if not isinstance(spec, DeviceSpec):
+        raise TypeError(f"register_device expects a devices.base.DeviceSpec, got {type(spec).__name__}")
+    if spec.kind in BUILTIN_KINDS or spec.kind in _plugin_kinds:
+        raise DuplicateDeviceError(f"device kind {spec.kind!r} is already registered; known kinds: {known_kinds()}")
+    _plugin_kinds.append(spec.kind)
+    _specs[spec.kind] = spec
+    return spec
+
+
+def unregister_device(kind: str) -> None:
+    """Remove a plugin kind (tests use this); built-in kinds cannot be removed."""
+    if kind in BUILTIN_KINDS:
+        raise ValueError(f"built-in device kind {kind!r} cannot be unregistered")
+    if kind in _plugin_kinds:
+        _plugin_kinds.remove(kind)
+        _specs.pop(kind, None)
+
+
+def _load_plugins() -> None:
+    global _plugins_loaded
+    if _plugins_loaded:
+        return
+    _plugins_loaded = True
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        try:
+            obj = ep.load()
+            spec = obj() if callable(obj) and not isinstance(obj, DeviceSpec) else obj
+            if spec.kind != ep.name:
+                raise ValueError(f"entry point {ep.name!r} provides a spec whose kind is {spec.kind!r}")
+            register_device(spec)
+        except Exception as exc:  # a broken plugin must not break every other kind
+            _plugin_errors[ep.name] = f"{type(exc).__name__}: {exc}"
+
+
+def known_kinds() -> list[str]:
+    """Every selectable kind, in automatic-resolution order: npu, cuda, plugins, cpu (npu-sim listed too)."""
+    _load_plugins()
+    builtins = [k for k in BUILTIN_KINDS if k != "cpu"]
+    return builtins + list(_plugin_kinds) + ["cpu"]
+
+
+def plugin_errors() -> dict[str, str]:
+    """Entry points of ``hal.devices`` that failed to load, with their error text."""
+    _load_plugins()
+    return dict(_plugin_errors)
+
+
+def get_spec(kind: str) -> DeviceSpec:
+    """The spec of ``kind`` (imports the built-in module on first use).
+
+    Raises:
+        UnknownDeviceError: no such kind; the message lists the known kinds and broken plugins.
+    """
+    if not isinstance(kind, str):
+        raise UnknownDeviceError(f"device kind must be a string, got {kind!r}")
+    kind = kind.strip().lower()
+    if kind in _specs:
+        return _specs[kind]
+    if kind in BUILTIN_KINDS:
+        spec = importlib.import_module(BUILTIN_KINDS[kind]).SPEC
+        _specs[kind] = spec
+        return spec
+    _load_plugins()
+    if kind in _specs:
+        return _specs[kind]
+    broken = "".join(f"; plugin {k!r} failed to load: {v}" for k, v in _plugin_errors.items())
+    raise UnknownDeviceError(f"unknown device kind {kind!r}; known kinds: {', '.join(known_kinds())}{broken}")

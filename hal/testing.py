@@ -1,0 +1,99 @@
+"""Helpers for tests of multi-process code: free ports and spawned process groups that cannot hang.
+
+``torch.multiprocessing.start_processes`` does the spawning; what it lacks is an overall deadline and a way
+to hand back each rank's return value, which :func:`run_multiprocess` adds.
+"""
+
+from __future__ import annotations
+
+import os
+import queue as queue_mod
+import socket
+import time
+import traceback
+from typing import Any, Callable
+
+import torch.multiprocessing as tmp
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago.
+
+    Under pytest-xdist each worker draws from its own range (by ``PYTEST_XDIST_WORKER``), so two workers
+    never pick the same port; within the range the OS is asked whether the port is free.
+    """
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    index = int(worker[2:]) if worker[2:].isdigit() else 0
+    base = 21000 + 500 * (index % 60) + (os.getpid() * 7) % 250
+    for port in list(range(base, base + 250)):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:  # range exhausted: let the OS choose
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, fn: Callable, world_size: int, port: int, env: dict, results, args: tuple) -> None:
+    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
+                       "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": str(world_size),
+                       "OMP_NUM_THREADS": "1"})
+    os.environ.update(env)
+    try:
+        results.put((rank, True, fn(rank, world_size, port, *args)))
+    except BaseException as exc:  # noqa: BLE001 - reported to the parent, which re-raises
+        results.put((rank, False, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+
+
+class MultiprocessError(RuntimeError):
+    """A spawned rank raised, died, or the group passed its deadline."""
+
+
+def run_multiprocess(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 60.0,
+                     env: dict[str, str] | None = None, expect_failure: bool = False) -> dict[int, Any]:
+    """Run ``fn(rank, world_size, port, *args)`` in ``world_size`` spawned processes; return ``{rank: result}``.
+
+    ``fn`` must be importable (a module-level function). Each process gets ``MASTER_ADDR``/``MASTER_PORT``/
+    ``RANK``/``LOCAL_RANK``/``WORLD_SIZE`` set as ``torch.distributed.run`` would, plus ``env``.
+
+    Args:
+        timeout: seconds for the whole group; past it every process is killed.
+        expect_failure: return ``{rank: error text}`` for ranks that raised instead of raising.
+
+    Raises:
+        MultiprocessError: a rank raised (unless ``expect_failure``), exited without a result, or the
+            deadline passed. The message carries each failing rank's traceback.
+    """
+    port = free_port()
+    ctx = tmp.get_context("spawn")
+    results = ctx.SimpleQueue()
+    context = tmp.start_processes(_entry, args=(fn, world_size, port, dict(env or {}), results, args),
+                                  nprocs=world_size, join=False, start_method="spawn")
+    deadline = time.monotonic() + timeout
+    try:
+        while not context.join(timeout=0.2):
+            if time.monotonic() > deadline:
+                raise MultiprocessError(f"{world_size} processes did not finish within {timeout} s")
+    except tmp.ProcessRaisedException as exc:
+        raise MultiprocessError(str(exc)) from exc
+    except tmp.ProcessExitedException as exc:
+        if not expect_failure:
+            raise MultiprocessError(str(exc)) from exc
+    finally:
+        for p in context.processes:
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+    out: dict[int, Any] = {}
+    failures: dict[int, str] = {}
+    while not results.empty():
+        rank, ok, value = results.get()
+        (out if ok else failures)[rank] = value
+    if failures and not expect_failure:
+        raise MultiprocessError("\n".join(f"rank {r} failed: {t}" for r, t in sorted(failures.items())))
+    if expect_failure:
+        out.update(failures)
+    return out
