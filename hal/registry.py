@@ -73,6 +73,16 @@ def _load_plugins() -> None:
             _plugin_errors[ep.name] = f"{type(exc).__name__}: {exc}"
 
 
+def reload_plugins() -> None:
+    """Forget every plugin kind and load the ``hal.devices`` entry points again (tests, or after an install)."""
+    global _plugins_loaded
+    for kind in list(_plugin_kinds):
+        unregister_device(kind)
+    _plugin_errors.clear()
+    _plugins_loaded = False
+    _load_plugins()
+
+
 def known_kinds() -> list[str]:
     """Every selectable kind, in automatic-resolution order: npu, cuda, plugins, cpu (npu-sim listed too)."""
     _load_plugins()
