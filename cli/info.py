@@ -14,7 +14,7 @@ import hal
 @dataclasses.dataclass
 class Info:
     """Show the resolved device kind, its collective backend and visible-devices variable, the torch
-    (and torch_npu) versions, and every known kind with available / reason."""
+    (and vendor plugin) versions, and every known kind with available / reason."""
 
     device: str | None = None
     """Kind to resolve (default: $HAL_DEVICE, else the first available)."""
@@ -34,6 +34,7 @@ def collect(device: str | None = None) -> dict[str, Any]:
     import torch
 
     spec = hal.resolve_device(device)
+    kinds = [hal.describe(k) for k in hal.known_kinds()]
     return {
         "device": spec.kind,
         "device_name": spec.name,
@@ -41,9 +42,10 @@ def collect(device: str | None = None) -> dict[str, Any]:
         "visible_devices_env": spec.visible_devices_env,
         "ray_resource": spec.ray_resource,
         "torch": torch.__version__,
-        "torch_npu": _version("torch-npu") or _version("torch_npu"),
+        "vendor_packages": {k["vendor_package"]: _version(k["vendor_package"])
+                            for k in kinds if k["vendor_package"]},
         "python": sys.version.split()[0],
-        "kinds": [hal.describe(k) for k in hal.known_kinds()],
+        "kinds": kinds,
         "plugin_errors": hal.plugin_errors(),
     }
 
@@ -60,7 +62,8 @@ def run(args: Info) -> int:
     console.print(f"[bold]device[/bold] {info['device']} (torch.device type {info['device_name']!r})  "
                   f"[bold]backend[/bold] {info['dist_backend']}  "
                   f"[bold]visible devices[/bold] {info['visible_devices_env'] or '-'}")
-    console.print(f"torch {info['torch']}  torch_npu {info['torch_npu'] or '-'}  python {info['python']}")
+    vendors = "  ".join(f"{name} {version or '-'}" for name, version in info["vendor_packages"].items())
+    console.print(f"torch {info['torch']}  {vendors}  python {info['python']}")
     table = Table("kind", "device", "backend", "visible devices", "available", "reason")
     for k in info["kinds"]:
         table.add_row(k["kind"], k["name"], k["dist_backend"], k["visible_devices_env"] or "-",

@@ -11,14 +11,27 @@ import tyro
 
 from cli.info import Info
 from cli.info import run as run_info
+from cli.launch import Launch
+from cli.launch import run as run_launch
 from hal.errors import HalError
 
-SUBCOMMANDS = {"info": Info}
-RUNNERS = {Info: run_info}
+SUBCOMMANDS = {"info": Info, "launch": Launch}
+RUNNERS = {Info: run_info, Launch: run_launch}
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # Everything after the first "--" is the launched script and its own flags: keep it away from tyro.
+    script: tuple[str, ...] = ()
+    if "--" in argv:
+        cut = argv.index("--")
+        argv, script = argv[:cut], tuple(argv[cut + 1:])
     args = tyro.extras.subcommand_cli_from_dict(SUBCOMMANDS, args=argv, prog="hal")
+    if script:
+        if not isinstance(args, Launch):
+            print("hal: error: only 'hal launch' takes a script after '--'", file=sys.stderr)
+            return 2
+        args.script = script
     try:
         return RUNNERS[type(args)](args)
     except (HalError, ValueError, FileNotFoundError) as exc:

@@ -50,6 +50,8 @@ class DeviceSpec:
         auto_probe: whether automatic resolution may pick this kind (a simulated kind must be asked for).
         host_memory: ``True`` when tensors of this kind live in ordinary host memory (the cpu kind), so that
             offloading to the host moves nothing.
+        vendor_package: the distribution that backs the kind (``"torch-npu"``), whose version ``hal info``
+            reports; ``None`` when torch itself provides it.
 
     Subclasses override :meth:`torch_module` and :meth:`availability` and nothing else.
     """
@@ -61,6 +63,7 @@ class DeviceSpec:
     ray_resource: str | None = None
     auto_probe: bool = True
     host_memory: bool = False
+    vendor_package: str | None = None
 
     def torch_module(self) -> types.ModuleType:
         """The torch module with this kind's runtime calls (``torch.cuda``, ``torch.npu``, ...).

@@ -19,6 +19,7 @@ class NpuDevice(DeviceSpec):
     dist_backend: str = "hccl"
     visible_devices_env: str | None = "ASCEND_RT_VISIBLE_DEVICES"
     ray_resource: str | None = "NPU"
+    vendor_package: str | None = "torch-npu"
 
     def torch_module(self) -> types.ModuleType:
         import torch

@@ -1,4 +1,4 @@
-"""hal: one device API for cuda (NCCL), npu (HCCL through torch_npu) and cpu (gloo).
+"""hal: one device API for cuda (NCCL), Ascend npu (HCCL) and cpu (gloo).
 
 Importing ``hal`` probes no hardware and imports no vendor package; the first call does, and caches.
 """

@@ -85,7 +85,7 @@ def resolve_device(device: DeviceLike = None) -> DeviceSpec:
     Raises:
         UnknownDeviceError: the kind is not built in nor registered; the message lists the known kinds.
         DeviceUnavailableError: the kind is known but unusable here; the message gives the probe's reason
-            (for npu, the ``torch_npu`` import error) and the kinds that are available.
+            (for npu, the vendor package's import error) and the kinds that are available.
     """
     if isinstance(device, DeviceSpec):
         spec = device
@@ -116,7 +116,7 @@ def get_device_name(device: DeviceLike = None) -> str:
 
 
 def get_torch_device(device: DeviceLike = None) -> types.ModuleType:
-    """The torch module of the resolved kind (``torch.cuda``, ``torch.npu``, or a ``torch.cpu`` shim).
+    """The torch module of the resolved kind (the vendor's ``torch.<name>`` module, or a ``torch.cpu`` shim).
 
     Use the module directly for anything it offers (``Stream``, ``Event``, ``memory_allocated``, ...).
     """
@@ -135,7 +135,7 @@ def get_device(device: DeviceLike = None) -> torch.device:
     """A kind-qualified ``torch.device``: ``cpu``, or ``npu:<index>`` / ``cuda:<index>``.
 
     An explicit index in ``device`` (``"npu:1"``) is kept; otherwise the kind's current device is used.
-    Always qualified by kind, because older torch_npu builds sent a bare integer index to CUDA.
+    Always qualified by kind, because older Ascend plugin builds sent a bare integer index to CUDA.
     """
     spec = resolve_device(device)
     if spec.host_memory:
@@ -147,7 +147,7 @@ def get_device(device: DeviceLike = None) -> torch.device:
 
 
 def get_dist_backend(device: DeviceLike = None, with_host: bool = False) -> str:
-    """The ``torch.distributed`` backend of the resolved kind: ``"nccl"``, ``"hccl"`` or ``"gloo"``.
+    """The ``torch.distributed`` backend of the resolved kind: the spec's ``dist_backend`` (NCCL, HCCL or gloo).
 
     Args:
         with_host: also give gloo for host-side (cpu) tensors and objects, as the pair
@@ -217,6 +217,7 @@ def describe(kind: str) -> dict[str, Any]:
         "dist_backend": spec.dist_backend,
         "visible_devices_env": spec.visible_devices_env,
         "ray_resource": spec.ray_resource,
+        "vendor_package": spec.vendor_package,
         "available": state.ok,
         "device_count": state.device_count,
         "reason": state.reason,

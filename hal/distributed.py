@@ -159,12 +159,20 @@ class StoreGroup:
             raise DistributedTimeoutError(f"{what} on rank {self.rank} did not complete within "
                                           f"{self.timeout.total_seconds():g} s")
 
-    def broadcast(self, tensor: torch.Tensor, src: int) -> None:
-        """In-place broadcast of ``tensor`` from rank ``src`` to every rank."""
+    def broadcast(self, tensor: torch.Tensor, src: int, async_op: bool = False) -> "PendingWork | None":
+        """In-place broadcast of ``tensor`` from rank ``src`` to every rank.
+
+        With ``async_op=True`` the call only enqueues the broadcast and returns a :class:`PendingWork`
+        whose ``wait()`` blocks (at most ``timeout``); ``tensor`` must not be touched until then.
+        """
         opts = dist.BroadcastOptions()
         opts.rootRank, opts.rootTensor = src, 0
         opts.timeout = self.timeout
-        self._wait(self.backend.broadcast([tensor], opts), f"broadcast from rank {src}")
+        work = self.backend.broadcast([tensor], opts)
+        if async_op:
+            return PendingWork(self, work, f"broadcast from rank {src}")
+        self._wait(work, f"broadcast from rank {src}")
+        return None
 
     def all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM) -> None:
         """In-place all-reduce of ``tensor``."""
@@ -188,6 +196,22 @@ class StoreGroup:
             except Exception:  # a torn-down peer can make shutdown itself fail; nothing is left to free
                 pass
         self.backend = None
+
+
+class PendingWork:
+    """An enqueued collective of a :class:`StoreGroup`; ``wait()`` blocks at most the group's timeout.
+
+    Raises (from ``wait``):
+        DistributedTimeoutError: the collective did not complete in time, or a peer died.
+    """
+
+    def __init__(self, group: StoreGroup, work, what: str) -> None:
+        self._group, self._work, self._what = group, work, what
+
+    def wait(self) -> None:
+        if self._work is not None:
+            work, self._work = self._work, None
+            self._group._wait(work, self._what)
 
 
 def new_group_from_store(
@@ -246,6 +270,6 @@ def connect_store(host: str, port: int, rank: int, world_size: int, timeout: Tim
 
 
 __all__: Sequence[str] = [
-    "DEFAULT_TIMEOUT_S", "as_timedelta", "bind_local_device", "init_process_group", "StoreGroup",
+    "DEFAULT_TIMEOUT_S", "as_timedelta", "bind_local_device", "init_process_group", "StoreGroup", "PendingWork",
     "new_group_from_store", "connect_store",
 ]

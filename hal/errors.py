@@ -22,7 +22,7 @@ class UnknownDeviceError(HalError, ValueError):
 class DeviceUnavailableError(HalError, RuntimeError):
     """A known device kind was asked for but cannot be used in this process.
 
-    The message names the kind, why it is unavailable (for npu: the text of the ``torch_npu`` import
+    The message names the kind, why it is unavailable (for npu: the text of the vendor package's import
     error) and which kinds are available instead.
     """
 
