@@ -13,10 +13,12 @@ from cli.info import Info
 from cli.info import run as run_info
 from cli.launch import Launch
 from cli.launch import run as run_launch
+from cli.sync import Sync
+from cli.sync import run as run_sync
 from hal.errors import HalError
 
-SUBCOMMANDS = {"info": Info, "launch": Launch}
-RUNNERS = {Info: run_info, Launch: run_launch}
+SUBCOMMANDS = {"info": Info, "launch": Launch, "sync": Sync}
+RUNNERS = {Info: run_info, Launch: run_launch, Sync: run_sync}
 
 
 def main(argv: list[str] | None = None) -> int:

