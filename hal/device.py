@@ -46,9 +46,22 @@ def availability(kind: str) -> Availability:
     return _availability[spec.kind]
 
 
-def available_kinds() -> list[str]:
-    """Every known kind that is usable here, in resolution order (npu-sim included when it works)."""
-    return [k for k in registry.known_kinds() if availability(k)]
+def available_kinds(probe_all: bool = False) -> list[str]:
+    """Every known kind that is usable here, in resolution order.
+
+    Kinds that are never picked automatically (``auto_probe=False``: the simulated npu, whose probe builds
+    and registers a torch extension) are probed only with ``probe_all``; otherwise they are listed when an
+    earlier call already found them available. Error messages use the cheap form.
+    """
+    kinds = []
+    for kind in registry.known_kinds():
+        spec = registry.get_spec(kind)
+        if spec.auto_probe or probe_all:
+            if availability(kind):
+                kinds.append(kind)
+        elif kind in _availability and _availability[kind]:
+            kinds.append(kind)
+    return kinds
 
 
 def _split_kind(device: str) -> tuple[str, int | None]:

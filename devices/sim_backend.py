@@ -1,0 +1,262 @@
+"""The ``hccl`` collective backend of the simulated NPU: gloo underneath, on the npu tensors' own bytes.
+
+Registered as torch_npu registers HCCL: ``Backend.register_backend("hccl", ..., extended_api=True,
+devices=["npu"])`` (a list: torch 2.13 splits a string into characters). The creator returns
+:class:`SimHcclGroup`, a Python ``torch.distributed.ProcessGroup`` subclass (the pattern of PyTorch's
+``test_c10d_pypg`` and ``multi_threaded_pg``) wrapping a ``ProcessGroupGloo``. npu memory is host memory,
+so each npu tensor is handed to gloo as a cpu tensor over the same bytes (no staging copy).
+
+Every collective runs to completion before it returns, or raises ``hal.DistributedTimeoutError`` once the
+group's timeout passes (a missing or dead peer); the returned work object is already complete. Calls must be made in the same order on every rank, as with
+HCCL. Covered: broadcast, allreduce (SUM/PRODUCT/MIN/MAX, and AVG as SUM then divide; gloo has no AVG),
+allreduce_coalesced, allgather, all_gather_single (``all_gather_into_tensor``, ``_allgather_base``),
+reduce_scatter, reduce_scatter_single (``reduce_scatter_tensor``, ``_reduce_scatter_base``), barrier,
+send/recv; DDP and FSDP2 (``fully_shard``, ``DTensor.full_tensor()``) run on it in eager mode. Not covered:
+collectives reached only from C++ (traced/compiled functional collectives): they find the wrapped gloo
+backend, which refuses npu tensors ("unsupported device type npu"), so they fail loudly, never silently.
+"""
+
+from __future__ import annotations
+
+import datetime
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from hal.errors import DistributedTimeoutError
+
+BACKEND_NAME = "hccl"
+_ext = None
+
+
+class SimWork(dist._Work):
+    """A completed collective: ``wait`` returns ``True`` at once; ``get_future`` holds the output tensors."""
+
+    def __init__(self, result: Sequence[torch.Tensor]) -> None:
+        super().__init__()
+        self._result = list(result)
+
+    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+    def is_success(self) -> bool:
+        return True
+
+    def result(self) -> list[torch.Tensor]:
+        return self._result
+
+    def get_future(self) -> torch.futures.Future:
+        fut: torch.futures.Future = torch.futures.Future()
+        fut.set_result(self._result)
+        return fut
+
+
+def _op(opts: Any) -> dist.ReduceOp:
+    """The reduce op of an options object, SUM when none was passed."""
+    return dist.ReduceOp.SUM if opts is None else opts.reduceOp
+
+
+def _host(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous cpu tensor over ``t``'s bytes (a copy only when ``t`` is not contiguous)."""
+    if t.device.type not in ("npu", "cpu"):
+        raise ValueError(f"the npu-sim hccl backend takes npu or cpu tensors, got one on {t.device}")
+    alias = _ext.host_alias(t)
+    return alias if alias.is_contiguous() else alias.contiguous()
+
+
+def _write_back(dst: torch.Tensor, host: torch.Tensor) -> None:
+    """Copy ``host`` into ``dst`` unless it already aliases ``dst``'s bytes."""
+    if host.data_ptr() != dst.data_ptr() or host.stride() != dst.stride():
+        dst.copy_(host)
+
+
+class SimHcclGroup(dist.ProcessGroup):
+    """A ``hccl`` process group of the npu-sim kind (see the module doc).
+
+    Args:
+        store: the (prefixed) rendezvous store; rank, size: this process's place in the group.
+        timeout: bound on the rendezvous and on every collective (timedelta).
+    """
+
+    def __init__(self, store: dist.Store, rank: int, size: int, timeout: datetime.timedelta) -> None:
+        super().__init__(rank, size)
+        self._rank, self._size, self._timeout = rank, size, timeout
+        self._gloo = dist.ProcessGroupGloo(store, rank, size, timeout)
+        # C++ callers look a backend up per device (init_process_group with device_id does); gloo answers
+        # for host tensors, and for npu ones it rejects what the C++-only paths would hand it.
+        for device in ("cpu", "npu"):
+            self._register_backend(torch.device(device), dist.ProcessGroup.BackendType.CUSTOM, self._gloo)
+
+    # -- identity
+    def getBackendName(self) -> str:  # noqa: N802 - C++ name, overridden through pybind11
+        return BACKEND_NAME
+
+    def name(self) -> str:
+        return BACKEND_NAME
+
+    def rank(self) -> int:
+        return self._rank
+
+    def size(self) -> int:
+        return self._size
+
+    # -- plumbing
+    def _run(self, what: str, start: Callable[[], Any]) -> None:
+        """Start a gloo op and wait for it within the timeout.
+
+        Raises:
+            DistributedTimeoutError: the op did not complete within the group's timeout, or a peer died
+                (gloo reports both as errors naming a timeout or a closed connection).
+        """
+        try:
+            work = start()
+            ok = work.wait(self._timeout)
+        except Exception as exc:
+            text = str(exc).lower()
+            if isinstance(exc, TimeoutError) or any(k in text for k in ("timed out", "timeout", "connection", "closed")):
+                raise DistributedTimeoutError(
+                    f"npu-sim hccl {what} on rank {self._rank}/{self._size} failed within "
+                    f"{self._timeout.total_seconds():g} s, a peer is missing or dead: {exc}") from exc
+            raise
+        if ok is False:
+            raise DistributedTimeoutError(f"npu-sim hccl {what} on rank {self._rank}/{self._size} did not "
+                                          f"complete within {self._timeout.total_seconds():g} s")
+
+    def _reduce_op(self, op: Any) -> tuple[dist.ReduceOp, bool]:
+        """(the gloo op, whether to divide by the group size afterwards) for a ReduceOp or RedOpType."""
+        kind = getattr(op, "op", op)
+        if kind == dist.ReduceOp.AVG:
+            return dist.ReduceOp.SUM, True
+        for ok in (dist.ReduceOp.SUM, dist.ReduceOp.PRODUCT, dist.ReduceOp.MIN, dist.ReduceOp.MAX):
+            if kind == ok:
+                return ok, False
+        raise ValueError(f"npu-sim hccl supports SUM, AVG, PRODUCT, MIN, MAX; got {kind}")
+
+    # -- collectives
+    def broadcast(self, tensors: list[torch.Tensor], opts=None) -> SimWork:
+        hosts = [_host(t) for t in tensors]
+        o = dist.BroadcastOptions()
+        o.rootRank, o.rootTensor = (opts.rootRank, opts.rootTensor) if opts is not None else (0, 0)
+        o.timeout = self._timeout
+        self._run("broadcast", lambda: self._gloo.broadcast(hosts, o))
+        for t, h in zip(tensors, hosts):
+            _write_back(t, h)
+        return SimWork(tensors)
+
+    def allreduce(self, tensors: list[torch.Tensor], opts=None) -> SimWork:
+        op, divide = self._reduce_op(_op(opts))
+        hosts = [_host(t) for t in tensors]
+        o = dist.AllreduceOptions()
+        o.reduceOp, o.timeout = op, self._timeout
+        self._run("allreduce", lambda: self._gloo.allreduce(hosts, o))
+        for t, h in zip(tensors, hosts):
+            if divide:
+                h.div_(self._size)
+            _write_back(t, h)
+        return SimWork(tensors)
+
+    def allreduce_coalesced(self, tensors: list[torch.Tensor], opts=None) -> SimWork:
+        o = dist.AllreduceOptions()
+        o.reduceOp = _op(opts)
+        for t in tensors:
+            self.allreduce([t], o)
+        return SimWork(tensors)
+
+    def allgather(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor],
+                  opts=None) -> SimWork:
+        host_outs = [[_host(t) for t in outs] for outs in output_lists]
+        host_ins = [_host(t) for t in inputs]
+        self._run("allgather", lambda: self._gloo.allgather(host_outs, host_ins))
+        for outs, houts in zip(output_lists, host_outs):
+            for t, h in zip(outs, houts):
+                _write_back(t, h)
+        return SimWork([t for outs in output_lists for t in outs])
+
+    def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts=None) -> SimWork:
+        """``output`` (``size * input.numel()`` elements, rank-major) gets every rank's ``input``."""
+        if output.numel() != input.numel() * self._size:
+            raise ValueError(f"all_gather_single: output has {output.numel()} elements, expected "
+                             f"{input.numel()} x {self._size}")
+        chunks = list(output.reshape(self._size, -1).unbind(0)) if output.is_contiguous() else None
+        if chunks is None:
+            flat = torch.empty(output.numel(), dtype=output.dtype, device=output.device)
+            chunks = list(flat.view(self._size, -1).unbind(0))
+        self.allgather([chunks], [input.reshape(-1)])
+        if not output.is_contiguous():
+            output.copy_(flat.view(output.shape))
+        return SimWork([output])
+
+    _allgather_base = all_gather_single
+    all_gather_into_tensor = all_gather_single
+
+    def reduce_scatter(self, outputs: list[torch.Tensor], input_lists: list[list[torch.Tensor]],
+                       opts=None) -> SimWork:
+        o = dist.AllreduceOptions()
+        o.reduceOp = _op(opts)
+        for out, inputs in zip(outputs, input_lists):
+            stacked = torch.stack([t.reshape(-1) for t in inputs])
+            self.allreduce([stacked], o)
+            out.copy_(stacked[self._rank].view(out.shape))
+        return SimWork(outputs)
+
+    def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor,
+                              opts=None) -> SimWork:
+        """``output`` gets this rank's chunk (rank-major) of the reduction of every rank's ``input``."""
+        if input.numel() != output.numel() * self._size:
+            raise ValueError(f"reduce_scatter_single: input has {input.numel()} elements, expected "
+                             f"{output.numel()} x {self._size}")
+        o = dist.AllreduceOptions()
+        o.reduceOp = _op(opts)
+        reduced = input.reshape(-1).clone()
+        self.allreduce([reduced], o)
+        output.copy_(reduced.view(self._size, -1)[self._rank].view(output.shape))
+        return SimWork([output])
+
+    _reduce_scatter_base = reduce_scatter_single
+    reduce_scatter_tensor = reduce_scatter_single
+
+    def barrier(self, opts=None) -> SimWork:
+        o = dist.BarrierOptions()
+        o.timeout = self._timeout
+        self._run("barrier", lambda: self._gloo.barrier(o))
+        return SimWork([])
+
+    def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> SimWork:
+        hosts = [_host(t) for t in tensors]
+        self._run(f"send to {dst}", lambda: self._gloo.send(hosts, dst, tag))
+        return SimWork(tensors)
+
+    def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> SimWork:
+        hosts = [_host(t) for t in tensors]
+        self._run(f"recv from {src}", lambda: self._gloo.recv(hosts, src, tag))
+        for t, h in zip(tensors, hosts):
+            _write_back(t, h)
+        return SimWork(tensors)
+
+    def shutdown(self) -> None:
+        """Release the gloo communicator."""
+        gloo, self._gloo = self._gloo, None
+        if gloo is not None and hasattr(gloo, "shutdown"):
+            gloo.shutdown()
+
+    abort = shutdown
+
+
+def create(opts: Any, backend_options: Any = None) -> SimHcclGroup:
+    """The ``extended_api`` creator: ``opts`` is a ``_DistributedBackendOptions`` (store, group_rank,
+    group_size, timeout), as ``init_process_group``/``new_group`` and ``hal.new_group_from_store`` pass."""
+    return SimHcclGroup(opts.store, opts.group_rank, opts.group_size, opts.timeout)
+
+
+def register() -> None:
+    """Register ``hccl`` with torch.distributed once per process (a second registration would raise)."""
+    global _ext
+    from devices import sim_ext
+
+    _ext = sim_ext.load()
+    if BACKEND_NAME.upper() not in dist.Backend._plugins:
+        dist.Backend.register_backend(BACKEND_NAME, create, extended_api=True, devices=["npu"])

@@ -1,0 +1,69 @@
+"""Build (once) and load the npu-sim C++ extension, ``devices/csrc/npu_sim.cpp``.
+
+The build is cached under ``$HAL_CACHE_DIR`` (default ``~/.cache/hal``) in a folder keyed by a hash of the
+source, the torch version and the Python version, so a process that finds the built library imports it
+directly (milliseconds), and a fresh clone builds it once (about 25-60 s) on first use. Concurrent first
+uses (pytest-xdist workers, spawned ranks) are serialised by ``torch.utils.cpp_extension``'s file lock in
+the build folder: one builds, the others wait and then load the same file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import pathlib
+import sys
+import types
+
+SOURCE = pathlib.Path(__file__).with_name("csrc") / "npu_sim.cpp"
+
+_MODULE: types.ModuleType | None = None
+
+
+def cache_root() -> pathlib.Path:
+    """The folder holding built extensions: ``$HAL_CACHE_DIR`` or ``~/.cache/hal``."""
+    return pathlib.Path(os.environ.get("HAL_CACHE_DIR") or pathlib.Path.home() / ".cache" / "hal")
+
+
+def build_key() -> str:
+    """A hash of the source bytes, the torch version and the Python ABI: a change of any means a rebuild."""
+    import torch
+
+    digest = hashlib.sha256(SOURCE.read_bytes())
+    digest.update(torch.__version__.encode())
+    digest.update(sys.version.encode())
+    return digest.hexdigest()[:16]
+
+
+def load() -> types.ModuleType:
+    """The extension module, building it first if this source/torch pair was never built here.
+
+    Raises:
+        RuntimeError, OSError, ImportError: the compiler or the loader failed (the caller turns this into
+            an "unavailable" reason).
+    """
+    global _MODULE
+    if _MODULE is not None:
+        return _MODULE
+    key = build_key()
+    name = f"hal_npu_sim_{key}"
+    build_dir = cache_root() / "npu_sim" / key
+    built = build_dir / f"{name}.so"
+    done = build_dir / "BUILT"  # written after a successful build: a half-linked .so is never imported
+    if done.exists() and built.exists():
+        spec = importlib.util.spec_from_file_location(name, built)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    else:
+        from torch.utils import cpp_extension
+
+        build_dir.mkdir(parents=True, exist_ok=True)
+        # cpp_extension.load takes a file lock in build_dir: one process builds, the others wait for it.
+        module = cpp_extension.load(name=name, sources=[str(SOURCE)], build_directory=str(build_dir),
+                                    extra_cflags=["-O2"], verbose=bool(os.environ.get("HAL_SIM_VERBOSE_BUILD")))
+        tmp = build_dir / f"BUILT.{os.getpid()}"
+        tmp.write_text(f"{SOURCE.name} torch {__import__('torch').__version__}\n")
+        os.replace(tmp, done)
+    _MODULE = module
+    return module

@@ -1,0 +1,199 @@
+"""``torch.npu`` for the simulated Ascend NPU: the calls hal (and FSDP, DDP, autograd) make of a device module.
+
+Names and signatures follow ``torch_npu.npu`` (see ``devices/npu_api_names.txt``, extracted from the
+torch-npu wheel), which in turn mirror ``torch.cuda``. Memory figures are the extension's exact counters,
+in bytes: there is no caching allocator, so ``memory_reserved() == memory_allocated()`` and
+``empty_cache()`` has nothing to return. Every operator runs synchronously on the host, so streams and
+events are correct as no-ops (an event is complete once recorded; synchronising waits for nothing).
+Random numbers come from the host generator (operators fall back to the cpu), so seeding npu seeds it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import types
+from typing import Any, Union
+
+import torch
+
+DeviceArg = Union[int, str, torch.device, None]
+
+DEVICE_NAME = "Ascend-sim (npu-sim on host memory)"
+
+SIM_EXTRAS = ("is_sim", "set_memory_capacity")
+"""Names of the sim's ``torch.npu`` that real ``torch_npu.npu`` lacks: portable code must not use them."""
+
+
+def build(ext: types.ModuleType) -> types.ModuleType:
+    """A fresh module object exposing the sim's device calls, backed by the loaded extension ``ext``."""
+    mod = types.ModuleType("torch.npu", __doc__)
+
+    def _index(device: DeviceArg = None) -> int:
+        """``None``/``-1`` -> current; ``3``, ``"npu:3"``, ``torch.device("npu", 3)`` -> 3.
+
+        Raises:
+            ValueError: a device of another type (e.g. ``"cuda:0"``).
+        """
+        if device is None:
+            return ext.current_device()
+        if isinstance(device, str):
+            device = torch.device(device)
+        if isinstance(device, torch.device):
+            if device.type != "npu":
+                raise ValueError(f"expected an npu device, got {device}")
+            return ext.current_device() if device.index is None else device.index
+        if isinstance(device, int) and not isinstance(device, bool):
+            return ext.current_device() if device < 0 else device
+        raise ValueError(f"device must be an int, 'npu:<index>' or torch.device, got {device!r}")
+
+    def is_available() -> bool:
+        """Always ``True`` once the sim is registered."""
+        return True
+
+    def is_initialized() -> bool:
+        return True
+
+    def init() -> None:
+        """Nothing to initialise (kept for torch_npu compatibility)."""
+
+    def device_count() -> int:
+        """Number of simulated devices (``HAL_SIM_NPU_COUNT``, else the entries of ASCEND_RT_VISIBLE_DEVICES, else 8)."""
+        return ext.device_count()
+
+    def current_device() -> int:
+        """This thread's current device index."""
+        return ext.current_device()
+
+    def set_device(device: DeviceArg) -> None:
+        """Make ``device`` this thread's current device. Raises IndexError when out of range."""
+        ext.set_device(_index(device))
+
+    class device:  # noqa: N801 - torch.cuda.device's name
+        """Context manager that makes ``index`` the current device and restores the previous one."""
+
+        def __init__(self, index: DeviceArg) -> None:
+            self.index = _index(index)
+            self.prev = -1
+
+        def __enter__(self) -> None:
+            self.prev = ext.current_device()
+            ext.set_device(self.index)
+
+        def __exit__(self, *exc: Any) -> None:
+            ext.set_device(self.prev)
+
+    def synchronize(device: DeviceArg = None) -> None:
+        """No-op: every operator has finished when it returns."""
+
+    def empty_cache() -> None:
+        """No-op: there is no caching allocator, freed memory is returned at once."""
+
+    def memory_allocated(device: DeviceArg = None) -> int:
+        """Bytes held by live npu storages on ``device``."""
+        return ext.memory_allocated(_index(device))
+
+    def max_memory_allocated(device: DeviceArg = None) -> int:
+        """Peak of :func:`memory_allocated` since start or :func:`reset_peak_memory_stats`, in bytes."""
+        return ext.max_memory_allocated(_index(device))
+
+    def reset_peak_memory_stats(device: DeviceArg = None) -> None:
+        """Set the peak to the current allocated bytes."""
+        ext.reset_peak_memory_stats(_index(device))
+
+    def mem_get_info(device: DeviceArg = None) -> tuple[int, int]:
+        """``(free, total)`` bytes against the simulated capacity (``HAL_SIM_NPU_MEMORY``, default 8 GiB)."""
+        index = _index(device)
+        total = ext.capacity(index)
+        return total - ext.memory_allocated(index), total
+
+    def set_memory_capacity(nbytes: int, device: DeviceArg = None) -> None:
+        """Sim only: the capacity of ``device`` in bytes; an allocation past it raises ``torch.OutOfMemoryError``."""
+        ext.set_capacity(_index(device), int(nbytes))
+
+    def memory_stats(device: DeviceArg = None) -> dict[str, int]:
+        """The torch.cuda-style keys that have a meaning here (bytes and counts)."""
+        index = _index(device)
+        allocs, frees = ext.alloc_counts(index)
+        current, peak = ext.memory_allocated(index), ext.max_memory_allocated(index)
+        return {"allocated_bytes.all.current": current, "allocated_bytes.all.peak": peak,
+                "reserved_bytes.all.current": current, "reserved_bytes.all.peak": peak,
+                "active_bytes.all.current": current, "num_alloc_retries": 0, "num_ooms": 0,
+                "allocation.all.allocated": allocs, "allocation.all.freed": frees}
+
+    def get_device_name(device: DeviceArg = None) -> str:
+        _index(device)
+        return DEVICE_NAME
+
+    def get_amp_supported_dtype() -> list[torch.dtype]:
+        """Dtypes ``torch.autocast("npu", ...)`` accepts (those of Ascend: float16, bfloat16)."""
+        return [torch.float16, torch.bfloat16]
+
+    def is_bf16_supported() -> bool:
+        return True
+
+    def manual_seed(seed: int) -> None:
+        """Seed the generator npu operators draw from (the host generator, see the module doc)."""
+        torch.default_generator.manual_seed(int(seed))  # not torch.manual_seed: that calls back here
+
+    def _is_in_bad_fork() -> bool:
+        """Never: the sim has no driver state a fork could corrupt (torch.manual_seed asks)."""
+        return False
+
+    def seed() -> None:
+        torch.default_generator.seed()
+
+    def get_rng_state(device: DeviceArg = "npu") -> torch.Tensor:
+        """The state of the generator npu operators draw from (uint8 tensor on cpu)."""
+        return torch.get_rng_state()
+
+    def set_rng_state(new_state: torch.Tensor, device: DeviceArg = "npu") -> None:
+        torch.set_rng_state(new_state)
+
+    def initial_seed() -> int:
+        return torch.initial_seed()
+
+    class Stream(torch.Stream):
+        """An npu stream (``torch.Stream`` on the npu device): work on it is already complete."""
+
+        def __new__(cls, device: DeviceArg = None, priority: int = 0, **kwargs: Any) -> "Stream":
+            return super().__new__(cls, device=torch.device("npu", _index(device)), priority=priority)
+
+    class Event(torch.Event):
+        """An npu event (``torch.Event`` on npu): complete as soon as it is recorded."""
+
+        def __new__(cls, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False) -> "Event":
+            return super().__new__(cls, device=torch.device("npu", ext.current_device()),
+                                   enable_timing=enable_timing, blocking=blocking, interprocess=interprocess)
+
+    def current_stream(device: DeviceArg = None) -> torch.Stream:
+        return torch.accelerator.current_stream(torch.device("npu", _index(device)))
+
+    def default_stream(device: DeviceArg = None) -> torch.Stream:
+        """The stream of id 0 on ``device`` (every stream is equivalent here)."""
+        return current_stream(device)
+
+    def set_stream(stream: torch.Stream) -> None:
+        torch.accelerator.set_stream(stream)
+
+    @contextlib.contextmanager
+    def stream(stream: torch.Stream | None):
+        """Make ``stream`` current inside the block (``None``: no change)."""
+        if stream is None:
+            yield
+            return
+        prev = current_stream(stream.device)
+        torch.accelerator.set_stream(stream)
+        try:
+            yield
+        finally:
+            torch.accelerator.set_stream(prev)
+
+    for name, value in list(locals().items()):
+        if (not name.startswith("_") or name == "_is_in_bad_fork") and name not in ("mod", "ext"):
+            setattr(mod, name, value)
+    mod.manual_seed_all = manual_seed
+    mod.max_memory_reserved = max_memory_allocated
+    mod.memory_reserved = memory_allocated
+    mod.reset_max_memory_allocated = reset_peak_memory_stats
+    mod.is_sim = True
+    return mod

@@ -1,0 +1,86 @@
+"""Strict mode of the npu-sim kind: any call into ``torch.cuda`` from project or user code raises.
+
+On the npu path nothing should touch ``torch.cuda``; on a CPU-only torch such calls often pass quietly
+(``torch.cuda.is_available()`` is just ``False``) and on a CUDA build they would silently use the GPU, so a
+hard-coded CUDA call in ``hal/``, ``engines/``, ``ckpt/`` or a user script would go unnoticed until it
+reaches real Ascend hardware. With ``HAL_SIM_STRICT=1`` (the pytest plugin sets it for test sessions)
+the sim, when registered, wraps every public function of ``torch.cuda`` so that a call raises
+:class:`StrictCudaCallError` naming the caller's ``file:line``.
+
+Allowed callers, by the file of the calling frame: torch itself and other installed packages
+(``site-packages``: autocast, FSDP, safetensors probe ``torch.cuda.is_available()`` legitimately), the
+Python standard library, and ``devices/cuda.py`` (the cuda kind's own probe). Not covered: references
+taken before strict mode was installed (``from torch.cuda import synchronize`` at import time) and
+``torch.cuda`` classes (``Stream``, ``Event``), which stay as they are so ``isinstance`` checks inside
+torch keep working.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+import sysconfig
+import types
+
+from hal.errors import HalError
+
+ENV_VAR = "HAL_SIM_STRICT"
+_installed = False
+_CUDA_PROBE = os.path.join("devices", "cuda.py")
+
+
+class StrictCudaCallError(HalError, RuntimeError):
+    """A ``torch.cuda`` function was called from project or user code while npu-sim strict mode is on."""
+
+
+def enabled() -> bool:
+    """Whether ``HAL_SIM_STRICT`` asks for strict mode (``1``, ``true``, ``yes``, ``on``)."""
+    return os.environ.get(ENV_VAR, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _allowed_roots() -> tuple[str, ...]:
+    paths = sysconfig.get_paths()
+    roots = {paths.get("stdlib"), paths.get("platstdlib"), paths.get("purelib"), paths.get("platlib")}
+    return tuple(os.path.realpath(r) + os.sep for r in roots if r)
+
+
+def _is_allowed(filename: str, roots: tuple[str, ...]) -> bool:
+    if filename.startswith("<"):  # <frozen ...>, <string>: interpreter machinery
+        return filename.startswith("<frozen")
+    path = os.path.realpath(filename)
+    return path.startswith(roots) or path.endswith(_CUDA_PROBE)
+
+
+def _guard(name: str, fn, roots: tuple[str, ...]):
+    @functools.wraps(fn)
+    def strict(*args, **kwargs):
+        frame = sys._getframe(1)
+        if not _is_allowed(frame.f_code.co_filename, roots):
+            raise StrictCudaCallError(
+                f"torch.cuda.{name}() called from {frame.f_code.co_filename}:{frame.f_lineno} "
+                f"({frame.f_code.co_name}) while {ENV_VAR}=1 on the npu-sim kind: ask hal for the device "
+                f"module instead (hal.get_torch_device(), hal.get_device(), hal.synchronize(), ...)")
+        return fn(*args, **kwargs)
+
+    strict.__hal_strict__ = True
+    return strict
+
+
+def install() -> None:
+    """Wrap the public functions of ``torch.cuda`` (idempotent)."""
+    global _installed
+    if _installed:
+        return
+    import torch
+
+    roots = _allowed_roots()
+    cuda = torch.cuda
+    for name in dir(cuda):
+        if name.startswith("_"):
+            continue
+        value = getattr(cuda, name, None)
+        if isinstance(value, (types.FunctionType, types.BuiltinFunctionType)) and not getattr(
+                value, "__hal_strict__", False):
+            setattr(cuda, name, _guard(name, value, roots))
+    _installed = True
