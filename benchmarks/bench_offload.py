@@ -1,0 +1,207 @@
+"""Offload + onload bandwidth of an engine, as a ratio of a plain single-buffer copy of the same bytes.
+
+One run measures, side by side on the same machine and device kind:
+
+* ``plain``: one contiguous device buffer of the model's size copied to one pinned (where supported),
+  already-touched host buffer and back with ``copy_``: the best a transfer of those bytes can do;
+* ``engine cold``: the first ``TorchEngine.to("cpu")`` + ``to(<device>)``, which allocates the host buffers;
+* ``engine warm``: later round trips, which reuse them (the steady state of RL post-training).
+
+The model is a stack of transformer-like blocks (hundreds of fp32 tensors from a few KiB to several MiB)
+sized to about ``size_mb``. Peak host RSS is the process's ``ru_maxrss``.
+
+    python -m benchmarks.bench_offload --device npu-sim --size-mb 1024
+    python -m benchmarks.bench_offload --quick          # 64 MiB, for smoke tests
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import resource
+import statistics
+import time
+
+import torch
+import tyro
+from torch import nn
+
+import hal
+
+LAYERS = 24
+TENSORS_PER_LAYER = 12
+
+
+@dataclasses.dataclass
+class Args:
+    size_mb: int = 1024
+    """Model size in MiB (fp32 parameters)."""
+    device: str | None = None
+    """Device kind (default: $HAL_DEVICE, then the first available; npu-sim shows real movement on a CPU)."""
+    rounds: int = 3
+    """Warm round trips (and plain copies) to take the median of."""
+    threads: int = 1
+    """torch intra-op threads during the run (0: leave as is)."""
+    quick: bool = False
+    """Small run (64 MiB, 2 rounds) for smoke tests."""
+    json: bool = False
+    """Print the result as JSON instead of a table."""
+
+
+class Block(nn.Module):
+    """Attention-and-MLP shaped block: 12 tensors, ``12 * width**2 + 13 * width`` parameters."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(width, 3 * width)
+        self.proj = nn.Linear(width, width)
+        self.up = nn.Linear(width, 4 * width)
+        self.down = nn.Linear(4 * width, width)
+        self.norm1, self.norm2 = nn.LayerNorm(width), nn.LayerNorm(width)
+
+
+def make_model(size_mb: int) -> nn.Module:
+    """``LAYERS`` blocks (288 tensors) whose fp32 parameters total about ``size_mb`` MiB."""
+    width = max(16, int(math.sqrt(size_mb * 2**20 / 4 / LAYERS / 12)) // 16 * 16)
+    with torch.device("meta"):
+        model = nn.Sequential(*(Block(width) for _ in range(LAYERS)))
+    return model.to_empty(device="cpu").requires_grad_(True)
+
+
+def _rss_peak_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def _timed(fn, spec) -> float:
+    hal.synchronize(spec)
+    start = time.perf_counter()
+    fn()
+    hal.synchronize(spec)
+    return time.perf_counter() - start
+
+
+def run(size_mb: int, device: str | None = None, rounds: int = 3, threads: int | None = 1) -> dict:
+    """Measure offload + onload of a ``size_mb`` MiB model on ``device`` against plain copies of its bytes.
+
+    Args:
+        size_mb: model size in MiB (fp32).
+        device: device kind; ``None`` resolves through ``hal``.
+        rounds: timed repetitions per figure (median taken).
+        threads: torch intra-op threads during the run (restored after); 1 as in BASELINES.md, since a
+            host-side copy split over busy shared cores waits for its slowest thread; ``None`` keeps them.
+
+    Returns:
+        A dict with ``device``, ``tensors``, ``bytes``, ``pinned``, ``moves`` and GB/s figures (bytes over
+        wall seconds; round trips count 2 x bytes): ``plain_d2h_gbps`` / ``plain_h2d_gbps`` (one contiguous
+        buffer, ``copy_`` into existing memory), ``plain_h2d_fresh_gbps`` (``.to(device)`` into new device
+        memory, which every onload must do after an offload freed it), ``plain_gbps`` (round trip),
+        ``offload_gbps`` / ``onload_gbps`` (warm engine), ``cold_gbps`` / ``warm_gbps`` (engine round trip,
+        first one allocating the host buffers), ``cold_ratio`` / ``warm_ratio`` (engine / plain round
+        trip), ``rss_peak_bytes`` (``ru_maxrss``) and ``host_buffer_bytes``. On a host-memory kind (cpu)
+        nothing moves: ``moves`` is False and every rate is 0.
+
+    Raises:
+        ValueError: ``size_mb`` or ``rounds`` below 1.
+    """
+    if size_mb < 1 or rounds < 1:
+        raise ValueError(f"size_mb and rounds must be >= 1, got size_mb={size_mb}, rounds={rounds}")
+    saved_threads = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        return _run(size_mb, device, rounds)
+    finally:
+        torch.set_num_threads(saved_threads)
+
+
+def _run(size_mb: int, device: str | None, rounds: int) -> dict:
+    from engines import TorchEngine
+
+    spec = hal.resolve_device(device)
+    engine = TorchEngine(make_model(size_mb), None, spec)
+    tensors = list(engine.module.parameters())
+    nbytes = sum(t.numel() * t.element_size() for t in tensors)
+    out = {"device": spec.kind, "tensors": len(tensors), "bytes": nbytes, "pinned": engine.host_buffers.pin,
+           "moves": not spec.host_memory}
+    rates = ("plain_d2h_gbps", "plain_h2d_gbps", "plain_h2d_fresh_gbps", "plain_gbps", "offload_gbps",
+             "onload_gbps", "cold_gbps", "warm_gbps", "cold_ratio", "warm_ratio")
+    if spec.host_memory:
+        out.update(dict.fromkeys(rates, 0.0), rss_peak_bytes=_rss_peak_bytes(), host_buffer_bytes=0)
+        return out
+    pin = engine.host_buffers.pin
+    dev_buf = torch.empty(nbytes, dtype=torch.uint8, device=engine.torch_device)
+    host_buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+    host_buf.fill_(1)  # touch every page, as the engine's reused buffers are
+    dev_buf.copy_(host_buf)
+
+    def median(fn) -> float:
+        return statistics.median(_timed(fn, spec) for _ in range(rounds))
+
+    cold = _timed(lambda: (engine.to("cpu"), engine.to(spec)), spec)
+    offload = onload = 0.0
+    warm = []
+    for _ in range(rounds):
+        a = _timed(lambda: engine.to("cpu"), spec)
+        b = _timed(lambda: engine.to(spec), spec)
+        warm.append((a + b, a, b))
+    warm_s, offload, onload = sorted(warm)[len(warm) // 2]
+    d2h = median(lambda: host_buf.copy_(dev_buf, non_blocking=pin))
+    h2d = median(lambda: dev_buf.copy_(host_buf, non_blocking=pin))
+    del dev_buf
+    h2d_fresh = median(lambda: host_buf.to(engine.torch_device, non_blocking=pin))
+    gbps = lambda n, s: n / s / 1e9  # noqa: E731
+    out.update(plain_d2h_gbps=gbps(nbytes, d2h), plain_h2d_gbps=gbps(nbytes, h2d),
+               plain_h2d_fresh_gbps=gbps(nbytes, h2d_fresh), plain_gbps=gbps(2 * nbytes, d2h + h2d),
+               offload_gbps=gbps(nbytes, offload), onload_gbps=gbps(nbytes, onload),
+               cold_gbps=gbps(2 * nbytes, cold), warm_gbps=gbps(2 * nbytes, warm_s),
+               cold_ratio=(d2h + h2d) / cold, warm_ratio=(d2h + h2d) / warm_s,
+               rss_peak_bytes=_rss_peak_bytes(), host_buffer_bytes=engine.host_buffers.nbytes)
+    return out
+
+
+def print_table(r: dict) -> None:
+    """Print the result of :func:`run` as a rich table (GB/s and ratio to the plain copy) plus peak RSS."""
+    from rich.console import Console
+    from rich.table import Table
+
+    title = (f"offload+onload on {r['device']}: {r['tensors']} tensors, {r['bytes'] / 2**20:.0f} MiB, "
+             f"pinned={r['pinned']}")
+    table = Table(title=title)
+    for col in ("what", "GB/s", "x plain"):
+        table.add_column(col, justify="right" if col != "what" else "left")
+    p = r["plain_gbps"] or 1.0
+    rows = [
+        ("plain copy_ round trip (one buffer, D2H + H2D)", r["plain_gbps"], 1.0 if r["moves"] else 0.0),
+        ("  plain D2H copy_ into touched host buffer", r["plain_d2h_gbps"], None),
+        ("  plain H2D copy_ into existing device buffer", r["plain_h2d_gbps"], None),
+        ("  plain H2D .to() into fresh device memory", r["plain_h2d_fresh_gbps"], None),
+        ("engine to('cpu') + to(dev), cold (allocates host buffers)", r["cold_gbps"], r["cold_ratio"]),
+        ("engine to('cpu') + to(dev), warm (reuses them)", r["warm_gbps"], r["warm_ratio"]),
+        ("  engine offload, warm", r["offload_gbps"], r["offload_gbps"] / (r["plain_d2h_gbps"] or 1.0)),
+        ("  engine onload, warm", r["onload_gbps"], r["onload_gbps"] / (r["plain_h2d_gbps"] or 1.0)),
+    ]
+    del p
+    for what, rate, ratio in rows:
+        table.add_row(what, f"{rate:.2f}", "" if ratio is None else f"{ratio:.2f}")
+    console = Console()
+    console.print(table)
+    console.print(f"peak host RSS {r['rss_peak_bytes'] / 2**30:.2f} GiB; engine host buffers "
+                  f"{r['host_buffer_bytes'] / 2**30:.2f} GiB")
+    if not r["moves"]:
+        console.print(f"device kind {r['device']!r} keeps tensors in host memory: nothing moves "
+                      "(use --device npu-sim, cuda or npu)")
+
+
+def main(args: Args) -> dict:
+    size_mb, rounds = (64, 2) if args.quick else (args.size_mb, args.rounds)
+    result = run(size_mb, args.device, rounds, args.threads or None)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print_table(result)
+    return result
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))

@@ -1,0 +1,231 @@
+"""BaseEngine: ``to()`` offload of parameters, gradients and optimizer states, shared by every engine.
+
+The public method holds the logic (flag rule, target resolution, pinned reusable host buffers, non-blocking
+copies, one synchronize, releasing device memory); a subclass only says which tensors it has, through three
+small hooks that yield :class:`engines.slots.Slot` objects, as tinygrad backends fill in ``_alloc`` /
+``_copyout`` under a shared ``Allocator.alloc``.
+
+The signature ``to(device, model=True, optimizer=True, grad=True)`` and its one rule (gradient buffers move
+only with the model) are verl's ``BaseEngine.to``.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import Callable, Iterator
+
+import torch
+from torch import nn
+
+import hal
+from devices.base import DeviceSpec
+from engines.errors import EngineStateError, OffloadError
+from engines.host_buffers import HostBufferPool, pin_memory_supported
+from engines.placement import Placement, device_type_of
+from engines.slots import Slot
+
+_PARTS = ("model", "grad", "optimizer")
+
+
+class BaseEngine(abc.ABC):
+    """A trainable module plus optimizer that can move its parts between its device and the host.
+
+    Subclasses implement :meth:`_model_slots`, :meth:`_grad_slots`, :meth:`_optimizer_slots` and
+    :meth:`get_per_tensor_param`; instantiating one that lacks any of them raises ``TypeError``.
+
+    Attributes:
+        module: the ``nn.Module`` trained (possibly wrapped: DDP, FSDP2).
+        optimizer: the ``torch.optim.Optimizer``, or ``None`` for a forward-only engine.
+        device: the :class:`devices.base.DeviceSpec` of the kind it trains on.
+        torch_device: the kind-qualified ``torch.device`` it trains on (``npu:0``, ``cpu``).
+        host_buffers: the :class:`engines.host_buffers.HostBufferPool` that offloads copy into.
+        last_moved_bytes: bytes copied by the last :meth:`to` call (0 when nothing moved).
+    """
+
+    module: nn.Module
+    optimizer: torch.optim.Optimizer | None
+
+    def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer | None, device: hal.device.DeviceLike):
+        self.device: DeviceSpec = hal.resolve_device(device)
+        self.torch_device: torch.device = hal.get_device(self.device)
+        self.module = module
+        self.optimizer = optimizer
+        self.host_buffers = HostBufferPool(pin=pin_memory_supported(self.device))
+        self.last_moved_bytes = 0
+        self._offloaded: dict[str, set] = {part: set() for part in _PARTS}
+        self._optimizer_home = self.torch_device.type
+
+    # ----------------------------------------------------------------- hooks for subclasses
+    @abc.abstractmethod
+    def _model_slots(self) -> Iterator[Slot]:
+        """Slots of every parameter and buffer (local shards for sharded engines), tied weights once."""
+
+    @abc.abstractmethod
+    def _grad_slots(self) -> Iterator[Slot]:
+        """Slots of every parameter's gradient (empty slots for parameters without one)."""
+
+    @abc.abstractmethod
+    def _optimizer_slots(self) -> Iterator[Slot]:
+        """Slots of every optimizer-state tensor; nothing when there is no optimizer or no state yet."""
+
+    @abc.abstractmethod
+    def get_per_tensor_param(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield ``(name, tensor)`` for weight sync: full, unsharded tensors in ``state_dict`` order."""
+
+    def _before_move(self) -> None:
+        """Called once before tensors move (FSDP reshards here). Default: nothing."""
+
+    def _after_move(self) -> None:
+        """Called once after tensors moved and copies completed. Default: nothing."""
+
+    # ----------------------------------------------------------------- public API
+    def to(self, device: str | torch.device | DeviceSpec, model: bool = True, optimizer: bool = True,
+           grad: bool = True) -> None:
+        """Move parameters (and buffers), gradients and optimizer states to ``device``, each independently.
+
+        Args:
+            device: ``"cpu"`` (offload to host) or this engine's kind, by kind name (``"npu-sim"``), device
+                type (``"npu"``, what ``hal.get_device_name()`` returns), ``torch.device`` or spec.
+            model: move parameters and buffers.
+            optimizer: move every tensor of the optimizer state, whatever its key. 0-dim host tensors the
+                optimizer keeps on the host itself (Adam's ``step``) stay there. An optimizer without state
+                gains none.
+            grad: move gradient buffers; requires ``model`` (verl's rule).
+
+        Offloads copy into host buffers kept per tensor and reused by later offloads (pinned where the kind
+        supports it, see :func:`engines.host_buffers.pin_memory_supported`); copies are issued
+        non-blocking when pinned and the device is synchronized before returning, so tensors are valid on
+        return. After an offload the kind's cache is emptied, so ``memory_allocated`` (and reserved memory)
+        drop by the bytes moved. Parameters keep their identity (the optimizer holds the same objects) and
+        tied weights stay one object. Calling it twice is safe: tensors already on the target are skipped.
+        On the cpu kind nothing moves. Only tensors this engine offloaded are moved back on onload.
+
+        Raises:
+            OffloadError: ``grad=True`` with ``model=False``, or ``device`` is neither ``"cpu"`` nor this
+                engine's kind (``ValueError`` subclass).
+        """
+        if grad and not model:
+            raise OffloadError(
+                f"to({device!r}, model={model}, optimizer={optimizer}, grad={grad}): gradient buffers move only "
+                "with the model; pass model=True or grad=False")
+        target = self._resolve_target(device)
+        self.last_moved_bytes = 0
+        if self.device.host_memory:
+            return
+        offload = target.type == "cpu"
+        self._before_move()
+        hooks = {"model": self._model_slots, "grad": self._grad_slots, "optimizer": self._optimizer_slots}
+        wanted = {"model": model, "grad": grad, "optimizer": optimizer}
+        moved = 0
+        with torch.no_grad():  # a DTensor's local shard may require grad; its copies must not join a graph
+            for part in _PARTS:
+                if wanted[part]:
+                    for slot in hooks[part]():
+                        moved += self._move(part, slot, target, offload)
+        if optimizer and self.optimizer is not None:
+            self._optimizer_home = target.type
+        if moved:
+            hal.synchronize(self.device)  # non-blocking copies complete before anyone reads the tensors
+            if offload:
+                hal.empty_cache(self.device)
+        self.last_moved_bytes = moved
+        self._after_move()
+
+    def placement(self) -> Placement:
+        """Where parameters, optimizer states and gradients live now (see :class:`engines.Placement`)."""
+        model = device_type_of(t for t in (s.get() for s in self._model_slots()) if t is not None)
+        grad = device_type_of(t for t in (s.get() for s in self._grad_slots()) if t is not None)
+        optimizer = None
+        if self.optimizer is not None:
+            states = []
+            for slot in self._optimizer_slots():
+                t = slot.get()
+                host_scalar = t.dim() == 0 and t.device.type == "cpu"
+                if not host_scalar or slot.key in self._offloaded["optimizer"]:
+                    states.append(t)
+            optimizer = device_type_of(states) or self._optimizer_home
+        return Placement(model=model, optimizer=optimizer, grad=grad)
+
+    def train_step(self, loss_fn: Callable[[nn.Module], torch.Tensor]) -> float:
+        """One optimizer step: ``zero_grad(set_to_none=True)``, ``loss_fn(module)``, backward, ``step()``.
+
+        ``set_to_none=True`` (torch's default) frees gradient memory between steps and lets autograd create
+        each gradient on its parameter's device, whatever a previous ``to(grad=...)`` left behind.
+
+        Args:
+            loss_fn: maps the module to a scalar loss tensor (0-dim, floating point).
+
+        Returns:
+            The loss as a Python float (``loss.item()``, which waits for the device).
+
+        Raises:
+            EngineStateError: no optimizer, or parameters or optimizer states are offloaded (call
+                ``to(<device>)`` first).
+        """
+        if self.optimizer is None:
+            raise EngineStateError("train_step needs an optimizer; this engine was built without one")
+        self._check_onloaded()
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = loss_fn(self.module)
+        loss.backward()
+        self.optimizer.step()
+        return loss.item()
+
+    def release_host_buffers(self) -> None:
+        """Drop host buffers not in use (onloaded tensors'); offloaded tensors keep theirs."""
+        if not any(self._offloaded.values()):
+            self.host_buffers.clear()
+
+    # ----------------------------------------------------------------- internals
+    def _check_onloaded(self) -> None:
+        for part in ("model", "optimizer"):
+            if self._offloaded[part] and not self.device.host_memory:
+                raise EngineStateError(
+                    f"{part} tensors are offloaded to cpu ({len(self._offloaded[part])} of them); "
+                    f"call to({self.device.kind!r}) before training")
+
+    def _resolve_target(self, device: str | torch.device | DeviceSpec) -> torch.device:
+        if isinstance(device, DeviceSpec):
+            name = device.kind
+        elif isinstance(device, torch.device):
+            name = device.type
+        elif isinstance(device, str):
+            name = device.partition(":")[0].strip().lower()
+        else:
+            raise OffloadError(f"to(device={device!r}): expected a kind name, 'cpu', torch.device or DeviceSpec")
+        if name in (self.device.kind, self.device.name):
+            return self.torch_device
+        if name == "cpu":
+            return torch.device("cpu")
+        try:
+            spec = hal.resolve_device(name)
+        except hal.HalError as exc:
+            raise OffloadError(f"to(device={device!r}): {exc}") from exc
+        if spec.host_memory:
+            return torch.device("cpu")
+        raise OffloadError(
+            f"to(device={device!r}): this engine trains on {self.device.kind!r}; accepted: 'cpu', "
+            f"{self.device.kind!r} or {self.device.name!r}")
+
+    def _move(self, part: str, slot: Slot, target: torch.device, offload: bool) -> int:
+        """Move one slot's tensor; return the bytes copied (0 if it was empty or already there)."""
+        t = slot.get()
+        if t is None:
+            return 0
+        pin = self.host_buffers.pin
+        if offload:
+            if t.device.type == "cpu":
+                return 0
+            host = self.host_buffers.get(slot.key, t)
+            host.copy_(t, non_blocking=pin)
+            slot.set(host)
+            self._offloaded[part].add(slot.key)
+        else:
+            if t.device.type != "cpu" or slot.key not in self._offloaded[part]:
+                return 0
+            if slot.load is not None:
+                slot.load(t, target, pin)
+            else:
+                slot.set(t.to(target, non_blocking=pin))
+            self._offloaded[part].discard(slot.key)
+        return t.numel() * t.element_size()

@@ -1,0 +1,117 @@
+"""FSDPEngine: FSDP2 (``fully_shard``) training whose offload moves this rank's shards.
+
+Each FSDP2 parameter is a ``DTensor`` whose bytes live in one padded flat tensor per parameter
+(``FSDPParam._sharded_param_data``) that the DTensor's local tensor views. Offload swaps that flat tensor for
+a host buffer and points the local tensor at it, which is what FSDP2's own ``reset_sharded_param`` expects
+after a move (torch 2.13, ``torch/distributed/fsdp/_fully_shard/_fsdp_param.py``). Gradients and optimizer
+states are DTensors too; their local shards move (see :mod:`engines.slots`).
+
+FSDP2 runs on gloo with a CPU device mesh in torch 2.13, so the cpu kind can train it (where offload moves
+nothing); on accelerators the mesh is of the kind's device type and the kind's backend is used.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable, Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor import DTensor
+
+import hal
+from engines.base import BaseEngine
+from engines.errors import EngineStateError
+from engines.slots import Slot, data_slot, module_grad_slots, optimizer_slots
+
+
+def _fsdp_params(module: nn.Module):
+    """Every ``FSDPParam`` under ``module`` (FSDP2 internals, torch 2.13)."""
+    for sub in module.modules():
+        if isinstance(sub, FSDPModule):
+            group = sub._get_fsdp_state()._fsdp_param_group
+            if group is not None:
+                yield from group.fsdp_params
+
+
+def _flat_set(fsdp_param, new: torch.Tensor) -> None:
+    """Make ``fsdp_param`` hold its padded shard in ``new`` (1-D, same numel) and its DTensor view it."""
+    sharded = fsdp_param.sharded_param
+    dim = fsdp_param.fsdp_placement.dim
+    length = sharded._local_tensor.size(dim)
+    fsdp_param._sharded_param_data = new
+    sharded._local_tensor = new.view(fsdp_param.padded_sharded_param_size).narrow(dim, 0, length)
+
+
+class FSDPEngine(BaseEngine):
+    """A module sharded with FSDP2 ``fully_shard`` over a 1-D device mesh, plus its optimizer.
+
+    Args:
+        module: the model, built on any device; it is moved to ``device`` and sharded in place.
+        optimizer_factory: ``params -> Optimizer``, called on the sharded parameters (DTensors), or
+            ``None`` for a forward-only engine.
+        device: kind name, ``torch.device`` or spec; ``None`` resolves through ``hal``.
+        mesh: the device mesh to shard over; default a 1-D mesh of the kind's device type over the default
+            process group's ``world_size`` ranks.
+        shard: submodule classes to wrap with their own ``fully_shard`` (e.g. transformer blocks) before the
+            root; default none (the root alone, one all-gather per step).
+
+    Raises:
+        EngineStateError: the default process group is not initialized (``hal.init_process_group()``).
+
+    Collective calls (every rank must make them, in the same order): construction, ``train_step``,
+    ``get_per_tensor_param``. ``to()`` and ``placement()`` are local to each rank.
+    """
+
+    def __init__(self, module: nn.Module, optimizer_factory: Callable[[Iterable[nn.Parameter]],
+                 torch.optim.Optimizer] | None = None, device: hal.device.DeviceLike = None,
+                 mesh: DeviceMesh | None = None, shard: tuple[type[nn.Module], ...] = ()):
+        if not dist.is_initialized():
+            raise EngineStateError("FSDPEngine needs an initialized default process group; call "
+                                   "hal.init_process_group() first")
+        spec = hal.resolve_device(device)
+        module.to(hal.get_device(spec))
+        if mesh is None:
+            mesh = init_device_mesh(spec.name, (dist.get_world_size(),))
+        for sub in list(module.modules()):
+            if sub is not module and isinstance(sub, shard):
+                fully_shard(sub, mesh=mesh)
+        fully_shard(module, mesh=mesh)
+        self.mesh = mesh
+        optimizer = optimizer_factory(module.parameters()) if optimizer_factory is not None else None
+        super().__init__(module, optimizer, spec)
+
+    def _before_move(self) -> None:
+        for sub in self.module.modules():
+            if isinstance(sub, FSDPModule):
+                sub.reshard()
+
+    def _model_slots(self) -> Iterator[Slot]:
+        names = {id(p): n for n, p in self.module.named_parameters()}
+        for fp in _fsdp_params(self.module):
+            yield Slot(("param", names.get(id(fp.sharded_param), fp._module_info.param_name)),
+                       lambda fp=fp: fp._sharded_param_data, lambda new, fp=fp: _flat_set(fp, new))
+        for name, buf in self.module.named_buffers():
+            yield data_slot(("buffer", name), buf)
+
+    def _grad_slots(self) -> Iterator[Slot]:
+        return module_grad_slots(self.module)
+
+    def _optimizer_slots(self) -> Iterator[Slot]:
+        return optimizer_slots(self.optimizer) if self.optimizer is not None else iter(())
+
+    def get_per_tensor_param(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield ``(name, full tensor)`` in ``state_dict`` order, each all-gathered (``DTensor.full_tensor``).
+
+        Collective: every rank must iterate to the end. Tensors are on the engine's device, new tensors
+        (not views of the shards).
+
+        Raises:
+            EngineStateError: parameters are offloaded (gathering needs them on the device).
+        """
+        if self._offloaded["model"] and not self.device.host_memory:
+            raise EngineStateError("parameters are offloaded to cpu; call to(device) before gathering them")
+        for name, t in self.module.state_dict().items():
+            yield name, (t.full_tensor() if isinstance(t, DTensor) else t)

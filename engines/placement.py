@@ -1,0 +1,41 @@
+"""Where an engine's parameters, gradients and optimizer states live, as plain data."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Iterable
+
+import torch
+
+MIXED = "mixed"
+"""Placement value when the tensors of one part live on more than one device type."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """The ``torch.device`` type (``"npu"``, ``"cuda"``, ``"cpu"``) each part of an engine lives on.
+
+    Fields:
+        model: where parameters and buffers live; ``"mixed"`` if they are split across device types
+            (only after a failed move); ``None`` for a module with no tensors.
+        optimizer: where the optimizer-state tensors live. 0-dim host tensors that the optimizer itself
+            keeps on the host (Adam's ``step`` when not ``capturable``/``fused``) are not counted. For an
+            optimizer that has no state yet (never stepped) this is where its state will be created or was
+            last asked to be (the engine's device type, or ``"cpu"`` after an offload). ``None`` when the
+            engine has no optimizer.
+        grad: where the gradient buffers live; ``None`` when no parameter holds a gradient.
+
+    For sharded engines (FSDP) the value describes the local shards of this rank.
+    """
+
+    model: str | None
+    optimizer: str | None
+    grad: str | None
+
+
+def device_type_of(tensors: Iterable[torch.Tensor]) -> str | None:
+    """The single device type of ``tensors``, ``"mixed"`` when they disagree, ``None`` when empty."""
+    types = {t.device.type for t in tensors}
+    if not types:
+        return None
+    return types.pop() if len(types) == 1 else MIXED

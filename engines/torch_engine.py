@@ -1,0 +1,96 @@
+"""TorchEngine: a plain ``nn.Module`` (or a DDP-wrapped one) plus a ``torch.optim`` optimizer."""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import torch
+from torch import nn
+
+import hal
+from engines.base import BaseEngine
+from engines.errors import EngineStateError
+from engines.slots import (Slot, StorageHolder, data_slot, module_grad_slots, module_slots, optimizer_slots,
+                           storage_slot)
+
+
+def _unwrap(module: nn.Module) -> nn.Module:
+    """The user's module inside a DDP wrapper (whose names carry a ``module.`` prefix), else ``module``."""
+    inner = getattr(module, "module", None)
+    if isinstance(module, nn.parallel.DistributedDataParallel) and isinstance(inner, nn.Module):
+        return inner
+    return module
+
+
+class TorchEngine(BaseEngine):
+    """A module and an optional optimizer on one device kind, single process or DDP.
+
+    Args:
+        module: the model. Its parameters and buffers are moved to ``device`` in place (``.data`` swap),
+            so an optimizer built before or after this call holds the same ``Parameter`` objects (state an
+            optimizer creates at construction, like Adagrad's ``sum``, is moved too, except 0-dim host
+            scalars such as ``step``, which optimizers keep on the host). For DDP,
+            build the module on the device, wrap it, then pass the wrapper.
+        optimizer: a ``torch.optim.Optimizer`` over ``module``'s parameters, or ``None`` (forward-only;
+            ``to()`` still offloads parameters, ``train_step`` raises).
+        device: kind name, ``torch.device`` or spec; ``None`` resolves through ``hal`` (``$HAL_DEVICE``,
+            then auto).
+
+    Raises:
+        hal.UnknownDeviceError, hal.DeviceUnavailableError: from resolving ``device``.
+
+    With DDP, parameters are offloaded by freeing their device storage in place and keeping the bytes in
+    the host buffer (:func:`engines.slots.storage_slot`), because DDP's reducer hooks each parameter's
+    gradient accumulator and autograd replaces that accumulator when a parameter changes device (DDP would
+    then silently stop averaging gradients). ``placement().model`` still reports ``"cpu"`` (where the
+    bytes are); the parameter objects must not be read while offloaded. DDP's own gradient buckets stay
+    on the device.
+    """
+
+    def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer | None = None,
+                 device: hal.device.DeviceLike = None):
+        super().__init__(module, optimizer, device)
+        self._storage = StorageHolder() if _unwrap(module) is not module else None
+        with torch.no_grad():
+            for slot in module_slots(_unwrap(module)):
+                t = slot.get()
+                if t.device != self.torch_device:
+                    slot.set(t.to(self.torch_device))
+            for slot in self._optimizer_slots():  # state made at construction (Adagrad's ``sum``)
+                t = slot.get()
+                host_scalar = t.dim() == 0 and t.device.type == "cpu"
+                if t.device != self.torch_device and not host_scalar:
+                    slot.set(t.to(self.torch_device))
+
+    def _model_slots(self) -> Iterator[Slot]:
+        if self._storage is None:
+            return module_slots(_unwrap(self.module))
+        return self._ddp_slots()
+
+    def _ddp_slots(self) -> Iterator[Slot]:
+        inner = _unwrap(self.module)
+        for name, param in inner.named_parameters():
+            yield storage_slot(("param", name), param, self._storage)
+        for name, buf in inner.named_buffers():
+            yield data_slot(("buffer", name), buf)
+
+    def _grad_slots(self) -> Iterator[Slot]:
+        return module_grad_slots(_unwrap(self.module))
+
+    def _optimizer_slots(self) -> Iterator[Slot]:
+        return optimizer_slots(self.optimizer) if self.optimizer is not None else iter(())
+
+    def get_per_tensor_param(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield ``(name, tensor)`` in ``state_dict`` order (buffers included, tied weights under each name).
+
+        Tensors are detached views of the live storage, on whichever device the model is now; names are
+        the user's module's (no DDP ``module.`` prefix). Copy them if the model may change meanwhile.
+
+        Raises:
+            EngineStateError: a DDP engine's parameters are offloaded (their device storage is freed; call
+                ``to(<device>)`` first). Plain modules yield the host copies instead.
+        """
+        if self._storage is not None and self._storage.host:
+            raise EngineStateError("this DDP engine's parameters are offloaded (device storage freed); "
+                                   f"call to({self.device.kind!r}) before reading them")
+        yield from _unwrap(self.module).state_dict().items()

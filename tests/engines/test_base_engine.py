@@ -1,0 +1,94 @@
+"""BaseEngine contract: enforced abstract hooks, the flag rule, target resolution, train_step guards."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+import hal
+from engines import BaseEngine, EngineStateError, OffloadError, Placement, TorchEngine
+from tests.engines.models import make_model
+
+FLAGS = list(itertools.product([True, False], repeat=3))
+
+
+def test_abstract_hooks_are_enforced():
+    class Incomplete(BaseEngine):
+        def _model_slots(self):
+            return iter(())
+
+    with pytest.raises(TypeError, match="abstract"):
+        Incomplete(torch.nn.Linear(2, 2), None, "cpu")
+
+
+@pytest.mark.parametrize("model,optimizer,grad", FLAGS)
+def test_grad_without_model_is_the_only_invalid_combination(device, model, optimizer, grad):
+    engine = TorchEngine(make_model(), None, device)
+    before = engine.placement()
+    for target in ("cpu", device):
+        if grad and not model:
+            with pytest.raises(OffloadError, match="gradient buffers move only with the model") as info:
+                engine.to(target, model=model, optimizer=optimizer, grad=grad)
+            assert isinstance(info.value, ValueError) and isinstance(info.value, hal.HalError)
+            assert engine.placement() == before
+        else:
+            engine.to(target, model=model, optimizer=optimizer, grad=grad)
+
+
+def test_unknown_or_foreign_target_is_refused_with_what_is_accepted():
+    engine = TorchEngine(make_model(), None, "cpu")
+    with pytest.raises(OffloadError, match="no-such-kind"):
+        engine.to("no-such-kind")
+    with pytest.raises(OffloadError, match="expected a kind name"):
+        engine.to(3.5)
+
+
+def test_target_can_be_the_kind_name_the_device_type_or_a_torch_device(device):
+    engine = TorchEngine(make_model(), None, device)
+    spec = hal.resolve_device(device)
+    for target in (spec.kind, spec.name, hal.get_device(spec), spec):
+        engine.to("cpu")
+        engine.to(target)
+        assert engine.placement().model == spec.name
+
+
+def test_train_step_needs_an_optimizer():
+    engine = TorchEngine(make_model(), None, "cpu")
+    with pytest.raises(EngineStateError, match="without one"):
+        engine.train_step(lambda m: m(torch.zeros(1, 1, dtype=torch.long)).sum())
+
+
+def test_placement_is_a_frozen_value():
+    p = Placement("npu", "cpu", None)
+    with pytest.raises(AttributeError):
+        p.model = "cpu"
+    assert p == Placement(model="npu", optimizer="cpu", grad=None)
+
+
+def test_pin_memory_support_follows_the_kind(device):
+    from engines import pin_memory_supported
+
+    spec = hal.resolve_device(device)
+    supported = pin_memory_supported(spec)
+    if spec.host_memory:
+        assert supported is False
+    declared = getattr(spec, "supports_pin_memory", None)
+    if declared is not None and not spec.host_memory:
+        assert supported is bool(declared)
+    engine = TorchEngine(make_model(), None, device)
+    assert engine.host_buffers.pin is supported
+
+
+def test_release_host_buffers_only_when_nothing_is_offloaded(device):
+    engine = TorchEngine(make_model(), None, device)
+    engine.to("cpu")
+    held = len(engine.host_buffers)
+    engine.release_host_buffers()
+    assert len(engine.host_buffers) == held  # still in use by the offloaded parameters
+    engine.to(device)
+    engine.release_host_buffers()
+    assert len(engine.host_buffers) == 0
+    engine.to("cpu")
+    assert engine.host_buffers.allocations == 2 * held
