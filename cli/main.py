@@ -9,6 +9,8 @@ from __future__ import annotations
 import sys
 import tyro
 
+from cli.bench import Bench
+from cli.bench import run as run_bench
 from cli.info import Info
 from cli.info import run as run_info
 from cli.launch import Launch
@@ -17,8 +19,8 @@ from cli.sync import Sync
 from cli.sync import run as run_sync
 from hal.errors import HalError
 
-SUBCOMMANDS = {"info": Info, "launch": Launch, "sync": Sync}
-RUNNERS = {Info: run_info, Launch: run_launch, Sync: run_sync}
+SUBCOMMANDS = {"info": Info, "launch": Launch, "sync": Sync, "bench": Bench}
+RUNNERS = {Info: run_info, Launch: run_launch, Sync: run_sync, Bench: run_bench}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -36,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
         args.script = script
     try:
         return RUNNERS[type(args)](args)
-    except (HalError, ValueError, FileNotFoundError) as exc:
+    except (HalError, ValueError, FileNotFoundError, ImportError) as exc:
         print(f"hal: error: {exc}", file=sys.stderr)
         return 2
 

