@@ -38,9 +38,8 @@ def test_info_json_reports_every_kind():
     assert info["dist_backend"] == kinds[info["device"]]["dist_backend"]
 
 
+@pytest.mark.device("npu-sim")
 def test_info_on_the_simulated_npu_reports_npu_hccl_ascend_env(device):
-    if device != "npu-sim":
-        pytest.skip("checks the npu-sim kind only")
     out = hal_cmd("info", "--json", env={"HAL_DEVICE": "npu-sim"})
     assert out.returncode == 0, out.stderr
     info = json.loads(out.stdout)
