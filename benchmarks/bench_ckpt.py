@@ -1,0 +1,271 @@
+"""Throughput of the collective checkpoint engine, as a ratio of plain broadcasts of the same bytes.
+
+One run, two processes (1 trainer, 1 rollout) on one device kind, measures side by side:
+
+* ``single``: one broadcast of one preallocated tensor holding all the bytes: the best the backend does;
+* ``per-tensor``: the same tensors broadcast one by one into preallocated receive tensors;
+* ``engine``: ``CollectiveCheckpointEngine.send_weights`` / ``receive_weights`` for each bucket size (the
+  receiver iterates the yielded views without copying: the engine's share of the work only), with the
+  peak memory each side adds during a transfer (host: ``VmHWM`` after a reset, minus the resident size
+  before; device kinds: the allocator's peak) against ``bucket_size``.
+
+The tensor mix: bf16 tensors whose sizes are log-uniform between 2 KiB and 18 MiB (hundreds of them for
+1 GiB), seeded. Each timing is from a barrier to a barrier; after a warm-up, ``rounds`` rounds each run
+every measurement once (so a noisy neighbour slows all alike); times and per-round ratios are medians.
+
+    python -m benchmarks.bench_ckpt                       # 1024 MiB, buckets 16..256 MiB, cpu
+    python -m benchmarks.bench_ckpt --size-mb 64 --bucket-mb 4 16 --device npu-sim
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import math
+import re
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import tyro
+
+import hal
+
+
+LAYOUTS = ("separate", "flat")
+
+
+@dataclasses.dataclass
+class Args:
+    size_mb: int = 1024
+    """Total bytes of the tensor mix, in MiB."""
+    bucket_mb: list[int] = dataclasses.field(default_factory=lambda: [16, 64, 256])
+    """Bucket sizes to measure, in MiB."""
+    device: str = "cpu"
+    """Device kind (``cpu``/gloo, ``npu-sim``/sim hccl, ``cuda``/nccl, ``npu``/hccl)."""
+    rounds: int = 3
+    """Timed repetitions per measurement (median reported)."""
+    quick: bool = False
+    """Small run (64 MiB, buckets 4 and 16 MiB, 2 rounds) for smoke tests."""
+    json: bool = False
+    """Print the result as JSON instead of a table."""
+    layouts: list[str] = dataclasses.field(default_factory=lambda: list(LAYOUTS))
+    """Tensor layouts: ``separate`` (one allocation each) and/or ``flat`` (views into one buffer)."""
+    direct_threshold_mb: float | None = None
+    """The engine's direct_threshold in MiB (default: its own, bucket/8; 0 packs every tensor)."""
+
+
+def tensor_sizes(total_bytes: int, seed: int = 0, low: int = 2 << 10, high: int = 18 << 20) -> list[int]:
+    """Byte sizes (even, for bf16) log-uniform in [low, high], summing to ``total_bytes``."""
+    g = torch.Generator().manual_seed(seed)
+    sizes, acc = [], 0
+    while acc < total_bytes:
+        u = float(torch.rand((), generator=g))
+        s = int(math.exp(math.log(low) + u * (math.log(high) - math.log(low)))) // 2 * 2
+        s = min(s, total_bytes - acc) or 2
+        sizes.append(s)
+        acc += s
+    return sizes
+
+
+def _status(key: str) -> int:
+    return int(re.search(rf"{key}:\s+(\d+)", Path("/proc/self/status").read_text()).group(1)) * 1024
+
+
+class _Peak:
+    """Peak bytes added between ``start()`` and ``stop()``: the host's VmHWM, or the device allocator's."""
+
+    def __init__(self, device: str) -> None:
+        self.spec = hal.resolve_device(device)
+        self.module = hal.get_torch_device(device)
+
+    def start(self) -> None:
+        if self.spec.host_memory:
+            self.base = _status("VmRSS")
+            Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
+        else:
+            self.module.reset_peak_memory_stats()
+            self.base = self.module.memory_allocated()
+
+    def stop(self) -> int:
+        if self.spec.host_memory:
+            return _status("VmHWM") - self.base
+        return self.module.max_memory_allocated() - self.base
+
+
+def _timed_once(group, fn) -> float:
+    """Seconds of one ``fn()``, barrier to barrier."""
+    group.barrier()
+    t0 = time.perf_counter()
+    fn()
+    group.barrier()
+    return time.perf_counter() - t0
+
+
+def _bench_rank(rank: int, world_size: int, port: int, size_mb: int, bucket_sizes_mb: list[int], device: str,
+                rounds: int, direct_threshold: int | None, layouts: list[str]) -> dict:
+    import ckpt
+
+    torch.set_num_threads(1)
+    dev = hal.get_device(device)
+    sizes = tensor_sizes(size_mb << 20)
+    total = sum(sizes)
+    store = hal.connect_store("127.0.0.1", port, rank, world_size, timeout=120)
+    group = hal.new_group_from_store(store, rank, world_size, device=device, timeout=120, prefix="bench")
+    flat = torch.zeros(total, dtype=torch.uint8, device=dev)  # touched: no page faults in the timings
+    if rank == 0:
+        block = torch.randint(0, 256, (min(total, 64 << 20),), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
+        for i in range(0, total, block.numel()):
+            n = min(block.numel(), total - i)
+            flat[i:i + n].copy_(block[:n])
+    views, offset = [], 0
+    for i, s in enumerate(sizes):  # bf16 views into one flat buffer (as FSDP1 / Megatron flat parameters)
+        views.append((f"layer{i}.weight", flat[offset:offset + s].view(torch.bfloat16)))
+        offset += s
+    models = {"flat": views,  # separate: one allocation per tensor (as FSDP2 full_tensor() gathers give)
+              "separate": [(n, t.clone()) for n, t in views] if rank == 0 else views}
+    tensors = views
+
+    def single():
+        group.broadcast(flat, 0)
+
+    def per_tensor():
+        works = [group.broadcast(t, 0, async_op=True) for _, t in tensors]
+        for w in works:
+            w.wait()
+
+    peak = _Peak(device)
+    engines, peaks = [], []
+    step = [0]
+
+    def transfer(engine, layout):
+        step[0] += 1
+
+        async def go():
+            if rank == 0:
+                await engine.send_weights(iter(models[layout]), step[0])
+            else:
+                n = 0
+                async for _name, _t in engine.receive_weights(step[0]):
+                    n += 1
+                if n != len(tensors):
+                    raise RuntimeError(f"received {n} tensors, sent {len(tensors)}")
+        asyncio.run(go())
+
+    for i, bmb in enumerate(bucket_sizes_mb):
+        engine = ckpt.get_checkpoint_engine("collective", rank=rank, world_size=world_size, master_addr="127.0.0.1",
+                                            master_port=port + 1 + i, bucket_size=bmb << 20, device=device,
+                                            timeout=120, direct_threshold=direct_threshold)
+        peak.start()  # the first (warm-up) transfer, buffers included
+        asyncio.run(engine.init_process_group())
+        _timed_once(group, lambda: transfer(engine, layouts[0]))
+        peaks.append(peak.stop())
+        for layout in layouts[1:]:
+            _timed_once(group, lambda: transfer(engine, layout))
+        engines.append(engine)
+    # rounds interleave every measurement (single, per-tensor, each engine) so that a noisy neighbour
+    # slows them alike; ratios are taken per round, then the median
+    _timed_once(group, single)
+    _timed_once(group, per_tensor)
+    times: dict[str, list[float]] = {"single": [], "per_tensor": []}
+    for _ in range(rounds):
+        times["single"].append(_timed_once(group, single))
+        times["per_tensor"].append(_timed_once(group, per_tensor))
+        for engine in engines:
+            for layout in layouts:
+                times.setdefault(f"{layout}:{engine.bucket_size}", []).append(
+                    _timed_once(group, lambda: transfer(engine, layout)))
+    for engine in engines:
+        asyncio.run(engine.finalize())
+    group.close()
+    return {"device": device, "backend": hal.get_dist_backend(device), "size_bytes": total, "n_tensors": len(sizes),
+            "rounds": rounds, "times": times, "peaks": peaks,
+            "direct_threshold": engines[0].direct_threshold if engines else None}
+
+
+def run(size_mb: int, bucket_sizes_mb: list[int], device: str, rounds: int = 3,
+        direct_threshold: int | None = None, layouts: tuple[str, ...] | list[str] = LAYOUTS) -> dict:
+    """Measure in two spawned processes; returns the figures (seconds, bytes, GB/s = 1e9 bytes/s, ratios).
+
+    Args:
+        direct_threshold: the engine's ``direct_threshold`` in bytes (``None``: its default, bucket/8).
+        layouts: ``"separate"`` (one allocation per tensor, as FSDP2 ``full_tensor()`` gathers give: the
+            engine packs all but the large ones) and/or ``"flat"`` (views into one flat buffer, as FSDP1 or
+            Megatron keep parameters: the engine sends runs of adjacent tensors from their storage).
+
+    Returns:
+        ``{"device", "backend", "size_bytes", "n_tensors", "single_s", "single_gbps", "per_tensor_s",
+        "per_tensor_gbps", "per_tensor_ratio", "buckets": [{"layout", "bucket_bytes", "s", "gbps", "ratio_vs_single",
+        "ratio_vs_per_tensor", "send_peak_bytes", "recv_peak_bytes", "send_peak_buckets",
+        "recv_peak_buckets"}]}``. Times are medians; ratios are medians of per-round throughput ratios
+        (higher is better for the engine; 1.0 = as fast as one single-tensor broadcast).
+    """
+    from hal.testing import run_multiprocess
+
+    bad = [x for x in layouts if x not in LAYOUTS]
+    if bad or not layouts:
+        raise ValueError(f"layouts must be a non-empty subset of {LAYOUTS}, got {list(layouts)}")
+    layouts = list(layouts)
+    results = run_multiprocess(_bench_rank, 2, size_mb, list(bucket_sizes_mb), device, rounds, direct_threshold,
+                               layouts, timeout=max(120.0, size_mb * 0.3 * (rounds + 1) * (2 + len(bucket_sizes_mb) * len(layouts))))
+    send, recv = results[0], results[1]
+    total, times = send["size_bytes"], send["times"]
+    med = statistics.median
+    gbps = lambda s: total / s / 1e9  # noqa: E731
+    single, per_tensor = med(times["single"]), med(times["per_tensor"])
+    out = {k: send[k] for k in ("device", "backend", "size_bytes", "n_tensors", "rounds")}
+    out.update(single_s=single, single_gbps=gbps(single), per_tensor_s=per_tensor, per_tensor_gbps=gbps(per_tensor),
+               per_tensor_ratio=med(a / b for a, b in zip(times["single"], times["per_tensor"])), buckets=[])
+    for layout in layouts:
+        for i, bmb in enumerate(bucket_sizes_mb):
+            bucket = bmb << 20
+            t = times[f"{layout}:{bucket}"]
+            out["buckets"].append({
+                "layout": layout, "bucket_bytes": bucket, "s": med(t), "gbps": gbps(med(t)),
+                "ratio_vs_single": med(a / b for a, b in zip(times["single"], t)),
+                "ratio_vs_per_tensor": med(a / b for a, b in zip(times["per_tensor"], t)),
+                "send_peak_bytes": send["peaks"][i], "recv_peak_bytes": recv["peaks"][i],
+                "send_peak_buckets": send["peaks"][i] / bucket, "recv_peak_buckets": recv["peaks"][i] / bucket})
+    return out
+
+
+def print_table(result: dict) -> None:
+    """The figures of :func:`run` as a rich table."""
+    from rich.console import Console
+    from rich.table import Table
+
+    mib = 1 << 20
+    table = Table(title=f"collective checkpoint engine, {result['device']} ({result['backend']}), "
+                        f"{result['n_tensors']} bf16 tensors, {result['size_bytes'] / mib:.0f} MiB")
+    for col in ("what", "time ms", "GB/s", "vs single", "vs per-tensor", "send peak MiB (buckets)",
+                "recv peak MiB (buckets)"):
+        table.add_column(col, justify="right")
+    table.add_row("one single-tensor broadcast", f"{result['single_s'] * 1e3:.0f}", f"{result['single_gbps']:.2f}",
+                  "1.00", "", "", "")
+    table.add_row("tensor by tensor", f"{result['per_tensor_s'] * 1e3:.0f}", f"{result['per_tensor_gbps']:.2f}",
+                  f"{result['per_tensor_ratio']:.2f}", "1.00", "", "")
+    for b in result["buckets"]:
+        table.add_row(f"engine, {b['layout']}, bucket {b['bucket_bytes'] / mib:.0f} MiB", f"{b['s'] * 1e3:.0f}", f"{b['gbps']:.2f}",
+                      f"{b['ratio_vs_single']:.2f}", f"{b['ratio_vs_per_tensor']:.2f}",
+                      f"{b['send_peak_bytes'] / mib:.0f} ({b['send_peak_buckets']:.2f})",
+                      f"{b['recv_peak_bytes'] / mib:.0f} ({b['recv_peak_buckets']:.2f})")
+    Console(width=150).print(table)
+
+
+def main(args: Args | None = None) -> dict:
+    args = args or tyro.cli(Args)
+    if args.quick:
+        args = dataclasses.replace(args, size_mb=64, bucket_mb=[4, 16], rounds=2)
+    direct = None if args.direct_threshold_mb is None else int(args.direct_threshold_mb * (1 << 20))
+    result = run(args.size_mb, args.bucket_mb, args.device, args.rounds, direct, args.layouts)
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        print_table(result)
+    return result
+
+
+if __name__ == "__main__":
+    main()

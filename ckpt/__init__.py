@@ -1,0 +1,50 @@
+"""ckpt: checkpoint engines that publish weights tagged with ``global_steps`` (trainer -> rollout).
+
+Engines (by registry name): ``"colocated"`` (one process, zero copy), ``"collective"`` (bucketed broadcast
+over the backend hal gives: NCCL, HCCL or gloo), ``"file"`` (safetensors per step, atomic rename).
+"""
+
+from ckpt.base import CheckpointEngine, check_async_contract, contract_violations
+from ckpt.errors import (
+    CheckpointConfigError,
+    CheckpointEngineError,
+    ContractError,
+    DuplicateCheckpointEngineError,
+    TransferAbortedError,
+    TransferError,
+    TransferTimeoutError,
+    UnknownCheckpointEngineError,
+    VersionMismatchError,
+    WeightMismatchError,
+)
+from ckpt.registry import (
+    checkpoint_engine_import_errors,
+    get_checkpoint_engine,
+    known_checkpoint_engines,
+    register_checkpoint_engine,
+    unregister_checkpoint_engine,
+)
+from ckpt.workers import CheckpointEngineWorker, InMemoryRolloutAdapter, TrainerWorker
+
+
+def __getattr__(name: str):
+    """The engine classes, imported on first use (the collective one imports torch.distributed)."""
+    lazy = {"ColocatedCheckpointEngine": "ckpt.colocated", "CollectiveCheckpointEngine": "ckpt.collective",
+            "FileCheckpointEngine": "ckpt.file"}
+    if name in lazy:
+        import importlib
+
+        return getattr(importlib.import_module(lazy[name]), name)
+    raise AttributeError(f"module 'ckpt' has no attribute {name!r}")
+
+
+__all__ = [
+    "CheckpointEngine", "check_async_contract", "contract_violations",
+    "get_checkpoint_engine", "register_checkpoint_engine", "unregister_checkpoint_engine",
+    "known_checkpoint_engines", "checkpoint_engine_import_errors",
+    "ColocatedCheckpointEngine", "CollectiveCheckpointEngine", "FileCheckpointEngine",
+    "TrainerWorker", "CheckpointEngineWorker", "InMemoryRolloutAdapter",
+    "CheckpointEngineError", "CheckpointConfigError", "VersionMismatchError", "WeightMismatchError",
+    "TransferError", "TransferAbortedError", "TransferTimeoutError", "DuplicateCheckpointEngineError", "UnknownCheckpointEngineError",
+    "ContractError",
+]

@@ -1,0 +1,207 @@
+"""Weights published as safetensors files, one directory per ``global_steps``, by atomic rename."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import shutil
+import time
+import uuid
+from pathlib import Path
+from typing import AsyncIterator, Iterable
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from ckpt.base import CheckpointEngine, NamedTensor, check_global_steps
+from ckpt.errors import CheckpointConfigError, TransferError, TransferTimeoutError, VersionMismatchError
+
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+INDEX = "index.json"
+
+
+def step_dir_name(step: int) -> str:
+    """``7`` -> ``"step-00000007"`` (zero padded so a plain listing sorts by step)."""
+    return f"step-{step:08d}"
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class FileCheckpointEngine(CheckpointEngine):
+    """Publishes each update as ``<root>/step-<global_steps>/`` holding safetensors shards and ``index.json``.
+
+    A step is written under a hidden temporary name and renamed into place (``os.rename`` is atomic on
+    one POSIX file system), so a reader never sees a half-written step; then all but the newest
+    ``keep_last`` steps are removed (renamed away first, then deleted). A reader opens every shard of its
+    step before yielding, so pruning during a read does not disturb it (open files outlive ``unlink``).
+
+    Order and ownership: tensors arrive in the order they were sent (kept in ``index.json``); each yielded
+    tensor is freshly loaded and owned by the receiver. ``send_weights`` copies each tensor to the host
+    (a contiguous copy; the caller keeps its tensors) and holds at most ``shard_size`` bytes before writing.
+
+    Args:
+        root: directory of the steps (created if missing).
+        keep_last: how many newest steps to keep (>= 1).
+        device: kind (or ``torch.device``) of the received tensors; ``None``: host memory.
+        shard_size: bytes per safetensors file (bounds the sender's host memory).
+        timeout: seconds ``receive_weights`` waits for a step to be published (0: do not wait).
+        poll_interval: seconds between directory listings while waiting.
+    """
+
+    def __init__(self, root: str | os.PathLike, keep_last: int = 2, device=None, shard_size: int = 1 << 30,
+                 timeout: float = 0.0, poll_interval: float = 0.05) -> None:
+        if isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1:
+            raise CheckpointConfigError(f"keep_last must be an int >= 1, got {keep_last!r}")
+        if not isinstance(shard_size, int) or shard_size < 1:
+            raise CheckpointConfigError(f"shard_size must be a positive number of bytes, got {shard_size!r}")
+        if timeout < 0 or poll_interval <= 0:
+            raise CheckpointConfigError(f"need timeout >= 0 and poll_interval > 0 seconds, got {timeout!r}, {poll_interval!r}")
+        self.root = Path(root)
+        self.keep_last, self.shard_size = keep_last, shard_size
+        self.timeout, self.poll_interval = float(timeout), float(poll_interval)
+        self._device = device
+
+    def published_steps(self) -> list[int]:
+        """The steps fully published under ``root``, ascending."""
+        if not self.root.is_dir():
+            return []
+        return sorted(int(m.group(1)) for p in self.root.iterdir() if (m := _STEP_DIR.match(p.name)))
+
+    def _target_device(self) -> torch.device:
+        if self._device is None:
+            return torch.device("cpu")
+        import hal
+
+        return hal.get_device(self._device)
+
+    async def send_weights(self, weights: Iterable[NamedTensor], global_steps: int | None = None) -> None:
+        """Write ``weights`` as step ``global_steps`` (``None``: newest published + 1, or 0), publish, prune.
+
+        Raises:
+            CheckpointConfigError: the step is already published, or a pair is not ``(str, Tensor)``.
+        """
+        global_steps = check_global_steps(global_steps)
+        self.root.mkdir(parents=True, exist_ok=True)
+        if global_steps is None:
+            steps = self.published_steps()
+            global_steps = steps[-1] + 1 if steps else 0
+        final = self.root / step_dir_name(global_steps)
+        if final.exists():
+            raise CheckpointConfigError(f"global_steps={global_steps} is already published at {final}")
+        tmp = self.root / f".tmp-{step_dir_name(global_steps)}-{uuid.uuid4().hex[:8]}"
+        tmp.mkdir()
+        try:
+            order: list[tuple[str, str]] = []
+            seen: set[str] = set()
+            shard: dict[str, torch.Tensor] = {}
+            shard_index = size = 0
+            for name, tensor in weights:
+                if not isinstance(name, str) or not isinstance(tensor, torch.Tensor):
+                    raise CheckpointConfigError(f"weights must yield (str, torch.Tensor) pairs, got ({name!r}, {type(tensor).__name__})")
+                if name in seen:
+                    raise CheckpointConfigError(f"tensor name {name!r} appears twice in one update")
+                seen.add(name)
+                # a private contiguous host copy: safetensors refuses shared or strided storage
+                shard[name] = tensor.detach().to("cpu", copy=True).contiguous()
+                order.append((name, self._shard_name(shard_index)))
+                size += shard[name].numel() * shard[name].element_size()
+                if size >= self.shard_size:
+                    await self._write_shard(tmp / self._shard_name(shard_index), shard, global_steps)
+                    shard, size, shard_index = {}, 0, shard_index + 1
+            if shard:
+                await self._write_shard(tmp / self._shard_name(shard_index), shard, global_steps)
+            (tmp / INDEX).write_text(json.dumps({"global_steps": global_steps, "tensors": order}))
+            await asyncio.to_thread(self._publish, tmp, final)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        self._prune()
+
+    @staticmethod
+    def _shard_name(index: int) -> str:
+        return f"shard-{index:05d}.safetensors"
+
+    @staticmethod
+    async def _write_shard(path: Path, shard: dict[str, torch.Tensor], step: int) -> None:
+        await asyncio.to_thread(save_file, shard, str(path), {"global_steps": str(step)})
+
+    @staticmethod
+    def _publish(tmp: Path, final: Path) -> None:
+        for p in tmp.iterdir():
+            _fsync(p)
+        _fsync(tmp)
+        os.rename(tmp, final)
+        _fsync(final.parent)
+
+    def _prune(self) -> None:
+        for step in self.published_steps()[:-self.keep_last]:
+            path = self.root / step_dir_name(step)
+            trash = self.root / f".trash-{path.name}-{uuid.uuid4().hex[:8]}"
+            try:
+                os.rename(path, trash)
+            except FileNotFoundError:  # another writer pruned it first
+                continue
+            shutil.rmtree(trash, ignore_errors=True)
+
+    async def _choose(self, global_steps: int | None) -> int:
+        deadline = time.monotonic() + self.timeout
+        while True:
+            steps = self.published_steps()
+            if global_steps is not None:
+                if global_steps in steps:
+                    return global_steps
+                if steps and steps[-1] > global_steps:  # steps only grow: N will never appear
+                    raise VersionMismatchError(global_steps, steps[-1], f"{self.root} (published: {steps})")
+            else:
+                newer = [s for s in steps if self.received_global_steps is None or s > self.received_global_steps]
+                if newer:
+                    return newer[-1]
+            if time.monotonic() >= deadline:
+                if global_steps is not None:
+                    raise VersionMismatchError(global_steps, steps[-1] if steps else None,
+                                               f"{self.root} after waiting {self.timeout:g} s (published: {steps})")
+                raise TransferTimeoutError(
+                    f"no step newer than {self.received_global_steps} was published in {self.root} "
+                    f"within {self.timeout:g} s (published: {steps})")
+            await asyncio.sleep(self.poll_interval)
+
+    async def receive_weights(self, global_steps: int | None = None) -> AsyncIterator[NamedTensor]:
+        """Yield the tensors of step ``global_steps`` (``None``: the newest step newer than the last received).
+
+        Raises:
+            VersionMismatchError: step ``global_steps`` is not published (a newer one is, or none appeared
+                within ``timeout``).
+            TransferTimeoutError: ``global_steps=None`` and no newer step appeared within ``timeout``.
+            TransferError: the step directory is corrupt (index or shard missing, step tag disagrees).
+        """
+        global_steps = check_global_steps(global_steps)
+        for _attempt in range(3):  # the chosen step may be pruned between listing and opening
+            step = await self._choose(global_steps)
+            path = self.root / step_dir_name(step)
+            try:
+                index = json.loads((path / INDEX).read_text())
+                files = {f: safe_open(str(path / f), framework="pt") for f in sorted({f for _, f in index["tensors"]})}
+                break
+            except FileNotFoundError:
+                continue
+        else:
+            raise TransferError(f"step {step} in {self.root} disappeared three times while being opened")
+        for f, handle in files.items():
+            tagged = (handle.metadata() or {}).get("global_steps")
+            if index.get("global_steps") != step or tagged != str(step):
+                raise TransferError(f"{path / f} is tagged global_steps={tagged}, index={index.get('global_steps')}, "
+                                    f"expected {step}")
+        self.received_global_steps = step
+        device = self._target_device()
+        for name, f in index["tensors"]:
+            tensor = files[f].get_tensor(name)
+            yield name, (tensor if device.type == "cpu" else tensor.to(device))

@@ -1,0 +1,112 @@
+"""One registry of checkpoint engines: built-ins by name, third-party ones by call or entry point.
+
+Like ``torch.distributed.Backend.register_backend``, registering a taken name raises. Built-in engines and
+those of the ``hal.checkpoint_engines`` entry-point group are imported on first lookup; an import failure
+is remembered and shown when a lookup fails, so "unknown engine" also says which backend could not load.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from importlib import metadata
+from typing import Any, Callable
+
+from ckpt.base import check_async_contract
+from ckpt.errors import ContractError, DuplicateCheckpointEngineError, UnknownCheckpointEngineError
+
+ENTRY_POINT_GROUP = "hal.checkpoint_engines"
+
+_BUILTINS = {
+    "colocated": "ckpt.colocated:ColocatedCheckpointEngine",
+    "collective": "ckpt.collective:CollectiveCheckpointEngine",
+    "file": "ckpt.file:FileCheckpointEngine",
+}
+
+_engines: dict[str, Callable[..., Any]] = {}
+_import_errors: dict[str, str] = {}
+_loaded = False
+
+
+def _load_target(target: str) -> Any:
+    module, _, attr = target.partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+def _load_once() -> None:
+    global _loaded
+    if _loaded:
+        return
+    _loaded = True
+    sources = [(name, target) for name, target in _BUILTINS.items()]
+    try:
+        sources += [(ep.name, ep) for ep in metadata.entry_points(group=ENTRY_POINT_GROUP)]
+    except Exception as exc:  # noqa: BLE001 - a broken distribution must not break lookups
+        _import_errors[f"<entry points {ENTRY_POINT_GROUP}>"] = f"{type(exc).__name__}: {exc}"
+    for name, source in sources:
+        if name in _engines:
+            continue
+        try:
+            factory = _load_target(source) if isinstance(source, str) else source.load()
+            register_checkpoint_engine(name, factory)
+        except Exception as exc:  # noqa: BLE001 - recorded and reported by get_checkpoint_engine
+            _import_errors[name] = f"{type(exc).__name__}: {exc}"
+
+
+def register_checkpoint_engine(name: str, cls_or_factory: Callable[..., Any]) -> None:
+    """Register an engine class (or a factory ``(**config) -> engine``) under ``name``.
+
+    A class is checked against the async contract now; a factory's product is checked by
+    :func:`get_checkpoint_engine`.
+
+    Raises:
+        DuplicateCheckpointEngineError: ``name`` is taken (a ``ValueError``).
+        ContractError: the class has a contract method that is not async (a ``TypeError``).
+    """
+    if not isinstance(name, str) or not name:
+        raise DuplicateCheckpointEngineError(f"engine name must be a non-empty str, got {name!r}")
+    if name in _engines:
+        raise DuplicateCheckpointEngineError(
+            f"a checkpoint engine is already registered as {name!r} ({_engines[name]!r}); "
+            f"unregister_checkpoint_engine({name!r}) first to replace it")
+    if not callable(cls_or_factory):
+        raise ContractError(f"engine {name!r} must be a class or factory, got {cls_or_factory!r}")
+    if inspect.isclass(cls_or_factory):
+        check_async_contract(cls_or_factory)
+    _engines[name] = cls_or_factory
+
+
+def unregister_checkpoint_engine(name: str) -> None:
+    """Remove ``name`` from the registry (no error if absent); for tests and plugin reloads."""
+    _engines.pop(name, None)
+
+
+def known_checkpoint_engines() -> list[str]:
+    """Names of the registered engines (built-ins and entry points included), sorted."""
+    _load_once()
+    return sorted(_engines)
+
+
+def checkpoint_engine_import_errors() -> dict[str, str]:
+    """``{name: "ExceptionType: message"}`` for built-in or entry-point engines that failed to import."""
+    _load_once()
+    return dict(_import_errors)
+
+
+def get_checkpoint_engine(name: str, **config: Any) -> Any:
+    """Build the engine registered as ``name`` with ``config`` (e.g. ``rank=0, world_size=3, bucket_size=...``).
+
+    Raises:
+        UnknownCheckpointEngineError: no such name; the message lists the known names and each backend
+            that failed to import, with its error.
+        ContractError: the factory returned an engine whose contract methods are not all async.
+    """
+    _load_once()
+    if name not in _engines:
+        failed = "; ".join(f"{n}: {e}" for n, e in sorted(_import_errors.items())) or "none"
+        raise UnknownCheckpointEngineError(
+            f"unknown checkpoint engine {name!r}; known: {', '.join(sorted(_engines)) or 'none'}; "
+            f"failed to import: {failed}")
+    engine = _engines[name](**config)
+    check_async_contract(engine)
+    return engine

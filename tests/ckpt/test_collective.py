@@ -1,0 +1,135 @@
+"""CollectiveCheckpointEngine in one process (two ranks on threads of one event loop) and its bucket plan."""
+
+import asyncio
+
+import pytest
+import torch
+
+import ckpt
+from ckpt.bucket import plan_messages
+from ckpt.testing import compare, sample_weights, transfer
+from hal.testing import free_port
+
+
+def _pair(bucket_size, direct_threshold=None, **extra):
+    port = free_port()
+    common = dict(world_size=2, master_addr="127.0.0.1", master_port=port, bucket_size=bucket_size, device="cpu",
+                  timeout=20, direct_threshold=direct_threshold, **extra)
+    return (ckpt.get_checkpoint_engine("collective", rank=0, **common),
+            ckpt.get_checkpoint_engine("collective", rank=1, **common))
+
+
+def _flat_views():
+    """Tensors of several dtypes laid back to back in one storage (as a flat parameter buffer), one gap."""
+    flat = torch.randint(0, 256, (4096,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    layout = [("f32", torch.float32, (10,), 0), ("bf16", torch.bfloat16, (3, 4), 40), ("i64", torch.int64, (7,), 64),
+              ("bool", torch.bool, (6,), 120), ("f16", torch.float16, (9,), 126),
+              ("after_gap", torch.float32, (300,), 160 + 64), ("tail", torch.bfloat16, (700,), 1424)]
+    flat[120:126] %= 2  # valid bool bytes
+    return [(n, flat[o:o + torch.empty(s, dtype=d).nbytes].view(d).view(s)) for n, d, s, o in layout], flat
+
+
+def test_adjacent_views_are_sent_from_their_storage_as_one_segment():
+    weights, flat = _flat_views()
+    msgs = list(plan_messages(iter(weights[:5]), 1, 1 << 20, 64 << 10, torch.device("cpu"), direct_threshold=16))
+    bucket, end = msgs
+    assert end.meta == {"step": 1, "end": True}
+    assert bucket.meta["segments"] == [[bucket.meta["entries"][0][3], 144]]  # 0..144: five tensors, one range
+    assert bucket.sources[0].data_ptr() == flat.data_ptr() and bucket.packed == []  # zero copy
+    offsets = [e[3] for e in bucket.meta["entries"]]
+    assert [o - offsets[0] for o in offsets] == [0, 40, 64, 120, 126]  # same relative layout as the sender
+
+
+@pytest.mark.parametrize("bucket_size, threshold", [(1 << 20, 16), (512, 16), (512, 0), (2048, 1 << 20)])
+def test_flat_views_round_trip_byte_exact(bucket_size, threshold):
+    weights, _ = _flat_views()
+    sender, receiver = _pair(bucket_size, threshold)
+
+    async def go():
+        try:
+            got = await transfer(sender, receiver, weights, 5, 5)
+            compare(weights, got, "flat views")
+            compare(sample_weights(6), await transfer(sender, receiver, sample_weights(6), 6, None), "then separate")
+        finally:
+            await asyncio.gather(sender.finalize(), receiver.finalize())
+    asyncio.run(go())
+
+
+def test_lifecycle_runs_lazily_and_the_group_is_kept_across_updates():
+    sender, receiver = _pair(4096)
+
+    async def go():
+        groups = []
+        for step in (1, 2, 3):
+            compare(sample_weights(step), await transfer(sender, receiver, sample_weights(step), step, step), "step")
+            groups.append((id(sender._group), id(receiver._group)))
+        topo = await receiver.build_topology()
+        await asyncio.gather(sender.finalize(), receiver.finalize())
+        return groups, topo
+    groups, topo = asyncio.run(go())
+    assert len(set(groups)) == 1  # one communicator for all three updates
+    assert topo == {"rank": 1, "world_size": 2, "src_rank": 0, "role": "receiver", "receivers": [1]}
+
+
+def test_wrong_role_and_bad_config_raise_clear_errors():
+    sender, receiver = _pair(4096)
+
+    async def wrong_role():
+        with pytest.raises(ckpt.CheckpointConfigError, match="send_weights called on rank 1, but src_rank is 0"):
+            await receiver.send_weights([], 1)
+        with pytest.raises(ckpt.CheckpointConfigError, match="receive_weights called on rank 0"):
+            async for _ in sender.receive_weights(1):
+                pass
+    asyncio.run(wrong_role())
+    with pytest.raises(ckpt.CheckpointConfigError, match="rank must be an int in \\[0, 2\\), got 2"):
+        ckpt.get_checkpoint_engine("collective", rank=2, world_size=2, store_addr="127.0.0.1:1")
+    with pytest.raises(ckpt.CheckpointConfigError, match="store_addr must be 'host:port', got 'nohost'"):
+        ckpt.get_checkpoint_engine("collective", rank=0, world_size=2, store_addr="nohost")
+    with pytest.raises(ckpt.CheckpointConfigError, match="bucket_size must be an int >= 1, got 0"):
+        ckpt.get_checkpoint_engine("collective", rank=0, world_size=2, store_addr="h:1", bucket_size=0)
+
+
+def test_a_consumer_that_stops_early_leaves_the_group_in_step():
+    sender, receiver = _pair(1024)
+
+    async def go():
+        async def partial():
+            stream = receiver.receive_weights(1)
+            async for _name, _t in stream:
+                break
+            await stream.aclose()  # drains the rest of step 1
+        await asyncio.gather(sender.send_weights(iter(sample_weights(1)), 1), partial())
+        got = await transfer(sender, receiver, sample_weights(2), 2, 2)
+        await asyncio.gather(sender.finalize(), receiver.finalize())
+        return got
+    compare(sample_weights(2), asyncio.run(go()), "after an abandoned update")
+
+
+def test_a_receiver_alone_times_out_with_a_clear_error():
+    port = free_port()
+    engine = ckpt.get_checkpoint_engine("collective", rank=0, world_size=2, master_addr="127.0.0.1",
+                                        master_port=port, timeout=1.5, device="cpu")
+    with pytest.raises(ckpt.TransferTimeoutError, match="could not form the checkpoint group"):
+        asyncio.run(engine.send_weights([], 1))
+
+
+def test_a_sender_whose_weights_fail_mid_update_aborts_it_and_the_group_stays_usable():
+    sender, receiver = _pair(1024)
+
+    def failing():
+        for i, item in enumerate(sample_weights(1)):
+            if i == 7:
+                raise RuntimeError("gather of layer 7 failed")
+            yield item
+
+    async def go():
+        adapter = ckpt.InMemoryRolloutAdapter()
+        worker = ckpt.CheckpointEngineWorker(receiver, adapter)
+        sent, got = await asyncio.gather(sender.send_weights(failing(), 1), worker.update_weights(1),
+                                         return_exceptions=True)
+        assert isinstance(sent, RuntimeError) and "layer 7" in str(sent)
+        assert isinstance(got, ckpt.TransferAbortedError) and "gather of layer 7 failed" in str(got)
+        assert adapter.served_step is None and adapter.state_dict() == {}
+        compare(sample_weights(2), await transfer(sender, receiver, sample_weights(2), 2, 2), "after the abort")
+        await asyncio.gather(sender.finalize(), receiver.finalize())
+    asyncio.run(go())

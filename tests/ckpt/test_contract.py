@@ -1,0 +1,145 @@
+"""Every built-in checkpoint engine through the contract suite of ``ckpt.testing``, plus engines that break it."""
+
+import asyncio
+
+import pytest
+
+import ckpt
+from ckpt.testing import CONTRACT_CHECKS, ContractFailure, run_check, run_contract_suite
+from hal.testing import free_port
+
+
+def _colocated():
+    async def make():
+        engine = ckpt.get_checkpoint_engine("colocated", timeout=10)
+        return engine, engine
+    return make
+
+
+def _file(tmp_path):
+    async def make():
+        root = tmp_path / f"ckpts-{len(list(tmp_path.iterdir()))}"
+        return (ckpt.get_checkpoint_engine("file", root=root, keep_last=2),
+                ckpt.get_checkpoint_engine("file", root=root, timeout=10))
+    return make
+
+
+def _collective(direct_threshold):
+    async def make():
+        port = free_port()
+        common = dict(world_size=2, master_addr="127.0.0.1", master_port=port, bucket_size=64 << 10,
+                      device="cpu", timeout=20, direct_threshold=direct_threshold)
+        return (ckpt.get_checkpoint_engine("collective", rank=0, **common),
+                ckpt.get_checkpoint_engine("collective", rank=1, **common))
+    return make
+
+
+ENGINES = ["colocated", "file", "collective-packed", "collective-direct"]
+
+
+@pytest.mark.parametrize("check", list(CONTRACT_CHECKS))
+@pytest.mark.parametrize("engine", ENGINES)
+def test_builtin_engine_keeps_the_contract(engine, check, tmp_path):
+    make = {"colocated": _colocated(), "file": _file(tmp_path), "collective-packed": _collective(0),
+            "collective-direct": _collective(256)}[engine]
+    asyncio.run(run_check(make, check, timeout=60))
+
+
+class _SyncSendEngine(ckpt.CheckpointEngine):
+    """The upstream bug: send_weights is a plain def (awaiting its result raises TypeError)."""
+
+    def send_weights(self, weights, global_steps=None):  # noqa: D401 - deliberately not async
+        self.offer = (global_steps, list(weights))
+
+    async def receive_weights(self, global_steps=None):
+        step, weights = self.offer
+        self.received_global_steps = step
+        for item in weights:
+            yield item
+
+
+class _DuckSyncReceive:
+    """Not a subclass of the ABC; receive_weights returns a list."""
+
+    received_global_steps = None
+
+    async def prepare(self): ...
+    async def build_topology(self): ...
+    async def init_process_group(self): ...
+    async def finalize(self): ...
+
+    async def send_weights(self, weights, global_steps=None):
+        self.offer = (global_steps, list(weights))
+
+    def receive_weights(self, global_steps=None):
+        self.received_global_steps = self.offer[0]
+        return self.offer[1]
+
+
+class _WrongStepEngine(ckpt.ColocatedCheckpointEngine):
+    """Async everywhere but reports step + 1: a behavioural violation."""
+
+    async def receive_weights(self, global_steps=None):
+        async for item in super().receive_weights(None):
+            yield item
+        self.received_global_steps += 1
+
+
+@pytest.mark.parametrize("bad", [_SyncSendEngine, _DuckSyncReceive])
+def test_contract_suite_catches_a_method_that_is_not_async(bad):
+    async def make():
+        engine = object.__new__(bad)
+        return engine, engine
+    failures = asyncio.run(run_contract_suite(make, timeout=10))
+    assert set(failures) == set(CONTRACT_CHECKS)
+    assert "ContractError" in failures["async_methods"]
+    name = "send_weights" if bad is _SyncSendEngine else "receive_weights"
+    assert f"{name} is a plain function" in failures["async_methods"]
+
+
+def test_contract_suite_catches_a_wrong_step():
+    async def make():
+        engine = _WrongStepEngine(timeout=5)
+        return engine, engine
+    with pytest.raises(ContractFailure, match="received_global_steps is 4, the sender sent 3"):
+        asyncio.run(run_check(make, "round_trip_mixed_dtypes"))
+
+
+def test_registry_refuses_a_sync_engine_class_and_duplicates():
+    with pytest.raises(ckpt.ContractError, match="send_weights is a plain function"):
+        ckpt.register_checkpoint_engine("sync-send", _SyncSendEngine)
+    assert "sync-send" not in ckpt.known_checkpoint_engines()
+    with pytest.raises(ckpt.DuplicateCheckpointEngineError, match="'file'"):
+        ckpt.register_checkpoint_engine("file", ckpt.FileCheckpointEngine)
+
+
+def test_registry_refuses_a_factory_that_builds_a_sync_engine():
+    ckpt.register_checkpoint_engine("duck-sync", lambda **cfg: _DuckSyncReceive())
+    try:
+        with pytest.raises(ckpt.ContractError, match="receive_weights is a plain function"):
+            ckpt.get_checkpoint_engine("duck-sync")
+    finally:
+        ckpt.unregister_checkpoint_engine("duck-sync")
+
+
+def test_third_party_engine_registers_and_runs_the_suite():
+    ckpt.register_checkpoint_engine("third-party", ckpt.ColocatedCheckpointEngine)
+    try:
+        async def make():
+            engine = ckpt.get_checkpoint_engine("third-party", timeout=5)
+            return engine, engine
+        assert asyncio.run(run_contract_suite(make, timeout=30)) == {}
+    finally:
+        ckpt.unregister_checkpoint_engine("third-party")
+
+
+def test_unknown_engine_lists_known_names_and_import_failures(monkeypatch):
+    from ckpt import registry
+
+    monkeypatch.setitem(registry._import_errors, "broken", "ImportError: No module named 'vendor_ckpt'")
+    with pytest.raises(ckpt.UnknownCheckpointEngineError) as info:
+        ckpt.get_checkpoint_engine("nope")
+    text = str(info.value)
+    for part in ("'nope'", "collective", "colocated", "file", "broken: ImportError: No module named 'vendor_ckpt'"):
+        assert part in text
+    assert isinstance(info.value, KeyError) and isinstance(info.value, ckpt.CheckpointEngineError)

@@ -1,0 +1,129 @@
+"""FileCheckpointEngine: one directory per step, atomic publication, pruning, step selection."""
+
+import asyncio
+import os
+import threading
+
+import pytest
+import torch
+
+import ckpt
+from ckpt.testing import collect, compare, sample_weights
+
+
+def _send(engine, weights, step):
+    asyncio.run(engine.send_weights(iter(weights), step))
+
+
+def _receive(engine, step):
+    return asyncio.run(collect(engine.receive_weights(step)))
+
+
+def test_steps_are_directories_and_only_keep_last_survive(tmp_path):
+    writer = ckpt.get_checkpoint_engine("file", root=tmp_path, keep_last=2)
+    for step in (1, 2, 3, 4):
+        _send(writer, sample_weights(step), step)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000003", "step-00000004"]
+    assert writer.published_steps() == [3, 4]
+    reader = ckpt.get_checkpoint_engine("file", root=tmp_path)
+    compare(sample_weights(3), _receive(reader, 3), "step 3")
+    assert reader.received_global_steps == 3
+    with pytest.raises(ckpt.VersionMismatchError, match="asked for global_steps=1.*global_steps=4"):
+        _receive(reader, 1)  # pruned: a newer step exists, so it will never come back
+
+
+def test_receive_none_takes_the_newest_step_newer_than_the_last_received(tmp_path):
+    writer = ckpt.get_checkpoint_engine("file", root=tmp_path, keep_last=3)
+    reader = ckpt.get_checkpoint_engine("file", root=tmp_path, timeout=0.3)
+    _send(writer, sample_weights(1), 1)
+    _send(writer, sample_weights(2), 2)
+    compare(sample_weights(2), _receive(reader, None), "latest")
+    assert reader.received_global_steps == 2
+    with pytest.raises(ckpt.TransferTimeoutError, match="no step newer than 2"):
+        _receive(reader, None)
+    _send(writer, sample_weights(5), None)  # None: newest + 1
+    assert writer.published_steps() == [1, 2, 3]
+    assert [n for n, _ in _receive(reader, None)] == [n for n, _ in sample_weights(5)]
+    assert reader.received_global_steps == 3
+
+
+def test_a_reader_never_sees_a_half_written_step(tmp_path):
+    """The writer stalls in the middle of writing step 2: readers see step 1 only, no partial step 2."""
+    writer = ckpt.get_checkpoint_engine("file", root=tmp_path, keep_last=5)
+    _send(writer, sample_weights(1), 1)
+    halfway, release = threading.Event(), threading.Event()
+
+    def slow():
+        for i, item in enumerate(sample_weights(2)):
+            if i == 6:
+                halfway.set()
+                release.wait(10)
+            yield item
+
+    thread = threading.Thread(target=lambda: asyncio.run(writer.send_weights(slow(), 2)))
+    thread.start()
+    try:
+        assert halfway.wait(10)
+        assert writer.published_steps() == [1]
+        assert any(p.name.startswith(".tmp-step-00000002") for p in tmp_path.iterdir())
+        reader = ckpt.get_checkpoint_engine("file", root=tmp_path, timeout=0.2)
+        with pytest.raises(ckpt.VersionMismatchError, match="global_steps=2"):
+            _receive(reader, 2)
+        compare(sample_weights(1), _receive(reader, None), "step 1 while 2 is written")
+    finally:
+        release.set()
+        thread.join(10)
+    assert writer.published_steps() == [1, 2]
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # temporary renamed away
+
+
+def test_a_failed_write_publishes_nothing(tmp_path):
+    writer = ckpt.get_checkpoint_engine("file", root=tmp_path)
+
+    def broken():
+        yield "a", torch.ones(3)
+        raise RuntimeError("trainer crashed")
+
+    with pytest.raises(RuntimeError, match="trainer crashed"):
+        _send(writer, broken(), 1)
+    assert os.listdir(tmp_path) == []
+
+
+def test_pruning_during_a_read_does_not_disturb_the_reader(tmp_path):
+    writer = ckpt.get_checkpoint_engine("file", root=tmp_path, keep_last=1, shard_size=1000)
+    _send(writer, sample_weights(1), 1)
+    reader = ckpt.get_checkpoint_engine("file", root=tmp_path)
+
+    async def read_while_pruned():
+        stream = reader.receive_weights(1)
+        first = await stream.__anext__()
+        await writer.send_weights(iter(sample_weights(2)), 2)  # prunes step 1 (keep_last=1)
+        return [(first[0], first[1].clone())] + [(n, t.clone()) async for n, t in stream]
+
+    got = asyncio.run(read_while_pruned())
+    assert writer.published_steps() == [2]
+    compare(sample_weights(1), got, "step 1 read across its pruning")
+    assert len(list((tmp_path / "step-00000002").glob("*.safetensors"))) > 1  # sharded by shard_size
+
+
+def test_republishing_a_step_and_bad_config_are_refused(tmp_path):
+    writer = ckpt.get_checkpoint_engine("file", root=tmp_path)
+    _send(writer, sample_weights(1), 1)
+    with pytest.raises(ckpt.CheckpointConfigError, match="global_steps=1 is already published"):
+        _send(writer, sample_weights(1), 1)
+    with pytest.raises(ckpt.CheckpointConfigError, match="keep_last must be an int >= 1, got 0"):
+        ckpt.get_checkpoint_engine("file", root=tmp_path, keep_last=0)
+    with pytest.raises(ckpt.CheckpointConfigError, match="global_steps must be None or an int >= 0, got -3"):
+        _send(writer, [], -3)
+
+
+def test_received_tensors_land_on_the_requested_device(tmp_path, device):
+    import hal
+
+    writer = ckpt.get_checkpoint_engine("file", root=tmp_path)
+    _send(writer, sample_weights(1), 1)
+    reader = ckpt.get_checkpoint_engine("file", root=tmp_path, device=device)
+
+    async def kinds():
+        return {t.device.type async for _, t in reader.receive_weights(1)}
+    assert asyncio.run(kinds()) == {hal.get_device_name(device)}

@@ -1,0 +1,117 @@
+"""Workers carry global_steps end to end; the in-memory rollout adapter applies updates all-or-nothing."""
+
+import asyncio
+
+import pytest
+import torch
+
+import ckpt
+from ckpt.testing import same_bytes
+
+
+class Trainer:
+    def __init__(self, weights):
+        self.weights = weights
+
+    def get_per_tensor_param(self):
+        return ((n, t) for n, t in self.weights.items())
+
+
+def _weights(step):
+    return {"a": torch.full((4, 4), float(step)), "b": torch.arange(6, dtype=torch.int64) + step,
+            "c": torch.full((3,), float(step)).to(torch.bfloat16)}
+
+
+def _round(trainer_worker, rollout_worker, step, asked=None):
+    async def go():
+        _, served = await asyncio.gather(trainer_worker.update_weights(step), rollout_worker.update_weights(asked))
+        return served
+    return asyncio.run(go())
+
+
+def test_global_steps_travel_from_trainer_to_the_served_weights():
+    channel = ckpt.get_checkpoint_engine("colocated", timeout=5)
+    trainer = Trainer(_weights(1))
+    adapter = ckpt.InMemoryRolloutAdapter(_weights(0))
+    assert adapter.served_step is None
+    tw, rw = ckpt.TrainerWorker(trainer, channel), ckpt.CheckpointEngineWorker(channel, adapter)
+    for step in (1, 2, 3):
+        trainer.weights = _weights(step)
+        assert _round(tw, rw, step, asked=step if step != 2 else None) == step
+        assert adapter.served_step == step
+        assert all(same_bytes(adapter.state_dict()[n], t) for n, t in _weights(step).items())
+
+
+def test_verl_style_tuple_from_get_per_tensor_param_is_accepted():
+    class VerlTrainer(Trainer):
+        def get_per_tensor_param(self):
+            return iter(self.weights.items()), None  # (per_tensor_param, peft_config)
+
+    channel = ckpt.get_checkpoint_engine("colocated", timeout=5)
+    adapter = ckpt.InMemoryRolloutAdapter()
+    assert _round(ckpt.TrainerWorker(VerlTrainer(_weights(4)), channel),
+                  ckpt.CheckpointEngineWorker(channel, adapter), 4) == 4
+    assert sorted(adapter.state_dict()) == ["a", "b", "c"]
+
+
+def test_version_mismatch_keeps_the_previous_weights_and_step():
+    channel = ckpt.get_checkpoint_engine("colocated", timeout=5)
+    adapter = ckpt.InMemoryRolloutAdapter(_weights(1))
+    tw, rw = ckpt.TrainerWorker(Trainer(_weights(1)), channel), ckpt.CheckpointEngineWorker(channel, adapter)
+    _round(tw, rw, 1, 1)
+    tw.engine.weights = _weights(3)
+    with pytest.raises(ckpt.VersionMismatchError, match="asked for global_steps=2.*global_steps=3"):
+        _round(tw, rw, 3, 2)
+    assert adapter.served_step == 1
+    assert same_bytes(adapter.state_dict()["a"], _weights(1)["a"])
+
+
+@pytest.mark.parametrize("bad, message", [
+    ({"a": torch.zeros(4, 5)}, r"tensor 'a': received torch.float32 \(4, 5\), the rollout expects torch.float32 \(4, 4\)"),
+    ({"b": torch.zeros(6, dtype=torch.int32)}, r"tensor 'b': received torch.int32"),
+    ({"zzz": torch.zeros(1)}, r"received tensor 'zzz' is not among the 3 tensors"),
+])
+def test_weight_mismatch_names_the_tensor_and_applies_nothing(bad, message):
+    channel = ckpt.get_checkpoint_engine("colocated", timeout=5)
+    adapter = ckpt.InMemoryRolloutAdapter({n: (tuple(t.shape), t.dtype) for n, t in _weights(0).items()})
+    tw, rw = ckpt.TrainerWorker(Trainer(_weights(1)), channel), ckpt.CheckpointEngineWorker(channel, adapter)
+    _round(tw, rw, 1)
+    tw.engine.weights = {"a": _weights(2)["a"], **bad, "c": _weights(2)["c"]}  # 'a' is fine and comes first
+    with pytest.raises(ckpt.WeightMismatchError, match=message):
+        _round(tw, rw, 2)
+    assert adapter.served_step == 1
+    assert same_bytes(adapter.state_dict()["a"], _weights(1)["a"])  # 'a' was staged, not applied
+
+
+def test_a_stream_failing_mid_update_leaves_the_previous_step_in_service():
+    adapter = ckpt.InMemoryRolloutAdapter()
+
+    async def stream(step, fail):
+        yield "a", torch.full((2,), float(step))
+        if fail:
+            raise ckpt.TransferError("peer died")
+        yield "b", torch.full((2,), float(step))
+
+    asyncio.run(adapter.update_weights(stream(1, False), 1))
+    with pytest.raises(ckpt.TransferError, match="peer died"):
+        asyncio.run(adapter.update_weights(stream(2, True), 2))
+    assert adapter.served_step == 1
+    assert adapter.state_dict()["a"].tolist() == [1.0, 1.0]
+
+
+def test_colocated_engine_is_zero_copy_and_refuses_a_second_unreceived_offer():
+    engine = ckpt.ColocatedCheckpointEngine(timeout=0.2)
+    t = torch.ones(3)
+
+    async def go():
+        await engine.send_weights([("t", t)], 1)
+        with pytest.raises(ckpt.TransferError, match="global_steps=1 was never received"):
+            await engine.send_weights([("t", t)], 2)
+        got = [x async for _, x in engine.receive_weights(1)]
+        with pytest.raises(ckpt.TransferTimeoutError, match="0.2 s"):
+            async for _ in engine.receive_weights(None):
+                pass
+        return got
+
+    (got,) = asyncio.run(go())
+    assert got is t  # the trainer's own tensor, not a copy
