@@ -49,6 +49,20 @@ PRESETS: dict[str, DecoderConfig] = {
 }
 
 
+class Linear(nn.Linear):
+    """``nn.Linear`` that stores bf16 weights but multiplies in fp32.
+
+    On CPUs without native bf16 matrix units (this project's CI machines, and the simulated npu, whose
+    operators fall back to the CPU) the weight-gradient matmul of a bf16 linear layer with few tokens runs
+    about 25x slower than in fp32 (measured on torch 2.13: 45 s against 2 s for one backward of the 0.5B
+    layout). Parameters, gradients and published weights stay bf16; only the products are fp32.
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bias = None if self.bias is None else self.bias.float()
+        return F.linear(x.float(), self.weight.float(), bias).to(x.dtype)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
@@ -76,10 +90,10 @@ class Attention(nn.Module):
         super().__init__()
         self.cfg = cfg
         kv = cfg.num_key_value_heads * cfg.head_dim
-        self.q_proj = nn.Linear(cfg.hidden_size, cfg.hidden_size, bias=True)
-        self.k_proj = nn.Linear(cfg.hidden_size, kv, bias=True)
-        self.v_proj = nn.Linear(cfg.hidden_size, kv, bias=True)
-        self.o_proj = nn.Linear(cfg.hidden_size, cfg.hidden_size, bias=False)
+        self.q_proj = Linear(cfg.hidden_size, cfg.hidden_size, bias=True)
+        self.k_proj = Linear(cfg.hidden_size, kv, bias=True)
+        self.v_proj = Linear(cfg.hidden_size, kv, bias=True)
+        self.o_proj = Linear(cfg.hidden_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
@@ -97,9 +111,9 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: DecoderConfig) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -133,7 +147,7 @@ class DecoderForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.model = DecoderModel(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 

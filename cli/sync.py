@@ -327,12 +327,14 @@ def print_table(result: dict[str, Any]) -> None:
     for row in rows:
         served = sorted({r["served_step"] for r in row["rollouts"]}, key=lambda s: (s is None, s))
         ok = all(r["error"] is None for r in row["rollouts"])
-        table.add_row(str(row["global_steps"]), f"{row['loss']:.4g}", f"{row['bytes'] / 1e6:.1f}",
+        table.add_row(str(row["global_steps"]), f"{row['loss']:.4g}", f"{row['bytes'] / 1e6:.0f}",
                       f"{row['publish_s']:.2f}", f"{row['bytes'] / row['publish_s'] / 1e9:.2f}",
                       f"{row['offload_s']:.2f}", f"{row['onload_s']:.2f}", f"{row['peak_device_bytes'] / 1e6:.0f}",
                       f"{row['peak_host_bytes'] / 1e6:.0f}", ",".join(map(str, served)),
                       "[green]yes[/green]" if ok else "[red]NO[/red]")
     console = Console()
+    if not console.is_terminal:  # piped or logged: do not squeeze the table into 80 columns
+        console = Console(width=120)
     console.print(table)
     for error in result["errors"]:
         console.print(f"[red]mismatch:[/red] {error}")
