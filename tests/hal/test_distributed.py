@@ -91,3 +91,28 @@ def test_dead_peer_becomes_an_error_within_the_timeout():
 def test_timeout_must_be_positive():
     with pytest.raises(ValueError, match="-1"):
         hal.new_group_from_store(None, 0, 1, timeout=-1)
+
+
+def _host_pair(rank, world_size, port):
+    import torch.distributed as dist
+
+    backend = hal.init_process_group("npu-sim", with_host=True, timeout=30)
+    on_device = torch.full((3,), float(rank + 1), device=hal.get_device("npu-sim"))
+    on_host = torch.full((2,), float(rank + 10))
+    dist.all_reduce(on_device)
+    dist.all_reduce(on_host)
+    objects = [None] * world_size
+    dist.all_gather_object(objects, {"rank": rank})  # host-side objects travel over gloo
+    out = (backend, on_device.cpu().tolist(), on_host.tolist(), objects)
+    dist.destroy_process_group()
+    return out
+
+
+@pytest.mark.device("npu-sim")
+def test_host_pair_backend_serves_device_and_host_tensors(device):
+    results = run_multiprocess(_host_pair, 2, timeout=90)
+    for rank in range(2):
+        backend, dev, host, objects = results[rank]
+        assert backend == "cpu:gloo,npu:hccl"
+        assert dev == [3.0] * 3 and host == [21.0] * 2
+        assert objects == [{"rank": 0}, {"rank": 1}]
