@@ -44,11 +44,13 @@ def test_peer_dying_mid_transfer_fails_the_others_within_the_timeout(device, vic
 
 def test_memory_is_bounded_by_the_bucket_size_not_the_model():
     bucket = 4 << 20
-    results = run_multiprocess(_mp.bounded_memory, 2, bucket, 96, timeout=90)
+    results = run_multiprocess(_mp.bounded_memory, 2, bucket, 160, timeout=90)
     (send_peak, total, sent), (recv_peak, _, received) = results[0], results[1]
-    assert total >= 96 << 20 and len(sent) > 40 and received == sent  # every tensor arrived
-    slack = 8 << 20  # interpreter, gloo and helper threads
+    assert total >= 160 << 20 and len(sent) > 60 and received == sent  # every tensor arrived
+    # Host peaks are read from VmHWM, which also counts malloc arenas of gloo's threads and the interpreter:
+    # up to ~10 MiB seen on a busy CI machine, so the slack is 16 MiB (still a quarter of the model).
+    slack = 16 << 20
     assert send_peak <= 2 * bucket + slack, f"sender peak {send_peak / 2**20:.1f} MiB"
     # the receiver holds one bucket plus the tensor larger than a bucket (3 buckets), which it is handed
     assert recv_peak <= bucket + 3 * bucket + slack, f"receiver peak {recv_peak / 2**20:.1f} MiB"
-    assert max(send_peak, recv_peak) <= total / 4  # far below the 96 MiB model
+    assert max(send_peak, recv_peak) <= total / 4  # far below the 160 MiB model
