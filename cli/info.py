@@ -59,6 +59,8 @@ def run(args: Info) -> int:
     from rich.table import Table
 
     console = Console()
+    if not console.is_terminal:  # piped or logged: do not squeeze the table into 80 columns
+        console = Console(width=140)
     console.print(f"[bold]device[/bold] {info['device']} (torch.device type {info['device_name']!r})  "
                   f"[bold]backend[/bold] {info['dist_backend']}  "
                   f"[bold]visible devices[/bold] {info['visible_devices_env'] or '-'}")

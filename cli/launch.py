@@ -12,6 +12,10 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import pathlib
+import sys
+
+import tyro
 
 import hal
 
@@ -38,8 +42,8 @@ class Launch:
     """Value for the kind's visible-devices variable; default: keep it if set, else 0..nproc_per_node-1."""
     max_restarts: int = 0
     """Restarts of failed workers before the job fails."""
-    script: tuple[str, ...] = ()
-    """The script and its arguments (given after '--')."""
+    script: tyro.conf.Suppress[tuple[str, ...]] = ()
+    """The script and its arguments, given after '--' (filled by cli.main, not a flag)."""
 
 
 def torchrun_argv(args: Launch) -> list[str]:
@@ -83,10 +87,14 @@ def run(args: Launch) -> int:
     from torch.distributed.run import run as torchrun
 
     argv = torchrun_argv(args)
+    if args.script[0].endswith(".py") and not pathlib.Path(args.script[0]).is_file():
+        raise FileNotFoundError(f"hal launch: script {args.script[0]!r} does not exist")
     os.environ.update(launch_env(args))  # torch.distributed.run passes its environment to every worker
     try:
         torchrun(get_args_parser().parse_args(argv))
     except ChildFailedError as exc:
-        print(f"hal launch: {exc.name} failed: {exc.format_msg().splitlines()[0] if exc.failures else exc}")
-        return 1
+        rank, failure = exc.get_first_failure()
+        print(f"hal launch: {exc.name} failed on rank {rank} with exit code {failure.exitcode}"
+              f"{f' ({failure.message})' if failure.message else ''}", file=sys.stderr)
+        return failure.exitcode if isinstance(failure.exitcode, int) and failure.exitcode > 0 else 1
     return 0

@@ -213,13 +213,20 @@ def safetensors_files(path: pathlib.Path) -> list[pathlib.Path]:
 
     Raises:
         FileNotFoundError: ``path`` does not exist or holds no ``.safetensors`` file.
+        ValueError: a file's safetensors header cannot be read.
     """
-    if path.is_file():
-        return [path]
-    files = sorted(path.glob("*.safetensors")) if path.is_dir() else []
+    files = [path] if path.is_file() else sorted(path.glob("*.safetensors")) if path.is_dir() else []
     if not files:
         raise FileNotFoundError(f"--model {str(path)!r}: no such safetensors file or directory of them "
                                 f"(presets: {', '.join(PRESETS)})")
+    from safetensors import safe_open
+
+    for file in files:  # read each header now: a wrong file is a usage error, not a crash in a rank
+        try:
+            with safe_open(str(file), framework="pt"):
+                pass
+        except Exception as exc:
+            raise ValueError(f"--model {str(path)!r}: {file} is not a safetensors file ({exc})") from None
     return files
 
 

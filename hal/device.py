@@ -118,8 +118,11 @@ def resolve_device(device: DeviceLike = None) -> DeviceSpec:
     state = availability(spec.kind)
     if not state:
         others = ", ".join(available_kinds()) or "none"
+        explicit = [k for k in registry.known_kinds() if k not in _availability and k != spec.kind
+                    and not registry.get_spec(k).auto_probe]
+        hint = f" (also selectable explicitly, not probed: {', '.join(explicit)})" if explicit else ""
         raise DeviceUnavailableError(
-            f"device kind {spec.kind!r} is unavailable: {state.reason}; available kinds: {others}")
+            f"device kind {spec.kind!r} is unavailable: {state.reason}; available kinds: {others}{hint}")
     return spec
 
 
