@@ -125,10 +125,9 @@ class _Trainer:
         self.args = args
         self.kind = hal.resolve_device(args.device).kind
         module, self.loss_fn = build(args.model)
-        params = [p for p in module.parameters() if p.requires_grad]
-        engine = TorchEngine(module, None, device=self.kind)
-        engine.optimizer = torch.optim.AdamW(params, lr=args.lr)
-        self.engine = engine
+        # TorchEngine moves parameters in place, so the optimizer may be built on the host module first.
+        optimizer = torch.optim.AdamW([p for p in module.parameters() if p.requires_grad], lr=args.lr)
+        self.engine = TorchEngine(module, optimizer, device=self.kind)
         self.flags = OFFLOAD_FLAGS[args.offload]
 
     def step(self) -> dict[str, Any]:
@@ -177,8 +176,6 @@ def _progress(total: int, enabled: bool):
 
 def _rank_main(args_dict: dict[str, Any], ckpt_port: int, ctl_port: int, root: str) -> dict[str, Any]:
     """One process of a multi-process sync: rank 0 trains and publishes, the others receive and verify."""
-    import ckpt
-
     args = Sync(**args_dict)
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     store = hal.connect_store("127.0.0.1", ctl_port, rank, world_size, timeout=args.timeout)

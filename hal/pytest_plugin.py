@@ -26,7 +26,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    # npu-sim strict mode: a stray torch.cuda call in project code fails the test (inherited by spawned ranks).
+    # npu-sim strict mode: a stray call into the CUDA module from project code fails the test (spawned ranks inherit it).
     os.environ.setdefault("HAL_SIM_STRICT", "1")
     config.addinivalue_line("markers", "device(*kinds): run only on these device kinds")
     config.addinivalue_line("markers", "multiprocess: spawns a process group")
