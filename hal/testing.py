@@ -43,7 +43,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, fn: Callable, world_size: int, port: int, env: dict, results, args: tuple) -> None:
+def _entry(rank: int, fn: Callable, world_size: int, port: int, env: dict, results, args: tuple,
+           timeout: float) -> None:
+    import faulthandler
+
+    import torch
+
+    # torch is already imported here, so OMP_NUM_THREADS below comes too late for this process: several
+    # ranks with two threads each on two cores make gloo's busy waits crawl (a test once passed 100 s).
+    torch.set_num_threads(1)
+    # Should the group hang, each rank prints its Python stack shortly before the parent kills it.
+    faulthandler.dump_traceback_later(max(timeout - 3.0, 1.0), exit=False)
     os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
                        "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": str(world_size),
                        "OMP_NUM_THREADS": "1"})
@@ -76,13 +86,18 @@ def run_multiprocess(fn: Callable[..., Any], world_size: int, *args: Any, timeou
     port = free_port()
     ctx = tmp.get_context("spawn")
     results = ctx.SimpleQueue()
-    context = tmp.start_processes(_entry, args=(fn, world_size, port, dict(env or {}), results, args),
+    context = tmp.start_processes(_entry, args=(fn, world_size, port, dict(env or {}), results, args, timeout),
                                   nprocs=world_size, join=False, start_method="spawn")
     deadline = time.monotonic() + timeout
     try:
         while not context.join(timeout=0.2):
             if time.monotonic() > deadline:
-                raise MultiprocessError(f"{world_size} processes did not finish within {timeout} s")
+                done = []
+                while not results.empty():
+                    done.append(results.get()[0])
+                alive = [r for r, p in enumerate(context.processes) if p.is_alive()]
+                raise MultiprocessError(f"{world_size} processes did not finish within {timeout} s (ranks done: "
+                                        f"{sorted(done)}, still running: {alive}; their stacks are on stderr)")
     except tmp.ProcessRaisedException as exc:
         raise MultiprocessError(str(exc)) from exc
     except tmp.ProcessExitedException as exc:
