@@ -70,7 +70,8 @@ def tensor_sizes(total_bytes: int, seed: int = 0, low: int = 2 << 10, high: int 
     return sizes
 
 
-def _status(key: str) -> int:
+def proc_status_bytes(key: str) -> int:
+    """A ``/proc/self/status`` memory field (``VmRSS``, ``VmHWM``, ...) in bytes (Linux; the file gives KiB)."""
     return int(re.search(rf"{key}:\s+(\d+)", Path("/proc/self/status").read_text()).group(1)) * 1024
 
 
@@ -83,7 +84,7 @@ class _Peak:
 
     def start(self) -> None:
         if self.spec.host_memory:
-            self.base = _status("VmRSS")
+            self.base = proc_status_bytes("VmRSS")
             Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
         else:
             self.module.reset_peak_memory_stats()
@@ -91,7 +92,7 @@ class _Peak:
 
     def stop(self) -> int:
         if self.spec.host_memory:
-            return _status("VmHWM") - self.base
+            return proc_status_bytes("VmHWM") - self.base
         return self.module.max_memory_allocated() - self.base
 
 

@@ -111,6 +111,14 @@ def first_mismatch(expected: dict[str, str], got: dict[str, str]) -> str | None:
     return f"tensor {extra[0]!r} was received but not sent" if extra else None
 
 
+def verify(adapter, step: int, expected: dict[str, str]) -> str | None:
+    """What is wrong with a rollout after receiving ``step``: the step it serves, else the first tensor
+    whose checksum differs from the trainer's; ``None`` when it serves ``step`` byte-exact."""
+    if adapter.served_step != step:
+        return f"rollout serves step {adapter.served_step}, expected {step}"
+    return first_mismatch(expected, checksums(adapter.state_dict().items()))
+
+
 def _peak_host_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
@@ -122,7 +130,6 @@ class _Trainer:
         from cli.models import build
         from engines import TorchEngine
 
-        self.args = args
         self.kind = hal.resolve_device(args.device).kind
         module, self.loss_fn = build(args.model)
         # TorchEngine moves parameters in place, so the optimizer may be built on the host module first.
@@ -141,11 +148,15 @@ class _Trainer:
         return {"loss": loss, "train_s": train_s, "offload_s": offload_s,
                 "placement": dataclasses.asdict(self.engine.placement())}
 
-    def onload(self) -> float:
+    def finish(self, row: dict[str, Any]) -> dict[str, Any]:
+        """Onload what ``step`` offloaded and add the onload time and peak memory figures to ``row``."""
         start = time.perf_counter()
         if self.flags:
             self.engine.to(self.kind, **self.flags)
-        return time.perf_counter() - start
+        row["onload_s"] = time.perf_counter() - start
+        row["peak_device_bytes"] = hal.memory_stats(self.kind)["max_allocated"]
+        row["peak_host_bytes"] = _peak_host_bytes()
+        return row
 
     def sums(self) -> tuple[dict[str, str], int]:
         total, sums = 0, {}
@@ -166,12 +177,12 @@ def _make_checkpoint_engine(args: Sync, rank: int, world_size: int, port: int, r
                                       timeout=args.timeout)
 
 
-def _progress(total: int, enabled: bool):
+def _progress():
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     return Progress(TextColumn("[bold]{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-                    TimeElapsedColumn(), console=Console(stderr=True), disable=not enabled, transient=False)
+                    TimeElapsedColumn(), console=Console(stderr=True), transient=False)
 
 
 def _rank_main(args_dict: dict[str, Any], ckpt_port: int, ctl_port: int, root: str) -> dict[str, Any]:
@@ -191,7 +202,7 @@ async def _trainer_loop(args: Sync, engine, store, world_size: int) -> dict[str,
     trainer = _Trainer(args)
     publisher = ckpt.TrainerWorker(trainer.engine, engine)
     rows = []
-    with _progress(args.steps, enabled=True) as progress:
+    with _progress() as progress:
         task = progress.add_task("sync", total=args.steps)
         for step in range(1, args.steps + 1):
             progress.update(task, description=f"step {step}: train")
@@ -206,11 +217,8 @@ async def _trainer_loop(args: Sync, engine, store, world_size: int) -> dict[str,
             row["bytes"] = nbytes
             row["tensors"] = len(sums)
             results = [json.loads(store.get(f"result/{step}/{r}")) for r in range(1, world_size)]
-            row["onload_s"] = trainer.onload()
             row["rollouts"] = results
-            row["peak_device_bytes"] = hal.memory_stats(trainer.kind)["max_allocated"]
-            row["peak_host_bytes"] = _peak_host_bytes()
-            rows.append(row)
+            rows.append(trainer.finish(row))
             progress.advance(task)
     await engine.finalize()
     return {"rows": rows}
@@ -228,10 +236,7 @@ async def _rollout_loop(args: Sync, engine, store, rank: int) -> dict[str, Any]:
             await worker.update_weights(step)
             result["receive_s"] = time.perf_counter() - start
             result["served_step"] = adapter.served_step
-            expected = json.loads(store.get(f"sums/{step}"))
-            result["error"] = first_mismatch(expected, checksums(adapter.state_dict().items()))
-            if adapter.served_step != step:
-                result["error"] = f"rollout serves step {adapter.served_step}, expected {step}"
+            result["error"] = verify(adapter, step, json.loads(store.get(f"sums/{step}")))
         except hal.HalError as exc:
             result["error"] = f"{type(exc).__name__}: {exc}"
         result["peak_host_bytes"] = _peak_host_bytes()
@@ -250,7 +255,7 @@ async def _colocated(args: Sync) -> dict[str, Any]:
     channels = [ckpt.get_checkpoint_engine("colocated") for _ in range(args.rollouts)]
     adapters = [ckpt.InMemoryRolloutAdapter() for _ in channels]
     rows = []
-    with _progress(args.steps, enabled=True) as progress:
+    with _progress() as progress:
         task = progress.add_task("sync", total=args.steps)
         for step in range(1, args.steps + 1):
             row = {"global_steps": step, **trainer.step()}
@@ -260,14 +265,9 @@ async def _colocated(args: Sync) -> dict[str, Any]:
             receives = [ckpt.CheckpointEngineWorker(ch, ad).update_weights(step) for ch, ad in zip(channels, adapters)]
             await asyncio.gather(*sends, *receives)
             row.update(publish_s=time.perf_counter() - start, bytes=nbytes, tensors=len(sums))
-            row["rollouts"] = [{"rank": i + 1, "served_step": ad.served_step,
-                                "error": first_mismatch(sums, checksums(ad.state_dict().items()))
-                                or (None if ad.served_step == step else f"serves step {ad.served_step}")}
+            row["rollouts"] = [{"rank": i + 1, "served_step": ad.served_step, "error": verify(ad, step, sums)}
                                for i, ad in enumerate(adapters)]
-            row["onload_s"] = trainer.onload()
-            row["peak_device_bytes"] = hal.memory_stats(trainer.kind)["max_allocated"]
-            row["peak_host_bytes"] = _peak_host_bytes()
-            rows.append(row)
+            rows.append(trainer.finish(row))
             progress.advance(task)
     return {"rows": rows}
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import os
-import re
 import time
 import zlib
 from pathlib import Path
@@ -14,6 +13,7 @@ import torch
 
 import ckpt
 import hal
+from benchmarks.bench_ckpt import proc_status_bytes
 from ckpt.testing import same_bytes
 
 
@@ -132,10 +132,6 @@ def dies_mid_transfer(rank, world_size, port, device, victim):
         return type(exc).__name__, time.monotonic() - start, str(exc)
 
 
-def _status(key: str) -> int:
-    return int(re.search(rf"{key}:\s+(\d+)", Path("/proc/self/status").read_text()).group(1)) * 1024
-
-
 def bounded_memory(rank, world_size, port, bucket_size, model_mib):
     """Host peak memory added by a transfer on each side, in bytes (VmHWM after a reset, minus VmRSS).
 
@@ -158,16 +154,16 @@ def bounded_memory(rank, world_size, port, bucket_size, model_mib):
         await engine.init_process_group()
         model = [(f"t{i}", torch.randn(s // 2).to(torch.bfloat16)) for i, s in enumerate(sizes)] if rank == 0 else None
         checksum(torch.zeros(8, dtype=torch.bfloat16))  # the first .numpy() costs ~7 MiB: pay it before measuring
-        before = _status("VmRSS")
+        before = proc_status_bytes("VmRSS")
         Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current RSS
         await engine.prepare()
         if rank == 0:
             await engine.send_weights(iter(model), 7)
-            peak = _status("VmHWM") - before
+            peak = proc_status_bytes("VmHWM") - before
             sums = [checksum(t) for _, t in model]
         else:
             sums = [checksum(t) async for _, t in engine.receive_weights(7)]
-            peak = _status("VmHWM") - before
+            peak = proc_status_bytes("VmHWM") - before
         await engine.finalize()
         return peak, sum(sizes), sums
 
