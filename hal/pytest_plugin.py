@@ -1,13 +1,21 @@
 """pytest plugin: run the same tests on every device kind of this machine.
 
-* ``--device cpu,npu-sim`` (or ``HAL_TEST_DEVICES=cpu,npu-sim``) chooses the lanes; by default every
-  available kind among npu, cuda, npu-sim and cpu.
-* A test that takes the ``device`` fixture is parametrized over those kinds (``test_x[npu-sim]``); a kind
-  that was asked for but is unavailable is skipped with the probe's reason, naming what is missing.
-* ``@pytest.mark.device("npu-sim", "cuda")`` restricts a test to some kinds.
-* ``free_port`` gives a TCP port that is safe under pytest-xdist.
+Opt-in, as pytest's conventions ask of a plugin that changes collection: installing hal registers nothing
+with pytest. A suite enables it with ``pytest_plugins = ["hal.pytest_plugin"]`` in its root ``conftest.py``
+(or ``-p hal.pytest_plugin`` on the command line). Every name it adds is prefixed, so it cannot clash with a
+suite's own ``device`` fixture or parametrization (verl's and vLLM's suites have both):
 
-Registered through the ``pytest11`` entry point, so it is active wherever the package is installed.
+* ``--hal-device cpu,npu-sim`` (or ``HAL_TEST_DEVICES=cpu,npu-sim``) chooses the lanes; by default every
+  available kind among npu, cuda, npu-sim and cpu.
+* A test that takes the ``hal_device`` fixture is parametrized over those kinds (``test_x[npu-sim]``).
+* A kind that was asked for by name but is unknown or unavailable fails the run at start, naming the kind
+  and the reason (a CI lane that cannot test its kind must not pass by skipping everything). Among the
+  default lanes, an unavailable npu or cuda is left out and an unavailable cpu or npu-sim is skipped with
+  the probe's reason.
+* ``@pytest.mark.hal_device("npu-sim", "cuda")`` restricts a test to some kinds.
+* ``hal_free_port`` gives a TCP port that is safe under pytest-xdist.
+* While enabled, npu-sim's strict mode is on (``HAL_SIM_STRICT=1``) for the session and the processes it
+  spawns: a stray call into the CUDA module from project code fails the test.
 """
 
 from __future__ import annotations
@@ -18,56 +26,79 @@ import pytest
 
 ENV_VAR = "HAL_TEST_DEVICES"
 DEFAULT_LANES = ("npu", "cuda", "npu-sim", "cpu")
+ALWAYS_LISTED = ("npu-sim", "cpu")  # default lanes reported as skipped (not silently dropped) when unavailable
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
-    parser.addoption("--device", action="store", default=None,
-                     help=f"comma-separated device kinds to test on (default: ${ENV_VAR} or every available one)")
-
-
-def pytest_configure(config: pytest.Config) -> None:
-    # npu-sim strict mode: a stray call into the CUDA module from project code fails the test (spawned ranks inherit it).
-    os.environ.setdefault("HAL_SIM_STRICT", "1")
-    config.addinivalue_line("markers", "device(*kinds): run only on these device kinds")
-    config.addinivalue_line("markers", "multiprocess: spawns a process group")
+    parser.addoption("--hal-device", action="store", default=None,
+                     help=f"comma-separated hal device kinds to test on (default: ${ENV_VAR} or every available one)")
 
 
 def requested_kinds(config: pytest.Config) -> tuple[list[str], bool]:
     """(kinds, explicit): the lanes for this run, and whether the user named them."""
-    raw = config.getoption("--device") or os.environ.get(ENV_VAR, "")
+    raw = config.getoption("--hal-device") or os.environ.get(ENV_VAR, "")
     kinds = [k.strip().lower() for k in raw.split(",") if k.strip()]
     return (kinds, True) if kinds else (list(DEFAULT_LANES), False)
 
 
-def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
-    if "device" not in metafunc.fixturenames:
-        return
+def _probe(kind: str) -> str | None:
+    """None when ``kind`` is available here, else the reason it is not (unknown kinds included)."""
     import hal
 
+    try:
+        state = hal.availability(kind)
+    except hal.HalError as exc:
+        return str(exc)
+    return None if state else state.reason
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "hal_device(*kinds): run only on these hal device kinds")
+    config.addinivalue_line("markers", "multiprocess: spawns a process group")
+    # Set only while the plugin is enabled; the previous value comes back at unconfigure.
+    config._hal_prev_strict = os.environ.get("HAL_SIM_STRICT")  # type: ignore[attr-defined]
+    os.environ["HAL_SIM_STRICT"] = os.environ.get("HAL_SIM_STRICT", "1")
+    kinds, explicit = requested_kinds(config)
+    if explicit:
+        missing = {kind: reason for kind in kinds if (reason := _probe(kind)) is not None}
+        if missing:
+            detail = "; ".join(f"{kind!r}: {reason}" for kind, reason in missing.items())
+            raise pytest.UsageError(f"requested hal device kind(s) cannot be tested here: {detail}")
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    prev = getattr(config, "_hal_prev_strict", "unset")
+    if prev == "unset":
+        return
+    if prev is None:
+        os.environ.pop("HAL_SIM_STRICT", None)
+    else:
+        os.environ["HAL_SIM_STRICT"] = prev
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if "hal_device" not in metafunc.fixturenames:
+        return
     kinds, explicit = requested_kinds(metafunc.config)
-    marker = metafunc.definition.get_closest_marker("device")
+    marker = metafunc.definition.get_closest_marker("hal_device")
     if marker is not None:
         kinds = [k for k in kinds if k in marker.args]
     params = []
     for kind in kinds:
-        try:
-            state = hal.availability(kind)
-            reason = state.reason
-        except hal.HalError as exc:
-            state, reason = None, str(exc)
-        if state:
+        reason = _probe(kind)
+        if reason is None:
             params.append(pytest.param(kind, id=kind))
-        elif explicit or kind in ("cpu", "npu-sim"):
+        elif explicit or kind in ALWAYS_LISTED:
             params.append(pytest.param(kind, id=kind, marks=pytest.mark.skip(
                 reason=f"device kind {kind!r} unavailable: {reason}")))
     if not params:
         params.append(pytest.param(None, id="no-device", marks=pytest.mark.skip(
             reason=f"no requested device kind ({', '.join(kinds) or 'none'}) applies to this test")))
-    metafunc.parametrize("device", params)
+    metafunc.parametrize("hal_device", params)
 
 
 @pytest.fixture
-def free_port() -> int:
+def hal_free_port() -> int:
     """A free TCP port on 127.0.0.1, distinct across pytest-xdist workers."""
     from hal.testing import free_port as _free_port
 

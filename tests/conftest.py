@@ -1,9 +1,11 @@
-"""Shared fixtures. The device lanes and ``free_port`` come from the project's pytest plugin
-(``hal.pytest_plugin``, registered by the package's ``pytest11`` entry point)."""
+"""Shared fixtures. The device lanes (``hal_device``, ``--hal-device``) and ``hal_free_port`` come from the
+project's pytest plugin, which is opt-in: this suite enables it here."""
 
 import pytest
 
 import hal
+
+pytest_plugins = ["hal.pytest_plugin"]
 
 
 @pytest.fixture(autouse=True)

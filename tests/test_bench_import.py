@@ -1,6 +1,6 @@
 """The import-cost benchmark measures, and import hal brings in no vendor package."""
 
-from benchmarks.bench_import import run
+from hal.benchmarks.bench_import import run
 
 
 def test_import_benchmark_reports_a_ratio_and_no_vendor_import():

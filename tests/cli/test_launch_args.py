@@ -3,7 +3,7 @@
 import pytest
 
 import hal
-from cli.launch import Launch, launch_env, torchrun_argv
+from hal.cli.launch import Launch, launch_env, torchrun_argv
 
 
 def test_single_node_is_standalone():

@@ -24,10 +24,10 @@ def test_abstract_hooks_are_enforced():
 
 
 @pytest.mark.parametrize("model,optimizer,grad", FLAGS)
-def test_grad_without_model_is_the_only_invalid_combination(device, model, optimizer, grad):
-    engine = TorchEngine(make_model(), None, device)
+def test_grad_without_model_is_the_only_invalid_combination(hal_device, model, optimizer, grad):
+    engine = TorchEngine(make_model(), None, hal_device)
     before = engine.placement()
-    for target in ("cpu", device):
+    for target in ("cpu", hal_device):
         if grad and not model:
             with pytest.raises(OffloadError, match="gradient buffers move only with the model") as info:
                 engine.to(target, model=model, optimizer=optimizer, grad=grad)
@@ -45,9 +45,9 @@ def test_unknown_or_foreign_target_is_refused_with_what_is_accepted():
         engine.to(3.5)
 
 
-def test_target_can_be_the_kind_name_the_device_type_or_a_torch_device(device):
-    engine = TorchEngine(make_model(), None, device)
-    spec = hal.resolve_device(device)
+def test_target_can_be_the_kind_name_the_device_type_or_a_torch_device(hal_device):
+    engine = TorchEngine(make_model(), None, hal_device)
+    spec = hal.resolve_device(hal_device)
     for target in (spec.kind, spec.name, hal.get_device(spec), spec):
         engine.to("cpu")
         engine.to(target)
@@ -67,27 +67,27 @@ def test_placement_is_a_frozen_value():
     assert p == Placement(model="npu", optimizer="cpu", grad=None)
 
 
-def test_pin_memory_support_follows_the_kind(device):
+def test_pin_memory_support_follows_the_kind(hal_device):
     from engines import pin_memory_supported
 
-    spec = hal.resolve_device(device)
+    spec = hal.resolve_device(hal_device)
     supported = pin_memory_supported(spec)
     if spec.host_memory:
         assert supported is False
     declared = getattr(spec, "supports_pin_memory", None)
     if declared is not None and not spec.host_memory:
         assert supported is bool(declared)
-    engine = TorchEngine(make_model(), None, device)
+    engine = TorchEngine(make_model(), None, hal_device)
     assert engine.host_buffers.pin is supported
 
 
-def test_release_host_buffers_only_when_nothing_is_offloaded(device):
-    engine = TorchEngine(make_model(), None, device)
+def test_release_host_buffers_only_when_nothing_is_offloaded(hal_device):
+    engine = TorchEngine(make_model(), None, hal_device)
     engine.to("cpu")
     held = len(engine.host_buffers)
     engine.release_host_buffers()
     assert len(engine.host_buffers) == held  # still in use by the offloaded parameters
-    engine.to(device)
+    engine.to(hal_device)
     engine.release_host_buffers()
     assert len(engine.host_buffers) == 0
     engine.to("cpu")

@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 
 import hal
-from benchmarks import bench_offload
+from hal.benchmarks import bench_offload
 
 
-def test_run_reports_rates_and_buffers(device):
-    result = bench_offload.run(8, device, rounds=1)
-    spec = hal.resolve_device(device)
+def test_run_reports_rates_and_buffers(hal_device):
+    result = bench_offload.run(8, hal_device, rounds=1)
+    spec = hal.resolve_device(hal_device)
     assert result["device"] == spec.kind and result["moves"] == (not spec.host_memory)
     assert result["tensors"] == bench_offload.LAYERS * bench_offload.TENSORS_PER_LAYER
     assert 4 * 2**20 < result["bytes"] <= 8 * 2**20

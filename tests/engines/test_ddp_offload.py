@@ -42,12 +42,12 @@ def _ddp_worker(rank, world_size, port, kind):
         dist.destroy_process_group()
 
 
-def test_ddp_offload_between_steps_keeps_replicas_equal_and_exact(device):
+def test_ddp_offload_between_steps_keeps_replicas_equal_and_exact(hal_device):
     """DDP's reducer hooks each parameter's gradient accumulator; a plain ``param.data = cpu_tensor``
     offload replaces it and DDP silently stops averaging (this test failed that way before storage slots)."""
-    results = run_multiprocess(_ddp_worker, 2, device, timeout=100)
+    results = run_multiprocess(_ddp_worker, 2, hal_device, timeout=100)
     names = list(make_model(0).state_dict())
-    spec = hal.resolve_device(device)
+    spec = hal.resolve_device(hal_device)
     for rank in (0, 1):
         where = results[rank]["placements"]
         assert len(where) == STEPS

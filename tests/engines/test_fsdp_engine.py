@@ -61,9 +61,9 @@ def _fsdp_worker(rank, world_size, port, kind):
         dist.destroy_process_group()
 
 
-def test_fsdp_offload_between_steps_is_exact_for_every_flag_combination(device):
-    results = run_multiprocess(_fsdp_worker, 2, device, timeout=110)
-    spec = hal.resolve_device(device)
+def test_fsdp_offload_between_steps_is_exact_for_every_flag_combination(hal_device):
+    results = run_multiprocess(_fsdp_worker, 2, hal_device, timeout=110)
+    spec = hal.resolve_device(hal_device)
     # the unsharded reference: same data on both ranks, so FSDP's averaged gradient equals the local one
     from engines import TorchEngine
 

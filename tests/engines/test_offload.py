@@ -44,9 +44,9 @@ def _state_tensors(engine):
 
 
 @pytest.mark.parametrize("model,optimizer,grad", ALL_FLAGS, ids=lambda v: str(int(v)))
-def test_offload_between_steps_is_bit_identical_for_every_flag_combination(device, model, optimizer, grad):
-    reference, engine = _engine(device), _engine(device)
-    spec = hal.resolve_device(device)
+def test_offload_between_steps_is_bit_identical_for_every_flag_combination(hal_device, model, optimizer, grad):
+    reference, engine = _engine(hal_device), _engine(hal_device)
+    spec = hal.resolve_device(hal_device)
     home = spec.name
     for step in range(STEPS):
         loss_ref = reference.train_step(loss_for(step, reference.torch_device))
@@ -59,14 +59,14 @@ def test_offload_between_steps_is_bit_identical_for_every_flag_combination(devic
             continue
         engine.to("cpu", model=model, optimizer=optimizer, grad=grad)
         where = engine.placement()
-        if _moves(device):
+        if _moves(hal_device):
             assert where.model == ("cpu" if model else home)
             assert where.grad == ("cpu" if grad else home)
             assert where.optimizer == ("cpu" if optimizer else home)
             assert (engine.last_moved_bytes > 0) == (model or optimizer)
         else:
             assert where == reference.placement() and engine.last_moved_bytes == 0
-        engine.to(device, model=model, optimizer=optimizer, grad=grad)
+        engine.to(hal_device, model=model, optimizer=optimizer, grad=grad)
         assert engine.placement() == reference.placement() == type(where)(home, home, home)
     ref, got = host_copy(reference.get_per_tensor_param()), host_copy(engine.get_per_tensor_param())
     assert list(ref) == list(got)
@@ -83,8 +83,8 @@ def test_offload_between_steps_is_bit_identical_for_every_flag_combination(devic
     (torch.optim.RMSprop, {"centered": True, "momentum": 0.5}, {"step", "square_avg", "momentum_buffer",
                                                               "grad_avg"}),
 ], ids=["adamw-amsgrad", "sgd-momentum", "adagrad", "rmsprop-centered"])
-def test_every_optimizer_state_tensor_moves_whatever_its_key(device, optimizer_cls, kwargs, keys):
-    engine = _engine(device, optimizer_cls, **kwargs)
+def test_every_optimizer_state_tensor_moves_whatever_its_key(hal_device, optimizer_cls, kwargs, keys):
+    engine = _engine(hal_device, optimizer_cls, **kwargs)
     engine.train_step(loss_for(0, engine.torch_device))
     states = _state_tensors(engine)
     assert {k for _, k, _ in states} == keys
@@ -95,27 +95,27 @@ def test_every_optimizer_state_tensor_moves_whatever_its_key(device, optimizer_c
         host_scalar = home.type == "cpu" and t.dim() == 0  # Adam's step: the optimizer keeps it on the host
         assert t.device.type == "cpu" or host_scalar
         assert torch.equal(t.cpu(), value.cpu()), (i, k)
-    assert engine.placement().model == hal.resolve_device(device).name  # params stayed resident
-    engine.to(device, model=False, optimizer=True, grad=False)
+    assert engine.placement().model == hal.resolve_device(hal_device).name  # params stayed resident
+    engine.to(hal_device, model=False, optimizer=True, grad=False)
     for i, k, t in _state_tensors(engine):
         assert t.device == before[(i, k)][0] and torch.equal(t.cpu(), before[(i, k)][1].cpu()), (i, k)
     engine.train_step(loss_for(1, engine.torch_device))  # the step counters are still usable
 
 
-def test_optimizer_that_never_stepped_gains_no_state(device):
-    engine = _engine(device)
+def test_optimizer_that_never_stepped_gains_no_state(hal_device):
+    engine = _engine(hal_device)
     for _ in range(2):
         engine.to("cpu")
         assert len(engine.optimizer.state) == 0 and engine.placement().optimizer == "cpu"
-        engine.to(device)
+        engine.to(hal_device)
         assert len(engine.optimizer.state) == 0
-    assert engine.placement().optimizer == hal.resolve_device(device).name
+    assert engine.placement().optimizer == hal.resolve_device(hal_device).name
     engine.train_step(loss_for(0, engine.torch_device))
     assert len(engine.optimizer.state) == len(list(engine.module.parameters()))
 
 
-def test_parameter_identity_and_tied_weights_survive_round_trips(device):
-    engine = _engine(device)
+def test_parameter_identity_and_tied_weights_survive_round_trips(hal_device):
+    engine = _engine(hal_device)
     engine.train_step(loss_for(0, engine.torch_device))
     module = engine.module
     params = list(module.parameters())
@@ -124,7 +124,7 @@ def test_parameter_identity_and_tied_weights_survive_round_trips(device):
     for _ in range(2):
         engine.to("cpu")
         assert module.head.weight is module.embed.weight
-        engine.to(device)
+        engine.to(hal_device)
     assert [id(p) for p in module.parameters()] == ids
     assert [id(p) for g in engine.optimizer.param_groups for p in g["params"]] == ids
     assert module.head.weight is module.embed.weight
@@ -135,12 +135,12 @@ def test_parameter_identity_and_tied_weights_survive_round_trips(device):
     assert torch.equal(tied["head.weight"].cpu(), tied["embed.weight"].cpu())
 
 
-def test_host_buffers_are_pinned_where_supported_and_reused(device):
-    engine = _engine(device)
+def test_host_buffers_are_pinned_where_supported_and_reused(hal_device):
+    engine = _engine(hal_device)
     engine.train_step(loss_for(0, engine.torch_device))
     engine.to("cpu")
     host = {n: p.data for n, p in engine.module.named_parameters()}
-    if not _moves(device):
+    if not _moves(hal_device):
         assert engine.last_moved_bytes == 0 and len(engine.host_buffers) == 0
         return
     first = engine.host_buffers.allocations
@@ -148,38 +148,38 @@ def test_host_buffers_are_pinned_where_supported_and_reused(device):
     # one host buffer per distinct parameter (tied weight once), buffer, gradient, and AdamW's exp_avg and
     # exp_avg_sq (its 0-dim host ``step`` stays where it is)
     assert first == len(engine.host_buffers) == 4 * len(params) + 1
-    pinned = pin_memory_supported(hal.resolve_device(device))
+    pinned = pin_memory_supported(hal.resolve_device(hal_device))
     assert all(t.device.type == "cpu" and t.is_pinned() == pinned for t in host.values())
     ptrs = {n: t.data_ptr() for n, t in host.items()}
-    engine.to(device)
+    engine.to(hal_device)
     engine.train_step(loss_for(1, engine.torch_device))
     engine.to("cpu")
     assert engine.host_buffers.allocations == first  # the second offload allocated no host buffer
     assert {n: p.data_ptr() for n, p in engine.module.named_parameters()} == ptrs
 
 
-def test_device_memory_is_released_by_the_bytes_moved(device):
-    spec = hal.resolve_device(device)
+def test_device_memory_is_released_by_the_bytes_moved(hal_device):
+    spec = hal.resolve_device(hal_device)
     module = spec.torch_module()
-    engine = _engine(device)
+    engine = _engine(hal_device)
     engine.train_step(loss_for(0, engine.torch_device))
     hal.synchronize(spec)
     before = module.memory_allocated()
     engine.to("cpu")
     after = module.memory_allocated()
-    if not _moves(device):
+    if not _moves(hal_device):
         assert engine.last_moved_bytes == 0
         return
     if before == 0:
-        pytest.skip(f"device kind {device!r} does not report memory_allocated")
+        pytest.skip(f"device kind {hal_device!r} does not report memory_allocated")
     assert engine.last_moved_bytes == engine.host_buffers.nbytes > 0
     assert before - after >= engine.last_moved_bytes
-    engine.to(device)
+    engine.to(hal_device)
     assert module.memory_allocated() - after >= engine.last_moved_bytes
 
 
-def test_forward_only_engine_offloads_parameters(device):
-    engine = _engine(device, optimizer_cls=None)
+def test_forward_only_engine_offloads_parameters(hal_device):
+    engine = _engine(hal_device, optimizer_cls=None)
     tokens = torch.arange(8).reshape(1, 8).to(engine.torch_device)
     with torch.no_grad():
         expected = engine.module(tokens).cpu()
@@ -188,58 +188,58 @@ def test_forward_only_engine_offloads_parameters(device):
     assert where.optimizer is None and where.grad is None
     assert where.model == "cpu"
     distinct = list(engine.module.parameters()) + list(engine.module.buffers())  # tied weight counted once
-    moved = sum(t.numel() * t.element_size() for t in distinct) if _moves(device) else 0
+    moved = sum(t.numel() * t.element_size() for t in distinct) if _moves(hal_device) else 0
     assert engine.last_moved_bytes == moved
-    engine.to(device)
+    engine.to(hal_device)
     with torch.no_grad():
         assert torch.equal(engine.module(tokens).cpu(), expected)
 
 
-def test_to_twice_is_safe_and_moves_nothing_the_second_time(device):
-    engine = _engine(device)
+def test_to_twice_is_safe_and_moves_nothing_the_second_time(hal_device):
+    engine = _engine(hal_device)
     engine.train_step(loss_for(0, engine.torch_device))
     values = host_copy(engine.get_per_tensor_param())
     engine.to("cpu")
     first = engine.last_moved_bytes
     engine.to("cpu")
-    assert engine.last_moved_bytes == 0 and (first > 0) == _moves(device)
-    engine.to(device)
-    engine.to(device)
+    assert engine.last_moved_bytes == 0 and (first > 0) == _moves(hal_device)
+    engine.to(hal_device)
+    engine.to(hal_device)
     assert engine.last_moved_bytes == 0
     got = host_copy(engine.get_per_tensor_param())
     assert all(torch.equal(values[n], got[n]) for n in values)
 
 
-def test_train_step_refuses_while_offloaded(device):
-    if not _moves(device):
+def test_train_step_refuses_while_offloaded(hal_device):
+    if not _moves(hal_device):
         pytest.skip("on the cpu kind nothing is ever offloaded")
     from engines import EngineStateError
 
-    engine = _engine(device)
+    engine = _engine(hal_device)
     engine.train_step(loss_for(0, engine.torch_device))
     engine.to("cpu", model=False, optimizer=True, grad=False)
     with pytest.raises(EngineStateError, match="optimizer tensors are offloaded"):
         engine.train_step(loss_for(1, engine.torch_device))
 
 
-def test_per_tensor_params_follow_state_dict_order_with_tied_names(device):
-    engine = _engine(device)
+def test_per_tensor_params_follow_state_dict_order_with_tied_names(hal_device):
+    engine = _engine(hal_device)
     names = [n for n, _ in engine.get_per_tensor_param()]
     assert names == list(engine.module.state_dict())
     assert "head.weight" in names and "embed.weight" in names and "scale" in names
 
 
-def test_copies_are_synchronized_once_before_to_returns(device, monkeypatch):
-    engine = _engine(device)
+def test_copies_are_synchronized_once_before_to_returns(hal_device, monkeypatch):
+    engine = _engine(hal_device)
     engine.train_step(loss_for(0, engine.torch_device))
     calls = []
     real = hal.synchronize
     monkeypatch.setattr(hal, "synchronize", lambda spec=None: (calls.append(engine.placement()), real(spec)))
     engine.to("cpu")
-    engine.to(device)
-    if not _moves(device):
+    engine.to(hal_device)
+    if not _moves(hal_device):
         assert calls == []  # nothing copied, nothing to wait for
         return
-    home = hal.resolve_device(device).name
+    home = hal.resolve_device(hal_device).name
     # one wait per direction, after every tensor was issued (placement already final when it runs)
     assert [(w.model, w.grad, w.optimizer) for w in calls] == [("cpu",) * 3, (home,) * 3]

@@ -15,8 +15,8 @@ def _accumulator(p: torch.Tensor):
 
 
 @pytest.mark.parametrize("kind_of_slot", ["data", "storage"])
-def test_accumulator_hooks_survive_only_a_storage_round_trip(device, kind_of_slot):
-    spec = hal.resolve_device(device)
+def test_accumulator_hooks_survive_only_a_storage_round_trip(hal_device, kind_of_slot):
+    spec = hal.resolve_device(hal_device)
     if spec.host_memory:
         pytest.skip("on the cpu kind nothing changes device")
     target = hal.get_device(spec)
@@ -41,8 +41,8 @@ def test_accumulator_hooks_survive_only_a_storage_round_trip(device, kind_of_slo
     assert (_accumulator(param) is accumulator) == (kind_of_slot == "storage")
 
 
-def test_storage_slot_refuses_a_tensor_sharing_its_storage(device):
-    spec = hal.resolve_device(device)
+def test_storage_slot_refuses_a_tensor_sharing_its_storage(hal_device):
+    spec = hal.resolve_device(hal_device)
     if spec.host_memory:
         pytest.skip("on the cpu kind nothing is offloaded")
     flat = torch.zeros(8, device=hal.get_device(spec))

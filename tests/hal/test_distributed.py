@@ -108,8 +108,8 @@ def _host_pair(rank, world_size, port):
     return out
 
 
-@pytest.mark.device("npu-sim")
-def test_host_pair_backend_serves_device_and_host_tensors(device):
+@pytest.mark.hal_device("npu-sim")
+def test_host_pair_backend_serves_device_and_host_tensors(hal_device):
     results = run_multiprocess(_host_pair, 2, timeout=90)
     for rank in range(2):
         backend, dev, host, objects = results[rank]

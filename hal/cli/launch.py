@@ -43,7 +43,7 @@ class Launch:
     max_restarts: int = 0
     """Restarts of failed workers before the job fails."""
     script: tyro.conf.Suppress[tuple[str, ...]] = ()
-    """The script and its arguments, given after '--' (filled by cli.main, not a flag)."""
+    """The script and its arguments, given after '--' (filled by hal.cli.main, not a flag)."""
 
 
 def torchrun_argv(args: Launch) -> list[str]:

@@ -1,9 +1,9 @@
 """``hal bench``: the offload and weight-sync benchmarks, printed as ratio tables (and optionally plotted).
 
 Every figure is a ratio measured side by side in one run (the machine is shared and noisy): offload+onload
-against a plain single-buffer copy of the same bytes (``benchmarks/bench_offload.py``), and the collective
+against a plain single-buffer copy of the same bytes (``hal/benchmarks/bench_offload.py``), and the collective
 checkpoint engine against one single-tensor broadcast and against tensor-by-tensor broadcasts, across
-bucket sizes (``benchmarks/bench_ckpt.py``).
+bucket sizes (``hal/benchmarks/bench_ckpt.py``).
 """
 
 from __future__ import annotations
@@ -56,11 +56,11 @@ def execute(args: Bench) -> dict[str, Any]:
     kind = hal.resolve_device(args.device).kind
     out: dict[str, Any] = {}
     if "offload" in args.only:
-        from benchmarks import bench_offload
+        from hal.benchmarks import bench_offload
 
         out["offload"] = bench_offload.run(size, kind, rounds)
     if "sync" in args.only:
-        from benchmarks import bench_ckpt
+        from hal.benchmarks import bench_ckpt
 
         out["sync"] = bench_ckpt.run(size, list(buckets), kind, rounds)
     return out
@@ -113,11 +113,11 @@ def run(args: Bench) -> int:
         print(json.dumps(result, indent=2))
     else:
         if "offload" in result:
-            from benchmarks import bench_offload
+            from hal.benchmarks import bench_offload
 
             bench_offload.print_table(result["offload"])
         if "sync" in result:
-            from benchmarks import bench_ckpt
+            from hal.benchmarks import bench_ckpt
 
             bench_ckpt.print_table(result["sync"])
     if args.plot:

@@ -13,8 +13,8 @@ The tensor mix: bf16 tensors whose sizes are log-uniform between 2 KiB and 18 Mi
 1 GiB), seeded. Each timing is from a barrier to a barrier; after a warm-up, ``rounds`` rounds each run
 every measurement once (so a noisy neighbour slows all alike); times and per-round ratios are medians.
 
-    python -m benchmarks.bench_ckpt                       # 1024 MiB, buckets 16..256 MiB, cpu
-    python -m benchmarks.bench_ckpt --size-mb 64 --bucket-mb 4 16 --device npu-sim
+    python -m hal.benchmarks.bench_ckpt                       # 1024 MiB, buckets 16..256 MiB, cpu
+    python -m hal.benchmarks.bench_ckpt --size-mb 64 --bucket-mb 4 16 --device npu-sim
 """
 
 from __future__ import annotations

@@ -9,14 +9,14 @@ from __future__ import annotations
 import sys
 import tyro
 
-from cli.bench import Bench
-from cli.bench import run as run_bench
-from cli.info import Info
-from cli.info import run as run_info
-from cli.launch import Launch
-from cli.launch import run as run_launch
-from cli.sync import Sync
-from cli.sync import run as run_sync
+from hal.cli.bench import Bench
+from hal.cli.bench import run as run_bench
+from hal.cli.info import Info
+from hal.cli.info import run as run_info
+from hal.cli.launch import Launch
+from hal.cli.launch import run as run_launch
+from hal.cli.sync import Sync
+from hal.cli.sync import run as run_sync
 from hal.errors import HalError
 
 SUBCOMMANDS = {"info": Info, "launch": Launch, "sync": Sync, "bench": Bench}

@@ -80,7 +80,7 @@ def validate(args: Sync) -> None:
         FileNotFoundError: ``--model`` is neither a preset nor a safetensors file/directory.
         UnknownDeviceError, DeviceUnavailableError: ``--device`` cannot be used here.
     """
-    from cli.models import PRESETS, safetensors_files
+    from hal.cli.models import PRESETS, safetensors_files
 
     for flag, value in (("--rollouts", args.rollouts), ("--steps", args.steps), ("--bucket-mb", args.bucket_mb),
                         ("--timeout", args.timeout), ("--lr", args.lr)):
@@ -127,7 +127,7 @@ class _Trainer:
     """Rank 0: a TorchEngine with AdamW on the chosen kind."""
 
     def __init__(self, args: Sync) -> None:
-        from cli.models import build
+        from hal.cli.models import build
         from engines import TorchEngine
 
         self.kind = hal.resolve_device(args.device).kind
