@@ -24,7 +24,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from hal.errors import DistributedTimeoutError
+from devices.errors import DistributedTimeoutError
 
 BACKEND_NAME = "hccl"
 _ext = None

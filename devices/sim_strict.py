@@ -23,7 +23,7 @@ import sys
 import sysconfig
 import types
 
-from hal.errors import HalError
+from devices.errors import HalError
 
 ENV_VAR = "HAL_SIM_STRICT"
 _installed = False

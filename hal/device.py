@@ -1,6 +1,6 @@
 """Resolving the device kind and the per-device calls everyone else makes.
 
-Resolution order (see DESIGN.md): explicit argument > ``HAL_DEVICE`` environment variable > automatic
+Resolution order: explicit argument > ``HAL_DEVICE`` environment variable > automatic
 (npu, cuda, plugin kinds, cpu: the first available). Probes run on first use and are cached; :func:`reset`
 clears the cache (tests, or a process that changed its environment).
 

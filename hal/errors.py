@@ -1,35 +1,21 @@
-"""The one exception tree of the library.
+"""The one exception tree of the library (re-exported from the leaf module :mod:`devices.errors`).
 
 Every error raised on purpose derives from :class:`HalError`, and also from the built-in exception a
 caller would naturally catch (``ValueError`` for bad input, ``RuntimeError`` for an unusable device,
-``TimeoutError`` for a peer that never answered), so existing ``except`` clauses keep working.
+``TimeoutError`` for a peer that never answered), so existing ``except`` clauses keep working. The classes
+are defined in :mod:`devices.errors` so that ``devices`` (which imports nothing from ``hal``) raises the
+very same classes; these names are the public ones.
 """
 
 from __future__ import annotations
 
+from devices.errors import (
+    DeviceUnavailableError,
+    DistributedTimeoutError,
+    DuplicateDeviceError,
+    HalError,
+    UnknownDeviceError,
+)
 
-class HalError(Exception):
-    """Base class of every error raised on purpose by hal, engines and ckpt."""
-
-
-class UnknownDeviceError(HalError, ValueError):
-    """A device kind was asked for that no built-in module nor ``hal.devices`` plugin provides.
-
-    The message names the requested kind and lists the known ones.
-    """
-
-
-class DeviceUnavailableError(HalError, RuntimeError):
-    """A known device kind was asked for but cannot be used in this process.
-
-    The message names the kind, why it is unavailable (for npu: the text of the vendor package's import
-    error) and which kinds are available instead.
-    """
-
-
-class DuplicateDeviceError(HalError, ValueError):
-    """A device kind was registered under a name that is already taken."""
-
-
-class DistributedTimeoutError(HalError, TimeoutError):
-    """A rendezvous or collective did not complete within its timeout (a peer is missing or dead)."""
+__all__ = ["HalError", "UnknownDeviceError", "DeviceUnavailableError", "DuplicateDeviceError",
+           "DistributedTimeoutError"]

@@ -88,7 +88,7 @@ def run(size_mb: int, device: str | None = None, rounds: int = 3, threads: int |
         size_mb: model size in MiB (fp32).
         device: device kind; ``None`` resolves through ``hal``.
         rounds: timed repetitions per figure (median taken).
-        threads: torch intra-op threads during the run (restored after); 1 as in BASELINES.md, since a
+        threads: torch intra-op threads during the run (restored after); 1 by default, since a
             host-side copy split over busy shared cores waits for its slowest thread; ``None`` keeps them.
 
     Returns:
