@@ -22,9 +22,20 @@ class NpuDevice(DeviceSpec):
     vendor_package: str | None = "torch-npu"
 
     def torch_module(self) -> types.ModuleType:
+        """``torch.npu`` after ``import torch_npu``.
+
+        Raises:
+            ImportError: torch_npu cannot be imported, or what imports is hal's npu-sim compatibility module
+                (that is the ``npu-sim`` kind, not real Ascend hardware).
+        """
         import torch
         import torch_npu  # noqa: F401  - registers torch.npu and the hccl backend
 
+        from devices import sim_compat
+
+        if sim_compat.is_compat(torch_npu):
+            raise ImportError("torch_npu here is hal's npu-sim compatibility module, not the real package; "
+                              "select the 'npu-sim' kind for it")
         return torch.npu
 
     def availability(self) -> Availability:

@@ -14,7 +14,10 @@ that matches cpu to about 3e-8 rather than bit for bit (the optimizer takes othe
 
 :func:`register` then does what ``import torch_npu`` does, once per process: rename PrivateUse1 to
 ``npu`` (a second rename raises, so it is guarded), ``torch._register_device_module("npu", ...)``, the
-``tensor.npu()`` / ``is_npu`` methods, and the ``hccl`` backend (:mod:`devices.sim_backend`).
+``tensor.npu()`` / ``is_npu`` methods, and the ``hccl`` backend (:mod:`devices.sim_backend`); it adds the
+rest of torch_npu's device calls (:mod:`devices.sim_api`) and makes ``import torch_npu`` give the
+compatibility module (:mod:`devices.sim_compat`). With ``HAL_DEVICE=npu-sim`` all of this happens inside
+``import torch`` (:mod:`devices.sim_autoload`), before any consumer's first import.
 
 Environment: ``HAL_SIM_NPU_COUNT`` (devices, default: entries of ``ASCEND_RT_VISIBLE_DEVICES``, else 8),
 ``HAL_SIM_NPU_MEMORY`` (capacity per device in bytes, default 8 GiB), ``HAL_SIM_STRICT=1`` (any
@@ -24,11 +27,11 @@ Environment: ``HAL_SIM_NPU_COUNT`` (devices, default: entries of ``ASCEND_RT_VIS
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import os
 import threading
 import types
 
+from devices import sim_compat
 from devices.base import Availability, DeviceSpec
 
 DEFAULT_DEVICE_COUNT = 8
@@ -39,8 +42,12 @@ _registered: types.ModuleType | None = None
 
 
 def real_torch_npu_present() -> bool:
-    """Whether a real ``torch_npu`` is importable here (then the sim refuses to register: both own ``npu``)."""
-    return importlib.util.find_spec("torch_npu") is not None
+    """Whether a real ``torch_npu`` is importable here (then the sim refuses to register: both own ``npu``).
+
+    The compatibility module the sim itself provides, an empty ``torch_npu/`` folder or a stray
+    ``torch_npu.py`` do not count (see :func:`devices.sim_compat.real_torch_npu_origin`).
+    """
+    return sim_compat.real_torch_npu_origin() is not None
 
 
 def _device_count() -> int:
@@ -70,11 +77,11 @@ def register() -> types.ModuleType:
         if _registered is not None:
             return _registered
         if real_torch_npu_present():
-            raise RuntimeError("a real torch_npu is importable here; use the 'npu' kind, not 'npu-sim' "
-                               "(both would register the 'npu' device)")
+            raise RuntimeError(f"a real torch_npu is importable here ({sim_compat.real_torch_npu_origin()}); "
+                               "use the 'npu' kind, not 'npu-sim' (both would register the 'npu' device)")
         import torch
 
-        from devices import sim_backend, sim_ext, sim_module, sim_strict
+        from devices import sim_api, sim_backend, sim_ext, sim_module, sim_strict
 
         current = torch._C._get_privateuse1_backend_name()
         if current not in ("privateuseone", "npu"):
@@ -88,13 +95,14 @@ def register() -> types.ModuleType:
         if current != "npu":
             torch.utils.rename_privateuse1_backend("npu")
         if not hasattr(torch, "npu"):
-            torch._register_device_module("npu", sim_module.build(ext))
+            torch._register_device_module("npu", sim_api.extend(sim_module.build(ext), ext))
         if not hasattr(torch.Tensor, "is_npu"):
             torch.utils.generate_methods_for_privateuse1_backend(
                 for_tensor=True, for_module=True, for_packed_sequence=True, for_storage=True)
         sim_backend.register()
         if sim_strict.enabled():
             sim_strict.install()
+        sim_compat.install_finder()
         _registered = torch.npu
         return _registered
 

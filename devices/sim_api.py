@@ -1,0 +1,170 @@
+"""The rest of ``torch.npu`` that verl 0.9.1 and vllm-ascend call, added to the sim's device module.
+
+Each name exists in ``torch_npu.npu`` 2.14.0 (``devices/npu_api_names.txt``) and behaves as torch_npu
+documents it, restricted to what a host-memory simulation can honour:
+
+- ``set_per_process_memory_fraction(fraction, device=None)`` / ``get_per_process_memory_fraction``: the
+  process may hold at most ``fraction * total`` bytes on the device; an allocation past it raises
+  ``torch.OutOfMemoryError`` (the limit is enforced by the extension's capacity check). ``mem_get_info``
+  keeps reporting the device's full total, as the driver does.
+- ``ipc_collect()``: no-op; the sim shares no device memory between processes, so nothing is held for IPC.
+- ``get_device_capability(device=None)``: ``None``. torch_npu documents that CANN has no compute-capability
+  concept and returns ``None``; verl's ``PlatformNPU.get_device_capability`` handles exactly that.
+- ``get_device_properties(device=None)``: ``name``, ``total_memory`` (bytes) and Ascend's core counts.
+- ``memory`` (``torch.npu.memory``): the memory calls plus ``_set_allocator_settings("key:value,...")``,
+  which accepts the keys of ``PYTORCH_NPU_ALLOC_CONF`` and rejects any other, as torch_npu does.
+- ``is_current_stream_capturing()``: ``False`` (the sim has no graph capture; ``NPUGraph`` is absent).
+- ``set_compile_mode(jit_compile=False)`` and ``config.allow_internal_format`` (``False``): the sim keeps
+  every tensor in its plain (ND) layout, which is what ``allow_internal_format=False`` asks for.
+
+Names torch_npu has and the sim cannot honour (graphs, ``NPUPluggableAllocator``, ``MemPool``, ``mstx``,
+dump and overflow controls) stay absent, so a consumer's ``hasattr`` check takes its fallback path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import types
+from typing import Any
+
+import torch
+
+# Keys torch_npu's allocator configuration (PYTORCH_NPU_ALLOC_CONF) accepts; _set_allocator_settings
+# takes the same "key:value,key:value" string.
+ALLOCATOR_SETTING_KEYS = ("max_split_size_mb", "garbage_collection_threshold", "expandable_segments",
+                          "base_addr_aligned_kb", "page_size", "segment_size_mb")
+
+# Ascend 910B-class core counts (torch_npu's NPUDeviceProperties fields); informational only.
+CUBE_CORE_NUM = 24
+VECTOR_CORE_NUM = 48
+L2_CACHE_SIZE = 192 << 20
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceProperties:
+    """What ``torch.npu.get_device_properties`` returns (torch_npu's ``NPUDeviceProperties`` fields).
+
+    ``total_memory`` is in bytes; ``L2_cache_size`` in bytes.
+    """
+
+    name: str
+    total_memory: int
+    cube_core_num: int = CUBE_CORE_NUM
+    vector_core_num: int = VECTOR_CORE_NUM
+    L2_cache_size: int = L2_CACHE_SIZE  # noqa: N815 - torch_npu's field name
+
+
+def extend(mod: types.ModuleType, ext: types.ModuleType) -> types.ModuleType:
+    """Add the names of the module doc to ``mod`` (the sim's ``torch.npu``); returns ``mod``."""
+    def index(device: Any = None) -> int:
+        """The device index ``device`` names, by the module's own rule (``torch.npu.device``); ValueError if not npu."""
+        return mod.device(device).index
+
+    totals: dict[int, int] = {}
+    fractions: dict[int, float] = {}
+    settings: dict[str, str] = {}
+
+    def _total(i: int) -> int:
+        if i not in totals:
+            totals[i] = ext.capacity(i)
+        return totals[i]
+
+    def _apply_limit(i: int) -> None:
+        ext.set_capacity(i, max(1, int(_total(i) * fractions.get(i, 1.0))))
+
+    def set_per_process_memory_fraction(fraction: float, device: Any = None) -> None:
+        """Limit this process to ``fraction`` (0..1) of the device's total memory.
+
+        Raises:
+            TypeError: ``fraction`` is not a float. ValueError: it is outside [0, 1], or ``device`` is not npu.
+        """
+        if not isinstance(fraction, float):
+            raise TypeError(f"Invalid type for fraction argument, must be `float`, got {type(fraction).__name__}")
+        if not 0.0 <= fraction <= 1.0:
+            raise ValueError(f"Invalid fraction value: {fraction}. Allowed range: 0~1")
+        i = index(device)
+        _total(i)
+        fractions[i] = fraction
+        _apply_limit(i)
+
+    def get_per_process_memory_fraction(device: Any = None) -> float:
+        """The fraction set by :func:`set_per_process_memory_fraction` (1.0 when never set)."""
+        return fractions.get(index(device), 1.0)
+
+    def mem_get_info(device: Any = None) -> tuple[int, int]:
+        """``(free, total)`` bytes: the device's total (``HAL_SIM_NPU_MEMORY``) minus what is held."""
+        i = index(device)
+        total = _total(i)
+        return max(0, total - mod.memory_reserved(i)), total
+
+    def set_memory_capacity(nbytes: int, device: Any = None) -> None:
+        """Sim only: the total memory of ``device`` in bytes; a process fraction set earlier still applies."""
+        i = index(device)
+        if int(nbytes) <= 0:
+            raise ValueError(f"npu-sim: capacity must be a positive number of bytes, got {nbytes}")
+        totals[i] = int(nbytes)
+        _apply_limit(i)
+
+    def ipc_collect() -> None:
+        """No-op: the sim shares no device memory between processes, so none waits to be collected."""
+
+    def get_device_capability(device: Any = None) -> None:
+        """``None``: CANN has no compute-capability concept (torch_npu returns ``None`` too)."""
+        index(device)
+        return None
+
+    def get_device_properties(device: Any = None) -> DeviceProperties:
+        """Name, total memory in bytes and core counts of ``device``."""
+        i = index(device)
+        return DeviceProperties(name=mod.get_device_name(i), total_memory=_total(i))
+
+    def is_current_stream_capturing() -> bool:
+        """``False``: the sim never captures graphs."""
+        return False
+
+    def set_compile_mode(jit_compile: bool = False) -> None:
+        """Record the operator compile mode; every sim operator runs eagerly on the host either way."""
+        config.jit_compile = bool(jit_compile)
+
+    config = types.SimpleNamespace(allow_internal_format=False, jit_compile=False)
+
+    def _set_allocator_settings(value: str) -> None:
+        """Apply ``"key:value,key:value"`` allocator settings (PYTORCH_NPU_ALLOC_CONF syntax).
+
+        The sim's allocator reads none of them; they are validated and recorded (``_allocator_settings()``).
+
+        Raises:
+            RuntimeError: a malformed entry or an unknown key (torch_npu raises RuntimeError too).
+        """
+        for item in filter(None, (part.strip() for part in str(value).split(","))):
+            key, sep, val = item.partition(":")
+            if not sep or not val.strip():
+                raise RuntimeError(f"npu-sim: allocator setting {item!r} is not 'key:value'")
+            if key.strip() not in ALLOCATOR_SETTING_KEYS:
+                raise RuntimeError(f"Unrecognized key '{key.strip()}' in NPU caching allocator config; "
+                                   f"known keys: {', '.join(ALLOCATOR_SETTING_KEYS)}")
+            settings[key.strip()] = val.strip()
+
+    def _allocator_settings() -> dict[str, str]:
+        return dict(settings)
+
+    memory = types.ModuleType("torch.npu.memory", "Memory calls of the simulated npu (torch_npu.npu.memory).")
+    for name in ("memory_allocated", "max_memory_allocated", "memory_reserved", "max_memory_reserved",
+                 "memory_stats", "reset_peak_memory_stats", "reset_max_memory_allocated", "empty_cache"):
+        if hasattr(mod, name):
+            setattr(memory, name, getattr(mod, name))
+    memory.mem_get_info = mem_get_info
+    memory.set_per_process_memory_fraction = set_per_process_memory_fraction
+    memory.get_per_process_memory_fraction = get_per_process_memory_fraction
+    memory._set_allocator_settings = _set_allocator_settings
+    memory._allocator_settings = _allocator_settings
+
+    for fn in (set_per_process_memory_fraction, get_per_process_memory_fraction, mem_get_info, set_memory_capacity,
+               ipc_collect, get_device_capability, get_device_properties, is_current_stream_capturing,
+               set_compile_mode):
+        setattr(mod, fn.__name__, fn)
+    mod.config = config
+    mod.memory = memory
+    sys.modules["torch.npu.memory"] = memory
+    return mod
