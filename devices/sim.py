@@ -1,7 +1,10 @@
 """The npu-sim kind: a simulated Ascend NPU on the host, so the npu code path runs on any machine.
 
 Selected as ``npu-sim`` (``HAL_DEVICE=npu-sim``, ``--device npu-sim``); its tensors are ``npu`` tensors,
-its backend is ``hccl`` and its visible-devices variable ``ASCEND_RT_VISIBLE_DEVICES``, as on Ascend.
+its backend is ``hccl`` and its visible-devices variable ``ASCEND_RT_VISIBLE_DEVICES``, as on Ascend. Ray
+schedules it by a resource of its own, ``NPU_SIM`` (a node declares it with ``--resources``), so that
+simulated workers never take a real NPU; ``hal.ray`` gives its actors the per-device
+``ASCEND_RT_VISIBLE_DEVICES`` Ray gives ``NPU`` actors.
 
 Route, and why: a small C++ extension (``devices/csrc/npu_sim.cpp``), compiled on first use with
 ``torch.utils.cpp_extension`` and cached (:mod:`devices.sim_ext`), registers PrivateUse1 with its own
@@ -124,7 +127,7 @@ class SimNpuDevice(DeviceSpec):
     name: str = "npu"
     dist_backend: str = "hccl"
     visible_devices_env: str | None = "ASCEND_RT_VISIBLE_DEVICES"
-    ray_resource: str | None = "NPU"
+    ray_resource: str | None = "NPU_SIM"  # its own, so simulated workers never take a real Ascend NPU
     auto_probe: bool = False
     supports_pin_memory: bool = True
 

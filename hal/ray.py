@@ -1,0 +1,568 @@
+"""Trainer and rollout workers as Ray actors, placed by the device kind's Ray resource.
+
+Ray's terms (https://docs.ray.io/en/latest/ray-core/scheduling/placement-group.html): a *resource* is a
+named quantity a node offers (``CPU``, ``GPU``, ``NPU`` or any custom name); a *bundle* is the resources of
+one worker; a *placement group* reserves bundles on the cluster's nodes, packed onto as few nodes as
+possible (``PACK``, ``STRICT_PACK``) or spread across them (``SPREAD``, ``STRICT_SPREAD``); an actor then
+runs in one bundle.
+
+* :func:`resource_request` - what one worker of a device kind asks Ray for: the kind's ``ray_resource``
+  (``GPU`` for cuda, ``NPU`` for Ascend, the simulated npu's own ``NPU_SIM``) plus CPUs.
+* :func:`place_workers` - one placement group with a trainer bundle and one bundle per rollout.
+* :func:`bind_assigned_device` - first thing inside an actor: the device Ray assigned becomes the local
+  device of the kind, and ``HAL_DEVICE`` is set. Ray itself sets ``CUDA_VISIBLE_DEVICES`` /
+  ``ASCEND_RT_VISIBLE_DEVICES`` for the accelerators it knows (``GPU``, ``NPU``) unless
+  ``RAY_EXPERIMENTAL_NOSET_<VARIABLE>`` is set; for a resource Ray does not know (the simulated npu's) hal
+  does the same, under the same switch.
+* :class:`LocalCluster` - a Ray node started as a child process with its own ports, temporary directory
+  and authentication token, stopped by its process id (never ``ray stop``, which ends every Ray process
+  of the machine).
+
+``import hal`` does not import this module, and this module imports ``ray`` only inside its functions:
+Ray is an optional extra (``pip install 'hal-posttrain[ray]'``).
+
+Ray assigns device ids per node only to resources it tracks per instance: its accelerators, and the
+names listed in ``RAY_custom_unit_instance_resources`` when the node starts. :func:`node_environment`
+gives the variables a node of the simulated npu must be started with; :class:`LocalCluster` sets them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from typing import Any, Literal, Mapping, Sequence
+
+from hal import registry
+from hal.device import ENV_VAR
+from hal.errors import HalError
+
+STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+"""Ray's placement strategies: pack bundles onto few nodes, or spread them (``STRICT_*``: or fail)."""
+Strategy = Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"]
+
+UNIT_INSTANCE_ENV = "RAY_custom_unit_instance_resources"
+"""Ray's setting listing the custom resources it assigns per-instance ids for (read when a node starts)."""
+RAY_UNIT_INSTANCE_DEFAULT = ("neuron_cores", "TPU", "NPU", "HPU", "RBLN", "FURIOSA", "TTNPU", "MBLT")
+"""Ray 2.60's default value of that setting (every entry must stay when one is added)."""
+NOSET_PREFIX = "RAY_EXPERIMENTAL_NOSET_"
+"""``RAY_EXPERIMENTAL_NOSET_<VISIBLE_DEVICES_VARIABLE>=1``: Ray (and hal) leave that variable alone."""
+DEFAULT_OBJECT_STORE_BYTES = 256 << 20
+"""Object store of a :class:`LocalCluster` node (bytes): weights go through the checkpoint engine, not Ray."""
+
+
+class RayLaunchError(HalError, RuntimeError):
+    """Ray could not place, start or bind a worker (the message names the kind, resource and bundle)."""
+
+
+def require_ray():
+    """The ``ray`` module.
+
+    Raises:
+        ImportError: ray is not installed (the message names the extra that installs it).
+    """
+    try:
+        import ray
+    except ImportError as exc:
+        raise ImportError(f"the Ray launcher needs ray (pip install 'hal-posttrain[ray]'): {exc}") from None
+    return ray
+
+
+def resource_name(kind: str) -> str | None:
+    """The Ray resource a device of ``kind`` is scheduled by (``GPU``, ``NPU``, ``NPU_SIM``); ``None`` for cpu.
+
+    Reads the spec only (no probe), so a driver without the device can place workers on nodes that have it.
+
+    Raises:
+        UnknownDeviceError: ``kind`` is not a known kind.
+    """
+    spec = registry.get_spec(kind.partition(":")[0].strip().lower())
+    return None if spec.host_memory else spec.ray_resource
+
+
+def ray_sets_visible_devices(resource: str) -> bool:
+    """Whether Ray itself sets the visible-devices variable for actors holding ``resource``.
+
+    True for the accelerators Ray ships a manager for (``GPU``, ``NPU``, ...), false for custom resources.
+    """
+    from ray._private.accelerators import get_all_accelerator_resource_names  # Ray's own list of them
+
+    return resource in set(get_all_accelerator_resource_names())
+
+
+def node_environment(kinds: Sequence[str] = ()) -> dict[str, str]:
+    """Environment a Ray node needs so that each of ``kinds`` gets per-device ids.
+
+    Ray numbers the instances of its own accelerators; a custom resource (the simulated npu's
+    ``NPU_SIM``) gets ids only when listed in ``RAY_custom_unit_instance_resources`` at ``ray start``.
+
+    Returns:
+        ``{}`` when every kind is one Ray knows, else ``{"RAY_custom_unit_instance_resources": "..."}``
+        (Ray's default list plus the custom resources).
+    """
+    extra = []
+    for kind in kinds:
+        name = resource_name(kind)
+        if name and name not in RAY_UNIT_INSTANCE_DEFAULT and name not in ("GPU", "CPU") and name not in extra:
+            extra.append(name)
+    if not extra:
+        return {}
+    return {UNIT_INSTANCE_ENV: ",".join(RAY_UNIT_INSTANCE_DEFAULT + tuple(extra))}
+
+
+def resource_request(kind: str, cpus: float = 1.0, devices: int = 1) -> dict[str, float]:
+    """The bundle of one worker on ``kind``: ``{"CPU": cpus, <ray_resource>: devices}`` (cpu: CPUs only).
+
+    Raises:
+        ValueError: ``cpus`` is negative or ``devices`` is not a positive integer.
+        UnknownDeviceError: ``kind`` is not a known kind.
+    """
+    if cpus < 0:
+        raise ValueError(f"cpus must be >= 0, got {cpus}")
+    if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
+        raise ValueError(f"devices must be an int >= 1, got {devices!r}")
+    bundle: dict[str, float] = {"CPU": float(cpus)} if cpus else {}
+    name = resource_name(kind)
+    if name:
+        bundle[name] = float(devices)
+    return bundle
+
+
+def actor_resources(bundle: Mapping[str, float]) -> dict[str, Any]:
+    """``ray.remote`` options asking for ``bundle``: ``num_cpus``, ``num_gpus`` and the other ``resources``.
+
+    Ray takes ``CPU`` and ``GPU`` only as ``num_cpus`` / ``num_gpus``; asking through them is also what makes
+    Ray assign a GPU and set ``CUDA_VISIBLE_DEVICES``.
+    """
+    options: dict[str, Any] = {"num_cpus": bundle.get("CPU", 0)}
+    if "GPU" in bundle:
+        options["num_gpus"] = bundle["GPU"]
+    others = {k: v for k, v in bundle.items() if k not in ("CPU", "GPU")}
+    if others:
+        options["resources"] = others
+    return options
+
+
+@dataclasses.dataclass
+class WorkerPlacement:
+    """A placement group holding the trainer's bundle (index 0) and one bundle per rollout (1..R).
+
+    Attributes:
+        kind: the device kind every bundle asks for.
+        bundles: the bundles, trainer first.
+        strategy: Ray's strategy (see :data:`STRATEGIES`).
+        group: the ``ray.util.placement_group.PlacementGroup``.
+    """
+
+    kind: str
+    bundles: list[dict[str, float]]
+    strategy: str
+    group: Any
+
+    @property
+    def rollouts(self) -> int:
+        return len(self.bundles) - 1
+
+    def options(self, bundle_index: int) -> dict[str, Any]:
+        """``ray.remote`` options running an actor in bundle ``bundle_index`` (0: trainer, 1..R: rollouts).
+
+        Raises:
+            ValueError: no such bundle.
+        """
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        if not 0 <= bundle_index < len(self.bundles):
+            raise ValueError(f"bundle_index must be in [0, {len(self.bundles)}), got {bundle_index}")
+        bundle = {k: v for k, v in self.bundles[bundle_index].items() if not k.startswith("node:")}
+        return {**actor_resources(bundle),
+                "scheduling_strategy": PlacementGroupSchedulingStrategy(
+                    self.group, placement_group_bundle_index=bundle_index)}
+
+    def node_ids(self) -> list[str]:
+        """The Ray node id (hex) each bundle was placed on, trainer first."""
+        from ray.util.placement_group import placement_group_table
+
+        table = placement_group_table(self.group)
+        return [table["bundles_to_node_id"][i] for i in range(len(self.bundles))]
+
+    def remove(self) -> None:
+        """Release the group's resources (its actors are killed by Ray)."""
+        from ray.util.placement_group import remove_placement_group
+
+        remove_placement_group(self.group)
+
+
+def place_workers(kind: str, rollouts: int, strategy: Strategy = "PACK", cpus: float = 1.0,
+                  trainer_node: str | None = None, rollout_node: str | None = None,
+                  timeout: float = 60.0) -> WorkerPlacement:
+    """Reserve one trainer bundle and ``rollouts`` rollout bundles of ``kind`` and wait until placed.
+
+    Args:
+        kind: device kind; each bundle asks for one device of it (:func:`resource_request`).
+        rollouts: rollout bundles (>= 1).
+        strategy: ``PACK`` (few nodes), ``SPREAD`` (many nodes), or their ``STRICT_`` forms.
+        cpus: CPUs per bundle.
+        trainer_node, rollout_node: a node IP the trainer's / every rollout's bundle must be placed on
+            (through Ray's ``node:<ip>`` resource); ``None``: anywhere the strategy allows.
+        timeout: seconds to wait for the cluster to satisfy the group.
+
+    Raises:
+        ValueError: bad count or strategy.
+        RayLaunchError: not placed within ``timeout``; the message gives the bundles asked for and what
+            the cluster has (a missing resource name is the usual cause).
+    """
+    ray = require_ray()
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    if isinstance(rollouts, bool) or not isinstance(rollouts, int) or rollouts < 1:
+        raise ValueError(f"rollouts must be an int >= 1, got {rollouts!r}")
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy must be one of {', '.join(STRATEGIES)}, got {strategy!r}")
+    bundles = [resource_request(kind, cpus) for _ in range(1 + rollouts)]
+    for index, node in [(0, trainer_node)] + [(i, rollout_node) for i in range(1, 1 + rollouts)]:
+        if node:
+            bundles[index][f"node:{node}"] = 0.001
+    group = placement_group(bundles, strategy=strategy)
+    try:
+        ray.get(group.ready(), timeout=timeout)
+    except ray.exceptions.GetTimeoutError:
+        remove_placement_group(group)
+        raise RayLaunchError(
+            f"could not place {len(bundles)} bundles of device kind {kind!r} ({strategy}) within {timeout:g} s: "
+            f"asked for {bundles}; the cluster has {ray.cluster_resources()} in all, "
+            f"{ray.available_resources()} free") from None
+    return WorkerPlacement(kind, bundles, strategy, group)
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceBinding:
+    """Which device an actor bound, as :func:`bind_assigned_device` found and set it.
+
+    Attributes:
+        kind: the device kind (``HAL_DEVICE`` is set to it).
+        resource: its Ray resource (``None`` on cpu).
+        ray_ids: the device ids Ray assigned to the actor (node-wide numbering, as strings).
+        visible_env: the kind's visible-devices variable (``None`` on cpu).
+        visible: that variable's value after binding (``None``: unset).
+        set_by: who set it: ``"ray"``, ``"hal"`` (a resource Ray does not know), ``"noset"`` (the
+            ``RAY_EXPERIMENTAL_NOSET_`` switch was on: nobody), ``None`` on cpu.
+        local_index: the index the actor's device has in this process (``LOCAL_RANK`` is set to it).
+        device_id: the node-wide id of the bound device (``"cpu"`` on cpu).
+        node_id, node_ip: the Ray node the actor runs on.
+        pid: the actor's process id.
+    """
+
+    kind: str
+    resource: str | None
+    ray_ids: tuple[str, ...]
+    visible_env: str | None
+    visible: str | None
+    set_by: str | None
+    local_index: int
+    device_id: str
+    node_id: str
+    node_ip: str
+    pid: int
+
+
+def _assigned_ids(ray, resource: str) -> list[str]:
+    """Ids of ``resource`` Ray assigned to this worker (node-wide numbering; placement-group forms included)."""
+    if ray_sets_visible_devices(resource):
+        return list(ray.get_runtime_context().get_accelerator_ids().get(resource, []))
+    # The same lookup Ray's get_accelerator_ids() does for its accelerators, for a custom resource.
+    worker = ray._private.worker.global_worker
+    ids = worker.get_accelerator_ids_for_accelerator_resource(resource, f"^{resource}_group_[0-9A-Za-z]+$")
+    return sorted((str(i) for i in ids), key=lambda s: (len(s), s))
+
+
+def _sim_already_registered() -> bool:
+    sim = sys.modules.get("devices.sim")
+    return sim is not None and getattr(sim, "_registered", None) is not None
+
+
+def bind_assigned_device(kind: str) -> DeviceBinding:
+    """Bind the device Ray assigned to this actor as the local device of ``kind``; set ``HAL_DEVICE``.
+
+    Call it first in an actor's ``__init__``, before anything resolves the device. The steps:
+
+    1. the ids Ray assigned for the kind's resource (exactly one is expected per worker; the first is used);
+    2. the visible-devices variable: Ray set it to those ids for its accelerators; for a custom resource hal
+       sets it the same way; with ``RAY_EXPERIMENTAL_NOSET_<VARIABLE>=1`` nobody does;
+    3. the local index: the bound id's position in the visible list, or the id itself when the variable is
+       unset (or the simulated npu had already read it);
+    4. ``HAL_DEVICE=<kind>`` and ``LOCAL_RANK=<local index>``, then ``hal.bind_local_device``.
+
+    Raises:
+        RayLaunchError: not inside a Ray worker, or Ray assigned no device of the kind's resource (the
+            actor was not started with :meth:`WorkerPlacement.options`), or the bound id is not visible.
+        UnknownDeviceError, DeviceUnavailableError: the kind cannot be used in this actor.
+    """
+    ray = require_ray()
+    import hal
+    from hal.distributed import bind_local_device
+
+    if not ray.is_initialized():
+        raise RayLaunchError("bind_assigned_device must run inside a Ray actor (ray is not initialized here)")
+    kind = kind.strip().lower()
+    spec = registry.get_spec(kind)
+    context = ray.get_runtime_context()
+    node_id, node_ip = context.get_node_id(), ray.util.get_node_ip_address()
+    os.environ[ENV_VAR] = kind
+    resource = resource_name(kind)
+    if resource is None:
+        os.environ["LOCAL_RANK"] = "0"
+        hal.reset()
+        hal.resolve_device(kind)
+        return DeviceBinding(kind, None, (), None, None, None, 0, "cpu", node_id, node_ip, os.getpid())
+    ids = _assigned_ids(ray, resource)
+    if not ids:
+        raise RayLaunchError(f"this actor holds no {resource!r} (device kind {kind!r}): start it with the "
+                             f"options of hal.ray.WorkerPlacement.options(), or with resources={{{resource!r}: 1}}")
+    device_id = ids[0]
+    env = spec.visible_devices_env
+    noset = os.environ.get(f"{NOSET_PREFIX}{env}", "").lower() in ("1", "true") if env else True
+    if env is None:
+        set_by = None
+    elif noset:
+        set_by = "noset"
+    elif ray_sets_visible_devices(resource):
+        set_by = "ray"
+    elif kind == "npu-sim" and _sim_already_registered():
+        set_by = "noset"  # the sim already counted its devices from the variable: changing it now means nothing
+    else:
+        os.environ[env] = ",".join(ids)
+        set_by = "hal"
+    visible = os.environ.get(env) if env else None
+    if set_by == "noset" and kind == "npu-sim" and _sim_already_registered():
+        visible_list = None  # the sim counts devices 0..n-1 by their node-wide ids
+    else:
+        visible_list = [v.strip() for v in visible.split(",")] if visible else None
+    if visible_list is None:
+        if not device_id.isdigit():
+            raise RayLaunchError(f"device id {device_id!r} of {resource!r} is not an index and {env} is unset")
+        local_index = int(device_id)
+    elif device_id in visible_list:
+        local_index = visible_list.index(device_id)
+    else:
+        raise RayLaunchError(f"Ray assigned {resource} {device_id} to this actor, but {env}={visible!r} does not "
+                             f"make it visible")
+    os.environ["LOCAL_RANK"] = str(local_index)
+    hal.reset()
+    bind_local_device(kind)
+    return DeviceBinding(kind, resource, tuple(ids), env, visible, set_by, local_index, device_id, node_id,
+                         node_ip, os.getpid())
+
+
+def check_distinct_devices(bindings: Sequence[DeviceBinding]) -> None:
+    """Raise unless every binding holds its own device (cpu bindings never clash).
+
+    Raises:
+        RayLaunchError: two workers bound one device of one node; names both and the likely cause.
+    """
+    seen: dict[tuple[str, str], int] = {}
+    for i, b in enumerate(bindings):
+        if b.resource is None:
+            continue
+        key = (b.node_id, b.device_id)
+        if key in seen:
+            raise RayLaunchError(
+                f"workers {seen[key]} and {i} both bound {b.resource} {b.device_id} on node {b.node_ip}: Ray gave "
+                f"them one id (a custom resource needs {UNIT_INSTANCE_ENV} to list {b.resource!r} when the node "
+                f"starts; see hal.ray.node_environment)")
+        seen[key] = i
+
+
+# ---- a Ray node as a child process ---------------------------------------------------------------------
+def _free_port() -> int:
+    from hal.testing import free_port
+
+    return free_port()
+
+
+def _reload_ray_auth() -> None:
+    """Make Ray re-read ``RAY_AUTH_MODE`` / ``RAY_AUTH_TOKEN`` (it caches them when first used in a process)."""
+    from ray._raylet import AuthenticationTokenLoader, Config
+
+    Config.initialize("")
+    AuthenticationTokenLoader.instance().reset_cache()
+
+
+@dataclasses.dataclass
+class LocalCluster:
+    """A Ray node run by ``ray start --block`` as a child process of this one, stopped by its process id.
+
+    Every port is a free one (none of Ray's defaults), the temporary directory is its own, the dashboard is
+    off, the object store small, and token authentication is on with a token made for this cluster
+    (passed through ``RAY_AUTH_TOKEN``, never written under the home directory).
+
+    Args:
+        resources: resources the node declares, e.g. ``{"NPU_SIM": 3}``, ``{"NPU": 8}`` or ``{"GPU": 8}``.
+        num_cpus: CPUs the node declares.
+        node_ip: the node's address (Ray replaces ``127.0.0.1`` by the host's address).
+        head: the head's ``host:port`` to join as a worker node; ``None`` starts a head.
+        token: the cluster's token (a worker node must use the head's); default: a new random one.
+        object_store_bytes: object store size in bytes.
+        temp_dir: Ray's temporary directory (default: a new one under the system's).
+        timeout: seconds :meth:`start` waits for the node to come up.
+
+    Use :meth:`start`, then :meth:`connect` (the driver), and :meth:`stop`; or as a context manager.
+    """
+
+    resources: dict[str, float] = dataclasses.field(default_factory=dict)
+    num_cpus: int = 2
+    node_ip: str = "127.0.0.1"
+    head: str | None = None
+    token: str | None = None
+    object_store_bytes: int = DEFAULT_OBJECT_STORE_BYTES
+    temp_dir: str | None = None
+    timeout: float = 60.0
+    process: subprocess.Popen | None = dataclasses.field(default=None, init=False, repr=False)
+    address: str | None = dataclasses.field(default=None, init=False)
+    start_seconds: float | None = dataclasses.field(default=None, init=False)
+    log_path: str | None = dataclasses.field(default=None, init=False)
+
+    def env(self) -> dict[str, str]:
+        """Variables a process needs to talk to this cluster (auth) plus those its node was started with."""
+        kinds = [k for k in registry.known_kinds() if resource_name(k) in self.resources]
+        return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": self.token or "", "RAY_USAGE_STATS_ENABLED": "0",
+                **node_environment(kinds)}
+
+    def start(self) -> str:
+        """Start the node and wait until it serves (head) or joined (worker); returns the head's address.
+
+        Raises:
+            RayLaunchError: ``ray start`` exited or the node did not come up within ``timeout`` (the message
+                ends with the tail of its log); the child is stopped first.
+        """
+        require_ray()
+        if self.process is not None:
+            raise RayLaunchError(f"this LocalCluster node is already running (pid {self.process.pid})")
+        self.token = self.token or uuid.uuid4().hex
+        self.temp_dir = self.temp_dir or tempfile.mkdtemp(prefix="hal-ray-")
+        # Unix socket paths under temp_dir are limited to 107 bytes: keep it short.
+        ports = {"node-manager-port": _free_port(), "object-manager-port": _free_port(),
+                 "dashboard-agent-listen-port": _free_port(), "dashboard-agent-grpc-port": _free_port(),
+                 "runtime-env-agent-port": _free_port(), "metrics-export-port": _free_port()}
+        cmd = [os.path.join(os.path.dirname(sys.executable), "ray"), "start", "--block",
+               f"--node-ip-address={self.node_ip}", f"--num-cpus={self.num_cpus}",
+               f"--num-gpus={int(self.resources.get('GPU', 0))}",
+               f"--resources={json.dumps({k: v for k, v in self.resources.items() if k != 'GPU'})}",
+               f"--object-store-memory={self.object_store_bytes}",
+               f"--temp-dir={self.temp_dir}", "--min-worker-port=0", "--max-worker-port=0",
+               "--disable-usage-stats", "--include-log-monitor=false",
+               *[f"--{name}={port}" for name, port in ports.items()]]
+        if self.head is None:
+            port = _free_port()
+            cmd += ["--head", f"--port={port}", "--include-dashboard=false"]
+        else:
+            cmd += [f"--address={self.head}"]
+        self.log_path = os.path.join(self.temp_dir, "ray-start.log")
+        env = {**os.environ, **self.env()}
+        begin = time.perf_counter()
+        with open(self.log_path, "ab") as log:
+            # its own session: every Ray process it starts shares it, so stop() can find them by id
+            self.process = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                            stdin=subprocess.DEVNULL, start_new_session=True)
+        try:
+            self._wait_up(port if self.head is None else None)
+        except BaseException:
+            self.stop()
+            raise
+        self.start_seconds = time.perf_counter() - begin
+        return self.address
+
+    def _log_tail(self, chars: int = 3000) -> str:
+        try:
+            with open(self.log_path, errors="replace") as f:
+                return f.read()[-chars:]
+        except OSError as exc:
+            return f"(no log: {exc})"
+
+    def _wait_up(self, head_port: int | None) -> None:
+        deadline = time.monotonic() + self.timeout
+        pattern = re.compile(r"ray start --address='([^']+)'")
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RayLaunchError(f"ray start exited with status {self.process.returncode}:\n{self._log_tail()}")
+            text = self._log_tail(200_000)
+            if self.head is None:
+                match = pattern.search(text)
+                if match and "--block" in text:
+                    self.address = match.group(1)
+                    return
+            elif "Ray runtime started" in text and "--block" in text:
+                self.address = self.head
+                return
+            time.sleep(0.1)
+        raise RayLaunchError(f"the Ray node at {self.node_ip} did not come up within {self.timeout:g} s:\n"
+                             f"{self._log_tail()}")
+
+    def connect(self, **init_kwargs: Any):
+        """``ray.init`` this driver to the cluster (with its token); returns Ray's context."""
+        ray = require_ray()
+        os.environ.update({k: v for k, v in self.env().items() if k.startswith("RAY_AUTH")})
+        _reload_ray_auth()
+        return ray.init(address=self.address, log_to_driver=init_kwargs.pop("log_to_driver", False),
+                        **init_kwargs)
+
+    def pids(self) -> list[int]:
+        """Process ids of this node's processes still alive (its ``ray start`` and what that started)."""
+        if self.process is None:
+            return []
+        sid, found = self.process.pid, []
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[3]) == sid and fields[0] != "Z":  # session id is field 6 of stat (index 3 after the name)
+                found.append(int(entry))
+        return found
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Stop this node: SIGTERM to its ``ray start`` (Ray drains and ends its processes), then SIGKILL to
+        any of its processes left after ``timeout`` seconds. Ends only processes of this node, by id."""
+        if self.process is None:
+            return
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                pass
+        deadline = time.monotonic() + 5.0
+        while self.pids() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        for pid in self.pids():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        if self.process.poll() is None:
+            self.process.kill()
+        self.process.wait()
+        self.process = None
+
+    def __enter__(self) -> "LocalCluster":
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+__all__ = [
+    "STRATEGIES", "UNIT_INSTANCE_ENV", "RayLaunchError", "require_ray", "resource_name", "ray_sets_visible_devices",
+    "node_environment", "resource_request", "actor_resources", "WorkerPlacement", "place_workers",
+    "DeviceBinding", "bind_assigned_device", "check_distinct_devices", "LocalCluster",
+]
