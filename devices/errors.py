@@ -31,6 +31,15 @@ class DeviceUnavailableError(HalError, RuntimeError):
     """
 
 
+class DeviceIndexError(HalError, ValueError):
+    """A device index outside the devices this process sees (``npu:5`` with two visible, ``LOCAL_RANK=3`` with
+    one), or an index where one device is meant (another index than an engine's own device).
+
+    The message names the index, where it came from (argument, ``HAL_DEVICE``, ``LOCAL_RANK``), how many
+    devices the process sees and the visible-devices variable with its value.
+    """
+
+
 class DuplicateDeviceError(HalError, ValueError):
     """A device kind was registered under a name that is already taken."""
 

@@ -37,7 +37,9 @@ class BaseEngine(abc.ABC):
         module: the ``nn.Module`` trained (possibly wrapped: DDP, FSDP2).
         optimizer: the ``torch.optim.Optimizer``, or ``None`` for a forward-only engine.
         device: the :class:`devices.base.DeviceSpec` of the kind it trains on.
-        torch_device: the kind-qualified ``torch.device`` it trains on (``npu:0``, ``cpu``).
+        torch_device: the kind-qualified ``torch.device`` it trains on (``npu:0``, ``cpu``): the index given
+            in ``device`` (``"npu:1"``), else this process's local device (:func:`hal.local_device`:
+            ``LOCAL_RANK``, else the current device).
         host_buffers: the :class:`engines.host_buffers.HostBufferPool` that offloads copy into.
         last_moved_bytes: bytes copied by the last :meth:`to` call (0 when nothing moved).
     """
@@ -47,7 +49,7 @@ class BaseEngine(abc.ABC):
 
     def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer | None, device: hal.device.DeviceLike):
         self.device: DeviceSpec = hal.resolve_device(device)
-        self.torch_device: torch.device = hal.get_device(self.device)
+        self.torch_device: torch.device = hal.local_device(device)
         self.module = module
         self.optimizer = optimizer
         self.host_buffers = HostBufferPool(pin=pin_memory_supported(self.device))
@@ -85,7 +87,9 @@ class BaseEngine(abc.ABC):
 
         Args:
             device: ``"cpu"`` (offload to host) or this engine's kind, by kind name (``"npu-sim"``), device
-                type (``"npu"``, what ``hal.get_device_name()`` returns), ``torch.device`` or spec.
+                type (``"npu"``, what ``hal.get_device_name()`` returns), ``torch.device`` or spec. An index
+                (``"npu:0"``) must be the engine's own: ``to()`` moves between the host and the engine's
+                device, never to another device of the kind.
             model: move parameters and buffers.
             optimizer: move every tensor of the optimizer state, whatever its key. 0-dim host tensors the
                 optimizer keeps on the host itself (Adam's ``step``) stay there. An optimizer without state
@@ -101,8 +105,8 @@ class BaseEngine(abc.ABC):
         On the cpu kind nothing moves. Only tensors this engine offloaded are moved back on onload.
 
         Raises:
-            OffloadError: ``grad=True`` with ``model=False``, or ``device`` is neither ``"cpu"`` nor this
-                engine's kind (``ValueError`` subclass).
+            OffloadError: ``grad=True`` with ``model=False``, ``device`` is neither ``"cpu"`` nor this
+                engine's kind, or names another device index than the engine's (``ValueError`` subclass).
         """
         if grad and not model:
             raise OffloadError(
@@ -185,27 +189,36 @@ class BaseEngine(abc.ABC):
                     f"call to({self.device.kind!r}) before training")
 
     def _resolve_target(self, device: str | torch.device | DeviceSpec) -> torch.device:
-        if isinstance(device, DeviceSpec):
-            name = device.kind
-        elif isinstance(device, torch.device):
-            name = device.type
-        elif isinstance(device, str):
-            name = device.partition(":")[0].strip().lower()
-        else:
-            raise OffloadError(f"to(device={device!r}): expected a kind name, 'cpu', torch.device or DeviceSpec")
-        if name in (self.device.kind, self.device.name):
-            return self.torch_device
-        if name == "cpu":
-            return torch.device("cpu")
+        if not isinstance(device, (str, torch.device, DeviceSpec)):
+            raise OffloadError(f"to(device={device!r}): expected a kind name, 'cpu', 'kind:index', torch.device "
+                               "or DeviceSpec")
         try:
-            spec = hal.resolve_device(name)
+            kind, index = hal.split_device(device)
         except hal.HalError as exc:
             raise OffloadError(f"to(device={device!r}): {exc}") from exc
-        if spec.host_memory:
-            return torch.device("cpu")
-        raise OffloadError(
-            f"to(device={device!r}): this engine trains on {self.device.kind!r}; accepted: 'cpu', "
-            f"{self.device.kind!r} or {self.device.name!r}")
+        name = kind.kind if isinstance(kind, DeviceSpec) else kind
+        if name in (self.device.kind, self.device.name) and not self.device.host_memory:
+            if index is not None and index != self.torch_device.index:
+                raise OffloadError(
+                    f"to(device={device!r}): this engine lives on {self.torch_device}; to() moves it between "
+                    f"the host and that device only. Accepted: 'cpu', {self.device.kind!r}, "
+                    f"{self.device.name!r} or '{self.torch_device}'")
+            return self.torch_device
+        if name in (self.device.kind, self.device.name, "cpu"):
+            target = torch.device("cpu")
+        else:
+            try:
+                spec = hal.resolve_device(name)
+            except hal.HalError as exc:
+                raise OffloadError(f"to(device={device!r}): {exc}") from exc
+            if not spec.host_memory:
+                raise OffloadError(
+                    f"to(device={device!r}): this engine trains on {self.device.kind!r}; accepted: 'cpu', "
+                    f"{self.device.kind!r} or {self.device.name!r}")
+            target = torch.device("cpu")
+        if index not in (None, 0):
+            raise OffloadError(f"to(device={device!r}): the host has one device, index 0; got index {index}")
+        return target
 
     def _move(self, part: str, slot: Slot, target: torch.device, offload: bool) -> int:
         """Move one slot's tensor; return the bytes copied (0 if it was empty or already there)."""

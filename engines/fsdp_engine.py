@@ -72,7 +72,7 @@ class FSDPEngine(BaseEngine):
             raise EngineStateError("FSDPEngine needs an initialized default process group; call "
                                    "hal.init_process_group() first")
         spec = hal.resolve_device(device)
-        module.to(hal.get_device(spec))
+        module.to(hal.local_device(device))
         if mesh is None:
             mesh = init_device_mesh(spec.name, (dist.get_world_size(),))
         for sub in list(module.modules()):
@@ -81,7 +81,7 @@ class FSDPEngine(BaseEngine):
         fully_shard(module, mesh=mesh)
         self.mesh = mesh
         optimizer = optimizer_factory(module.parameters()) if optimizer_factory is not None else None
-        super().__init__(module, optimizer, spec)
+        super().__init__(module, optimizer, device)
 
     def _before_move(self) -> None:
         for sub in self.module.modules():

@@ -7,6 +7,8 @@ from hal.device import (
     ENV_VAR,
     availability,
     available_kinds,
+    bind_local_device,
+    check_index,
     describe,
     empty_cache,
     get_device,
@@ -15,10 +17,12 @@ from hal.device import (
     get_dist_backend,
     get_torch_device,
     get_visible_devices_keyword,
+    local_device,
     manual_seed,
     memory_stats,
     reset,
     resolve_device,
+    split_device,
     synchronize,
 )
 from hal.distributed import (
@@ -29,6 +33,7 @@ from hal.distributed import (
     new_group_from_store,
 )
 from hal.errors import (
+    DeviceIndexError,
     DeviceUnavailableError,
     DistributedTimeoutError,
     DuplicateDeviceError,
@@ -40,9 +45,10 @@ from hal.registry import known_kinds, plugin_errors, register_device, unregister
 __all__ = [
     "ENV_VAR", "DEFAULT_TIMEOUT_S",
     "resolve_device", "get_device", "get_device_name", "get_torch_device", "get_device_id", "get_dist_backend",
-    "get_visible_devices_keyword", "synchronize", "empty_cache", "memory_stats", "manual_seed",
+    "get_visible_devices_keyword", "local_device", "bind_local_device", "split_device", "check_index",
+    "synchronize", "empty_cache", "memory_stats", "manual_seed",
     "init_process_group", "new_group_from_store", "connect_store", "StoreGroup",
     "availability", "available_kinds", "known_kinds", "describe", "reset",
     "register_device", "unregister_device", "plugin_errors",
-    "HalError", "UnknownDeviceError", "DeviceUnavailableError", "DuplicateDeviceError", "DistributedTimeoutError",
+    "HalError", "UnknownDeviceError", "DeviceUnavailableError", "DeviceIndexError", "DuplicateDeviceError", "DistributedTimeoutError",
 ]

@@ -17,7 +17,7 @@ import torch
 
 from devices.base import Availability, DeviceSpec
 from hal import registry
-from hal.errors import DeviceUnavailableError, UnknownDeviceError
+from hal.errors import DeviceIndexError, DeviceUnavailableError, HalError, UnknownDeviceError
 
 ENV_VAR = "HAL_DEVICE"
 
@@ -70,9 +70,69 @@ def _split_kind(device: str) -> tuple[str, int | None]:
     if not sep:
         return kind.strip().lower(), None
     try:
-        return kind.strip().lower(), int(index)
+        value = int(index)
     except ValueError:
         raise UnknownDeviceError(f"device {device!r}: the part after ':' must be an integer index") from None
+    if value < 0:
+        raise DeviceIndexError(f"device {device!r}: a device index must be >= 0")
+    return kind.strip().lower(), value
+
+
+def split_device(device: DeviceLike = None) -> tuple[str | DeviceSpec | None, int | None]:
+    """The kind and the explicit device index of a device argument, the one parser every entry point uses.
+
+    ``"npu:1"`` -> ``("npu", 1)``; ``torch.device("npu", 1)`` -> ``("npu", 1)``; ``"npu-sim"`` ->
+    ``("npu-sim", None)``; a spec -> ``(spec, None)``; ``None`` -> the same for ``$HAL_DEVICE``, or
+    ``(None, None)`` when it is unset (automatic choice).
+
+    Raises:
+        UnknownDeviceError: not a device argument, or the part after ``':'`` is not an integer.
+        DeviceIndexError: a negative index.
+    """
+    if isinstance(device, DeviceSpec):
+        return device, None
+    if isinstance(device, torch.device):
+        return device.type, device.index
+    if device is None:
+        raw = os.environ.get(ENV_VAR, "").strip()
+        if not raw:
+            return None, None
+        try:
+            return _split_kind(raw)
+        except HalError as exc:
+            raise type(exc)(f"{ENV_VAR}={raw!r}: {exc}") from None
+    if isinstance(device, str):
+        return _split_kind(device)
+    raise UnknownDeviceError(
+        f"device must be a kind name, 'kind:index', torch.device or DeviceSpec, got {device!r}")
+
+
+def _visible_note(spec: DeviceSpec) -> str:
+    key = spec.visible_devices_env
+    if not key:
+        return ""
+    value = os.environ.get(key)
+    return f" ({key}={value!r})" if value is not None else f" ({key} is unset)"
+
+
+def check_index(spec: DeviceSpec, index: int, source: str = "the device argument") -> int:
+    """``index`` if this process sees a device of that index of kind ``spec``; host kinds have one, index 0.
+
+    Args:
+        source: where the index came from, for the message (``"HAL_DEVICE='npu:3'"``, ``"LOCAL_RANK=3"``).
+
+    Raises:
+        DeviceIndexError: ``index`` is negative or not below the kind's device count; the message names the
+            index, its source, the count and the visible-devices variable with its value.
+    """
+    count = 1 if spec.host_memory else availability(spec.kind).device_count
+    if not spec.host_memory and count < 1:
+        count = int(spec.torch_module().device_count())
+    if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < count:
+        raise DeviceIndexError(
+            f"device index {index!r} from {source} is out of range: this process sees {count} "
+            f"{spec.kind} device(s){_visible_note(spec)}, indices 0..{count - 1}")
+    return index
 
 
 def _auto() -> DeviceSpec:
@@ -93,28 +153,20 @@ def resolve_device(device: DeviceLike = None) -> DeviceSpec:
 
     Args:
         device: a kind name (``"npu"``, ``"npu-sim"``), a ``"kind:index"`` string, a ``torch.device``
-            (its type is the kind), a spec, or ``None``.
+            (its type is the kind), a spec, or ``None``. ``$HAL_DEVICE`` takes the same strings.
+            An index is checked here (see :func:`check_index`) and honoured by :func:`get_device` and
+            :func:`local_device`.
 
     Raises:
+        DeviceIndexError: an index this process has no device for.
         UnknownDeviceError: the kind is not built in nor registered; the message lists the known kinds.
         DeviceUnavailableError: the kind is known but unusable here; the message gives the probe's reason
             (for npu, the vendor package's import error) and the kinds that are available.
     """
-    if isinstance(device, DeviceSpec):
-        spec = device
-    else:
-        if isinstance(device, torch.device):
-            kind = device.type
-        elif device is None:
-            kind = os.environ.get(ENV_VAR, "").strip().lower() or None
-            if kind is None:
-                return _auto()
-        elif isinstance(device, str):
-            kind = _split_kind(device)[0]
-        else:
-            raise UnknownDeviceError(
-                f"device must be a kind name, 'kind:index', torch.device or DeviceSpec, got {device!r}")
-        spec = registry.get_spec(kind)
+    kind, index = split_device(device)
+    if kind is None:
+        return _auto()
+    spec = kind if isinstance(kind, DeviceSpec) else registry.get_spec(kind)
     state = availability(spec.kind)
     if not state:
         others = ", ".join(available_kinds()) or "none"
@@ -123,6 +175,8 @@ def resolve_device(device: DeviceLike = None) -> DeviceSpec:
         hint = f" (also selectable explicitly, not probed: {', '.join(explicit)})" if explicit else ""
         raise DeviceUnavailableError(
             f"device kind {spec.kind!r} is unavailable: {state.reason}; available kinds: {others}{hint}")
+    if index is not None:
+        check_index(spec, index, f"{ENV_VAR}={os.environ.get(ENV_VAR)!r}" if device is None else repr(str(device)))
     return spec
 
 
@@ -150,16 +204,64 @@ def get_device_id(device: DeviceLike = None) -> int:
 def get_device(device: DeviceLike = None) -> torch.device:
     """A kind-qualified ``torch.device``: ``cpu``, or ``npu:<index>`` / ``cuda:<index>``.
 
-    An explicit index in ``device`` (``"npu:1"``) is kept; otherwise the kind's current device is used.
-    Always qualified by kind, because older Ascend plugin builds sent a bare integer index to CUDA.
+    An explicit index in ``device`` (``"npu:1"``, or ``HAL_DEVICE=npu:1`` when ``device`` is ``None``) is
+    kept; otherwise the kind's current device is used. Always qualified by kind, because older Ascend
+    plugin builds sent a bare integer index to CUDA.
+
+    Raises:
+        DeviceIndexError: the explicit index is out of range (see :func:`check_index`).
     """
     spec = resolve_device(device)
     if spec.host_memory:
         return torch.device("cpu")
-    index = _split_kind(device)[1] if isinstance(device, str) else None
-    if index is None and isinstance(device, torch.device):
-        index = device.index
+    index = split_device(device)[1]
     return torch.device(spec.name, get_device_id(spec) if index is None else index)
+
+
+LOCAL_RANK_VAR = "LOCAL_RANK"
+"""The variable ``torch.distributed.run`` sets to a process's rank on its node."""
+
+
+def local_device(device: DeviceLike = None) -> torch.device:
+    """The device this process's rank should use: the explicit index of ``device`` (or ``$HAL_DEVICE``),
+    else ``$LOCAL_RANK`` (one device per local rank, as ``torch.distributed.run`` numbers them), else the
+    kind's current device; ``cpu`` for host kinds.
+
+    This is the one place that maps a local rank to a device; :func:`bind_local_device` makes it current.
+
+    Raises:
+        DeviceIndexError: the index (explicit or ``LOCAL_RANK``) is not below the number of devices this
+            process sees; the message names the variable and the visible-devices variable with its value.
+    """
+    spec = resolve_device(device)
+    if spec.host_memory:
+        return torch.device("cpu")
+    index = split_device(device)[1]
+    if index is None:
+        raw = os.environ.get(LOCAL_RANK_VAR, "").strip()
+        if not raw:
+            return torch.device(spec.name, get_device_id(spec))
+        try:
+            index = int(raw)
+        except ValueError:
+            raise DeviceIndexError(f"{LOCAL_RANK_VAR}={raw!r} is not an integer") from None
+        check_index(spec, index, f"{LOCAL_RANK_VAR}={raw}")
+    return torch.device(spec.name, index)
+
+
+def bind_local_device(device: DeviceLike = None) -> torch.device:
+    """Make :func:`local_device` the current device of the resolved kind (``set_device``); returns it.
+
+    Every process hal starts and every checkpoint engine calls this before allocating, so that ranks of one
+    node never share a device (a communicator refuses that, as NCCL does).
+
+    Raises:
+        DeviceIndexError: see :func:`local_device`.
+    """
+    target = local_device(device)
+    if target.type != "cpu":
+        get_torch_device(device).set_device(target.index)
+    return target
 
 
 def get_dist_backend(device: DeviceLike = None, with_host: bool = False) -> str:

@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import datetime
 import os
+import socket
 from typing import Sequence, Union
 
 import torch
 import torch.distributed as dist
 
-from hal.device import DeviceLike, get_dist_backend, get_torch_device, resolve_device
+from hal.device import DeviceLike, bind_local_device, get_dist_backend, get_torch_device, resolve_device
 from hal.errors import DistributedTimeoutError
 
 DEFAULT_TIMEOUT_S = 300.0
@@ -46,16 +47,6 @@ def as_timedelta(timeout: Timeout | None) -> datetime.timedelta:
 def _is_timeout(exc: BaseException) -> bool:
     text = str(exc).lower()
     return isinstance(exc, (TimeoutError, dist.DistStoreError)) or "timed out" in text or "timeout" in text
-
-
-def bind_local_device(device: DeviceLike = None) -> torch.device:
-    """Make ``LOCAL_RANK`` (default 0) the current device of the resolved kind; returns that device."""
-    spec = resolve_device(device)
-    if spec.host_memory:
-        return torch.device("cpu")
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    get_torch_device(spec).set_device(local_rank)
-    return torch.device(spec.name, local_rank)
 
 
 def init_process_group(
@@ -86,10 +77,12 @@ def init_process_group(
     Raises:
         DistributedTimeoutError: a peer did not join within ``timeout``.
         UnknownDeviceError, DeviceUnavailableError: see :func:`hal.resolve_device`.
+        DeviceIndexError: ``LOCAL_RANK`` (or an explicit index) has no device here (see
+            :func:`hal.bind_local_device`).
     """
     spec = resolve_device(device)
     backend = backend or get_dist_backend(spec, with_host=with_host)
-    local_device = bind_local_device(spec)
+    local_device = bind_local_device(device)
     td = as_timedelta(timeout)
     kwargs = {}
     if not spec.host_memory and "," not in backend:
@@ -251,6 +244,21 @@ def new_group_from_store(
     return StoreGroup(backend, rank, world_size, td, spec)
 
 
+def pick_port(host: str = "127.0.0.1") -> int:
+    """A TCP port on ``host`` that the operating system reported free a moment ago (bind to port 0).
+
+    For a rendezvous whose address must be known before its server starts (a store hosted by rank 0 of
+    processes not started yet). Another process may take the port before it is bound again; the
+    rendezvous then fails with an error naming the address, never a hang.
+
+    Raises:
+        OSError: ``host`` is not a local address.
+    """
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
 def connect_store(host: str, port: int, rank: int, world_size: int, timeout: Timeout | None = None) -> dist.TCPStore:
     """A ``TCPStore`` whose rank 0 hosts the server; waits at most ``timeout`` for the server.
 
@@ -271,5 +279,5 @@ def connect_store(host: str, port: int, rank: int, world_size: int, timeout: Tim
 
 __all__: Sequence[str] = [
     "DEFAULT_TIMEOUT_S", "as_timedelta", "bind_local_device", "init_process_group", "StoreGroup", "PendingWork",
-    "new_group_from_store", "connect_store",
+    "new_group_from_store", "connect_store", "pick_port",
 ]

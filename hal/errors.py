@@ -10,6 +10,7 @@ very same classes; these names are the public ones.
 from __future__ import annotations
 
 from devices.errors import (
+    DeviceIndexError,
     DeviceUnavailableError,
     DistributedTimeoutError,
     DuplicateDeviceError,
@@ -17,5 +18,5 @@ from devices.errors import (
     UnknownDeviceError,
 )
 
-__all__ = ["HalError", "UnknownDeviceError", "DeviceUnavailableError", "DuplicateDeviceError",
+__all__ = ["HalError", "UnknownDeviceError", "DeviceUnavailableError", "DeviceIndexError", "DuplicateDeviceError",
            "DistributedTimeoutError"]

@@ -15,6 +15,8 @@ from typing import Any, Callable
 
 import torch.multiprocessing as tmp
 
+from hal.distributed import pick_port
+
 
 _calls = 0
 
@@ -38,9 +40,7 @@ def free_port() -> int:
             except OSError:
                 continue
             return port
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:  # range exhausted: let the OS choose
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return pick_port("127.0.0.1")  # range exhausted: let the OS choose
 
 
 def _entry(rank: int, fn: Callable, world_size: int, port: int, env: dict, results, args: tuple,

@@ -14,6 +14,7 @@ import pathlib
 from typing import Any
 
 import hal
+from hal.cli.errors import MissingExtraError, UsageError
 
 
 @dataclasses.dataclass
@@ -44,14 +45,14 @@ def execute(args: Bench) -> dict[str, Any]:
     """Run the chosen benchmarks; returns ``{"offload": {...}, "sync": {...}}`` (see each module's ``run``).
 
     Raises:
-        ValueError: a size, bucket or round count below 1, or an unknown benchmark name in ``only``.
+        UsageError: a size, bucket or round count below 1, or an unknown benchmark name in ``only``.
     """
     unknown = sorted(set(args.only) - {"offload", "sync"})
     if unknown:
-        raise ValueError(f"--only takes offload and/or sync, got {unknown}")
+        raise UsageError(f"--only takes offload and/or sync, got {unknown}")
     size, buckets, rounds = (64, (4, 16), 2) if args.quick else (args.size_mb, args.bucket_mb, args.rounds)
     if size < 1 or rounds < 1 or not buckets or min(buckets) < 1:
-        raise ValueError(f"sizes and rounds must be >= 1, got size_mb={size}, bucket_mb={list(buckets)}, "
+        raise UsageError(f"sizes and rounds must be >= 1, got size_mb={size}, bucket_mb={list(buckets)}, "
                          f"rounds={rounds}")
     kind = hal.resolve_device(args.device).kind
     out: dict[str, Any] = {}
@@ -70,7 +71,7 @@ def plot(result: dict[str, Any], path: pathlib.Path) -> None:
     """Draw sync GB/s against bucket size and offload GB/s against the plain-copy limit into ``path``.
 
     Raises:
-        ImportError: matplotlib is not installed (the ``plot`` extra).
+        MissingExtraError: matplotlib is not installed (the ``plot`` extra).
     """
     try:
         import matplotlib
@@ -78,7 +79,7 @@ def plot(result: dict[str, Any], path: pathlib.Path) -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError as exc:
-        raise ImportError("--plot needs matplotlib: pip install '.[plot]'") from exc
+        raise MissingExtraError("--plot needs matplotlib: pip install '.[plot]'") from exc
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     sync = result.get("sync")
     ax = axes[0]

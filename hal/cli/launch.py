@@ -18,6 +18,7 @@ import sys
 import tyro
 
 import hal
+from hal.cli.errors import MissingFileError, UsageError
 
 
 @dataclasses.dataclass
@@ -50,12 +51,12 @@ def torchrun_argv(args: Launch) -> list[str]:
     """The ``torch.distributed.run`` argument list for ``args`` (pure; tested directly).
 
     Raises:
-        ValueError: no script, or ``nproc_per_node < 1``.
+        UsageError: no script, or ``nproc_per_node < 1`` (a ``ValueError``).
     """
     if not args.script:
-        raise ValueError("hal launch needs a script after '--', e.g. hal launch --nproc-per-node 2 -- train.py")
+        raise UsageError("hal launch needs a script after '--', e.g. hal launch --nproc-per-node 2 -- train.py")
     if args.nproc_per_node < 1:
-        raise ValueError(f"--nproc-per-node must be >= 1, got {args.nproc_per_node}")
+        raise UsageError(f"--nproc-per-node must be >= 1, got {args.nproc_per_node}")
     argv = [f"--nproc-per-node={args.nproc_per_node}", f"--nnodes={args.nnodes}",
             f"--max-restarts={args.max_restarts}"]
     if args.rdzv_endpoint:
@@ -69,15 +70,38 @@ def torchrun_argv(args: Launch) -> list[str]:
 def launch_env(args: Launch) -> dict[str, str]:
     """The variables every launched process gets: ``HAL_DEVICE`` and the kind's visible-devices variable.
 
+    Each process binds the device of its ``LOCAL_RANK`` (:func:`hal.bind_local_device`), so a node needs
+    one visible device per process: the variable's entries (``--visible-devices``, else its value here),
+    or, when it is unset, the devices the kind reports here (host-memory kinds need none).
+
     Raises:
         UnknownDeviceError, DeviceUnavailableError: the kind cannot be used here.
+        DeviceIndexError: ``--device`` carries an index, or ``--nproc-per-node`` exceeds the visible devices (names the variable, its value
+            and the count), checked before anything starts.
     """
     spec = hal.resolve_device(args.device)
+    if hal.split_device(args.device)[1] is not None:
+        given = f"--device {args.device!r}" if args.device is not None else \
+            f"{hal.ENV_VAR}={os.environ.get(hal.ENV_VAR)!r}"
+        raise hal.DeviceIndexError(
+            f"{given}: hal launch binds each process to the device of its LOCAL_RANK; give the "
+            f"kind without an index ({spec.kind!r}) and choose devices with --visible-devices")
     env = {hal.ENV_VAR: spec.kind}
     key = spec.visible_devices_env
+    given = args.visible_devices if args.visible_devices is not None else os.environ.get(key) if key else None
+    if given is not None:
+        count = len([v for v in given.split(",") if v.strip()])
+        where = f"{key}={given!r}" if key else f"--visible-devices={given!r}"
+    else:
+        count = hal.availability(spec.kind).device_count
+        where = f"{key} unset, the {spec.kind} kind reports {count} device(s) here" if key else \
+            f"the {spec.kind} kind reports {count} device(s) here"
+    if args.nproc_per_node > count and not spec.host_memory:  # host memory serves any number of processes
+        raise hal.DeviceIndexError(
+            f"--nproc-per-node {args.nproc_per_node} needs one device per process, but {count} device(s) are "
+            f"visible ({where}); start at most {count} processes or make more devices visible")
     if key:
-        value = args.visible_devices or os.environ.get(key) or ",".join(str(i) for i in range(args.nproc_per_node))
-        env[key] = value
+        env[key] = given if given is not None else ",".join(str(i) for i in range(args.nproc_per_node))
     return env
 
 
@@ -88,7 +112,7 @@ def run(args: Launch) -> int:
 
     argv = torchrun_argv(args)
     if args.script[0].endswith(".py") and not pathlib.Path(args.script[0]).is_file():
-        raise FileNotFoundError(f"hal launch: script {args.script[0]!r} does not exist")
+        raise MissingFileError(f"hal launch: script {args.script[0]!r} does not exist")
     os.environ.update(launch_env(args))  # torch.distributed.run passes its environment to every worker
     try:
         torchrun(get_args_parser().parse_args(argv))

@@ -1,7 +1,9 @@
 """Entry point of the ``hal`` console script.
 
 Each subcommand is a dataclass parsed by tyro and a ``run(args) -> exit status`` function. Errors the user
-can fix (an unknown device, a missing file, a bad size) print one line and exit 2, without a traceback.
+can fix (an unknown device, a missing file, a bad size: the :class:`hal.HalError` tree, which holds the
+``engines`` and ``ckpt`` errors and :mod:`hal.cli.errors`) print one line and exit 2, without a traceback.
+Any other exception is a bug: it propagates with its traceback (exit status 1).
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
         args.script = script
     try:
         return RUNNERS[type(args)](args)
-    except (HalError, ValueError, FileNotFoundError, ImportError) as exc:
+    except HalError as exc:
         print(f"hal: error: {exc}", file=sys.stderr)
         return 2
 

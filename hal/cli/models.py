@@ -21,6 +21,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from hal.cli.errors import MissingFileError, UsageError
+
 
 @dataclasses.dataclass(frozen=True)
 class DecoderConfig:
@@ -212,12 +214,12 @@ def safetensors_files(path: pathlib.Path) -> list[pathlib.Path]:
     """The ``.safetensors`` files at ``path`` (the file itself, or every one in a directory, sorted).
 
     Raises:
-        FileNotFoundError: ``path`` does not exist or holds no ``.safetensors`` file.
-        ValueError: a file's safetensors header cannot be read.
+        MissingFileError: ``path`` does not exist or holds no ``.safetensors`` file.
+        UsageError: a file's safetensors header cannot be read.
     """
     files = [path] if path.is_file() else sorted(path.glob("*.safetensors")) if path.is_dir() else []
     if not files:
-        raise FileNotFoundError(f"--model {str(path)!r}: no such safetensors file or directory of them "
+        raise MissingFileError(f"--model {str(path)!r}: no such safetensors file or directory of them "
                                 f"(presets: {', '.join(PRESETS)})")
     from safetensors import safe_open
 
@@ -226,7 +228,7 @@ def safetensors_files(path: pathlib.Path) -> list[pathlib.Path]:
             with safe_open(str(file), framework="pt"):
                 pass
         except Exception as exc:
-            raise ValueError(f"--model {str(path)!r}: {file} is not a safetensors file ({exc})") from None
+            raise UsageError(f"--model {str(path)!r}: {file} is not a safetensors file ({exc})") from None
     return files
 
 
@@ -237,7 +239,7 @@ def build(model: str, seed: int = 0) -> tuple[nn.Module, Callable[[nn.Module], t
     dtypes and regress toward fixed random targets.
 
     Raises:
-        FileNotFoundError: ``model`` is neither a preset nor an existing safetensors file/directory.
+        MissingFileError: ``model`` is neither a preset nor an existing safetensors file/directory.
     """
     torch.manual_seed(seed)
     if model in PRESETS:
@@ -266,7 +268,7 @@ def build(model: str, seed: int = 0) -> tuple[nn.Module, Callable[[nn.Module], t
             term = F.mse_loss(p.float(), _target(name, p).float())
             total = term if total is None else total + term
         if total is None:
-            raise ValueError(f"--model {model!r} has no floating-point tensor to train")
+            raise UsageError(f"--model {model!r} has no floating-point tensor to train")
         return total
 
     return module, regression_loss

@@ -33,6 +33,7 @@ from typing import Any, Literal
 import torch
 
 import hal
+from hal.cli.errors import UsageError
 
 OFFLOAD_FLAGS: dict[str, dict[str, bool]] = {
     # what to.("cpu", ...) moves for each --offload choice; grad moves only with the model (verl's rule)
@@ -76,8 +77,8 @@ def validate(args: Sync) -> None:
     """Check the arguments before any process starts.
 
     Raises:
-        ValueError: a count or size is not positive (names the flag and value).
-        FileNotFoundError: ``--model`` is neither a preset nor a safetensors file/directory.
+        UsageError: a count or size is not positive (names the flag and value).
+        MissingFileError: ``--model`` is neither a preset nor a safetensors file/directory.
         UnknownDeviceError, DeviceUnavailableError: ``--device`` cannot be used here.
     """
     from hal.cli.models import PRESETS, safetensors_files
@@ -85,7 +86,7 @@ def validate(args: Sync) -> None:
     for flag, value in (("--rollouts", args.rollouts), ("--steps", args.steps), ("--bucket-mb", args.bucket_mb),
                         ("--timeout", args.timeout), ("--lr", args.lr)):
         if not value > 0:
-            raise ValueError(f"{flag} must be positive, got {value}")
+            raise UsageError(f"{flag} must be positive, got {value}")
     if args.model not in PRESETS:
         safetensors_files(pathlib.Path(args.model))
     hal.resolve_device(args.device)
@@ -285,7 +286,7 @@ def execute(args: Sync) -> dict[str, Any]:
         from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
         from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-        from hal.testing import free_port
+        from hal.distributed import pick_port
 
         os.environ[hal.ENV_VAR] = kind
         root = args.file_root or tempfile.mkdtemp(prefix="hal-sync-")
@@ -293,7 +294,7 @@ def execute(args: Sync) -> dict[str, Any]:
                               run_id=f"hal-sync-{uuid.uuid4().hex[:8]}", rdzv_backend="c10d",
                               rdzv_endpoint="127.0.0.1:0", max_restarts=0, monitor_interval=0.1,
                               start_method="spawn")
-        ckpt_port, ctl_port = free_port(), free_port()
+        ckpt_port, ctl_port = pick_port(), pick_port()
         if ckpt_port == ctl_port:
             raise RuntimeError(f"could not find two free ports (got {ckpt_port} twice)")
         try:

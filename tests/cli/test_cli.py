@@ -102,6 +102,58 @@ def test_bad_input_gives_a_clear_message_and_no_traceback(args, message):
     assert "Traceback" not in out.stderr
 
 
+@pytest.mark.hal_device("npu-sim")
+def test_launch_refuses_more_ranks_than_visible_devices_before_starting(hal_device, tmp_path):
+    marker = tmp_path / "started"
+    script = tmp_path / "job.py"
+    script.write_text(f"open({str(marker)!r}, 'a').write('x')\n")
+    out = hal_cmd("launch", "--device", "npu-sim", "--nproc-per-node", "2", "--", str(script), timeout=120,
+                  env={"ASCEND_RT_VISIBLE_DEVICES": "3"})
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert "ASCEND_RT_VISIBLE_DEVICES='3'" in out.stderr and "1 device(s)" in out.stderr, out.stderr
+    assert "--nproc-per-node 2" in out.stderr and "Traceback" not in out.stderr
+    assert not marker.exists()
+
+
+def test_an_internal_bug_keeps_its_traceback_and_is_not_a_usage_error():
+    code = textwrap.dedent('''
+        import sys
+        from hal.cli import main as m
+
+        def broken(args):
+            raise ValueError("internal bug: a list index went wrong")
+
+        m.RUNNERS[m.Info] = broken
+        sys.exit(m.main(["info"]))
+    ''')
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert "Traceback" in out.stderr and "ValueError: internal bug" in out.stderr
+    assert "hal: error:" not in out.stderr
+
+
+def test_hal_errors_from_the_engines_are_usage_errors(monkeypatch, capsys):
+    from engines import OffloadError
+    from hal.cli import main as m
+
+    def refuse(args):
+        raise OffloadError("to(device='npu:1'): this engine lives on npu:0")
+
+    monkeypatch.setitem(m.RUNNERS, m.Info, refuse)
+    assert m.main(["info"]) == 2
+    assert "hal: error: to(device='npu:1')" in capsys.readouterr().err
+
+
+def test_the_cli_uses_no_test_helper():
+    import ast
+
+    for path in (ROOT / "hal" / "cli").glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                names = [node.module or ""] if isinstance(node, ast.ImportFrom) else [a.name for a in node.names]
+                assert not any(n == "hal.testing" or n.startswith("hal.testing.") for n in names), path
+
+
 SCRIPT = textwrap.dedent('''
     import os, torch, torch.distributed as dist, hal
     hal.init_process_group(timeout=60)

@@ -44,3 +44,43 @@ def test_bad_launch_arguments_raise():
         torchrun_argv(Launch())
     with pytest.raises(ValueError, match="-1"):
         torchrun_argv(Launch(nproc_per_node=-1, script=("x.py",)))
+
+
+def test_more_processes_than_visible_devices_are_refused(monkeypatch):
+    hal.reset()
+
+    @__import__("dataclasses").dataclass(frozen=True)
+    class TwoDevices(hal.registry.get_spec("cpu").__class__):
+        kind: str = "twodev"
+        host_memory: bool = False
+        visible_devices_env: str | None = "TWODEV_VISIBLE_DEVICES"
+
+        def availability(self):
+            return __import__("devices.base", fromlist=["Availability"]).Availability.available(2)
+
+    hal.register_device(TwoDevices())
+    try:
+        monkeypatch.setenv("TWODEV_VISIBLE_DEVICES", "3")
+        with pytest.raises(hal.DeviceIndexError) as info:
+            launch_env(Launch(device="twodev", nproc_per_node=2))
+        assert "--nproc-per-node 2" in str(info.value) and "1 device(s)" in str(info.value)
+        assert "TWODEV_VISIBLE_DEVICES='3'" in str(info.value)
+        with pytest.raises(hal.DeviceIndexError, match=r"--visible-devices='5'|TWODEV_VISIBLE_DEVICES='5'"):
+            launch_env(Launch(device="twodev", nproc_per_node=2, visible_devices="5"))
+        assert launch_env(Launch(device="twodev", nproc_per_node=2, visible_devices="5,6"))["TWODEV_VISIBLE_DEVICES"] \
+            == "5,6"
+        monkeypatch.delenv("TWODEV_VISIBLE_DEVICES")
+        assert launch_env(Launch(device="twodev", nproc_per_node=2))["TWODEV_VISIBLE_DEVICES"] == "0,1"
+        with pytest.raises(hal.DeviceIndexError, match=r"TWODEV_VISIBLE_DEVICES unset, .*reports 2 device"):
+            launch_env(Launch(device="twodev", nproc_per_node=3))
+    finally:
+        hal.unregister_device("twodev")
+        hal.reset()
+
+
+def test_an_index_in_the_launch_device_is_refused(monkeypatch):
+    with pytest.raises(hal.DeviceIndexError, match="binds each process to the device of its LOCAL_RANK"):
+        launch_env(Launch(device="cpu:0", nproc_per_node=1))
+    monkeypatch.setenv("HAL_DEVICE", "cpu:0")
+    with pytest.raises(hal.DeviceIndexError, match="HAL_DEVICE='cpu:0'"):
+        launch_env(Launch(nproc_per_node=1))

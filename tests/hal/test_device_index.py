@@ -1,0 +1,100 @@
+"""Device indices: one parser and one range check for every entry point; LOCAL_RANK -> device in one place."""
+
+import pytest
+import torch
+
+import hal
+from engines import OffloadError, TorchEngine
+
+
+pytestmark = pytest.mark.hal_device("npu-sim")  # tests taking ``sim`` run on the npu-sim lane
+
+
+@pytest.fixture
+def sim(hal_device):
+    """The npu-sim module; the test's current device is restored afterwards (it is per thread)."""
+    module = hal.get_torch_device("npu-sim")
+    before = module.current_device()
+    yield module
+    module.set_device(before)
+
+
+def test_an_index_in_hal_device_is_honoured_like_an_explicit_one(sim, monkeypatch):
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("HAL_DEVICE", "npu-sim:1")
+    assert hal.resolve_device() is hal.resolve_device("npu-sim:1")
+    assert hal.get_device() == hal.get_device("npu-sim:1") == torch.device("npu", 1)
+    # the explicit index wins over LOCAL_RANK, and binding makes it current
+    assert hal.bind_local_device() == torch.device("npu", 1)
+    assert sim.current_device() == 1
+
+
+def test_an_index_out_of_range_is_refused_everywhere_with_the_count(sim, monkeypatch):
+    count = sim.device_count()
+    for call in (hal.resolve_device, hal.get_device, hal.local_device):
+        with pytest.raises(hal.DeviceIndexError, match=f"index {count} .*sees {count} npu-sim device"):
+            call(f"npu-sim:{count}")
+    monkeypatch.setenv("HAL_DEVICE", f"npu-sim:{count}")
+    with pytest.raises(hal.DeviceIndexError, match=f"HAL_DEVICE='npu-sim:{count}'"):
+        hal.get_device()
+    with pytest.raises(hal.DeviceIndexError, match="must be >= 0"):
+        hal.resolve_device("npu-sim:-1")
+
+
+def test_the_host_has_one_device():
+    assert hal.get_device("cpu:0") == torch.device("cpu")
+    with pytest.raises(hal.DeviceIndexError, match="sees 1 cpu device"):
+        hal.get_device("cpu:1")
+
+
+def test_local_rank_picks_the_device_and_a_rank_past_the_count_is_a_hal_error(sim, monkeypatch):
+    monkeypatch.delenv("HAL_DEVICE", raising=False)
+    monkeypatch.setenv("LOCAL_RANK", "2")
+    assert hal.local_device("npu-sim") == torch.device("npu", 2)
+    assert hal.bind_local_device("npu-sim") == torch.device("npu", 2) and sim.current_device() == 2
+    assert hal.local_device("cpu") == torch.device("cpu")
+    count = sim.device_count()
+    monkeypatch.setenv("LOCAL_RANK", str(count))
+    with pytest.raises(hal.DeviceIndexError) as info:
+        hal.bind_local_device("npu-sim")
+    assert not isinstance(info.value, IndexError)
+    assert f"LOCAL_RANK={count}" in str(info.value) and f"sees {count} npu-sim device(s)" in str(info.value)
+    assert "ASCEND_RT_VISIBLE_DEVICES" in str(info.value)
+    assert sim.current_device() == 2  # nothing was bound
+
+
+def _engine(device):
+    model = torch.nn.Linear(4, 3)
+    return TorchEngine(model, torch.optim.AdamW(model.parameters(), lr=1e-2), device=device)
+
+
+def test_an_engine_keeps_its_index_and_refuses_another(sim, monkeypatch):
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    engine = _engine("npu-sim:1")
+    assert engine.torch_device == torch.device("npu", 1)
+    engine.train_step(lambda m: m(torch.ones(2, 4, device="npu:1")).square().mean())
+    assert {p.device for p in engine.module.parameters()} == {torch.device("npu", 1)}
+    engine.to("cpu")
+    engine.to("npu:1")  # its own index is accepted and honoured
+    assert {p.device for p in engine.module.parameters()} == {torch.device("npu", 1)}
+    states = [t for s in engine.optimizer.state.values() for t in s.values() if t.dim() > 0]
+    assert states and {t.device for t in states} == {torch.device("npu", 1)}
+    before = [p.detach().cpu().clone() for p in engine.module.parameters()]
+    with pytest.raises(OffloadError, match=r"lives on npu:1.*to\(\) moves it between the host and that device"):
+        engine.to("npu:0")
+    with pytest.raises(OffloadError, match="lives on npu:1"):
+        engine.to(torch.device("npu", 0))
+    with pytest.raises(OffloadError, match="host has one device"):
+        engine.to("cpu:1")
+    assert {p.device for p in engine.module.parameters()} == {torch.device("npu", 1)}
+    assert all(torch.equal(a, p.detach().cpu()) for a, p in zip(before, engine.module.parameters()))
+
+
+def test_an_engine_without_an_index_takes_its_local_rank_device(sim, monkeypatch):
+    monkeypatch.setenv("LOCAL_RANK", "2")
+    engine = _engine("npu-sim")
+    assert engine.torch_device == torch.device("npu", 2)
+    assert {p.device for p in engine.module.parameters()} == {torch.device("npu", 2)}
+    engine.to("cpu")
+    engine.to("npu-sim")
+    assert {p.device for p in engine.module.parameters()} == {torch.device("npu", 2)}
