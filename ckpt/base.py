@@ -1,11 +1,26 @@
-"""The ``CheckpointEngine`` contract: weight publication tagged with ``global_steps``, async everywhere.
+"""The ``CheckpointEngine`` contract: verl 0.9.1's ABC, weight publication tagged with ``global_steps``.
 
-The shape follows verl's checkpoint engines (``verl/checkpoint_engine``): a trainer side calls
-``send_weights`` with an iterator of ``(name, tensor)``, a rollout side iterates ``receive_weights``; the
-lifecycle hooks ``prepare`` / ``build_topology`` / ``init_process_group`` / ``finalize`` carry verl's names.
-Every one of these is ``async`` in every implementation (upstream shipped an engine whose ``send_weights``
-was a plain ``def``, so awaiting it raised ``TypeError``); :func:`check_async_contract` catches that class
-of bug for any engine, and the registry refuses such a class.
+The shape is verl's ``verl.checkpoint_engine.base.CheckpointEngine`` (0.9.1), so verl's
+``CheckpointEngineManager`` drives hal's engines and hal's suite judges verl's:
+
+* sync ``prepare() -> dict``: per-update buffers, and metadata (e.g. the master's address and port);
+* classmethod ``build_topology(trainer_world_size, rollout_world_size, metadata) -> (trainer_kwargs,
+  rollout_kwargs)``: run by the controller on every worker's ``prepare()`` result (trainer ranks first);
+  each returned dict maps a keyword to a per-rank list (one entry per rank of that side);
+* sync ``init_process_group(**kwargs)``: one rank's entries of those lists;
+* ``async send_weights(weights, global_steps=None)`` over an iterable of ``(name, tensor)``;
+* ``receive_weights(global_steps=None)``: calling it returns an async iterator of ``(name, tensor)``;
+* sync ``finalize()``: releases what ``prepare()`` allocated for one update.
+
+verl's manager runs prepare, build_topology, init_process_group, the concurrent send/receive and finalize
+on every update. hal's engines default the lifecycle to no-ops and run what they need lazily on the first
+send or receive, so an engine built with its rank and address up front works without them too.
+
+The contract is judged by behaviour (:mod:`ckpt.testing`): the call ``send_weights(...)`` must give an
+awaitable and ``receive_weights(...)`` an async iterator, so methods wrapped by a decorator (verl wraps
+its own in ``@torch.no_grad()``) pass; a plain ``def send_weights`` (verl 0.9.1's own
+``ColocatedCheckpointEngine``: awaiting its ``None`` raises ``TypeError``) fails. :func:`contract_violations`
+is the static half the registry applies to a class before any instance exists.
 """
 
 from __future__ import annotations
@@ -19,44 +34,68 @@ import torch
 from ckpt.errors import CheckpointConfigError, ContractError, VersionMismatchError
 
 NamedTensor = Tuple[str, torch.Tensor]
+TopologyKwargs = dict[str, list]
+"""``{keyword: [value for rank 0, value for rank 1, ...]}``: what ``build_topology`` returns per side."""
 
-COROUTINE_METHODS = ("prepare", "build_topology", "init_process_group", "send_weights", "finalize")
-"""Contract methods that must be ``async def`` (coroutine functions)."""
+LIFECYCLE_METHODS = ("prepare", "init_process_group", "finalize")
+"""Lifecycle methods verl's manager calls synchronously (their results must not be awaitables)."""
+AWAITABLE_METHODS = ("send_weights",)
+"""Methods whose call must give an awaitable."""
 ASYNC_ITER_METHODS = ("receive_weights",)
-"""Contract methods that must be async generator functions (``async def`` with ``yield``)."""
+"""Methods whose call must give an async iterator."""
+COROUTINE_METHODS = AWAITABLE_METHODS
+"""Kept for callers of the earlier name: the methods that must be awaitable."""
 
 
 class CheckpointEngine(abc.ABC):
     """Moves named tensors from a trainer to rollout workers, tagged with the trainer's ``global_steps``.
 
+    Constructors take ``bucket_size`` (bytes) and ``is_master`` (trainer rank 0, as verl's trainer passes
+    it) plus keyword configuration, since verl's registry builds engines as
+    ``cls(bucket_size=..., is_master=..., **engine_kwargs)``.
+
     Contract (checked by :mod:`ckpt.testing` for any engine):
 
     * ``await send_weights(weights, global_steps)``: ``weights`` is an iterable of ``(name, tensor)``
       consumed once, in order; returns when the sender may reuse or free those tensors.
-    * ``receive_weights(global_steps)`` is an async generator of ``(name, tensor)`` in the order they were
-      sent. With ``global_steps=N`` it raises :class:`VersionMismatchError` (before yielding anything) if the
-      update on offer carries another step. Once the first item is yielded (or the iterator ends),
+    * ``receive_weights(global_steps)`` returns an async iterator of ``(name, tensor)`` in the order they
+      were sent. With ``global_steps=N`` it raises :class:`VersionMismatchError` (before yielding anything)
+      if the update on offer carries another step. Once the first item is yielded (or the iterator ends),
       :attr:`received_global_steps` is the sender's step.
     * dtype, shape and bytes arrive unchanged (fp32, bf16, fp16, int64, bool, empty, 0-d and non-contiguous
       tensors; the received ones are contiguous).
-    * Lifecycle: ``prepare()`` (buffers, metadata), ``build_topology()`` (who sends, who receives),
-      ``init_process_group()``, ``finalize()``. Each defaults to a no-op; an engine that needs them runs
-      the missing ones lazily on the first send or receive.
+    * Lifecycle (all synchronous, as verl calls them): ``prepare() -> dict``, the classmethod
+      ``build_topology``, ``init_process_group(**kwargs)``, ``finalize()``. The defaults do nothing.
 
     Who owns which buffer after a call is engine specific and stated in each engine's docstring.
     """
 
+    wire_format = "named_tensors"
+    """How ``receive_weights`` yields (verl's attribute): ``(name, tensor)`` pairs."""
+
     received_global_steps: int | None = None
     """The ``global_steps`` of the update most recently received by this instance (``None`` before any)."""
 
-    async def prepare(self) -> None:
-        """Allocate buffers and metadata (no-op by default)."""
+    def prepare(self) -> dict[str, Any]:
+        """Allocate per-update buffers; return this worker's metadata for ``build_topology`` (``{}`` here)."""
+        return {}
 
-    async def build_topology(self) -> Any:
-        """Decide who sends and who receives (no-op by default)."""
+    @classmethod
+    def build_topology(cls, trainer_world_size: int, rollout_world_size: int,
+                       metadata: list) -> tuple[TopologyKwargs, TopologyKwargs]:
+        """Keyword lists for each side's ``init_process_group`` from every worker's ``prepare()`` result.
 
-    async def init_process_group(self) -> None:
-        """Join the communicator used for transfers (no-op by default)."""
+        Args:
+            trainer_world_size, rollout_world_size: ranks on each side.
+            metadata: ``prepare()`` results, trainer ranks first, then rollout ranks.
+
+        Returns:
+            ``(trainer_kwargs, rollout_kwargs)``, each ``{keyword: per-rank list}``; ``({}, {})`` here.
+        """
+        return {}, {}
+
+    def init_process_group(self, **kwargs: Any) -> None:
+        """Join the communicator described by one rank's ``build_topology`` entries (no-op here)."""
 
     @abc.abstractmethod
     async def send_weights(self, weights: Iterable[NamedTensor], global_steps: int | None = None) -> None:
@@ -67,47 +106,73 @@ class CheckpointEngine(abc.ABC):
         """Yield the ``(name, tensor)`` pairs of one update; see the class docstring."""
         yield  # pragma: no cover - marks the abstract method as an async generator
 
-    async def finalize(self) -> None:
-        """Release the communicator and buffers (no-op by default)."""
+    def finalize(self) -> None:
+        """Release what ``prepare()`` allocated for this update (no-op here)."""
 
 
-def contract_violations(engine_or_cls: Any) -> list[str]:
-    """Which contract methods of an engine (class or instance, subclass of the ABC or duck-typed) are not async.
-
-    Returns:
-        One line per violation, e.g. ``"send_weights is a plain function; it must be 'async def'"``;
-        empty when the engine keeps the contract.
-    """
-    problems = []
-    for name in COROUTINE_METHODS + ASYNC_ITER_METHODS:
-        fn = getattr(engine_or_cls, name, None)
-        if fn is None:
-            problems.append(f"{name} is missing")
-            continue
-        if name in ASYNC_ITER_METHODS:
-            if not inspect.isasyncgenfunction(fn):
-                problems.append(f"{name} is {_kind(fn)}; it must be an async generator ('async def' with 'yield')")
-        elif not inspect.iscoroutinefunction(fn):
-            problems.append(f"{name} is {_kind(fn)}; it must be 'async def'")
-    return problems
+def unwrap_method(fn: Any) -> Any:
+    """The function under decorators that keep ``__wrapped__`` (``functools.wraps``, ``torch.no_grad()``)."""
+    fn = getattr(fn, "__func__", fn)
+    try:
+        return inspect.unwrap(fn)
+    except ValueError:  # a __wrapped__ cycle
+        return fn
 
 
-def _kind(fn: Any) -> str:
+def callable_kind(fn: Any) -> str:
     if inspect.isasyncgenfunction(fn):
         return "an async generator function"
+    if inspect.iscoroutinefunction(fn):
+        return "a coroutine function ('async def')"
     if inspect.isgeneratorfunction(fn):
-        return "a plain generator function"
+        return "a plain generator function (def with yield)"
     if callable(fn):
-        return "a plain function"
+        return "a plain function (def)"
     return f"not callable ({type(fn).__name__})"
 
 
+def contract_violations(engine_or_cls: Any) -> list[str]:
+    """The violations visible without calling anything (class or instance; subclass of the ABC or not).
+
+    Decorators that keep ``__wrapped__`` are looked through. Flagged: a missing method; ``send_weights``
+    declared as a plain ``def`` (awaiting its result raises ``TypeError``); ``receive_weights`` declared as
+    a plain ``def`` or plain generator (no async iterator); a lifecycle method declared ``async`` (verl
+    calls it synchronously and would get a coroutine, never run); ``build_topology`` not callable on
+    the class. The behavioural half (what the calls return) is :func:`ckpt.testing.check_call_contract`.
+
+    Returns:
+        One line per violation, e.g. ``"send_weights is a plain function (def); calling it must give an
+        awaitable ('async def')"``; empty when none is visible.
+    """
+    problems = []
+    for name in AWAITABLE_METHODS + ASYNC_ITER_METHODS + LIFECYCLE_METHODS + ("build_topology",):
+        attr = getattr(engine_or_cls, name, None)
+        if attr is None:
+            problems.append(f"{name} is missing")
+            continue
+        fn = unwrap_method(attr)
+        if name in AWAITABLE_METHODS:
+            if not inspect.iscoroutinefunction(fn) and not hasattr(attr, "__wrapped__"):
+                problems.append(f"{name} is {callable_kind(fn)}; calling it must give an awaitable ('async def')")
+        elif name in ASYNC_ITER_METHODS:
+            if not (inspect.isasyncgenfunction(fn) or inspect.iscoroutinefunction(fn) or hasattr(attr, "__wrapped__")):
+                problems.append(f"{name} is {callable_kind(fn)}; calling it must give an async iterator "
+                                "('async def' with 'yield')")
+        elif name == "build_topology":
+            if not callable(attr) or inspect.iscoroutinefunction(fn):
+                problems.append(f"build_topology is {callable_kind(fn)}; it must be a plain classmethod returning "
+                                "(trainer_kwargs, rollout_kwargs)")
+        elif inspect.iscoroutinefunction(fn) or inspect.isasyncgenfunction(fn):
+            problems.append(f"{name} is {callable_kind(fn)}; verl calls it synchronously, so it must be a plain 'def'")
+    return problems
+
+
 def check_async_contract(engine_or_cls: Any) -> None:
-    """Raise :class:`ContractError` listing every contract method of the engine that is not async."""
+    """Raise :class:`ContractError` listing every violation :func:`contract_violations` finds."""
     problems = contract_violations(engine_or_cls)
     if problems:
         name = getattr(engine_or_cls, "__name__", type(engine_or_cls).__name__)
-        raise ContractError(f"checkpoint engine {name} breaks the async contract: " + "; ".join(problems))
+        raise ContractError(f"checkpoint engine {name} breaks the contract: " + "; ".join(problems))
 
 
 def check_step(asked: int | None, offered: int | None, where: str) -> None:

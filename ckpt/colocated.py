@@ -18,16 +18,20 @@ class ColocatedCheckpointEngine(CheckpointEngine):
     must copy them (``param.copy_(t)``) before the trainer's next optimizer step if it needs a snapshot.
 
     Args:
+        bucket_size, is_master: accepted as verl's registry passes them (nothing is bucketed here).
         timeout: seconds ``receive_weights`` waits for a ``send_weights`` before raising
             :class:`TransferTimeoutError`.
+
+    The lifecycle (``prepare``, ``build_topology``, ``init_process_group``, ``finalize``) is the ABC's no-op.
 
     Raises (``send_weights``): TransferError if the previous hand-over was never received.
     """
 
-    def __init__(self, timeout: float = 60.0) -> None:
+    def __init__(self, bucket_size: int | None = None, is_master: bool = False, timeout: float = 60.0) -> None:
         if not isinstance(timeout, (int, float)) or timeout <= 0:
             raise CheckpointConfigError(f"timeout must be a positive number of seconds, got {timeout!r}")
         self.timeout = float(timeout)
+        self.bucket_size, self.is_master = bucket_size, bool(is_master)
         self._handoff: tuple[int | None, Iterable[NamedTensor]] | None = None
         self._ready: asyncio.Event | None = None
         self._loop: asyncio.AbstractEventLoop | None = None

@@ -55,10 +55,15 @@ class FileCheckpointEngine(CheckpointEngine):
         shard_size: bytes per safetensors file (bounds the sender's host memory).
         timeout: seconds ``receive_weights`` waits for a step to be published (0: do not wait).
         poll_interval: seconds between directory listings while waiting.
+        bucket_size, is_master: accepted as verl's registry passes them (shards are sized by ``shard_size``).
+
+    The lifecycle (``prepare``, ``build_topology``, ``init_process_group``, ``finalize``) is the ABC's no-op:
+    the directory is the only shared state.
     """
 
     def __init__(self, root: str | os.PathLike, keep_last: int = 2, device=None, shard_size: int = 1 << 30,
-                 timeout: float = 0.0, poll_interval: float = 0.05) -> None:
+                 timeout: float = 0.0, poll_interval: float = 0.05, bucket_size: int | None = None,
+                 is_master: bool = False) -> None:
         if isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1:
             raise CheckpointConfigError(f"keep_last must be an int >= 1, got {keep_last!r}")
         if not isinstance(shard_size, int) or shard_size < 1:
@@ -69,6 +74,7 @@ class FileCheckpointEngine(CheckpointEngine):
         self.keep_last, self.shard_size = keep_last, shard_size
         self.timeout, self.poll_interval = float(timeout), float(poll_interval)
         self._device = device
+        self.bucket_size, self.is_master = bucket_size, bool(is_master)
 
     def published_steps(self) -> list[int]:
         """The steps fully published under ``root``, ascending."""

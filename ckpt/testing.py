@@ -10,8 +10,11 @@ or parametrize a pytest test over :data:`CONTRACT_CHECKS` (see ``tests/ckpt/test
 Each check raises :class:`ContractFailure` (an ``AssertionError``) or :class:`ContractError` (a
 ``TypeError``: a method is not async) with what differed.
 
-What is checked: every contract method is a coroutine function / async generator function *and* its call
-is awaitable / async-iterable (a plain ``def send_weights`` fails both ways); ``global_steps`` round-trips
+What is checked, by behaviour: the call ``send_weights(...)`` gives an awaitable and ``receive_weights(...)``
+an async iterator (decorated methods pass; a plain ``def send_weights``, verl 0.9.1's own
+``ColocatedCheckpointEngine``, fails); verl's per-update lifecycle (sync ``prepare()``, the classmethod
+``build_topology``, ``init_process_group(**kwargs)`` on both ranks at once, the transfer, sync
+``finalize()``) carries three updates; ``global_steps`` round-trips
 (the receiver sees the sender's step, and asking for another raises :class:`VersionMismatchError` without
 breaking the next update); tensors of mixed dtypes (fp32, bf16, fp16, int64, bool) arrive byte-exact with
 their dtype, shape and order, including empty, 0-d, non-contiguous and larger-than-a-small-bucket ones;
@@ -26,7 +29,7 @@ from typing import Any, Awaitable, Callable
 
 import torch
 
-from ckpt.base import COROUTINE_METHODS, CheckpointEngine, check_async_contract
+from ckpt.base import CheckpointEngine, callable_kind, check_async_contract, unwrap_method
 from ckpt.errors import CheckpointEngineError, ContractError, VersionMismatchError
 
 PairFactory = Callable[[], Awaitable[tuple[CheckpointEngine, CheckpointEngine]]]
@@ -91,32 +94,101 @@ async def collect(stream: Any) -> list[tuple[str, torch.Tensor]]:
     return [(name, t.detach().to("cpu", copy=True)) async for name, t in stream]
 
 
+def _describe(engine: Any, name: str) -> str:
+    fn = getattr(type(engine), name, None) or getattr(engine, name, None)
+    return callable_kind(unwrap_method(fn)) if fn is not None else "missing"
+
+
+def _not_awaitable(engine: Any, result: Any) -> ContractError:
+    return ContractError(
+        f"{type(engine).__name__}.send_weights(...) returned {type(result).__name__}, not an awaitable: it is "
+        f"{_describe(engine, 'send_weights')}, so `await engine.send_weights(...)` raises TypeError; "
+        "declare it 'async def'")
+
+
+def _not_async_iter(engine: Any, result: Any) -> ContractError:
+    hint = ("; a coroutine cannot be iterated with 'async for' (verl's CheckpointEngineWorker hands the call's "
+            "result straight to the server adapter): make it an async generator ('async def' with 'yield')"
+            if inspect.isawaitable(result) else "; make it an async generator ('async def' with 'yield')")
+    return ContractError(f"{type(engine).__name__}.receive_weights(...) returned {type(result).__name__}, not an "
+                         f"async iterator: it is {_describe(engine, 'receive_weights')}{hint}")
+
+
+def _close_unstarted(*calls: Any) -> None:
+    for call in calls:
+        if inspect.iscoroutine(call):
+            call.close()  # never started; closing avoids a "never awaited" warning
+        elif inspect.isasyncgen(call):
+            try:
+                call.aclose().close()
+            except Exception:  # noqa: BLE001 - nothing was started, nothing to clean
+                pass
+
+
 async def transfer(sender: CheckpointEngine, receiver: CheckpointEngine, weights: list[tuple[str, torch.Tensor]],
                    send_step: int | None, receive_step: int | None) -> list[tuple[str, torch.Tensor]]:
     """Run one send and one receive concurrently; return what was received (host copies).
 
-    Raises the receiver's error if it failed, else the sender's.
+    Raises the receiver's error if it failed, else the sender's; :class:`ContractError` when the call
+    ``send_weights(...)`` is not awaitable or ``receive_weights(...)`` not an async iterator.
     """
     send = sender.send_weights(iter(weights), send_step)
     if not inspect.isawaitable(send):
-        raise ContractError(f"{type(sender).__name__}.send_weights(...) returned {type(send).__name__}, "
-                            "not an awaitable")
+        raise _not_awaitable(sender, send)
     try:
         stream = receiver.receive_weights(receive_step)
     except BaseException:
-        if inspect.iscoroutine(send):
-            send.close()  # never started; closing avoids a "never awaited" warning
+        _close_unstarted(send)
         raise
     if not (hasattr(stream, "__aiter__") and hasattr(stream, "__anext__")):
-        if inspect.iscoroutine(send):
-            send.close()
-        raise ContractError(f"{type(receiver).__name__}.receive_weights(...) returned {type(stream).__name__}, "
-                            "not an async iterator")
+        _close_unstarted(send, stream)
+        raise _not_async_iter(receiver, stream)
     got_send, got_recv = await asyncio.gather(send, collect(stream), return_exceptions=True)
     for result in (got_recv, got_send):
         if isinstance(result, BaseException):
             raise result
     return got_recv
+
+
+def _call_sync(engine: Any, name: str, **kwargs: Any) -> Any:
+    """Call a lifecycle method as verl does (synchronously); an awaitable result is a violation."""
+    result = getattr(engine, name)(**kwargs)
+    if inspect.isawaitable(result):
+        _close_unstarted(result)
+        raise ContractError(f"{type(engine).__name__}.{name}() returned {type(result).__name__}: verl calls it "
+                            "synchronously and never awaits it, so it must be a plain 'def'")
+    return result
+
+
+async def verl_lifecycle(sender: CheckpointEngine, receiver: CheckpointEngine) -> None:
+    """One update's set-up as verl's ``CheckpointEngineManager`` runs it, for 1 trainer and 1 rollout.
+
+    ``prepare()`` on both, ``build_topology(1, 1, [sender's, receiver's])`` on the sender's class, then
+    ``init_process_group(**kwargs)`` on both at once (each in a thread: a rendezvous blocks).
+
+    Raises:
+        ContractError: a lifecycle call returned an awaitable, or ``build_topology`` returned something
+            other than two dicts of one-entry lists.
+    """
+    metadata = [_call_sync(sender, "prepare"), _call_sync(receiver, "prepare")]
+    topology = type(sender).build_topology(1, 1, metadata)
+    if inspect.isawaitable(topology):
+        _close_unstarted(topology)
+        raise ContractError(f"{type(sender).__name__}.build_topology(...) returned {type(topology).__name__}; "
+                            "verl calls it synchronously on the class")
+    if not (isinstance(topology, tuple) and len(topology) == 2 and all(isinstance(d, dict) for d in topology)
+            and all(isinstance(v, list) and len(v) == 1 for d in topology for v in d.values())):
+        raise ContractError(f"{type(sender).__name__}.build_topology(1, 1, metadata) must return (trainer_kwargs, "
+                            f"rollout_kwargs), dicts of one-entry lists, got {topology!r}")
+    kwargs = [{k: v[0] for k, v in side.items()} for side in topology]
+    await asyncio.gather(*(asyncio.to_thread(_call_sync, engine, "init_process_group", **kw)
+                           for engine, kw in zip((sender, receiver), kwargs)))
+
+
+async def finalize_both(sender: CheckpointEngine, receiver: CheckpointEngine) -> None:
+    """``finalize()`` each distinct engine, as verl does at the end of an update (synchronously)."""
+    for engine in {id(sender): sender, id(receiver): receiver}.values():
+        _call_sync(engine, "finalize")
 
 
 def _check_step(receiver: CheckpointEngine, step: int | None, what: str) -> None:
@@ -125,20 +197,24 @@ def _check_step(receiver: CheckpointEngine, step: int | None, what: str) -> None
         raise ContractFailure(f"{what}: receiver.received_global_steps is {got!r}, the sender sent {step!r}")
 
 
-async def check_async_methods(sender: CheckpointEngine, receiver: CheckpointEngine) -> None:
-    """Every contract method is declared async and its call is awaitable / async-iterable."""
+async def check_call_contract(sender: CheckpointEngine, receiver: CheckpointEngine) -> None:
+    """Nothing declared wrong (:func:`check_async_contract`), and the calls behave: ``send_weights(...)`` is
+    awaitable, ``receive_weights(...)`` an async iterator, the round trip byte-exact."""
     for engine in {id(sender): sender, id(receiver): receiver}.values():
         check_async_contract(engine)
-    for name in COROUTINE_METHODS:
-        if name == "send_weights" or name == "finalize":
-            continue
-        calls = [getattr(e, name)() for e in {id(sender): sender, id(receiver): receiver}.values()]
-        for call in calls:
-            if not inspect.isawaitable(call):
-                raise ContractError(f"{name}() returned {type(call).__name__}, not an awaitable")
-        await asyncio.gather(*calls)
     weights = sample_weights(1)
     compare(weights, await transfer(sender, receiver, weights, 1, 1), "async round trip")
+
+
+async def check_verl_lifecycle(sender: CheckpointEngine, receiver: CheckpointEngine) -> None:
+    """Three updates, each run as verl's manager runs it: prepare, build_topology, init_process_group,
+    send and receive at once, finalize; byte-exact with the sender's step."""
+    for step in (1, 2, 3):
+        await verl_lifecycle(sender, receiver)
+        weights = sample_weights(step)
+        compare(weights, await transfer(sender, receiver, weights, step, step), f"verl lifecycle, update {step}")
+        _check_step(receiver, step, f"verl lifecycle, update {step}")
+        await finalize_both(sender, receiver)
 
 
 async def check_round_trip_mixed_dtypes(sender: CheckpointEngine, receiver: CheckpointEngine) -> None:
@@ -180,7 +256,8 @@ async def check_empty_update(sender: CheckpointEngine, receiver: CheckpointEngin
 
 
 CONTRACT_CHECKS: dict[str, Callable[[CheckpointEngine, CheckpointEngine], Awaitable[None]]] = {
-    "async_methods": check_async_methods,
+    "call_contract": check_call_contract,
+    "verl_lifecycle": check_verl_lifecycle,
     "round_trip_mixed_dtypes": check_round_trip_mixed_dtypes,
     "steps_in_sequence": check_steps_in_sequence,
     "version_mismatch": check_version_mismatch,
@@ -200,9 +277,14 @@ async def run_check(make_pair: PairFactory, name: str, timeout: float = 60.0) ->
         await asyncio.wait_for(CONTRACT_CHECKS[name](sender, receiver), timeout)
     finally:
         for engine in {id(sender): sender, id(receiver): receiver}.values():
-            finalize = getattr(engine, "finalize", None)
-            if finalize is not None and inspect.iscoroutinefunction(finalize):
-                await finalize()
+            for method in ("finalize", "close"):
+                fn = getattr(engine, method, None)
+                try:
+                    result = fn() if callable(fn) else None
+                    if inspect.isawaitable(result):
+                        await result
+                except Exception:  # noqa: BLE001 - clean-up of an engine under test must not hide its failure
+                    pass
 
 
 async def run_contract_suite(make_pair: PairFactory, timeout: float = 60.0) -> dict[str, str]:

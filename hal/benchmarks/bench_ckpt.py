@@ -160,7 +160,7 @@ def _bench_rank(rank: int, world_size: int, port: int, size_mb: int, bucket_size
                                             master_port=port + 1 + i, bucket_size=bmb << 20, device=device,
                                             timeout=120, direct_threshold=direct_threshold)
         peak.start()  # the first (warm-up) transfer, buffers included
-        asyncio.run(engine.init_process_group())
+        engine.init_process_group()
         _timed_once(group, lambda: transfer(engine, layouts[0]))
         peaks.append(peak.stop())
         for layout in layouts[1:]:
@@ -179,7 +179,7 @@ def _bench_rank(rank: int, world_size: int, port: int, size_mb: int, bucket_size
                 times.setdefault(f"{layout}:{engine.bucket_size}", []).append(
                     _timed_once(group, lambda: transfer(engine, layout)))
     for engine in engines:
-        asyncio.run(engine.finalize())
+        engine.close()
     group.close()
     return {"device": device, "backend": hal.get_dist_backend(device), "size_bytes": total, "n_tensors": len(sizes),
             "rounds": rounds, "times": times, "peaks": peaks,

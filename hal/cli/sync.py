@@ -178,6 +178,14 @@ def _make_checkpoint_engine(args: Sync, rank: int, world_size: int, port: int, r
                                       timeout=args.timeout)
 
 
+def _release(engine) -> None:
+    """End of the run: verl's per-update ``finalize()``, then ``close()`` (the group too) where there is one."""
+    engine.finalize()
+    close = getattr(engine, "close", None)
+    if close is not None:
+        close()
+
+
 def _progress():
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
@@ -221,7 +229,7 @@ async def _trainer_loop(args: Sync, engine, store, world_size: int) -> dict[str,
             row["rollouts"] = results
             rows.append(trainer.finish(row))
             progress.advance(task)
-    await engine.finalize()
+    _release(engine)
     return {"rows": rows}
 
 
@@ -244,7 +252,7 @@ async def _rollout_loop(args: Sync, engine, store, rank: int) -> dict[str, Any]:
         store.set(f"result/{step}/{rank}", json.dumps(result))
         if result["error"]:
             break
-    await engine.finalize()
+    _release(engine)
     return {"rank": rank}
 
 

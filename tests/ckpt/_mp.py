@@ -67,9 +67,8 @@ def minilm_three_steps(rank, world_size, port, device, path):
 
     async def main():
         report = []
-        await engine.prepare()
-        await engine.build_topology()
-        await engine.init_process_group()
+        engine.prepare()
+        engine.init_process_group()
         if rank == 0:
             trainer = FakeTrainEngine({})
             worker = ckpt.TrainerWorker(trainer, engine)
@@ -89,7 +88,7 @@ def minilm_three_steps(rank, world_size, port, device, path):
                 devices = {t.device.type for t in served.values()}
                 report.append((step, got, adapter.served_step, len(exact), len(expected),
                                sum(t.nbytes for t in served.values()), sorted(devices)))
-        await engine.finalize()
+        engine.close()
         return report
 
     return asyncio.run(main())
@@ -103,7 +102,7 @@ def dies_mid_transfer(rank, world_size, port, device, victim):
     weights = [(f"w{i}", torch.full((256, 1024), float(i), device=dev)) for i in range(24)]  # 24 MiB
 
     async def main():
-        await engine.init_process_group()
+        engine.init_process_group()
         if rank == 0:
             await engine.send_weights(iter(weights), 1)
             if victim == 0:
@@ -151,12 +150,12 @@ def bounded_memory(rank, world_size, port, bucket_size, model_mib):
         rank, world_size, port, "cpu", bucket_size=bucket_size))
 
     async def main():
-        await engine.init_process_group()
+        engine.init_process_group()
         model = [(f"t{i}", torch.randn(s // 2).to(torch.bfloat16)) for i, s in enumerate(sizes)] if rank == 0 else None
         checksum(torch.zeros(8, dtype=torch.bfloat16))  # the first .numpy() costs ~7 MiB: pay it before measuring
         before = proc_status_bytes("VmRSS")
         Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current RSS
-        await engine.prepare()
+        engine.prepare()
         if rank == 0:
             await engine.send_weights(iter(model), 7)
             peak = proc_status_bytes("VmHWM") - before
@@ -164,7 +163,7 @@ def bounded_memory(rank, world_size, port, bucket_size, model_mib):
         else:
             sums = [checksum(t) async for _, t in engine.receive_weights(7)]
             peak = proc_status_bytes("VmHWM") - before
-        await engine.finalize()
+        engine.close()
         return peak, sum(sizes), sums
 
     return asyncio.run(main())
@@ -188,7 +187,7 @@ def mixed_dtypes(rank, world_size, port, device):
                 expected = sample_weights(step)
                 out.append((step, engine.received_global_steps, [n for n, _ in got] == [n for n, _ in expected],
                             sum(same_bytes(a, b) for (_, a), (_, b) in zip(expected, got)), len(expected)))
-        await engine.finalize()
+        engine.close()
         return out
 
     return asyncio.run(main())

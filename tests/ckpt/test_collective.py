@@ -51,7 +51,7 @@ def test_flat_views_round_trip_byte_exact(bucket_size, threshold):
             compare(weights, got, "flat views")
             compare(sample_weights(6), await transfer(sender, receiver, sample_weights(6), 6, None), "then separate")
         finally:
-            await asyncio.gather(sender.finalize(), receiver.finalize())
+            sender.close(), receiver.close()
     asyncio.run(go())
 
 
@@ -63,8 +63,8 @@ def test_lifecycle_runs_lazily_and_the_group_is_kept_across_updates():
         for step in (1, 2, 3):
             compare(sample_weights(step), await transfer(sender, receiver, sample_weights(step), step, step), "step")
             groups.append((id(sender._group), id(receiver._group)))
-        topo = await receiver.build_topology()
-        await asyncio.gather(sender.finalize(), receiver.finalize())
+        topo = receiver.topology
+        sender.close(), receiver.close()
         return groups, topo
     groups, topo = asyncio.run(go())
     assert len(set(groups)) == 1  # one communicator for all three updates
@@ -100,7 +100,7 @@ def test_a_consumer_that_stops_early_leaves_the_group_in_step():
             await stream.aclose()  # drains the rest of step 1
         await asyncio.gather(sender.send_weights(iter(sample_weights(1)), 1), partial())
         got = await transfer(sender, receiver, sample_weights(2), 2, 2)
-        await asyncio.gather(sender.finalize(), receiver.finalize())
+        sender.close(), receiver.close()
         return got
     compare(sample_weights(2), asyncio.run(go()), "after an abandoned update")
 
@@ -131,5 +131,5 @@ def test_a_sender_whose_weights_fail_mid_update_aborts_it_and_the_group_stays_us
         assert isinstance(got, ckpt.TransferAbortedError) and "gather of layer 7 failed" in str(got)
         assert adapter.served_step is None and adapter.state_dict() == {}
         compare(sample_weights(2), await transfer(sender, receiver, sample_weights(2), 2, 2), "after the abort")
-        await asyncio.gather(sender.finalize(), receiver.finalize())
+        sender.close(), receiver.close()
     asyncio.run(go())

@@ -1,0 +1,159 @@
+"""verl 0.9.1's CheckpointEngine lifecycle on hal's engines, without verl: construction as verl's registry
+does it, sync prepare / classmethod build_topology / init_process_group / finalize every update, and a
+communicator kept while the topology is unchanged."""
+
+import asyncio
+import threading
+
+import pytest
+import torch
+
+import ckpt
+from ckpt.collective import CollectiveCheckpointEngine
+from ckpt.testing import collect, compare, sample_weights, transfer
+
+
+def test_engines_build_as_verls_registry_builds_them(tmp_path):
+    for name, extra in (("colocated", {}), ("collective", {"device": "cpu"}), ("file", {"root": tmp_path})):
+        for is_master in (True, False):
+            engine = ckpt.get_checkpoint_engine(name, bucket_size=1 << 20, is_master=is_master, **extra)
+            assert engine.bucket_size == 1 << 20 and engine.is_master is is_master
+            assert engine.wire_format == "named_tensors"
+            metadata = engine.prepare()
+            assert isinstance(metadata, dict)
+            engine.finalize()
+            if hasattr(engine, "close"):
+                engine.close()
+
+
+def test_build_topology_rejects_metadata_without_a_master():
+    with pytest.raises(ckpt.CheckpointConfigError, match="metadata\\[0\\] must be the prepare\\(\\) result of the master"):
+        CollectiveCheckpointEngine.build_topology(1, 1, [None, None])
+    with pytest.raises(ckpt.CheckpointConfigError, match="all 1 \\+ 2 workers"):
+        CollectiveCheckpointEngine.build_topology(1, 2, [{}, {}])
+
+
+def _lifecycle(trainers, rollouts):
+    """prepare on all, build_topology on the class, init_process_group on all at once (threads)."""
+    metadata = [e.prepare() for e in trainers + rollouts]
+    tkw, rkw = CollectiveCheckpointEngine.build_topology(len(trainers), len(rollouts), metadata)
+    for side, engines in ((tkw, trainers), (rkw, rollouts)):
+        assert all(len(v) == len(engines) for v in side.values())
+    calls = [(e, {k: v[i] for k, v in side.items()}) for side, engines in ((tkw, trainers), (rkw, rollouts))
+             for i, e in enumerate(engines)]
+    errors = []
+
+    def run(engine, kwargs):
+        try:
+            engine.init_process_group(**kwargs)
+        except Exception as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+    threads = [threading.Thread(target=run, args=c) for c in calls]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    return tkw, rkw
+
+
+async def _update(trainers, rollouts, step):
+    weights = sample_weights(step)
+
+    async def send(engine):
+        await engine.send_weights(iter(weights), step)
+
+    results = await asyncio.gather(*(send(e) for e in trainers),
+                                   *(collect(e.receive_weights(step)) for e in rollouts))
+    for got in results[len(trainers):]:
+        compare(weights, got, f"update {step}")
+    for engine in rollouts:
+        assert engine.received_global_steps == step
+
+
+def test_verl_lifecycle_keeps_the_communicator_while_the_topology_is_unchanged():
+    kw = dict(bucket_size=64 << 10, device="cpu", timeout=30)
+    trainers = [CollectiveCheckpointEngine(is_master=True, **kw), CollectiveCheckpointEngine(**kw)]
+    rollouts = [CollectiveCheckpointEngine(**kw) for _ in range(2)]
+    everyone = trainers + rollouts
+    try:
+        groups, generations = [], []
+        for step in (1, 2, 3, 4):
+            tkw, rkw = _lifecycle(trainers, rollouts)
+            assert tkw["rank"] == [0, -1] and rkw["rank"] == [1, 2] and rkw["world_size"] == [3, 3]
+            generations.append(tkw["generation"][0])
+            asyncio.run(_update(trainers, rollouts, step))
+            groups.append(tuple(e._group for e in everyone))
+            for e in everyone:
+                e.finalize()
+                assert e._buffers == []  # per-update buffers are released
+        assert len(set(map(lambda g: tuple(map(id, g)), groups))) == 1 and groups[0][1] is None  # one communicator; trainer 1 is outside
+        assert generations == [1, 1, 1, 1]
+        # a changed topology (one rollout leaves) forms a new generation, and transfers still work
+        tkw, rkw = _lifecycle(trainers, rollouts[:1])
+        assert tkw["generation"] == [2, 2] and rkw == {"rank": [1], "world_size": [2], "master_addr": tkw["master_addr"][:1],
+                                                      "master_port": tkw["master_port"][:1], "generation": [2]}
+        assert trainers[0]._group is not groups[0][0] and groups[0][0].backend is None  # the old one is closed
+        asyncio.run(_update(trainers, rollouts[:1], 5))
+    finally:
+        for e in everyone:
+            e.close()
+
+
+def test_standalone_engine_driven_by_verls_lifecycle_reuses_its_group():
+    from hal.testing import free_port
+
+    common = dict(world_size=2, master_addr="127.0.0.1", master_port=free_port(), bucket_size=4096, device="cpu",
+                  timeout=20)
+    sender, receiver = CollectiveCheckpointEngine(rank=0, **common), CollectiveCheckpointEngine(rank=1, **common)
+
+    async def lazy_first():  # hal's standalone use: no lifecycle calls at all
+        compare(sample_weights(1), await transfer(sender, receiver, sample_weights(1), 1, 1), "lazy")
+    try:
+        asyncio.run(lazy_first())
+        first = sender._group
+        for step in (2, 3):
+            _lifecycle([sender], [receiver])
+            asyncio.run(_update([sender], [receiver], step))
+            sender.finalize(), receiver.finalize()
+        assert sender._group is first and first.backend is not None  # the group formed lazily is kept
+    finally:
+        sender.close(), receiver.close()
+
+
+class _Decorated(ckpt.ColocatedCheckpointEngine):
+    """Async methods wrapped as verl wraps its own (``@torch.no_grad()``): the wrappers are plain functions."""
+
+    @torch.no_grad()
+    async def send_weights(self, weights, global_steps=None):
+        await super().send_weights(weights, global_steps)
+
+    @torch.no_grad()
+    async def receive_weights(self, global_steps=None):
+        async for item in super().receive_weights(global_steps):
+            yield item
+
+
+def test_decorated_async_methods_keep_the_contract():
+    from ckpt.testing import run_contract_suite
+
+    assert not type(_Decorated.__dict__["send_weights"]).__name__.startswith("coroutine")
+    assert ckpt.contract_violations(_Decorated) == []
+    ckpt.register_checkpoint_engine("decorated-test", _Decorated)
+    try:
+        async def make():
+            engine = ckpt.get_checkpoint_engine("decorated-test", bucket_size=1 << 20, timeout=5)
+            return engine, engine
+        assert asyncio.run(run_contract_suite(make, timeout=30)) == {}
+    finally:
+        ckpt.unregister_checkpoint_engine("decorated-test")
+
+
+class _AsyncLifecycle(ckpt.ColocatedCheckpointEngine):
+    async def prepare(self):  # verl calls it synchronously: the coroutine would never run
+        return {}
+
+
+def test_an_async_lifecycle_method_is_a_violation():
+    assert ckpt.contract_violations(_AsyncLifecycle) == [
+        "prepare is a coroutine function ('async def'); verl calls it synchronously, so it must be a plain 'def'"]
