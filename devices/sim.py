@@ -84,9 +84,9 @@ def register() -> types.ModuleType:
                                "use the 'npu' kind, not 'npu-sim' (both would register the 'npu' device)")
         import torch
 
-        from devices import sim_api, sim_backend, sim_ext, sim_module, sim_strict
+        from devices import sim_api, sim_backend, sim_ext, sim_module, sim_strict, torch_compat
 
-        current = torch._C._get_privateuse1_backend_name()
+        current = torch_compat.privateuse1_backend_name()
         if current not in ("privateuseone", "npu"):
             raise RuntimeError(f"PrivateUse1 is already registered as {current!r} in this process; "
                                "the npu-sim kind needs it as 'npu'")
@@ -98,7 +98,7 @@ def register() -> types.ModuleType:
         if current != "npu":
             torch.utils.rename_privateuse1_backend("npu")
         if not hasattr(torch, "npu"):
-            torch._register_device_module("npu", sim_api.extend(sim_module.build(ext), ext))
+            torch_compat.register_device_module("npu", sim_api.extend(sim_module.build(ext), ext))
         if not hasattr(torch.Tensor, "is_npu"):
             torch.utils.generate_methods_for_privateuse1_backend(
                 for_tensor=True, for_module=True, for_packed_sequence=True, for_storage=True)

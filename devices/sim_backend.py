@@ -24,13 +24,14 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from devices import torch_compat
 from devices.errors import DistributedTimeoutError
 
 BACKEND_NAME = "hccl"
 _ext = None
 
 
-class SimWork(dist._Work):
+class SimWork(torch_compat.Work):
     """A completed collective: ``wait`` returns ``True`` at once; ``get_future`` holds the output tensors."""
 
     def __init__(self, result: Sequence[torch.Tensor]) -> None:
@@ -89,7 +90,7 @@ class SimHcclGroup(dist.ProcessGroup):
         # C++ callers look a backend up per device (init_process_group with device_id does); gloo answers
         # for host tensors, and for npu ones it rejects what the C++-only paths would hand it.
         for device in ("cpu", "npu"):
-            self._register_backend(torch.device(device), dist.ProcessGroup.BackendType.CUSTOM, self._gloo)
+            torch_compat.register_group_backend(self, torch.device(device), self._gloo)
 
     # -- identity
     def getBackendName(self) -> str:  # noqa: N802 - C++ name, overridden through pybind11
@@ -258,5 +259,5 @@ def register() -> None:
     from devices import sim_ext
 
     _ext = sim_ext.load()
-    if BACKEND_NAME.upper() not in dist.Backend._plugins:
+    if torch_compat.backend_plugin(BACKEND_NAME) is None:
         dist.Backend.register_backend(BACKEND_NAME, create, extended_api=True, devices=["npu"])

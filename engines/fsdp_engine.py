@@ -3,8 +3,9 @@
 Each FSDP2 parameter is a ``DTensor`` whose bytes live in one padded flat tensor per parameter
 (``FSDPParam._sharded_param_data``) that the DTensor's local tensor views. Offload swaps that flat tensor for
 a host buffer and points the local tensor at it, which is what FSDP2's own ``reset_sharded_param`` expects
-after a move (torch 2.13, ``torch/distributed/fsdp/_fully_shard/_fsdp_param.py``). Gradients and optimizer
-states are DTensors too; their local shards move (see :mod:`engines.slots`).
+after a move (torch 2.13, ``torch/distributed/fsdp/_fully_shard/_fsdp_param.py``); these internals are
+reached only through :mod:`devices.torch_compat`. Gradients and optimizer states are DTensors too; their
+local shards move (see :mod:`engines.slots`).
 
 FSDP2 runs on gloo with a CPU device mesh in torch 2.13, so the cpu kind can train it (where offload moves
 nothing); on accelerators the mesh is of the kind's device type and the kind's backend is used.
@@ -22,27 +23,10 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
 import hal
+from devices import torch_compat
 from engines.base import BaseEngine
 from engines.errors import EngineStateError
 from engines.slots import Slot, data_slot, module_grad_slots, optimizer_slots
-
-
-def _fsdp_params(module: nn.Module):
-    """Every ``FSDPParam`` under ``module`` (FSDP2 internals, torch 2.13)."""
-    for sub in module.modules():
-        if isinstance(sub, FSDPModule):
-            group = sub._get_fsdp_state()._fsdp_param_group
-            if group is not None:
-                yield from group.fsdp_params
-
-
-def _flat_set(fsdp_param, new: torch.Tensor) -> None:
-    """Make ``fsdp_param`` hold its padded shard in ``new`` (1-D, same numel) and its DTensor view it."""
-    sharded = fsdp_param.sharded_param
-    dim = fsdp_param.fsdp_placement.dim
-    length = sharded._local_tensor.size(dim)
-    fsdp_param._sharded_param_data = new
-    sharded._local_tensor = new.view(fsdp_param.padded_sharded_param_size).narrow(dim, 0, length)
 
 
 class FSDPEngine(BaseEngine):
@@ -90,9 +74,11 @@ class FSDPEngine(BaseEngine):
 
     def _model_slots(self) -> Iterator[Slot]:
         names = {id(p): n for n, p in self.module.named_parameters()}
-        for fp in _fsdp_params(self.module):
-            yield Slot(("param", names.get(id(fp.sharded_param), fp._module_info.param_name)),
-                       lambda fp=fp: fp._sharded_param_data, lambda new, fp=fp: _flat_set(fp, new))
+        for fp in torch_compat.fsdp_params(self.module):
+            name = names.get(id(torch_compat.fsdp_sharded_param(fp)), torch_compat.fsdp_param_name(fp))
+            yield Slot(("param", name),
+                       lambda fp=fp: torch_compat.fsdp_sharded_data(fp),
+                       lambda new, fp=fp: torch_compat.set_fsdp_sharded_data(fp, new))
         for name, buf in self.module.named_buffers():
             yield data_slot(("buffer", name), buf)
 

@@ -19,6 +19,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from devices import torch_compat
+
 
 @dataclasses.dataclass(frozen=True)
 class Slot:
@@ -43,14 +45,14 @@ class Slot:
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
     """The tensor that holds ``t``'s bytes on this rank: a DTensor's local shard, else ``t.data``."""
     if isinstance(t, DTensor):
-        return t._local_tensor
+        return torch_compat.dtensor_local(t)
     return t.data
 
 
 def set_local_tensor(t: torch.Tensor, new: torch.Tensor) -> None:
     """Make ``t`` hold ``new``'s bytes while keeping the Python object ``t`` (see the module docstring)."""
     if isinstance(t, DTensor):
-        t._local_tensor = new  # the wrapper keeps its metadata; only this rank's storage changes
+        torch_compat.set_dtensor_local(t, new)  # the wrapper keeps its metadata; only this rank's storage changes
     else:
         t.data = new
 
@@ -148,7 +150,7 @@ def _state_get(state: dict, k: Hashable) -> torch.Tensor:
 def _state_set(state: dict, k: Hashable, new: torch.Tensor) -> None:
     value = state[k]
     if isinstance(value, DTensor):
-        value._local_tensor = new
+        torch_compat.set_dtensor_local(value, new)
     else:
         state[k] = new
 

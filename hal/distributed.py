@@ -20,6 +20,7 @@ from typing import Sequence, Union
 import torch
 import torch.distributed as dist
 
+from devices import torch_compat
 from hal.device import DeviceLike, bind_local_device, get_dist_backend, get_torch_device, resolve_device
 from hal.errors import DistributedTimeoutError
 
@@ -107,21 +108,15 @@ def _create_backend(spec, store: dist.Store, rank: int, world_size: int, td: dat
     if name == dist.Backend.GLOO:
         return dist.ProcessGroupGloo(store, rank, world_size, td)
     if name == dist.Backend.NCCL:
-        opts = dist.ProcessGroupNCCL.Options()
-        opts._timeout = td
-        return dist.ProcessGroupNCCL(store, rank, world_size, opts)
+        return dist.ProcessGroupNCCL(store, rank, world_size, torch_compat.nccl_options(td))
     get_torch_device(spec)  # importing the vendor module registers its backend plugin
-    plugin = dist.Backend._plugins.get(name.upper())  # torch's registry of register_backend() plugins
+    plugin = torch_compat.backend_plugin(name)  # torch's registry of register_backend() plugins
     if plugin is None:
-        raise RuntimeError(f"collective backend {name!r} of device kind {spec.kind!r} is not registered "
-                           f"with torch.distributed (registered plugins: {sorted(dist.Backend._plugins)})")
+        raise RuntimeError(f"collective backend {name!r} of device kind {spec.kind!r} is not registered with "
+                           f"torch.distributed (registered plugins: {torch_compat.registered_backend_plugins()})")
     if not plugin.extended_api:
         return plugin.creator_fn(store, rank, world_size, td)
-    opts = dist.distributed_c10d._DistributedBackendOptions()
-    opts.store, opts.group_rank, opts.group_size, opts.timeout = store, rank, world_size, td
-    opts.group_id = "hal"
-    opts.global_ranks_in_group = list(range(world_size))
-    return plugin.creator_fn(opts, None)
+    return plugin.creator_fn(torch_compat.extended_backend_options(store, rank, world_size, td, "hal"), None)
 
 
 class StoreGroup:
