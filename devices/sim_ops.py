@@ -3,8 +3,9 @@
 Only operators whose definition torch_npu documents and that verl 0.9.1 calls are here; each computes what
 that definition says (autograd included, since it is built from differentiable torch operations), and
 ``tests/devices/test_torch_npu_compat.py`` checks each against an independent plain-torch reference.
-Every other fused operator (``npu_fusion_attention``, ``npu_grouped_matmul``, MoE permutes, quantisers)
-is absent from the compatibility module, so consumers that probe with ``hasattr`` take their fallback path.
+``npu_fusion_attention`` is here because transformers imports it unguarded once ``torch_npu`` imports
+(``transformers/integrations/npu_flash_attention.py``). Every other fused operator (``npu_grouped_matmul``,
+MoE permutes, quantisers) is absent from the compatibility module, so consumers that probe with ``hasattr`` take their fallback path.
 """
 
 from __future__ import annotations
@@ -121,5 +122,116 @@ def npu_cross_entropy_loss(input: torch.Tensor, target: torch.Tensor, weight: to
     return loss.to(input.dtype), log_prob, empty, empty
 
 
-FUSED_OPS = {fn.__name__: fn for fn in (npu_rms_norm, npu_swiglu, npu_rotary_mul, npu_cross_entropy_loss)}
+_NO_BAND = 2147483647
+
+
+def _heads_first(t: torch.Tensor, layout: str, heads: int) -> torch.Tensor:
+    """``t`` in ``layout`` with ``heads`` heads -> ``(B, N, S, D)``."""
+    if layout == "BNSD":
+        return t
+    if layout == "BSND":
+        return t.transpose(1, 2)
+    if layout == "BSH":
+        b, s, h = t.shape
+        return t.view(b, s, heads, h // heads).transpose(1, 2)
+    if layout == "SBH":
+        s, b, h = t.shape
+        return t.view(s, b, heads, h // heads).permute(1, 2, 0, 3)
+    raise ValueError(f"npu_fusion_attention: input_layout must be BSH, SBH, BSND, BNSD or TND, got {layout!r}")
+
+
+def _heads_back(t: torch.Tensor, layout: str) -> torch.Tensor:
+    """``(B, N, S, D)`` -> ``layout``."""
+    if layout == "BNSD":
+        return t
+    if layout == "BSND":
+        return t.transpose(1, 2)
+    if layout == "BSH":
+        return t.transpose(1, 2).flatten(2)
+    return t.permute(2, 0, 1, 3).flatten(2)  # SBH
+
+
+def _attend(q, k, v, scale, sparse_mode, atten_mask):
+    """Attention on ``(B, N, Sq, D)`` x ``(B, Nkv, Skv, D)`` in float32; returns (out, row max, row sum)."""
+    if q.shape[1] != k.shape[1]:
+        k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+        v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    sq, skv = scores.shape[-2:]
+    if sparse_mode in (2, 3):  # causal; 2 aligned top-left, 3 aligned bottom-right
+        offset = 1 if sparse_mode == 2 else skv - sq + 1
+        mask = torch.ones(sq, skv, dtype=torch.bool, device=scores.device).triu(offset)
+    else:
+        mask = None if atten_mask is None else atten_mask.to(torch.bool)
+    if mask is not None:
+        scores = scores.masked_fill(mask, float("-inf"))
+    row_max = scores.amax(dim=-1, keepdim=True)
+    row_sum = torch.exp(scores - row_max).sum(dim=-1, keepdim=True)
+    out = torch.matmul(torch.softmax(scores, dim=-1), v.float()).to(q.dtype)
+    return out, row_max, row_sum
+
+
+def npu_fusion_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, head_num: int,
+                         input_layout: str, pse=None, padding_mask=None, atten_mask=None, scale: float = 1.0,
+                         keep_prob: float = 1.0, pre_tockens: int = _NO_BAND, next_tockens: int = _NO_BAND,
+                         inner_precise: int = 0, prefix=None, actual_seq_qlen=None, actual_seq_kvlen=None,
+                         sparse_mode: int = 0, gen_mask_parallel: bool = True, sync: bool = False):
+    """Scaled dot-product attention, ``softmax(q @ k^T * scale, masked) @ v`` (torch_npu's fused kernel).
+
+    Args:
+        query, key, value: in ``input_layout``: ``"BSND"``, ``"BNSD"``, ``"BSH"``, ``"SBH"`` or ``"TND"``
+            (packed sequences, with ``actual_seq_qlen`` / ``actual_seq_kvlen`` the cumulative end offsets).
+            ``key``/``value`` may have fewer heads (grouped-query attention).
+        head_num: query heads. scale: multiplies the scores.
+        atten_mask: bool/uint8, ``True``/1 = masked out, broadcastable to ``(B, N, Sq, Skv)``;
+            used as given with ``sparse_mode=0``.
+        sparse_mode: 0 (the mask as given), 2 (causal aligned top-left) or 3 (causal aligned
+            bottom-right); with 2 and 3 the causal mask is derived (torch_npu takes a 2048x2048 mask there).
+
+    Returns:
+        ``(attention_out, softmax_max, softmax_sum, softmax_out, seed, offset, numels)``: the output in the
+        input layout and dtype; row max and row sum of the scaled scores, float32 ``(B, N, Sq, 8)`` (``(T, N,
+        8)`` for TND); an empty ``softmax_out``; ``0, 0, 0`` (no dropout mask was drawn).
+
+    Raises:
+        NotImplementedError: ``pse``, ``padding_mask``, ``prefix``, dropout (``keep_prob < 1``), a band
+            (``pre_tockens``/``next_tockens``), or another ``sparse_mode``: the sim does not compute them.
+        ValueError: an unknown layout, or TND without the sequence lengths.
+    """
+    if pse is not None or padding_mask is not None or prefix is not None:
+        raise NotImplementedError("npu_fusion_attention on npu-sim: pse, padding_mask and prefix are not supported")
+    if keep_prob != 1.0:
+        raise NotImplementedError(f"npu_fusion_attention on npu-sim: no dropout (keep_prob must be 1.0, got {keep_prob})")
+    if sparse_mode not in (0, 2, 3) or (sparse_mode == 0 and (pre_tockens, next_tockens) != (_NO_BAND, _NO_BAND)):
+        raise NotImplementedError(f"npu_fusion_attention on npu-sim: sparse_mode 0 (no band), 2 or 3 only, "
+                                  f"got {sparse_mode}")
+    if input_layout == "TND":
+        if actual_seq_qlen is None or actual_seq_kvlen is None:
+            raise ValueError("npu_fusion_attention: TND needs actual_seq_qlen and actual_seq_kvlen")
+        if sparse_mode == 0 and atten_mask is not None:
+            raise NotImplementedError("npu_fusion_attention on npu-sim: TND takes no explicit mask (use sparse_mode 2/3)")
+        outs, maxes, sums = [], [], []
+        q0 = k0 = 0
+        for q1, k1 in zip(actual_seq_qlen, actual_seq_kvlen):
+            q1, k1 = int(q1), int(k1)
+            o, m, s = _attend(query[q0:q1].transpose(0, 1)[None], key[k0:k1].transpose(0, 1)[None],
+                              value[k0:k1].transpose(0, 1)[None], scale, sparse_mode, None)
+            outs.append(o[0].transpose(0, 1))
+            maxes.append(m[0].transpose(0, 1))
+            sums.append(s[0].transpose(0, 1))
+            q0, k0 = q1, k1
+        out, row_max, row_sum = torch.cat(outs), torch.cat(maxes), torch.cat(sums)
+    else:
+        kv_heads = head_num * key.shape[-1] // query.shape[-1]  # BSH/SBH: same head size for q, k and v
+        q = _heads_first(query, input_layout, head_num)
+        k = _heads_first(key, input_layout, kv_heads)
+        v = _heads_first(value, input_layout, kv_heads)
+        o, row_max, row_sum = _attend(q, k, v, scale, sparse_mode, atten_mask)
+        out = _heads_back(o, input_layout)
+    empty = query.new_empty((0,), dtype=torch.float32)
+    return out, row_max.expand(*row_max.shape[:-1], 8), row_sum.expand(*row_sum.shape[:-1], 8), empty, 0, 0, 0
+
+
+FUSED_OPS = {fn.__name__: fn for fn in (npu_rms_norm, npu_swiglu, npu_rotary_mul, npu_cross_entropy_loss,
+                                        npu_fusion_attention)}
 """Name -> implementation of every fused operator the compatibility ``torch_npu`` exposes."""

@@ -67,7 +67,7 @@ def test_import_torch_npu_gives_the_sim_with_a_real_spec():
     assert spec.origin == str(REPO / "devices" / "sim_torch_npu.py") and spec.submodule_search_locations == []
     with pytest.raises(ModuleNotFoundError, match="torch_npu.profiler"):
         import torch_npu.profiler  # noqa: F401 - not implemented, so absent
-    assert not hasattr(torch_npu, "npu_fusion_attention") and not hasattr(torch_npu, "_C")
+    assert not hasattr(torch_npu, "npu_grouped_matmul") and not hasattr(torch_npu, "_C")
 
 
 def test_compat_module_is_not_taken_for_the_real_package():
@@ -253,3 +253,64 @@ def test_npu_cross_entropy_loss_matches_log_softmax_gather():
     _close(mean, ref_loss.sum() / (target != -100).sum(), atol=1e-6, rtol=1e-6)
     with pytest.raises(NotImplementedError, match="z-loss"):
         torch_npu.npu_cross_entropy_loss(logits.to("npu"), target.to("npu"), return_zloss=True)
+
+
+def _sdpa_reference(q, k, v, scale, keep):
+    """torch's scaled_dot_product_attention on (B, N, S, D) with ``keep`` (True = attend)."""
+    return F.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=keep, scale=scale,
+                                          enable_gqa=True).float()
+
+
+@pytest.mark.parametrize("layout", ["BSND", "BNSD", "BSH", "SBH"])
+@pytest.mark.parametrize("sparse_mode", [0, 2, 3])
+def test_npu_fusion_attention_matches_sdpa(layout, sparse_mode):
+    import torch_npu
+
+    g = torch.Generator().manual_seed(4)
+    b, n, nkv, sq, skv, d = 2, 4, 2, 5, 7, 8
+    q, k, v = (torch.randn(b, h, s, d, generator=g) for h, s in ((n, sq), (nkv, skv), (nkv, skv)))
+    masked = torch.rand(b, 1, sq, skv, generator=g) < 0.3
+    masked[..., 0] = False  # every row keeps one key
+    if sparse_mode == 0:
+        keep, mask = ~masked, masked
+    else:
+        offset = 1 if sparse_mode == 2 else skv - sq + 1
+        keep = ~torch.ones(sq, skv, dtype=torch.bool).triu(offset)
+        mask = torch.ones(2048, 2048, dtype=torch.bool).triu(1)  # what transformers passes
+    ref = _sdpa_reference(q, k, v, 0.3, keep)
+
+    def to_layout(t):
+        if layout == "BSND":
+            return t.transpose(1, 2)
+        if layout == "BSH":
+            return t.transpose(1, 2).flatten(2)
+        if layout == "SBH":
+            return t.permute(2, 0, 1, 3).flatten(2)
+        return t
+
+    out, smax, ssum, *_ = torch_npu.npu_fusion_attention(
+        to_layout(q).to("npu"), to_layout(k).to("npu"), to_layout(v).to("npu"), n, layout,
+        atten_mask=mask.to("npu"), scale=0.3, sparse_mode=sparse_mode)
+    assert out.device.type == "npu" and smax.shape == (b, n, sq, 8) and ssum.shape == (b, n, sq, 8)
+    _close(out, to_layout(ref), atol=1e-5, rtol=1e-5)
+
+
+def test_npu_fusion_attention_packed_sequences():
+    import torch_npu
+
+    g = torch.Generator().manual_seed(5)
+    lens, n, d = [3, 5], 2, 4
+    q, k, v = (torch.randn(sum(lens), n, d, generator=g) for _ in range(3))
+    out = torch_npu.npu_fusion_attention(q.to("npu"), k.to("npu"), v.to("npu"), n, "TND", scale=0.5,
+                                         atten_mask=torch.ones(2048, 2048, dtype=torch.bool).triu(1).to("npu"),
+                                         actual_seq_qlen=(3, 8), actual_seq_kvlen=(3, 8), sparse_mode=3)[0]
+    start = 0
+    for length in lens:
+        sl = slice(start, start + length)
+        ref = _sdpa_reference(*(t[sl].transpose(0, 1)[None] for t in (q, k, v)), 0.5,
+                              torch.ones(length, length, dtype=torch.bool).tril())
+        _close(out[sl], ref[0].transpose(0, 1), atol=1e-5, rtol=1e-5)
+        start += length
+    with pytest.raises(NotImplementedError, match="dropout"):
+        torch_npu.npu_fusion_attention(q.to("npu"), k.to("npu"), v.to("npu"), n, "TND", keep_prob=0.9,
+                                       actual_seq_qlen=(8,), actual_seq_kvlen=(8,))
