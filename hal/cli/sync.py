@@ -71,6 +71,13 @@ class Sync:
     """Directory of the file engine (default: a temporary one)."""
     json: bool = False
     """Print the per-step results as JSON on stdout (progress goes to stderr)."""
+    launcher: Literal["torchrun", "ray"] = "torchrun"
+    """Who starts the ranks: torchrun (one machine), or Ray actors placed by the kind's Ray resource (engine
+    collective); see hal.cli.sync_ray."""
+    address: str | None = None
+    """With --launcher ray: the cluster, 'auto' or HOST:PORT; default: start a one-node cluster for the run."""
+    placement: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
+    """With --launcher ray: how the trainer's and rollouts' bundles are placed across nodes."""
 
 
 def validate(args: Sync) -> None:
@@ -89,6 +96,8 @@ def validate(args: Sync) -> None:
             raise UsageError(f"{flag} must be positive, got {value}")
     if args.model not in PRESETS:
         safetensors_files(pathlib.Path(args.model))
+    if args.launcher == "ray" and args.engine != "collective":
+        raise ValueError(f"--launcher ray runs the collective engine across nodes, got --engine {args.engine}")
     hal.resolve_device(args.device)
 
 
@@ -288,7 +297,11 @@ def execute(args: Sync) -> dict[str, Any]:
     """
     validate(args)
     kind = hal.resolve_device(args.device).kind
-    if args.engine == "colocated":
+    if args.launcher == "ray":
+        from hal.cli.sync_ray import execute_ray
+
+        result = execute_ray(args)
+    elif args.engine == "colocated":
         result = asyncio.run(_colocated(args))
     else:
         from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -314,6 +327,7 @@ def execute(args: Sync) -> dict[str, Any]:
               for row in result["rows"] for r in row["rollouts"] if r["error"]]
     verified = not errors and len(result["rows"]) == args.steps
     return {"device": kind, "engine": args.engine, "model": args.model, "offload": args.offload,
+            "launcher": args.launcher, **{k: v for k, v in result.items() if k != "rows"},
             "rows": result["rows"], "verified": verified, "errors": errors}
 
 
