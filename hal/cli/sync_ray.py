@@ -172,6 +172,8 @@ class RaySync:
         self.engine_cls = CollectiveCheckpointEngine  # build_topology is a classmethod: the driver runs it
         self.adapters = dict(adapters or {})
         self.timeout = args.timeout
+        self.checksums: dict[int, dict[str, str]] = {}
+        """``{global_steps: {name: checksum}}`` of the last update every rollout received."""
         begin = time.perf_counter()
         self.placement = hal_ray.place_workers(self.kind, args.rollouts, strategy=strategy,
                                                trainer_node=trainer_node, rollout_node=rollout_node,
@@ -267,7 +269,12 @@ class RaySync:
         """Train one step, publish it as ``global_steps``, verify every rollout, onload; returns the step's row."""
         row, sums, nbytes = self._get([self.trainer.train_step.remote()], "train")[0]
         row["global_steps"] = global_steps
-        publish_s, results = self.update_weights(global_steps, sums)
+        try:
+            publish_s, results = self.update_weights(global_steps, sums)
+        except SyncUpdateError:
+            self._get([self.trainer.finish.remote(row)], "onload")  # the trainer stays usable for the next step
+            raise
+        self.checksums = {global_steps: sums}
         row.update(publish_s=publish_s, bytes=nbytes, tensors=len(sums), rollouts=results)
         return self._get([self.trainer.finish.remote(row)], "onload")[0]
 

@@ -6,6 +6,7 @@ import os
 
 import pytest
 
+from tests.ray_launcher._light import EnvProbe
 from tests.ray_launcher.conftest import ray, ray_cluster
 
 import hal
@@ -25,21 +26,20 @@ def cluster():
 class Probe:
     """An actor that binds its device the way hal's workers do and reports what it sees."""
 
-    def __init__(self, kind: str, bind: bool) -> None:
-        self.binding = hal_ray.bind_assigned_device(kind) if bind else None
+    def __init__(self, kind: str) -> None:
+        self.binding = hal_ray.bind_assigned_device(kind)
 
     def report(self) -> dict:
         out = {"assigned": ray.get_runtime_context().get_assigned_resources(),
                "env": {k: os.environ.get(k) for k in ("HAL_DEVICE", "LOCAL_RANK", "ASCEND_RT_VISIBLE_DEVICES",
                                                       "CUDA_VISIBLE_DEVICES")},
                "binding": self.binding}
-        if self.binding is not None:
-            import torch
+        import torch
 
-            kind = self.binding.kind
-            out["device"] = str(hal.get_device(kind))
-            out["torch_device_count"] = hal.get_torch_device(kind).device_count()
-            out["tensor_device"] = str(torch.ones(2, device=hal.get_device(kind)).device)
+        kind = self.binding.kind
+        out["device"] = str(hal.get_device(kind))
+        out["torch_device_count"] = hal.get_torch_device(kind).device_count()
+        out["tensor_device"] = str(torch.ones(2, device=hal.get_device(kind)).device)
         return out
 
 
@@ -59,7 +59,7 @@ def test_resource_request_follows_the_spec():
 def test_npu_sim_actors_land_by_resource_and_bind_their_own_device(cluster):
     placement = hal_ray.place_workers("npu-sim", rollouts=2, strategy="PACK")
     try:
-        actors = [Probe.options(**placement.options(i)).remote("npu-sim", True) for i in range(3)]
+        actors = [Probe.options(**placement.options(i)).remote("npu-sim") for i in range(3)]
         reports = ray.get([a.report.remote() for a in actors], timeout=120)
         bindings = [r["binding"] for r in reports]
         hal_ray.check_distinct_devices(bindings)
@@ -85,7 +85,7 @@ def test_ray_sets_the_visible_devices_of_its_own_accelerators(cluster):
         assert hal_ray.ray_sets_visible_devices(resource)
         placement = hal_ray.place_workers(kind, rollouts=1, strategy="SPREAD")
         try:
-            actors = [Probe.options(**placement.options(i)).remote(kind, False) for i in range(2)]
+            actors = [EnvProbe.options(**placement.options(i)).remote() for i in range(2)]
             reports = ray.get([a.report.remote() for a in actors], timeout=120)
             assert sorted(r["env"][env] for r in reports) == ["0", "1"]
             assert all(r["assigned"][resource] == 1.0 for r in reports)
@@ -95,13 +95,38 @@ def test_ray_sets_the_visible_devices_of_its_own_accelerators(cluster):
 
 
 def test_cpu_workers_ask_for_cpus_only(cluster):
-    placement = hal_ray.place_workers("cpu", rollouts=2)
+    placement = hal_ray.place_workers("cpu", rollouts=2, strategy="SPREAD")
     try:
-        assert placement.bundles == [{"CPU": 1.0}] * 3
-        actors = [Probe.options(**placement.options(i)).remote("cpu", True) for i in range(3)]
-        reports = ray.get([a.report.remote() for a in actors], timeout=120)
-        for r in reports:
-            assert r["binding"].device_id == "cpu" and r["device"] == "cpu" and r["env"]["HAL_DEVICE"] == "cpu"
-            assert set(r["assigned"]) == {"CPU"}
+        assert placement.bundles == [{"CPU": 1.0}] * 3 and placement.strategy == "SPREAD"
+        assert placement.options(2)["num_cpus"] == 1.0 and "resources" not in placement.options(2)
+        assert len(placement.node_ids()) == 3
     finally:
         placement.remove()
+
+
+def test_with_rays_noset_switch_nobody_sets_the_variable_and_the_id_is_the_index(cluster):
+    # RAY_EXPERIMENTAL_NOSET_ASCEND_RT_VISIBLE_DEVICES=1: hal leaves the variable alone, as Ray does for NPU,
+    # and binds Ray's node-wide id as the local index (every device of the node stays visible)
+    noset = {"env_vars": {"RAY_EXPERIMENTAL_NOSET_ASCEND_RT_VISIBLE_DEVICES": "1", "HAL_SIM_NPU_COUNT": "3"}}
+    placement = hal_ray.place_workers("npu-sim", rollouts=1)
+    try:
+        actors = [Probe.options(**placement.options(i), runtime_env=noset).remote("npu-sim") for i in range(2)]
+        reports = ray.get([a.report.remote() for a in actors], timeout=120)
+        for r in reports:
+            b = r["binding"]
+            assert (b.set_by, b.visible, r["env"]["ASCEND_RT_VISIBLE_DEVICES"]) == ("noset", None, None)
+            assert b.local_index == int(b.device_id) and r["device"] == f"npu:{b.device_id}"
+            assert r["tensor_device"] == f"npu:{b.device_id}" and r["torch_device_count"] == 3
+        hal_ray.check_distinct_devices([r["binding"] for r in reports])
+    finally:
+        placement.remove()
+
+
+def test_two_workers_bound_to_one_device_of_a_node_are_refused():
+    def binding(node: str, device: str) -> hal_ray.DeviceBinding:
+        return hal_ray.DeviceBinding("npu-sim", "NPU_SIM", (device,), "ASCEND_RT_VISIBLE_DEVICES", device, "hal",
+                                     0, device, node, f"ip-{node}", 1)
+
+    hal_ray.check_distinct_devices([binding("a", "0"), binding("a", "1"), binding("b", "0")])  # distinct: fine
+    with pytest.raises(hal_ray.RayLaunchError, match=r"workers 0 and 2 both bound NPU_SIM 1 on node ip-a"):
+        hal_ray.check_distinct_devices([binding("a", "1"), binding("b", "1"), binding("a", "1")])

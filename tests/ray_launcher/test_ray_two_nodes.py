@@ -1,0 +1,56 @@
+"""A two-node Ray cluster on loopback addresses (head 127.0.0.1, worker 127.0.0.2), each node a ``ray start``
+process this test starts and stops by pid: rollouts on the second node receive byte-exact, with global_steps."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from tests.ray_launcher.conftest import ray
+
+from hal.cli.sync import Sync
+from hal.cli.sync_ray import RaySync
+from hal.ray import LocalCluster
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(400)]
+
+WORKER_IP = "127.0.0.2"
+
+
+@pytest.fixture(scope="module")
+def two_nodes():
+    head = LocalCluster(node_ip="127.0.0.1", num_cpus=1, resources={"NPU_SIM": 1})
+    worker = LocalCluster(node_ip=WORKER_IP, num_cpus=2, resources={"NPU_SIM": 2})
+    head.start()
+    try:
+        worker.head, worker.token = head.address, head.token
+        worker.start()
+        head.connect()
+        deadline = time.monotonic() + 60
+        while len([n for n in ray.nodes() if n["Alive"]]) < 2:
+            assert time.monotonic() < deadline, f"the worker node did not join: {ray.nodes()}"
+            time.sleep(0.2)
+        yield head, worker
+    finally:
+        ray.shutdown()
+        worker.stop()
+        head.stop()
+        assert worker.pids() == [] and head.pids() == []
+
+
+def test_rollouts_on_the_second_node_receive_byte_exact_with_global_steps(two_nodes):
+    nodes = {n["NodeManagerAddress"]: n["Resources"].get("NPU_SIM") for n in ray.nodes() if n["Alive"]}
+    assert nodes[WORKER_IP] == 2 and len(nodes) == 2
+    args = Sync(device="npu-sim", model="qwen2.5-tiny", rollouts=2, steps=3, timeout=60)
+    with RaySync(args, rollout_node=WORKER_IP) as run:
+        trainer, *rollouts = run.bindings
+        assert trainer.node_ip != WORKER_IP and {b.node_ip for b in rollouts} == {WORKER_IP}
+        assert sorted(b.device_id for b in rollouts) == ["0", "1"] and trainer.device_id == "0"
+        for step in (1, 2, 3):
+            row = run.step(step)
+            assert [(r["rank"], r["node_ip"], r["served_step"], r["error"]) for r in row["rollouts"]] == \
+                [(1, WORKER_IP, step, None), (2, WORKER_IP, step, None)]
+        (step, sums), = run.checksums.items()
+        assert step == 3 and len(sums) == row["tensors"]
+        assert ray.get([r.verify.remote(3, sums) for r in run.rollouts], timeout=60) == [None, None]
