@@ -306,7 +306,6 @@ def bind_assigned_device(kind: str) -> DeviceBinding:
     """
     ray = require_ray()
     import hal
-    from hal.distributed import bind_local_device
 
     if not ray.is_initialized():
         raise RayLaunchError("bind_assigned_device must run inside a Ray actor (ray is not initialized here)")
@@ -355,7 +354,7 @@ def bind_assigned_device(kind: str) -> DeviceBinding:
                              f"make it visible")
     os.environ["LOCAL_RANK"] = str(local_index)
     hal.reset()
-    bind_local_device(kind)
+    hal.bind_local_device(kind)
     return DeviceBinding(kind, resource, tuple(ids), env, visible, set_by, local_index, device_id, node_id,
                          node_ip, os.getpid())
 
@@ -381,9 +380,9 @@ def check_distinct_devices(bindings: Sequence[DeviceBinding]) -> None:
 
 # ---- a Ray node as a child process ---------------------------------------------------------------------
 def _free_port() -> int:
-    from hal.testing import free_port
+    from hal.distributed import pick_port
 
-    return free_port()
+    return pick_port()
 
 
 def _reload_ray_auth() -> None:

@@ -59,3 +59,12 @@ def test_three_steps_then_a_rollout_dies_mid_update_and_is_replaced(cluster, hal
         row = run.step(5)
         assert [(r["rank"], r["served_step"], r["error"]) for r in row["rollouts"]] == [(1, 5, None), (2, 5, None)]
         assert served(run) == [(1, 5, None), (2, 5, None)]
+
+
+def test_the_ray_launcher_runs_the_collective_engine_only():
+    from hal.cli.sync import validate
+
+    with pytest.raises(ValueError, match="--launcher ray runs the collective engine"):
+        validate(Sync(device="cpu", model="qwen2.5-tiny", launcher="ray", engine="file"))
+    validate(Sync(device="cpu", model="qwen2.5-tiny", launcher="ray"))  # the default launcher stays torchrun
+    assert Sync().launcher == "torchrun"
