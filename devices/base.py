@@ -53,7 +53,8 @@ class DeviceSpec:
         vendor_package: the distribution that backs the kind (``"torch-npu"``), whose version ``hal info``
             reports; ``None`` when torch itself provides it.
 
-    Subclasses override :meth:`torch_module` and :meth:`availability` and nothing else.
+    Subclasses override :meth:`torch_module` and :meth:`availability`, and :meth:`create_backend` where
+    torch builds the kind's communicator itself rather than through a registered backend plugin.
     """
 
     kind: str
@@ -77,6 +78,17 @@ class DeviceSpec:
     def availability(self) -> Availability:
         """Whether this kind can be used in this process; never raises (failures become the reason)."""
         raise NotImplementedError(f"device kind {self.kind!r} needs an availability() probe")
+
+    def create_backend(self, store, rank: int, world_size: int, timeout):
+        """A c10d backend object for a standalone group of ``world_size`` ranks over ``store``, or ``None``
+        (the default) when the backend registered under :attr:`dist_backend` with
+        ``torch.distributed.Backend.register_backend`` (a plugin such as HCCL) or gloo serves the kind.
+
+        Args:
+            store: a ``torch.distributed.Store`` (prefixed per group); timeout: a ``datetime.timedelta``
+                bounding the rendezvous and every collective.
+        """
+        return None
 
 
 def probe_safely(spec_kind: str, probe) -> Availability:

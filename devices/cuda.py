@@ -34,5 +34,13 @@ class CudaDevice(DeviceSpec):
             return Availability.unavailable("torch.cuda.is_available() is False (no driver or no GPU visible)")
         return Availability.available(count)
 
+    def create_backend(self, store, rank: int, world_size: int, timeout):
+        """A ``ProcessGroupNCCL`` over ``store`` whose collectives time out after ``timeout`` (a timedelta)."""
+        import torch.distributed as dist
+
+        from devices import torch_compat
+
+        return dist.ProcessGroupNCCL(store, rank, world_size, torch_compat.nccl_options(timeout))
+
 
 SPEC = CudaDevice()

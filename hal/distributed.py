@@ -103,12 +103,14 @@ def init_process_group(
 
 
 def _create_backend(spec, store: dist.Store, rank: int, world_size: int, td: datetime.timedelta):
-    """A c10d backend object (ProcessGroupGloo / ProcessGroupNCCL / a registered plugin such as hccl)."""
+    """A c10d backend object: gloo's, the one the kind builds itself (:meth:`DeviceSpec.create_backend`), or
+    the plugin registered under the kind's backend name (``Backend.register_backend``)."""
     name = spec.dist_backend
     if name == dist.Backend.GLOO:
         return dist.ProcessGroupGloo(store, rank, world_size, td)
-    if name == dist.Backend.NCCL:
-        return dist.ProcessGroupNCCL(store, rank, world_size, torch_compat.nccl_options(td))
+    own = spec.create_backend(store, rank, world_size, td)
+    if own is not None:
+        return own
     get_torch_device(spec)  # importing the vendor module registers its backend plugin
     plugin = torch_compat.backend_plugin(name)  # torch's registry of register_backend() plugins
     if plugin is None:

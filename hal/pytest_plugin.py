@@ -24,8 +24,10 @@ import os
 
 import pytest
 
+from devices import BUILTIN_KINDS
+
 ENV_VAR = "HAL_TEST_DEVICES"
-DEFAULT_LANES = ("npu", "cuda", "npu-sim", "cpu")
+DEFAULT_LANES = tuple(BUILTIN_KINDS)  # the built-in kinds, in resolution order
 ALWAYS_LISTED = ("npu-sim", "cpu")  # default lanes reported as skipped (not silently dropped) when unavailable
 
 

@@ -19,7 +19,18 @@ import sys
 import tyro
 
 PROBE = ("import time; t0 = time.perf_counter(); import torch; t1 = time.perf_counter(); import hal; "
-         "t2 = time.perf_counter(); import sys; print(t1 - t0, t2 - t1, 'torch_npu' in sys.modules)")
+         "t2 = time.perf_counter(); import sys; print(t1 - t0, t2 - t1, any(m in sys.modules for m in sys.argv[1:]))")
+"""Run as ``python -c PROBE VENDOR_MODULE...``; prints torch seconds, hal seconds, and whether any of the
+named vendor modules was imported by then."""
+
+
+def vendor_modules() -> list[str]:
+    """Import names of the vendor packages behind the built-in kinds (their distribution names with ``_``)."""
+    import hal
+    from devices import BUILTIN_KINDS
+
+    specs = [hal.registry.get_spec(kind) for kind in BUILTIN_KINDS]
+    return sorted({s.vendor_package.replace("-", "_") for s in specs if s.vendor_package})
 
 
 @dataclasses.dataclass
@@ -30,12 +41,13 @@ class Args:
     """Print the result as JSON."""
 
 
-def run(rounds: int = 8) -> dict:
+def run(rounds: int = 8, env: dict[str, str] | None = None) -> dict:
     """Median seconds of ``import torch`` and of the ``import hal`` that follows, over ``rounds`` interpreters.
 
     Returns:
         ``{"torch_s", "hal_s", "ratio", "rounds", "imports_vendor"}``; ratio = (torch_s + hal_s) / torch_s;
-        imports_vendor is True if any round found the Ascend plugin imported by ``import hal``.
+        imports_vendor is True if any round found a vendor package (:func:`vendor_modules`) imported by
+        then. ``env``: the interpreters' environment (default: this process's).
 
     Raises:
         ValueError: ``rounds < 1``.
@@ -43,8 +55,9 @@ def run(rounds: int = 8) -> dict:
     if rounds < 1:
         raise ValueError(f"rounds must be >= 1, got {rounds}")
     torch_s, hal_s, vendor = [], [], False
+    command = [sys.executable, "-c", PROBE, *vendor_modules()]
     for _ in range(rounds):
-        out = subprocess.run([sys.executable, "-c", PROBE], check=True, capture_output=True, text=True)
+        out = subprocess.run(command, check=True, capture_output=True, text=True, env=env)
         a, b, v = out.stdout.split()
         torch_s.append(float(a))
         hal_s.append(float(b))
