@@ -9,7 +9,7 @@ import torch
 
 import hal
 from engines import BaseEngine, EngineStateError, OffloadError, Placement, TorchEngine
-from tests.engines.models import make_model
+from tests.engines.models import loss_for, make_model
 
 FLAGS = list(itertools.product([True, False], repeat=3))
 
@@ -23,18 +23,46 @@ def test_abstract_hooks_are_enforced():
         Incomplete(torch.nn.Linear(2, 2), None, "cpu")
 
 
+def _where(engine) -> dict[str, set[str]]:
+    """Device types the tensors actually sit on: parameters and buffers, gradients, optimizer states
+    (Adam's 0-dim ``step`` counters, kept on the host by the optimizer itself, left out)."""
+    params = {t.device.type for t in list(engine.module.parameters()) + list(engine.module.buffers())}
+    grads = {p.grad.device.type for p in engine.module.parameters() if p.grad is not None}
+    states = {t.device.type for state in engine.optimizer.state.values() for t in state.values()
+              if torch.is_tensor(t) and t.dim() > 0}
+    return {"model": params, "grad": grads, "optimizer": states}
+
+
+def _values(engine) -> dict[str, torch.Tensor]:
+    out = {f"param.{n}": p.detach().cpu().clone() for n, p in engine.module.named_parameters()}
+    out.update({f"grad.{n}": p.grad.detach().cpu().clone() for n, p in engine.module.named_parameters()})
+    for i, p in enumerate(engine.module.parameters()):
+        out.update({f"state.{i}.{k}": v.detach().cpu().clone() for k, v in engine.optimizer.state[p].items()})
+    return out
+
+
 @pytest.mark.parametrize("model,optimizer,grad", FLAGS)
-def test_grad_without_model_is_the_only_invalid_combination(hal_device, model, optimizer, grad):
-    engine = TorchEngine(make_model(), None, hal_device)
-    before = engine.placement()
-    for target in ("cpu", hal_device):
-        if grad and not model:
-            with pytest.raises(OffloadError, match="gradient buffers move only with the model") as info:
-                engine.to(target, model=model, optimizer=optimizer, grad=grad)
-            assert isinstance(info.value, ValueError) and isinstance(info.value, hal.HalError)
-            assert engine.placement() == before
-        else:
-            engine.to(target, model=model, optimizer=optimizer, grad=grad)
+def test_each_flag_moves_exactly_its_part_and_back(hal_device, model, optimizer, grad):
+    module = make_model()
+    engine = TorchEngine(module, torch.optim.AdamW(module.parameters(), lr=1e-2), hal_device)
+    engine.train_step(loss_for(0, engine.torch_device))  # gradients and optimizer states now exist
+    home = hal.resolve_device(hal_device).name
+    assert _where(engine) == {"model": {home}, "grad": {home}, "optimizer": {home}}
+    values = _values(engine)
+    if grad and not model:
+        with pytest.raises(OffloadError, match="gradient buffers move only with the model") as info:
+            engine.to("cpu", model=model, optimizer=optimizer, grad=grad)
+        assert isinstance(info.value, ValueError) and isinstance(info.value, hal.HalError)
+        assert _where(engine) == {"model": {home}, "grad": {home}, "optimizer": {home}}
+        return
+    engine.to("cpu", model=model, optimizer=optimizer, grad=grad)
+    moved = {"model": model, "grad": grad, "optimizer": optimizer}
+    assert _where(engine) == {part: {"cpu" if moved[part] else home} for part in moved}
+    engine.to(hal_device, model=model, optimizer=optimizer, grad=grad)
+    assert _where(engine) == {"model": {home}, "grad": {home}, "optimizer": {home}}
+    after = _values(engine)
+    assert list(after) == list(values)
+    assert all(torch.equal(after[k], values[k]) for k in values), [k for k in values if not torch.equal(after[k], values[k])]
 
 
 def test_unknown_or_foreign_target_is_refused_with_what_is_accepted():
