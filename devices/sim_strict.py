@@ -27,6 +27,7 @@ from devices.errors import HalError
 
 ENV_VAR = "HAL_SIM_STRICT"
 _installed = False
+_originals: dict[str, object] = {}  # name -> the torch.cuda function that install() wrapped
 _CUDA_PROBE = os.path.join("devices", "cuda.py")
 
 
@@ -82,5 +83,25 @@ def install() -> None:
         value = getattr(cuda, name, None)
         if isinstance(value, (types.FunctionType, types.BuiltinFunctionType)) and not getattr(
                 value, "__hal_strict__", False):
+            _originals[name] = value
             setattr(cuda, name, _guard(name, value, roots))
     _installed = True
+
+
+def installed() -> bool:
+    """Whether strict mode is installed in this process."""
+    return _installed
+
+
+def uninstall() -> None:
+    """Put back every ``torch.cuda`` function :func:`install` wrapped (idempotent); for tests that turn
+    strict mode on for their own duration only."""
+    global _installed
+    if not _installed:
+        return
+    import torch
+
+    for name, fn in _originals.items():
+        setattr(torch.cuda, name, fn)
+    _originals.clear()
+    _installed = False

@@ -106,7 +106,7 @@ def test_memory_accounting_rises_and_falls_by_exact_bytes(npu):
 def test_out_of_memory_past_capacity(npu):
     _, capacity = npu.mem_get_info()
     base = npu.memory_allocated()
-    npu.set_memory_capacity(base + 1 << 20)
+    npu.set_memory_capacity(base + (1 << 20))
     try:
         keep = torch.empty(512 << 10, dtype=torch.uint8, device="npu")
         with pytest.raises(torch.OutOfMemoryError, match=r"npu-sim out of memory: tried to allocate 1048576 bytes"):
@@ -215,10 +215,21 @@ def test_fsdp2_on_npu_mesh_matches_unsharded():
         assert results[rank]["max_abs_diff"] <= 1e-6  # reduce-scatter averages in another order
 
 
-def test_strict_mode_names_the_stray_cuda_caller(npu):
+@pytest.fixture
+def strict_mode():
+    """Strict mode for this test only: installed (as HAL_SIM_STRICT=1 does at registration), then put back
+    as it was, so later tests in this process see the torch.cuda they started with."""
     from devices import sim_strict
 
-    sim_strict.install()  # what HAL_SIM_STRICT=1 does at registration (the pytest plugin sets it)
+    was = sim_strict.installed()
+    sim_strict.install()
+    yield sim_strict
+    if not was:
+        sim_strict.uninstall()
+
+
+def test_strict_mode_names_the_stray_cuda_caller(npu, strict_mode):
+    sim_strict = strict_mode
     with pytest.raises(sim_strict.StrictCudaCallError) as info:
         torch.cuda.synchronize()
     line = sys._getframe().f_lineno - 1
@@ -228,6 +239,18 @@ def test_strict_mode_names_the_stray_cuda_caller(npu):
     hal.device._availability.pop("cuda", None)
     hal.availability("cuda")  # the cuda probe (devices/cuda.py) may still ask torch.cuda
     torch.manual_seed(0)  # torch internals calling torch.cuda stay allowed
+
+
+def test_strict_mode_uninstall_restores_torch_cuda():
+    # a fresh process, so that the session's own strict mode (the plugin sets HAL_SIM_STRICT) is not involved
+    code = ("import torch\nfrom devices import sim_strict\noriginal = torch.cuda.synchronize\n"
+            "sim_strict.install()\nwrapped = torch.cuda.synchronize is not original\n"
+            "try:\n    torch.cuda.synchronize()\n    raised = False\nexcept sim_strict.StrictCudaCallError:\n"
+            "    raised = True\nsim_strict.uninstall()\n"
+            "print(wrapped, raised, torch.cuda.synchronize is original, sim_strict.installed())\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("HAL_DEVICE", "HAL_SIM_STRICT")}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60, cwd=REPO)
+    assert out.stdout.split() == ["True", "True", "True", "False"], out.stderr
 
 
 def test_strict_mode_in_a_fresh_process():
