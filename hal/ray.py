@@ -463,7 +463,9 @@ class LocalCluster:
         else:
             cmd += [f"--address={self.head}"]
         self.log_path = os.path.join(self.temp_dir, "ray-start.log")
-        env = {**os.environ, **self.env()}
+        # HAL_DEVICE is the binding's to set, per actor: a node-wide one would activate the simulated npu
+        # inside `import torch` of every worker, before hal could give it its own visible device
+        env = {**{k: v for k, v in os.environ.items() if k != ENV_VAR}, **self.env()}
         begin = time.perf_counter()
         with open(self.log_path, "ab") as log:
             # its own session: every Ray process it starts shares it, so stop() can find them by id

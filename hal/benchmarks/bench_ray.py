@@ -1,0 +1,137 @@
+"""Weight-sync throughput of one checkpoint engine over Ray actors vs under torchrun, and Ray's start-up time.
+
+One run, one device kind, the same bytes: a safetensors file of bf16 tensors (sizes log-uniform, seeded,
+as in :mod:`hal.benchmarks.bench_ckpt`) is the model of ``hal sync`` under both launchers, collective
+engine, same bucket size, 1 trainer and ``--rollouts`` rollouts:
+
+* ``torchrun``: :func:`hal.cli.sync.execute` with the default launcher (processes on this machine);
+* ``ray``: the same with ``--launcher ray`` on a one-node :class:`hal.ray.LocalCluster` started here.
+
+Each launcher runs ``--steps`` steps per round, ``--rounds`` rounds alternating (a noisy neighbour slows
+both alike). The throughput of a step is bytes / the trainer's publish time (send until every broadcast
+completed); the first step of every run is a warm-up and not counted; figures are medians. The ratio
+``ray / torchrun`` is the figure of merit (goal >= 0.9). Start-up: seconds until the Ray node serves
+(``cluster_s``) and until every actor bound its device (``actors_s``).
+
+    python -m hal.benchmarks.bench_ray                          # 256 MiB, cpu, 2 rollouts
+    python -m hal.benchmarks.bench_ray --size-mb 64 --device npu-sim --json
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import statistics
+import tempfile
+from pathlib import Path
+
+import torch
+import tyro
+
+from hal.benchmarks.bench_ckpt import tensor_sizes
+
+
+@dataclasses.dataclass
+class Args:
+    size_mb: int = 256
+    """Bytes of the model's tensors, in MiB."""
+    device: str = "cpu"
+    """Device kind (cpu, npu-sim, cuda, npu)."""
+    rollouts: int = 2
+    """Rollout ranks."""
+    steps: int = 4
+    """Steps per run (the first is a warm-up)."""
+    rounds: int = 2
+    """Runs per launcher, alternating."""
+    bucket_mb: float = 64.0
+    """Bucket size of the collective engine, in MiB."""
+    quick: bool = False
+    """Small run (16 MiB, 3 steps, 1 round) for smoke tests."""
+    json: bool = False
+    """Print the result as JSON instead of a table."""
+
+
+def write_model(path: Path, size_mb: int, seed: int = 0) -> int:
+    """Write bf16 tensors totalling ``size_mb`` MiB to ``path`` (safetensors); returns the bytes written."""
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(seed)
+    sizes = tensor_sizes(size_mb << 20, seed=seed)
+    tensors = {f"layer{i}.weight": torch.randn(n // 2, generator=g).to(torch.bfloat16) for i, n in enumerate(sizes)}
+    save_file(tensors, str(path))
+    return sum(sizes)
+
+
+def _gbps(rows: list[dict]) -> list[float]:
+    return [row["bytes"] / row["publish_s"] / 1e9 for row in rows[1:]]
+
+
+def run(size_mb: int, device: str = "cpu", rollouts: int = 2, steps: int = 4, rounds: int = 2,
+        bucket_mb: float = 64.0) -> dict:
+    """Measure both launchers; returns medians, the ratio and Ray's start-up seconds.
+
+    Raises:
+        RuntimeError: a run did not verify every step byte-exact (the figures would mean nothing).
+    """
+    from hal.cli.sync import Sync, execute
+
+    if steps < 2:
+        raise ValueError(f"steps must be >= 2 (the first is a warm-up), got {steps}")
+    with tempfile.TemporaryDirectory(prefix="hal-bench-ray-") as tmp:
+        model = Path(tmp) / "model.safetensors"
+        nbytes = write_model(model, size_mb)
+        base = Sync(device=device, model=str(model), rollouts=rollouts, steps=steps, bucket_mb=bucket_mb,
+                    timeout=600.0)
+        gbps: dict[str, list[float]] = {"torchrun": [], "ray": []}
+        startup: list[dict] = []
+        sent = set()
+        for _ in range(rounds):
+            for launcher in ("torchrun", "ray"):
+                result = execute(dataclasses.replace(base, launcher=launcher))
+                if not result["verified"]:
+                    raise RuntimeError(f"{launcher} run did not verify: {result['errors'][:3]}")
+                gbps[launcher] += _gbps(result["rows"])
+                sent |= {row["bytes"] for row in result["rows"]}
+                if launcher == "ray":
+                    startup.append(result["startup"])
+    if len(sent) != 1:
+        raise RuntimeError(f"the launchers sent different byte counts: {sorted(sent)}")
+    med = {k: statistics.median(v) for k, v in gbps.items()}
+    return {"device": device, "bytes": sent.pop(), "model_bytes": nbytes, "rollouts": rollouts,
+            "bucket_mb": bucket_mb, "steps_counted": {k: len(v) for k, v in gbps.items()},
+            "gbps": med, "ratio": med["ray"] / med["torchrun"],
+            "cluster_start_s": statistics.median(s["cluster_s"] for s in startup),
+            "actors_start_s": statistics.median(s["actors_s"] for s in startup)}
+
+
+def print_table(r: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"hal sync weight publication: Ray actors vs torchrun, {r['bytes'] / 2**20:.0f} MiB, "
+                        f"{r['rollouts']} rollouts, {r['device']}, bucket {r['bucket_mb']:g} MiB")
+    for col in ("launcher", "steps", "GB/s (median)", "vs torchrun"):
+        table.add_column(col, justify="right")
+    for launcher in ("torchrun", "ray"):
+        table.add_row(launcher, str(r["steps_counted"][launcher]), f"{r['gbps'][launcher]:.3f}",
+                      f"{r['gbps'][launcher] / r['gbps']['torchrun']:.2f}x")
+    console = Console()
+    console.print(table)
+    console.print(f"Ray start-up: node serving after {r['cluster_start_s']:.1f} s, actors bound after "
+                  f"{r['actors_start_s']:.1f} s (medians)")
+
+
+def main(args: Args | None = None) -> dict:
+    args = args or tyro.cli(Args)
+    if args.quick:
+        args = dataclasses.replace(args, size_mb=16, steps=3, rounds=1)
+    result = run(args.size_mb, args.device, args.rollouts, args.steps, args.rounds, args.bucket_mb)
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        print_table(result)
+    return result
+
+
+if __name__ == "__main__":
+    main()
