@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import statistics
 import tempfile
 from pathlib import Path
@@ -45,6 +46,9 @@ class Args:
     """Runs per launcher, alternating."""
     bucket_mb: float = 64.0
     """Bucket size of the collective engine, in MiB."""
+    threads: int = 1
+    """OMP_NUM_THREADS of every rank under both launchers (Ray gives an actor of 1 CPU one thread; torchrun's
+    command line sets 1 per process too, the launcher API hal sync uses does not)."""
     quick: bool = False
     """Small run (16 MiB, 3 steps, 1 round) for smoke tests."""
     json: bool = False
@@ -67,16 +71,29 @@ def _gbps(rows: list[dict]) -> list[float]:
 
 
 def run(size_mb: int, device: str = "cpu", rollouts: int = 2, steps: int = 4, rounds: int = 2,
-        bucket_mb: float = 64.0) -> dict:
+        bucket_mb: float = 64.0, threads: int = 1) -> dict:
     """Measure both launchers; returns medians, the ratio and Ray's start-up seconds.
 
     Raises:
         RuntimeError: a run did not verify every step byte-exact (the figures would mean nothing).
+        ValueError: fewer than 2 steps.
     """
-    from hal.cli.sync import Sync, execute
-
     if steps < 2:
         raise ValueError(f"steps must be >= 2 (the first is a warm-up), got {steps}")
+    previous = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = str(threads)  # inherited by torchrun's ranks and the Ray node's workers
+    try:
+        return _run(size_mb, device, rollouts, steps, rounds, bucket_mb, threads)
+    finally:
+        if previous is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
+        else:
+            os.environ["OMP_NUM_THREADS"] = previous
+
+
+def _run(size_mb: int, device: str, rollouts: int, steps: int, rounds: int, bucket_mb: float, threads: int) -> dict:
+    from hal.cli.sync import Sync, execute
+
     with tempfile.TemporaryDirectory(prefix="hal-bench-ray-") as tmp:
         model = Path(tmp) / "model.safetensors"
         nbytes = write_model(model, size_mb)
@@ -98,7 +115,7 @@ def run(size_mb: int, device: str = "cpu", rollouts: int = 2, steps: int = 4, ro
         raise RuntimeError(f"the launchers sent different byte counts: {sorted(sent)}")
     med = {k: statistics.median(v) for k, v in gbps.items()}
     return {"device": device, "bytes": sent.pop(), "model_bytes": nbytes, "rollouts": rollouts,
-            "bucket_mb": bucket_mb, "steps_counted": {k: len(v) for k, v in gbps.items()},
+            "bucket_mb": bucket_mb, "threads": threads, "steps_counted": {k: len(v) for k, v in gbps.items()},
             "gbps": med, "ratio": med["ray"] / med["torchrun"],
             "cluster_start_s": statistics.median(s["cluster_s"] for s in startup),
             "actors_start_s": statistics.median(s["actors_s"] for s in startup)}
@@ -125,7 +142,7 @@ def main(args: Args | None = None) -> dict:
     args = args or tyro.cli(Args)
     if args.quick:
         args = dataclasses.replace(args, size_mb=16, steps=3, rounds=1)
-    result = run(args.size_mb, args.device, args.rollouts, args.steps, args.rounds, args.bucket_mb)
+    result = run(args.size_mb, args.device, args.rollouts, args.steps, args.rounds, args.bucket_mb, args.threads)
     if args.json:
         print(json.dumps(result, indent=2))
     else:

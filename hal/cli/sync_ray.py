@@ -196,13 +196,15 @@ class RaySync:
     def _remote(self, cls, bundle_index: int, *init_args):
         actor_cls = self.ray.remote(cls)
         return actor_cls.options(**self.placement.options(bundle_index),
-                                 name=None, max_restarts=0, max_concurrency=4).remote(*init_args)
+                                 max_restarts=0, max_concurrency=4).remote(*init_args)
 
-    def _get(self, refs: list, what: str) -> list:
-        return self.ray.get(refs, timeout=self.timeout + 60.0)
+    def _get(self, refs: list, what: str, workers: list[int] | None = None) -> list:
+        """Results of ``refs`` (the calls of worker indices ``workers``, default 0, 1, ...), else
+        :class:`SyncUpdateError` naming each worker that failed, died or did not answer in time."""
+        return self._settle(refs, what, workers)
 
     def _name(self, index: int) -> str:
-        b = self.bindings[index] if index < len(self.bindings) else None
+        b = self.bindings[index] if index < len(getattr(self, "bindings", [])) else None
         role = "trainer" if index == 0 else f"rollout rank {index}"
         where = f" on node {b.node_ip}, {b.resource or 'CPU'} {b.device_id}, pid {b.pid}" if b else ""
         return f"{role}{where}"
@@ -222,11 +224,11 @@ class RaySync:
                  for i, r in enumerate(self.rollouts)]
         self._settle(refs, "init_process_group")
 
-    def _settle(self, refs: list, what: str) -> list:
+    def _settle(self, refs: list, what: str, workers: list[int] | None = None) -> list:
         """Wait for every ref (at most the engine's timeout plus a margin); raise naming each failed worker."""
         ready, _ = self.ray.wait(refs, num_returns=len(refs), timeout=self.timeout + 30.0)
         results, failures = [], []
-        for index, ref in enumerate(refs):
+        for index, ref in zip(workers or range(len(refs)), refs):
             if ref not in ready:
                 failures.append(f"{self._name(index)}: no answer within {self.timeout + 30.0:g} s")
                 results.append(None)
@@ -272,7 +274,10 @@ class RaySync:
         try:
             publish_s, results = self.update_weights(global_steps, sums)
         except SyncUpdateError:
-            self._get([self.trainer.finish.remote(row)], "onload")  # the trainer stays usable for the next step
+            try:  # onload, so the trainer stays usable for the next step
+                self._get([self.trainer.finish.remote(row)], "onload")
+            except SyncUpdateError:
+                pass  # the trainer itself failed: the update's error says so
             raise
         self.checksums = {global_steps: sums}
         row.update(publish_s=publish_s, bytes=nbytes, tensors=len(sums), rollouts=results)
@@ -287,7 +292,7 @@ class RaySync:
         except Exception:  # noqa: BLE001 - it is already dead
             pass
         self.rollouts[rank - 1] = self._remote(RolloutActor, rank, self.args_dict, rank, adapter)
-        self.bindings[rank] = self._get([self.rollouts[rank - 1].where.remote()], "start")[0]
+        self.bindings[rank] = self._get([self.rollouts[rank - 1].where.remote()], "start", [rank])[0]
         hal_ray.check_distinct_devices(self.bindings)
         return self.bindings[rank]
 
