@@ -1,7 +1,7 @@
 """Broadcast of bucketed weights from one trainer rank to rollout ranks, on the backend ``hal`` gives.
 
 One code path for NCCL (cuda), HCCL (npu, and the simulated npu) and gloo (cpu): the engine asks ``hal``
-for the device (``hal.get_device(kind)``) and forms its own group from a rendezvous
+for this rank's device (``hal.bind_local_device(kind)``) and forms its own group from a rendezvous
 (``hal.connect_store`` + ``hal.new_group_from_store``), separate from any training group, kept across
 updates (rebuilding a communicator per update exhausts HCCL resources). Wire format: :mod:`ckpt.bucket`.
 """
@@ -290,11 +290,12 @@ class CollectiveCheckpointEngine(CheckpointEngine):
             self._store = self._store_at = None
 
     def _allocate(self) -> None:
-        """The buffers on ``hal.get_device(device)``: 2 x ``bucket_size`` bytes on the sender, 1 x on a
-        receiver, plus as many ``meta_capacity`` records; zero-filled so pages are touched now."""
+        """Bind this rank's device (:func:`hal.bind_local_device`: the index in ``device``, else ``LOCAL_RANK``'s)
+        and put the buffers there: 2 x ``bucket_size`` bytes on the sender, 1 x on a receiver, plus as many
+        ``meta_capacity`` records; zero-filled so pages are touched now."""
         if self._buffers:
             return
-        self.device = hal.get_device(self.device_kind)
+        self.device = hal.bind_local_device(self.device_kind)
         n = 2 if self.is_sender else 1
         self._buffers = [torch.zeros(self.bucket_size, dtype=torch.uint8, device=self.device) for _ in range(n)]
         self._metas = [torch.zeros(self.meta_capacity, dtype=torch.uint8, device=self.device) for _ in range(n)]

@@ -51,7 +51,8 @@ class FileCheckpointEngine(CheckpointEngine):
     Args:
         root: directory of the steps (created if missing).
         keep_last: how many newest steps to keep (>= 1).
-        device: kind (or ``torch.device``) of the received tensors; ``None``: host memory.
+        device: kind (or ``torch.device``) of the received tensors; ``None``: host memory. The receiver binds
+            this rank's device (:func:`hal.bind_local_device`: the index given, else ``LOCAL_RANK``'s).
         shard_size: bytes per safetensors file (bounds the sender's host memory).
         timeout: seconds ``receive_weights`` waits for a step to be published (0: do not wait).
         poll_interval: seconds between directory listings while waiting.
@@ -87,7 +88,7 @@ class FileCheckpointEngine(CheckpointEngine):
             return torch.device("cpu")
         import hal
 
-        return hal.get_device(self._device)
+        return hal.bind_local_device(self._device)
 
     async def send_weights(self, weights: Iterable[NamedTensor], global_steps: int | None = None) -> None:
         """Write ``weights`` as step ``global_steps`` (``None``: newest published + 1, or 0), publish, prune.

@@ -8,7 +8,10 @@ so each npu tensor is handed to gloo as a cpu tensor over the same bytes (no sta
 
 Every collective runs to completion before it returns, or raises ``hal.DistributedTimeoutError`` once the
 group's timeout passes (a missing or dead peer); the returned work object is already complete. Calls must be made in the same order on every rank, as with
-HCCL. Covered: broadcast, allreduce (SUM/PRODUCT/MIN/MAX, and AVG as SUM then divide; gloo has no AVG),
+HCCL. Like NCCL ("Duplicate GPU detected") and HCCL, a communicator refuses two ranks on one device: the
+first collective of a group exchanges each rank's device (host, and the physical id behind
+``ASCEND_RT_VISIBLE_DEVICES``) and every rank raises ``torch.distributed.DistBackendError`` naming both
+ranks if two share one, so code that forgets to bind each rank's device fails on any machine. Covered: broadcast, allreduce (SUM/PRODUCT/MIN/MAX, and AVG as SUM then divide; gloo has no AVG),
 allreduce_coalesced, allgather, all_gather_single (``all_gather_into_tensor``, ``_allgather_base``),
 reduce_scatter, reduce_scatter_single (``reduce_scatter_tensor``, ``_reduce_scatter_base``), barrier,
 send/recv; DDP and FSDP2 (``fully_shard``, ``DTensor.full_tensor()``) run on it in eager mode. Not covered:
@@ -19,6 +22,9 @@ backend, which refuses npu tensors ("unsupported device type npu"), so they fail
 from __future__ import annotations
 
 import datetime
+import os
+import socket
+import zlib
 from typing import Any, Callable, Sequence
 
 import torch
@@ -69,6 +75,20 @@ def _host(t: torch.Tensor) -> torch.Tensor:
     return alias if alias.is_contiguous() else alias.contiguous()
 
 
+def physical_device(index: int) -> int:
+    """The physical id of this process's device ``index``: its entry of ``ASCEND_RT_VISIBLE_DEVICES`` when
+    that is set (``"4,5"``: index 1 is device 5), else ``index`` itself."""
+    visible = [v.strip() for v in os.environ.get("ASCEND_RT_VISIBLE_DEVICES", "").split(",") if v.strip()]
+    if index < len(visible) and visible[index].lstrip("-").isdigit():
+        return int(visible[index])
+    return index
+
+
+def _host_id() -> int:
+    """A 31-bit id of this host (CRC-32 of its name): ranks on other hosts never share a device."""
+    return zlib.crc32(socket.gethostname().encode()) & 0x7FFFFFFF
+
+
 def _write_back(dst: torch.Tensor, host: torch.Tensor) -> None:
     """Copy ``host`` into ``dst`` unless it already aliases ``dst``'s bytes."""
     if host.data_ptr() != dst.data_ptr() or host.stride() != dst.stride():
@@ -87,6 +107,7 @@ class SimHcclGroup(dist.ProcessGroup):
         super().__init__(rank, size)
         self._rank, self._size, self._timeout = rank, size, timeout
         self._gloo = dist.ProcessGroupGloo(store, rank, size, timeout)
+        self._device_checked = False
         # C++ callers look a backend up per device (init_process_group with device_id does); gloo answers
         # for host tensors, and for npu ones it rejects what the C++-only paths would hand it.
         for device in ("cpu", "npu"):
@@ -137,8 +158,37 @@ class SimHcclGroup(dist.ProcessGroup):
                 return ok, False
         raise ValueError(f"npu-sim hccl supports SUM, AVG, PRODUCT, MIN, MAX; got {kind}")
 
+    def _check_devices(self, tensors: Sequence[torch.Tensor]) -> None:
+        """On the group's first collective: refuse two ranks on one device, as NCCL and HCCL do.
+
+        The device is that of the first npu tensor, else the current device. Every rank takes part (the
+        first collective is the same call on every rank) and every rank raises on a clash.
+
+        Raises:
+            torch.distributed.DistBackendError: two ranks of this group are on one device of one host.
+        """
+        if self._device_checked:
+            return
+        self._device_checked = True
+        npu = next((t for t in tensors if t.device.type == "npu"), None)
+        index = npu.device.index if npu is not None and npu.device.index is not None else _ext.current_device()
+        mine = torch.tensor([_host_id(), physical_device(index), index], dtype=torch.int64)
+        everyone = [torch.empty_like(mine) for _ in range(self._size)]
+        self._run("device check", lambda: self._gloo.allgather([everyone], [mine]))
+        seen: dict[tuple[int, int], int] = {}
+        for rank, (host, physical, local) in enumerate(t.tolist() for t in everyone):
+            if (host, physical) in seen:
+                first = seen[(host, physical)]
+                raise dist.DistBackendError(
+                    f"npu-sim hccl: Duplicate NPU detected: rank {rank} and rank {first} of this communicator "
+                    f"(size {self._size}) are both on physical npu device {physical} of one host (local index "
+                    f"{local}); each rank needs its own device: bind it before the first collective "
+                    f"(hal.bind_local_device(), or torch.npu.set_device(LOCAL_RANK))")
+            seen[(host, physical)] = rank
+
     # -- collectives
     def broadcast(self, tensors: list[torch.Tensor], opts=None) -> SimWork:
+        self._check_devices(tensors)
         hosts = [_host(t) for t in tensors]
         o = dist.BroadcastOptions()
         o.rootRank, o.rootTensor = (opts.rootRank, opts.rootTensor) if opts is not None else (0, 0)
@@ -149,6 +199,7 @@ class SimHcclGroup(dist.ProcessGroup):
         return SimWork(tensors)
 
     def allreduce(self, tensors: list[torch.Tensor], opts=None) -> SimWork:
+        self._check_devices(tensors)
         op, divide = self._reduce_op(_op(opts))
         hosts = [_host(t) for t in tensors]
         o = dist.AllreduceOptions()
@@ -169,6 +220,7 @@ class SimHcclGroup(dist.ProcessGroup):
 
     def allgather(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor],
                   opts=None) -> SimWork:
+        self._check_devices(inputs)
         host_outs = [[_host(t) for t in outs] for outs in output_lists]
         host_ins = [_host(t) for t in inputs]
         self._run("allgather", lambda: self._gloo.allgather(host_outs, host_ins))
@@ -221,6 +273,7 @@ class SimHcclGroup(dist.ProcessGroup):
     reduce_scatter_tensor = reduce_scatter_single
 
     def barrier(self, opts=None) -> SimWork:
+        self._check_devices(())
         o = dist.BarrierOptions()
         o.timeout = self._timeout
         self._run("barrier", lambda: self._gloo.barrier(o))

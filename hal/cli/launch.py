@@ -76,8 +76,8 @@ def launch_env(args: Launch) -> dict[str, str]:
 
     Raises:
         UnknownDeviceError, DeviceUnavailableError: the kind cannot be used here.
-        DeviceIndexError: ``--device`` carries an index, or ``--nproc-per-node`` exceeds the visible devices (names the variable, its value
-            and the count), checked before anything starts.
+        DeviceIndexError: ``--device`` carries an index, or ``--nproc-per-node`` exceeds the visible
+            devices (names the variable, its value and the count), checked before anything starts.
     """
     spec = hal.resolve_device(args.device)
     if hal.split_device(args.device)[1] is not None:
@@ -87,8 +87,25 @@ def launch_env(args: Launch) -> dict[str, str]:
             f"{given}: hal launch binds each process to the device of its LOCAL_RANK; give the "
             f"kind without an index ({spec.kind!r}) and choose devices with --visible-devices")
     env = {hal.ENV_VAR: spec.kind}
+    visible = require_devices(spec, args.nproc_per_node, args.visible_devices)
+    if spec.visible_devices_env:
+        env[spec.visible_devices_env] = visible
+    return env
+
+
+def require_devices(spec, nproc: int, visible_devices: str | None = None, what: str | None = None) -> str:
+    """Check that ``nproc`` processes of one node get a device each; return the visible-devices value to pass.
+
+    The devices are the entries of ``visible_devices``, else of the kind's visible-devices variable here,
+    else (unset) the kind's device count here; the value returned is then ``0,1,...,nproc-1``. Host-memory
+    kinds serve any number of processes. ``what`` names the request in the message (default
+    ``"--nproc-per-node <nproc>"``).
+
+    Raises:
+        DeviceIndexError: more processes than devices; names the variable, its value and the count.
+    """
     key = spec.visible_devices_env
-    given = args.visible_devices if args.visible_devices is not None else os.environ.get(key) if key else None
+    given = visible_devices if visible_devices is not None else os.environ.get(key) if key else None
     if given is not None:
         count = len([v for v in given.split(",") if v.strip()])
         where = f"{key}={given!r}" if key else f"--visible-devices={given!r}"
@@ -96,13 +113,11 @@ def launch_env(args: Launch) -> dict[str, str]:
         count = hal.availability(spec.kind).device_count
         where = f"{key} unset, the {spec.kind} kind reports {count} device(s) here" if key else \
             f"the {spec.kind} kind reports {count} device(s) here"
-    if args.nproc_per_node > count and not spec.host_memory:  # host memory serves any number of processes
+    if nproc > count and not spec.host_memory:  # host memory serves any number of processes
         raise hal.DeviceIndexError(
-            f"--nproc-per-node {args.nproc_per_node} needs one device per process, but {count} device(s) are "
+            f"{what or f'--nproc-per-node {nproc}'} needs one device per process, but {count} device(s) are "
             f"visible ({where}); start at most {count} processes or make more devices visible")
-    if key:
-        env[key] = given if given is not None else ",".join(str(i) for i in range(args.nproc_per_node))
-    return env
+    return given if given is not None else ",".join(str(i) for i in range(nproc))
 
 
 def run(args: Launch) -> int:

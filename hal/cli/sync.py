@@ -87,6 +87,7 @@ def validate(args: Sync) -> None:
         UsageError: a count or size is not positive (names the flag and value).
         MissingFileError: ``--model`` is neither a preset nor a safetensors file/directory.
         UnknownDeviceError, DeviceUnavailableError: ``--device`` cannot be used here.
+        DeviceIndexError: fewer visible devices than local processes (trainer + rollouts).
     """
     from hal.cli.models import PRESETS, safetensors_files
 
@@ -97,8 +98,12 @@ def validate(args: Sync) -> None:
     if args.model not in PRESETS:
         safetensors_files(pathlib.Path(args.model))
     if args.launcher == "ray" and args.engine != "collective":
-        raise ValueError(f"--launcher ray runs the collective engine across nodes, got --engine {args.engine}")
-    hal.resolve_device(args.device)
+        raise UsageError(f"--launcher ray runs the collective engine across nodes, got --engine {args.engine}")
+    spec = hal.resolve_device(args.device)
+    if args.engine != "colocated" and args.launcher != "ray":  # one local process, and device, per rank
+        from hal.cli.launch import require_devices
+
+        require_devices(spec, 1 + args.rollouts, what=f"1 trainer + --rollouts {args.rollouts} processes")
 
 
 def checksums(weights) -> dict[str, str]:
@@ -207,6 +212,7 @@ def _rank_main(args_dict: dict[str, Any], ckpt_port: int, ctl_port: int, root: s
     """One process of a multi-process sync: rank 0 trains and publishes, the others receive and verify."""
     args = Sync(**args_dict)
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    hal.bind_local_device(args.device)  # one device per rank: LOCAL_RANK's
     store = hal.connect_store("127.0.0.1", ctl_port, rank, world_size, timeout=args.timeout)
     engine = _make_checkpoint_engine(args, rank, world_size, ckpt_port, root)
     if rank == 0:

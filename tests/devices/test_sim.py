@@ -190,7 +190,7 @@ def test_hccl_broadcast_and_all_reduce_two_processes():
     for rank in (0, 1):
         assert results[rank]["broadcast"] == expected.tolist()
         assert results[rank]["all_reduce"] == [3.0] * 5
-        assert results[rank]["device"] == "npu:0"  # no device bound: the current one
+        assert results[rank]["device"] == f"npu:{rank}"  # "npu" is the current device, bound per LOCAL_RANK
 
 
 @pytest.mark.multiprocess

@@ -1,0 +1,66 @@
+"""Rank functions of the device-binding tests (module level, so spawned processes can import them)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import torch
+
+import ckpt
+import hal
+
+
+def sync_ranks_devices(rank: int, world_size: int, port: int, explicit: str | None) -> dict:
+    """One trainer (rank 0) and rollouts over the collective engine on npu-sim, as ``hal sync`` runs them.
+
+    Each rank binds through hal, builds what ``hal sync`` builds (the trainer a TorchEngine, every rank a
+    collective checkpoint engine) and reports where each lives and which device holds its bytes.
+    ``explicit``: a device string every rank passes instead of the kind (the shared-device bug).
+    """
+    from engines import TorchEngine
+
+    device = explicit or "npu-sim"
+    out: dict = {"bound": str(hal.bind_local_device(device))}
+    if rank == 0:
+        model = torch.nn.Linear(16, 8)
+        trainer = TorchEngine(model, torch.optim.AdamW(model.parameters(), lr=1e-3), device=device)
+        out["trainer"] = str(trainer.torch_device)
+    engine = ckpt.get_checkpoint_engine("collective", rank=rank, world_size=world_size, master_addr="127.0.0.1",
+                                        master_port=port, bucket_size=1 << 16, device=device, timeout=30)
+    weights = [("w", torch.arange(12, dtype=torch.float32).reshape(3, 4) + 1)]
+
+    async def main():
+        if rank == 0:
+            await engine.send_weights(iter([(n, t.to(out["trainer"])) for n, t in weights]), 1)
+            return None
+        return [(n, t.cpu().tolist(), str(t.device)) async for n, t in engine.receive_weights(1)]
+
+    try:
+        out["received"] = asyncio.run(main())
+        out["buffers"] = str(engine.device)
+        npu = hal.get_torch_device("npu-sim")
+        out["allocated"] = [npu.memory_allocated(i) for i in range(world_size)]
+    except Exception as exc:  # noqa: BLE001 - the refusal is the result under test
+        out["error"] = f"{type(exc).__name__}: {exc}"
+    finally:
+        engine.finalize()
+    out["local_rank"] = os.environ["LOCAL_RANK"]
+    return out
+
+
+def shared_device_group(rank: int, world_size: int, port: int, visible: list[str] | None) -> str:
+    """A hccl group where no rank binds a device (all on npu:0); ``visible``: per-rank
+    ASCEND_RT_VISIBLE_DEVICES, so local index 0 is another physical device on each rank."""
+    if visible is not None:
+        os.environ["ASCEND_RT_VISIBLE_DEVICES"] = visible[rank]
+    store = hal.connect_store("127.0.0.1", port, rank, world_size, timeout=30)
+    group = hal.new_group_from_store(store, rank, world_size, device="npu-sim", timeout=30)
+    t = torch.full((2,), float(rank + 1), device="npu:0")
+    try:
+        group.all_reduce(t)
+        return f"ok {t.cpu().tolist()}"
+    except Exception as exc:  # noqa: BLE001 - the refusal is the result under test
+        return f"{type(exc).__name__}: {exc}"
+    finally:
+        group.close()
