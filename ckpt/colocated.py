@@ -1,4 +1,4 @@
-"""Hand-over of weights inside one process (trainer and rollout colocated), zero copy."""
+"""Hand-over of weights inside one process (trainer and rollout colocated), zero copy, streamed."""
 
 from __future__ import annotations
 
@@ -6,25 +6,44 @@ import asyncio
 from typing import AsyncIterator, Iterable
 
 from ckpt.base import CheckpointEngine, NamedTensor, check_global_steps, check_step
-from ckpt.errors import CheckpointConfigError, TransferError, TransferTimeoutError
+from ckpt.errors import CheckpointConfigError, TransferAbortedError, TransferError, TransferTimeoutError
+
+
+class _Offer:
+    """One hand-over in flight: the sender's step and iterable, and what the receiver reports back."""
+
+    def __init__(self, step: int | None, weights: Iterable[NamedTensor]) -> None:
+        self.step, self.weights = step, weights
+        self.taken = False  # a receiver took it
+        self.done = False  # the receiver is finished with every tensor (or stopped)
+        self.error: BaseException | None = None  # what the sender's iterable raised
+        self.activity = asyncio.Event()  # set on take, on every item requested, and when done
 
 
 class ColocatedCheckpointEngine(CheckpointEngine):
-    """One instance shared by the trainer and the rollout of a process; nothing is copied.
+    """One instance shared by the trainer and the rollout of a process (one event loop); nothing is copied.
 
-    ``send_weights`` stores the caller's iterable (not even iterated) with its ``global_steps``;
-    ``receive_weights`` iterates it lazily and yields the caller's own tensors, in the order the iterable
-    produces them. Ownership: the receiver gets the trainer's live tensors (no copy, same storage), so it
-    must copy them (``param.copy_(t)``) before the trainer's next optimizer step if it needs a snapshot.
+    As in verl's colocated ("naive") mode, the rollout streams the trainer's own tensors from the trainer's
+    ``(name, tensor)`` iterable, one at a time, so the hand-over costs no memory beyond what producing one
+    tensor costs (a colocated rollout shares the trainer's device; a copy of the model would not fit).
+    Because nothing is copied, ``send_weights`` returns only when the receiver is done with every tensor:
+    after it asked for the item past the last one (or stopped early). A tensor yielded by
+    ``receive_weights`` is the trainer's live tensor and stays valid until the consumer asks for the next
+    item; copy it (``param.copy_(t)``, as a rollout's ``load_weights`` does) before that.
+
+    So the sender and the receiver must run concurrently, as verl's ``CheckpointEngineManager`` runs them
+    (``asyncio.gather(trainer.update_weights(step), rollout.update_weights(step))``). A sender awaited on its
+    own, before any receiver started, raises :class:`TransferTimeoutError` after ``timeout`` seconds and
+    withdraws its offer, rather than returning while the rollout has yet to read tensors the trainer's next
+    optimizer step changes.
 
     Args:
         bucket_size, is_master: accepted as verl's registry passes them (nothing is bucketed here).
-        timeout: seconds ``receive_weights`` waits for a ``send_weights`` before raising
+        timeout: seconds a sender waits for a receiver to take its offer and then for each next item to be
+            requested, and seconds ``receive_weights`` waits for an offer; past it,
             :class:`TransferTimeoutError`.
 
     The lifecycle (``prepare``, ``build_topology``, ``init_process_group``, ``finalize``) is the ABC's no-op.
-
-    Raises (``send_weights``): TransferError if the previous hand-over was never received.
     """
 
     def __init__(self, bucket_size: int | None = None, is_master: bool = False, timeout: float = 60.0) -> None:
@@ -32,7 +51,7 @@ class ColocatedCheckpointEngine(CheckpointEngine):
             raise CheckpointConfigError(f"timeout must be a positive number of seconds, got {timeout!r}")
         self.timeout = float(timeout)
         self.bucket_size, self.is_master = bucket_size, bool(is_master)
-        self._handoff: tuple[int | None, Iterable[NamedTensor]] | None = None
+        self._offer: _Offer | None = None
         self._ready: asyncio.Event | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -41,35 +60,81 @@ class ColocatedCheckpointEngine(CheckpointEngine):
         loop = asyncio.get_running_loop()
         if self._ready is None or self._loop is not loop:
             self._ready, self._loop = asyncio.Event(), loop
-            if self._handoff is not None:
+            if self._offer is not None:
                 self._ready.set()
         return self._ready
 
     async def send_weights(self, weights: Iterable[NamedTensor], global_steps: int | None = None) -> None:
-        """Offer ``weights`` (``(name, tensor)`` iterable) tagged ``global_steps``; returns at once."""
+        """Offer ``weights`` (``(name, tensor)`` iterable, iterated by the receiver) tagged ``global_steps``;
+        returns once the receiver is done with every tensor (see the class docstring).
+
+        Raises:
+            TransferError: another hand-over is still in flight on this engine.
+            TransferTimeoutError: no receiver took the offer, or it stopped asking for items, within
+                ``timeout`` (the offer is withdrawn; the engine is ready for the next update).
+            Whatever ``weights`` raised while the receiver iterated it (the receiver raises
+            :class:`TransferAbortedError` and keeps nothing of the update).
+        """
         global_steps = check_global_steps(global_steps)
-        if self._handoff is not None:
-            raise TransferError(f"the hand-over of global_steps={self._handoff[0]} was never received; "
-                                f"cannot offer global_steps={global_steps}")
-        self._handoff = (global_steps, weights)
+        if self._offer is not None:
+            raise TransferError(f"the hand-over of global_steps={self._offer.step} is still in flight; cannot "
+                                f"offer global_steps={global_steps} (run one update at a time)")
+        offer = _Offer(global_steps, weights)
+        self._offer = offer
         self._event().set()
+        try:
+            while not offer.done:
+                offer.activity.clear()
+                try:
+                    await asyncio.wait_for(offer.activity.wait(), self.timeout)
+                except asyncio.TimeoutError:
+                    what = ("stopped asking for tensors" if offer.taken else
+                            "took the offer (run the rollout's receive concurrently with the send, as verl's "
+                            "CheckpointEngineManager does: the colocated engine hands over the trainer's own "
+                            "tensors, so the send cannot return before they are read)")
+                    raise TransferTimeoutError(f"colocated hand-over of global_steps={global_steps}: no receiver "
+                                               f"{what} within {self.timeout:g} s") from None
+        finally:
+            if self._offer is offer:  # never taken: withdraw it, so the next update starts clean
+                self._offer = None
+                self._event().clear()
+        if offer.error is not None:
+            raise offer.error
 
     async def receive_weights(self, global_steps: int | None = None) -> AsyncIterator[NamedTensor]:
-        """Yield the offered pairs (the sender's own tensors), waiting up to ``timeout`` s for an offer.
+        """Yield the offered pairs (the sender's own tensors, each valid until the next is requested),
+        waiting up to ``timeout`` s for an offer.
 
         Raises:
             VersionMismatchError: ``global_steps`` is given and the offer carries another step (the offer
-                is dropped).
+                is dropped and the sender released).
             TransferTimeoutError: nothing was offered within ``timeout``.
+            TransferAbortedError: the sender's iterable raised mid-update.
         """
         global_steps = check_global_steps(global_steps)
         try:
             await asyncio.wait_for(self._event().wait(), self.timeout)
         except asyncio.TimeoutError:
             raise TransferTimeoutError(f"no weights were offered to the colocated engine within {self.timeout:g} s") from None
-        (step, weights), self._handoff = self._handoff, None
+        offer, self._offer = self._offer, None
         self._event().clear()
-        check_step(global_steps, step, "colocated hand-over")
-        self.received_global_steps = step
-        for name, tensor in weights:
-            yield name, tensor
+        offer.taken = True
+        offer.activity.set()
+        try:
+            check_step(global_steps, offer.step, "colocated hand-over")
+            self.received_global_steps = offer.step
+            items = iter(offer.weights)
+            while True:
+                try:
+                    name, tensor = next(items)
+                except StopIteration:
+                    break
+                except Exception as exc:
+                    offer.error = exc
+                    raise TransferAbortedError(f"the trainer's weights failed mid-update of global_steps="
+                                               f"{offer.step}: {type(exc).__name__}: {exc}") from exc
+                yield name, tensor
+                offer.activity.set()  # the consumer asked for the next item: it is done with this one
+        finally:
+            offer.done = True
+            offer.activity.set()

@@ -18,7 +18,9 @@ an async iterator (decorated methods pass; a plain ``def send_weights``, verl 0.
 (the receiver sees the sender's step, and asking for another raises :class:`VersionMismatchError` without
 breaking the next update); tensors of mixed dtypes (fp32, bf16, fp16, int64, bool) arrive byte-exact with
 their dtype, shape and order, including empty, 0-d, non-contiguous and larger-than-a-small-bucket ones;
-an empty update carries its step; three updates in a row carry steps 1, 2, 3.
+an empty update carries its step; three updates in a row carry steps 1, 2, 3; once ``await
+send_weights`` returns the sender may change its tensors (they are changed in place at once) and the
+receiver still gets the sent values.
 """
 
 from __future__ import annotations
@@ -126,8 +128,11 @@ def _close_unstarted(*calls: Any) -> None:
 
 
 async def transfer(sender: CheckpointEngine, receiver: CheckpointEngine, weights: list[tuple[str, torch.Tensor]],
-                   send_step: int | None, receive_step: int | None) -> list[tuple[str, torch.Tensor]]:
+                   send_step: int | None, receive_step: int | None,
+                   after_send: Callable[[], None] | None = None) -> list[tuple[str, torch.Tensor]]:
     """Run one send and one receive concurrently; return what was received (host copies).
+
+    ``after_send`` runs the moment ``await send_weights(...)`` returns, while the receiver may still run.
 
     Raises the receiver's error if it failed, else the sender's; :class:`ContractError` when the call
     ``send_weights(...)`` is not awaitable or ``receive_weights(...)`` not an async iterator.
@@ -143,7 +148,12 @@ async def transfer(sender: CheckpointEngine, receiver: CheckpointEngine, weights
     if not (hasattr(stream, "__aiter__") and hasattr(stream, "__anext__")):
         _close_unstarted(send, stream)
         raise _not_async_iter(receiver, stream)
-    got_send, got_recv = await asyncio.gather(send, collect(stream), return_exceptions=True)
+    async def send_then():
+        await send
+        if after_send is not None:
+            after_send()
+
+    got_send, got_recv = await asyncio.gather(send_then(), collect(stream), return_exceptions=True)
     for result in (got_recv, got_send):
         if isinstance(result, BaseException):
             raise result
@@ -247,6 +257,34 @@ async def check_version_mismatch(sender: CheckpointEngine, receiver: CheckpointE
     _check_step(receiver, 6, "update after a version mismatch")
 
 
+def overwrite_in_place(weights: list[tuple[str, torch.Tensor]]) -> None:
+    """Change every value of ``weights`` in place, as a trainer's next optimizer step does (bools negated,
+    numbers + 1)."""
+    with torch.no_grad():
+        for _, t in weights:
+            if t.dtype == torch.bool:
+                t.logical_not_()
+            else:
+                t.add_(1)
+
+
+async def check_sender_may_reuse(sender: CheckpointEngine, receiver: CheckpointEngine) -> None:
+    """``await send_weights`` returns only when the sender may reuse or free its tensors: the sent tensors
+    are changed in place the moment it returns (the trainer's next optimizer step), and the receiver still
+    gets the values that were sent."""
+    weights = sample_weights(4)
+    sent = [(name, t.clone()) for name, t in weights]
+    got = await transfer(sender, receiver, weights, 4, 4, after_send=lambda: overwrite_in_place(weights))
+    if not same_bytes(weights[0][1], sent[0][1] + 1):
+        raise ContractFailure("the check did not change the sent tensors")  # guards the check itself
+    try:
+        compare(sent, got, "tensors changed by the sender after send_weights returned")
+    except ContractFailure as exc:
+        raise ContractFailure(f"{exc}: send_weights returned before the receiver had the sent values (the "
+                              "sender may reuse or free its tensors only once it returns)") from None
+    _check_step(receiver, 4, "sender reuse")
+
+
 async def check_empty_update(sender: CheckpointEngine, receiver: CheckpointEngine) -> None:
     """An update with no tensors still carries its step."""
     got = await transfer(sender, receiver, [], 9, 9)
@@ -262,6 +300,7 @@ CONTRACT_CHECKS: dict[str, Callable[[CheckpointEngine, CheckpointEngine], Awaita
     "steps_in_sequence": check_steps_in_sequence,
     "version_mismatch": check_version_mismatch,
     "empty_update": check_empty_update,
+    "sender_may_reuse": check_sender_may_reuse,
 }
 """Every check by name: ``async check(sender, receiver) -> None``, raising on a violation."""
 

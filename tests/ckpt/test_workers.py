@@ -99,15 +99,17 @@ def test_a_stream_failing_mid_update_leaves_the_previous_step_in_service():
     assert adapter.state_dict()["a"].tolist() == [1.0, 1.0]
 
 
-def test_colocated_engine_is_zero_copy_and_refuses_a_second_unreceived_offer():
+def test_colocated_engine_is_zero_copy_and_refuses_a_second_offer_in_flight():
     engine = ckpt.ColocatedCheckpointEngine(timeout=0.2)
     t = torch.ones(3)
 
     async def go():
-        await engine.send_weights([("t", t)], 1)
-        with pytest.raises(ckpt.TransferError, match="global_steps=1 was never received"):
+        first = asyncio.ensure_future(engine.send_weights([("t", t)], 1))
+        await asyncio.sleep(0)  # the first offer is in flight
+        with pytest.raises(ckpt.TransferError, match="global_steps=1 is still in flight"):
             await engine.send_weights([("t", t)], 2)
         got = [x async for _, x in engine.receive_weights(1)]
+        await first
         with pytest.raises(ckpt.TransferTimeoutError, match="0.2 s"):
             async for _ in engine.receive_weights(None):
                 pass
@@ -115,3 +117,55 @@ def test_colocated_engine_is_zero_copy_and_refuses_a_second_unreceived_offer():
 
     (got,) = asyncio.run(go())
     assert got is t  # the trainer's own tensor, not a copy
+
+
+def test_colocated_send_alone_times_out_withdraws_and_the_next_update_works():
+    engine = ckpt.ColocatedCheckpointEngine(timeout=0.2)
+
+    async def go():
+        with pytest.raises(ckpt.TransferTimeoutError, match="no receiver took the offer .*concurrently"):
+            await engine.send_weights([("t", torch.ones(2))], 1)
+        with pytest.raises(ckpt.TransferTimeoutError, match="no weights were offered"):  # withdrawn
+            async for _ in engine.receive_weights(1):
+                pass
+        _, got = await asyncio.gather(engine.send_weights([("t", torch.full((2,), 2.0))], 2),
+                                      _collect(engine.receive_weights(2)))
+        return got
+
+    assert asyncio.run(go()) == [("t", [2.0, 2.0])]
+
+
+async def _collect(stream):
+    return [(n, t.tolist()) async for n, t in stream]
+
+
+def test_colocated_send_waits_for_each_tensor_and_reraises_the_trainers_error():
+    engine = ckpt.ColocatedCheckpointEngine(timeout=5)
+    events = []
+
+    def weights(fail):
+        for i in range(3):
+            events.append(f"produce {i}")
+            if fail and i == 2:
+                raise RuntimeError("gather failed on tensor 2")
+            yield f"w{i}", torch.full((2,), float(i))
+
+    async def send(fail):
+        await engine.send_weights(weights(fail), 1)
+        events.append("send returned")
+
+    async def receive():
+        async for name, _ in engine.receive_weights(1):
+            await asyncio.sleep(0.01)  # a slow consumer: the sender must not return meanwhile
+            events.append(f"consumed {name}")
+
+    async def both(fail):
+        return await asyncio.wait_for(asyncio.gather(send(fail), receive(), return_exceptions=True), 10)
+
+    assert asyncio.run(both(False)) == [None, None]
+    assert events == ["produce 0", "consumed w0", "produce 1", "consumed w1", "produce 2", "consumed w2",
+                      "send returned"]
+    events.clear()
+    results = asyncio.run(both(True))
+    assert isinstance(results[0], RuntimeError) and "tensor 2" in str(results[0])
+    assert isinstance(results[1], ckpt.TransferAbortedError) and "tensor 2" in str(results[1])
