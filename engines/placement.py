@@ -16,8 +16,9 @@ class Placement:
     """The ``torch.device`` type (``"npu"``, ``"cuda"``, ``"cpu"``) each part of an engine lives on.
 
     Fields:
-        model: where parameters and buffers live; ``"mixed"`` if they are split across device types
-            (only after a failed move); ``None`` for a module with no tensors.
+        model: where parameters and buffers live; ``"mixed"`` if they are split across device types or
+            indices (only after a failed move); ``None`` for a module with no tensors. The index itself is
+            the engine's ``torch_device``.
         optimizer: where the optimizer-state tensors live. 0-dim host tensors that the optimizer itself
             keeps on the host (Adam's ``step`` when not ``capturable``/``fused``) are not counted. For an
             optimizer that has no state yet (never stepped) this is where its state will be created or was
@@ -34,8 +35,9 @@ class Placement:
 
 
 def device_type_of(tensors: Iterable[torch.Tensor]) -> str | None:
-    """The single device type of ``tensors``, ``"mixed"`` when they disagree, ``None`` when empty."""
-    types = {t.device.type for t in tensors}
-    if not types:
+    """The device type of ``tensors`` when they all live on one device, ``"mixed"`` when they do not (other
+    types, or two indices of one type: ``npu:0`` and ``npu:1``), ``None`` when empty."""
+    devices = {(t.device.type, t.device.index) for t in tensors}
+    if not devices:
         return None
-    return types.pop() if len(types) == 1 else MIXED
+    return devices.pop()[0] if len(devices) == 1 else MIXED

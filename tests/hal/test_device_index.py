@@ -98,3 +98,12 @@ def test_an_engine_without_an_index_takes_its_local_rank_device(sim, monkeypatch
     engine.to("cpu")
     engine.to("npu-sim")
     assert {p.device for p in engine.module.parameters()} == {torch.device("npu", 2)}
+
+
+def test_placement_tells_two_indices_of_one_type_apart(sim):
+    from engines.placement import MIXED, device_type_of
+
+    one = [torch.zeros(2, device="npu:1"), torch.zeros(3, device="npu:1")]
+    assert device_type_of(one) == "npu"
+    assert device_type_of(one + [torch.zeros(1, device="npu:0")]) == MIXED
+    assert device_type_of([torch.zeros(1), torch.zeros(1, device="npu:1")]) == MIXED
