@@ -10,8 +10,10 @@ Every collective runs to completion before it returns, or raises ``hal.Distribut
 group's timeout passes (a missing or dead peer); the returned work object is already complete. Calls must be made in the same order on every rank, as with
 HCCL. Like NCCL ("Duplicate GPU detected") and HCCL, a communicator refuses two ranks on one device: the
 first collective of a group exchanges each rank's device (host, and the physical id behind
-``ASCEND_RT_VISIBLE_DEVICES``) and every rank raises ``torch.distributed.DistBackendError`` naming both
-ranks if two share one, so code that forgets to bind each rank's device fails on any machine. Covered: broadcast, allreduce (SUM/PRODUCT/MIN/MAX, and AVG as SUM then divide; gloo has no AVG),
+``ASCEND_RT_VISIBLE_DEVICES``; the host is ``$HAL_SIM_HOST`` where set) and every rank raises
+``torch.distributed.DistBackendError`` naming both ranks if two share one, so code that forgets to bind
+each rank's device fails on any machine.
+Covered: broadcast, allreduce (SUM/PRODUCT/MIN/MAX, and AVG as SUM then divide; gloo has no AVG),
 allreduce_coalesced, allgather, all_gather_single (``all_gather_into_tensor``, ``_allgather_base``),
 reduce_scatter, reduce_scatter_single (``reduce_scatter_tensor``, ``_reduce_scatter_base``), barrier,
 send/recv; DDP and FSDP2 (``fully_shard``, ``DTensor.full_tensor()``) run on it in eager mode. Not covered:
@@ -84,9 +86,15 @@ def physical_device(index: int) -> int:
     return index
 
 
+SIM_HOST_ENV = "HAL_SIM_HOST"
+"""Names the simulated host of a process (default: the host name), so that several simulated nodes on one
+machine (a local multi-node Ray cluster) each have their own devices."""
+
+
 def _host_id() -> int:
-    """A 31-bit id of this host (CRC-32 of its name): ranks on other hosts never share a device."""
-    return zlib.crc32(socket.gethostname().encode()) & 0x7FFFFFFF
+    """A 31-bit id of this (simulated) host: CRC-32 of ``$HAL_SIM_HOST``, else of the host name. Ranks on
+    other hosts never share a device."""
+    return zlib.crc32((os.environ.get(SIM_HOST_ENV) or socket.gethostname()).encode()) & 0x7FFFFFFF
 
 
 def _write_back(dst: torch.Tensor, host: torch.Tensor) -> None:

@@ -428,10 +428,14 @@ class LocalCluster:
     log_path: str | None = dataclasses.field(default=None, init=False)
 
     def env(self) -> dict[str, str]:
-        """Variables a process needs to talk to this cluster (auth) plus those its node was started with."""
+        """Variables a process needs to talk to this cluster (auth) plus those its node was started with.
+
+        ``HAL_SIM_HOST`` (the node's address) makes each node of a one-machine cluster its own simulated
+        host, so the simulated npu's communicator tells ``NPU_SIM 0`` of one node from that of another.
+        """
         kinds = [k for k in registry.known_kinds() if resource_name(k) in self.resources]
         return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": self.token or "", "RAY_USAGE_STATS_ENABLED": "0",
-                **node_environment(kinds)}
+                "HAL_SIM_HOST": self.node_ip, **node_environment(kinds)}
 
     def start(self) -> str:
         """Start the node and wait until it serves (head) or joined (worker); returns the head's address.
