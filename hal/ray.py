@@ -272,14 +272,28 @@ class DeviceBinding:
     pid: int
 
 
-def _assigned_ids(ray, resource: str) -> list[str]:
-    """Ids of ``resource`` Ray assigned to this worker (node-wide numbering; placement-group forms included)."""
+def _assigned_ids(ray, resource: str, visible_env: str | None) -> list[str]:
+    """Ids of ``resource`` Ray assigned to this worker (placement-group forms included), as the node names
+    its devices: Ray maps its slot numbers through the visible-devices variable the node started with
+    (e.g. ``ASCEND_RT_VISIBLE_DEVICES=4,5``: slot 0 is device 4); hal does the same for a custom resource.
+
+    Raises:
+        RayLaunchError: a slot number is past the devices the node's variable lists.
+    """
     if ray_sets_visible_devices(resource):
         return list(ray.get_runtime_context().get_accelerator_ids().get(resource, []))
     # The same lookup Ray's get_accelerator_ids() does for its accelerators, for a custom resource.
     worker = ray._private.worker.global_worker
-    ids = worker.get_accelerator_ids_for_accelerator_resource(resource, f"^{resource}_group_[0-9A-Za-z]+$")
-    return sorted((str(i) for i in ids), key=lambda s: (len(s), s))
+    slots = worker.get_accelerator_ids_for_accelerator_resource(resource, f"^{resource}_group_[0-9A-Za-z]+$")
+    slots = sorted(int(i) for i in slots)
+    node_visible = os.environ.get(visible_env, "") if visible_env else ""
+    listed = [v.strip() for v in node_visible.split(",") if v.strip()]
+    if not listed:
+        return [str(i) for i in slots]
+    if any(i >= len(listed) for i in slots):
+        raise RayLaunchError(f"Ray assigned {resource} slots {slots}, but the node's {visible_env}={node_visible!r} "
+                             f"lists {len(listed)} devices (declare at most that many {resource})")
+    return [listed[i] for i in slots]
 
 
 def _sim_already_registered() -> bool:
@@ -320,7 +334,7 @@ def bind_assigned_device(kind: str) -> DeviceBinding:
         hal.reset()
         hal.resolve_device(kind)
         return DeviceBinding(kind, None, (), None, None, None, 0, "cpu", node_id, node_ip, os.getpid())
-    ids = _assigned_ids(ray, resource)
+    ids = _assigned_ids(ray, resource, spec.visible_devices_env)
     if not ids:
         raise RayLaunchError(f"this actor holds no {resource!r} (device kind {kind!r}): start it with the "
                              f"options of hal.ray.WorkerPlacement.options(), or with resources={{{resource!r}: 1}}")
@@ -410,6 +424,8 @@ class LocalCluster:
         object_store_bytes: object store size in bytes.
         temp_dir: Ray's temporary directory (default: a new one under the system's).
         timeout: seconds :meth:`start` waits for the node to come up.
+        node_env: more environment of the node's processes, e.g. ``{"ASCEND_RT_VISIBLE_DEVICES": "4,5"}``
+            (which devices of the host the node's ``NPU`` / ``NPU_SIM`` are).
 
     Use :meth:`start`, then :meth:`connect` (the driver), and :meth:`stop`; or as a context manager.
     """
@@ -422,6 +438,7 @@ class LocalCluster:
     object_store_bytes: int = DEFAULT_OBJECT_STORE_BYTES
     temp_dir: str | None = None
     timeout: float = 60.0
+    node_env: dict[str, str] = dataclasses.field(default_factory=dict)
     process: subprocess.Popen | None = dataclasses.field(default=None, init=False, repr=False)
     address: str | None = dataclasses.field(default=None, init=False)
     start_seconds: float | None = dataclasses.field(default=None, init=False)
@@ -469,7 +486,7 @@ class LocalCluster:
         self.log_path = os.path.join(self.temp_dir, "ray-start.log")
         # HAL_DEVICE is the binding's to set, per actor: a node-wide one would activate the simulated npu
         # inside `import torch` of every worker, before hal could give it its own visible device
-        env = {**{k: v for k, v in os.environ.items() if k != ENV_VAR}, **self.env()}
+        env = {**{k: v for k, v in os.environ.items() if k != ENV_VAR}, **self.node_env, **self.env()}
         begin = time.perf_counter()
         with open(self.log_path, "ab") as log:
             # its own session: every Ray process it starts shares it, so stop() can find them by id

@@ -20,8 +20,12 @@ WORKER_IP = "127.0.0.2"
 
 @pytest.fixture(scope="module")
 def two_nodes():
-    head = LocalCluster(node_ip="127.0.0.1", num_cpus=1, resources={"NPU_SIM": 1})
-    worker = LocalCluster(node_ip=WORKER_IP, num_cpus=2, resources={"NPU_SIM": 2})
+    # one host plays two nodes: each node owns its own simulated npus of the host (0 / 1 and 2), as each
+    # Ascend node owns its NPUs; Ray's slot numbers map through the node's ASCEND_RT_VISIBLE_DEVICES
+    head = LocalCluster(node_ip="127.0.0.1", num_cpus=1, resources={"NPU_SIM": 1},
+                        node_env={"ASCEND_RT_VISIBLE_DEVICES": "0"})
+    worker = LocalCluster(node_ip=WORKER_IP, num_cpus=2, resources={"NPU_SIM": 2},
+                          node_env={"ASCEND_RT_VISIBLE_DEVICES": "1,2"})
     head.start()
     try:
         worker.head, worker.token = head.address, head.token
@@ -46,7 +50,9 @@ def test_rollouts_on_the_second_node_receive_byte_exact_with_global_steps(two_no
     with RaySync(args, rollout_node=WORKER_IP) as run:
         trainer, *rollouts = run.bindings
         assert trainer.node_ip != WORKER_IP and {b.node_ip for b in rollouts} == {WORKER_IP}
-        assert sorted(b.device_id for b in rollouts) == ["0", "1"] and trainer.device_id == "0"
+        assert sorted(b.device_id for b in rollouts) == ["1", "2"] and trainer.device_id == "0"
+        assert [(b.visible, b.local_index, b.set_by) for b in run.bindings] == \
+            [(b.device_id, 0, "hal") for b in run.bindings]
         for step in (1, 2, 3):
             row = run.step(step)
             assert [(r["rank"], r["node_ip"], r["served_step"], r["error"]) for r in row["rollouts"]] == \
