@@ -68,3 +68,28 @@ def test_the_ray_launcher_runs_the_collective_engine_only():
         validate(Sync(device="cpu", model="qwen2.5-tiny", launcher="ray", engine="file"))
     validate(Sync(device="cpu", model="qwen2.5-tiny", launcher="ray"))  # the default launcher stays torchrun
     assert Sync().launcher == "torchrun"
+
+
+def test_hal_sync_on_an_existing_cluster_by_address(cluster):
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "HAL_DEVICE"}
+    env.update({k: v for k, v in cluster.env().items() if k.startswith("RAY_AUTH")})
+    out = subprocess.run([sys.executable, "-m", "hal.cli.main", "sync", "--launcher", "ray", "--address",
+                          cluster.address, "--device", "npu-sim", "--model", "qwen2.5-tiny", "--rollouts", "2",
+                          "--steps", "2", "--timeout", "60", "--json"],
+                         capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    result = json.loads(out.stdout)
+    assert result["verified"] and result["launcher"] == "ray" and len(result["rows"]) == 2
+    assert [[r["served_step"] for r in row["rollouts"]] for row in result["rows"]] == [[1, 1], [2, 2]]
+    assert sorted(w["device_id"] for w in result["workers"]) == ["0", "1", "2"]
+    assert {w["resource"] for w in result["workers"]} == {"NPU_SIM"}
+    # the run released its placement group: every NPU_SIM of the cluster is free again
+    deadline = time.monotonic() + 30
+    while ray.available_resources().get("NPU_SIM") != 3.0:
+        assert time.monotonic() < deadline, ray.available_resources()
+        time.sleep(0.2)
