@@ -14,16 +14,21 @@ documents it, restricted to what a host-memory simulation can honour:
 - ``memory`` (``torch.npu.memory``): the memory calls plus ``_set_allocator_settings("key:value,...")``,
   which accepts the keys of ``PYTORCH_NPU_ALLOC_CONF`` and rejects any other, as torch_npu does.
 - ``is_current_stream_capturing()``: ``False`` (the sim has no graph capture; ``NPUGraph`` is absent).
+- ``mstx`` (MindStudio Tools Extension markers: ``mark``, ``range_start`` -> range id, ``range_end``,
+  ``mstx_range`` decorator): markers are recorded only for an attached msprof profiler, which the sim never
+  has, so they do nothing; verl imports ``torch_npu.npu.mstx`` unguarded once it sees an npu.
 - ``set_compile_mode(jit_compile=False)`` and ``config.allow_internal_format`` (``False``): the sim keeps
   every tensor in its plain (ND) layout, which is what ``allow_internal_format=False`` asks for.
 
 Names torch_npu has and the sim cannot honour (graphs, ``NPUPluggableAllocator``, ``MemPool``, ``mstx``,
-dump and overflow controls) stay absent, so a consumer's ``hasattr`` check takes its fallback path.
+dump and overflow controls, ``torch_npu.profiler``) stay absent, so a consumer's ``hasattr`` check takes its fallback path.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import itertools
 import sys
 import types
 from typing import Any
@@ -53,6 +58,39 @@ class DeviceProperties:
     cube_core_num: int = CUBE_CORE_NUM
     vector_core_num: int = VECTOR_CORE_NUM
     L2_cache_size: int = L2_CACHE_SIZE  # noqa: N815 - torch_npu's field name
+
+
+class Mstx:
+    """``torch.npu.mstx``: profiler markers, inert without an attached profiler (see the module doc)."""
+
+    _next_id = itertools.count(1)
+
+    @staticmethod
+    def mark(message: str = "", stream: Any = None, domain: str = "default") -> None:
+        """An instant marker: nothing is recorded without a profiler."""
+
+    @staticmethod
+    def range_start(message: str = "", stream: Any = None, domain: str = "default") -> int:
+        """Open a range; returns its id (a positive int) for :meth:`range_end`."""
+        return next(Mstx._next_id)
+
+    @staticmethod
+    def range_end(range_id: int, domain: str = "default") -> None:
+        """Close the range ``range_id``."""
+
+    @staticmethod
+    def mstx_range(message: str = "", stream: Any = None, domain: str = "default"):
+        """Decorator: the wrapped function runs inside a range named ``message``."""
+        def wrap(fn):
+            @functools.wraps(fn)
+            def ranged(*args: Any, **kwargs: Any):
+                range_id = Mstx.range_start(message, stream, domain)
+                try:
+                    return fn(*args, **kwargs)
+                finally:
+                    Mstx.range_end(range_id, domain)
+            return ranged
+        return wrap
 
 
 def extend(mod: types.ModuleType, ext: types.ModuleType) -> types.ModuleType:
@@ -165,6 +203,7 @@ def extend(mod: types.ModuleType, ext: types.ModuleType) -> types.ModuleType:
                set_compile_mode):
         setattr(mod, fn.__name__, fn)
     mod.config = config
+    mod.mstx = Mstx
     mod.memory = memory
     sys.modules["torch.npu.memory"] = memory
     return mod

@@ -29,6 +29,7 @@ VERL_CALLS = {
     "device_count", "current_device", "Stream", "set_rng_state", "get_rng_state", "set_per_process_memory_fraction",
     "ipc_collect", "get_device_name", "get_device_capability", "memory_reserved", "memory_allocated",
     "max_memory_reserved", "max_memory_allocated", "manual_seed_all", "manual_seed", "Event", "memory",
+    "mstx",  # `from torch_npu.npu import mstx` in verl/utils/profiler/mstx_profile.py, unguarded on npu
 }
 VLLM_ASCEND_CALLS = {
     "current_stream", "Event", "Stream", "stream", "current_device", "set_device", "synchronize", "empty_cache",
@@ -42,7 +43,7 @@ VLLM_ASCEND_CALLS = {
 # Not offered: graph capture, external events and pluggable allocators need a driver the sim does not model.
 ABSENT_ON_PURPOSE = {"ExternalEvent", "graph_task_update_end", "graph_task_update_begin", "graph_task_group_end",
                      "graph_task_group_begin", "graph", "NPUGraph", "graph_pool_handle", "MemPool",
-                     "NPUPluggableAllocator", "use_mem_pool", "memory_snapshot", "mstx"}
+                     "NPUPluggableAllocator", "use_mem_pool", "memory_snapshot"}
 # Submodules of torch_npu.npu (files under torch_npu/npu/ in the 2.14.0 wheel), not in the __init__ name list.
 SUBMODULES = {"memory"}
 
@@ -158,6 +159,11 @@ def test_device_queries_and_allocator_settings():
     assert props.total_memory == npu.mem_get_info(0)[1] and props.name == npu.get_device_name(0)
     assert npu.ipc_collect() is None and npu.is_current_stream_capturing() is False
     assert npu.config.allow_internal_format is False
+    from torch_npu.npu import mstx
+
+    first, second = mstx.range_start("a"), mstx.range_start("b")
+    assert isinstance(first, int) and second > first and mstx.range_end(first) is None
+    assert mstx.mstx_range("f")(lambda x: x + 1)(1) == 2
     npu.memory._set_allocator_settings("expandable_segments:True,max_split_size_mb:128")
     assert npu.memory._allocator_settings()["expandable_segments"] == "True"
     with pytest.raises(RuntimeError, match="Unrecognized key 'bogus'"):

@@ -1,0 +1,48 @@
+"""Run in a fresh process: what verl 0.9.1's ``verl.utils.device`` reports, imported before or after hal.
+
+``python -m tests.interop._verl_device verl-first|hal-first [spawn]`` prints ``RESULT <json>``; with
+``spawn`` it also starts a ``multiprocessing`` spawn child that imports verl first, and reports the child's
+answer under ``"child"``. Nothing here registers the sim: with ``HAL_DEVICE=npu-sim`` in the environment,
+``import torch`` does (torch's backend autoload).
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import sys
+
+
+def report(order: str) -> dict:
+    if order == "hal-first":
+        import hal
+
+        hal_kind = hal.resolve_device().kind
+    import verl.utils.device as device
+
+    if order == "verl-first":
+        import hal
+
+        hal_kind = hal.resolve_device().kind
+    import torch
+
+    return {"device": device.get_device_name(), "backend": device.get_nccl_backend(),
+            "visible": device.get_visible_devices_keyword(), "npu": device.is_npu_available,
+            "resource": device.get_resource_name(), "torch_device": device.get_torch_device() is getattr(torch, "npu", None),
+            "hal": hal_kind, "hal_backend": hal.get_dist_backend()}
+
+
+def _child(queue) -> None:
+    queue.put(report("verl-first"))
+
+
+if __name__ == "__main__":
+    result = report(sys.argv[1])
+    if "spawn" in sys.argv[2:]:
+        ctx = multiprocessing.get_context("spawn")
+        queue = ctx.Queue()
+        proc = ctx.Process(target=_child, args=(queue,))
+        proc.start()
+        result["child"] = queue.get(timeout=300)
+        proc.join(timeout=60)
+    print("RESULT " + json.dumps(result), flush=True)
