@@ -15,7 +15,7 @@ from hal.cli.sync_ray import RaySync, SyncUpdateError
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(400)]
 
-TIMEOUT = 20.0  # the checkpoint engine's timeout: a dead peer must surface within it
+TIMEOUT = 10.0  # the checkpoint engine's timeout: a dead peer must surface within it
 
 
 @pytest.fixture(scope="module")
