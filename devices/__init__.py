@@ -3,9 +3,11 @@
 Each built-in kind is one module holding one ``SPEC`` (a frozen :class:`devices.base.DeviceSpec`).
 They are listed here by module path, in automatic-resolution order, and imported only when asked for.
 Third-party kinds come from the entry-point group ``hal.devices`` (see :mod:`hal.registry`).
-"""
 
-from devices.base import Availability, DeviceSpec
+``Availability`` and ``DeviceSpec`` are loaded on first access: torch imports this package inside every
+``import torch`` (the sim's autoload entry point, :mod:`devices.sim_autoload`), and unasked that must cost
+nothing, not even the dataclass construction of :mod:`devices.base`.
+"""
 
 # kind -> module holding SPEC. Order is the auto-resolution order (npu, cuda, then cpu last);
 # npu-sim is never picked automatically (auto_probe=False) and must be asked for.
@@ -17,3 +19,11 @@ BUILTIN_KINDS: dict[str, str] = {
 }
 
 __all__ = ["Availability", "DeviceSpec", "BUILTIN_KINDS"]
+
+
+def __getattr__(name: str):
+    if name in ("Availability", "DeviceSpec"):
+        from devices import base
+
+        return getattr(base, name)
+    raise AttributeError(f"module 'devices' has no attribute {name!r}")
