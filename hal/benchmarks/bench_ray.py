@@ -66,6 +66,17 @@ def write_model(path: Path, size_mb: int, seed: int = 0) -> int:
     return sum(sizes)
 
 
+def _execute_retrying(execute, args, attempts: int = 2) -> dict:
+    """``execute(args)``, once more if a rendezvous port it picked was taken meanwhile (a shared machine)."""
+    for _ in range(attempts - 1):
+        try:
+            return execute(args)
+        except RuntimeError as exc:
+            if "EADDRINUSE" not in str(exc):
+                raise
+    return execute(args)
+
+
 def _gbps(rows: list[dict]) -> list[float]:
     return [row["bytes"] / row["publish_s"] / 1e9 for row in rows[1:]]
 
@@ -104,7 +115,7 @@ def _run(size_mb: int, device: str, rollouts: int, steps: int, rounds: int, buck
         sent = set()
         for _ in range(rounds):
             for launcher in ("torchrun", "ray"):
-                result = execute(dataclasses.replace(base, launcher=launcher))
+                result = _execute_retrying(execute, dataclasses.replace(base, launcher=launcher))
                 if not result["verified"]:
                     raise RuntimeError(f"{launcher} run did not verify: {result['errors'][:3]}")
                 gbps[launcher] += _gbps(result["rows"])

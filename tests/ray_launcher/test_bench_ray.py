@@ -21,3 +21,21 @@ def test_throughput_skips_the_warm_up_step_and_needs_two_steps():
     assert bench_ray._gbps(rows) == [2.0, 0.5]
     with pytest.raises(ValueError, match="steps must be >= 2"):
         bench_ray.run(1, steps=1)
+
+
+def test_a_run_is_retried_once_when_its_port_was_taken_and_other_failures_pass_through():
+    calls = []
+
+    def flaky(args):
+        calls.append(args)
+        if len(calls) == 1:
+            raise RuntimeError("a sync process failed: ... EADDRINUSE, message: address already in use")
+        return {"ok": args}
+
+    assert bench_ray._execute_retrying(flaky, "a") == {"ok": "a"} and calls == ["a", "a"]
+
+    def broken(args):
+        raise RuntimeError("a sync process failed: checksum differs")
+
+    with pytest.raises(RuntimeError, match="checksum differs"):
+        bench_ray._execute_retrying(broken, "a")
