@@ -18,6 +18,7 @@ from ckpt.errors import (
     WeightMismatchError,
 )
 from ckpt.registry import (
+    checkpoint_engine_factory,
     checkpoint_engine_import_errors,
     get_checkpoint_engine,
     known_checkpoint_engines,
@@ -41,7 +42,7 @@ def __getattr__(name: str):
 __all__ = [
     "CheckpointEngine", "check_async_contract", "contract_violations",
     "get_checkpoint_engine", "register_checkpoint_engine", "unregister_checkpoint_engine",
-    "known_checkpoint_engines", "checkpoint_engine_import_errors",
+    "known_checkpoint_engines", "checkpoint_engine_import_errors", "checkpoint_engine_factory",
     "ColocatedCheckpointEngine", "CollectiveCheckpointEngine", "FileCheckpointEngine",
     "TrainerWorker", "CheckpointEngineWorker", "InMemoryRolloutAdapter",
     "CheckpointEngineError", "CheckpointConfigError", "VersionMismatchError", "WeightMismatchError",

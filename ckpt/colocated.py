@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-from typing import AsyncIterator, Iterable
+import weakref
+from typing import Any, AsyncIterator, Iterable, Iterator
 
 from ckpt.base import CheckpointEngine, NamedTensor, check_global_steps, check_step
 from ckpt.errors import CheckpointConfigError, TransferAbortedError, TransferError, TransferTimeoutError
@@ -12,12 +13,53 @@ from ckpt.errors import CheckpointConfigError, TransferAbortedError, TransferErr
 class _Offer:
     """One hand-over in flight: the sender's step and iterable, and what the receiver reports back."""
 
-    def __init__(self, step: int | None, weights: Iterable[NamedTensor]) -> None:
-        self.step, self.weights = step, weights
-        self.taken = False  # a receiver took it
-        self.done = False  # the receiver is finished with every tensor (or stopped)
+    def __init__(self, step: int | None, weights: Iterable[NamedTensor], receivers: int = 1) -> None:
+        self.step, self.receivers = step, receivers
+        self.taken = 0  # receivers that took it
+        self.finished = 0  # receivers finished with every tensor (or stopped)
         self.error: BaseException | None = None  # what the sender's iterable raised
-        self.activity = asyncio.Event()  # set on take, on every item requested, and when done
+        self.activity = asyncio.Event()  # set on take, on every item requested, and when one is done
+        self._source = iter(weights)
+        self._items: list[NamedTensor] = []  # items some receiver has not taken yet (several receivers)
+        self._base = 0  # index (in the source) of self._items[0]
+        self._positions: list[int] = []
+
+    @property
+    def done(self) -> bool:
+        """Every receiver is finished with every tensor."""
+        return self.finished >= self.receivers
+
+    def reader(self) -> Iterator[NamedTensor]:
+        """This receiver's pass over the sender's iterable, read once for all receivers: with one receiver
+        straight from it; with several, an item is held (a reference) until every receiver has taken it.
+        Raises what the iterable raised, in every receiver."""
+        if self.receivers == 1:
+            return self._source
+        me = len(self._positions)
+        self._positions.append(0)
+        return self._read(me)
+
+    def _read(self, me: int) -> Iterator[NamedTensor]:
+        while True:
+            index = self._positions[me]
+            if index - self._base == len(self._items):
+                if self.error is not None:
+                    raise self.error
+                try:
+                    self._items.append(next(self._source))
+                except StopIteration:
+                    return
+                except Exception as exc:
+                    self.error = exc
+                    raise
+            item = self._items[index - self._base]
+            self._positions[me] = index + 1
+            if len(self._positions) == self.receivers:  # everyone is reading: drop what all have passed
+                passed = min(self._positions) - self._base
+                if passed > 0:
+                    del self._items[:passed]
+                    self._base += passed
+            yield item
 
 
 class ColocatedCheckpointEngine(CheckpointEngine):
@@ -42,11 +84,33 @@ class ColocatedCheckpointEngine(CheckpointEngine):
         timeout: seconds a sender waits for a receiver to take its offer and then for each next item to be
             requested, and seconds ``receive_weights`` waits for an offer; past it,
             :class:`TransferTimeoutError`.
+        channel: a name; every construction with the same name in this process returns the same
+            instance, so workers that each build their own engine (verl's trainer and rollout workers do,
+            through its registry) share one hand-over. ``None``: a private instance.
 
-    The lifecycle (``prepare``, ``build_topology``, ``init_process_group``, ``finalize``) is the ABC's no-op.
+    Several receivers: ``init_process_group(receivers=R)`` (what :meth:`build_topology` hands out for R
+    rollout ranks) makes each offer serve R ``receive_weights`` calls; the sender's iterable is still read
+    once, an item is held (a reference, no copy) until every receiver has taken it, and ``send_weights``
+    returns when all R are done. ``finalize()`` withdraws an offer not taken by every receiver.
     """
 
-    def __init__(self, bucket_size: int | None = None, is_master: bool = False, timeout: float = 60.0) -> None:
+    _channels: "weakref.WeakValueDictionary[tuple[type, str], ColocatedCheckpointEngine]" = \
+        weakref.WeakValueDictionary()
+
+    def __new__(cls, *args: Any, channel: str | None = None, **kwargs: Any) -> "ColocatedCheckpointEngine":
+        if channel is not None and (cls, channel) in cls._channels:
+            return cls._channels[(cls, channel)]
+        engine = super().__new__(cls)
+        if channel is not None:
+            cls._channels[(cls, channel)] = engine
+        return engine
+
+    def __init__(self, bucket_size: int | None = None, is_master: bool = False, timeout: float = 60.0,
+                 channel: str | None = None) -> None:
+        if getattr(self, "_channel_joined", False):  # another worker's construction of a named channel
+            return
+        self._channel_joined = channel is not None
+        self.channel, self.receivers = channel, 1
         if not isinstance(timeout, (int, float)) or timeout <= 0:
             raise CheckpointConfigError(f"timeout must be a positive number of seconds, got {timeout!r}")
         self.timeout = float(timeout)
@@ -64,6 +128,27 @@ class ColocatedCheckpointEngine(CheckpointEngine):
                 self._ready.set()
         return self._ready
 
+    @classmethod
+    def build_topology(cls, trainer_world_size: int, rollout_world_size: int,
+                       metadata: list) -> tuple[dict[str, list], dict[str, list]]:
+        """Every rank learns how many receivers share each offer: ``{"receivers": [rollout_world_size] * n}``."""
+        if isinstance(rollout_world_size, bool) or not isinstance(rollout_world_size, int) or rollout_world_size < 1:
+            raise CheckpointConfigError(f"rollout_world_size must be an int >= 1, got {rollout_world_size!r}")
+        return ({"receivers": [rollout_world_size] * trainer_world_size},
+                {"receivers": [rollout_world_size] * rollout_world_size})
+
+    def init_process_group(self, receivers: int = 1, **_ignored: Any) -> None:
+        """Serve each offer to ``receivers`` ``receive_weights`` calls (default 1)."""
+        if isinstance(receivers, bool) or not isinstance(receivers, int) or receivers < 1:
+            raise CheckpointConfigError(f"receivers must be an int >= 1, got {receivers!r}")
+        self.receivers = receivers
+
+    def finalize(self) -> None:
+        """Withdraw an offer not taken by every receiver (nothing stale survives a failed update)."""
+        self._offer = None
+        if self._ready is not None:
+            self._ready.clear()
+
     async def send_weights(self, weights: Iterable[NamedTensor], global_steps: int | None = None) -> None:
         """Offer ``weights`` (``(name, tensor)`` iterable, iterated by the receiver) tagged ``global_steps``;
         returns once the receiver is done with every tensor (see the class docstring).
@@ -79,7 +164,7 @@ class ColocatedCheckpointEngine(CheckpointEngine):
         if self._offer is not None:
             raise TransferError(f"the hand-over of global_steps={self._offer.step} is still in flight; cannot "
                                 f"offer global_steps={global_steps} (run one update at a time)")
-        offer = _Offer(global_steps, weights)
+        offer = _Offer(global_steps, weights, self.receivers)
         self._offer = offer
         self._event().set()
         try:
@@ -116,25 +201,27 @@ class ColocatedCheckpointEngine(CheckpointEngine):
             await asyncio.wait_for(self._event().wait(), self.timeout)
         except asyncio.TimeoutError:
             raise TransferTimeoutError(f"no weights were offered to the colocated engine within {self.timeout:g} s") from None
-        offer, self._offer = self._offer, None
-        self._event().clear()
-        offer.taken = True
+        offer = self._offer
+        offer.taken += 1
+        if offer.taken >= offer.receivers:
+            self._offer = None
+            self._event().clear()
         offer.activity.set()
         try:
             check_step(global_steps, offer.step, "colocated hand-over")
             self.received_global_steps = offer.step
-            items = iter(offer.weights)
+            items = offer.reader()
             while True:
                 try:
                     name, tensor = next(items)
                 except StopIteration:
                     break
                 except Exception as exc:
-                    offer.error = exc
+                    offer.error = offer.error or exc
                     raise TransferAbortedError(f"the trainer's weights failed mid-update of global_steps="
                                                f"{offer.step}: {type(exc).__name__}: {exc}") from exc
                 yield name, tensor
                 offer.activity.set()  # the consumer asked for the next item: it is done with this one
         finally:
-            offer.done = True
+            offer.finished += 1
             offer.activity.set()

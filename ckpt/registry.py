@@ -93,6 +93,25 @@ def checkpoint_engine_import_errors() -> dict[str, str]:
     return dict(_import_errors)
 
 
+def checkpoint_engine_factory(name: str) -> Callable[..., Any]:
+    """The class (or factory) registered as ``name``, not instantiated (for other frameworks' registries).
+
+    Raises:
+        UnknownCheckpointEngineError: no such name (the message lists the known ones).
+    """
+    _load_once()
+    if name not in _engines:
+        _raise_unknown(name)
+    return _engines[name]
+
+
+def _raise_unknown(name: str) -> None:
+    failed = "; ".join(f"{n}: {e}" for n, e in sorted(_import_errors.items())) or "none"
+    raise UnknownCheckpointEngineError(
+        f"unknown checkpoint engine {name!r}; known: {', '.join(sorted(_engines)) or 'none'}; "
+        f"failed to import: {failed}")
+
+
 def get_checkpoint_engine(name: str, **config: Any) -> Any:
     """Build the engine registered as ``name`` with ``config`` (e.g. ``rank=0, world_size=3, bucket_size=...``).
 
@@ -101,12 +120,6 @@ def get_checkpoint_engine(name: str, **config: Any) -> Any:
             that failed to import, with its error.
         ContractError: the factory returned an engine whose contract methods are not all async.
     """
-    _load_once()
-    if name not in _engines:
-        failed = "; ".join(f"{n}: {e}" for n, e in sorted(_import_errors.items())) or "none"
-        raise UnknownCheckpointEngineError(
-            f"unknown checkpoint engine {name!r}; known: {', '.join(sorted(_engines)) or 'none'}; "
-            f"failed to import: {failed}")
-    engine = _engines[name](**config)
+    engine = checkpoint_engine_factory(name)(**config)
     check_async_contract(engine)
     return engine

@@ -1,13 +1,15 @@
 """Workers that carry ``global_steps`` end to end: trainer -> checkpoint engine -> rollout server adapter.
 
-trainer ``TrainerWorker.update_weights(step)`` -> ``send_weights(engine.get_per_tensor_param(), step)`` ->
-``receive_weights(step)`` -> ``adapter.update_weights(weights, step)`` in ``CheckpointEngineWorker``; the
-names follow verl's ``update_weights(global_steps)`` path.
+trainer ``TrainerWorker.update_weights(global_steps)`` -> ``send_weights(per_tensor_param, global_steps)``
+(``per_tensor_param, peft_config = engine.get_per_tensor_param()``) -> ``receive_weights(global_steps)`` ->
+``adapter.update_weights(weights, global_steps=..., wire_format=...)`` in ``CheckpointEngineWorker``; the
+names and keywords follow verl 0.9.1's ``update_weights`` path (``verl/checkpoint_engine/base.py``,
+``verl/workers/rollout/base.py``), so verl's server adapters and hal's are interchangeable.
 """
 
 from __future__ import annotations
 
-from typing import Any, AsyncIterator, Mapping
+from typing import Any, AsyncIterator, Iterable, Mapping
 
 import torch
 
@@ -16,18 +18,50 @@ from ckpt.errors import CheckpointConfigError, WeightMismatchError
 
 
 def _per_tensor_params(engine: Any):
-    """``engine.get_per_tensor_param()`` as an iterable of ``(name, tensor)``.
+    """The ``(name, tensor)`` iterable of ``engine.get_per_tensor_param()``.
 
-    verl's engines return ``(per_tensor_param, peft_config)``; a plain iterable of pairs is accepted too.
+    verl's engines (and hal's) return ``(per_tensor_param, peft_config)``; a plain iterable of pairs (a
+    stand-in) is accepted too. A LoRA ``peft_config`` cannot be published as plain weights and is refused.
+
+    Raises:
+        CheckpointConfigError: no ``get_per_tensor_param``, or a ``peft_config`` that is not ``None``.
     """
     getter = getattr(engine, "get_per_tensor_param", None)
     if getter is None:
         raise CheckpointConfigError(f"{type(engine).__name__} has no get_per_tensor_param(); the trainer "
-                                    "engine must provide one returning (name, tensor) pairs")
+                                    "engine must provide one returning (generator, peft_config)")
     result = getter()
-    if isinstance(result, tuple) and len(result) == 2 and not isinstance(result[0], str):
-        return result[0]
+    if isinstance(result, tuple) and len(result) == 2 and not _is_pair(result[1]):
+        per_tensor_param, peft_config = result
+        if peft_config is not None:
+            raise CheckpointConfigError(f"{type(engine).__name__}.get_per_tensor_param() returned a peft_config "
+                                        f"({type(peft_config).__name__}); publish merged weights instead")
+        return per_tensor_param
     return result
+
+
+def _is_pair(item: Any) -> bool:
+    return isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str) and isinstance(item[1], torch.Tensor)
+
+
+async def _as_async(weights: Iterable[NamedTensor] | AsyncIterator[NamedTensor]) -> AsyncIterator[NamedTensor]:
+    """An async iterator over ``weights`` (async or plain iterable: verl's colocated path passes a generator)."""
+    if hasattr(weights, "__aiter__"):
+        async for item in weights:
+            yield item
+    else:
+        for item in weights:
+            yield item
+
+
+async def drain(weights: Any) -> None:
+    """Consume what is left of a receive stream (async or plain), discarding it, so its transport stays in
+    step; a stream that raises is left as it is (it already ended)."""
+    try:
+        async for _ in _as_async(weights):
+            pass
+    except Exception:  # noqa: BLE001 - the update failed anyway; the caller raises the first error
+        pass
 
 
 class TrainerWorker:
@@ -41,9 +75,9 @@ class TrainerWorker:
     def __init__(self, engine: Any, checkpoint_engine: CheckpointEngine) -> None:
         self.engine, self.checkpoint_engine = engine, checkpoint_engine
 
-    async def update_weights(self, global_steps: int) -> None:
+    async def update_weights(self, global_steps: int | None = None, **_verl_kwargs: Any) -> None:
         """Send ``engine.get_per_tensor_param()`` as step ``global_steps``; returns when delivered
-        (the engine may then change its parameters)."""
+        (the engine may then change its parameters). Further keywords (verl's ``mode``) are accepted."""
         await self.checkpoint_engine.send_weights(_per_tensor_params(self.engine), check_global_steps(global_steps))
 
 
@@ -52,6 +86,7 @@ class _StepTagged:
 
     def __init__(self, engine: CheckpointEngine, stream: AsyncIterator[NamedTensor]) -> None:
         self._engine, self._stream = engine, stream
+        self.finished = False
 
     @property
     def global_steps(self) -> int | None:
@@ -61,7 +96,11 @@ class _StepTagged:
         return self
 
     async def __anext__(self) -> NamedTensor:
-        return await self._stream.__anext__()
+        try:
+            return await self._stream.__anext__()
+        except BaseException:
+            self.finished = True  # ended (StopAsyncIteration) or raised: nothing more to drain
+            raise
 
     async def aclose(self) -> None:
         await self._stream.aclose()
@@ -72,24 +111,37 @@ class CheckpointEngineWorker:
 
     Args:
         checkpoint_engine: the receiving :class:`CheckpointEngine`.
-        adapter: any object with ``async update_weights(weights, global_steps)`` (e.g.
-            :class:`InMemoryRolloutAdapter`, or a vLLM / SGLang server adapter).
+        adapter: any object with ``async update_weights(weights, global_steps=..., wire_format=...)``, the
+            keywords verl's ``CheckpointEngineWorker`` passes (e.g. :class:`InMemoryRolloutAdapter`, or a
+            verl vLLM / SGLang server adapter).
     """
 
     def __init__(self, checkpoint_engine: CheckpointEngine, adapter: Any) -> None:
         self.checkpoint_engine, self.adapter = checkpoint_engine, adapter
 
-    async def update_weights(self, global_steps: int | None) -> int | None:
+    async def update_weights(self, global_steps: int | None = None) -> int | None:
         """Receive step ``global_steps`` (``None``: whatever is sent) and apply it; returns the step applied.
+
+        Whatever the adapter raises, the rest of the update is received and discarded before the error
+        propagates, so every engine is ready for the next update (a colocated engine keeps no stale
+        hand-over, a collective group stays in step).
 
         Raises:
             VersionMismatchError: the sender sent another step (nothing is applied).
             WeightMismatchError, TransferError: from the adapter / engine; the adapter keeps its previous
-                weights and step.
+                weights and step. Anything else the adapter raises (e.g. ``TypeError`` for a keyword it
+                does not take).
         """
         global_steps = check_global_steps(global_steps)
         stream = _StepTagged(self.checkpoint_engine, self.checkpoint_engine.receive_weights(global_steps))
-        await self.adapter.update_weights(stream, global_steps)
+        try:
+            await self.adapter.update_weights(stream, global_steps=global_steps,
+                                              wire_format=getattr(self.checkpoint_engine, "wire_format",
+                                                                  "named_tensors"))
+        except Exception:
+            if not stream.finished:
+                await drain(stream)
+            raise
         return self.checkpoint_engine.received_global_steps
 
 
@@ -139,27 +191,39 @@ class InMemoryRolloutAdapter:
             raise WeightMismatchError(f"tensor {name!r}: received {tensor.dtype} {tuple(tensor.shape)}, "
                                       f"the rollout expects {dtype} {shape}")
 
-    async def update_weights(self, weights: AsyncIterator[NamedTensor], global_steps: int | None) -> None:
+    async def update_weights(self, weights: Iterable[NamedTensor] | AsyncIterator[NamedTensor],
+                             wire_format: str = "named_tensors", *, global_steps: int | None = None,
+                             peft_config: Any = None, **kwargs: Any) -> None:
         """Apply one update all-or-nothing and serve step ``global_steps`` (``None``: the stream's
-        ``global_steps`` attribute if it has one).
+        ``global_steps`` attribute if it has one). The signature is verl's ``BaseRollout.update_weights``.
+
+        Args:
+            weights: async or plain iterable of ``(name, tensor)``.
+            wire_format: ``"named_tensors"`` (verl's other format, ``"delta_flush"``, is refused).
+            global_steps: the step these weights are (keyword, as verl passes it).
+            peft_config: must be ``None`` (a LoRA adapter cannot be applied to plain weights).
+            kwargs: verl's further keywords (``base_sync_done``, ...), accepted and ignored.
 
         Raises:
             WeightMismatchError: a name, dtype or shape disagrees with ``expected`` (names the tensor).
+            CheckpointConfigError: another ``wire_format``, a ``peft_config`` or a bad ``global_steps``.
             Anything the stream raises (VersionMismatchError, TransferError). In every case the previous
-            weights and step stay in service.
+            weights and step stay in service, and the rest of the stream is drained.
         """
-        staged: dict[str, torch.Tensor] = {}
-        error: BaseException | None = None
-        async for name, tensor in weights:
-            if error is not None:
-                continue  # drain: keep the transport in step, apply nothing
-            try:
+        try:
+            if wire_format != "named_tensors":
+                raise CheckpointConfigError(f"wire_format must be 'named_tensors', got {wire_format!r}")
+            if peft_config is not None:
+                raise CheckpointConfigError(f"peft_config must be None (this rollout holds plain weights), "
+                                            f"got {type(peft_config).__name__}")
+            global_steps = check_global_steps(global_steps)
+            staged: dict[str, torch.Tensor] = {}
+            async for name, tensor in _as_async(weights):
                 self._check(name, tensor)
                 staged[name] = tensor.detach().clone()
-            except WeightMismatchError as exc:
-                error = exc
-        if error is not None:
-            raise error
+        except Exception:
+            await drain(weights)  # keep the transport in step, apply nothing
+            raise
         if global_steps is None:
             global_steps = getattr(weights, "global_steps", None)
         self._weights.update(staged)

@@ -12,7 +12,7 @@ only with the model) are verl's ``BaseEngine.to``.
 from __future__ import annotations
 
 import abc
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
@@ -71,8 +71,19 @@ class BaseEngine(abc.ABC):
         """Slots of every optimizer-state tensor; nothing when there is no optimizer or no state yet."""
 
     @abc.abstractmethod
-    def get_per_tensor_param(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def _per_tensor_params(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield ``(name, tensor)`` for weight sync: full, unsharded tensors in ``state_dict`` order."""
+
+    def get_per_tensor_param(self, layered_summon: bool = False, base_sync_done: bool = True,
+                             **kwargs: Any) -> tuple[Iterator[tuple[str, torch.Tensor]], None]:
+        """``(generator of (name, tensor), peft_config)`` for weight sync, the shape verl's engines return.
+
+        verl's callers unpack the pair and pass ``layered_summon`` / ``base_sync_done`` (LoRA options);
+        hal's engines carry no LoRA adapter, so ``peft_config`` is ``None`` and the options change nothing
+        (every tensor is gathered one at a time already). The generator yields full, unsharded tensors in
+        ``state_dict`` order; see each engine's ``_per_tensor_params`` for devices and collectives.
+        """
+        return self._per_tensor_params(), None
 
     def _before_move(self) -> None:
         """Called once before tensors move (FSDP reshards here). Default: nothing."""

@@ -88,7 +88,7 @@ class FSDPEngine(BaseEngine):
     def _optimizer_slots(self) -> Iterator[Slot]:
         return optimizer_slots(self.optimizer) if self.optimizer is not None else iter(())
 
-    def get_per_tensor_param(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def _per_tensor_params(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield ``(name, full tensor)`` in ``state_dict`` order, each all-gathered (``DTensor.full_tensor``).
 
         Collective: every rank must iterate to the end. Tensors are on the engine's device, new tensors

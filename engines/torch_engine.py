@@ -80,7 +80,7 @@ class TorchEngine(BaseEngine):
     def _optimizer_slots(self) -> Iterator[Slot]:
         return optimizer_slots(self.optimizer) if self.optimizer is not None else iter(())
 
-    def get_per_tensor_param(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def _per_tensor_params(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield ``(name, tensor)`` in ``state_dict`` order (buffers included, tied weights under each name).
 
         Tensors are detached views of the live storage, on whichever device the model is now; names are

@@ -175,7 +175,7 @@ class _Trainer:
 
     def sums(self) -> tuple[dict[str, str], int]:
         total, sums = 0, {}
-        for name, tensor in self.engine.get_per_tensor_param():
+        for name, tensor in self.engine.get_per_tensor_param()[0]:
             sums.update(checksums([(name, tensor)]))
             total += tensor.numel() * tensor.element_size()
         return sums, total

@@ -92,9 +92,9 @@ def test_a_stream_failing_mid_update_leaves_the_previous_step_in_service():
             raise ckpt.TransferError("peer died")
         yield "b", torch.full((2,), float(step))
 
-    asyncio.run(adapter.update_weights(stream(1, False), 1))
+    asyncio.run(adapter.update_weights(stream(1, False), global_steps=1))
     with pytest.raises(ckpt.TransferError, match="peer died"):
-        asyncio.run(adapter.update_weights(stream(2, True), 2))
+        asyncio.run(adapter.update_weights(stream(2, True), global_steps=2))
     assert adapter.served_step == 1
     assert adapter.state_dict()["a"].tolist() == [1.0, 1.0]
 

@@ -36,7 +36,7 @@ def _ddp_worker(rank, world_size, port, kind):
                     out["moved"].append(engine.last_moved_bytes)
                     out["placements"].append(engine.placement())
                     engine.to(kind)
-            out[offload] = {n: t.detach().cpu().numpy().copy() for n, t in engine.get_per_tensor_param()}
+            out[offload] = {n: t.detach().cpu().numpy().copy() for n, t in engine.get_per_tensor_param()[0]}
         return out
     finally:
         dist.destroy_process_group()

@@ -68,7 +68,7 @@ def test_offload_between_steps_is_bit_identical_for_every_flag_combination(hal_d
             assert where == reference.placement() and engine.last_moved_bytes == 0
         engine.to(hal_device, model=model, optimizer=optimizer, grad=grad)
         assert engine.placement() == reference.placement() == type(where)(home, home, home)
-    ref, got = host_copy(reference.get_per_tensor_param()), host_copy(engine.get_per_tensor_param())
+    ref, got = host_copy(reference.get_per_tensor_param()[0]), host_copy(engine.get_per_tensor_param()[0])
     assert list(ref) == list(got)
     for name in ref:
         assert torch.equal(ref[name], got[name]), name
@@ -131,7 +131,7 @@ def test_parameter_identity_and_tied_weights_survive_round_trips(hal_device):
     assert set(engine.optimizer.state) == set(params)
     got = host_copy(module.named_parameters())
     assert all(torch.equal(values[n], got[n]) for n in values)
-    tied = dict(engine.get_per_tensor_param())
+    tied = dict(engine.get_per_tensor_param()[0])
     assert torch.equal(tied["head.weight"].cpu(), tied["embed.weight"].cpu())
 
 
@@ -198,7 +198,7 @@ def test_forward_only_engine_offloads_parameters(hal_device):
 def test_to_twice_is_safe_and_moves_nothing_the_second_time(hal_device):
     engine = _engine(hal_device)
     engine.train_step(loss_for(0, engine.torch_device))
-    values = host_copy(engine.get_per_tensor_param())
+    values = host_copy(engine.get_per_tensor_param()[0])
     engine.to("cpu")
     first = engine.last_moved_bytes
     engine.to("cpu")
@@ -206,7 +206,7 @@ def test_to_twice_is_safe_and_moves_nothing_the_second_time(hal_device):
     engine.to(hal_device)
     engine.to(hal_device)
     assert engine.last_moved_bytes == 0
-    got = host_copy(engine.get_per_tensor_param())
+    got = host_copy(engine.get_per_tensor_param()[0])
     assert all(torch.equal(values[n], got[n]) for n in values)
 
 
@@ -224,7 +224,7 @@ def test_train_step_refuses_while_offloaded(hal_device):
 
 def test_per_tensor_params_follow_state_dict_order_with_tied_names(hal_device):
     engine = _engine(hal_device)
-    names = [n for n, _ in engine.get_per_tensor_param()]
+    names = [n for n, _ in engine.get_per_tensor_param()[0]]
     assert names == list(engine.module.state_dict())
     assert "head.weight" in names and "embed.weight" in names and "scale" in names
 
