@@ -169,3 +169,83 @@ def test_colocated_send_waits_for_each_tensor_and_reraises_the_trainers_error():
     results = asyncio.run(both(True))
     assert isinstance(results[0], RuntimeError) and "tensor 2" in str(results[0])
     assert isinstance(results[1], ckpt.TransferAbortedError) and "tensor 2" in str(results[1])
+
+
+def test_adapter_takes_verls_keywords_and_plain_generators():
+    adapter = ckpt.InMemoryRolloutAdapter(_weights(0))
+    asyncio.run(adapter.update_weights(iter(_weights(1).items()), global_steps=1, wire_format="named_tensors",
+                                       base_sync_done=True))
+    assert adapter.served_step == 1 and same_bytes(adapter.state_dict()["a"], _weights(1)["a"])
+    with pytest.raises(ckpt.CheckpointConfigError, match="wire_format must be 'named_tensors', got 'delta_flush'"):
+        asyncio.run(adapter.update_weights(iter(_weights(2).items()), global_steps=2, wire_format="delta_flush"))
+    assert adapter.served_step == 1 and same_bytes(adapter.state_dict()["a"], _weights(1)["a"])
+
+
+class _OldAdapter:
+    """An adapter that does not take verl's keywords: calling it raises TypeError before it reads anything."""
+
+    async def update_weights(self, weights, global_steps):
+        raise AssertionError("not reached")
+
+
+def test_a_failed_apply_leaves_the_colocated_engine_ready_for_the_next_update():
+    channel = ckpt.get_checkpoint_engine("colocated", timeout=5)
+    tw = ckpt.TrainerWorker(Trainer(_weights(1)), channel)
+    with pytest.raises(TypeError, match="wire_format"):
+        _round(tw, ckpt.CheckpointEngineWorker(channel, _OldAdapter()), 1, 1)
+    adapter = ckpt.InMemoryRolloutAdapter()
+    tw.engine.weights = _weights(2)
+    assert _round(tw, ckpt.CheckpointEngineWorker(channel, adapter), 2, 2) == 2  # nothing stale was left
+    assert adapter.served_step == 2 and same_bytes(adapter.state_dict()["b"], _weights(2)["b"])
+
+
+def test_a_named_colocated_channel_serves_two_rollouts_through_verls_lifecycle():
+    from ckpt.colocated import ColocatedCheckpointEngine
+
+    trainer_engine = ColocatedCheckpointEngine(bucket_size=1 << 20, is_master=True, channel="test-fanout", timeout=5)
+    rollout_engines = [ColocatedCheckpointEngine(bucket_size=1 << 20, channel="test-fanout", timeout=5) for _ in range(2)]
+    assert all(e is trainer_engine for e in rollout_engines)  # one hand-over per process and channel
+    trainer = Trainer(_weights(0))
+    adapters = [ckpt.InMemoryRolloutAdapter(_weights(0)) for _ in rollout_engines]
+    tw = ckpt.TrainerWorker(trainer, trainer_engine)
+    rws = [ckpt.CheckpointEngineWorker(e, a) for e, a in zip(rollout_engines, adapters)]
+
+    async def update(step, asked):
+        metadata = [e.prepare() for e in [trainer_engine, *rollout_engines]]
+        tkw, rkw = ColocatedCheckpointEngine.build_topology(1, 2, metadata)
+        trainer_engine.init_process_group(**{k: v[0] for k, v in tkw.items()})
+        for i, e in enumerate(rollout_engines):
+            e.init_process_group(**{k: v[i] for k, v in rkw.items()})
+        results = await asyncio.gather(tw.update_weights(step), *(rw.update_weights(a) for rw, a in zip(rws, asked)),
+                                       return_exceptions=True)
+        trainer_engine.finalize()
+        return results[1:]
+
+    for step in (1, 2, 3):
+        trainer.weights = _weights(step)
+        assert asyncio.run(update(step, [step, step])) == [step, step]
+        for adapter in adapters:
+            assert adapter.served_step == step
+            assert all(same_bytes(adapter.state_dict()[n], t) for n, t in _weights(step).items())
+    trainer.weights = _weights(4)
+    got = asyncio.run(update(4, [4, 5]))
+    assert got[0] == 4 and isinstance(got[1], ckpt.VersionMismatchError) and adapters[1].served_step == 3
+    trainer.weights = _weights(5)
+    assert asyncio.run(update(5, [5, 5])) == [5, 5]
+
+
+def test_torch_engine_get_per_tensor_param_has_verls_shape():
+    from engines.torch_engine import TorchEngine
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2), torch.nn.Linear(2, 2))
+    engine = TorchEngine(model, None, device="cpu")
+    per_tensor_param, peft_config = engine.get_per_tensor_param(layered_summon=False, base_sync_done=True)
+    assert peft_config is None
+    got = dict(per_tensor_param)
+    assert list(got) == list(model.state_dict()) and len(got) == 6
+    assert all(same_bytes(got[n], t) for n, t in model.state_dict().items())
+    # hal's trainer worker publishes it as verl's ActorRolloutRefWorker does (unpacking the pair)
+    channel = ckpt.get_checkpoint_engine("colocated", timeout=5)
+    adapter = ckpt.InMemoryRolloutAdapter()
+    assert _round(ckpt.TrainerWorker(engine, channel), ckpt.CheckpointEngineWorker(channel, adapter), 7, 7) == 7
+    assert sorted(adapter.state_dict()) == sorted(model.state_dict())
