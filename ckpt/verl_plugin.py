@@ -39,7 +39,7 @@ def register_with_verl() -> dict[str, type]:
         from verl.checkpoint_engine.base import CheckpointEngineRegistry
     except ImportError as exc:
         raise ImportError(f"ckpt.verl_plugin registers hal's engines in verl, but verl cannot be imported: {exc}. "
-                          "Install it with the 'interop' extra (see README, 'Using hal from verl')") from exc
+                          "Install it as scripts/setup.sh does (the 'verl' extra; README, 'Using hal from verl')") from exc
     registered = {}
     for name in known_checkpoint_engines():
         cls = checkpoint_engine_factory(name)

@@ -1,5 +1,5 @@
-"""verl 0.9.1's own code drives hal's checkpoint engines (the interop lane: ``pip install`` the interop
-extra and verl==0.9.1, both --no-deps, as scripts/setup.sh does)."""
+"""verl 0.9.1's own code drives hal's checkpoint engines (the interop lane: the ``verl`` extra and verl 0.9.1
+installed as scripts/setup.sh does)."""
 
 import asyncio
 import subprocess
@@ -7,10 +7,10 @@ import sys
 
 import pytest
 
-pytest.importorskip("verl.checkpoint_engine", reason="verl 0.9.1 is not installed (the interop extra)")
+pytest.importorskip("verl.checkpoint_engine", reason="verl 0.9.1 is not installed (the verl extra)")
 
 from hal.testing import run_multiprocess  # noqa: E402
-from tests.ckpt import _verl_mp  # noqa: E402
+from tests.interop import _verl_ckpt as _verl_mp  # noqa: E402
 
 pytestmark = pytest.mark.interop
 
