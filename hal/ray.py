@@ -32,6 +32,7 @@ import dataclasses
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -422,7 +423,7 @@ class LocalCluster:
         head: the head's ``host:port`` to join as a worker node; ``None`` starts a head.
         token: the cluster's token (a worker node must use the head's); default: a new random one.
         object_store_bytes: object store size in bytes.
-        temp_dir: Ray's temporary directory (default: a new one under the system's).
+        temp_dir: Ray's temporary directory (default: a new one under the system's, removed by :meth:`stop`).
         timeout: seconds :meth:`start` waits for the node to come up.
         node_env: more environment of the node's processes, e.g. ``{"ASCEND_RT_VISIBLE_DEVICES": "4,5"}``
             (which devices of the host the node's ``NPU`` / ``NPU_SIM`` are).
@@ -465,7 +466,9 @@ class LocalCluster:
         if self.process is not None:
             raise RayLaunchError(f"this LocalCluster node is already running (pid {self.process.pid})")
         self.token = self.token or uuid.uuid4().hex
-        self.temp_dir = self.temp_dir or tempfile.mkdtemp(prefix="hal-ray-")
+        if self.temp_dir is None:
+            self.temp_dir = tempfile.mkdtemp(prefix="hal-ray-")
+            self._own_temp_dir = True
         # Unix socket paths under temp_dir are limited to 107 bytes: keep it short.
         ports = {"node-manager-port": _free_port(), "object-manager-port": _free_port(),
                  "dashboard-agent-listen-port": _free_port(), "dashboard-agent-grpc-port": _free_port(),
@@ -574,6 +577,9 @@ class LocalCluster:
             self.process.kill()
         self.process.wait()
         self.process = None
+        if getattr(self, "_own_temp_dir", False):  # made by start(): logs and sockets go with the node
+            shutil.rmtree(self.temp_dir, ignore_errors=True)
+            self.temp_dir, self._own_temp_dir = None, False
 
     def __enter__(self) -> "LocalCluster":
         self.start()
