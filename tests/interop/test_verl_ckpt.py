@@ -70,11 +70,14 @@ def test_verls_colocated_engine_is_flagged_with_the_exact_violation():
 
 @pytest.mark.multiprocess
 def test_verl_workers_drive_hal_collective_1_trainer_2_rollouts(hal_device):
+    import hal
+
     results = run_multiprocess(_verl_mp.collective, 3, hal_device, 3, 2, timeout=240)
     for rank in (1, 2):
         reports = results[rank]
         assert [r["update"] for r in reports] == [1, 2, 3]
         for r in reports:
+            assert r["devices"] == [hal.get_device(hal_device).type]  # served where the engine received
             if rank == 2 and r["update"] == 2:  # asked for step 102 while 2 was sent
                 assert r["error"].startswith("VersionMismatchError") and "102" in r["error"]
                 assert r["served_step"] == 1 and r["exact"] == N_TENSORS  # previous step kept, byte-exact
