@@ -5,7 +5,8 @@ One process per worker, as under Ray. Rank 0 is the trainer: verl's ``ActorRollo
 HF model and FSDP engine of ``init_model`` is out of reach here: its trainer engine is a hal ``TorchEngine``).
 Ranks 1..R are rollouts: verl's ``CheckpointEngineWorker``, built by its real ``__init__`` (its registry
 lookup through ``custom_backend_module``, its default process group) with hal's ``InMemoryRolloutAdapter``
-as the server adapter. Rank 0 also plays ``CheckpointEngineManager.update_weights``: per update it gathers
+as the server adapter. In one process (:func:`manager_colocated`) verl's real ``CheckpointEngineManager``
+runs the updates, Ray replaced where it reaches it. Across processes rank 0 plays the manager: per update it gathers
 every worker's ``prepare()`` (through a store, where the manager uses ``ray.get``), calls
 ``build_topology`` on the class the registry returns, hands each rank its entries for
 ``execute_checkpoint_engine("init_process_group", ...)``, runs the updates concurrently, then finalize.
@@ -197,4 +198,78 @@ def colocated(rank: int, world_size: int, port: int, device: str, updates: int):
                                       for n, t in _weights(w.server_adapter.served_step or 0).items())
                                   for w in rollouts],
                         "same_engine": all(e is engines[0] for e in engines)})
+    return reports
+
+
+class _Group:
+    """Stands in for a ``RayWorkerGroup`` of in-process workers: ``execute_checkpoint_engine`` dispatches
+    per rank as DP_COMPUTE does (the i-th entry of every list to worker i); ``update_weights`` returns one
+    coroutine per worker, which the patched ``ray.get`` runs concurrently."""
+
+    def __init__(self, workers, mode=None):
+        self.workers, self.world_size, self.mode = list(workers), len(workers), mode
+
+    def execute_checkpoint_engine(self, method, **kwargs):
+        return [w.execute_checkpoint_engine(method[i], **{k: v[i] for k, v in kwargs.items()})
+                if hasattr(w, "execute_checkpoint_engine")
+                else getattr(w.checkpoint_engine, method[i])(**{k: v[i] for k, v in kwargs.items()})
+                for i, w in enumerate(self.workers)]
+
+    def update_weights(self, **kwargs):
+        return [w.update_weights(**kwargs) for w in self.workers]
+
+
+class _Replica:
+    def __init__(self, workers):
+        self.workers = workers
+
+    async def abort_all_requests(self, reject_request=False):
+        pass
+
+    async def release_kv_cache(self):
+        pass
+
+    async def resume_kv_cache(self):
+        pass
+
+    async def resume_generation(self):
+        pass
+
+
+def manager_colocated(rank: int, world_size: int, port: int, device: str, updates: int):
+    """verl's real ``CheckpointEngineManager.update_weights`` over hal-colocated: 1 trainer + 2 rollouts in
+    this process. Ray is replaced where the manager reaches it: ``RayWorkerGroup`` by :class:`_Group`, and
+    ``ray.get`` by a function that runs the workers' coroutines concurrently on one event loop."""
+    import concurrent.futures
+
+    import verl.checkpoint_engine.base as verl_base
+    from verl.checkpoint_engine import CheckpointEngineManager
+
+    from ckpt.testing import same_bytes
+
+    def ray_get(items):
+        coros = [i for i in items if asyncio.iscoroutine(i)]
+        if not coros:
+            return items
+
+        async def gather():
+            return await asyncio.gather(*coros)
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:  # the manager's own loop is running
+            return pool.submit(asyncio.run, gather()).result()
+
+    verl_base.ray.get = ray_get
+    verl_base.RayWorkerGroup = lambda worker_handles, ray_cls_with_init: _Group(worker_handles)
+    backend = "hal-colocated"
+    ce, _ = _configs(backend, device)
+    trainer = _trainer(backend, device, True)
+    rollouts = [_rollout(backend, device, _weights(0)) for _ in range(2)]
+    manager = CheckpointEngineManager(ce, _Group([trainer]), [_Replica([w]) for w in rollouts])
+    reports = []
+    for step in range(1, updates + 1):
+        _set_weights(trainer, step)
+        manager.update_weights(global_steps=step)
+        reports.append({"update": step, "served": [w.server_adapter.served_step for w in rollouts],
+                        "exact": [sum(same_bytes(w.server_adapter.state_dict()[n], t)
+                                      for n, t in _weights(w.server_adapter.served_step or 0).items())
+                                  for w in rollouts]})
     return reports

@@ -105,3 +105,9 @@ def test_verl_workers_drive_hal_colocated_1_trainer_2_rollouts(hal_device):
         else:
             assert r["errors"] == [None, None, None] and r["served"] == [r["update"]] * 2
         assert r["exact"] == [N_TENSORS, N_TENSORS]
+
+
+def test_verls_checkpoint_engine_manager_drives_hal_colocated(hal_device):
+    reports = run_multiprocess(_verl_mp.manager_colocated, 1, hal_device, 3, timeout=180)[0]
+    assert [r["served"] for r in reports] == [[1, 1], [2, 2], [3, 3]]
+    assert all(r["exact"] == [N_TENSORS, N_TENSORS] for r in reports)
