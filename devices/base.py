@@ -52,6 +52,14 @@ class DeviceSpec:
             offloading to the host moves nothing.
         vendor_package: the distribution that backs the kind (``"torch-npu"``), whose version ``hal info``
             reports; ``None`` when torch itself provides it.
+        nixl_memory_type: the NIXL memory type this kind's tensors register as (``"DRAM"`` host memory,
+            ``"VRAM"`` GPU memory; see NIXL's ``nixl_agent.register_memory``); ``None`` when NIXL cannot
+            register them, so a transfer stages them through host memory (``"DRAM"``).
+        mooncake_protocol: the Mooncake Transfer Engine protocol that moves this kind's tensors in place
+            (``"tcp"`` host memory, ``"rdma"`` GPU memory, ``"ascend_direct"`` Ascend device memory; see
+            ``TransferEngine.initialize``); ``None``: stage through host memory over ``"tcp"``.
+        kimi_checkpoint_engine: whether Kimi's ``checkpoint-engine`` (``ParameterServer``) runs on this
+            kind; it supports only the device types its ``DeviceManager`` knows.
 
     Subclasses override :meth:`torch_module` and :meth:`availability`, and :meth:`create_backend` where
     torch builds the kind's communicator itself rather than through a registered backend plugin.
@@ -65,6 +73,9 @@ class DeviceSpec:
     auto_probe: bool = True
     host_memory: bool = False
     vendor_package: str | None = None
+    nixl_memory_type: str | None = None
+    mooncake_protocol: str | None = None
+    kimi_checkpoint_engine: bool = False
 
     def torch_module(self) -> types.ModuleType:
         """The torch module with this kind's runtime calls (``torch.cuda``, ``torch.npu``, ...).

@@ -49,6 +49,8 @@ class CpuDevice(DeviceSpec):
     name: str = "cpu"
     dist_backend: str = "gloo"
     host_memory: bool = True
+    nixl_memory_type: str | None = "DRAM"
+    mooncake_protocol: str | None = "tcp"
 
     def torch_module(self) -> types.ModuleType:
         global _CPU_MODULE

@@ -15,6 +15,9 @@ class CudaDevice(DeviceSpec):
     dist_backend: str = "nccl"
     visible_devices_env: str | None = "CUDA_VISIBLE_DEVICES"
     ray_resource: str | None = "GPU"
+    nixl_memory_type: str | None = "VRAM"
+    mooncake_protocol: str | None = "rdma"
+    kimi_checkpoint_engine: bool = True
 
     def torch_module(self) -> types.ModuleType:
         import torch

@@ -130,6 +130,9 @@ class SimNpuDevice(DeviceSpec):
     ray_resource: str | None = "NPU_SIM"  # its own, so simulated workers never take a real Ascend NPU
     auto_probe: bool = False
     supports_pin_memory: bool = True
+    # Transfer libraries see the simulated device memory as what real Ascend memory is to them: NIXL cannot
+    # register it (it stages through host memory), and ascend_direct needs real Ascend hardware, so
+    # Mooncake stages through host memory over tcp too. Kimi's ParameterServer needs real devices.
 
     def torch_module(self) -> types.ModuleType:
         """``torch.npu`` of the sim, registering it on first use (see :func:`register` for errors)."""

@@ -5,6 +5,7 @@ Importing ``hal`` probes no hardware and imports no vendor package; the first ca
 
 from hal.device import (
     ENV_VAR,
+    Availability,
     availability,
     available_kinds,
     bind_local_device,
@@ -48,7 +49,7 @@ __all__ = [
     "get_visible_devices_keyword", "local_device", "bind_local_device", "split_device", "check_index",
     "synchronize", "empty_cache", "memory_stats", "manual_seed",
     "init_process_group", "new_group_from_store", "connect_store", "StoreGroup",
-    "availability", "available_kinds", "known_kinds", "describe", "reset",
+    "Availability", "availability", "available_kinds", "known_kinds", "describe", "reset",
     "register_device", "unregister_device", "plugin_errors",
     "HalError", "UnknownDeviceError", "DeviceUnavailableError", "DeviceIndexError", "DuplicateDeviceError", "DistributedTimeoutError",
 ]

@@ -1,0 +1,127 @@
+"""``nixl``: weights written by NIXL (``nixl_agent``, UCX backend) into the rollouts' registered buffers.
+
+The NIXL counterpart of verl's NIXL checkpoint engine, on :mod:`ckpt.p2p`'s shape: one-sided ``WRITE``
+transfers from the trainer's two send slots into each rollout's two receive slots, metadata (with
+``global_steps``) over the control connection once a write is ``DONE``. Memory type: the device kind's
+``nixl_memory_type`` (``"VRAM"`` where NIXL registers device memory); kinds without one stage through host
+memory (``"DRAM"``). Install: ``pip install --no-deps nixl==1.5.1 nixl-cu12==1.5.1`` (the ``nixl`` extra).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import time
+import uuid
+from typing import Any
+
+import torch
+
+import hal
+from ckpt.errors import TransferError, TransferTimeoutError
+from ckpt.p2p import P2PCheckpointEngine, Transport
+
+HOST_MEMORY_TYPE = "DRAM"
+"""NIXL's memory type of host memory, used when the device kind's memory cannot be registered."""
+
+
+class NixlTransport(Transport):
+    """One ``nixl_agent`` with ``backends``; writes are ``initialize_xfer("WRITE", ...)`` + ``transfer``, waited
+    on by polling ``check_xfer_state`` (with a growing sleep, so the event loop keeps running)."""
+
+    library = "NIXL"
+
+    def __init__(self, name: str, memory_type: str, backends: tuple[str, ...]) -> None:
+        from nixl._api import nixl_agent, nixl_agent_config
+
+        self.name, self.memory_type = name, memory_type
+        self.agent = nixl_agent(name, nixl_agent_config(backends=list(backends)))
+        self.remote: dict[int, dict[str, Any]] = {}
+        self._reg = None
+
+    def register(self, buffer: torch.Tensor) -> dict[str, Any]:
+        self._reg = self.agent.register_memory(buffer, self.memory_type)
+        self.addr = buffer.data_ptr()
+        self.dev = buffer.device.index or 0
+        return {"agent": base64.b64encode(self.agent.get_agent_metadata()).decode(), "name": self.name,
+                "addr": self.addr, "nbytes": buffer.numel(), "dev": self.dev, "memory_type": self.memory_type}
+
+    def add_peer(self, peer: int, info: dict[str, Any]) -> None:
+        old = self.remote.pop(peer, None)
+        if old is not None:
+            self.agent.remove_remote_agent(old["name"])
+        name = self.agent.add_remote_agent(base64.b64decode(info["agent"]))
+        self.remote[peer] = dict(info, name=name.decode() if isinstance(name, bytes) else name)
+
+    def start_write(self, peer: int, local_offset: int, remote_offset: int, nbytes: int) -> Any:
+        r = self.remote[peer]
+        local = self.agent.get_xfer_descs([(self.addr + local_offset, nbytes, self.dev)], self.memory_type)
+        remote = self.agent.get_xfer_descs([(r["addr"] + remote_offset, nbytes, r["dev"])], r["memory_type"])
+        try:
+            handle = self.agent.initialize_xfer("WRITE", local, remote, r["name"])
+            state = self.agent.transfer(handle)
+        except Exception as exc:  # nixlBind errors: the peer is gone or the descriptors are wrong
+            raise TransferError(f"{type(exc).__name__}: {exc}") from exc
+        if state == "ERR":
+            self.agent.release_xfer_handle(handle)
+            raise TransferError("NIXL transfer() returned ERR")
+        return handle
+
+    async def wait(self, handle: Any, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        delay = 0.0
+        while True:
+            try:
+                state = self.agent.check_xfer_state(handle)
+            except Exception as exc:  # noqa: BLE001 - reported as the peer's failure
+                raise TransferError(f"check_xfer_state raised {type(exc).__name__}: {exc}") from exc
+            if state == "DONE":
+                self.agent.release_xfer_handle(handle)
+                return
+            if state == "ERR":
+                self.agent.release_xfer_handle(handle)
+                raise TransferError("NIXL reports the WRITE in state ERR")
+            if time.monotonic() > deadline:
+                raise TransferTimeoutError(f"NIXL WRITE not done within {timeout:g} s")
+            await asyncio.sleep(delay)
+            delay = min(1e-3, delay * 2 or 2e-5)
+
+    def close(self) -> None:
+        for r in self.remote.values():
+            try:
+                self.agent.remove_remote_agent(r["name"])
+            except Exception:  # noqa: BLE001 - best effort on teardown
+                pass
+        self.remote = {}
+        if self._reg is not None:
+            self.agent.deregister_memory(self._reg)
+            self._reg = None
+
+
+class NixlCheckpointEngine(P2PCheckpointEngine):
+    """Checkpoint engine over NIXL (see :class:`ckpt.p2p.P2PCheckpointEngine` for arguments, memory,
+    ownership and failures).
+
+    Args:
+        backends: NIXL backends to instantiate (default ``("UCX",)``; UCX reads ``UCX_TLS`` etc.).
+    """
+
+    spec_field = "nixl_memory_type"
+
+    def __init__(self, *args: Any, backends: tuple[str, ...] | list[str] = ("UCX",), **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.backends = tuple(backends)
+
+    @classmethod
+    def availability(cls) -> hal.Availability:
+        try:
+            import nixl._api  # noqa: F401
+        except Exception as exc:  # noqa: BLE001 - ImportError, OSError of a missing shared library
+            return hal.Availability.unavailable(
+                f"import nixl failed ({type(exc).__name__}: {exc}); install the 'nixl' extra: "
+                "pip install --no-deps nixl==1.5.1 nixl-cu12==1.5.1 numpy")
+        return hal.Availability.available()
+
+    def make_transport(self, host: str, in_place: str | None) -> Transport:
+        return NixlTransport(f"hal-ckpt-{self.rank}-{uuid.uuid4().hex[:12]}", in_place or HOST_MEMORY_TYPE,
+                             self.backends)

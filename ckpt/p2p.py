@@ -1,0 +1,624 @@
+"""Weights over a transfer library (NIXL, Mooncake): one-sided writes into the rollouts' registered buffers.
+
+The shape every transfer-library engine shares, after verl's NIXL engine (``verl/checkpoint_engine``), with
+the library behind a small :class:`Transport` (register a buffer, describe it to a peer, write a byte range
+into a peer's buffer, wait for that write):
+
+* **data plane**: the trainer (rank 0) packs bucket *k* into one of its two registered send slots while the
+  library writes bucket *k-1* from the other; it writes each bucket straight into slot ``k % 2`` of every
+  rollout's registered receive region (one write per rollout, issued together);
+* **control plane**: one TCP connection per rollout to the trainer (non-blocking sockets driven by the
+  running event loop, so an engine survives several ``asyncio.run`` calls). A rollout says hello (its rank
+  and what its transport needs: agent metadata, session, buffer address); the trainer sends each
+  message's metadata (:mod:`ckpt.bucket`: entries, chunk, ``step``, end or abort) only after that
+  message's write completed, and a rollout acknowledges every message once it is done with its slot, which
+  is the trainer's credit to write slot ``k % 2`` again.
+
+Every wait (accept, connect, credit, write, metadata) is bounded by ``timeout``; a closed connection is
+seen at once, so a dead rollout fails the trainer's send naming that rollout, and a dead trainer fails a
+rollout's receive naming the trainer. Nothing a receiver yields is applied by the engine: a rollout that
+gets an error keeps serving its previous step (``ckpt.workers`` applies updates all-or-nothing).
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import dataclasses
+import json
+import socket
+import struct
+import time
+from typing import Any, AsyncIterator, Iterable
+
+import torch
+
+import hal
+from ckpt.base import CheckpointEngine, NamedTensor, check_global_steps, check_step
+from ckpt.bucket import byte_view, dtype_from_name, pack, plan_messages
+from ckpt.errors import (CheckpointConfigError, TransferAbortedError, TransferError, TransferTimeoutError,
+                         VersionMismatchError)
+
+DEFAULT_BUCKET_SIZE = 256 << 20
+"""Default bucket size in bytes (256 MiB)."""
+META_BUDGET = 1 << 20
+"""Bytes of JSON metadata per bucket at most (a bucket of many small tensors closes early)."""
+_HEADER = struct.Struct("<Q")
+
+
+class Transport(abc.ABC):
+    """What an engine needs of a transfer library: registered memory and one-sided writes to peers.
+
+    One instance per engine, made by :meth:`P2PCheckpointEngine.make_transport` once the engine knows its
+    host address. All methods but :meth:`wait` are synchronous and quick.
+    """
+
+    library = "transfer library"
+
+    @abc.abstractmethod
+    def register(self, buffer: torch.Tensor) -> dict[str, Any]:
+        """Register ``buffer`` (flat ``uint8``, on the engine's buffer device) for transfers; returns the
+        JSON-ready description a peer needs to address it (sent in the hello)."""
+
+    @abc.abstractmethod
+    def add_peer(self, peer: int, info: dict[str, Any]) -> None:
+        """Learn peer ``peer``'s registered region from its hello ``info`` (replaces an earlier one)."""
+
+    @abc.abstractmethod
+    def start_write(self, peer: int, local_offset: int, remote_offset: int, nbytes: int) -> Any:
+        """Begin writing ``nbytes`` from our region at ``local_offset`` to ``peer``'s at ``remote_offset``;
+        returns a handle for :meth:`wait`."""
+
+    @abc.abstractmethod
+    async def wait(self, handle: Any, timeout: float) -> None:
+        """Wait until the write completed at the target.
+
+        Raises:
+            TransferError: the library reports a failure; TransferTimeoutError: not done in ``timeout`` s.
+        """
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Deregister memory and release the library's resources; idempotent."""
+
+
+class _PeerFailure(Exception):
+    """A peer's connection or write failed; ``peer`` names it (turned into a TransferError by the engine)."""
+
+    def __init__(self, peer: str, text: str, timed_out: bool = False) -> None:
+        super().__init__(text)
+        self.peer, self.timed_out = peer, timed_out
+
+
+class _Channel:
+    """Length-prefixed JSON records over one non-blocking TCP socket, every wait bounded."""
+
+    def __init__(self, sock: socket.socket, label: str) -> None:
+        sock.setblocking(False)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.sock, self.label = sock, label
+        self._pending = bytearray()
+
+    async def send(self, record: dict[str, Any], timeout: float) -> None:
+        raw = json.dumps(record, separators=(",", ":")).encode()
+        try:
+            await asyncio.wait_for(asyncio.get_running_loop().sock_sendall(self.sock, _HEADER.pack(len(raw)) + raw),
+                                   timeout)
+        except asyncio.TimeoutError as exc:
+            raise _PeerFailure(self.label, f"{self.label} did not take a message within {timeout:g} s",
+                               True) from exc
+        except OSError as exc:
+            raise _PeerFailure(self.label, f"the connection to {self.label} broke: {exc}") from exc
+
+    async def _read(self, n: int, deadline: float, what: str, timeout: float) -> bytes:
+        loop = asyncio.get_running_loop()
+        while len(self._pending) < n:
+            left = deadline - time.monotonic()
+            try:
+                if left <= 0:
+                    raise asyncio.TimeoutError
+                chunk = await asyncio.wait_for(loop.sock_recv(self.sock, max(1 << 16, n - len(self._pending))), left)
+            except asyncio.TimeoutError as exc:
+                raise _PeerFailure(self.label, f"{self.label} sent no {what} within {timeout:g} s",
+                                   True) from exc
+            except OSError as exc:
+                raise _PeerFailure(self.label, f"the connection to {self.label} broke while waiting for "
+                                               f"{what}: {exc}") from exc
+            if not chunk:
+                raise _PeerFailure(self.label, f"{self.label} closed the connection (it exited or died) while "
+                                               f"this side waited for {what}")
+            self._pending += chunk
+        out = bytes(self._pending[:n])
+        del self._pending[:n]
+        return out
+
+    async def recv(self, timeout: float, what: str) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        (length,) = _HEADER.unpack(await self._read(_HEADER.size, deadline, what, timeout))
+        raw = await self._read(length, deadline, what, timeout)
+        try:
+            return json.loads(raw)
+        except ValueError as exc:
+            raise _PeerFailure(self.label, f"{self.label} sent a corrupt record: {exc}") from exc
+
+    def close(self) -> None:
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+
+
+@dataclasses.dataclass
+class _Peer:
+    rank: int
+    channel: _Channel
+    sent: int = 0  # messages announced to it in this update
+    acked: int = 0  # of those, acknowledged
+
+
+class P2PCheckpointEngine(CheckpointEngine):
+    """Base of the transfer-library engines: bucketed one-sided writes, 1 trainer to N rollouts.
+
+    Construction, standalone (hal's): ``rank`` (0: the trainer; 1..N: rollouts), ``world_size`` (N + 1) and
+    the trainer's control address ``master_addr`` / ``master_port`` (or ``store_addr="host:port"``) up
+    front; the lifecycle then runs lazily on the first send or receive. Driven by verl's
+    ``CheckpointEngineManager``: construct with ``bucket_size`` and ``is_master``; ``prepare()`` returns the
+    trainer master's address, :meth:`build_topology` hands it to every rank, ``init_process_group(rank=,
+    world_size=, master_addr=, master_port=)`` sets each rank's place (trainer ranks other than the master
+    get ``rank=-1``: their ``send_weights`` consumes the iterator and returns).
+
+    Args:
+        bucket_size: bytes per bucket (per slot); tensors above it travel in chunks of it.
+        device: kind name (``"cpu"``, ``"npu-sim"``, ...) or ``None`` for hal's resolution. The buffers live
+            on that device when the library moves its memory in place (the kind's device-spec field, see
+            :attr:`spec_field`), else in host memory (tensors are staged through it).
+        timeout: seconds bounding every wait (connect, accept, credit, write, metadata).
+        host: the address peers reach this process at (default: ``master_addr`` on the trainer; the local
+            address of the connection to the trainer on a rollout).
+
+    Memory: the trainer holds two slots of ``bucket_size`` (bucket k+1 is packed while k is written), a
+    rollout two slots (the trainer writes k+1 while the consumer reads k) plus, when a tensor larger than a
+    bucket arrives, one buffer of that tensor's size (kept for the next one).
+
+    Ownership: ``send_weights`` returns once every rollout acknowledged every message (the caller may reuse
+    or free its tensors). A tensor yielded by ``receive_weights`` is a view into an engine-owned slot,
+    valid until the next item is requested: copy it before advancing if it must outlive that.
+
+    Failures: a dead or stuck rollout fails the trainer's send with :class:`TransferError` naming it (its
+    rank and address) within ``timeout``; the other rollouts are told (they raise
+    :class:`TransferAbortedError`) and every connection is dropped, so the next update reconnects whoever
+    is alive. A dead trainer fails each rollout's receive naming it. A sender whose ``weights`` iterator
+    raises tells the rollouts (``TransferAbortedError``) and stays usable.
+    """
+
+    spec_field = ""
+    """The device-spec field naming what the library does with the kind's memory (set by subclasses)."""
+
+    def __init__(self, bucket_size: int = DEFAULT_BUCKET_SIZE, is_master: bool = False, *, rank: int | None = None,
+                 world_size: int | None = None, master_addr: str | None = None, master_port: int | None = None,
+                 store_addr: str | None = None, device: str | None = None, timeout: float = hal.DEFAULT_TIMEOUT_S,
+                 host: str | None = None, **_ignored: Any) -> None:
+        if store_addr is not None:
+            addr, sep, port = store_addr.rpartition(":")
+            if not sep or not port.isdigit():
+                raise CheckpointConfigError(f"store_addr must be 'host:port', got {store_addr!r}")
+            master_addr, master_port = addr, int(port)
+        if isinstance(bucket_size, bool) or not isinstance(bucket_size, int) or bucket_size < 1024:
+            raise CheckpointConfigError(f"bucket_size must be an int >= 1024 bytes, got {bucket_size!r}")
+        if not isinstance(timeout, (int, float)) or timeout <= 0:
+            raise CheckpointConfigError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        self.bucket_size, self.is_master, self.timeout = bucket_size, bool(is_master), float(timeout)
+        self.device_kind, self.host = device, host
+        self.master_addr, self.master_port = master_addr, master_port
+        self.rank: int | None = None
+        self.world_size: int | None = None
+        if rank is not None or world_size is not None:
+            self._set_place(rank, world_size)
+        self._listener: socket.socket | None = None
+        self._peers: dict[int, _Peer] = {}
+        self._channel: _Channel | None = None  # rollout: to the trainer
+        self._transport: Transport | None = None
+        self._region: torch.Tensor | None = None
+        self._large: torch.Tensor | None = None
+        self._buffer_device: torch.device | None = None
+        self._device: torch.device | None = None
+
+    # ---- the library ------------------------------------------------------------------------------
+    @classmethod
+    def availability(cls) -> hal.Availability:
+        """Whether the library imports here (``ok``) or why not."""
+        raise NotImplementedError
+
+    @abc.abstractmethod
+    def make_transport(self, host: str, in_place: str | None) -> Transport:
+        """The library's transport for this process, reachable at ``host``; ``in_place`` is the kind's
+        spec value (memory type / protocol) when the buffers are on the device, else ``None`` (host)."""
+
+    # ---- configuration ----------------------------------------------------------------------------
+    def _set_place(self, rank: int | None, world_size: int | None) -> None:
+        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 2:
+            raise CheckpointConfigError(f"world_size must be an int >= 2 (1 trainer + rollouts), got {world_size!r}")
+        if isinstance(rank, bool) or not isinstance(rank, int) or not -1 <= rank < world_size:
+            raise CheckpointConfigError(f"rank must be an int in [-1, {world_size}) (0: the trainer, -1: a trainer "
+                                        f"rank that does not send), got {rank!r}")
+        self.rank, self.world_size = rank, world_size
+
+    @property
+    def is_sender(self) -> bool:
+        return self.rank == 0 if self.rank is not None else self.is_master
+
+    def _label(self, rank: int) -> str:
+        return "the trainer (rank 0" + (f" at {self.master_addr}:{self.master_port})" if self.master_addr else ")") \
+            if rank == 0 else f"rollout rank {rank}"
+
+    def _kind_value(self) -> str | None:
+        spec = hal.resolve_device(self.device_kind)
+        return getattr(spec, self.spec_field, None)
+
+    # ---- lifecycle --------------------------------------------------------------------------------
+    def prepare(self) -> dict[str, Any]:
+        """On the trainer (rank 0, or ``is_master``): listen for the rollouts; returns
+        ``{"master_addr", "master_port"}``. Elsewhere returns ``{}``. Idempotent.
+
+        Raises:
+            CheckpointConfigError: the trainer's address cannot be bound.
+        """
+        if not self.is_sender:
+            return {}
+        if self._listener is None:
+            addr = self.master_addr or self.host or socket.gethostbyname(socket.gethostname())
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                sock.bind((addr, int(self.master_port or 0)))
+            except OSError as exc:
+                sock.close()
+                raise CheckpointConfigError(f"the trainer cannot listen at {addr}:{self.master_port}: {exc}") from exc
+            sock.listen(64)
+            sock.setblocking(False)
+            self._listener = sock
+            self.master_addr, self.master_port = addr, sock.getsockname()[1]
+        return {"master_addr": self.master_addr, "master_port": self.master_port}
+
+    @classmethod
+    def build_topology(cls, trainer_world_size: int, rollout_world_size: int,
+                       metadata: list[dict[str, Any]]) -> tuple[dict[str, list], dict[str, list]]:
+        """Per-rank ``init_process_group`` kwargs: trainer rank 0 sends, the other trainer ranks get
+        ``rank=-1``, rollouts get ranks 1..N; everyone gets the master's address from ``metadata[0]``.
+
+        Raises:
+            CheckpointConfigError: ``metadata[0]`` lacks the master's address (its ``prepare()`` did not run
+                with ``is_master=True``).
+        """
+        master = metadata[0] if metadata else {}
+        if not isinstance(master, dict) or "master_port" not in master:
+            raise CheckpointConfigError(f"metadata[0] must be the trainer master's prepare() result with "
+                                        f"master_addr/master_port, got {master!r}")
+        world = rollout_world_size + 1
+
+        def same(v, n):
+            return [v] * n
+        trainer = {"rank": [0] + [-1] * (trainer_world_size - 1), "world_size": same(world, trainer_world_size),
+                   "master_addr": same(master["master_addr"], trainer_world_size),
+                   "master_port": same(master["master_port"], trainer_world_size)}
+        rollout = {"rank": list(range(1, world)), "world_size": same(world, rollout_world_size),
+                   "master_addr": same(master["master_addr"], rollout_world_size),
+                   "master_port": same(master["master_port"], rollout_world_size)}
+        return trainer, rollout
+
+    def init_process_group(self, rank: int | None = None, world_size: int | None = None,
+                           master_addr: str | None = None, master_port: int | None = None, **_ignored: Any) -> None:
+        """Set this rank's place (verl's manager passes what :meth:`build_topology` returned; standalone
+        engines already have it). Connections are made on the first send / receive, each bounded by
+        ``timeout``, so calling this on every rank in any order never blocks."""
+        if rank is not None or world_size is not None:
+            self._set_place(rank, world_size)
+        if master_addr is not None:
+            self.master_addr = master_addr
+        if master_port is not None:
+            self.master_port = int(master_port)
+        if self.rank is None:
+            raise CheckpointConfigError("init_process_group needs rank and world_size (from build_topology) "
+                                        "unless the engine was built with them")
+
+    def finalize(self) -> None:
+        """Close every connection, deregister and free the buffers; the engine can be set up again."""
+        self._drop_connections()
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
+        if self._transport is not None:
+            self._transport.close()
+            self._transport = None
+        self._region = self._large = None
+
+    def _drop_connections(self) -> None:
+        for peer in self._peers.values():
+            peer.channel.close()
+        self._peers = {}
+        if self._channel is not None:
+            self._channel.close()
+            self._channel = None
+
+    def _setup_buffers(self, host: str) -> None:
+        if self._transport is not None:
+            return
+        self._device = hal.get_device(self.device_kind)
+        in_place = self._kind_value()
+        self._buffer_device = self._device if in_place is not None else torch.device("cpu")
+        self._region = torch.zeros(2 * self.bucket_size, dtype=torch.uint8, device=self._buffer_device)
+        self._transport = self.make_transport(host, in_place)
+        self._region_info = self._transport.register(self._region)
+
+    def _slot(self, k: int) -> torch.Tensor:
+        return self._region[(k % 2) * self.bucket_size:(k % 2 + 1) * self.bucket_size]
+
+    def _sync(self) -> None:
+        if self._buffer_device is not None and self._buffer_device.type != "cpu":
+            hal.synchronize(self.device_kind)
+
+    # ---- trainer ----------------------------------------------------------------------------------
+    async def _accept_all(self) -> list[_Peer]:
+        self.prepare()
+        self._setup_buffers(self.master_addr)
+        want = set(range(1, self.world_size))
+        if set(self._peers) == want:
+            return [self._peers[r] for r in sorted(want)]
+        loop = asyncio.get_running_loop()
+        deadline = time.monotonic() + self.timeout
+        while set(self._peers) != want:
+            left = deadline - time.monotonic()
+            try:
+                if left <= 0:
+                    raise asyncio.TimeoutError
+                sock, addr = await asyncio.wait_for(loop.sock_accept(self._listener), left)
+            except asyncio.TimeoutError:
+                missing = sorted(want - set(self._peers))
+                raise TransferTimeoutError(
+                    f"the trainer (rank 0 at {self.master_addr}:{self.master_port}) waited {self.timeout:g} s for "
+                    f"rollout rank(s) {missing} to connect; they are dead, missing or misconfigured") from None
+            channel = _Channel(sock, f"a rollout connecting from {addr[0]}:{addr[1]}")
+            try:
+                hello = await channel.recv(max(0.1, deadline - time.monotonic()), "hello")
+                rank = hello.get("rank")
+                if rank not in want:
+                    raise _PeerFailure(channel.label, f"said it is rank {rank!r}; expected one of {sorted(want)}")
+                channel.label = f"rollout rank {rank} (at {addr[0]}:{addr[1]})"
+                self._transport.add_peer(rank, hello["transport"])
+            except _PeerFailure:
+                channel.close()  # a stray or broken connection: wait for the real one until the deadline
+                continue
+            old = self._peers.pop(rank, None)
+            if old is not None:
+                old.channel.close()
+            self._peers[rank] = _Peer(rank, channel)
+        return [self._peers[r] for r in sorted(want)]
+
+    async def send_weights(self, weights: Iterable[NamedTensor], global_steps: int | None = None) -> None:
+        """Write ``weights`` (iterable of ``(name, tensor)``, any device/dtype/strides) to every rollout,
+        tagged ``global_steps``; returns when every rollout acknowledged the whole update.
+
+        Raises:
+            CheckpointConfigError: called on a rollout rank, or bad ``global_steps`` / pairs.
+            TransferTimeoutError, TransferError: a rollout is dead, stuck or never connected (named).
+            Whatever ``weights`` raises: the rollouts are told (:class:`TransferAbortedError`) first.
+        """
+        global_steps = check_global_steps(global_steps)
+        if self.rank is None and not self.is_master:
+            raise CheckpointConfigError("send_weights before init_process_group: this engine has no rank")
+        if self.rank == -1:  # a trainer rank that does not send (verl: every rank iterates its shard)
+            for _ in weights:
+                pass
+            return
+        if not self.is_sender:
+            raise CheckpointConfigError(f"send_weights called on rollout rank {self.rank}; only rank 0 sends")
+        try:
+            peers = await self._accept_all()
+            await self._send(peers, weights, global_steps)
+        except _PeerFailure as exc:
+            await self._abort_all(global_steps, f"{exc.peer} failed: {exc}", fatal=True)
+            error = TransferTimeoutError if exc.timed_out else TransferError
+            raise error(f"step {global_steps} failed on the trainer: {exc}") from None
+
+    async def _send(self, peers: list[_Peer], weights: Iterable[NamedTensor], step: int | None) -> None:
+        for peer in peers:
+            peer.sent = peer.acked = 0
+        pending: tuple | None = None  # (k, handles, record) of the message being written
+        k = 0
+        try:
+            for msg in plan_messages(weights, step, self.bucket_size, META_BUDGET, self._buffer_device, 0):
+                slot = self._slot(k)
+                pack(msg, slot)
+                segments = msg.meta.get("segments", [])
+                for (offset, nbytes), source in zip(segments, msg.sources):
+                    if source is not None:
+                        slot[offset:offset + nbytes].copy_(source)
+                extent = max((o + n for o, n in segments), default=0)
+                self._sync()
+                if pending is not None:
+                    done, pending = pending, None
+                    await self._complete(peers, *done)
+                handles = []
+                if extent:
+                    for peer in peers:
+                        await self._credit(peer, k - 1)
+                        handles.append((peer, self._start_write(peer, k, extent)))
+                pending = (handles, dict(msg.meta, slot=k % 2))
+                msg = None  # drop references to directly sent tensors
+                k += 1
+            done, pending = pending, None
+            await self._complete(peers, *done)
+            for peer in peers:
+                await self._credit(peer, peer.sent)
+        except _PeerFailure:
+            raise
+        except Exception as exc:  # the weights iterator or a pair failed here: tell the rollouts, stay usable
+            if pending is not None:
+                await self._complete(peers, *pending)
+            for peer in peers:
+                await peer.channel.send({"step": step, "abort": f"{type(exc).__name__}: {exc}"[:2000]}, self.timeout)
+                peer.sent += 1
+            for peer in peers:
+                await self._credit(peer, peer.sent)
+            raise
+
+    def _start_write(self, peer: _Peer, k: int, extent: int) -> Any:
+        offset = (k % 2) * self.bucket_size
+        try:
+            return self._transport.start_write(peer.rank, offset, offset, extent)
+        except TransferError as exc:
+            raise _PeerFailure(peer.channel.label, f"the {self._transport.library} write to {peer.channel.label} "
+                                                   f"could not start: {exc}") from exc
+
+    async def _complete(self, peers: list[_Peer], handles: list, record: dict[str, Any]) -> None:
+        """Wait for a message's writes, then announce it to every rollout."""
+        for peer, handle in handles:
+            try:
+                await self._transport.wait(handle, self.timeout)
+            except TransferError as exc:
+                raise _PeerFailure(peer.channel.label, f"the {self._transport.library} write to "
+                                   f"{peer.channel.label} failed: {exc}",
+                                   isinstance(exc, TransferTimeoutError)) from exc
+        for peer in peers:
+            await peer.channel.send(record, self.timeout)
+            peer.sent += 1
+
+    async def _credit(self, peer: _Peer, count: int) -> None:
+        """Read acknowledgements from ``peer`` until it acknowledged ``count`` messages."""
+        while peer.acked < count:
+            record = await peer.channel.recv(self.timeout, f"the acknowledgement of message {peer.acked}")
+            if record.get("ack") != peer.acked:
+                raise _PeerFailure(peer.channel.label, f"{peer.channel.label} acknowledged {record!r}, "
+                                                       f"expected message {peer.acked}")
+            peer.acked += 1
+
+    async def _abort_all(self, step: int | None, reason: str, fatal: bool) -> None:
+        """Tell every rollout still reachable that this update is off, then drop every connection."""
+        for peer in list(self._peers.values()):
+            try:
+                await peer.channel.send({"step": step, "abort": reason[:2000], "fatal": fatal}, min(self.timeout, 5.0))
+            except _PeerFailure:
+                pass
+        self._drop_connections()
+
+    # ---- rollout ----------------------------------------------------------------------------------
+    async def _connect(self) -> _Channel:
+        if self._channel is not None:
+            return self._channel
+        if self.master_addr is None or self.master_port is None:
+            raise CheckpointConfigError("a rollout needs master_addr and master_port (the trainer's control "
+                                        f"address), got {self.master_addr!r}, {self.master_port!r}")
+        loop = asyncio.get_running_loop()
+        deadline = time.monotonic() + self.timeout
+        label = self._label(0)
+        while True:
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock.setblocking(False)
+            try:
+                await asyncio.wait_for(loop.sock_connect(sock, (self.master_addr, int(self.master_port))),
+                                       max(0.01, deadline - time.monotonic()))
+                break
+            except (OSError, asyncio.TimeoutError) as exc:
+                sock.close()
+                if time.monotonic() >= deadline:
+                    raise TransferTimeoutError(f"rollout rank {self.rank} could not reach {label} within "
+                                               f"{self.timeout:g} s: {exc or 'timed out'}") from None
+                await asyncio.sleep(0.05)
+        channel = _Channel(sock, label)
+        try:
+            self._setup_buffers(self.host or sock.getsockname()[0])
+            await channel.send({"rank": self.rank, "transport": self._region_info}, self.timeout)
+        except BaseException:
+            channel.close()
+            raise
+        self._channel = channel
+        return channel
+
+    async def receive_weights(self, global_steps: int | None = None) -> AsyncIterator[NamedTensor]:
+        """Yield the ``(name, tensor)`` pairs of the next update in send order (views: see the class doc).
+
+        With ``global_steps=N`` and another step on offer, the update is drained (acknowledged unread) and
+        :class:`VersionMismatchError` raised before anything is yielded. A consumer that stops early
+        (``aclose()``) drains the rest the same way.
+
+        Raises:
+            VersionMismatchError; CheckpointConfigError (called on the trainer); TransferAbortedError (the
+            trainer gave this update up); TransferTimeoutError / TransferError (the trainer is dead or
+            stuck, named, within ``timeout``).
+        """
+        asked = check_global_steps(global_steps)
+        if self.rank is None:
+            raise CheckpointConfigError("receive_weights before init_process_group: this engine has no rank")
+        if self.is_sender or self.rank < 0:
+            raise CheckpointConfigError(f"receive_weights called on trainer rank {self.rank}")
+        k = 0
+        done = False
+        try:
+            channel = await self._connect()
+
+            async def next_record() -> dict[str, Any]:
+                record = await channel.recv(self.timeout, f"the metadata of message {k} of the next update")
+                if "abort" in record:
+                    await channel.send({"ack": k}, self.timeout)
+                    if record.get("fatal"):
+                        self._drop_connections()
+                    raise TransferAbortedError(f"the trainer gave up step {record.get('step')} (rollout rank "
+                                               f"{self.rank} keeps nothing of it): {record['abort']}")
+                return record
+
+            record = await next_record()
+            try:
+                check_step(asked, record.get("step"), f"{type(self).__name__} receive on rollout rank {self.rank}")
+            except VersionMismatchError:
+                while not record.get("end"):
+                    await channel.send({"ack": k}, self.timeout)
+                    k += 1
+                    record = await next_record()
+                await channel.send({"ack": k}, self.timeout)
+                done = True
+                raise
+            self.received_global_steps = record.get("step")
+            big: torch.Tensor | None = None
+            while not record.get("end"):
+                slot = self._slot(record["slot"])
+                chunk = record.get("chunk")
+                if chunk is None:
+                    for name, dtype, shape, offset, _ in record["entries"]:
+                        yield name, byte_view(slot, offset, dtype_from_name(dtype), shape)
+                else:
+                    if chunk["start"] == 0:
+                        if self._large is None or self._large.numel() < chunk["nbytes"]:
+                            self._large = None
+                            self._large = torch.empty(chunk["nbytes"], dtype=torch.uint8, device=self._buffer_device)
+                        big = byte_view(self._large, 0, dtype_from_name(chunk["dtype"]), chunk["shape"])
+                    self._large[chunk["start"]:chunk["start"] + chunk["length"]].copy_(slot[:chunk["length"]])
+                    if chunk["start"] + chunk["length"] == chunk["nbytes"]:
+                        self._sync()
+                        await channel.send({"ack": k}, self.timeout)
+                        k += 1
+                        record = await next_record()
+                        yield chunk["name"], big
+                        continue
+                self._sync()
+                await channel.send({"ack": k}, self.timeout)
+                k += 1
+                record = await next_record()
+            await channel.send({"ack": k}, self.timeout)
+            done = True
+        except GeneratorExit:  # the consumer stopped early: acknowledge the rest so the trainer finishes
+            if not done and self._channel is not None:
+                try:
+                    while not record.get("end"):
+                        await self._channel.send({"ack": k}, self.timeout)
+                        k += 1
+                        record = await self._channel.recv(self.timeout, f"message {k}")
+                        if "abort" in record:
+                            break
+                    await self._channel.send({"ack": k}, self.timeout)
+                except _PeerFailure:
+                    self._drop_connections()
+            raise
+        except _PeerFailure as exc:
+            self._drop_connections()
+            error = TransferTimeoutError if exc.timed_out else TransferError
+            raise error(f"rollout rank {self.rank}: {exc}") from None
