@@ -1,12 +1,14 @@
 """ckpt: checkpoint engines that publish weights tagged with ``global_steps`` (trainer -> rollout).
 
 Engines (by registry name): ``"colocated"`` (one process, zero copy), ``"collective"`` (bucketed broadcast
-over the backend hal gives: NCCL, HCCL or gloo), ``"file"`` (safetensors per step, atomic rename).
+over the backend hal gives: NCCL, HCCL or gloo), ``"file"`` (safetensors per step, atomic rename), ``"nixl"`` and ``"mooncake"`` (one-sided writes by
+those transfer libraries), ``"kimi"`` (Kimi's checkpoint-engine, where it runs).
 """
 
 from ckpt.base import CheckpointEngine, check_async_contract, contract_violations
 from ckpt.errors import (
     CheckpointConfigError,
+    CheckpointEngineUnavailableError,
     CheckpointEngineError,
     ContractError,
     DuplicateCheckpointEngineError,
@@ -19,7 +21,9 @@ from ckpt.errors import (
 )
 from ckpt.registry import (
     checkpoint_engine_factory,
+    checkpoint_engine_availability,
     checkpoint_engine_import_errors,
+    checkpoint_engine_status,
     get_checkpoint_engine,
     known_checkpoint_engines,
     register_checkpoint_engine,
@@ -31,7 +35,8 @@ from ckpt.workers import CheckpointEngineWorker, InMemoryRolloutAdapter, Trainer
 def __getattr__(name: str):
     """The engine classes, imported on first use (the collective one imports torch.distributed)."""
     lazy = {"ColocatedCheckpointEngine": "ckpt.colocated", "CollectiveCheckpointEngine": "ckpt.collective",
-            "FileCheckpointEngine": "ckpt.file"}
+            "FileCheckpointEngine": "ckpt.file", "NixlCheckpointEngine": "ckpt.nixl",
+            "MooncakeCheckpointEngine": "ckpt.mooncake", "KimiCheckpointEngine": "ckpt.kimi"}
     if name in lazy:
         import importlib
 
@@ -43,9 +48,11 @@ __all__ = [
     "CheckpointEngine", "check_async_contract", "contract_violations",
     "get_checkpoint_engine", "register_checkpoint_engine", "unregister_checkpoint_engine",
     "known_checkpoint_engines", "checkpoint_engine_import_errors", "checkpoint_engine_factory",
+    "checkpoint_engine_availability", "checkpoint_engine_status",
     "ColocatedCheckpointEngine", "CollectiveCheckpointEngine", "FileCheckpointEngine",
+    "NixlCheckpointEngine", "MooncakeCheckpointEngine", "KimiCheckpointEngine",
     "TrainerWorker", "CheckpointEngineWorker", "InMemoryRolloutAdapter",
-    "CheckpointEngineError", "CheckpointConfigError", "VersionMismatchError", "WeightMismatchError",
+    "CheckpointEngineError", "CheckpointConfigError", "CheckpointEngineUnavailableError", "VersionMismatchError", "WeightMismatchError",
     "TransferError", "TransferAbortedError", "TransferTimeoutError", "DuplicateCheckpointEngineError", "UnknownCheckpointEngineError",
     "ContractError",
 ]

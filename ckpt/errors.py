@@ -56,6 +56,11 @@ class UnknownCheckpointEngineError(CheckpointEngineError, KeyError):
         return str(self.args[0]) if self.args else ""
 
 
+class CheckpointEngineUnavailableError(CheckpointEngineError, RuntimeError):
+    """A registered engine cannot run here (its library is missing, or no device kind it supports is
+    available); the message says why and which engines are available."""
+
+
 class ContractError(CheckpointEngineError, TypeError):
     """An engine breaks the ``CheckpointEngine`` contract (e.g. ``send_weights`` is a plain ``def``)."""
 

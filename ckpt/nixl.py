@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import os
 import time
 import uuid
 from typing import Any
@@ -21,6 +22,8 @@ import hal
 from ckpt.errors import TransferError, TransferTimeoutError
 from ckpt.p2p import P2PCheckpointEngine, Transport
 
+RDMA_SYSFS = "/sys/class/infiniband"
+"""Where Linux lists RDMA devices; absent or empty on a machine without them."""
 HOST_MEMORY_TYPE = "DRAM"
 """NIXL's memory type of host memory, used when the device kind's memory cannot be registered."""
 
@@ -34,6 +37,11 @@ class NixlTransport(Transport):
     def __init__(self, name: str, memory_type: str, backends: tuple[str, ...]) -> None:
         from nixl._api import nixl_agent, nixl_agent_config
 
+        if not (os.path.isdir(RDMA_SYSFS) and os.listdir(RDMA_SYSFS)):
+            # No RDMA NIC here: keep UCX from loading its InfiniBand module. In the nixl 1.5.1 wheels that
+            # module's bundled libnl-route crashes the process at exit (SIGSEGV in rtnl_tc_unregister, run
+            # from _dl_fini) once the system's libnl (pulled in by libibverbs1) is loaded too.
+            os.environ.setdefault("UCX_MODULES", "^ib")
         self.name, self.memory_type = name, memory_type
         self.agent = nixl_agent(name, nixl_agent_config(backends=list(backends)))
         self.remote: dict[int, dict[str, Any]] = {}

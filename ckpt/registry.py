@@ -13,7 +13,8 @@ from importlib import metadata
 from typing import Any, Callable
 
 from ckpt.base import check_async_contract
-from ckpt.errors import ContractError, DuplicateCheckpointEngineError, UnknownCheckpointEngineError
+from ckpt.errors import (CheckpointEngineUnavailableError, ContractError, DuplicateCheckpointEngineError,
+                         UnknownCheckpointEngineError)
 
 ENTRY_POINT_GROUP = "hal.checkpoint_engines"
 
@@ -21,6 +22,9 @@ _BUILTINS = {
     "colocated": "ckpt.colocated:ColocatedCheckpointEngine",
     "collective": "ckpt.collective:CollectiveCheckpointEngine",
     "file": "ckpt.file:FileCheckpointEngine",
+    "nixl": "ckpt.nixl:NixlCheckpointEngine",
+    "mooncake": "ckpt.mooncake:MooncakeCheckpointEngine",
+    "kimi": "ckpt.kimi:KimiCheckpointEngine",
 }
 
 _engines: dict[str, Callable[..., Any]] = {}
@@ -112,14 +116,56 @@ def _raise_unknown(name: str) -> None:
         f"failed to import: {failed}")
 
 
+def checkpoint_engine_availability(name: str) -> tuple[bool, str]:
+    """``(ok, reason)`` for the engine registered as ``name``: an engine class may define a classmethod
+    ``availability()`` (truthy, with ``.reason`` when not); engines without one are always available.
+
+    Raises:
+        UnknownCheckpointEngineError: no such name.
+    """
+    _load_once()
+    if name not in _engines:
+        _raise_unknown(name)
+    probe = getattr(_engines[name], "availability", None)
+    if probe is None:
+        return True, ""
+    try:
+        state = probe()
+    except Exception as exc:  # noqa: BLE001 - a failing probe means "not available", with its text
+        return False, f"availability() raised {type(exc).__name__}: {exc}"
+    return bool(state), getattr(state, "reason", "")
+
+
+def checkpoint_engine_status() -> list[dict[str, Any]]:
+    """Every registered engine, and every built-in or entry-point one that failed to import, as
+    ``{"name", "available", "reason"}`` sorted by name (what ``hal info`` prints)."""
+    _load_once()
+    rows = []
+    for name in sorted(set(_engines) | set(_import_errors)):
+        if name in _engines:
+            ok, reason = checkpoint_engine_availability(name)
+        else:
+            ok, reason = False, f"failed to import: {_import_errors[name]}"
+        rows.append({"name": name, "available": ok, "reason": reason})
+    return rows
+
+
 def get_checkpoint_engine(name: str, **config: Any) -> Any:
     """Build the engine registered as ``name`` with ``config`` (e.g. ``rank=0, world_size=3, bucket_size=...``).
 
     Raises:
         UnknownCheckpointEngineError: no such name; the message lists the known names and each backend
             that failed to import, with its error.
+        CheckpointEngineUnavailableError: the engine cannot run here (library missing, no device kind it
+            supports); the message says why and lists the engines that are available.
         ContractError: the factory returned an engine whose contract methods are not all async.
     """
-    engine = checkpoint_engine_factory(name)(**config)
+    factory = checkpoint_engine_factory(name)
+    ok, reason = checkpoint_engine_availability(name)
+    if not ok:
+        usable = [n for n in sorted(_engines) if n != name and checkpoint_engine_availability(n)[0]]
+        raise CheckpointEngineUnavailableError(
+            f"checkpoint engine {name!r} is unavailable here: {reason}; available: {', '.join(usable) or 'none'}")
+    engine = factory(**config)
     check_async_contract(engine)
     return engine

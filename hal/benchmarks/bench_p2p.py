@@ -1,0 +1,209 @@
+"""Throughput of the transfer-library checkpoint engines (``nixl``, ``mooncake``) against their own library.
+
+One run, two processes (1 trainer, 1 rollout), for each engine, measured side by side in those processes:
+
+* ``raw``: one write by the library of the same bytes, from one registered region holding the whole tensor
+  mix to one registered region of that size on the rollout (NIXL ``WRITE``; Mooncake
+  ``transfer_sync_write``): the best the library does between these two processes;
+* ``engine``: ``send_weights`` / ``receive_weights`` of the tensor mix (bf16 views into that region, sizes
+  log-uniform 2 KiB .. 18 MiB as in :mod:`hal.benchmarks.bench_ckpt`); the receiver iterates the yielded
+  views without copying. Its peak memory on each side (host: ``VmHWM`` after a reset, minus the resident
+  size before; the first transfer, buffers included) is reported against ``bucket_size``.
+
+After a warm-up, every round times raw and engine once each (barrier to barrier), so a noisy neighbour slows
+both alike; the ratio ``engine GB/s / raw GB/s`` is taken per round, and medians are reported.
+
+    python -m hal.benchmarks.bench_p2p                          # 256 MiB, bucket 64 MiB, cpu
+    python -m hal.benchmarks.bench_p2p --size-mb 64 --bucket-mb 16 --device npu-sim
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import statistics
+import time
+import zlib
+
+import torch
+import tyro
+
+import hal
+
+ENGINES = ("nixl", "mooncake")
+
+
+@dataclasses.dataclass
+class Args:
+    size_mb: int = 256
+    """Total bytes of the tensor mix, in MiB."""
+    bucket_mb: int = 64
+    """The engines' bucket size, in MiB."""
+    device: str = "cpu"
+    """Device kind of the trainer's tensors (``cpu``, ``npu-sim``, ...)."""
+    rounds: int = 5
+    """Timed rounds (medians reported)."""
+    engines: list[str] = dataclasses.field(default_factory=lambda: list(ENGINES))
+    """Engines to measure (each against its own library)."""
+    json: bool = False
+    """Print the result as JSON instead of a table."""
+
+
+def _raw_transport(name: str, rank: int):
+    """The engine's own transport, on host memory, as a bare library handle."""
+    if name == "nixl":
+        from ckpt.nixl import HOST_MEMORY_TYPE, NixlTransport
+
+        return NixlTransport(f"bench-raw-{rank}-{time.monotonic_ns()}", HOST_MEMORY_TYPE, ("UCX",))
+    from ckpt.mooncake import HOST_PROTOCOL, MooncakeTransport
+
+    return MooncakeTransport("127.0.0.1", HOST_PROTOCOL)
+
+
+def _bench_rank(rank: int, world_size: int, port: int, size_mb: int, bucket_mb: int, device: str, rounds: int,
+                engines: list[str]) -> dict:
+    import ckpt
+    from hal.benchmarks.bench_ckpt import _Peak, tensor_sizes
+
+    torch.set_num_threads(1)
+    dev = hal.get_device(device)
+    sizes = tensor_sizes(size_mb << 20)
+    total = sum(sizes)
+    store = hal.connect_store("127.0.0.1", port, rank, world_size, timeout=120)
+    group = hal.new_group_from_store(store, rank, world_size, device="cpu", timeout=300, prefix="bench")
+    host = torch.zeros(total, dtype=torch.uint8)  # the raw transfers' region (touched: no page faults later)
+    if rank == 0:
+        host.copy_(torch.randint(0, 256, (total,), dtype=torch.uint8, generator=torch.Generator().manual_seed(1)))
+    flat = host if dev.type == "cpu" else host.to(dev)
+    views, offset = [], 0
+    for i, s in enumerate(sizes):
+        views.append((f"layer{i}.weight", flat[offset:offset + s].view(torch.bfloat16)))
+        offset += s
+    out = {"size_bytes": total, "n_tensors": len(sizes), "engines": {}}
+    for e, name in enumerate(engines):
+        raw = _raw_transport(name, rank)
+        info = raw.register(host)
+        store.set(f"raw/{name}/{rank}", json.dumps(info))
+        peer_info = json.loads(store.get(f"raw/{name}/{1 - rank}"))
+        raw.add_peer(1 - rank, peer_info)
+
+        def raw_once():
+            if rank == 0:
+                asyncio.run(raw.wait(raw.start_write(1, 0, 0, total), 300))
+
+        engine = ckpt.get_checkpoint_engine(name, rank=rank, world_size=2, master_addr="127.0.0.1",
+                                            master_port=port + 1 + e, bucket_size=bucket_mb << 20, device=device,
+                                            timeout=300)
+        step = [0]
+
+        def engine_once():
+            step[0] += 1
+
+            async def go():
+                if rank == 0:
+                    await engine.send_weights(iter(views), step[0])
+                else:
+                    n = 0
+                    async for _name, _t in engine.receive_weights(step[0]):
+                        n += 1
+                    if n != len(views):
+                        raise RuntimeError(f"received {n} tensors, sent {len(views)}")
+            asyncio.run(go())
+
+        def timed(fn) -> float:
+            group.barrier()
+            t0 = time.perf_counter()
+            fn()
+            group.barrier()
+            return time.perf_counter() - t0
+
+        peak = _Peak("cpu")
+        peak.start()
+        timed(engine_once)  # warm-up, buffers and connections included
+        engine_peak = peak.stop()
+        timed(raw_once)
+        times = {"raw": [], "engine": []}
+        for _ in range(rounds):
+            times["raw"].append(timed(raw_once))
+            times["engine"].append(timed(engine_once))
+        engine.finalize()
+        raw.close()
+        out["engines"][name] = {"times": times, "peak": engine_peak}
+    out["crc32"] = zlib.crc32(host.numpy().data)  # the raw writes delivered these bytes to the rollout
+    group.close()
+    return out
+
+
+def run(size_mb: int = 256, bucket_mb: int = 64, device: str = "cpu", rounds: int = 5,
+        engines: list[str] | tuple[str, ...] = ENGINES) -> dict:
+    """Measure in two spawned processes.
+
+    Returns:
+        ``{"device", "size_bytes", "n_tensors", "bucket_bytes", "rounds", "engines": [{"engine", "raw_s",
+        "raw_gbps", "s", "gbps", "ratio_vs_raw", "send_peak_bytes", "recv_peak_bytes", "send_peak_buckets",
+        "recv_peak_buckets"}]}``; times are medians, ``ratio_vs_raw`` the median of per-round
+        ``raw_s / engine_s`` (1.0: as fast as one raw write of the same bytes). GB/s = 1e9 bytes/s.
+
+    Raises:
+        ValueError: an unknown engine name, or sizes/rounds below 1.
+        MultiprocessError: a rank failed (e.g. the library is not installed).
+    """
+    from hal.testing import run_multiprocess
+
+    bad = [e for e in engines if e not in ENGINES]
+    if bad or not engines:
+        raise ValueError(f"engines must be a non-empty subset of {ENGINES}, got {list(engines)}")
+    if size_mb < 1 or bucket_mb < 1 or rounds < 1:
+        raise ValueError(f"size_mb, bucket_mb and rounds must be >= 1, got {size_mb}, {bucket_mb}, {rounds}")
+    results = run_multiprocess(_bench_rank, 2, size_mb, bucket_mb, device, rounds, list(engines),
+                               timeout=max(180.0, size_mb * 0.1 * (rounds + 2) * len(engines)))
+    send, recv = results[0], results[1]
+    if recv["crc32"] != send["crc32"]:
+        raise RuntimeError("the raw library writes delivered other bytes than the trainer holds")
+    total, bucket = send["size_bytes"], bucket_mb << 20
+    med = statistics.median
+    out = {"device": device, "size_bytes": total, "n_tensors": send["n_tensors"], "bucket_bytes": bucket,
+           "rounds": rounds, "engines": []}
+    for name in engines:
+        t = send["engines"][name]["times"]
+        raw_s, s = med(t["raw"]), med(t["engine"])
+        sp, rp = send["engines"][name]["peak"], recv["engines"][name]["peak"]
+        out["engines"].append({
+            "engine": name, "raw_s": raw_s, "raw_gbps": total / raw_s / 1e9, "s": s, "gbps": total / s / 1e9,
+            "ratio_vs_raw": med(a / b for a, b in zip(t["raw"], t["engine"])),
+            "send_peak_bytes": sp, "recv_peak_bytes": rp, "send_peak_buckets": sp / bucket,
+            "recv_peak_buckets": rp / bucket})
+    return out
+
+
+def print_table(result: dict) -> None:
+    """The figures of :func:`run` as a rich table."""
+    from rich.console import Console
+    from rich.table import Table
+
+    mib = 1 << 20
+    table = Table(title=f"transfer-library engines, {result['device']}, {result['n_tensors']} bf16 tensors, "
+                        f"{result['size_bytes'] / mib:.0f} MiB, bucket {result['bucket_bytes'] / mib:.0f} MiB")
+    for col in ("engine", "raw write GB/s", "engine GB/s", "engine / raw", "send peak MiB (buckets)",
+                "recv peak MiB (buckets)"):
+        table.add_column(col, justify="right")
+    for r in result["engines"]:
+        table.add_row(r["engine"], f"{r['raw_gbps']:.2f}", f"{r['gbps']:.2f}", f"{r['ratio_vs_raw']:.2f}",
+                      f"{r['send_peak_bytes'] / mib:.0f} ({r['send_peak_buckets']:.2f})",
+                      f"{r['recv_peak_bytes'] / mib:.0f} ({r['recv_peak_buckets']:.2f})")
+    Console(width=150).print(table)
+
+
+def main(args: Args | None = None) -> dict:
+    args = args or tyro.cli(Args)
+    result = run(args.size_mb, args.bucket_mb, args.device, args.rounds, args.engines)
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        print_table(result)
+    return result
+
+
+if __name__ == "__main__":
+    main()
