@@ -494,10 +494,16 @@ class P2PCheckpointEngine(CheckpointEngine):
 
     async def _abort_all(self, step: int | None, reason: str, fatal: bool) -> None:
         """Tell every rollout still reachable that this update is off, then drop every connection."""
+        grace = min(self.timeout, 5.0)
         for peer in list(self._peers.values()):
             try:
-                await peer.channel.send({"step": step, "abort": reason[:2000], "fatal": fatal}, min(self.timeout, 5.0))
-            except _PeerFailure:
+                await peer.channel.send({"step": step, "abort": reason[:2000], "fatal": fatal}, grace)
+                # close gracefully: a close() with unread acknowledgements pending would reset the connection
+                # and could destroy the abort record before the rollout reads it
+                peer.channel.sock.shutdown(socket.SHUT_WR)
+                while True:
+                    await peer.channel.recv(grace, "the end of the connection")
+            except (_PeerFailure, OSError):
                 pass
         self._drop_connections()
 

@@ -60,10 +60,10 @@ def engine_config(rank, world_size, port, device, **extra):
     return cfg
 
 
-def minilm_three_steps(rank, world_size, port, device, path):
+def minilm_three_steps(rank, world_size, port, device, path, engine_name="collective"):
     """Rank 0 trains (sends MiniLM at steps 1..3); the others serve it through the rollout adapter."""
     dev = hal.get_device(device)
-    engine = ckpt.get_checkpoint_engine("collective", **engine_config(rank, world_size, port, device))
+    engine = ckpt.get_checkpoint_engine(engine_name, **engine_config(rank, world_size, port, device))
 
     async def main():
         report = []
@@ -131,7 +131,7 @@ def dies_mid_transfer(rank, world_size, port, device, victim):
         return type(exc).__name__, time.monotonic() - start, str(exc)
 
 
-def bounded_memory(rank, world_size, port, bucket_size, model_mib):
+def bounded_memory(rank, world_size, port, bucket_size, model_mib, engine_name="collective"):
     """Host peak memory added by a transfer on each side, in bytes (VmHWM after a reset, minus VmRSS).
 
     The model: bf16 tensors of 1/8 to 7/8 of a bucket up to ``model_mib`` MiB, plus one of 3 buckets.
@@ -146,7 +146,7 @@ def bounded_memory(rank, world_size, port, bucket_size, model_mib):
     def checksum(t):  # CRC-32 of the bytes, read in place (no temporary)
         return zlib.crc32(t.view(torch.int16).numpy().data)
 
-    engine = ckpt.get_checkpoint_engine("collective", **engine_config(
+    engine = ckpt.get_checkpoint_engine(engine_name, **engine_config(
         rank, world_size, port, "cpu", bucket_size=bucket_size))
 
     async def main():
