@@ -332,6 +332,11 @@ class P2PCheckpointEngine(CheckpointEngine):
             self._transport = None
         self._region = self._large = None
 
+    def close(self) -> None:
+        """Everything :meth:`finalize` releases (this engine keeps nothing across it); for callers that end
+        a run with ``close()``."""
+        self.finalize()
+
     def _drop_connections(self) -> None:
         for peer in self._peers.values():
             peer.channel.close()

@@ -9,7 +9,7 @@ One trainer rank and ``--rollouts`` rollout ranks on one device kind. Each of ``
    against the trainer's, and applies them (all-or-nothing, through ``ckpt.InMemoryRolloutAdapter``);
 5. the trainer onloads what it offloaded.
 
-``--engine collective`` and ``file`` run the ranks as separate processes started by
+``--engine collective``, ``file``, ``nixl``, ``mooncake`` and ``kimi`` run the ranks as separate processes started by
 ``torch.distributed.launcher`` (the library behind ``torch.distributed.run``); ``colocated`` runs trainer
 and rollouts in one process, as a colocated deployment does. Processes coordinate the checksums and
 per-step results through a ``torch.distributed`` TCPStore on the loopback address.
@@ -59,10 +59,10 @@ class Sync:
     """Training steps, each published as global_steps 1..steps."""
     offload: Literal["none", "optimizer", "model", "all"] = "none"
     """What the trainer offloads to the host between its step and the next."""
-    engine: Literal["collective", "file", "colocated"] = "collective"
-    """Checkpoint engine publishing the weights."""
+    engine: Literal["collective", "file", "colocated", "nixl", "mooncake", "kimi"] = "collective"
+    """Checkpoint engine publishing the weights (nixl, mooncake, kimi: where ``hal info`` lists them available)."""
     bucket_mb: float = 256.0
-    """Bucket size of the collective engine, in MiB."""
+    """Bucket size of the bucketed engines (collective, nixl, mooncake), in MiB."""
     lr: float = 1e-4
     """AdamW learning rate."""
     timeout: float = 300.0
@@ -97,6 +97,12 @@ def validate(args: Sync) -> None:
             raise UsageError(f"{flag} must be positive, got {value}")
     if args.model not in PRESETS:
         safetensors_files(pathlib.Path(args.model))
+    if args.engine in ("nixl", "mooncake", "kimi"):
+        import ckpt
+
+        ok, reason = ckpt.checkpoint_engine_availability(args.engine)
+        if not ok:
+            raise UsageError(f"--engine {args.engine} is unavailable here: {reason}")
     if args.launcher == "ray" and args.engine != "collective":
         raise UsageError(f"--launcher ray runs the collective engine across nodes, got --engine {args.engine}")
     spec = hal.resolve_device(args.device)
@@ -184,8 +190,8 @@ class _Trainer:
 def _make_checkpoint_engine(args: Sync, rank: int, world_size: int, port: int, root: str):
     import ckpt
 
-    if args.engine == "collective":
-        return ckpt.get_checkpoint_engine("collective", rank=rank, world_size=world_size, master_addr="127.0.0.1",
+    if args.engine in ("collective", "nixl", "mooncake", "kimi"):
+        return ckpt.get_checkpoint_engine(args.engine, rank=rank, world_size=world_size, master_addr="127.0.0.1",
                                           master_port=port, bucket_size=int(args.bucket_mb * (1 << 20)),
                                           device=hal.resolve_device(args.device).kind, timeout=args.timeout)
     return ckpt.get_checkpoint_engine("file", root=root, keep_last=2, device=hal.resolve_device(args.device).kind,

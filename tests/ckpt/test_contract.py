@@ -45,6 +45,41 @@ def test_builtin_engine_keeps_the_contract(engine, check, tmp_path):
     asyncio.run(run_check(make, check, timeout=60))
 
 
+def _transfer_library(name, device):
+    async def make():
+        ok, reason = ckpt.checkpoint_engine_availability(name)
+        if not ok:
+            pytest.skip(f"{name}: {reason}")
+        common = dict(world_size=2, master_addr="127.0.0.1", master_port=free_port(), bucket_size=64 << 10,
+                      device=device, timeout=20)
+        return (ckpt.get_checkpoint_engine(name, rank=0, **common),
+                ckpt.get_checkpoint_engine(name, rank=1, **common))
+    return make
+
+
+@pytest.mark.parametrize("check", list(CONTRACT_CHECKS))
+@pytest.mark.parametrize("engine", ["nixl", "mooncake"])
+def test_transfer_library_engine_keeps_the_contract(engine, check, hal_device):
+    """NIXL and Mooncake (host memory on cpu, staged through it on npu-sim), 64 KiB buckets: the mixed
+    sample's large tensors travel in chunks."""
+    asyncio.run(run_check(_transfer_library(engine, hal_device), check, timeout=60))
+
+
+def test_kimi_is_refused_here_with_the_reason_and_the_alternatives():
+    ok, reason = ckpt.checkpoint_engine_availability("kimi")
+    if ok:
+        pytest.skip("a device kind Kimi's checkpoint-engine supports is available: its contract test runs instead")
+    with pytest.raises(ckpt.CheckpointEngineUnavailableError) as info:
+        ckpt.get_checkpoint_engine("kimi")
+    text = str(info.value)
+    assert "'kimi' is unavailable here" in text and "runs only on device kinds" in text
+    from ckpt.kimi import supported_kinds
+
+    assert supported_kinds() and all(repr(k) in text for k in supported_kinds())
+    assert "available: " in text and "collective" in text.split("available: ")[-1]
+    assert isinstance(info.value, RuntimeError)
+
+
 class _SyncSendEngine(ckpt.CheckpointEngine):
     """The upstream bug: send_weights is a plain def (awaiting its result raises TypeError)."""
 

@@ -32,7 +32,9 @@ def test_minilm_three_steps_one_trainer_two_rollouts_byte_exact(engine, hal_devi
         for step, _, _, exact, total, nbytes, devices in rows:
             assert total > 100 and exact == total, f"step {step}: {exact}/{total} tensors byte-exact"
             assert nbytes > 80_000_000
-            assert devices == ["cpu" if hal_device == "cpu" else "npu"]
+            # the simulated npu's memory is staged through host memory (its spec has no NIXL memory type
+            # and no Mooncake protocol), so the rollout is handed host tensors there
+            assert devices == ["cpu"]
 
 
 @pytest.mark.parametrize("engine", ENGINES)
@@ -72,7 +74,7 @@ def test_memory_is_bounded_by_the_bucket_size_not_the_model(engine):
     results = run_multiprocess(_mp.bounded_memory, 2, bucket, 96, engine, timeout=120)
     (send_peak, total, sent), (recv_peak, _, received) = results[0], results[1]
     assert total >= 96 << 20 and len(sent) > 30 and received == sent  # every tensor arrived, bytes equal
-    slack = 8 << 20  # interpreter, library threads
+    slack = 12 << 20  # interpreter, the library's threads and pools (UCX keeps a few MiB of its own)
     assert send_peak <= 2 * bucket + slack, f"sender peak {send_peak / 2**20:.1f} MiB"
     # two receive slots plus the tensor larger than a bucket (3 buckets), which the receiver is handed whole
     assert recv_peak <= 2 * bucket + 3 * bucket + slack, f"receiver peak {recv_peak / 2**20:.1f} MiB"
