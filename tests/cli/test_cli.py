@@ -39,6 +39,19 @@ def test_info_json_reports_every_kind():
     assert info["dist_backend"] == kinds[info["device"]]["dist_backend"]
 
 
+def test_info_json_lists_checkpoint_engines_with_availability():
+    import ckpt
+
+    info = json.loads(hal_cmd("info", "--json").stdout)
+    engines = {e["name"]: e for e in info["checkpoint_engines"]}
+    assert set(engines) >= {"collective", "colocated", "file", "nixl", "mooncake", "kimi"}
+    assert engines["collective"] == {"name": "collective", "available": True, "reason": ""}
+    for name in ("nixl", "mooncake", "kimi"):
+        ok, reason = ckpt.checkpoint_engine_availability(name)
+        assert (engines[name]["available"], engines[name]["reason"]) == (ok, reason)
+        assert ok or reason  # an unavailable engine always says why
+
+
 @pytest.mark.hal_device("npu-sim")
 def test_info_on_the_simulated_npu_reports_npu_hccl_ascend_env(hal_device):
     out = hal_cmd("info", "--json", env={"HAL_DEVICE": "npu-sim"})
@@ -55,7 +68,8 @@ def _sync(*extra: str, device: str = "cpu") -> dict:
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("engine,offload", [("collective", "all"), ("file", "optimizer"), ("colocated", "model")])
+@pytest.mark.parametrize("engine,offload", [("collective", "all"), ("file", "optimizer"), ("colocated", "model"),
+                                           ("nixl", "none"), ("mooncake", "optimizer")])
 def test_sync_verifies_every_step(hal_device, engine, offload, tmp_path):
     result = _sync("--model", "qwen2.5-tiny", "--rollouts", "2", "--steps", "2", "--engine", engine,
                    "--offload", offload, "--bucket-mb", "1", "--timeout", "60", "--file-root", str(tmp_path),
