@@ -3,7 +3,8 @@
 Every figure is a ratio measured side by side in one run (the machine is shared and noisy): offload+onload
 against a plain single-buffer copy of the same bytes (``hal/benchmarks/bench_offload.py``), and the collective
 checkpoint engine against one single-tensor broadcast and against tensor-by-tensor broadcasts, across
-bucket sizes (``hal/benchmarks/bench_ckpt.py``).
+bucket sizes (``hal/benchmarks/bench_ckpt.py``), and the nixl and mooncake engines, where available, each
+against one raw write of the same bytes by its own library (``hal/benchmarks/bench_p2p.py``).
 """
 
 from __future__ import annotations
@@ -64,6 +65,12 @@ def execute(args: Bench) -> dict[str, Any]:
         from hal.benchmarks import bench_ckpt
 
         out["sync"] = bench_ckpt.run(size, list(buckets), kind, rounds)
+        import ckpt
+        from hal.benchmarks import bench_p2p
+
+        engines = [e for e in bench_p2p.ENGINES if ckpt.checkpoint_engine_availability(e)[0]]
+        if engines:  # the transfer-library engines, each against its own library's raw write
+            out["sync_p2p"] = bench_p2p.run(size, min(buckets), kind, rounds, engines)
     return out
 
 
@@ -121,6 +128,10 @@ def run(args: Bench) -> int:
             from hal.benchmarks import bench_ckpt
 
             bench_ckpt.print_table(result["sync"])
+        if "sync_p2p" in result:
+            from hal.benchmarks import bench_p2p
+
+            bench_p2p.print_table(result["sync_p2p"])
     if args.plot:
         plot(result, pathlib.Path(args.plot))
         print(f"wrote {args.plot}")

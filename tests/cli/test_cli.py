@@ -216,5 +216,13 @@ def test_bench_quick_prints_ratios(tmp_path):
     assert [b["bucket_bytes"] for b in sync["buckets"] if b["layout"] == sync["buckets"][0]["layout"]] == \
         [4 << 20, 16 << 20]
     assert all(b["ratio_vs_single"] > 0 for b in sync["buckets"])
+    import ckpt
+
+    engines = [e for e in ("nixl", "mooncake") if ckpt.checkpoint_engine_availability(e)[0]]
+    rows = result["sync_p2p"]["engines"] if engines else []
+    assert [r["engine"] for r in rows] == engines
+    for r in rows:  # each engine next to its own library's raw write; memory: two slots of 4 MiB a side
+        assert r["raw_gbps"] > 0 and r["ratio_vs_raw"] > 0.05
+        assert r["send_peak_bytes"] <= 2 * (4 << 20) + (12 << 20) and r["recv_peak_bytes"] <= 2 * (4 << 20) + (12 << 20)
     if want_plot:
         assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
