@@ -1,6 +1,6 @@
 """``mooncake``: weights written by Mooncake's Transfer Engine into the rollouts' registered buffers.
 
-On :mod:`ckpt.p2p`'s shape: ``transfer_sync_write`` from the trainer's two send slots into each rollout's
+On :mod:`ckpt.p2p`'s shape: ``transfer_sync_write`` (``batch_transfer_sync_write`` for several pieces) from the trainer's send slots into each rollout's
 two receive slots (one thread per write, so the event loop and the packing of the next bucket go on),
 metadata (with ``global_steps``) over the control connection once a write returned. Each process runs a
 ``TransferEngine`` in ``P2PHANDSHAKE`` mode (no metadata server); its protocol is the device kind's
@@ -53,10 +53,22 @@ class MooncakeTransport(Transport):
     def add_peer(self, peer: int, info: dict[str, Any]) -> None:
         self.remote[peer] = dict(info)
 
-    def start_write(self, peer: int, local_offset: int, remote_offset: int, nbytes: int) -> Any:
+    def register_source(self, tensor: torch.Tensor) -> Any:
+        rc = self.engine.register_memory(tensor.data_ptr(), tensor.numel())
+        if rc != 0:
+            raise TransferError(f"Mooncake register_memory of {tensor.numel()} bytes returned {rc}")
+        return tensor
+
+    def release_source(self, handle: Any) -> None:
+        self.engine.unregister_memory(handle.data_ptr())
+
+    def start_write(self, peer: int, pieces: list[tuple[int, int, int]]) -> Any:
         r = self.remote[peer]
-        return self._pool.submit(self.engine.transfer_sync_write, r["session"], self.addr + local_offset,
-                                 r["addr"] + remote_offset, nbytes)
+        if len(pieces) == 1:
+            (a, o, n), = pieces
+            return self._pool.submit(self.engine.transfer_sync_write, r["session"], a, r["addr"] + o, n)
+        return self._pool.submit(self.engine.batch_transfer_sync_write, r["session"], [a for a, _, _ in pieces],
+                                 [r["addr"] + o for _, o, _ in pieces], [n for _, _, n in pieces])
 
     async def wait(self, handle: Any, timeout: float) -> None:
         try:

@@ -65,10 +65,16 @@ class NixlTransport(Transport):
         name = self.agent.add_remote_agent(base64.b64decode(info["agent"]))
         self.remote[peer] = dict(info, name=name.decode() if isinstance(name, bytes) else name)
 
-    def start_write(self, peer: int, local_offset: int, remote_offset: int, nbytes: int) -> Any:
+    def register_source(self, tensor: torch.Tensor) -> Any:
+        return self.agent.register_memory(tensor, self.memory_type), tensor
+
+    def release_source(self, handle: Any) -> None:
+        self.agent.deregister_memory(handle[0])
+
+    def start_write(self, peer: int, pieces: list[tuple[int, int, int]]) -> Any:
         r = self.remote[peer]
-        local = self.agent.get_xfer_descs([(self.addr + local_offset, nbytes, self.dev)], self.memory_type)
-        remote = self.agent.get_xfer_descs([(r["addr"] + remote_offset, nbytes, r["dev"])], r["memory_type"])
+        local = self.agent.get_xfer_descs([(a, n, self.dev) for a, _, n in pieces], self.memory_type)
+        remote = self.agent.get_xfer_descs([(r["addr"] + o, n, r["dev"]) for _, o, n in pieces], r["memory_type"])
         try:
             handle = self.agent.initialize_xfer("WRITE", local, remote, r["name"])
             state = self.agent.transfer(handle)

@@ -65,9 +65,18 @@ class Transport(abc.ABC):
         """Learn peer ``peer``'s registered region from its hello ``info`` (replaces an earlier one)."""
 
     @abc.abstractmethod
-    def start_write(self, peer: int, local_offset: int, remote_offset: int, nbytes: int) -> Any:
-        """Begin writing ``nbytes`` from our region at ``local_offset`` to ``peer``'s at ``remote_offset``;
-        returns a handle for :meth:`wait`."""
+    def register_source(self, tensor: torch.Tensor) -> Any:
+        """Register the bytes of ``tensor`` (a flat ``uint8`` view of a weight's storage) so that a write can
+        read them in place; returns a handle for :meth:`release_source`."""
+
+    @abc.abstractmethod
+    def release_source(self, handle: Any) -> None:
+        """Deregister what :meth:`register_source` registered (its writes have completed)."""
+
+    @abc.abstractmethod
+    def start_write(self, peer: int, pieces: list[tuple[int, int, int]]) -> Any:
+        """Begin writing ``pieces`` ``(local address, offset in the peer's region, nbytes)`` (local addresses
+        in registered memory) to ``peer``, as one transfer; returns a handle for :meth:`wait`."""
 
     @abc.abstractmethod
     async def wait(self, handle: Any, timeout: float) -> None:
@@ -175,6 +184,9 @@ class P2PCheckpointEngine(CheckpointEngine):
         timeout: seconds bounding every wait (connect, accept, credit, write, metadata).
         host: the address peers reach this process at (default: ``master_addr`` on the trainer; the local
             address of the connection to the trainer on a rollout).
+        direct_threshold: tensors on the buffer device of at least this many bytes (and runs of tensors
+            lying back to back in one storage) are registered with the library for the update and written
+            from their own memory, without a copy into a slot (default ``bucket_size // 8``; 0 packs all).
 
     Memory: the trainer holds two slots of ``bucket_size`` (bucket k+1 is packed while k is written), a
     rollout two slots (the trainer writes k+1 while the consumer reads k) plus, when a tensor larger than a
@@ -197,7 +209,7 @@ class P2PCheckpointEngine(CheckpointEngine):
     def __init__(self, bucket_size: int = DEFAULT_BUCKET_SIZE, is_master: bool = False, *, rank: int | None = None,
                  world_size: int | None = None, master_addr: str | None = None, master_port: int | None = None,
                  store_addr: str | None = None, device: str | None = None, timeout: float = hal.DEFAULT_TIMEOUT_S,
-                 host: str | None = None, **_ignored: Any) -> None:
+                 host: str | None = None, direct_threshold: int | None = None, **_ignored: Any) -> None:
         if store_addr is not None:
             addr, sep, port = store_addr.rpartition(":")
             if not sep or not port.isdigit():
@@ -209,6 +221,7 @@ class P2PCheckpointEngine(CheckpointEngine):
             raise CheckpointConfigError(f"timeout must be a positive number of seconds, got {timeout!r}")
         self.bucket_size, self.is_master, self.timeout = bucket_size, bool(is_master), float(timeout)
         self.device_kind, self.host = device, host
+        self.direct_threshold = bucket_size // 8 if direct_threshold is None else int(direct_threshold)
         self.master_addr, self.master_port = master_addr, master_port
         self.rank: int | None = None
         self.world_size: int | None = None
@@ -431,25 +444,30 @@ class P2PCheckpointEngine(CheckpointEngine):
         pending: tuple | None = None  # (k, handles, record) of the message being written
         k = 0
         try:
-            for msg in plan_messages(weights, step, self.bucket_size, META_BUDGET, self._buffer_device, 0):
-                slot = self._slot(k)
+            for msg in plan_messages(weights, step, self.bucket_size, META_BUDGET, self._buffer_device,
+                                     self.direct_threshold):
+                slot, base = self._slot(k), (k % 2) * self.bucket_size
                 pack(msg, slot)
-                segments = msg.meta.get("segments", [])
-                for (offset, nbytes), source in zip(segments, msg.sources):
-                    if source is not None:
-                        slot[offset:offset + nbytes].copy_(source)
-                extent = max((o + n for o, n in segments), default=0)
+                pieces, sources = [], []
+                for (offset, nbytes), source in zip(msg.meta.get("segments", []), msg.sources):
+                    if nbytes == 0:
+                        continue
+                    if source is None:  # packed into the slot
+                        pieces.append((slot.data_ptr() + offset, base + offset, nbytes))
+                    else:  # a run of tensors (or a chunk of one) written from its own storage, no copy
+                        sources.append(self._transport.register_source(source))
+                        pieces.append((source.data_ptr(), base + offset, nbytes))
                 self._sync()
                 if pending is not None:
                     done, pending = pending, None
                     await self._complete(peers, *done)
                 handles = []
-                if extent:
+                if pieces:
                     for peer in peers:
                         await self._credit(peer, k - 1)
-                        handles.append((peer, self._start_write(peer, k, extent)))
-                pending = (handles, dict(msg.meta, slot=k % 2))
-                msg = None  # drop references to directly sent tensors
+                        handles.append((peer, self._start_write(peer, pieces)))
+                pending = (handles, dict(msg.meta, slot=k % 2), sources)
+                msg = None
                 k += 1
             done, pending = pending, None
             await self._complete(peers, *done)
@@ -467,23 +485,27 @@ class P2PCheckpointEngine(CheckpointEngine):
                 await self._credit(peer, peer.sent)
             raise
 
-    def _start_write(self, peer: _Peer, k: int, extent: int) -> Any:
-        offset = (k % 2) * self.bucket_size
+    def _start_write(self, peer: _Peer, pieces: list[tuple[int, int, int]]) -> Any:
         try:
-            return self._transport.start_write(peer.rank, offset, offset, extent)
+            return self._transport.start_write(peer.rank, pieces)
         except TransferError as exc:
             raise _PeerFailure(peer.channel.label, f"the {self._transport.library} write to {peer.channel.label} "
                                                    f"could not start: {exc}") from exc
 
-    async def _complete(self, peers: list[_Peer], handles: list, record: dict[str, Any]) -> None:
-        """Wait for a message's writes, then announce it to every rollout."""
-        for peer, handle in handles:
-            try:
-                await self._transport.wait(handle, self.timeout)
-            except TransferError as exc:
-                raise _PeerFailure(peer.channel.label, f"the {self._transport.library} write to "
-                                   f"{peer.channel.label} failed: {exc}",
-                                   isinstance(exc, TransferTimeoutError)) from exc
+    async def _complete(self, peers: list[_Peer], handles: list, record: dict[str, Any], sources: list) -> None:
+        """Wait for a message's writes, release the storage registered for them, then announce the message
+        to every rollout."""
+        try:
+            for peer, handle in handles:
+                try:
+                    await self._transport.wait(handle, self.timeout)
+                except TransferError as exc:
+                    raise _PeerFailure(peer.channel.label, f"the {self._transport.library} write to "
+                                       f"{peer.channel.label} failed: {exc}",
+                                       isinstance(exc, TransferTimeoutError)) from exc
+        finally:
+            for source in sources:
+                self._transport.release_source(source)
         for peer in peers:
             await peer.channel.send(record, self.timeout)
             peer.sent += 1

@@ -90,7 +90,7 @@ def _bench_rank(rank: int, world_size: int, port: int, size_mb: int, bucket_mb: 
 
         def raw_once():
             if rank == 0:
-                asyncio.run(raw.wait(raw.start_write(1, 0, 0, total), 300))
+                asyncio.run(raw.wait(raw.start_write(1, [(host.data_ptr(), 0, total)]), 300))
 
         engine = ckpt.get_checkpoint_engine(name, rank=rank, world_size=2, master_addr="127.0.0.1",
                                             master_port=port + 1 + e, bucket_size=bucket_mb << 20, device=device,

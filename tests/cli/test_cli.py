@@ -47,9 +47,11 @@ def test_info_json_lists_checkpoint_engines_with_availability():
     assert set(engines) >= {"collective", "colocated", "file", "nixl", "mooncake", "kimi"}
     assert engines["collective"] == {"name": "collective", "available": True, "reason": ""}
     for name in ("nixl", "mooncake", "kimi"):
-        ok, reason = ckpt.checkpoint_engine_availability(name)
-        assert (engines[name]["available"], engines[name]["reason"]) == (ok, reason)
-        assert ok or reason  # an unavailable engine always says why
+        ok, _ = ckpt.checkpoint_engine_availability(name)
+        assert engines[name]["available"] is ok
+        assert ok or engines[name]["reason"]  # an unavailable engine always says why
+    if not engines["kimi"]["available"]:
+        assert "runs only on device kinds" in engines["kimi"]["reason"]
 
 
 @pytest.mark.hal_device("npu-sim")
