@@ -71,9 +71,9 @@ def test_trainer_killed_mid_transfer_every_rollout_keeps_its_previous_step(engin
 def test_memory_is_bounded_by_the_bucket_size_not_the_model(engine):
     _require(engine)
     bucket = 4 << 20
-    results = run_multiprocess(_mp.bounded_memory, 2, bucket, 96, engine, timeout=120)
+    results = run_multiprocess(_mp.bounded_memory, 2, bucket, 160, engine, timeout=150)
     (send_peak, total, sent), (recv_peak, _, received) = results[0], results[1]
-    assert total >= 96 << 20 and len(sent) > 30 and received == sent  # every tensor arrived, bytes equal
+    assert total >= 160 << 20 and len(sent) > 60 and received == sent  # every tensor arrived, bytes equal
     slack = 12 << 20  # interpreter, the library's threads and pools (UCX keeps a few MiB of its own)
     assert send_peak <= 2 * bucket + slack, f"sender peak {send_peak / 2**20:.1f} MiB"
     # two receive slots plus the tensor larger than a bucket (3 buckets), which the receiver is handed whole
