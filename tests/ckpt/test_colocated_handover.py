@@ -22,7 +22,7 @@ def _trainer(device):
 
     def step():
         engine.train_step(lambda m: (m(x.to(engine.torch_device)) - 3.0).square().mean())
-        return {n: t.detach().cpu().clone() for n, t in engine.get_per_tensor_param()}
+        return {n: t.detach().cpu().clone() for n, t in engine.get_per_tensor_param()[0]}
 
     return engine, step
 
