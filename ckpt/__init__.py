@@ -29,6 +29,7 @@ from ckpt.registry import (
     register_checkpoint_engine,
     unregister_checkpoint_engine,
 )
+from ckpt.serving import ModelRolloutAdapter, WeightLayout
 from ckpt.workers import CheckpointEngineWorker, InMemoryRolloutAdapter, TrainerWorker
 
 
@@ -51,7 +52,7 @@ __all__ = [
     "checkpoint_engine_availability", "checkpoint_engine_status",
     "ColocatedCheckpointEngine", "CollectiveCheckpointEngine", "FileCheckpointEngine",
     "NixlCheckpointEngine", "MooncakeCheckpointEngine", "KimiCheckpointEngine",
-    "TrainerWorker", "CheckpointEngineWorker", "InMemoryRolloutAdapter",
+    "TrainerWorker", "CheckpointEngineWorker", "InMemoryRolloutAdapter", "ModelRolloutAdapter", "WeightLayout",
     "CheckpointEngineError", "CheckpointConfigError", "CheckpointEngineUnavailableError", "VersionMismatchError", "WeightMismatchError",
     "TransferError", "TransferAbortedError", "TransferTimeoutError", "DuplicateCheckpointEngineError", "UnknownCheckpointEngineError",
     "ContractError",

@@ -16,7 +16,7 @@ import torch
 
 import hal
 from ckpt.base import CheckpointEngine, NamedTensor, check_global_steps, check_step
-from ckpt.bucket import byte_view, decode_meta, dtype_from_name, encode_meta, pack, plan_messages
+from ckpt.bucket import ALIGN, as_bytes, byte_view, decode_meta, dtype_from_name, encode_meta, pack, plan_messages
 from ckpt.errors import CheckpointConfigError, TransferAbortedError, TransferError, TransferTimeoutError
 
 DEFAULT_BUCKET_SIZE = 256 << 20
@@ -64,13 +64,15 @@ class CollectiveCheckpointEngine(CheckpointEngine):
     before waiting for the current data. A backend whose collectives complete before returning (the
     simulated npu's hccl) runs the same code serially.
 
-    Memory: the sender holds two send buffers of ``bucket_size`` (bucket k+1 is packed while bucket k is
-    in flight) plus references to at most two buckets' worth of directly sent tensors; a receiver holds one
-    buffer of ``bucket_size``. A tensor larger than a bucket is split into chunks of ``bucket_size``
-    (sent from its own storage when contiguous, else a block of rows at a time through the send buffer);
-    the receiver assembles it in one more buffer of the largest such tensor's size, kept across updates
-    (its size is unavoidable: the receiver is handed that tensor whole). Runs of tensors adjacent in one
-    storage of at least ``direct_threshold`` bytes are broadcast from that storage, without packing.
+    Memory: each side holds at most two bucket buffers of ``bucket_size``, allocated on first need (the
+    sender packs bucket k+1 while bucket k is in flight; a receiver receives message k+1 while message k's
+    tensors are read), plus the sender's references to at most two buckets' worth of directly sent
+    tensors. Runs of tensors adjacent in one storage of at least ``direct_threshold`` bytes are broadcast
+    from that storage, without packing, and a receiver given a ``placement`` receives straight into the
+    consumer's memory: a flat published buffer sent to a rollout's weight bank needs no bucket at all. A
+    tensor larger than a bucket is split into chunks of ``bucket_size`` (sent from its own storage when
+    contiguous, else a block of rows at a time through the send buffer); without a placement the receiver
+    assembles it in one more buffer of the largest such tensor's size, kept across updates.
 
     Ownership: ``send_weights`` returns when every broadcast has completed; the caller may then reuse or
     free its tensors. Every tensor yielded by ``receive_weights`` is a **view into an engine-owned buffer,
@@ -291,13 +293,14 @@ class CollectiveCheckpointEngine(CheckpointEngine):
 
     def _allocate(self) -> None:
         """Bind this rank's device (:func:`hal.bind_local_device`: the index in ``device``, else ``LOCAL_RANK``'s)
-        and put the buffers there: 2 x ``bucket_size`` bytes on the sender, 1 x on a receiver, plus as many
-        ``meta_capacity`` records; zero-filled so pages are touched now."""
-        if self._buffers:
+        and put the metadata records there (2 on the sender, 1 on a receiver, of ``meta_capacity`` bytes).
+        The two bucket buffers of ``bucket_size`` bytes each side may use are allocated (zero-filled, so
+        their pages are resident) on first need by :meth:`_slot` and kept until ``finalize()``: an update
+        sent from runs of one storage and received into placements needs none."""
+        if self._metas:
             return
         self.device = hal.bind_local_device(self.device_kind)
         n = 2 if self.is_sender else 1
-        self._buffers = [torch.zeros(self.bucket_size, dtype=torch.uint8, device=self.device) for _ in range(n)]
         self._metas = [torch.zeros(self.meta_capacity, dtype=torch.uint8, device=self.device) for _ in range(n)]
 
     def _free_buffers(self) -> None:
@@ -383,8 +386,11 @@ class CollectiveCheckpointEngine(CheckpointEngine):
                                                       self.device, self.direct_threshold)):
                 slot = count % 2
                 await self._wait(in_flight[slot], f"message {count - 2} of step {global_steps}")
-                buffer, meta = self._buffers[slot], self._metas[slot]
-                pack(msg, buffer)
+                meta = self._metas[slot]
+                needs_buffer = bool(msg.packed) or msg.rows is not None or any(x is None for x in msg.sources)
+                buffer = self._slot(slot) if needs_buffer else None
+                if buffer is not None:
+                    pack(msg, buffer)
                 encode_meta(msg.meta, meta)
                 works = [self._bcast(group, meta)]
                 for (offset, nbytes), source in zip(msg.meta["segments"] if "segments" in msg.meta else [], msg.sources):
@@ -405,29 +411,146 @@ class CollectiveCheckpointEngine(CheckpointEngine):
             await self._wait(in_flight[slot], f"end of step {global_steps}")
 
     # ---- receiver --------------------------------------------------------------------------------
-    async def _receive_message(self, group: hal.StoreGroup, dest_for) -> dict[str, Any]:
-        """Receive one message: its metadata (posted ahead by the previous call), then its segments into
-        ``dest_for(meta)``. The next message's metadata broadcast is posted before waiting for this one's
-        data, so its round trip overlaps the data transfer and the consumer's work."""
-        meta_buf = self._metas[0]
+    def _slot(self, index: int) -> torch.Tensor:
+        """Bucket buffer ``index`` (0 or 1), allocated and touched on first use, then kept until ``finalize()``:
+        the sender packs bucket k+1 in one while k is in flight from the other; a receiver receives message
+        k+1 in one while k's tensors are read from the other."""
+        while len(self._buffers) <= index:
+            self._buffers.append(torch.zeros(self.bucket_size, dtype=torch.uint8, device=self.device))
+        return self._buffers[index]
+
+    async def _next_meta(self, group: hal.StoreGroup) -> dict[str, Any]:
+        """The next message's metadata (its broadcast was posted ahead by :meth:`_post_data`, else now)."""
         pending, self._pending_meta = self._pending_meta, None
-        await self._wait([pending or self._bcast(group, meta_buf)], "metadata broadcast")
-        meta = decode_meta(meta_buf)
-        dest = dest_for(meta)
-        works = [self._bcast(group, dest[o:o + n]) for o, n in meta.get("segments", [])]
+        await self._wait([pending or self._bcast(group, self._metas[0])], "metadata broadcast")
+        return decode_meta(self._metas[0])
+
+    def _placed(self, placement, name: str, dtype: torch.dtype, shape: list[int], nbytes: int) -> torch.Tensor | None:
+        """The consumer's destination for one tensor, if it is one the engine can write into directly."""
+        if placement is None or nbytes == 0:
+            return None
+        dest = placement(name, dtype, shape)
+        if (not isinstance(dest, torch.Tensor) or dest.dtype != dtype or list(dest.shape) != list(shape)
+                or not dest.is_contiguous() or dest.device != self.device or dest.data_ptr() % ALIGN):
+            return None
+        return dest
+
+    def _segment_target(self, placement, entries: list[list[Any]], offset: int, nbytes: int):
+        """A flat ``uint8`` range of consumer memory that segment ``[offset, offset + nbytes)`` can be
+        received into directly, with the placed tensors it fills; ``(None, None)`` if there is none.
+
+        It exists when every tensor of the segment has a placement in one storage at the same relative
+        offsets as in the bucket, the segment starts at its first tensor and ends at its last, and the gaps
+        between tensors are alignment padding (< ALIGN bytes, so no other 64-byte aligned tensor is in them).
+        """
+        inside = sorted((e for e in entries if offset <= e[3] < offset + nbytes and e[4] > 0), key=lambda e: e[3])
+        if placement is None or not inside or inside[0][3] != offset or inside[-1][3] + inside[-1][4] != offset + nbytes:
+            return None, None
+        placed, delta, storage, prev_end = {}, None, None, None
+        for name, dtype, shape, at, size in inside:
+            dest = self._placed(placement, name, dtype_from_name(dtype), shape, size)
+            if dest is None:
+                return None, None
+            if storage is None:
+                storage, delta = dest.untyped_storage(), dest.data_ptr() - at
+            elif dest.untyped_storage().data_ptr() != storage.data_ptr() or dest.data_ptr() - at != delta:
+                return None, None
+            if prev_end is not None and not 0 <= at - prev_end < ALIGN:
+                return None, None
+            prev_end = at + size
+            placed[name] = dest
+        start = delta + offset - storage.data_ptr()
+        if start < 0 or start + nbytes > storage.nbytes():
+            return None, None
+        target = torch.empty(0, dtype=torch.uint8, device=self.device).set_(storage, start, (nbytes,), (1,))
+        return target, placed
+
+    def _post_data(self, group: hal.StoreGroup, meta: dict[str, Any], slot: int, placement, big: dict[str, Any]):
+        """Post the data broadcasts of one message and the next message's metadata broadcast.
+
+        Returns ``(works, items)``: the pending broadcasts and the ``(name, tensor)`` pairs the message
+        completes once they are done (views into a receive buffer, or the consumer's placed tensors).
+        """
+        works, items = [], []
+        chunk = meta.get("chunk")
+        if chunk is not None:
+            dtype = dtype_from_name(chunk["dtype"])
+            if chunk["start"] == 0 or "bytes" not in big:  # a tensor larger than a bucket: into its placement,
+                big.clear()                                     # else a reused buffer
+                dest = None if chunk["start"] else self._placed(placement, chunk["name"], dtype, chunk["shape"],
+                                                                chunk["nbytes"])
+                if dest is None:
+                    if self._large is None or self._large.numel() < chunk["nbytes"]:
+                        self._large = None
+                        self._large = torch.empty(chunk["nbytes"], dtype=torch.uint8, device=self.device)
+                    dest = byte_view(self._large, 0, dtype, chunk["shape"])
+                big["tensor"], big["bytes"] = dest, as_bytes(dest)
+            target = big["bytes"][chunk["start"]:chunk["start"] + chunk["length"]]
+            works = [self._bcast(group, target[o:o + n]) for o, n in meta.get("segments", [])]
+            if chunk["start"] + chunk["length"] == chunk["nbytes"]:
+                items.append((chunk["name"], big.pop("tensor")))
+                big.clear()
+        elif "entries" in meta:
+            buffer, entries = None, meta["entries"]
+            views: dict[str, torch.Tensor] = {}
+            for o, n in meta.get("segments", []):
+                target, placed = self._segment_target(placement, entries, o, n)
+                if target is None:
+                    buffer = self._slot(slot) if buffer is None else buffer
+                    target = buffer[o:o + n]
+                else:
+                    views.update(placed)
+                works.append(self._bcast(group, target))
+            for name, dtype, shape, offset, _nbytes in entries:
+                if name not in views:
+                    buffer = self._slot(slot) if buffer is None else buffer
+                    views[name] = byte_view(buffer, offset, dtype_from_name(dtype), shape)
+                items.append((name, views[name]))
         if not meta.get("end") and "abort" not in meta:
-            self._pending_meta = self._bcast(group, meta_buf)
+            self._pending_meta = self._bcast(group, self._metas[0])
+        return works, items
+
+    async def _finish(self, meta: dict[str, Any], works: list) -> None:
         await self._wait(works, f"data broadcast of step {meta.get('step')}")
         if "abort" in meta:
             raise TransferAbortedError(f"the sender aborted step {meta.get('step')} (rank {self.rank} keeps nothing of "
-                                f"it; the group stays usable): {meta['abort']}")
-        return meta
+                                       f"it; the group stays usable): {meta['abort']}")
 
-    async def receive_weights(self, global_steps: int | None = None) -> AsyncIterator[NamedTensor]:
+    async def _drain(self, group: hal.StoreGroup, meta: dict[str, Any], works: list, slot: int = 0) -> None:
+        """Receive and discard the rest of an update whose message ``meta`` is posted (``works``, into
+        receive buffer ``slot``)."""
+        big: dict[str, Any] = {}
+        while True:
+            await self._finish(meta, works)
+            if meta.get("end"):
+                return
+            meta = await self._next_meta(group)
+            slot = 1 - slot
+            works, _ = self._post_data(group, meta, slot, None, big)
+
+    def _uses_large(self, meta: dict[str, Any], placement) -> bool:
+        chunk = meta.get("chunk")
+        return chunk is not None and self._placed(placement, chunk["name"], dtype_from_name(chunk["dtype"]),
+                                                  chunk["shape"], chunk["nbytes"]) is None
+
+    async def receive_weights(self, global_steps: int | None = None, placement=None) -> AsyncIterator[NamedTensor]:
         """Yield the ``(name, tensor)`` pairs of the next update, in send order (see the class docstring for
         buffer ownership). With ``global_steps=N`` and another step on offer, the whole update is received
         and discarded (the group stays in step) and :class:`VersionMismatchError` is raised, before
         anything is yielded. A consumer that stops early (``aclose()``) drains the rest the same way.
+
+        Receive is double-buffered: once message k has arrived, message k+1's data is posted into the other
+        buffer before k's tensors are yielded, so the consumer's copies overlap the next transfer.
+
+        Args:
+            global_steps: the step asked for, or ``None`` for whatever is sent.
+            placement: optional ``placement(name, dtype, shape) -> torch.Tensor | None``, where the consumer
+                wants a tensor's bytes (e.g. its slot in a rollout's weight bank): a contiguous tensor on the
+                engine's device, 64-byte aligned. Segments whose tensors all have placements in one storage
+                at the bucket's relative offsets, and tensors larger than a bucket, are received straight
+                into them (the broadcast writes there, padding between tensors included), and those very
+                tensors are yielded; everything else arrives in a receive buffer as without ``placement``.
+                Placed memory is written before the update is known to be complete.
 
         Raises:
             VersionMismatchError, CheckpointConfigError (called on the sending rank),
@@ -441,45 +564,47 @@ class CollectiveCheckpointEngine(CheckpointEngine):
         if self.is_sender:
             raise CheckpointConfigError(f"receive_weights called on rank {self.rank}, the sending rank")
         group = await self._ensure_ready()
-        buffer = self._buffers[0]
         big: dict[str, Any] = {}
-
-        def dest_for(meta: dict[str, Any]) -> torch.Tensor:
-            chunk = meta.get("chunk")
-            if chunk is None:
-                return buffer
-            if chunk["start"] == 0:  # a tensor larger than a bucket: assembled in a reused buffer
-                if self._large is None or self._large.numel() < chunk["nbytes"]:
-                    self._large = None
-                    self._large = torch.empty(chunk["nbytes"], dtype=torch.uint8, device=self.device)
-                big["tensor"] = byte_view(self._large, 0, dtype_from_name(chunk["dtype"]), chunk["shape"])
-            return self._large[chunk["start"]:chunk["nbytes"]]
-
         meta: dict[str, Any] | None = None
+        works: list = []
+        unposted: dict[str, Any] | None = None  # a message whose metadata is read but whose data is not posted
         try:
-            meta = await self._receive_message(group, dest_for)
+            meta = await self._next_meta(group)
             try:
                 check_step(global_steps, meta.get("step"), f"collective receive on rank {self.rank}")
             except Exception:
-                while not meta.get("end"):  # drain the update so the group stays in step
-                    meta = await self._receive_message(group, dest_for)
+                await self._drain(group, meta, self._post_data(group, meta, 0, None, big)[0])
                 raise
             self.received_global_steps = meta.get("step")
-            while not meta.get("end"):
-                chunk = meta.get("chunk")
-                if chunk is None:
-                    for name, dtype, shape, offset, _nbytes in meta["entries"]:
-                        yield name, byte_view(buffer, offset, dtype_from_name(dtype), shape)
-                elif chunk["start"] + chunk["length"] == chunk["nbytes"]:
-                    out = big.pop("tensor")
-                    big.clear()
-                    yield chunk["name"], out
-                meta = await self._receive_message(group, dest_for)
+            slot = 0
+            works, items = self._post_data(group, meta, slot, placement, big)
+            while True:
+                await self._finish(meta, works)
+                works = []
+                if meta.get("end"):
+                    break
+                current = items
+                nxt = await self._next_meta(group)
+                conflict = bool(current) and self._uses_large(nxt, placement) and any(
+                    self._large is not None and t.untyped_storage().data_ptr() == self._large.untyped_storage().data_ptr()
+                    for _, t in current)
+                if conflict:  # k+1 reuses the large-tensor buffer k's tensor lives in: post it after k
+                    unposted = nxt
+                else:  # post k+1 into the other buffer, then hand out k
+                    slot, meta = 1 - slot, nxt
+                    works, items = self._post_data(group, meta, slot, placement, big)
+                for name, tensor in current:
+                    yield name, tensor
+                if unposted is not None:
+                    slot, meta, unposted = 1 - slot, unposted, None
+                    works, items = self._post_data(group, meta, slot, placement, big)
         except GeneratorExit:  # the consumer stopped early (aclose): drain so the group stays in step
             if meta is not None and not self._broken:
                 try:
-                    while not meta.get("end"):
-                        meta = await self._receive_message(group, dest_for)
+                    if unposted is not None:
+                        slot = 1 - slot
+                        meta, works = unposted, self._post_data(group, unposted, slot, None, {})[0]
+                    await self._drain(group, meta, works, slot)
                 except Exception:  # noqa: BLE001 - _wait marked the group broken; nothing more to do
                     pass
             raise

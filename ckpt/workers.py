@@ -9,6 +9,7 @@ names and keywords follow verl 0.9.1's ``update_weights`` path (``verl/checkpoin
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, AsyncIterator, Iterable, Mapping
 
 import torch
@@ -106,6 +107,13 @@ class _StepTagged:
         await self._stream.aclose()
 
 
+def _accepts(fn: Any, keyword: str) -> bool:
+    try:
+        return keyword in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+
+
 class CheckpointEngineWorker:
     """Rollout side: receives one update and hands it to the server adapter.
 
@@ -114,6 +122,9 @@ class CheckpointEngineWorker:
         adapter: any object with ``async update_weights(weights, global_steps=..., wire_format=...)``, the
             keywords verl's ``CheckpointEngineWorker`` passes (e.g. :class:`InMemoryRolloutAdapter`, or a
             verl vLLM / SGLang server adapter).
+            An adapter with ``placement(name, dtype, shape)`` (e.g. :class:`ckpt.serving.ModelRolloutAdapter`)
+            is offered to engines whose ``receive_weights`` takes a ``placement`` keyword, so they can
+            receive straight into its memory.
     """
 
     def __init__(self, checkpoint_engine: CheckpointEngine, adapter: Any) -> None:
@@ -133,7 +144,11 @@ class CheckpointEngineWorker:
                 does not take).
         """
         global_steps = check_global_steps(global_steps)
-        stream = _StepTagged(self.checkpoint_engine, self.checkpoint_engine.receive_weights(global_steps))
+        kwargs = {}
+        placement = getattr(self.adapter, "placement", None)
+        if placement is not None and _accepts(self.checkpoint_engine.receive_weights, "placement"):
+            kwargs["placement"] = placement  # the transport may write straight into the served model's memory
+        stream = _StepTagged(self.checkpoint_engine, self.checkpoint_engine.receive_weights(global_steps, **kwargs))
         try:
             await self.adapter.update_weights(stream, global_steps=global_steps,
                                               wire_format=getattr(self.checkpoint_engine, "wire_format",

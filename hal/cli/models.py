@@ -1,164 +1,123 @@
-"""Models for ``hal sync``: a locally built preset with a real LLM's tensor layout, or any safetensors file.
+"""Models for ``hal sync``: transformers' Qwen2 built from a published configuration, or a safetensors checkpoint.
 
-* Presets build a decoder-only transformer with the tensor names, shapes and dtype of a published model
-  (the Qwen2.5-0.5B layout: hidden 896, 24 layers, 14 query / 2 key-value heads of 64, MLP 4864, vocab
-  151936, tied embeddings, q/k/v biases; figures from the model's public ``config.json``), randomly
-  initialised, so no download is needed. It trains on a synthetic token batch with the next-token loss.
-* A path (a ``.safetensors`` file, or a directory of them as Hugging Face ships) loads tensors whose
-  architecture the tool need not know. Its loss pulls every floating-point tensor toward fixed random
-  targets, so each optimizer step changes every floating-point tensor.
+* Presets are ``transformers.Qwen2ForCausalLM`` built from the values of a published ``config.json``
+  (``qwen2.5-0.5b``: Qwen/Qwen2.5-0.5B, 494M parameters; ``qwen2.5-tiny``: the same layout scaled down for
+  tests), randomly initialised as Hugging Face's ``_init_weights`` does (normal(0, ``initializer_range``)
+  weights, zero biases, unit norms), so nothing is downloaded. The trainer keeps fp32 master weights and
+  publishes bf16 (as verl's actor hands its rollout bf16 weights); a rollout serves the bf16 model.
+* A path (a ``.safetensors`` file, or a directory of them as Hugging Face ships, honouring
+  ``model.safetensors.index.json``) loads tensors whose architecture the tool need not know. Its loss pulls
+  every floating-point tensor toward fixed random targets, so each optimizer step changes every one.
+
+transformers is the ``models`` extra (``pip install 'hal-posttrain[models]'``; ``scripts/setup.sh`` installs it).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
-
+import json
 import pathlib
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from hal.cli.errors import MissingFileError, UsageError
+from hal.cli.errors import MissingExtraError, MissingFileError, UsageError
 
-
-@dataclasses.dataclass(frozen=True)
-class DecoderConfig:
-    """Shape of a Qwen2-style decoder (names as in Hugging Face ``Qwen2Config``)."""
-
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    rope_theta: float = 1_000_000.0
-    rms_norm_eps: float = 1e-6
-    tie_word_embeddings: bool = True
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
-
-
-PRESETS: dict[str, DecoderConfig] = {
-    # Qwen/Qwen2.5-0.5B config.json: 494M parameters, about 0.99 GB in bf16.
-    "qwen2.5-0.5b": DecoderConfig(151936, 896, 4864, 24, 14, 2),
-    # Same layout and tensor names, scaled down for tests and quick runs (about 9 MB in bf16).
-    "qwen2.5-tiny": DecoderConfig(4096, 128, 352, 2, 4, 2),
+PRESETS: dict[str, dict[str, Any]] = {
+    # Qwen/Qwen2.5-0.5B config.json: 494M parameters, 0.99 GB in bf16 (tied embeddings published once).
+    "qwen2.5-0.5b": dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                         num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768,
+                         rope_theta=1_000_000.0, rms_norm_eps=1e-6, tie_word_embeddings=True, hidden_act="silu",
+                         initializer_range=0.02, bos_token_id=151643, eos_token_id=151643),
+    # Same layout and tensor names, scaled down for tests and quick runs (about 1.6 MB in bf16).
+    "qwen2.5-tiny": dict(vocab_size=4096, hidden_size=128, intermediate_size=352, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                         rope_theta=1_000_000.0, rms_norm_eps=1e-6, tie_word_embeddings=True, hidden_act="silu",
+                         initializer_range=0.02, bos_token_id=0, eos_token_id=0),
 }
 
+INDEX_NAME = "model.safetensors.index.json"
+"""The file naming which shard holds which tensor in a sharded Hugging Face checkpoint."""
 
-class Linear(nn.Linear):
-    """``nn.Linear`` that stores bf16 weights but multiplies in fp32.
 
-    On CPUs without native bf16 matrix units (this project's CI machines, and the simulated npu, whose
-    operators fall back to the CPU) the weight-gradient matmul of a bf16 linear layer with few tokens runs
-    about 25x slower than in fp32 (measured on torch 2.13: 45 s against 2 s for one backward of the 0.5B
-    layout). Parameters, gradients and published weights stay bf16; only the products are fp32.
+def _transformers():
+    try:
+        import transformers
+    except ImportError as exc:  # pragma: no cover - setup.sh installs the extra
+        raise MissingExtraError("the model presets need transformers: pip install 'hal-posttrain[models]' "
+                          f"(scripts/setup.sh installs it) ({exc})") from None
+    return transformers
+
+
+def qwen2_config(preset: str):
+    """``transformers.Qwen2Config`` of a preset (eager attention: the same kernels on trainer and rollouts).
+
+    Raises:
+        KeyError: ``preset`` is not one of :data:`PRESETS`.
     """
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        bias = None if self.bias is None else self.bias.float()
-        return F.linear(x.float(), self.weight.float(), bias).to(x.dtype)
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(size))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        variance = x.float().pow(2).mean(-1, keepdim=True)
-        return (x.float() * torch.rsqrt(variance + self.eps)).to(x.dtype) * self.weight
+    config = _transformers().Qwen2Config(**PRESETS[preset])
+    config._attn_implementation = "eager"
+    return config
 
 
-def _rope(x: torch.Tensor, theta: float) -> torch.Tensor:
-    """Rotary position embedding over the last dim of ``x`` with shape (batch, heads, seq, head_dim)."""
-    seq, dim = x.shape[-2], x.shape[-1]
-    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, device=x.device, dtype=torch.float32) / dim))
-    angles = torch.outer(torch.arange(seq, device=x.device, dtype=torch.float32), inv_freq)
-    cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
-    half = dim // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], -1)
-    return (x.float() * cos + rotated.float() * sin).to(x.dtype)
+def causal_lm(preset: str, dtype: torch.dtype, device: torch.device | str = "cpu", seed: int | None = 0) -> nn.Module:
+    """A ``Qwen2ForCausalLM`` of ``preset`` with parameters of ``dtype`` on ``device``.
+
+    Built on the meta device, then materialised once (no default initialisation that would be overwritten:
+    494M parameters for the 0.5B preset). With ``seed`` the weights are initialised as Hugging Face's
+    ``_init_weights`` does, deterministically; with ``None`` they are zeros (a rollout before its first
+    update). Tied embeddings stay one tensor (``lm_head.weight is model.embed_tokens.weight``).
+    """
+    transformers = _transformers()
+    config = qwen2_config(preset)
+    with torch.device("meta"):
+        module = transformers.Qwen2ForCausalLM(config)
+    module = module.to_empty(device=device).to(dtype)
+    if config.tie_word_embeddings:  # to_empty materialises the two names separately: tie them again
+        module.lm_head.weight = module.model.embed_tokens.weight
+    # non-persistent buffers (rotary frequencies) are computed at construction: rebuild them for real
+    module.model.rotary_emb = type(module.model.rotary_emb)(config=config).to(device)
+    g = torch.Generator().manual_seed(seed if seed is not None else 0)
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if seed is None:
+                p.zero_()
+            elif name.endswith("norm.weight"):
+                p.fill_(1.0)
+            elif name.endswith(".bias"):
+                p.zero_()
+            else:
+                host = torch.empty(p.shape, dtype=torch.float32).normal_(0.0, config.initializer_range, generator=g)
+                p.copy_(host)
+    return module.eval()
 
 
-class Attention(nn.Module):
-    def __init__(self, cfg: DecoderConfig) -> None:
-        super().__init__()
-        self.cfg = cfg
-        kv = cfg.num_key_value_heads * cfg.head_dim
-        self.q_proj = Linear(cfg.hidden_size, cfg.hidden_size, bias=True)
-        self.k_proj = Linear(cfg.hidden_size, kv, bias=True)
-        self.v_proj = Linear(cfg.hidden_size, kv, bias=True)
-        self.o_proj = Linear(cfg.hidden_size, cfg.hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, s, _ = x.shape
-        c = self.cfg
-        q = self.q_proj(x).view(b, s, c.num_attention_heads, c.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(b, s, c.num_key_value_heads, c.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(b, s, c.num_key_value_heads, c.head_dim).transpose(1, 2)
-        q, k = _rope(q, c.rope_theta), _rope(k, c.rope_theta)
-        groups = c.num_attention_heads // c.num_key_value_heads
-        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.o_proj(out.transpose(1, 2).reshape(b, s, c.hidden_size))
+def prompt_ids(preset: str, length: int = 8, seed: int = 1234) -> torch.Tensor:
+    """The fixed decode prompt of the greedy check: (1, length) int64 token ids."""
+    vocab = PRESETS[preset]["vocab_size"]
+    return torch.randint(0, vocab, (1, length), generator=torch.Generator().manual_seed(seed))
 
 
-class MLP(nn.Module):
-    def __init__(self, cfg: DecoderConfig) -> None:
-        super().__init__()
-        self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+@torch.no_grad()
+def greedy_decode(module: nn.Module, prompt: torch.Tensor, new_tokens: int) -> tuple[list[int], torch.Tensor]:
+    """Greedy decode ``new_tokens`` tokens after ``prompt`` ((1, n) int64) without a cache (recomputed each
+    step, so nothing but the weights carries over between calls).
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
-class DecoderLayer(nn.Module):
-    def __init__(self, cfg: DecoderConfig) -> None:
-        super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x))
-        return x + self.mlp(self.post_attention_layernorm(x))
-
-
-class DecoderModel(nn.Module):
-    def __init__(self, cfg: DecoderConfig) -> None:
-        super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
-
-class DecoderForCausalLM(nn.Module):
-    """``model.*`` + ``lm_head`` as in Hugging Face's ``Qwen2ForCausalLM`` (lm_head tied to embeddings)."""
-
-    def __init__(self, cfg: DecoderConfig) -> None:
-        super().__init__()
-        self.config = cfg
-        self.model = DecoderModel(cfg)
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """(batch, seq) int64 token ids -> (batch, seq, vocab) logits."""
-        x = self.model.embed_tokens(input_ids)
-        for layer in self.model.layers:
-            x = layer(x)
-        return self.lm_head(self.model.norm(x))
+    Returns:
+        ``(tokens, logits)``: the chosen ids and their step logits, (new_tokens, vocab) float32 on the host.
+    """
+    device = next(module.parameters()).device
+    ids = prompt.to(device)
+    chosen, rows = [], []
+    for _ in range(new_tokens):
+        last = module(input_ids=ids, use_cache=False).logits[0, -1]
+        token = int(last.argmax())
+        chosen.append(token)
+        rows.append(last.float().cpu())
+        ids = torch.cat([ids, torch.tensor([[token]], device=device)], dim=1)
+    return chosen, torch.stack(rows)
 
 
 class TensorModel(nn.Module):
@@ -177,30 +136,9 @@ class TensorModel(nn.Module):
                     owner.add_module(part, nn.Module())
                 owner = getattr(owner, part)
             if tensor.is_floating_point():
-                owner.register_parameter(leaf, nn.Parameter(tensor.clone()))
+                owner.register_parameter(leaf, nn.Parameter(tensor))
             else:
-                owner.register_buffer(leaf, tensor.clone())
-
-
-def init_decoder(cfg: DecoderConfig, seed: int = 0) -> DecoderForCausalLM:
-    """A bf16 decoder with Hugging Face's Qwen2 initialisation: normal(0, 0.02) weights (``initializer_range``),
-    zero biases, unit norms. Built on the meta device first, so no time goes into a default init that
-    would be overwritten (494M parameters for the 0.5B layout)."""
-    with torch.device("meta"):
-        module = DecoderForCausalLM(cfg)
-    module = module.to_empty(device="cpu").to(torch.bfloat16)
-    if cfg.tie_word_embeddings:  # to_empty materialises the two names separately: tie them again
-        module.lm_head.weight = module.model.embed_tokens.weight
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in module.named_parameters():
-            if name.endswith("layernorm.weight") or name.endswith("norm.weight"):
-                p.fill_(1.0)
-            elif name.endswith(".bias"):
-                p.zero_()
-            else:
-                p.normal_(0.0, 0.02, generator=g)
-    return module
+                owner.register_buffer(leaf, tensor)
 
 
 def _target(name: str, like: torch.Tensor) -> torch.Tensor:
@@ -211,13 +149,33 @@ def _target(name: str, like: torch.Tensor) -> torch.Tensor:
 
 
 def safetensors_files(path: pathlib.Path) -> list[pathlib.Path]:
-    """The ``.safetensors`` files at ``path`` (the file itself, or every one in a directory, sorted).
+    """The ``.safetensors`` files that make up the checkpoint at ``path``.
+
+    A file is itself. A directory with ``model.safetensors.index.json`` is exactly the shards its
+    ``weight_map`` names (in index order; any other ``.safetensors`` file there is not part of the model,
+    as Hugging Face's loaders read it); a directory without an index is every ``.safetensors`` file in it,
+    sorted.
 
     Raises:
-        MissingFileError: ``path`` does not exist or holds no ``.safetensors`` file.
-        UsageError: a file's safetensors header cannot be read.
+        MissingFileError: ``path`` does not exist or holds no ``.safetensors`` file, or the index names a
+            shard the directory lacks (the message names the shard).
+        UsageError: the index is not valid JSON with a ``weight_map``, or a file's safetensors header cannot
+            be read.
     """
-    files = [path] if path.is_file() else sorted(path.glob("*.safetensors")) if path.is_dir() else []
+    index = path / INDEX_NAME if path.is_dir() else None
+    if index is not None and index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            shards = list(dict.fromkeys(weight_map.values()))
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise UsageError(f"--model {str(path)!r}: {INDEX_NAME} has no readable weight_map ({exc!r})") from None
+        missing = [s for s in shards if not (path / s).is_file()]
+        if missing:
+            raise MissingFileError(f"--model {str(path)!r}: {INDEX_NAME} lists shard {missing[0]!r}, which the "
+                                    f"directory lacks ({len(missing)} of {len(shards)} shards missing)")
+        files = [path / s for s in shards]
+    else:
+        files = [path] if path.is_file() else sorted(path.glob("*.safetensors")) if path.is_dir() else []
     if not files:
         raise MissingFileError(f"--model {str(path)!r}: no such safetensors file or directory of them "
                                 f"(presets: {', '.join(PRESETS)})")
@@ -232,35 +190,56 @@ def safetensors_files(path: pathlib.Path) -> list[pathlib.Path]:
     return files
 
 
-def build(model: str, seed: int = 0) -> tuple[nn.Module, Callable[[nn.Module], torch.Tensor]]:
-    """(module on the host, loss_fn(module) -> scalar) for a preset name or a safetensors path.
+def load_checkpoint(path: pathlib.Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the checkpoint at ``path`` (see :func:`safetensors_files`), on the host.
 
-    Presets are bf16 and train on a fixed synthetic batch of 2 x 16 tokens; checkpoints keep their own
-    dtypes and regress toward fixed random targets.
+    With an index, only the tensors its ``weight_map`` names are kept, each from the shard it names.
 
     Raises:
-        MissingFileError: ``model`` is neither a preset nor an existing safetensors file/directory.
+        What :func:`safetensors_files` raises; ``UsageError`` when a shard lacks a tensor the index assigns it.
+    """
+    from safetensors.torch import load_file
+
+    files = safetensors_files(path)
+    index = path / INDEX_NAME if path.is_dir() else None
+    if index is None or not index.is_file():
+        tensors: dict[str, torch.Tensor] = {}
+        for file in files:
+            tensors.update(load_file(str(file)))
+        return tensors
+    weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+    by_shard = {file.name: load_file(str(file)) for file in files}
+    tensors = {}
+    for name, shard in weight_map.items():
+        if name not in by_shard[shard]:
+            raise UsageError(f"--model {str(path)!r}: {INDEX_NAME} puts tensor {name!r} in {shard!r}, which lacks it")
+        tensors[name] = by_shard[shard][name]
+    return tensors
+
+
+def build(model: str, seed: int = 0) -> tuple[nn.Module, Callable[[nn.Module], torch.Tensor]]:
+    """The trainer's (module on the host, loss_fn(module) -> scalar) for a preset name or a safetensors path.
+
+    Presets are fp32 master weights (published as bf16) training on a fixed synthetic batch of 2 x 16
+    tokens; checkpoints keep their own dtypes and regress toward fixed random targets.
+
+    Raises:
+        MissingFileError, UsageError: from :func:`safetensors_files` for a bad path.
     """
     torch.manual_seed(seed)
     if model in PRESETS:
-        cfg = PRESETS[model]
-        module = init_decoder(cfg, seed)
-        tokens = torch.randint(0, cfg.vocab_size, (2, 17), generator=torch.Generator().manual_seed(seed))
+        module = causal_lm(model, torch.float32, seed=seed).train()
+        vocab = PRESETS[model]["vocab_size"]
+        tokens = torch.randint(0, vocab, (2, 17), generator=torch.Generator().manual_seed(seed))
 
         def lm_loss(m: nn.Module) -> torch.Tensor:
-            device = next(m.parameters()).device
-            batch = tokens.to(device)
-            logits = m(batch[:, :-1])
+            batch = tokens.to(next(m.parameters()).device)
+            logits = m(input_ids=batch[:, :-1], use_cache=False).logits
             return F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten())
 
         return module, lm_loss
 
-    from safetensors.torch import load_file
-
-    tensors: dict[str, torch.Tensor] = {}
-    for file in safetensors_files(pathlib.Path(model)):
-        tensors.update(load_file(str(file)))
-    module = TensorModel(tensors)
+    module = TensorModel(load_checkpoint(pathlib.Path(model)))
 
     def regression_loss(m: nn.Module) -> torch.Tensor:
         total = None
@@ -274,10 +253,50 @@ def build(model: str, seed: int = 0) -> tuple[nn.Module, Callable[[nn.Module], t
     return module, regression_loss
 
 
+def serving_model(model: str, device: torch.device | str = "cpu") -> nn.Module:
+    """A rollout's model before its first update: a preset's bf16 ``Qwen2ForCausalLM`` (zeros), or for a
+    checkpoint path a :class:`TensorModel` of its names, shapes and dtypes (zeros; no tensor data read)."""
+    if model in PRESETS:
+        return causal_lm(model, torch.bfloat16, device=device, seed=None)
+    from safetensors import safe_open
+
+    path = pathlib.Path(model)
+    files = safetensors_files(path)
+    index = path / INDEX_NAME if path.is_dir() else None
+    wanted = set(json.loads(index.read_text())["weight_map"]) if index is not None and index.is_file() else None
+    tensors: dict[str, torch.Tensor] = {}
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                if wanted is not None and name not in wanted:
+                    continue
+                meta = f.get_slice(name)
+                dtype = _SAFETENSORS_DTYPES[meta.get_dtype()]
+                tensors[name] = torch.zeros(meta.get_shape(), dtype=dtype, device=device)
+    return TensorModel(tensors)
+
+
+_SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                       "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+                       "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+
+
+def published(module: nn.Module, dtype: torch.dtype | None = None):
+    """``(name, tensor)`` pairs a trainer publishes: parameters (tied ones once, under their first name, as
+    ``named_parameters`` gives them) then persistent buffers, floating-point ones cast to ``dtype``."""
+    for name, p in module.named_parameters():
+        t = p.detach()
+        yield name, t if dtype is None or not t.is_floating_point() or t.dtype == dtype else t.to(dtype)
+    persistent = set(module.state_dict(keep_vars=True))
+    for name, b in module.named_buffers():
+        if name in persistent:
+            yield name, b.detach()
+
+
 def num_bytes(module: nn.Module) -> int:
     """Bytes of the module's state_dict (tied tensors counted once per name, as they are published)."""
     return sum(t.numel() * t.element_size() for t in module.state_dict().values())
 
 
-__all__ = ["PRESETS", "DecoderConfig", "DecoderForCausalLM", "TensorModel", "build", "num_bytes",
-           "safetensors_files"]
+__all__ = ["PRESETS", "INDEX_NAME", "TensorModel", "build", "causal_lm", "greedy_decode", "load_checkpoint",
+           "num_bytes", "prompt_ids", "published", "qwen2_config", "safetensors_files", "serving_model"]

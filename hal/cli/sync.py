@@ -1,33 +1,43 @@
-"""``hal sync``: the RL weight-sync loop a user runs first.
+"""``hal sync``: the RL weight-sync loop a user runs first, shaped like an RL job's trainer and rollouts.
 
 One trainer rank and ``--rollouts`` rollout ranks on one device kind. Each of ``--steps`` steps:
 
-1. the trainer engine takes a real optimizer step on a synthetic batch;
-2. it offloads per ``--offload`` (none / optimizer / model / all) to the host;
-3. it publishes its weights tagged with ``global_steps`` through the chosen checkpoint engine;
-4. every rollout receives them, checks the step and a per-tensor checksum (BLAKE2b of the tensor's bytes)
-   against the trainer's, and applies them (all-or-nothing, through ``ckpt.InMemoryRolloutAdapter``);
-5. the trainer onloads what it offloaded.
+1. the trainer takes a real AdamW step on its fp32 master weights (a transformers ``Qwen2ForCausalLM``
+   built from the published Qwen2.5-0.5B configuration for the default preset) and offloads per
+   ``--offload``;
+2. it casts the weights to the published dtype (bf16 for presets, as verl's actor hands its rollout bf16)
+   into one flat buffer and publishes them tagged with ``global_steps`` through the chosen engine;
+3. every rollout, an inference-server stand-in holding its own bf16 model (``ckpt.ModelRolloutAdapter``),
+   loads the update into that model's existing parameters (the collective engine receives straight into
+   them), all-or-nothing unless ``--rollout-apply in-place``;
+4. off the transfer's critical path, every rollout proves what it serves: a greedy decode of a fixed
+   prompt whose tokens equal, and whose logits are within ``--logits-atol`` of, the trainer's own bf16
+   model at that step, and a per-tensor CRC-32 equal to the trainer's;
+5. the same bytes are broadcast raw (one call, from the trainer's published buffer to the same rollouts,
+   on a group of the same backend): the reference the step's throughput is divided by;
+6. the trainer onloads what it offloaded.
 
-``--engine collective``, ``file``, ``nixl``, ``mooncake`` and ``kimi`` run the ranks as separate processes started by
+Per step, ``--json`` reports the publish-to-all-applied time and throughput, its ratio to that raw
+broadcast, the peak resident (host) memory of every rank against its stated bound, and each rollout's
+verification. ``--engine collective``, ``file``, ``nixl``, ``mooncake`` and ``kimi`` run the ranks as separate processes started by
 ``torch.distributed.launcher`` (the library behind ``torch.distributed.run``); ``colocated`` runs trainer
-and rollouts in one process, as a colocated deployment does. Processes coordinate the checksums and
-per-step results through a ``torch.distributed`` TCPStore on the loopback address.
+and rollouts in one process, as a colocated deployment does (no raw reference there). Processes exchange
+results through a ``torch.distributed`` TCPStore on the loopback address.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
-import hashlib
 import json
 import os
 import pathlib
-import resource
 import sys
 import tempfile
 import time
 import uuid
+import zlib
 from typing import Any, Literal
 
 import torch
@@ -43,16 +53,22 @@ OFFLOAD_FLAGS: dict[str, dict[str, bool]] = {
     "all": {"model": True, "optimizer": True, "grad": True},
 }
 
+RUNTIME_BYTES = 768 << 20
+"""The stated constant of the memory bounds, in bytes: a rank's resident memory besides its model,
+optimizer and buffers (the interpreter, torch and transformers, activations of a step or a decode)."""
+
 
 @dataclasses.dataclass
 class Sync:
-    """Run an RL weight-sync loop: train, offload, publish with global_steps, receive and verify, onload."""
+    """Run an RL weight-sync loop: train, offload, publish with global_steps, load into rollout models,
+    verify by greedy decode and checksums, onload."""
 
     device: str | None = None
     """Device kind (npu, cuda, cpu, npu-sim, ...); default $HAL_DEVICE, else the first available."""
     model: str = "qwen2.5-0.5b"
-    """A preset (qwen2.5-0.5b: the Qwen2.5-0.5B tensor layout, bf16, about 1 GB; qwen2.5-tiny: same layout,
-    small) or a path to a .safetensors file or a directory of them."""
+    """A preset (qwen2.5-0.5b: transformers' Qwen2 with the Qwen2.5-0.5B configuration, random init, 0.99 GB
+    published per step in bf16; qwen2.5-tiny: same layout, small) or a path to a .safetensors file or a
+    directory of them (model.safetensors.index.json honoured)."""
     rollouts: int = 2
     """Rollout ranks receiving each step."""
     steps: int = 3
@@ -61,10 +77,19 @@ class Sync:
     """What the trainer offloads to the host between its step and the next."""
     engine: Literal["collective", "file", "colocated", "nixl", "mooncake", "kimi"] = "collective"
     """Checkpoint engine publishing the weights (nixl, mooncake, kimi: where ``hal info`` lists them available)."""
+    rollout_apply: Literal["atomic", "in-place"] = "atomic"
+    """atomic: rollouts load into a second weight bank and switch when the update is whole (a failed update
+    leaves the previous step in service; memory 2 x model). in-place: into the served weights (memory
+    1 x model; a failed update leaves the rollout serving no step)."""
     bucket_mb: float = 256.0
     """Bucket size of the bucketed engines (collective, nixl, mooncake), in MiB."""
     lr: float = 1e-4
     """AdamW learning rate."""
+    decode_tokens: int = 4
+    """Tokens of the greedy decode each rollout and the trainer run after every update (presets only)."""
+    logits_atol: float = 1e-2
+    """Largest absolute difference allowed between a rollout's decode logits and the trainer's (same bf16
+    weights and kernels give 0; the tolerance covers kernels that differ across processes)."""
     timeout: float = 300.0
     """Seconds any rendezvous, transfer or wait may take before it is an error."""
     file_root: str | None = None
@@ -85,16 +110,19 @@ def validate(args: Sync) -> None:
 
     Raises:
         UsageError: a count or size is not positive (names the flag and value).
-        MissingFileError: ``--model`` is neither a preset nor a safetensors file/directory.
+        MissingFileError: ``--model`` is neither a preset nor a safetensors file/directory (or its index
+            names a missing shard).
         UnknownDeviceError, DeviceUnavailableError: ``--device`` cannot be used here.
         DeviceIndexError: fewer visible devices than local processes (trainer + rollouts).
     """
     from hal.cli.models import PRESETS, safetensors_files
 
     for flag, value in (("--rollouts", args.rollouts), ("--steps", args.steps), ("--bucket-mb", args.bucket_mb),
-                        ("--timeout", args.timeout), ("--lr", args.lr)):
+                        ("--timeout", args.timeout), ("--lr", args.lr), ("--decode-tokens", args.decode_tokens)):
         if not value > 0:
             raise UsageError(f"{flag} must be positive, got {value}")
+    if not args.logits_atol >= 0:
+        raise UsageError(f"--logits-atol must be >= 0, got {args.logits_atol}")
     if args.model not in PRESETS:
         safetensors_files(pathlib.Path(args.model))
     if args.engine in ("nixl", "mooncake", "kimi"):
@@ -113,11 +141,11 @@ def validate(args: Sync) -> None:
 
 
 def checksums(weights) -> dict[str, str]:
-    """``{name: BLAKE2b-128 hex digest of the tensor's bytes}``, in iteration order (host copies as needed)."""
+    """``{name: CRC-32 (hex) of the tensor's bytes}``, in iteration order (host copies as needed)."""
     out = {}
     for name, tensor in weights:
         data = tensor.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy()
-        out[name] = hashlib.blake2b(data.tobytes() if data.size == 0 else data, digest_size=16).hexdigest()
+        out[name] = f"{zlib.crc32(data) & 0xFFFFFFFF:08x}"
     return out
 
 
@@ -140,28 +168,110 @@ def verify(adapter, step: int, expected: dict[str, str]) -> str | None:
     return first_mismatch(expected, checksums(adapter.state_dict().items()))
 
 
+def verify_rollout(adapter, step: int, expected: dict[str, str], reference: dict[str, Any] | None,
+                   decode, atol: float) -> dict[str, Any]:
+    """What a rollout proves after receiving ``step``.
+
+    Args:
+        adapter: the rollout's ``ModelRolloutAdapter``.
+        expected: the trainer's checksums ``{name: crc}``.
+        reference: the trainer's decode ``{"tokens": [...], "logits": (n, vocab) float32}``, or ``None``.
+        decode: ``() -> (tokens, logits)`` on the rollout's served model, or ``None`` (no decode).
+
+    Returns:
+        ``{"error": None | sentence, "tokens": [...], "tokens_equal": bool, "logits_max_diff": float,
+        "verify_s": seconds}``: ``error`` names the step served, the first tensor whose checksum differs,
+        or the decode that differs.
+    """
+    start = time.perf_counter()
+    out: dict[str, Any] = {"tokens": None, "tokens_equal": None, "logits_max_diff": None}
+    out["error"] = verify(adapter, step, expected)
+    if adapter.served_step == step:
+        if reference is not None and decode is not None:
+            tokens, logits = decode()
+            diff = float((logits - reference["logits"]).abs().max())
+            out.update(tokens=tokens, tokens_equal=tokens == reference["tokens"], logits_max_diff=diff)
+            if out["error"] is None and tokens != reference["tokens"]:
+                out["error"] = f"greedy decode gave tokens {tokens}, the trainer's model {reference['tokens']}"
+            elif out["error"] is None and not diff <= atol:
+                out["error"] = f"decode logits differ from the trainer's by {diff:.3g} (> --logits-atol {atol:g})"
+    out["verify_s"] = time.perf_counter() - start
+    return out
+
+
+# ---- memory ---------------------------------------------------------------------------------------
+def _reset_peak(kind: str) -> None:
+    """Start a new peak-memory window: host VmHWM (Linux clear_refs 5) and the device's peak counter."""
+    with contextlib.suppress(OSError):
+        pathlib.Path("/proc/self/clear_refs").write_text("5")
+    with contextlib.suppress(Exception):
+        hal.get_torch_device(kind).reset_peak_memory_stats()
+
+
 def _peak_host_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+    """Peak resident memory of this process since the last :func:`_reset_peak` (VmHWM), in bytes."""
+    with contextlib.suppress(OSError):
+        for line in pathlib.Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+def _peak_device_bytes(kind: str) -> int:
+    return int(hal.memory_stats(kind)["max_allocated"])
+
+
+@contextlib.contextmanager
+def _threads(n: int):
+    """Run the block with ``n`` intra-op threads (decodes use 1 everywhere, so kernels match bitwise)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+# ---- trainer --------------------------------------------------------------------------------------
 class _Trainer:
-    """Rank 0: a TorchEngine with AdamW on the chosen kind."""
+    """Rank 0: fp32 master weights in a TorchEngine with AdamW; publishes a bf16 (presets) flat buffer."""
 
     def __init__(self, args: Sync) -> None:
-        from hal.cli.models import build
         from engines import TorchEngine
+        from hal.cli import models
 
-        self.kind = hal.resolve_device(args.device).kind
-        module, self.loss_fn = build(args.model)
-        # TorchEngine moves parameters in place, so the optimizer may be built on the host module first.
-        optimizer = torch.optim.AdamW([p for p in module.parameters() if p.requires_grad], lr=args.lr)
-        self.engine = TorchEngine(module, optimizer, device=self.kind)
+        import ckpt
+
+        self.args, self.kind = args, hal.resolve_device(args.device).kind
+        self.device = hal.get_device(self.kind)
+        self.preset = args.model in models.PRESETS
+        module, self.loss_fn = models.build(args.model)
+        params = [p for p in module.parameters() if p.requires_grad]
+        fused = self.kind == "cpu" and all(p.dtype == torch.float32 for p in params)  # one pass over the states
+        optimizer = torch.optim.AdamW(params, lr=args.lr, **({"fused": True} if fused else {}))
+        self.engine = TorchEngine(module, optimizer, device=self.kind)  # moves parameters in place
         self.flags = OFFLOAD_FLAGS[args.offload]
+        self.layout = ckpt.WeightLayout(module, dtype=torch.bfloat16 if self.preset else None)
+        self.model_bytes = sum(p.numel() * p.element_size() for p in module.parameters())
+        self.skeleton = None
+        if self.preset:  # the trainer's own bf16 model, bound to each step's published buffer for its decode
+            self.skeleton = models.causal_lm(args.model, torch.bfloat16, device=self.device, seed=None)
+            self.layout.bind(self.skeleton, None)
+            self.prompt = models.prompt_ids(args.model)
+        self.bank: torch.Tensor | None = None
 
     def step(self) -> dict[str, Any]:
         start = time.perf_counter()
         loss = self.engine.train_step(self.loss_fn)
         train_s = time.perf_counter() - start
+        states = sum(t.numel() * t.element_size() for s in self.engine.optimizer.state.values()
+                     for t in s.values() if isinstance(t, torch.Tensor))
+        self.bounds = {"model_bytes": self.model_bytes, "grad_bytes": self.model_bytes,
+                       "optimizer_bytes": states}
+        if not self.flags:
+            self.engine.optimizer.zero_grad(set_to_none=True)  # gradients are not needed until the next step
         start = time.perf_counter()
         if self.flags:
             self.engine.to("cpu", **self.flags)
@@ -169,33 +279,98 @@ class _Trainer:
         return {"loss": loss, "train_s": train_s, "offload_s": offload_s,
                 "placement": dataclasses.asdict(self.engine.placement())}
 
-    def finish(self, row: dict[str, Any]) -> dict[str, Any]:
-        """Onload what ``step`` offloaded and add the onload time and peak memory figures to ``row``."""
-        start = time.perf_counter()
-        if self.flags:
-            self.engine.to(self.kind, **self.flags)
-        row["onload_s"] = time.perf_counter() - start
-        row["peak_device_bytes"] = hal.memory_stats(self.kind)["max_allocated"]
-        row["peak_host_bytes"] = _peak_host_bytes()
-        return row
-
     def sums(self) -> tuple[dict[str, str], int]:
+        """Checksums and bytes of what ``engine.get_per_tensor_param()`` gives (the Ray launcher publishes that)."""
         total, sums = 0, {}
         for name, tensor in self.engine.get_per_tensor_param()[0]:
             sums.update(checksums([(name, tensor)]))
             total += tensor.numel() * tensor.element_size()
         return sums, total
 
+    def stage(self) -> float:
+        """Cast the weights into a fresh published buffer (the trainer's bf16 model views it); seconds."""
+        from ckpt.serving import named_weights
+
+        start = time.perf_counter()
+        self.bank = torch.empty(self.layout.nbytes, dtype=torch.uint8, device=self.device)
+        self.layout.fill(self.bank, named_weights(self.engine.module))
+        if self.skeleton is not None:
+            self.layout.bind(self.skeleton, self.bank)
+        hal.synchronize(self.kind)
+        return time.perf_counter() - start
+
+    def published(self):
+        """``(name, tensor)`` views of the published buffer, back to back (the engine sends them as runs)."""
+        return self.layout.views(self.bank)
+
+    def reference(self) -> tuple[dict[str, str], dict[str, Any] | None]:
+        """Checksums of the published buffer and the trainer's own greedy decode of it."""
+        from hal.cli import models
+
+        sums = checksums(self.published())
+        if self.skeleton is None:
+            return sums, None
+        with _threads(1):
+            tokens, logits = models.greedy_decode(self.skeleton, self.prompt, self.args.decode_tokens)
+        return sums, {"tokens": tokens, "logits": logits}
+
+    def release(self) -> None:
+        if self.skeleton is not None:
+            self.layout.bind(self.skeleton, None)
+        self.bank = None
+
+    def finish(self, row: dict[str, Any]) -> dict[str, Any]:
+        """Onload what ``step`` offloaded and add the onload time and peak memory figures to ``row``."""
+        start = time.perf_counter()
+        if self.flags:
+            self.engine.to(self.kind, **self.flags)
+        row["onload_s"] = time.perf_counter() - start
+        row["peak_device_bytes"] = _peak_device_bytes(self.kind)
+        row["peak_host_bytes"] = _peak_host_bytes()
+        return row
+
+    def memory_bound(self, bucket_bytes: int) -> int:
+        """Stated bound of the trainer's peak: params + grads + optimizer states + 3 buckets + constant."""
+        b = self.bounds
+        return b["model_bytes"] + b["grad_bytes"] + b["optimizer_bytes"] + 3 * bucket_bytes + RUNTIME_BYTES
+
+
+def _rollout_model(args: Sync):
+    from hal.cli import models
+
+    import ckpt
+
+    kind = hal.resolve_device(args.device).kind
+    module = models.serving_model(args.model, hal.get_device(kind))
+    adapter = ckpt.ModelRolloutAdapter(module, atomic=args.rollout_apply == "atomic")
+    decode = None
+    if args.model in models.PRESETS:
+        prompt = models.prompt_ids(args.model)
+
+        def decode():
+            with _threads(1):
+                return models.greedy_decode(module, prompt, args.decode_tokens)
+    return adapter, decode
+
+
+def _rollout_bound(adapter, bucket_bytes: int) -> int:
+    """Stated bound of a rollout's peak: its banks (1 or 2 x model bytes) + 2 buckets + constant."""
+    return len(adapter.banks) * adapter.layout.nbytes + 2 * bucket_bytes + RUNTIME_BYTES
+
 
 def _make_checkpoint_engine(args: Sync, rank: int, world_size: int, port: int, root: str):
     import ckpt
 
+    kind = hal.resolve_device(args.device).kind
     if args.engine in ("collective", "nixl", "mooncake", "kimi"):
         return ckpt.get_checkpoint_engine(args.engine, rank=rank, world_size=world_size, master_addr="127.0.0.1",
-                                          master_port=port, bucket_size=int(args.bucket_mb * (1 << 20)),
-                                          device=hal.resolve_device(args.device).kind, timeout=args.timeout)
-    return ckpt.get_checkpoint_engine("file", root=root, keep_last=2, device=hal.resolve_device(args.device).kind,
-                                      timeout=args.timeout)
+                                          master_port=port, bucket_size=_bucket_bytes(args), device=kind,
+                                          timeout=args.timeout)
+    return ckpt.get_checkpoint_engine("file", root=root, keep_last=2, device=kind, timeout=args.timeout)
+
+
+def _bucket_bytes(args: Sync) -> int:
+    return int(args.bucket_mb * (1 << 20))
 
 
 def _release(engine) -> None:
@@ -215,64 +390,117 @@ def _progress():
 
 
 def _rank_main(args_dict: dict[str, Any], ckpt_port: int, ctl_port: int, root: str) -> dict[str, Any]:
-    """One process of a multi-process sync: rank 0 trains and publishes, the others receive and verify."""
+    """One process of a multi-process sync: rank 0 trains and publishes, the others load and verify."""
     args = Sync(**args_dict)
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     hal.bind_local_device(args.device)  # one device per rank: LOCAL_RANK's
     store = hal.connect_store("127.0.0.1", ctl_port, rank, world_size, timeout=args.timeout)
+    kind = hal.resolve_device(args.device).kind
+    # the raw reference: a group of the same backend and ranks, formed once, beside the engine's own
+    raw_group = hal.new_group_from_store(store, rank, world_size, kind, args.timeout, "raw")
     engine = _make_checkpoint_engine(args, rank, world_size, ckpt_port, root)
-    if rank == 0:
-        return asyncio.run(_trainer_loop(args, engine, store, world_size))
-    return asyncio.run(_rollout_loop(args, engine, store, rank))
+    try:
+        if rank == 0:
+            return asyncio.run(_trainer_loop(args, engine, store, raw_group, world_size))
+        return asyncio.run(_rollout_loop(args, engine, store, raw_group, rank))
+    finally:
+        raw_group.close()
 
 
-async def _trainer_loop(args: Sync, engine, store, world_size: int) -> dict[str, Any]:
-    import ckpt
+def _raw_broadcast(group, tensor: torch.Tensor) -> None:
+    """One broadcast of ``tensor`` from rank 0 on ``group``; returns when it completed here."""
+    group.broadcast(tensor, 0)
 
+
+def _logits_bytes(logits: torch.Tensor) -> bytes:
+    return logits.contiguous().numpy().tobytes()
+
+
+async def _trainer_loop(args: Sync, engine, store, raw_group, world_size: int) -> dict[str, Any]:
     trainer = _Trainer(args)
-    publisher = ckpt.TrainerWorker(trainer.engine, engine)
+    receivers = range(1, world_size)
     rows = []
     with _progress() as progress:
         task = progress.add_task("sync", total=args.steps)
         for step in range(1, args.steps + 1):
+            _reset_peak(trainer.kind)
             progress.update(task, description=f"step {step}: train")
             row = {"global_steps": step, **trainer.step()}
-            sums, nbytes = trainer.sums()
-            store.set(f"sums/{step}", json.dumps(sums))
             progress.update(task, description=f"step {step}: publish")
-            hal.synchronize(trainer.kind)
-            start = time.perf_counter()
-            await publisher.update_weights(step)
-            row["publish_s"] = time.perf_counter() - start
-            row["bytes"] = nbytes
-            row["tensors"] = len(sums)
-            results = [json.loads(store.get(f"result/{step}/{r}")) for r in range(1, world_size)]
-            row["rollouts"] = results
-            rows.append(trainer.finish(row))
+            row["stage_s"] = trainer.stage()
+            nbytes = trainer.layout.nbytes
+            t0 = time.time()
+            await engine.send_weights(trainer.published(), step)
+            row["send_s"] = time.time() - t0
+            applied = [json.loads(store.get(f"applied/{step}/{r}")) for r in receivers]
+            row["publish_s"] = max(a["t"] for a in applied) - t0
+            progress.update(task, description=f"step {step}: verify")
+            sums, ref = trainer.reference()
+            store.set(f"sums/{step}", json.dumps(sums))
+            store.set(f"ref/{step}", json.dumps(None if ref is None else {"tokens": ref["tokens"]}))
+            if ref is not None:
+                store.set(f"logits/{step}", _logits_bytes(ref["logits"]))
+                row["tokens"] = ref["tokens"]
+            # the raw reference: the same bytes, one broadcast, to the same rollouts, right after
+            for r in receivers:
+                store.get(f"rawready/{step}/{r}")
+            t_raw = time.time()
+            await asyncio.to_thread(_raw_broadcast, raw_group, trainer.bank)
+            row["raw_s"] = max(float(store.get(f"rawdone/{step}/{r}")) for r in receivers) - t_raw
+            trainer.release()
+            row["bytes"], row["tensors"] = nbytes, len(sums)
+            row["gbps"] = nbytes / row["publish_s"] / 1e9
+            row["raw_gbps"] = nbytes / row["raw_s"] / 1e9
+            row["ratio_vs_raw"] = row["raw_s"] / row["publish_s"]
+            row["rollouts"] = [json.loads(store.get(f"result/{step}/{r}")) for r in receivers]
+            trainer.finish(row)
+            row["memory_bound_bytes"] = trainer.memory_bound(_bucket_bytes(args))
+            row["memory_bounds"] = {**trainer.bounds, "bucket_bytes": _bucket_bytes(args),
+                                    "runtime_bytes": RUNTIME_BYTES}
+            rows.append(row)
             progress.advance(task)
     _release(engine)
     return {"rows": rows}
 
 
-async def _rollout_loop(args: Sync, engine, store, rank: int) -> dict[str, Any]:
+async def _rollout_loop(args: Sync, engine, store, raw_group, rank: int) -> dict[str, Any]:
     import ckpt
 
-    adapter = ckpt.InMemoryRolloutAdapter()
+    kind = hal.resolve_device(args.device).kind
+    adapter, decode = _rollout_model(args)
     worker = ckpt.CheckpointEngineWorker(engine, adapter)
+    bound = _rollout_bound(adapter, _bucket_bytes(args))
     for step in range(1, args.steps + 1):
+        _reset_peak(kind)
         result: dict[str, Any] = {"rank": rank, "served_step": None, "error": None}
         start = time.perf_counter()
         try:
             await worker.update_weights(step)
-            result["receive_s"] = time.perf_counter() - start
-            result["served_step"] = adapter.served_step
-            result["error"] = verify(adapter, step, json.loads(store.get(f"sums/{step}")))
+            hal.synchronize(kind)
         except hal.HalError as exc:
             result["error"] = f"{type(exc).__name__}: {exc}"
+        store.set(f"applied/{step}/{rank}", json.dumps({"t": time.time(), "error": result["error"]}))
+        result["receive_s"] = time.perf_counter() - start
+        result["copied_bytes"] = adapter.last_copied_bytes
+        result["served_step"] = adapter.served_step
         result["peak_host_bytes"] = _peak_host_bytes()
+        result["peak_device_bytes"] = _peak_device_bytes(kind)
+        result["memory_bound_bytes"] = bound
+        result["banks"] = [b.data_ptr() for b in adapter.banks]
+        sums = json.loads(store.get(f"sums/{step}"))
+        ref = json.loads(store.get(f"ref/{step}"))
+        if ref is not None:
+            ref["logits"] = torch.frombuffer(bytearray(store.get(f"logits/{step}")), dtype=torch.float32).view(
+                len(ref["tokens"]), -1)
+        checked = verify_rollout(adapter, step, sums, ref, decode, args.logits_atol)
+        result["error"] = result["error"] or checked.pop("error")
+        result.update(checked)
+        # the raw reference lands in the staging bank: the same bytes the rollout serves, so nothing changes
+        target = adapter.staging[:adapter.layout.nbytes]
+        store.set(f"rawready/{step}/{rank}", "1")
+        await asyncio.to_thread(_raw_broadcast, raw_group, target)
+        store.set(f"rawdone/{step}/{rank}", repr(time.time()))
         store.set(f"result/{step}/{rank}", json.dumps(result))
-        if result["error"]:
-            break
     _release(engine)
     return {"rank": rank}
 
@@ -283,32 +511,47 @@ async def _colocated(args: Sync) -> dict[str, Any]:
 
     trainer = _Trainer(args)
     channels = [ckpt.get_checkpoint_engine("colocated") for _ in range(args.rollouts)]
-    adapters = [ckpt.InMemoryRolloutAdapter() for _ in channels]
+    rollouts = [_rollout_model(args) for _ in channels]
     rows = []
     with _progress() as progress:
         task = progress.add_task("sync", total=args.steps)
         for step in range(1, args.steps + 1):
+            _reset_peak(trainer.kind)
             row = {"global_steps": step, **trainer.step()}
-            sums, nbytes = trainer.sums()
+            row["stage_s"] = trainer.stage()
             start = time.perf_counter()
-            sends = [ckpt.TrainerWorker(trainer.engine, ch).update_weights(step) for ch in channels]
-            receives = [ckpt.CheckpointEngineWorker(ch, ad).update_weights(step) for ch, ad in zip(channels, adapters)]
+            sends = [ch.send_weights(trainer.published(), step) for ch in channels]
+            receives = [ckpt.CheckpointEngineWorker(ch, ad).update_weights(step) for ch, (ad, _) in zip(channels, rollouts)]
             await asyncio.gather(*sends, *receives)
-            row.update(publish_s=time.perf_counter() - start, bytes=nbytes, tensors=len(sums))
-            row["rollouts"] = [{"rank": i + 1, "served_step": ad.served_step, "error": verify(ad, step, sums)}
-                               for i, ad in enumerate(adapters)]
-            rows.append(trainer.finish(row))
+            row.update(publish_s=time.perf_counter() - start, bytes=trainer.layout.nbytes)
+            sums, ref = trainer.reference()
+            row["tensors"] = len(sums)
+            row["gbps"] = row["bytes"] / row["publish_s"] / 1e9
+            row.update(raw_s=None, raw_gbps=None, ratio_vs_raw=None)
+            if ref is not None:
+                row["tokens"] = ref["tokens"]
+            row["rollouts"] = []
+            for i, (adapter, decode) in enumerate(rollouts):
+                checked = verify_rollout(adapter, step, sums, ref, decode, args.logits_atol)
+                row["rollouts"].append({"rank": i + 1, "served_step": adapter.served_step,
+                                        "copied_bytes": adapter.last_copied_bytes, **checked})
+            trainer.release()
+            trainer.finish(row)
+            row["memory_bound_bytes"] = (trainer.memory_bound(0) + sum(len(a.banks) * a.layout.nbytes
+                                                                       for a, _ in rollouts))
+            rows.append(row)
             progress.advance(task)
     return {"rows": rows}
 
 
 def execute(args: Sync) -> dict[str, Any]:
-    """Run the loop; returns ``{"rows": [...per step...], "verified": bool, "errors": [...]}``.
+    """Run the loop; returns ``{"rows": [...per step...], "verified": bool, "errors": [...], ...}``.
 
     Raises what :func:`validate` raises, and ``RuntimeError`` when a rank process fails.
     """
     validate(args)
     kind = hal.resolve_device(args.device).kind
+    start = time.perf_counter()
     if args.launcher == "ray":
         from hal.cli.sync_ray import execute_ray
 
@@ -339,8 +582,9 @@ def execute(args: Sync) -> dict[str, Any]:
               for row in result["rows"] for r in row["rollouts"] if r["error"]]
     verified = not errors and len(result["rows"]) == args.steps
     return {"device": kind, "engine": args.engine, "model": args.model, "offload": args.offload,
-            "launcher": args.launcher, **{k: v for k, v in result.items() if k != "rows"},
-            "rows": result["rows"], "verified": verified, "errors": errors}
+            "rollout_apply": args.rollout_apply, "launcher": args.launcher,
+            **{k: v for k, v in result.items() if k != "rows"},
+            "rows": result["rows"], "verified": verified, "errors": errors, "wall_s": time.perf_counter() - start}
 
 
 def print_table(result: dict[str, Any]) -> None:
@@ -350,27 +594,35 @@ def print_table(result: dict[str, Any]) -> None:
     rows = result["rows"]
     tensors = rows[0]["tensors"] if rows else 0
     model = pathlib.Path(result["model"]).name
-    table = Table(title=f"hal sync: {model} ({tensors} tensors) on {result['device']}, "
-                        f"engine {result['engine']}, offload {result['offload']}")
-    # publish = send until every rollout holds the step; peak = device max_allocated / host max RSS
-    for col in ("step", "loss", "MB", "publish s", "GB/s", "offload s", "onload s", "dev MB", "host MB",
-                "served", "ok"):
+    table = Table(title=f"hal sync: {model} ({tensors} tensors) on {result['device']}, engine {result['engine']}, "
+                        f"offload {result['offload']}, rollouts {result['rollout_apply']}")
+    # publish = send until every rollout serves the step; raw = one broadcast of the same bytes;
+    # peak = max resident memory of the trainer / the largest rollout, against its stated bound
+    for col in ("step", "loss", "MB", "publish s", "GB/s", "x raw", "offload s", "onload s", "trainer GB",
+                "rollout GB", "tokens", "served", "ok"):
         table.add_column(col, justify="right")
     for row in rows:
         served = sorted({r["served_step"] for r in row["rollouts"]}, key=lambda s: (s is None, s))
         ok = all(r["error"] is None for r in row["rollouts"])
+        peaks = [r.get("peak_host_bytes") for r in row["rollouts"] if r.get("peak_host_bytes")]
+        bounds = [r.get("memory_bound_bytes") for r in row["rollouts"] if r.get("memory_bound_bytes")]
+        ratio = row.get("ratio_vs_raw")
         table.add_row(str(row["global_steps"]), f"{row['loss']:.4g}", f"{row['bytes'] / 1e6:.0f}",
-                      f"{row['publish_s']:.2f}", f"{row['bytes'] / row['publish_s'] / 1e9:.2f}",
-                      f"{row['offload_s']:.2f}", f"{row['onload_s']:.2f}", f"{row['peak_device_bytes'] / 1e6:.0f}",
-                      f"{row['peak_host_bytes'] / 1e6:.0f}", ",".join(map(str, served)),
+                      f"{row['publish_s']:.2f}", f"{row['gbps']:.2f}", "-" if ratio is None else f"{ratio:.2f}",
+                      f"{row['offload_s']:.2f}", f"{row['onload_s']:.2f}",
+                      f"{row['peak_host_bytes'] / 1e9:.2f}/{row['memory_bound_bytes'] / 1e9:.2f}",
+                      f"{max(peaks) / 1e9:.2f}/{max(bounds) / 1e9:.2f}" if peaks and bounds else "-",
+                      " ".join(map(str, row.get("tokens") or [])) or "-", ",".join(map(str, served)),
                       "[green]yes[/green]" if ok else "[red]NO[/red]")
     console = Console()
     if not console.is_terminal:  # piped or logged: do not squeeze the table into 80 columns
-        console = Console(width=120)
+        console = Console(width=140)
     console.print(table)
     for error in result["errors"]:
         console.print(f"[red]mismatch:[/red] {error}")
-    console.print("[green]every step verified[/green]" if result["verified"] else "[red]verification failed[/red]")
+    how = "tokens, logits and checksums" if rows and rows[0].get("tokens") else "checksums"
+    console.print(f"[green]every step verified ({how}), {result['wall_s']:.1f} s[/green]" if result["verified"]
+                  else "[red]verification failed[/red]")
 
 
 def run(args: Sync) -> int:

@@ -80,7 +80,15 @@ def test_sync_verifies_every_step(hal_device, engine, offload, tmp_path):
     assert [row["global_steps"] for row in result["rows"]] == [1, 2]
     for row in result["rows"]:
         assert [r["served_step"] for r in row["rollouts"]] == [row["global_steps"]] * 2
-        assert row["tensors"] == 27 and row["bytes"] > 2_000_000
+        # transformers' Qwen2: 26 tensors published (the tied lm_head once), about 1.9 MB of bf16
+        assert row["tensors"] == 26 and row["bytes"] > 1_800_000
+        assert len(row["tokens"]) == 4
+        for r in row["rollouts"]:  # the served model decodes exactly what the trainer's own bf16 model does
+            assert r["tokens"] == row["tokens"] and r["tokens_equal"] is True
+            assert r["logits_max_diff"] <= 1e-2
+        if engine != "colocated":
+            assert row["raw_s"] > 0 and row["ratio_vs_raw"] == pytest.approx(row["raw_s"] / row["publish_s"])
+            assert all(r["peak_host_bytes"] <= r["memory_bound_bytes"] for r in row["rollouts"])
     losses = [row["loss"] for row in result["rows"]]
     assert losses[1] < losses[0]  # the optimizer really stepped
 

@@ -1,0 +1,144 @@
+"""ModelRolloutAdapter: updates land in the served module's own parameters, all-or-nothing, in banks that
+keep their addresses; the collective engine receives straight into them."""
+
+import asyncio
+import functools
+
+import pytest
+import torch
+
+import ckpt
+from ckpt.testing import same_bytes
+from hal.cli import models
+
+pytest.importorskip("transformers")
+
+
+@functools.lru_cache(maxsize=None)
+def _trainer_weights(step: int) -> dict[str, torch.Tensor]:
+    """The tiny preset's bf16 weights after ``step`` deterministic changes (what a trainer publishes)."""
+    module = models.causal_lm("qwen2.5-tiny", torch.float32, seed=0)
+    with torch.no_grad():
+        for i, p in enumerate(module.parameters()):
+            p.add_(0.01 * step * (i + 1))
+    return {n: t.detach().to(torch.bfloat16) for n, t in ckpt.serving.named_weights(module)}
+
+
+async def _stream(weights, fail_after: int | None = None):
+    for i, (name, tensor) in enumerate(weights.items()):
+        if fail_after is not None and i == fail_after:
+            raise ckpt.TransferError("the sender died mid-update")
+        yield name, tensor
+
+
+def _decode(module):
+    return models.greedy_decode(module, models.prompt_ids("qwen2.5-tiny"), 4)
+
+
+def _reference(weights):
+    module = models.causal_lm("qwen2.5-tiny", torch.bfloat16, seed=None)
+    with torch.no_grad():
+        for name, t in ckpt.serving.named_weights(module):
+            t.copy_(weights[name])
+    return _decode(module)
+
+
+def test_updates_load_into_the_served_parameters_and_decode_as_the_trainer():
+    module = models.serving_model("qwen2.5-tiny")
+    params_before = {n: p for n, p in module.named_parameters()}
+    adapter = ckpt.ModelRolloutAdapter(module)
+    for step in (1, 2):
+        weights = _trainer_weights(step)
+        asyncio.run(adapter.update_weights(_stream(weights), step))
+        assert adapter.served_step == step
+        assert {n: p for n, p in module.named_parameters()} == params_before  # same Parameter objects
+        assert module.lm_head.weight is module.model.embed_tokens.weight
+        for name, tensor in ckpt.serving.named_weights(module):
+            assert same_bytes(tensor, weights[name]), name
+        tokens, logits = _decode(module)
+        ref_tokens, ref_logits = _reference(weights)
+        assert tokens == ref_tokens and torch.equal(logits, ref_logits)
+
+
+@pytest.mark.parametrize("fail_after", [0, 5, 25])
+def test_a_rollout_failing_mid_apply_serves_and_decodes_the_previous_step(fail_after):
+    module = models.serving_model("qwen2.5-tiny")
+    adapter = ckpt.ModelRolloutAdapter(module)
+    asyncio.run(adapter.update_weights(_stream(_trainer_weights(1)), 1))
+    tokens_1, logits_1 = _decode(module)
+    with pytest.raises(ckpt.TransferError, match="died mid-update"):
+        asyncio.run(adapter.update_weights(_stream(_trainer_weights(2), fail_after=fail_after), 2))
+    assert adapter.served_step == 1
+    for name, tensor in ckpt.serving.named_weights(module):
+        assert same_bytes(tensor, _trainer_weights(1)[name]), name
+    tokens, logits = _decode(module)
+    assert tokens == tokens_1 and torch.equal(logits, logits_1)
+    asyncio.run(adapter.update_weights(_stream(_trainer_weights(3)), 3))  # the next whole update is served
+    assert adapter.served_step == 3 and _decode(module)[0] == _reference(_trainer_weights(3))[0]
+
+
+def test_an_update_lacking_a_tensor_or_carrying_a_stranger_applies_nothing():
+    adapter = ckpt.ModelRolloutAdapter(models.serving_model("qwen2.5-tiny"))
+    asyncio.run(adapter.update_weights(_stream(_trainer_weights(1)), 1))
+    short = dict(list(_trainer_weights(2).items())[:-1])
+    with pytest.raises(ckpt.WeightMismatchError, match="lacks tensor 'model.norm.weight'"):
+        asyncio.run(adapter.update_weights(_stream(short), 2))
+    stranger = {**_trainer_weights(2), "consolidated.weight": torch.zeros(3)}
+    with pytest.raises(ckpt.WeightMismatchError, match="'consolidated.weight' is not among"):
+        asyncio.run(adapter.update_weights(_stream(stranger), 2))
+    assert adapter.served_step == 1
+    assert same_bytes(adapter.state_dict()["model.norm.weight"], _trainer_weights(1)["model.norm.weight"])
+
+
+def test_in_place_mode_holds_one_bank_and_serves_no_step_after_a_partial_update():
+    adapter = ckpt.ModelRolloutAdapter(models.serving_model("qwen2.5-tiny"), atomic=False)
+    assert len(adapter.banks) == 1
+    asyncio.run(adapter.update_weights(_stream(_trainer_weights(1)), 1))
+    with pytest.raises(ckpt.TransferError):
+        asyncio.run(adapter.update_weights(_stream(_trainer_weights(2), fail_after=5), 2))
+    assert adapter.served_step is None and "mixed" in adapter.degraded
+    asyncio.run(adapter.update_weights(_stream(_trainer_weights(2)), 2))
+    assert adapter.served_step == 2 and adapter.degraded is None
+
+
+def test_staging_banks_keep_their_addresses_across_updates():
+    module = models.serving_model("qwen2.5-tiny")
+    adapter = ckpt.ModelRolloutAdapter(module)
+    addresses = {b.data_ptr() for b in adapter.banks}
+    staged = []
+    for step in range(1, 6):
+        staged.append(adapter.staging.data_ptr())
+        asyncio.run(adapter.update_weights(_stream(_trainer_weights(step)), step))
+        assert {b.data_ptr() for b in adapter.banks} == addresses
+        served = adapter.banks[0]
+        for _, p in ckpt.serving.named_weights(module):  # every served tensor is a view of the served bank
+            assert served.data_ptr() <= p.data_ptr() < served.data_ptr() + served.numel()
+    assert staged[0] == staged[2] == staged[4] and staged[1] == staged[3] and staged[0] != staged[1]
+
+
+def test_the_collective_engine_receives_straight_into_the_staging_bank():
+    from tests.ckpt.test_collective import _pair
+
+    sender, receiver = _pair(64 << 10)
+    module = models.serving_model("qwen2.5-tiny")
+    adapter = ckpt.ModelRolloutAdapter(module)
+    trainer_layout = ckpt.WeightLayout(module)
+    worker = ckpt.CheckpointEngineWorker(receiver, adapter)
+
+    async def go(step, bank):
+        await asyncio.gather(sender.send_weights(trainer_layout.views(bank), step), worker.update_weights(step))
+
+    async def run():
+        for step in (1, 2):
+            weights = _trainer_weights(step)
+            bank = trainer_layout.allocate("cpu")
+            trainer_layout.fill(bank, weights.items())
+            await go(step, bank)
+            assert adapter.served_step == step
+            # everything but the tensors too large for a bucket's direct runs landed in place: no copy
+            assert adapter.last_copied_bytes == 0
+            for name, tensor in ckpt.serving.named_weights(module):
+                assert same_bytes(tensor, weights[name]), name
+        await asyncio.gather(sender.finalize(), receiver.finalize())
+
+    asyncio.run(run())
