@@ -88,7 +88,9 @@ def causal_lm(preset: str, dtype: torch.dtype, device: torch.device | str = "cpu
                 p.fill_(1.0)
             elif name.endswith(".bias"):
                 p.zero_()
-            else:
+            elif p.device.type == "cpu" and p.dtype == torch.float32:
+                p.normal_(0.0, config.initializer_range, generator=g)
+            else:  # the same numbers as on the host, whatever the device and dtype
                 host = torch.empty(p.shape, dtype=torch.float32).normal_(0.0, config.initializer_range, generator=g)
                 p.copy_(host)
     return module.eval()
@@ -102,21 +104,26 @@ def prompt_ids(preset: str, length: int = 8, seed: int = 1234) -> torch.Tensor:
 
 @torch.no_grad()
 def greedy_decode(module: nn.Module, prompt: torch.Tensor, new_tokens: int) -> tuple[list[int], torch.Tensor]:
-    """Greedy decode ``new_tokens`` tokens after ``prompt`` ((1, n) int64) without a cache (recomputed each
-    step, so nothing but the weights carries over between calls).
+    """Greedy decode ``new_tokens`` tokens after ``prompt`` ((1, n) int64) with a fresh KV cache, as a
+    server's generate does; only the last position's logits are computed (``logits_to_keep=1``).
 
     Returns:
         ``(tokens, logits)``: the chosen ids and their step logits, (new_tokens, vocab) float32 on the host.
     """
+    import inspect
+
     device = next(module.parameters()).device
-    ids = prompt.to(device)
+    # transformers 5 names the cache argument and output `cache`; 4.x `past_key_values`
+    key = "cache" if "cache" in inspect.signature(module.forward).parameters else "past_key_values"
+    step_ids, past = prompt.to(device), None
     chosen, rows = [], []
     for _ in range(new_tokens):
-        last = module(input_ids=ids, use_cache=False).logits[0, -1]
+        out = module(input_ids=step_ids, use_cache=True, logits_to_keep=1, **({key: past} if past is not None else {}))
+        last = out.logits[0, -1]
         token = int(last.argmax())
         chosen.append(token)
         rows.append(last.float().cpu())
-        ids = torch.cat([ids, torch.tensor([[token]], device=device)], dim=1)
+        step_ids, past = torch.tensor([[token]], device=device), out[key]
     return chosen, torch.stack(rows)
 
 

@@ -223,6 +223,15 @@ def _peak_device_bytes(kind: str) -> int:
     return int(hal.memory_stats(kind)["max_allocated"])
 
 
+def _trim_host_heap() -> None:
+    """Hand freed heap memory back to the OS (glibc ``malloc_trim``), so memory a step freed (gradients)
+    is not counted again beside what the next phase allocates; nothing happens where it is unavailable."""
+    import ctypes
+
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
 @contextlib.contextmanager
 def _threads(n: int):
     """Run the block with ``n`` intra-op threads (decodes use 1 everywhere, so kernels match bitwise)."""
@@ -264,7 +273,8 @@ class _Trainer:
 
     def step(self) -> dict[str, Any]:
         start = time.perf_counter()
-        loss = self.engine.train_step(self.loss_fn)
+        with _threads(os.cpu_count() or 1):  # the rollouts wait meanwhile: the trainer may use every core
+            loss = self.engine.train_step(self.loss_fn)
         train_s = time.perf_counter() - start
         states = sum(t.numel() * t.element_size() for s in self.engine.optimizer.state.values()
                      for t in s.values() if isinstance(t, torch.Tensor))
@@ -272,6 +282,7 @@ class _Trainer:
                        "optimizer_bytes": states}
         if not self.flags:
             self.engine.optimizer.zero_grad(set_to_none=True)  # gradients are not needed until the next step
+            _trim_host_heap()
         start = time.perf_counter()
         if self.flags:
             self.engine.to("cpu", **self.flags)
@@ -418,6 +429,8 @@ def _logits_bytes(logits: torch.Tensor) -> bytes:
 
 async def _trainer_loop(args: Sync, engine, store, raw_group, world_size: int) -> dict[str, Any]:
     trainer = _Trainer(args)
+    # join the checkpoint group now (every rank has built its model by then), so step 1 times a transfer
+    await asyncio.to_thread(engine.init_process_group)
     receivers = range(1, world_size)
     rows = []
     with _progress() as progress:
@@ -469,6 +482,7 @@ async def _rollout_loop(args: Sync, engine, store, raw_group, rank: int) -> dict
     kind = hal.resolve_device(args.device).kind
     adapter, decode = _rollout_model(args)
     worker = ckpt.CheckpointEngineWorker(engine, adapter)
+    await asyncio.to_thread(engine.init_process_group)
     bound = _rollout_bound(adapter, _bucket_bytes(args))
     for step in range(1, args.steps + 1):
         _reset_peak(kind)

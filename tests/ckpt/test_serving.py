@@ -139,6 +139,9 @@ def test_the_collective_engine_receives_straight_into_the_staging_bank():
             assert adapter.last_copied_bytes == 0
             for name, tensor in ckpt.serving.named_weights(module):
                 assert same_bytes(tensor, weights[name]), name
-        await asyncio.gather(sender.finalize(), receiver.finalize())
 
-    asyncio.run(run())
+    try:
+        asyncio.run(run())
+    finally:
+        sender.close()
+        receiver.close()
