@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import collections
 import dataclasses
 import json
 import socket
@@ -54,6 +55,9 @@ class Transport(abc.ABC):
     """
 
     library = "transfer library"
+    max_in_flight = 1
+    """Messages whose writes may be in flight at once (1 or 2): 2 lets the write of bucket k start while
+    k-1's completes, where the library gains from concurrent writes."""
 
     @abc.abstractmethod
     def register(self, buffer: torch.Tensor) -> dict[str, Any]:
@@ -441,11 +445,15 @@ class P2PCheckpointEngine(CheckpointEngine):
     async def _send(self, peers: list[_Peer], weights: Iterable[NamedTensor], step: int | None) -> None:
         for peer in peers:
             peer.sent = peer.acked = 0
-        pending: tuple | None = None  # (k, handles, record) of the message being written
+        # messages whose writes were started and that are not announced yet, oldest first: at most the
+        # transport's max_in_flight (<= 2, the slots); packing message k always overlaps k-1's write
+        pending: collections.deque = collections.deque()
         k = 0
         try:
             for msg in plan_messages(weights, step, self.bucket_size, META_BUDGET, self._buffer_device,
                                      self.direct_threshold):
+                if len(pending) == 2:  # slot k % 2 was message k-2's: its writes must be done first
+                    await self._complete(peers, *pending.popleft())
                 slot, base = self._slot(k), (k % 2) * self.bucket_size
                 pack(msg, slot)
                 pieces, sources = [], []
@@ -458,26 +466,25 @@ class P2PCheckpointEngine(CheckpointEngine):
                         sources.append(self._transport.register_source(source))
                         pieces.append((source.data_ptr(), base + offset, nbytes))
                 self._sync()
-                if pending is not None:
-                    done, pending = pending, None
-                    await self._complete(peers, *done)
+                while len(pending) >= self._transport.max_in_flight:
+                    await self._complete(peers, *pending.popleft())
                 handles = []
+                pending.append((handles, dict(msg.meta, slot=k % 2), sources))
                 if pieces:
                     for peer in peers:
-                        await self._credit(peer, k - 1)
+                        await self._credit(peer, k - 1)  # the rollout is done with its slot k % 2
                         handles.append((peer, self._start_write(peer, pieces)))
-                pending = (handles, dict(msg.meta, slot=k % 2), sources)
                 msg = None
                 k += 1
-            done, pending = pending, None
-            await self._complete(peers, *done)
+            while pending:
+                await self._complete(peers, *pending.popleft())
             for peer in peers:
                 await self._credit(peer, peer.sent)
         except _PeerFailure:
             raise
         except Exception as exc:  # the weights iterator or a pair failed here: tell the rollouts, stay usable
-            if pending is not None:
-                await self._complete(peers, *pending)
+            while pending:
+                await self._complete(peers, *pending.popleft())
             for peer in peers:
                 await peer.channel.send({"step": step, "abort": f"{type(exc).__name__}: {exc}"[:2000]}, self.timeout)
                 peer.sent += 1
