@@ -24,9 +24,9 @@ class _DyingAdapter(ckpt.InMemoryRolloutAdapter):
         super().__init__()
         self.at, self.after = at, after
 
-    async def update_weights(self, weights, global_steps):
+    async def update_weights(self, weights, global_steps=None, **kwargs):
         if global_steps != self.at:
-            return await super().update_weights(weights, global_steps)
+            return await super().update_weights(weights, global_steps=global_steps, **kwargs)
         count = 0
         async for _ in weights:
             count += 1
