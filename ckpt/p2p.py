@@ -365,7 +365,7 @@ class P2PCheckpointEngine(CheckpointEngine):
     def _setup_buffers(self, host: str) -> None:
         if self._transport is not None:
             return
-        self._device = hal.get_device(self.device_kind)
+        self._device = hal.bind_local_device(self.device_kind)  # this rank's device: its index, else LOCAL_RANK's
         in_place = self._kind_value()
         self._buffer_device = self._device if in_place is not None else torch.device("cpu")
         self._region = torch.zeros(2 * self.bucket_size, dtype=torch.uint8, device=self._buffer_device)

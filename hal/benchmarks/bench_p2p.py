@@ -67,7 +67,7 @@ def _bench_rank(rank: int, world_size: int, port: int, size_mb: int, bucket_mb: 
     from hal.benchmarks.bench_ckpt import _Peak, tensor_sizes
 
     torch.set_num_threads(1)
-    dev = hal.get_device(device)
+    dev = hal.bind_local_device(device)  # one device per rank (LOCAL_RANK's)
     sizes = tensor_sizes(size_mb << 20)
     total = sum(sizes)
     store = hal.connect_store("127.0.0.1", port, rank, world_size, timeout=120)
