@@ -2,8 +2,8 @@
 
 Names and signatures follow ``torch_npu.npu`` (see ``devices/npu_api_names.txt``, extracted from the
 torch-npu wheel), which in turn mirror ``torch.cuda``. Memory figures are the extension's exact counters,
-in bytes: there is no caching allocator, so ``memory_reserved() == memory_allocated()`` and
-``empty_cache()`` has nothing to return. Every operator runs synchronously on the host, so streams and
+in bytes, of its caching allocator (as torch_npu's): ``memory_allocated()`` counts blocks in use,
+``memory_reserved()`` those plus the cached free ones, and ``empty_cache()`` returns the cached ones. Every operator runs synchronously on the host, so streams and
 events are correct as no-ops (an event is complete once recorded; synchronising waits for nothing).
 Random numbers come from the host generator (operators fall back to the cpu), so seeding npu seeds it.
 """
@@ -86,7 +86,10 @@ def build(ext: types.ModuleType) -> types.ModuleType:
         """No-op: every operator has finished when it returns."""
 
     def empty_cache() -> None:
-        """No-op: there is no caching allocator, freed memory is returned at once."""
+        """Return the cached (free) blocks of every device to the host: :func:`memory_reserved` drops to
+        :func:`memory_allocated`."""
+        for index in range(ext.device_count()):
+            ext.empty_cache(index)
 
     def memory_allocated(device: DeviceArg = None) -> int:
         """Bytes held by live npu storages on ``device``."""
@@ -96,15 +99,24 @@ def build(ext: types.ModuleType) -> types.ModuleType:
         """Peak of :func:`memory_allocated` since start or :func:`reset_peak_memory_stats`, in bytes."""
         return ext.max_memory_allocated(_index(device))
 
+    def memory_reserved(device: DeviceArg = None) -> int:
+        """Bytes the caching allocator holds on ``device``: blocks in use plus cached free blocks."""
+        return ext.memory_reserved(_index(device))
+
+    def max_memory_reserved(device: DeviceArg = None) -> int:
+        """Peak of :func:`memory_reserved` since start or :func:`reset_peak_memory_stats`, in bytes."""
+        return ext.max_memory_reserved(_index(device))
+
     def reset_peak_memory_stats(device: DeviceArg = None) -> None:
-        """Set the peak to the current allocated bytes."""
+        """Set the allocated and reserved peaks to the current figures."""
         ext.reset_peak_memory_stats(_index(device))
 
     def mem_get_info(device: DeviceArg = None) -> tuple[int, int]:
-        """``(free, total)`` bytes against the simulated capacity (``HAL_SIM_NPU_MEMORY``, default 8 GiB)."""
+        """``(free, total)`` bytes against the simulated capacity (``HAL_SIM_NPU_MEMORY``, default 8 GiB);
+        cached blocks count as used, as the driver sees them."""
         index = _index(device)
         total = ext.capacity(index)
-        return total - ext.memory_allocated(index), total
+        return total - ext.memory_reserved(index), total
 
     def set_memory_capacity(nbytes: int, device: DeviceArg = None) -> None:
         """Sim only: the capacity of ``device`` in bytes; an allocation past it raises ``torch.OutOfMemoryError``."""
@@ -114,11 +126,14 @@ def build(ext: types.ModuleType) -> types.ModuleType:
         """The torch.cuda-style keys that have a meaning here (bytes and counts)."""
         index = _index(device)
         allocs, frees = ext.alloc_counts(index)
+        segments, released, retries, ooms = ext.segment_counts(index)
         current, peak = ext.memory_allocated(index), ext.max_memory_allocated(index)
         return {"allocated_bytes.all.current": current, "allocated_bytes.all.peak": peak,
-                "reserved_bytes.all.current": current, "reserved_bytes.all.peak": peak,
-                "active_bytes.all.current": current, "num_alloc_retries": 0, "num_ooms": 0,
-                "allocation.all.allocated": allocs, "allocation.all.freed": frees}
+                "reserved_bytes.all.current": ext.memory_reserved(index),
+                "reserved_bytes.all.peak": ext.max_memory_reserved(index),
+                "active_bytes.all.current": current, "num_alloc_retries": retries, "num_ooms": ooms,
+                "allocation.all.allocated": allocs, "allocation.all.freed": frees,
+                "segment.all.allocated": segments, "segment.all.freed": released}
 
     def get_device_name(device: DeviceArg = None) -> str:
         _index(device)
@@ -192,8 +207,6 @@ def build(ext: types.ModuleType) -> types.ModuleType:
         if (not name.startswith("_") or name == "_is_in_bad_fork") and name not in ("mod", "ext"):
             setattr(mod, name, value)
     mod.manual_seed_all = manual_seed
-    mod.max_memory_reserved = max_memory_allocated
-    mod.memory_reserved = memory_allocated
     mod.reset_max_memory_allocated = reset_peak_memory_stats
     mod.is_sim = True
     return mod

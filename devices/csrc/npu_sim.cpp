@@ -1,7 +1,8 @@
 // The simulated Ascend NPU: a PrivateUse1 device whose tensors live in their own counted host buffers.
 //
 // Pieces, after PyTorch's out-of-tree registration example (test/cpp_extensions/open_registration_extension):
-//   * a counting allocator (malloc underneath) with a per-device capacity; past it, OutOfMemoryError;
+//   * a caching allocator (allocated vs reserved, empty_cache) over resident host memory, with a per-device
+//     capacity; past it the cache is released and the allocation retried, then OutOfMemoryError;
 //   * a device guard (thread-local current device and stream; events and streams are no-op-correct, since
 //     every operator runs synchronously on the host);
 //   * a hooks object (device count, pinned host memory, storage resize, the default generator);
@@ -24,6 +25,10 @@
 #include <torch/extension.h>
 #include <torch/library.h>
 
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <algorithm>
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
@@ -41,11 +46,17 @@ thread_local c10::DeviceIndex t_current_device = 0;
 thread_local int64_t t_current_stream[kMaxDevices] = {0};
 
 struct DeviceCounters {
-  std::atomic<int64_t> allocated{0};
+  std::atomic<int64_t> allocated{0};      // bytes of blocks handed out (block sizes, as torch_npu counts)
   std::atomic<int64_t> peak{0};
+  std::atomic<int64_t> reserved{0};       // bytes of blocks held: handed out + cached
+  std::atomic<int64_t> reserved_peak{0};
   std::atomic<int64_t> capacity{int64_t(8) << 30};
   std::atomic<int64_t> alloc_count{0};
   std::atomic<int64_t> free_count{0};
+  std::atomic<int64_t> segment_count{0};  // blocks obtained from the host (cudaMalloc / aclrtMalloc calls)
+  std::atomic<int64_t> release_count{0};  // blocks returned to the host (empty_cache, or retry before OOM)
+  std::atomic<int64_t> retries{0};
+  std::atomic<int64_t> ooms{0};
 };
 DeviceCounters g_counters[kMaxDevices];
 
@@ -55,18 +66,91 @@ void check_index(int64_t index) {
                     " simulated devices (HAL_SIM_NPU_COUNT / ASCEND_RT_VISIBLE_DEVICES)");
 }
 
-// ---------------------------------------------------------------- device memory
+void raise_peak(std::atomic<int64_t>& peak, int64_t now) {
+  int64_t seen = peak.load();
+  while (now > seen && !peak.compare_exchange_weak(seen, now)) {
+  }
+}
+
+// ---------------------------------------------------------------- resident host memory
+// Device memory is resident once allocated: no page faults when a kernel first writes it. Large blocks are
+// mapped with transparent huge pages advised and populated at once (MADV_POPULATE_WRITE), so the cost of
+// making memory resident is paid in bulk at allocation, as a device allocator pays it, and never again.
+constexpr size_t kMapThreshold = size_t(1) << 20;
+
+void* resident_alloc(size_t size, bool* mapped) {
+  if (size < kMapThreshold) {
+    *mapped = false;
+    void* p = std::aligned_alloc(kAlignment, size);
+    if (p != nullptr) std::memset(p, 0, size);
+    return p;
+  }
+  *mapped = true;
+  void* p = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (p == MAP_FAILED) return nullptr;
+#ifdef MADV_HUGEPAGE
+  madvise(p, size, MADV_HUGEPAGE);
+#endif
+#ifndef MADV_POPULATE_WRITE
+#define MADV_POPULATE_WRITE 23
+#endif
+  if (madvise(p, size, MADV_POPULATE_WRITE) != 0) {  // older kernels: touch every page instead
+    const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+    for (size_t off = 0; off < size; off += page) static_cast<volatile char*>(p)[off] = 0;
+  }
+  return p;
+}
+
+void resident_free(void* p, size_t size, bool mapped) {
+  if (mapped) {
+    munmap(p, size);
+  } else {
+    std::free(p);
+  }
+}
+
+// ---------------------------------------------------------------- device memory: a caching allocator
+// After PyTorch's CUDA caching allocator, which torch_npu's NPU allocator follows: requests are rounded
+// (512 B below 1 MiB, 2 MiB above), a freed block goes back to a per-device cache instead of the host, and
+// a request reuses the smallest cached block that fits (at most 1/8 larger). memory_allocated counts
+// blocks in use, memory_reserved blocks in use plus cached; empty_cache() returns cached blocks to the
+// host. Past the capacity the cache is released and the allocation retried once, then OutOfMemoryError.
 struct Block {
-  size_t nbytes;
+  size_t size;
   c10::DeviceIndex device;
+  bool mapped;
+  void* ptr;
 };
+
+std::mutex g_alloc_mutex;
+std::multimap<size_t, Block*> g_cache[kMaxDevices];  // cached (free) blocks by size
+
+size_t round_size(size_t nbytes) {
+  if (nbytes < kMapThreshold) return std::max<size_t>(512, (nbytes + 511) / 512 * 512);
+  const size_t two_mib = size_t(2) << 20;
+  return (nbytes + two_mib - 1) / two_mib * two_mib;
+}
+
+// Returns cached blocks of ``device`` to the host; caller holds g_alloc_mutex.
+void release_cached_locked(c10::DeviceIndex device) {
+  auto& cache = g_cache[device];
+  auto& c = g_counters[device];
+  for (auto& [size, block] : cache) {
+    resident_free(block->ptr, block->size, block->mapped);
+    c.reserved -= static_cast<int64_t>(block->size);
+    c.release_count += 1;
+    delete block;
+  }
+  cache.clear();
+}
 
 void free_block(void* ctx) {
   auto* block = static_cast<Block*>(ctx);
+  std::lock_guard<std::mutex> lock(g_alloc_mutex);
   auto& c = g_counters[block->device];
-  c.allocated -= static_cast<int64_t>(block->nbytes);
+  c.allocated -= static_cast<int64_t>(block->size);
   c.free_count += 1;
-  std::free(block);
+  g_cache[block->device].emplace(block->size, block);
 }
 
 class SimAllocator final : public c10::Allocator {
@@ -74,29 +158,38 @@ class SimAllocator final : public c10::Allocator {
   c10::DataPtr allocate(size_t nbytes) override {
     c10::DeviceIndex device = t_current_device;
     auto& c = g_counters[device];
-    int64_t now = c.allocated.fetch_add(static_cast<int64_t>(nbytes)) + static_cast<int64_t>(nbytes);
-    if (now > c.capacity.load()) {
-      c.allocated -= static_cast<int64_t>(nbytes);
-      TORCH_CHECK_WITH(OutOfMemoryError, false, "npu-sim out of memory: tried to allocate ", nbytes,
-                       " bytes on npu:", int(device), " with ", now - static_cast<int64_t>(nbytes),
-                       " bytes allocated of a capacity of ", c.capacity.load(),
-                       " bytes (set it with torch.npu.set_memory_capacity or HAL_SIM_NPU_MEMORY)");
+    const size_t size = round_size(nbytes);
+    Block* block = nullptr;
+    {
+      std::lock_guard<std::mutex> lock(g_alloc_mutex);
+      auto& cache = g_cache[device];
+      auto it = cache.lower_bound(size);
+      if (it != cache.end() && it->first <= size + size / 8) {
+        block = it->second;
+        cache.erase(it);
+      } else {
+        if (c.reserved.load() + static_cast<int64_t>(size) > c.capacity.load() && !cache.empty()) {
+          c.retries += 1;
+          release_cached_locked(device);
+        }
+        if (c.reserved.load() + static_cast<int64_t>(size) > c.capacity.load()) {
+          c.ooms += 1;
+          TORCH_CHECK_WITH(OutOfMemoryError, false, "npu-sim out of memory: tried to allocate ", nbytes,
+                           " bytes on npu:", int(device), " with ", c.allocated.load(), " bytes allocated and ",
+                           c.reserved.load(), " reserved of a capacity of ", c.capacity.load(),
+                           " bytes (set it with torch.npu.set_memory_capacity or HAL_SIM_NPU_MEMORY)");
+        }
+        bool mapped = false;
+        void* ptr = resident_alloc(size, &mapped);
+        TORCH_CHECK_WITH(OutOfMemoryError, ptr != nullptr, "npu-sim: host allocation of ", size, " bytes failed");
+        block = new Block{size, device, mapped, ptr};
+        c.segment_count += 1;
+        raise_peak(c.reserved_peak, c.reserved.fetch_add(static_cast<int64_t>(size)) + static_cast<int64_t>(size));
+      }
+      raise_peak(c.peak, c.allocated.fetch_add(static_cast<int64_t>(size)) + static_cast<int64_t>(size));
+      c.alloc_count += 1;
     }
-    int64_t peak = c.peak.load();
-    while (now > peak && !c.peak.compare_exchange_weak(peak, now)) {
-    }
-    // One allocation holds a header (the Block) then the data, both 64-byte aligned.
-    void* raw = std::aligned_alloc(kAlignment, kAlignment + ((nbytes + kAlignment - 1) / kAlignment) * kAlignment);
-    if (raw == nullptr) {
-      c.allocated -= static_cast<int64_t>(nbytes);
-      TORCH_CHECK_WITH(OutOfMemoryError, false, "npu-sim: host malloc of ", nbytes, " bytes failed");
-    }
-    auto* block = static_cast<Block*>(raw);
-    block->nbytes = nbytes;
-    block->device = device;
-    c.alloc_count += 1;
-    void* data = static_cast<char*>(raw) + kAlignment;
-    return {data, raw, &free_block, c10::Device(c10::DeviceType::PrivateUse1, device)};
+    return {block->ptr, block, &free_block, c10::Device(c10::DeviceType::PrivateUse1, device)};
   }
 
   c10::DeleterFnPtr raw_deleter() const override { return nullptr; }
@@ -113,22 +206,25 @@ std::map<uintptr_t, size_t> g_pinned;  // start -> nbytes
 std::atomic<int64_t> g_pinned_bytes{0};
 
 void free_pinned(void* ptr) {
+  size_t size = 0;
   {
     std::lock_guard<std::mutex> lock(g_pinned_mutex);
     auto it = g_pinned.find(reinterpret_cast<uintptr_t>(ptr));
     if (it != g_pinned.end()) {
+      size = it->second;
       g_pinned_bytes -= static_cast<int64_t>(it->second);
       g_pinned.erase(it);
     }
   }
-  std::free(ptr);
+  resident_free(ptr, size, size >= kMapThreshold);
 }
 
 class PinnedAllocator final : public c10::Allocator {
  public:
   c10::DataPtr allocate(size_t nbytes) override {
     size_t rounded = std::max<size_t>(kAlignment, ((nbytes + kAlignment - 1) / kAlignment) * kAlignment);
-    void* ptr = std::aligned_alloc(kAlignment, rounded);
+    bool mapped = false;
+    void* ptr = resident_alloc(rounded, &mapped);  // page-locked memory is resident once allocated
     TORCH_CHECK_WITH(OutOfMemoryError, ptr != nullptr, "npu-sim: pinned host malloc of ", nbytes, " bytes failed");
     {
       std::lock_guard<std::mutex> lock(g_pinned_mutex);
@@ -399,7 +495,22 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   });
   m.def("memory_allocated", [](int64_t i) { return counters(i).allocated.load(); });
   m.def("max_memory_allocated", [](int64_t i) { return counters(i).peak.load(); });
-  m.def("reset_peak_memory_stats", [](int64_t i) { auto& c = counters(i); c.peak = c.allocated.load(); });
+  m.def("memory_reserved", [](int64_t i) { return counters(i).reserved.load(); });
+  m.def("max_memory_reserved", [](int64_t i) { return counters(i).reserved_peak.load(); });
+  m.def("reset_peak_memory_stats", [](int64_t i) {
+    auto& c = counters(i);
+    c.peak = c.allocated.load();
+    c.reserved_peak = c.reserved.load();
+  });
+  m.def("empty_cache", [](int64_t i) {
+    check_index(i);
+    std::lock_guard<std::mutex> lock(g_alloc_mutex);
+    release_cached_locked(static_cast<c10::DeviceIndex>(i));
+  }, "return the cached (free) blocks of device i to the host");
+  m.def("segment_counts", [](int64_t i) {
+    auto& c = counters(i);
+    return std::make_tuple(c.segment_count.load(), c.release_count.load(), c.retries.load(), c.ooms.load());
+  });
   m.def("capacity", [](int64_t i) { return counters(i).capacity.load(); });
   m.def("set_capacity", [](int64_t i, int64_t nbytes) {
     TORCH_CHECK_VALUE(nbytes > 0, "npu-sim: capacity must be a positive number of bytes, got ", nbytes);

@@ -78,18 +78,19 @@ def test_pinned_host_memory(npu):
     assert torch.equal(back, pinned)
 
 
-def test_memory_accounting_rises_and_falls_by_exact_bytes(npu):
+def test_memory_accounting_counts_blocks_as_torch_npu_does(npu):
+    npu.empty_cache()
     base = npu.memory_allocated()
     npu.reset_peak_memory_stats()
-    a = torch.empty(1000, dtype=torch.float32, device="npu")
-    assert npu.memory_allocated() == base + 4000
-    b = torch.empty(300, dtype=torch.bfloat16, device="npu")
-    assert npu.memory_allocated() == base + 4600
+    a = torch.empty(1000, dtype=torch.float32, device="npu")  # 4000 bytes: a 4096-byte block (512-byte rounding)
+    assert npu.memory_allocated() == base + 4096
+    b = torch.empty(300, dtype=torch.bfloat16, device="npu")  # 600 bytes: 1024
+    assert npu.memory_allocated() == base + 5120
     free, total = npu.mem_get_info()
-    assert total - free == npu.memory_allocated()
+    assert total - free == npu.memory_reserved() >= npu.memory_allocated()
     del a
-    assert npu.memory_allocated() == base + 600
-    assert npu.max_memory_allocated() == base + 4600
+    assert npu.memory_allocated() == base + 1024
+    assert npu.max_memory_allocated() == base + 5120
     del b
     assert npu.memory_allocated() == base
     host = torch.ones(256, dtype=torch.float64)
@@ -101,6 +102,41 @@ def test_memory_accounting_rises_and_falls_by_exact_bytes(npu):
     assert npu.memory_allocated() == base
     torch.ones(10, device="npu:1")
     assert npu.memory_allocated(1) == 0 and npu.max_memory_allocated(1) >= 40  # per-device counters
+
+
+def test_freed_blocks_are_cached_reused_in_place_and_returned_by_empty_cache(npu):
+    npu.empty_cache()
+    allocated, reserved = npu.memory_allocated(), npu.memory_reserved()
+    segments = npu.memory_stats()["segment.all.allocated"]
+    x = torch.ones(64 << 20, dtype=torch.uint8, device="npu")
+    address = x.data_ptr()
+    assert npu.memory_allocated() == allocated + (64 << 20) and npu.memory_reserved() == reserved + (64 << 20)
+    del x  # back to the cache: still reserved, no longer allocated
+    assert npu.memory_allocated() == allocated and npu.memory_reserved() == reserved + (64 << 20)
+    y = torch.empty(64 << 20, dtype=torch.uint8, device="npu")  # the same block again: resident, same address
+    assert y.data_ptr() == address and npu.memory_stats()["segment.all.allocated"] == segments + 1
+    assert int(y[::4096].sum()) == (64 << 20) // 4096  # the bytes of the cached block, no fresh zero pages
+    del y
+    npu.empty_cache()  # cached blocks go back to the host
+    assert npu.memory_reserved() == reserved and npu.memory_allocated() == allocated
+    assert npu.memory_stats()["segment.all.freed"] >= 1
+
+
+def test_out_of_memory_releases_the_cache_and_retries_first(npu):
+    npu.empty_cache()
+    capacity = npu.mem_get_info()[1]
+    npu.set_memory_capacity(npu.memory_reserved() + (16 << 20))
+    try:
+        x = torch.empty(12 << 20, dtype=torch.uint8, device="npu")
+        del x  # 12 MiB cached: a 16 MiB request fits only once the cache is released
+        retries = npu.memory_stats()["num_alloc_retries"]
+        y = torch.empty(16 << 20, dtype=torch.uint8, device="npu")
+        assert npu.memory_stats()["num_alloc_retries"] == retries + 1
+        with pytest.raises(torch.OutOfMemoryError, match="reserved"):
+            torch.empty(4 << 20, dtype=torch.uint8, device="npu")
+        del y
+    finally:
+        npu.set_memory_capacity(capacity)
 
 
 def test_out_of_memory_past_capacity(npu):
@@ -125,7 +161,7 @@ def test_param_data_assignment_and_swap_across_devices(npu):
     base = npu.memory_allocated()
     param.data = param.data.to("cpu")  # torch_npu's _has_compatible_shallow_copy_type allows this
     assert param.device.type == "cpu" and layer.weight is param
-    assert npu.memory_allocated() == base - 48
+    assert npu.memory_allocated() == base - 512  # the 48-byte weight held one 512-byte block
     param.data = param.data.to("npu")
     assert param.device == torch.device("npu", 0) and torch.equal(param.detach().cpu(), before)
     host = torch.zeros(3, 4)
