@@ -74,7 +74,7 @@ void raise_peak(std::atomic<int64_t>& peak, int64_t now) {
 
 // ---------------------------------------------------------------- resident host memory
 // Device memory is resident once allocated: no page faults when a kernel first writes it. Large blocks are
-// mapped with transparent huge pages advised and populated at once (MADV_POPULATE_WRITE), so the cost of
+// mapped and populated at once (MADV_POPULATE_WRITE), so the cost of
 // making memory resident is paid in bulk at allocation, as a device allocator pays it, and never again.
 constexpr size_t kMapThreshold = size_t(1) << 20;
 
@@ -88,9 +88,6 @@ void* resident_alloc(size_t size, bool* mapped) {
   *mapped = true;
   void* p = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
   if (p == MAP_FAILED) return nullptr;
-#ifdef MADV_HUGEPAGE
-  madvise(p, size, MADV_HUGEPAGE);
-#endif
 #ifndef MADV_POPULATE_WRITE
 #define MADV_POPULATE_WRITE 23
 #endif
