@@ -36,6 +36,26 @@ def build_key() -> str:
     return digest.hexdigest()[:16]
 
 
+STALE_LOCK_S = 900.0
+"""Age in seconds past which a build lock is taken as left by a killed build (a build takes 25-300 s)."""
+
+
+def _clear_stale_lock(build_dir: pathlib.Path, max_age_s: float = STALE_LOCK_S) -> None:
+    """Remove ``build_dir/lock`` if it is older than ``max_age_s``.
+
+    ``torch.utils.cpp_extension``'s lock (a ``FileBaton``) is a plain file that a killed build leaves
+    behind, and every later build then waits on it forever; no live build holds it that long.
+    """
+    import time
+
+    lock = build_dir / "lock"
+    try:
+        if time.time() - lock.stat().st_mtime > max_age_s:
+            lock.unlink()
+    except FileNotFoundError:
+        pass
+
+
 def load() -> types.ModuleType:
     """The extension module, building it first if this source/torch pair was never built here.
 
@@ -59,6 +79,7 @@ def load() -> types.ModuleType:
         from torch.utils import cpp_extension
 
         build_dir.mkdir(parents=True, exist_ok=True)
+        _clear_stale_lock(build_dir)
         # cpp_extension.load takes a file lock in build_dir: one process builds, the others wait for it.
         module = cpp_extension.load(name=name, sources=[str(SOURCE)], build_directory=str(build_dir),
                                     extra_cflags=["-O2"], verbose=bool(os.environ.get("HAL_SIM_VERBOSE_BUILD")))

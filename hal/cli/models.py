@@ -57,9 +57,7 @@ def qwen2_config(preset: str):
     Raises:
         KeyError: ``preset`` is not one of :data:`PRESETS`.
     """
-    config = _transformers().Qwen2Config(**PRESETS[preset])
-    config._attn_implementation = "eager"
-    return config
+    return _transformers().Qwen2Config(**PRESETS[preset], attn_implementation="eager")
 
 
 def causal_lm(preset: str, dtype: torch.dtype, device: torch.device | str = "cpu", seed: int | None = 0) -> nn.Module:

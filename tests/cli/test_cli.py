@@ -233,8 +233,15 @@ def test_bench_quick_prints_ratios(tmp_path):
     engines = [e for e in ("nixl", "mooncake") if ckpt.checkpoint_engine_availability(e)[0]]
     rows = result["sync_p2p"]["engines"] if engines else []
     assert [r["engine"] for r in rows] == engines
+    from hal.benchmarks.bench_ckpt import tensor_sizes
+
+    # the receiver also holds a buffer for tensors larger than a bucket (handed over whole); when a bigger one
+    # arrives the buffer grows, and the previous one may still be referenced by the view last yielded (or
+    # kept by the C allocator), so two of the largest size
+    largest = 2 * max(tensor_sizes(64 << 20))
     for r in rows:  # each engine next to its own library's raw write; memory: two slots of 4 MiB a side
         assert r["raw_gbps"] > 0 and r["ratio_vs_raw"] > 0.05
-        assert r["send_peak_bytes"] <= 2 * (4 << 20) + (12 << 20) and r["recv_peak_bytes"] <= 2 * (4 << 20) + (12 << 20)
+        assert r["send_peak_bytes"] <= 2 * (4 << 20) + (12 << 20)
+        assert r["recv_peak_bytes"] <= 2 * (4 << 20) + largest + (12 << 20)
     if want_plot:
         assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

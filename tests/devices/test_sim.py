@@ -336,3 +336,18 @@ def test_registration_is_idempotent_and_mirrors_torch_npu(npu):
     assert plugin.extended_api and dist.Backend.default_device_backend_map["npu"] == "hccl"
     assert torch.ones(2).npu().device == torch.device("npu", 0)
     assert torch.nn.Linear(2, 2).npu().weight.is_npu
+
+
+def test_a_build_lock_left_by_a_killed_build_is_cleared_and_a_fresh_one_kept(tmp_path):
+    import time
+
+    from devices import sim_ext
+
+    lock = tmp_path / "lock"
+    lock.write_text("")
+    sim_ext._clear_stale_lock(tmp_path, max_age_s=60)
+    assert lock.exists()  # a build may be running: keep it
+    old = time.time() - 120
+    os.utime(lock, (old, old))
+    sim_ext._clear_stale_lock(tmp_path, max_age_s=60)
+    assert not lock.exists()

@@ -15,8 +15,8 @@ class DiesMidUpdate(ckpt.InMemoryRolloutAdapter):
         super().__init__()
         self.at_step = at_step
 
-    async def update_weights(self, weights, global_steps):
+    async def update_weights(self, weights, wire_format="named_tensors", *, global_steps=None, **kwargs):
         if global_steps == self.at_step:
             async for _name, _tensor in weights:
                 os.kill(os.getpid(), signal.SIGKILL)  # mid-update: one tensor in, the rest still coming
-        return await super().update_weights(weights, global_steps)
+        return await super().update_weights(weights, wire_format, global_steps=global_steps, **kwargs)
