@@ -54,6 +54,28 @@ def _placement(engine) -> dict:
     return {"params": sorted(params), "grads": sorted(grads), "states": sorted(states)}
 
 
+def _storages(engine) -> dict:
+    """Per group (model: parameters, gradients, buffers; optimizer: states): tensor bytes on the device and
+    the number of distinct storages holding them (``*_count``)."""
+    def local(t):
+        return t.to_local() if hasattr(t, "to_local") else t
+
+    groups = {
+        "model": [local(p) for p in engine.module.parameters()]
+        + [local(p.grad) for p in engine.module.parameters() if p.grad is not None]
+        + list(engine.module.buffers()),
+        "optimizer": [local(v) for p in engine.module.parameters() for k, v in engine.optimizer.state[p].items()
+                      if torch.is_tensor(v) and k != "step"],
+    }
+    out = {}
+    for name, tensors in groups.items():
+        on_device = [t for t in tensors if t.device.type == "npu"]
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in on_device}
+        out[name] = sum(t.nbytes for t in on_device)
+        out[f"{name}_count"] = len(storages)
+    return out
+
+
 def main(port: str) -> dict:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -94,6 +116,7 @@ def main(port: str) -> dict:
         engine = build()
         for ids in batches[:2]:
             _step(engine, ids)
+        storages = _storages(engine)
         before = torch.npu.memory_allocated()
         try:
             engine.to("cpu", model=model, optimizer=optimizer, grad=grad)
@@ -108,7 +131,7 @@ def main(port: str) -> dict:
         for ids in batches[2:]:
             _step(engine, ids)
         out["combos"][key] = {"offloaded": offloaded, "onloaded": onloaded, "freed": freed,
-                              "digest": _digest(engine)}
+                              "storages": storages, "digest": _digest(engine)}
         del engine
     dist.destroy_process_group()
     return out
