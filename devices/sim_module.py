@@ -86,8 +86,10 @@ def build(ext: types.ModuleType) -> types.ModuleType:
         """No-op: every operator has finished when it returns."""
 
     def empty_cache() -> None:
-        """Return the cached (free) blocks of every device to the host: :func:`memory_reserved` drops to
-        :func:`memory_allocated`."""
+        """Return the cached (free) blocks of every device to the simulated device: :func:`memory_reserved`
+        drops to :func:`memory_allocated`. The device keeps that memory resident (as HBM stays the device's
+        after the driver frees it), so a later allocation of a fitting size reuses it without host page
+        faults; the host memory itself is given back only when the process exits."""
         for index in range(ext.device_count()):
             ext.empty_cache(index)
 

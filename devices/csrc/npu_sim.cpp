@@ -128,17 +128,31 @@ size_t round_size(size_t nbytes) {
   return (nbytes + two_mib - 1) / two_mib * two_mib;
 }
 
-// Returns cached blocks of ``device`` to the host; caller holds g_alloc_mutex.
+// Memory the simulated device has released (empty_cache) but that stays resident, as HBM stays the
+// device's after cudaFree/aclrtFree: it no longer counts as reserved, and a later allocation of a fitting
+// size takes it back without paying host page faults again. By size, like the cache.
+std::multimap<size_t, Block*> g_device_free[kMaxDevices];
+
+// Returns cached blocks of ``device`` to the simulated device (no longer reserved); caller holds g_alloc_mutex.
 void release_cached_locked(c10::DeviceIndex device) {
   auto& cache = g_cache[device];
   auto& c = g_counters[device];
   for (auto& [size, block] : cache) {
-    resident_free(block->ptr, block->size, block->mapped);
     c.reserved -= static_cast<int64_t>(block->size);
     c.release_count += 1;
-    delete block;
+    g_device_free[device].emplace(size, block);
   }
   cache.clear();
+}
+
+// A released block of ``device`` that fits ``size`` (at most 1/8 larger), or nullptr; caller holds the mutex.
+Block* take_device_free_locked(c10::DeviceIndex device, size_t size) {
+  auto& pool = g_device_free[device];
+  auto it = pool.lower_bound(size);
+  if (it == pool.end() || it->first > size + size / 8) return nullptr;
+  Block* block = it->second;
+  pool.erase(it);
+  return block;
 }
 
 void free_block(void* ctx) {
@@ -176,14 +190,20 @@ class SimAllocator final : public c10::Allocator {
                            c.reserved.load(), " reserved of a capacity of ", c.capacity.load(),
                            " bytes (set it with torch.npu.set_memory_capacity or HAL_SIM_NPU_MEMORY)");
         }
-        bool mapped = false;
-        void* ptr = resident_alloc(size, &mapped);
-        TORCH_CHECK_WITH(OutOfMemoryError, ptr != nullptr, "npu-sim: host allocation of ", size, " bytes failed");
-        block = new Block{size, device, mapped, ptr};
+        block = take_device_free_locked(device, size);
+        if (block == nullptr) {
+          bool mapped = false;
+          void* ptr = resident_alloc(size, &mapped);
+          TORCH_CHECK_WITH(OutOfMemoryError, ptr != nullptr, "npu-sim: host allocation of ", size, " bytes failed");
+          block = new Block{size, device, mapped, ptr};
+        }
         c.segment_count += 1;
-        raise_peak(c.reserved_peak, c.reserved.fetch_add(static_cast<int64_t>(size)) + static_cast<int64_t>(size));
+        const auto held = static_cast<int64_t>(block->size);
+        raise_peak(c.reserved_peak, c.reserved.fetch_add(held) + held);
       }
-      raise_peak(c.peak, c.allocated.fetch_add(static_cast<int64_t>(size)) + static_cast<int64_t>(size));
+      // Counted by the block's own size, which free_block subtracts (a reused block may be up to 1/8 larger).
+      const auto in_use = static_cast<int64_t>(block->size);
+      raise_peak(c.peak, c.allocated.fetch_add(in_use) + in_use);
       c.alloc_count += 1;
     }
     return {block->ptr, block, &free_block, c10::Device(c10::DeviceType::PrivateUse1, device)};

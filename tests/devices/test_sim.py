@@ -117,9 +117,14 @@ def test_freed_blocks_are_cached_reused_in_place_and_returned_by_empty_cache(npu
     assert y.data_ptr() == address and npu.memory_stats()["segment.all.allocated"] == segments + 1
     assert int(y[::4096].sum()) == (64 << 20) // 4096  # the bytes of the cached block, no fresh zero pages
     del y
-    npu.empty_cache()  # cached blocks go back to the host
+    npu.empty_cache()  # cached blocks go back to the simulated device: no longer reserved
     assert npu.memory_reserved() == reserved and npu.memory_allocated() == allocated
     assert npu.memory_stats()["segment.all.freed"] >= 1
+    # ...but the device keeps them resident, as HBM stays the device's: a fitting allocation gets the same
+    # memory back (its old bytes, no fresh host pages to fault in) and counts as reserved again
+    z = torch.empty(64 << 20, dtype=torch.uint8, device="npu")
+    assert z.data_ptr() == address and npu.memory_reserved() == reserved + (64 << 20)
+    assert int(z[::4096].sum()) == (64 << 20) // 4096
 
 
 def test_out_of_memory_releases_the_cache_and_retries_first(npu):
