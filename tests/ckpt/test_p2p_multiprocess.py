@@ -76,6 +76,8 @@ def test_memory_is_bounded_by_the_bucket_size_not_the_model(engine):
     assert total >= 160 << 20 and len(sent) > 60 and received == sent  # every tensor arrived, bytes equal
     slack = 12 << 20  # interpreter, the library's threads and pools (UCX keeps a few MiB of its own)
     assert send_peak <= 2 * bucket + slack, f"sender peak {send_peak / 2**20:.1f} MiB"
-    # two receive slots plus the tensor larger than a bucket (3 buckets), which the receiver is handed whole
-    assert recv_peak <= 2 * bucket + 3 * bucket + slack, f"receiver peak {recv_peak / 2**20:.1f} MiB"
+    # two receive slots plus the buffer for a tensor larger than a bucket (at most 3 buckets here), which the
+    # receiver is handed whole; when the buffer is replaced the view last yielded may still hold the previous
+    # one (or the C allocator keeps it), so two of them, as in the hal bench smoke test
+    assert recv_peak <= 2 * bucket + 2 * 3 * bucket + slack, f"receiver peak {recv_peak / 2**20:.1f} MiB"
     assert max(send_peak, recv_peak) <= total / 4
