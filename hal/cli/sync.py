@@ -290,13 +290,20 @@ class _Trainer:
         return {"loss": loss, "train_s": train_s, "offload_s": offload_s,
                 "placement": dataclasses.asdict(self.engine.placement())}
 
-    def sums(self) -> tuple[dict[str, str], int]:
-        """Checksums and bytes of what ``engine.get_per_tensor_param()`` gives (the Ray launcher publishes that)."""
-        total, sums = 0, {}
-        for name, tensor in self.engine.get_per_tensor_param()[0]:
-            sums.update(checksums([(name, tensor)]))
-            total += tensor.numel() * tensor.element_size()
-        return sums, total
+    def begin(self, step: int) -> dict[str, Any]:
+        """Start step ``step`` under either launcher: a new peak-memory window, the optimizer step and
+        offload (:meth:`step`), the cast into the published buffer (:meth:`stage`); returns the step's row."""
+        _reset_peak(self.kind)
+        row = {"global_steps": step, **self.step()}
+        row["stage_s"] = self.stage()
+        return row
+
+    async def publish(self, engine, step: int) -> float:
+        """Send the published buffer as ``global_steps=step`` through ``engine``; returns the wall-clock
+        start of the send (``time.time()``, seconds), which the rollouts' applied times are measured from."""
+        t0 = time.time()
+        await engine.send_weights(self.published(), step)
+        return t0
 
     def stage(self) -> float:
         """Cast the weights into a fresh published buffer (the trainer's bf16 model views it); seconds."""
@@ -345,15 +352,45 @@ class _Trainer:
         b = self.bounds
         return b["model_bytes"] + b["grad_bytes"] + b["optimizer_bytes"] + 3 * bucket_bytes + RUNTIME_BYTES
 
+    def conclude(self, row: dict[str, Any], publish_s: float, raw_s: float, rollouts: list[dict[str, Any]],
+                 bucket_bytes: int) -> dict[str, Any]:
+        """End a step under either launcher: the throughput figures, the rollouts' results, the onload and
+        the memory figures with their bounds, added to ``row`` (returned).
 
-def _rollout_model(args: Sync):
+        Args:
+            publish_s: seconds from the send's start until the last rollout applied the step.
+            raw_s: seconds of one raw broadcast of the same bytes to the same rollouts.
+            rollouts: every rollout's result (:meth:`_Rollout.check`), by rank.
+            bucket_bytes: the engine's bucket size, in bytes (part of the memory bound).
+        """
+        nbytes = self.layout.nbytes
+        self.release()
+        row.update(publish_s=publish_s, raw_s=raw_s, bytes=nbytes, tensors=len(self.layout.slots),
+                   gbps=nbytes / publish_s / 1e9, raw_gbps=nbytes / raw_s / 1e9, ratio_vs_raw=raw_s / publish_s,
+                   rollouts=rollouts)
+        self.finish(row)
+        row["memory_bound_bytes"] = self.memory_bound(bucket_bytes)
+        row["memory_bounds"] = {**self.bounds, "bucket_bytes": bucket_bytes, "runtime_bytes": RUNTIME_BYTES}
+        return row
+
+    def abandon(self) -> None:
+        """After a failed update: drop the published buffer and onload what the step offloaded, so the
+        next step starts as usual."""
+        self.release()
+        if self.flags:
+            self.engine.to(self.kind, **self.flags)
+
+
+def _rollout_model(args: Sync, adapter_cls=None):
+    """A rollout's served model in an adapter (``adapter_cls(module, atomic=...)``, default
+    :class:`ckpt.ModelRolloutAdapter`) and its greedy decode (``None`` for a model that is not a preset)."""
     from hal.cli import models
 
     import ckpt
 
     kind = hal.resolve_device(args.device).kind
     module = models.serving_model(args.model, hal.get_device(kind))
-    adapter = ckpt.ModelRolloutAdapter(module, atomic=args.rollout_apply == "atomic")
+    adapter = (adapter_cls or ckpt.ModelRolloutAdapter)(module, atomic=args.rollout_apply == "atomic")
     decode = None
     if args.model in models.PRESETS:
         prompt = models.prompt_ids(args.model)
@@ -367,6 +404,62 @@ def _rollout_model(args: Sync):
 def _rollout_bound(adapter, bucket_bytes: int) -> int:
     """Stated bound of a rollout's peak: its banks (1 or 2 x model bytes) + 2 buckets + constant."""
     return len(adapter.banks) * adapter.layout.nbytes + 2 * bucket_bytes + RUNTIME_BYTES
+
+
+class _Rollout:
+    """A rollout rank's side of every step, under either launcher: its served model, the checkpoint worker
+    receiving into it, and the verification against the trainer's checksums and decode.
+
+    Args:
+        engine: this rank's receiving checkpoint engine.
+        rank: the rollout's rank (1..R), for reports.
+        adapter_cls: the server adapter's class (see :func:`_rollout_model`).
+    """
+
+    def __init__(self, args: Sync, engine, rank: int, adapter_cls=None) -> None:
+        import ckpt
+
+        self.args, self.rank = args, rank
+        self.kind = hal.resolve_device(args.device).kind
+        self.adapter, self.decode = _rollout_model(args, adapter_cls)
+        self.worker = ckpt.CheckpointEngineWorker(engine, self.adapter)
+        self.bound = _rollout_bound(self.adapter, _bucket_bytes(args))
+
+    async def receive(self, step: int) -> tuple[dict[str, Any], float]:
+        """Receive and apply ``step`` (a transfer error is reported, not raised).
+
+        Returns:
+            ``(result, applied_at)``: ``result`` has ``rank``, ``served_step``, ``error``, ``receive_s``,
+            ``copied_bytes`` and this rank's peak memory since the receive began against its bound;
+            ``applied_at`` is the wall-clock time (``time.time()``) the step was in service.
+        """
+        _reset_peak(self.kind)
+        result: dict[str, Any] = {"rank": self.rank, "served_step": None, "error": None}
+        start = time.perf_counter()
+        try:
+            await self.worker.update_weights(step)
+            hal.synchronize(self.kind)
+        except hal.HalError as exc:
+            result["error"] = f"{type(exc).__name__}: {exc}"
+        applied_at = time.time()
+        adapter = self.adapter
+        result.update(receive_s=time.perf_counter() - start, copied_bytes=adapter.last_copied_bytes,
+                      served_step=adapter.served_step, peak_host_bytes=_peak_host_bytes(),
+                      peak_device_bytes=_peak_device_bytes(self.kind), memory_bound_bytes=self.bound,
+                      banks=[b.data_ptr() for b in adapter.banks])
+        return result, applied_at
+
+    def check(self, step: int, result: dict[str, Any], expected: dict[str, str],
+              reference: dict[str, Any] | None) -> dict[str, Any]:
+        """Add :func:`verify_rollout`'s findings to ``result`` (a transfer error stays the error reported)."""
+        checked = verify_rollout(self.adapter, step, expected, reference, self.decode, self.args.logits_atol)
+        result["error"] = result["error"] or checked.pop("error")
+        result.update(checked)
+        return result
+
+    def raw_target(self) -> torch.Tensor:
+        """Where the raw reference broadcast lands: the staging bank, so the weights in service stay as they are."""
+        return self.adapter.staging[:self.adapter.layout.nbytes]
 
 
 def _make_checkpoint_engine(args: Sync, rank: int, world_size: int, port: int, root: str):
@@ -436,17 +529,13 @@ async def _trainer_loop(args: Sync, engine, store, raw_group, world_size: int) -
     with _progress() as progress:
         task = progress.add_task("sync", total=args.steps)
         for step in range(1, args.steps + 1):
-            _reset_peak(trainer.kind)
             progress.update(task, description=f"step {step}: train")
-            row = {"global_steps": step, **trainer.step()}
+            row = trainer.begin(step)
             progress.update(task, description=f"step {step}: publish")
-            row["stage_s"] = trainer.stage()
-            nbytes = trainer.layout.nbytes
-            t0 = time.time()
-            await engine.send_weights(trainer.published(), step)
+            t0 = await trainer.publish(engine, step)
             row["send_s"] = time.time() - t0
             applied = [json.loads(store.get(f"applied/{step}/{r}")) for r in receivers]
-            row["publish_s"] = max(a["t"] for a in applied) - t0
+            publish_s = max(a["t"] for a in applied) - t0
             progress.update(task, description=f"step {step}: verify")
             sums, ref = trainer.reference()
             store.set(f"sums/{step}", json.dumps(sums))
@@ -459,60 +548,28 @@ async def _trainer_loop(args: Sync, engine, store, raw_group, world_size: int) -
                 store.get(f"rawready/{step}/{r}")
             t_raw = time.time()
             await asyncio.to_thread(_raw_broadcast, raw_group, trainer.bank)
-            row["raw_s"] = max(float(store.get(f"rawdone/{step}/{r}")) for r in receivers) - t_raw
-            trainer.release()
-            row["bytes"], row["tensors"] = nbytes, len(sums)
-            row["gbps"] = nbytes / row["publish_s"] / 1e9
-            row["raw_gbps"] = nbytes / row["raw_s"] / 1e9
-            row["ratio_vs_raw"] = row["raw_s"] / row["publish_s"]
-            row["rollouts"] = [json.loads(store.get(f"result/{step}/{r}")) for r in receivers]
-            trainer.finish(row)
-            row["memory_bound_bytes"] = trainer.memory_bound(_bucket_bytes(args))
-            row["memory_bounds"] = {**trainer.bounds, "bucket_bytes": _bucket_bytes(args),
-                                    "runtime_bytes": RUNTIME_BYTES}
-            rows.append(row)
+            raw_s = max(float(store.get(f"rawdone/{step}/{r}")) for r in receivers) - t_raw
+            results = [json.loads(store.get(f"result/{step}/{r}")) for r in receivers]
+            rows.append(trainer.conclude(row, publish_s, raw_s, results, _bucket_bytes(args)))
             progress.advance(task)
     _release(engine)
     return {"rows": rows}
 
 
 async def _rollout_loop(args: Sync, engine, store, raw_group, rank: int) -> dict[str, Any]:
-    import ckpt
-
-    kind = hal.resolve_device(args.device).kind
-    adapter, decode = _rollout_model(args)
-    worker = ckpt.CheckpointEngineWorker(engine, adapter)
+    rollout = _Rollout(args, engine, rank)
     await asyncio.to_thread(engine.init_process_group)
-    bound = _rollout_bound(adapter, _bucket_bytes(args))
     for step in range(1, args.steps + 1):
-        _reset_peak(kind)
-        result: dict[str, Any] = {"rank": rank, "served_step": None, "error": None}
-        start = time.perf_counter()
-        try:
-            await worker.update_weights(step)
-            hal.synchronize(kind)
-        except hal.HalError as exc:
-            result["error"] = f"{type(exc).__name__}: {exc}"
-        store.set(f"applied/{step}/{rank}", json.dumps({"t": time.time(), "error": result["error"]}))
-        result["receive_s"] = time.perf_counter() - start
-        result["copied_bytes"] = adapter.last_copied_bytes
-        result["served_step"] = adapter.served_step
-        result["peak_host_bytes"] = _peak_host_bytes()
-        result["peak_device_bytes"] = _peak_device_bytes(kind)
-        result["memory_bound_bytes"] = bound
-        result["banks"] = [b.data_ptr() for b in adapter.banks]
+        result, applied_at = await rollout.receive(step)
+        store.set(f"applied/{step}/{rank}", json.dumps({"t": applied_at, "error": result["error"]}))
         sums = json.loads(store.get(f"sums/{step}"))
         ref = json.loads(store.get(f"ref/{step}"))
         if ref is not None:
             ref["logits"] = torch.frombuffer(bytearray(store.get(f"logits/{step}")), dtype=torch.float32).view(
                 len(ref["tokens"]), -1)
-        checked = verify_rollout(adapter, step, sums, ref, decode, args.logits_atol)
-        result["error"] = result["error"] or checked.pop("error")
-        result.update(checked)
-        # the raw reference lands in the staging bank: the same bytes the rollout serves, so nothing changes
-        target = adapter.staging[:adapter.layout.nbytes]
+        rollout.check(step, result, sums, ref)
         store.set(f"rawready/{step}/{rank}", "1")
-        await asyncio.to_thread(_raw_broadcast, raw_group, target)
+        await asyncio.to_thread(_raw_broadcast, raw_group, rollout.raw_target())
         store.set(f"rawdone/{step}/{rank}", repr(time.time()))
         store.set(f"result/{step}/{rank}", json.dumps(result))
     _release(engine)
@@ -530,9 +587,7 @@ async def _colocated(args: Sync) -> dict[str, Any]:
     with _progress() as progress:
         task = progress.add_task("sync", total=args.steps)
         for step in range(1, args.steps + 1):
-            _reset_peak(trainer.kind)
-            row = {"global_steps": step, **trainer.step()}
-            row["stage_s"] = trainer.stage()
+            row = trainer.begin(step)
             start = time.perf_counter()
             sends = [ch.send_weights(trainer.published(), step) for ch in channels]
             receives = [ckpt.CheckpointEngineWorker(ch, ad).update_weights(step) for ch, (ad, _) in zip(channels, rollouts)]

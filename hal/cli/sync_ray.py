@@ -2,9 +2,12 @@
 
 One trainer actor and ``--rollouts`` rollout actors, each in its own bundle of one placement group
 (:func:`hal.ray.place_workers`), each binding the device Ray assigned to it (:func:`hal.ray.bind_assigned_device`).
-The step code is :mod:`hal.cli.sync`'s (``_Trainer``, ``checksums``, ``verify``); what differs is who starts
-the processes and who drives the checkpoint engine. The driver here drives it as verl's
-``CheckpointEngineManager`` does, every update:
+The job is :mod:`hal.cli.sync`'s, step for step: the trainer is its ``_Trainer`` (fp32 masters, AdamW,
+publishes bf16 for presets), every rollout its ``_Rollout`` (a served model loading updates in place through
+``ckpt.ModelRolloutAdapter``, verified by greedy decode and CRC-32 against the trainer's bf16 model), and
+a raw broadcast of the same bytes is the reference of the step's throughput; rows and ``--json`` fields are
+the same. What differs is who starts the processes and who drives the checkpoint engine. The driver here
+drives it as verl's ``CheckpointEngineManager`` does, every update:
 
 1. ``prepare()`` on every worker, gathering their metadata (the trainer hosts the rendezvous store);
 2. the engine class's ``build_topology(1, R, metadata)``: per-rank keyword lists;
@@ -13,9 +16,11 @@ the processes and who drives the checkpoint engine. The driver here drives it as
 4. the trainer's ``send_weights`` and every rollout's ``receive_weights`` concurrently;
 5. ``finalize()`` on every worker.
 
-A rollout that dies during an update fails that update with :class:`SyncUpdateError` naming the rollout
-(within the engine's timeout); the other rollouts keep serving their previous step, and
-:meth:`RaySync.replace_rollout` starts a new actor in the dead one's bundle for the next update.
+A rollout that dies during an update fails that update with :class:`SyncUpdateError` naming the rollout as
+soon as Ray reports the death (the driver waits on every worker's call, not on the engine's timeout); the
+other rollouts keep serving their previous step, their part of the failed transfer ends (an error, at most
+the engine's timeout) before the next update starts, and :meth:`RaySync.replace_rollout` starts a new actor
+in the dead one's bundle for the next update.
 
 Without ``--address`` a one-node cluster is started for the run (:class:`hal.ray.LocalCluster`, declaring
 one device of the kind per worker), and stopped at the end.
@@ -23,13 +28,14 @@ one device of the kind per worker), and stopped at the end.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import time
-from typing import Any, Callable
+from typing import Any
 
 import hal
 from hal import ray as hal_ray
-from hal.cli.sync import Sync, _progress, _Trainer, verify
+from hal.cli.sync import Sync, _bucket_bytes, _progress, _raw_broadcast, _Rollout, _Trainer, verify
 
 
 class SyncUpdateError(hal.HalError, RuntimeError):
@@ -39,16 +45,19 @@ class SyncUpdateError(hal.HalError, RuntimeError):
 def _engine(args: Sync, is_master: bool, master_addr: str | None = None):
     import ckpt
 
-    return ckpt.get_checkpoint_engine("collective", bucket_size=int(args.bucket_mb * (1 << 20)), is_master=is_master,
+    return ckpt.get_checkpoint_engine("collective", bucket_size=_bucket_bytes(args), is_master=is_master,
                                       master_addr=master_addr, device=hal.resolve_device(args.device).kind,
                                       timeout=args.timeout)
 
 
 class _Worker:
-    """What both actors share: the bound device and the checkpoint engine's lifecycle calls."""
+    """What both actors share: the bound device, the checkpoint engine's lifecycle calls, the raw group."""
 
     binding: hal_ray.DeviceBinding
     engine: Any
+    args: Sync
+    raw_group: Any = None
+    raw_store: Any = None
 
     def where(self) -> hal_ray.DeviceBinding:
         """The device this actor bound (node, Ray's ids, visible devices, local index)."""
@@ -60,6 +69,19 @@ class _Worker:
             raise ValueError(f"method must be a lifecycle method of the checkpoint engine, got {method!r}")
         return getattr(self.engine, method)(**kwargs)
 
+    def join_raw_group(self, addr: str, port: int, rank: int, world_size: int, generation: int) -> None:
+        """Be rank ``rank`` of generation ``generation`` of the raw-broadcast group (a group of the engine's
+        backend beside the engine's own), over the trainer's store at ``addr:port``; blocks until every
+        member joined, at most ``--timeout`` seconds (then :class:`hal.DistributedTimeoutError`)."""
+        if self.raw_group is not None:
+            self.raw_group.close()
+            self.raw_group = None
+        if self.raw_store is None:
+            self.raw_store = hal.connect_store(addr, port, rank, world_size, self.args.timeout)
+        kind = hal.resolve_device(self.args.device).kind
+        self.raw_group = hal.new_group_from_store(self.raw_store, rank, world_size, kind, self.args.timeout,
+                                                  f"raw/{generation}")
+
 
 class TrainerActor(_Worker):
     """Rank 0: :class:`hal.cli.sync._Trainer` (TorchEngine + AdamW) and the sending checkpoint engine.
@@ -69,74 +91,85 @@ class TrainerActor(_Worker):
     """
 
     def __init__(self, args: dict[str, Any]) -> None:
-        import ckpt
-
         self.args = Sync(**args)
         self.binding = hal_ray.bind_assigned_device(self.args.device)  # the driver resolved the kind
         self.trainer = _Trainer(self.args)
         self.engine = _engine(self.args, is_master=True, master_addr=self.binding.node_ip)
-        self.publisher = ckpt.TrainerWorker(self.trainer.engine, self.engine)
 
-    def train_step(self) -> tuple[dict[str, Any], dict[str, str], int]:
-        """One optimizer step and offload; returns ``(row, {name: checksum}, bytes)`` of the weights to send."""
-        row = self.trainer.step()
-        sums, nbytes = self.trainer.sums()
-        hal.synchronize(self.trainer.kind)
-        return row, sums, nbytes
+    def host_raw_store(self) -> tuple[str, int]:
+        """Host the raw group's rendezvous store (once) on this node; returns ``(address, port)``."""
+        if self.raw_store is None:
+            self.raw_store = hal.connect_store(self.binding.node_ip, 0, 0, 1, self.args.timeout)
+        return self.binding.node_ip, int(self.raw_store.port)
 
-    async def update_weights(self, global_steps: int) -> float:
-        """Send the weights as ``global_steps``; returns the seconds until every broadcast completed."""
-        start = time.perf_counter()
-        await self.publisher.update_weights(global_steps)
-        return time.perf_counter() - start
+    def train(self, global_steps: int) -> dict[str, Any]:
+        """One optimizer step, offload and cast into the published buffer; returns the step's row."""
+        return self.trainer.begin(global_steps)
 
-    def finish(self, row: dict[str, Any]) -> dict[str, Any]:
-        """Onload what the step offloaded; adds onload time and peak memory to ``row``."""
-        return self.trainer.finish(row)
+    async def publish(self, global_steps: int) -> dict[str, Any]:
+        """Send the published buffer as ``global_steps``, then compute the checksums and the decode of the
+        trainer's bf16 model the rollouts are checked against.
+
+        Returns:
+            ``{"t0": send start (time.time()), "send_s", "sums": {name: crc}, "reference": None | {"tokens",
+            "logits": (n, vocab) float32}}``.
+        """
+        t0 = await self.trainer.publish(self.engine, global_steps)
+        send_s = time.time() - t0
+        sums, reference = self.trainer.reference()
+        return {"t0": t0, "send_s": send_s, "sums": sums, "reference": reference}
+
+    async def raw_broadcast(self) -> float:
+        """The raw reference: one broadcast of the published buffer; returns its wall-clock start."""
+        start = time.time()
+        await asyncio.to_thread(_raw_broadcast, self.raw_group, self.trainer.bank)
+        return start
+
+    def conclude(self, row: dict[str, Any], publish_s: float, raw_s: float,
+                 rollouts: list[dict[str, Any]]) -> dict[str, Any]:
+        """Figures, onload and memory of the step (:meth:`hal.cli.sync._Trainer.conclude`); returns the row."""
+        return self.trainer.conclude(row, publish_s, raw_s, rollouts, _bucket_bytes(self.args))
+
+    def abandon(self) -> None:
+        """After a failed update: drop the published buffer, onload what the step offloaded."""
+        self.trainer.abandon()
 
 
 class RolloutActor(_Worker):
-    """A rollout rank: the receiving checkpoint engine and a server adapter applying updates all-or-nothing.
+    """A rollout rank: the receiving checkpoint engine and :class:`hal.cli.sync._Rollout` (its served model).
 
     Args:
         args: :class:`Sync` as a dict.
         rank: this rollout's rank (1..R), for reports.
-        adapter: a factory of the rollout server adapter (``async update_weights(weights, global_steps)``
-            and ``served_step``/``state_dict()``); default :class:`ckpt.InMemoryRolloutAdapter`.
+        adapter: the server adapter's class, called ``adapter(module, atomic=...)``; default
+            :class:`ckpt.ModelRolloutAdapter`.
     """
 
-    def __init__(self, args: dict[str, Any], rank: int, adapter: Callable[[], Any] | None = None) -> None:
-        import ckpt
-
+    def __init__(self, args: dict[str, Any], rank: int, adapter: Any = None) -> None:
         self.args = Sync(**args)
-        self.rank = rank
         self.binding = hal_ray.bind_assigned_device(self.args.device)  # the driver resolved the kind
         self.engine = _engine(self.args, is_master=False)
-        self.adapter = adapter() if adapter is not None else ckpt.InMemoryRolloutAdapter()
-        self.worker = ckpt.CheckpointEngineWorker(self.engine, self.adapter)
+        self.rollout = _Rollout(self.args, self.engine, rank, adapter)
 
-    async def update_weights(self, global_steps: int, expected: dict[str, str]) -> dict[str, Any]:
-        """Receive ``global_steps`` and check it byte for byte against the trainer's ``expected`` checksums.
+    async def update_weights(self, global_steps: int) -> tuple[dict[str, Any], float]:
+        """Receive and apply ``global_steps``; returns ``(result, applied_at)`` (see ``_Rollout.receive``),
+        the result naming this actor's node and device."""
+        result, applied_at = await self.rollout.receive(global_steps)
+        result.update(node_ip=self.binding.node_ip, device_id=self.binding.device_id)
+        return result, applied_at
 
-        Returns:
-            ``{"rank", "served_step", "error", "receive_s", "node_ip", "device_id"}``; ``error`` is ``None``
-            when the rollout serves the step byte-exact, else the first difference or the transfer's error.
-        """
-        result: dict[str, Any] = {"rank": self.rank, "served_step": None, "error": None,
-                                  "node_ip": self.binding.node_ip, "device_id": self.binding.device_id}
-        start = time.perf_counter()
-        try:
-            await self.worker.update_weights(global_steps)
-            result["receive_s"] = time.perf_counter() - start
-            result["error"] = verify(self.adapter, global_steps, expected)
-        except hal.HalError as exc:
-            result["error"] = f"{type(exc).__name__}: {exc}"
-        result["served_step"] = self.adapter.served_step
-        return result
+    def check(self, global_steps: int, result: dict[str, Any], published: dict[str, Any]) -> dict[str, Any]:
+        """Verify what this rollout serves against the trainer's ``published`` checksums and decode."""
+        return self.rollout.check(global_steps, result, published["sums"], published["reference"])
+
+    async def raw_broadcast(self) -> float:
+        """Receive the raw reference broadcast (into the staging bank); returns when it completed (time.time())."""
+        await asyncio.to_thread(_raw_broadcast, self.raw_group, self.rollout.raw_target())
+        return time.time()
 
     def verify(self, global_steps: int, expected: dict[str, str]) -> str | None:
         """What is wrong with the weights in service against step ``global_steps``'s checksums (``None``: exact)."""
-        return verify(self.adapter, global_steps, expected)
+        return verify(self.rollout.adapter, global_steps, expected)
 
 
 def _actor_error(exc: BaseException) -> str:
@@ -149,6 +182,12 @@ def _actor_error(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
+def _died(ray, exc: BaseException) -> bool:
+    """Whether ``exc`` says the actor is gone for good (not a task error, not a transient unavailability)."""
+    unavailable = getattr(ray.exceptions, "ActorUnavailableError", ())
+    return isinstance(exc, ray.exceptions.RayActorError) and not isinstance(exc, unavailable)
+
+
 class RaySync:
     """One trainer actor and R rollout actors in a placement group, driven through verl's update lifecycle.
 
@@ -156,13 +195,14 @@ class RaySync:
         args: the ``hal sync`` arguments (``engine`` must be ``collective``).
         strategy: placement strategy of the bundles (``PACK``, ``SPREAD``, ...).
         trainer_node, rollout_node: node IPs the trainer / the rollouts must run on (``None``: anywhere).
-        adapters: ``{rollout rank: adapter factory}`` for rollouts whose server adapter is not the default.
+        adapters: ``{rollout rank: adapter class}`` for rollouts whose server adapter is not
+            :class:`ckpt.ModelRolloutAdapter` (called ``cls(module, atomic=...)``).
 
     Needs a connected Ray driver (``ray.init``). Use as a context manager, or call :meth:`close`.
     """
 
     def __init__(self, args: Sync, strategy: hal_ray.Strategy = "PACK", trainer_node: str | None = None,
-                 rollout_node: str | None = None, adapters: dict[int, Callable[[], Any]] | None = None) -> None:
+                 rollout_node: str | None = None, adapters: dict[int, Any] | None = None) -> None:
         from ckpt.collective import CollectiveCheckpointEngine
 
         self.ray = hal_ray.require_ray()
@@ -174,6 +214,10 @@ class RaySync:
         self.timeout = args.timeout
         self.checksums: dict[int, dict[str, str]] = {}
         """``{global_steps: {name: checksum}}`` of the last update every rollout received."""
+        self._unsettled: dict[int, Any] = {}  # worker index -> its call still in a failed update
+        self._raw_generation = 0  # of the raw group every live worker is in (0: none yet)
+        self._raw_wanted = 1
+        self._abandoned = False  # a failed update's published buffer is still to be dropped
         begin = time.perf_counter()
         self.placement = hal_ray.place_workers(self.kind, args.rollouts, strategy=strategy,
                                                trainer_node=trainer_node, rollout_node=rollout_node,
@@ -224,42 +268,85 @@ class RaySync:
                  for i, r in enumerate(self.rollouts)]
         self._settle(refs, "init_process_group")
 
-    def _settle(self, refs: list, what: str, workers: list[int] | None = None) -> list:
-        """Wait for every ref (at most the engine's timeout plus a margin); raise naming each failed worker."""
-        ready, _ = self.ray.wait(refs, num_returns=len(refs), timeout=self.timeout + 30.0)
+    def _settle(self, refs: list, what: str, workers: list[int] | None = None, fail_on_death: bool = False) -> list:
+        """Wait for every ref (at most the engine's timeout plus a margin); raise naming each failed worker.
+
+        With ``fail_on_death``, a worker Ray reports dead ends the wait at once: the calls still running
+        (the other ranks of a broken transfer) are kept in ``self._unsettled`` and settled before the next
+        update (:meth:`_settle_leftovers`), and the error names the dead worker.
+        """
+        indices = list(workers) if workers is not None else list(range(len(refs)))
+        limit = self.timeout + 30.0
+        deadline = time.monotonic() + limit
+        outcome: dict[int, tuple[bool, Any]] = {}
+        pending, by_ref = list(refs), dict(zip(refs, indices))
+        dead = False
+        while pending and not dead:
+            ready, pending = self.ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                break  # the deadline passed
+            if fail_on_death and pending:  # collect whatever else already ended, then look for a death
+                more, pending = self.ray.wait(pending, num_returns=len(pending), timeout=0)
+                ready += more
+            for ref in ready:
+                try:
+                    outcome[by_ref[ref]] = (True, self.ray.get(ref))
+                except Exception as exc:  # noqa: BLE001 - every worker's failure is reported, by name
+                    outcome[by_ref[ref]] = (False, exc)
+                    dead = dead or (fail_on_death and _died(self.ray, exc))
         results, failures = [], []
-        for index, ref in zip(workers or range(len(refs)), refs):
-            if ref not in ready:
-                failures.append(f"{self._name(index)}: no answer within {self.timeout + 30.0:g} s")
+        for index, ref in zip(indices, refs):
+            if index not in outcome:
                 results.append(None)
+                if dead:
+                    self._unsettled[index] = ref
+                else:
+                    failures.append(f"{self._name(index)}: no answer within {limit:g} s")
                 continue
-            try:
-                results.append(self.ray.get(ref))
-            except Exception as exc:  # noqa: BLE001 - every worker's failure is reported, by name
-                failures.append(f"{self._name(index)}: {_actor_error(exc)}")
-                results.append(None)
+            ok, value = outcome[index]
+            results.append(value if ok else None)
+            if not ok:
+                failures.append(f"{self._name(index)}: {_actor_error(value)}")
         if failures:
             raise SyncUpdateError(f"{what} failed: " + "; ".join(failures))
         return results
 
-    def update_weights(self, global_steps: int, expected: dict[str, str]) -> tuple[float, list[dict[str, Any]]]:
-        """One update as verl's manager runs it; returns ``(trainer's publish seconds, per-rollout results)``.
+    def _settle_leftovers(self) -> None:
+        """Wait for the calls a failed update left running (each ends within the engine's timeout: its peer
+        died), finalizing each worker as its call ends, so its broken group is released (its peers'
+        transfers then fail at once) and the next update forms a new one."""
+        pending = {ref: index for index, ref in self._unsettled.items()}
+        self._unsettled = {}
+        deadline = time.monotonic() + self.timeout + 30.0
+        while pending and time.monotonic() < deadline:
+            ready, _ = self.ray.wait(list(pending), num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            for ref in ready:
+                self._finalize([pending.pop(ref)])
+        if self._abandoned:  # the trainer's part ended: drop its published buffer, onload
+            self._abandoned = False
+            self._get([self.trainer.abandon.remote()], "onload")
+
+    def update_weights(self, global_steps: int) -> tuple[dict[str, Any], list[tuple[dict[str, Any], float]]]:
+        """One update as verl's manager runs it; returns the trainer's :meth:`TrainerActor.publish` result
+        and every rollout's ``(result, applied_at)``.
 
         Raises:
-            SyncUpdateError: a worker died or raised; names each (rank, node, device) and the error. The
-                surviving workers' engines are finalized so the next update can form a new group.
+            SyncUpdateError: a worker died or raised; names each (rank, node, device) and the error. A death
+                ends the update as soon as Ray reports it. The workers that ended their part are finalized
+                now, the others once their part ended, so the next update can form a new group.
         """
+        settled = list(range(len(self.workers)))
         try:
             self.build_process_group()
-            refs = [self.trainer.update_weights.remote(global_steps)]
-            refs += [r.update_weights.remote(global_steps, expected) for r in self.rollouts]
-            results = self._settle(refs, f"update to global_steps {global_steps}")
+            refs = [self.trainer.publish.remote(global_steps)]
+            refs += [r.update_weights.remote(global_steps) for r in self.rollouts]
+            results = self._settle(refs, f"update to global_steps {global_steps}", fail_on_death=True)
         finally:
-            self._finalize()
+            self._finalize([i for i in settled if i not in self._unsettled])
         return results[0], results[1:]
 
-    def _finalize(self) -> None:
-        refs = [w.execute_checkpoint_engine.remote("finalize") for w in self.workers]
+    def _finalize(self, indices: list[int]) -> None:
+        refs = [self.workers[i].execute_checkpoint_engine.remote("finalize") for i in indices]
         ready, _ = self.ray.wait(refs, num_returns=len(refs), timeout=self.timeout)
         for ref in ready:
             try:
@@ -267,26 +354,56 @@ class RaySync:
             except Exception:  # noqa: BLE001 - a dead worker has nothing to finalize
                 pass
 
-    def step(self, global_steps: int) -> dict[str, Any]:
-        """Train one step, publish it as ``global_steps``, verify every rollout, onload; returns the step's row."""
-        row, sums, nbytes = self._get([self.trainer.train_step.remote()], "train")[0]
-        row["global_steps"] = global_steps
-        try:
-            publish_s, results = self.update_weights(global_steps, sums)
-        except SyncUpdateError:
-            try:  # onload, so the trainer stays usable for the next step
-                self._get([self.trainer.finish.remote(row)], "onload")
-            except SyncUpdateError:
-                pass  # the trainer itself failed: the update's error says so
-            raise
-        self.checksums = {global_steps: sums}
-        row.update(publish_s=publish_s, bytes=nbytes, tensors=len(sums), rollouts=results)
-        return self._get([self.trainer.finish.remote(row)], "onload")[0]
+    def _ensure_raw_group(self) -> None:
+        """Form the raw-broadcast group (again, after a rollout was replaced) on every worker."""
+        if self._raw_generation == self._raw_wanted:
+            return
+        addr, port = self._get([self.trainer.host_raw_store.remote()], "raw group")[0]
+        world = len(self.workers)
+        self._settle([w.join_raw_group.remote(addr, port, rank, world, self._raw_wanted)
+                      for rank, w in enumerate(self.workers)], "raw group")
+        self._raw_generation = self._raw_wanted
 
-    def replace_rollout(self, rank: int, adapter: Callable[[], Any] | None = None) -> hal_ray.DeviceBinding:
+    def _raw_seconds(self) -> float:
+        """One raw broadcast of the published bytes to every rollout: seconds until the last one has them."""
+        refs = [w.raw_broadcast.remote() for w in self.workers]
+        start, *done = self._settle(refs, "raw broadcast")
+        return max(done) - start
+
+    def step(self, global_steps: int) -> dict[str, Any]:
+        """Train one step, publish it as ``global_steps``, verify every rollout, time the raw broadcast of the
+        same bytes, onload; returns the step's row (the fields of :func:`hal.cli.sync.execute`'s rows)."""
+        self._settle_leftovers()
+        self._ensure_raw_group()
+        row = self._get([self.trainer.train.remote(global_steps)], "train")[0]
+        try:
+            published, received = self.update_weights(global_steps)
+        except SyncUpdateError:
+            if 0 in self._unsettled:
+                self._abandoned = True  # the trainer onloads once its part of the update ended
+            else:
+                try:  # drop the published buffer and onload, so the trainer stays usable for the next step
+                    self._get([self.trainer.abandon.remote()], "onload")
+                except SyncUpdateError:
+                    pass  # the trainer itself failed: the update's error says so
+            raise
+        row["send_s"] = published["send_s"]
+        publish_s = max(applied_at for _, applied_at in received) - published["t0"]
+        if published["reference"] is not None:
+            row["tokens"] = published["reference"]["tokens"]
+        shared = self.ray.put(published)
+        results = self._get([r.check.remote(global_steps, result, shared) for r, (result, _) in
+                             zip(self.rollouts, received)], "verify", list(range(1, len(self.workers))))
+        raw_s = self._raw_seconds()
+        row = self._get([self.trainer.conclude.remote(row, publish_s, raw_s, results)], "onload")[0]
+        self.checksums = {global_steps: published["sums"]}
+        return row
+
+    def replace_rollout(self, rank: int, adapter: Any = None) -> hal_ray.DeviceBinding:
         """Start a new rollout actor of rank ``rank`` in its bundle (after the old one died or was killed)."""
         if not 1 <= rank <= len(self.rollouts):
             raise ValueError(f"rank must be in [1, {len(self.rollouts)}], got {rank}")
+        self._unsettled.pop(rank, None)
         try:
             self.ray.kill(self.rollouts[rank - 1], no_restart=True)
         except Exception:  # noqa: BLE001 - it is already dead
@@ -294,6 +411,7 @@ class RaySync:
         self.rollouts[rank - 1] = self._remote(RolloutActor, rank, self.args_dict, rank, adapter)
         self.bindings[rank] = self._get([self.rollouts[rank - 1].where.remote()], "start", [rank])[0]
         hal_ray.check_distinct_devices(self.bindings)
+        self._raw_wanted = self._raw_generation + 1  # the new actor joins a new raw group
         return self.bindings[rank]
 
     def close(self) -> None:

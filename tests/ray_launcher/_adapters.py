@@ -8,15 +8,15 @@ import signal
 import ckpt
 
 
-class DiesMidUpdate(ckpt.InMemoryRolloutAdapter):
-    """The reference adapter, except that receiving step ``at_step`` kills its process after the first tensor."""
+class DiesMidUpdate(ckpt.ModelRolloutAdapter):
+    """The served-model adapter, except that receiving step ``at_step`` kills its process after the first tensor."""
 
-    def __init__(self, at_step: int) -> None:
-        super().__init__()
+    def __init__(self, module, at_step: int, **kwargs) -> None:
+        super().__init__(module, **kwargs)
         self.at_step = at_step
 
-    async def update_weights(self, weights, wire_format="named_tensors", *, global_steps=None, **kwargs):
+    async def update_weights(self, weights, global_steps=None, wire_format="named_tensors", **kwargs):
         if global_steps == self.at_step:
             async for _name, _tensor in weights:
                 os.kill(os.getpid(), signal.SIGKILL)  # mid-update: one tensor in, the rest still coming
-        return await super().update_weights(weights, wire_format, global_steps=global_steps, **kwargs)
+        return await super().update_weights(weights, global_steps, wire_format, **kwargs)

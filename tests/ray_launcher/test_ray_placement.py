@@ -7,19 +7,12 @@ import os
 import pytest
 
 from tests.ray_launcher._light import EnvProbe
-from tests.ray_launcher.conftest import ray, ray_cluster
+from tests.ray_launcher.conftest import ray
 
 import hal
 from hal import ray as hal_ray
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(240)]
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    # 3 simulated npus, 2 declared Ascend NPUs and 2 GPUs (no hardware: only Ray's bookkeeping and env)
-    with ray_cluster(num_cpus=4, resources={"NPU_SIM": 3, "NPU": 2, "GPU": 2}) as c:
-        yield c
 
 
 @ray.remote

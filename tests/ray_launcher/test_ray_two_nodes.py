@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from tests.ray_launcher.conftest import ray
+from tests.ray_launcher.conftest import connect_driver, disconnect_driver, ray
 
 from hal.cli.sync import Sync
 from hal.cli.sync_ray import RaySync
@@ -30,14 +30,14 @@ def two_nodes():
     try:
         worker.head, worker.token = head.address, head.token
         worker.start()
-        head.connect()
+        connect_driver(head)
         deadline = time.monotonic() + 60
         while len([n for n in ray.nodes() if n["Alive"]]) < 2:
             assert time.monotonic() < deadline, f"the worker node did not join: {ray.nodes()}"
             time.sleep(0.2)
         yield head, worker
     finally:
-        ray.shutdown()
+        disconnect_driver()
         worker.stop()
         head.stop()
         assert worker.pids() == [] and head.pids() == []
@@ -46,17 +46,17 @@ def two_nodes():
 def test_rollouts_on_the_second_node_receive_byte_exact_with_global_steps(two_nodes):
     nodes = {n["NodeManagerAddress"]: n["Resources"].get("NPU_SIM") for n in ray.nodes() if n["Alive"]}
     assert nodes[WORKER_IP] == 2 and len(nodes) == 2
-    args = Sync(device="npu-sim", model="qwen2.5-tiny", rollouts=2, steps=3, timeout=60)
+    args = Sync(device="npu-sim", model="qwen2.5-tiny", rollouts=2, steps=2, timeout=60)
     with RaySync(args, rollout_node=WORKER_IP) as run:
         trainer, *rollouts = run.bindings
         assert trainer.node_ip != WORKER_IP and {b.node_ip for b in rollouts} == {WORKER_IP}
         assert sorted(b.device_id for b in rollouts) == ["1", "2"] and trainer.device_id == "0"
         assert [(b.visible, b.local_index, b.set_by) for b in run.bindings] == \
             [(b.device_id, 0, "hal") for b in run.bindings]
-        for step in (1, 2, 3):
+        for step in (1, 2):
             row = run.step(step)
-            assert [(r["rank"], r["node_ip"], r["served_step"], r["error"]) for r in row["rollouts"]] == \
-                [(1, WORKER_IP, step, None), (2, WORKER_IP, step, None)]
+            # every tensor's CRC-32 equals the trainer's, and the served models decode what its bf16 model does
+            assert [(r["rank"], r["node_ip"], r["served_step"], r["error"], r["tokens_equal"])
+                    for r in row["rollouts"]] == [(1, WORKER_IP, step, None, True), (2, WORKER_IP, step, None, True)]
         (step, sums), = run.checksums.items()
-        assert step == 3 and len(sums) == row["tensors"]
-        assert ray.get([r.verify.remote(3, sums) for r in run.rollouts], timeout=60) == [None, None]
+        assert step == 2 and len(sums) == row["tensors"] == 26
