@@ -212,6 +212,8 @@ class RaySync:
         self.engine_cls = CollectiveCheckpointEngine  # build_topology is a classmethod: the driver runs it
         self.adapters = dict(adapters or {})
         self.timeout = args.timeout
+        self.start_timeout = max(args.timeout, 120.0) + 30.0
+        """Seconds an actor may take to start (import torch and transformers, build its model)."""
         self.checksums: dict[int, dict[str, str]] = {}
         """``{global_steps: {name: checksum}}`` of the last update every rollout received."""
         self._unsettled: dict[int, Any] = {}  # worker index -> its call still in a failed update
@@ -226,7 +228,7 @@ class RaySync:
             self.trainer = self._remote(TrainerActor, 0, self.args_dict)
             self.rollouts = [self._remote(RolloutActor, rank, self.args_dict, rank, self.adapters.get(rank))
                              for rank in range(1, args.rollouts + 1)]
-            self.bindings = self._get([w.where.remote() for w in self.workers], "start")
+            self.bindings = self._get([w.where.remote() for w in self.workers], "start", limit=self.start_timeout)
             hal_ray.check_distinct_devices(self.bindings)
         except BaseException:
             self.close()
@@ -242,10 +244,10 @@ class RaySync:
         return actor_cls.options(**self.placement.options(bundle_index),
                                  max_restarts=0, max_concurrency=4).remote(*init_args)
 
-    def _get(self, refs: list, what: str, workers: list[int] | None = None) -> list:
+    def _get(self, refs: list, what: str, workers: list[int] | None = None, limit: float | None = None) -> list:
         """Results of ``refs`` (the calls of worker indices ``workers``, default 0, 1, ...), else
         :class:`SyncUpdateError` naming each worker that failed, died or did not answer in time."""
-        return self._settle(refs, what, workers)
+        return self._settle(refs, what, workers, limit=limit)
 
     def _name(self, index: int) -> str:
         b = self.bindings[index] if index < len(getattr(self, "bindings", [])) else None
@@ -268,15 +270,17 @@ class RaySync:
                  for i, r in enumerate(self.rollouts)]
         self._settle(refs, "init_process_group")
 
-    def _settle(self, refs: list, what: str, workers: list[int] | None = None, fail_on_death: bool = False) -> list:
-        """Wait for every ref (at most the engine's timeout plus a margin); raise naming each failed worker.
+    def _settle(self, refs: list, what: str, workers: list[int] | None = None, fail_on_death: bool = False,
+                limit: float | None = None) -> list:
+        """Wait for every ref (at most ``limit`` seconds, default the engine's timeout plus a margin); raise
+        naming each failed worker.
 
         With ``fail_on_death``, a worker Ray reports dead ends the wait at once: the calls still running
         (the other ranks of a broken transfer) are kept in ``self._unsettled`` and settled before the next
         update (:meth:`_settle_leftovers`), and the error names the dead worker.
         """
         indices = list(workers) if workers is not None else list(range(len(refs)))
-        limit = self.timeout + 30.0
+        limit = self.timeout + 30.0 if limit is None else limit
         deadline = time.monotonic() + limit
         outcome: dict[int, tuple[bool, Any]] = {}
         pending, by_ref = list(refs), dict(zip(refs, indices))
@@ -409,7 +413,8 @@ class RaySync:
         except Exception:  # noqa: BLE001 - it is already dead
             pass
         self.rollouts[rank - 1] = self._remote(RolloutActor, rank, self.args_dict, rank, adapter)
-        self.bindings[rank] = self._get([self.rollouts[rank - 1].where.remote()], "start", [rank])[0]
+        self.bindings[rank] = self._get([self.rollouts[rank - 1].where.remote()], "start", [rank],
+                                        limit=self.start_timeout)[0]
         hal_ray.check_distinct_devices(self.bindings)
         self._raw_wanted = self._raw_generation + 1  # the new actor joins a new raw group
         return self.bindings[rank]
