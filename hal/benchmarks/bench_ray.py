@@ -8,8 +8,8 @@ engine, same bucket size, 1 trainer and ``--rollouts`` rollouts:
 * ``ray``: the same with ``--launcher ray`` on a one-node :class:`hal.ray.LocalCluster` started here.
 
 Each launcher runs ``--steps`` steps per round, ``--rounds`` rounds alternating (a noisy neighbour slows
-both alike). The throughput of a step is bytes / the trainer's publish time (send until every broadcast
-completed); the first step of every run is a warm-up and not counted; figures are medians. The ratio
+both alike). The throughput of a step is bytes / its publish time (from the send's start until the last
+rollout applied the step, as ``hal sync`` reports it); the first step of every run is a warm-up and not counted; figures are medians. The ratio
 ``ray / torchrun`` is the figure of merit (goal >= 0.9). Start-up: seconds until the Ray node serves
 (``cluster_s``) and until every actor bound its device (``actors_s``).
 
