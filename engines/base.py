@@ -108,7 +108,8 @@ class BaseEngine(abc.ABC):
             grad: move gradient buffers; requires ``model`` (verl's rule).
 
         Offloads copy into host buffers kept per tensor and reused by later offloads (pinned where the kind
-        supports it, see :func:`engines.host_buffers.pin_memory_supported`); copies are issued
+        supports it, see :func:`engines.host_buffers.pin_memory_supported`); the buffers one call needs
+        first are views of one host slab (:meth:`engines.host_buffers.HostBufferPool.reserve`); copies are issued
         non-blocking when pinned and the device is synchronized before returning, so tensors are valid on
         return. After an offload the kind's cache is emptied, so ``memory_allocated`` (and reserved memory)
         drop by the bytes moved. Parameters keep their identity (the optimizer holds the same objects) and
@@ -132,11 +133,13 @@ class BaseEngine(abc.ABC):
         hooks = {"model": self._model_slots, "grad": self._grad_slots, "optimizer": self._optimizer_slots}
         wanted = {"model": model, "grad": grad, "optimizer": optimizer}
         moved = 0
+        slots = [(part, slot) for part in _PARTS if wanted[part] for slot in hooks[part]()]
+        if offload:  # the host buffers a first offload needs come from one slab (see HostBufferPool.reserve)
+            self.host_buffers.reserve((slot.key, t) for _, slot in slots
+                                      if (t := slot.get()) is not None and t.device.type != "cpu")
         with torch.no_grad():  # a DTensor's local shard may require grad; its copies must not join a graph
-            for part in _PARTS:
-                if wanted[part]:
-                    for slot in hooks[part]():
-                        moved += self._move(part, slot, target, offload)
+            for part, slot in slots:
+                moved += self._move(part, slot, target, offload)
         if optimizer and self.optimizer is not None:
             self._optimizer_home = target.type
         if moved:

@@ -34,6 +34,7 @@
 #include <cstring>
 #include <map>
 #include <mutex>
+#include <thread>
 #include <vector>
 
 namespace {
@@ -74,9 +75,50 @@ void raise_peak(std::atomic<int64_t>& peak, int64_t now) {
 
 // ---------------------------------------------------------------- resident host memory
 // Device memory is resident once allocated: no page faults when a kernel first writes it. Large blocks are
-// mapped and populated at once (MADV_POPULATE_WRITE), so the cost of
-// making memory resident is paid in bulk at allocation, as a device allocator pays it, and never again.
+// mapped and populated at once (MADV_POPULATE_WRITE), so the cost of making memory resident is paid in bulk
+// at allocation, as a device allocator pays it, and never again. Populating is the kernel's page-fault path
+// (allocate, zero and map each 4 KiB page) and costs more than copying the same bytes, so a large block is
+// populated by several threads at once, each over its own slice of the range: the parallel first touch
+// PyTorch's CUDA host allocator does before registering memory (pinned_num_register_threads).
 constexpr size_t kMapThreshold = size_t(1) << 20;
+constexpr size_t kPopulateSlice = size_t(32) << 20;  // bytes per populating thread, at least
+
+// Threads that populate a block of ``size`` bytes: one per kPopulateSlice, at most the host's hardware
+// threads (or HAL_SIM_POPULATE_THREADS when set, 1 turning the parallel touch off).
+size_t populate_threads(size_t size) {
+  static const size_t limit = [] {
+    const char* env = std::getenv("HAL_SIM_POPULATE_THREADS");
+    long n = env != nullptr ? std::strtol(env, nullptr, 10) : 0;
+    if (n <= 0) n = static_cast<long>(std::thread::hardware_concurrency());
+    return static_cast<size_t>(std::clamp<long>(n, 1, 64));
+  }();
+  return std::max<size_t>(1, std::min(limit, size / kPopulateSlice));
+}
+
+void populate_range(char* p, size_t size) {
+#ifndef MADV_POPULATE_WRITE
+#define MADV_POPULATE_WRITE 23
+#endif
+  if (madvise(p, size, MADV_POPULATE_WRITE) != 0) {  // older kernels: touch every page instead
+    const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+    for (size_t off = 0; off < size; off += page) static_cast<volatile char*>(p)[off] = 0;
+  }
+}
+
+// Makes ``size`` bytes at page-aligned ``p`` resident, split over populate_threads(size) threads.
+void populate(void* p, size_t size) {
+  const size_t n = populate_threads(size);
+  const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+  const size_t slice = (size / n + page - 1) / page * page;
+  std::vector<std::thread> workers;
+  workers.reserve(n - 1);
+  auto* base = static_cast<char*>(p);
+  for (size_t i = 1; i < n && i * slice < size; ++i) {
+    workers.emplace_back(populate_range, base + i * slice, std::min(slice, size - i * slice));
+  }
+  populate_range(base, std::min(slice, size));
+  for (auto& w : workers) w.join();
+}
 
 void* resident_alloc(size_t size, bool* mapped) {
   if (size < kMapThreshold) {
@@ -88,13 +130,7 @@ void* resident_alloc(size_t size, bool* mapped) {
   *mapped = true;
   void* p = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
   if (p == MAP_FAILED) return nullptr;
-#ifndef MADV_POPULATE_WRITE
-#define MADV_POPULATE_WRITE 23
-#endif
-  if (madvise(p, size, MADV_POPULATE_WRITE) != 0) {  // older kernels: touch every page instead
-    const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
-    for (size_t off = 0; off < size; off += page) static_cast<volatile char*>(p)[off] = 0;
-  }
+  populate(p, size);
   return p;
 }
 

@@ -4,6 +4,9 @@ One run measures, side by side on the same machine and device kind:
 
 * ``plain``: one contiguous device buffer of the model's size copied to one pinned (where supported),
   already-touched host buffer and back with ``copy_``: the best a transfer of those bytes can do;
+* ``plain cold``: what a user's first ``.to("cpu")`` of that buffer and ``.to(<device>)`` back cost: fresh
+  pageable host memory (first-touch page faults paid by the copy) and device memory from the caching
+  allocator (what the engine's onload gets too, since its offload emptied the cache); measured once;
 * ``engine cold``: the first ``TorchEngine.to("cpu")`` + ``to(<device>)``, which allocates the host buffers;
 * ``engine warm``: later round trips, which reuse them (the steady state of RL post-training).
 
@@ -98,7 +101,8 @@ def run(size_mb: int, device: str | None = None, rounds: int = 3, threads: int |
         memory, which every onload must do after an offload freed it), ``plain_gbps`` (round trip),
         ``offload_gbps`` / ``onload_gbps`` (warm engine), ``cold_gbps`` / ``warm_gbps`` (engine round trip,
         first one allocating the host buffers), ``cold_ratio`` / ``warm_ratio`` (engine / plain round
-        trip), ``rss_peak_bytes`` (``ru_maxrss``) and ``host_buffer_bytes``. On a host-memory kind (cpu)
+        trip), ``plain_cold_gbps`` (plain ``.to("cpu")`` into fresh host memory and ``.to(device)`` back),
+        ``cold_vs_plain_cold`` (engine cold / plain cold round trip), ``rss_peak_bytes`` (``ru_maxrss``) and ``host_buffer_bytes``. On a host-memory kind (cpu)
         nothing moves: ``moves`` is False and every rate is 0.
 
     Raises:
@@ -125,7 +129,8 @@ def _run(size_mb: int, device: str | None, rounds: int) -> dict:
     out = {"device": spec.kind, "tensors": len(tensors), "bytes": nbytes, "pinned": engine.host_buffers.pin,
            "moves": not spec.host_memory}
     rates = ("plain_d2h_gbps", "plain_h2d_gbps", "plain_h2d_fresh_gbps", "plain_gbps", "offload_gbps",
-             "onload_gbps", "cold_gbps", "warm_gbps", "cold_ratio", "warm_ratio")
+             "onload_gbps", "cold_gbps", "warm_gbps", "cold_ratio", "warm_ratio", "plain_cold_gbps",
+             "cold_vs_plain_cold")
     if spec.host_memory:
         out.update(dict.fromkeys(rates, 0.0), rss_peak_bytes=_rss_peak_bytes(), host_buffer_bytes=0)
         return out
@@ -148,7 +153,11 @@ def _run(size_mb: int, device: str | None, rounds: int) -> dict:
     warm_s, offload, onload = sorted(warm)[len(warm) // 2]
     d2h = median(lambda: host_buf.copy_(dev_buf, non_blocking=pin))
     h2d = median(lambda: dev_buf.copy_(host_buf, non_blocking=pin))
-    del dev_buf
+    fresh: list[torch.Tensor] = []
+    cold_d2h = _timed(lambda: fresh.append(dev_buf.to("cpu")), spec)  # fresh pageable host memory
+    del dev_buf  # its block goes back to the device cache, which the onload below draws from
+    cold_h2d = _timed(lambda: fresh.append(fresh[0].to(engine.torch_device)), spec)
+    fresh.clear()
     h2d_fresh = median(lambda: host_buf.to(engine.torch_device, non_blocking=pin))
     gbps = lambda n, s: n / s / 1e9  # noqa: E731
     out.update(plain_d2h_gbps=gbps(nbytes, d2h), plain_h2d_gbps=gbps(nbytes, h2d),
@@ -156,6 +165,7 @@ def _run(size_mb: int, device: str | None, rounds: int) -> dict:
                offload_gbps=gbps(nbytes, offload), onload_gbps=gbps(nbytes, onload),
                cold_gbps=gbps(2 * nbytes, cold), warm_gbps=gbps(2 * nbytes, warm_s),
                cold_ratio=(d2h + h2d) / cold, warm_ratio=(d2h + h2d) / warm_s,
+               plain_cold_gbps=gbps(2 * nbytes, cold_d2h + cold_h2d), cold_vs_plain_cold=(cold_d2h + cold_h2d) / cold,
                rss_peak_bytes=_rss_peak_bytes(), host_buffer_bytes=engine.host_buffers.nbytes)
     return out
 
@@ -176,6 +186,7 @@ def print_table(r: dict) -> None:
         ("  plain D2H copy_ into touched host buffer", r["plain_d2h_gbps"], None),
         ("  plain H2D copy_ into existing device buffer", r["plain_h2d_gbps"], None),
         ("  plain H2D .to() into fresh device memory", r["plain_h2d_fresh_gbps"], None),
+        ("plain .to('cpu') + .to(dev), cold (fresh host memory)", r["plain_cold_gbps"], None),
         ("engine to('cpu') + to(dev), cold (allocates host buffers)", r["cold_gbps"], r["cold_ratio"]),
         ("engine to('cpu') + to(dev), warm (reuses them)", r["warm_gbps"], r["warm_ratio"]),
         ("  engine offload, warm", r["offload_gbps"], r["offload_gbps"] / (r["plain_d2h_gbps"] or 1.0)),
@@ -186,6 +197,8 @@ def print_table(r: dict) -> None:
         table.add_row(what, f"{rate:.2f}", "" if ratio is None else f"{ratio:.2f}")
     console = Console()
     console.print(table)
+    if r["moves"]:
+        console.print(f"engine cold round trip = {r['cold_vs_plain_cold']:.2f}x the plain cold one")
     console.print(f"peak host RSS {r['rss_peak_bytes'] / 2**30:.2f} GiB; engine host buffers "
                   f"{r['host_buffer_bytes'] / 2**30:.2f} GiB")
     if not r["moves"]:
