@@ -104,6 +104,24 @@ def test_memory_accounting_counts_blocks_as_torch_npu_does(npu):
     assert npu.memory_allocated(1) == 0 and npu.max_memory_allocated(1) >= 40  # per-device counters
 
 
+def _resident_bytes() -> int:
+    return int(pathlib.Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.skipif(not pathlib.Path("/proc/self/statm").exists(), reason="needs Linux /proc/self/statm")
+def test_large_pinned_allocation_is_resident_at_once(npu):
+    # Populated at allocation (split over threads for a large block), so the first copy into it pays no
+    # page fault. An odd size checks the last thread's slice ends where the block does.
+    n = (96 << 20) + 4160
+    before = _resident_bytes()
+    t = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+    grown = _resident_bytes() - before
+    assert t.is_pinned() and grown >= n - (1 << 20)
+    assert int(torch.count_nonzero(t)) == 0  # reading it faults nothing in: already counted above
+    t[-1] = 7
+    assert int(t.sum()) == 7
+
+
 def test_freed_blocks_are_cached_reused_in_place_and_returned_by_empty_cache(npu):
     npu.empty_cache()
     allocated, reserved = npu.memory_allocated(), npu.memory_reserved()

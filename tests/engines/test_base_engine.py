@@ -120,3 +120,30 @@ def test_release_host_buffers_only_when_nothing_is_offloaded(hal_device):
     assert len(engine.host_buffers) == 0
     engine.to("cpu")
     assert engine.host_buffers.allocations == 2 * held
+
+
+def test_reserve_carves_one_slab_of_aligned_disjoint_buffers():
+    from engines import HostBufferPool
+    from engines.host_buffers import SLAB_ALIGNMENT
+
+    pool = HostBufferPool(pin=False)
+    likes = {"w": torch.ones(3, 5), "b": torch.ones(7, dtype=torch.bfloat16), "step": torch.tensor(3, dtype=torch.int64),
+             "empty": torch.ones(0, 4, dtype=torch.float64), "w2": torch.ones(2, 2, dtype=torch.float64)}
+    rounded = [-(-t.numel() * t.element_size() // SLAB_ALIGNMENT) * SLAB_ALIGNMENT for t in likes.values()]
+    assert pool.reserve([*likes.items(), ("w", likes["w"])]) == sum(rounded) == 4 * SLAB_ALIGNMENT  # the empty one takes no room
+    assert pool.allocations == len(pool) == 5
+    bufs = {k: pool.get(k, t) for k, t in likes.items()}
+    assert pool.allocations == 5  # get returns the reserved buffers
+    assert len({b.untyped_storage().data_ptr() for b in bufs.values()}) == 1
+    assert all(b.shape == t.shape and b.dtype == t.dtype and b.is_contiguous() for b, t in
+               zip(bufs.values(), likes.values()))
+    assert [b.storage_offset() * b.element_size() for b in bufs.values()] == [0, 64, 128, 192, 192]
+    for i, b in enumerate(bufs.values()):
+        b.fill_(i + 1)
+    assert [b.sum().item() for b in bufs.values()] == [15.0, 14.0, 3, 0.0, 20.0]  # disjoint: no overwrite
+    assert pool.nbytes == 60 + 14 + 8 + 0 + 32
+    assert pool.reserve(likes.items()) == 0 and pool.allocations == 5
+    grown = pool.get("w", torch.ones(4, 5))  # a new shape gets an allocation of its own
+    assert grown.shape == (4, 5) and grown.untyped_storage().nbytes() == 80 and pool.allocations == 6
+    pool.clear()
+    assert len(pool) == 0 and pool.nbytes == 0

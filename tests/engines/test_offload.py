@@ -150,6 +150,7 @@ def test_host_buffers_are_pinned_where_supported_and_reused(hal_device):
     assert first == len(engine.host_buffers) == 4 * len(params) + 1
     pinned = pin_memory_supported(hal.resolve_device(hal_device))
     assert all(t.device.type == "cpu" and t.is_pinned() == pinned for t in host.values())
+    assert len({t.untyped_storage().data_ptr() for t in host.values()}) == 1  # one slab for the first offload
     ptrs = {n: t.data_ptr() for n, t in host.items()}
     engine.to(hal_device)
     engine.train_step(loss_for(1, engine.torch_device))
