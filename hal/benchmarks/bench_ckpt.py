@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import math
 import re
 import statistics
@@ -32,6 +31,7 @@ import torch
 import tyro
 
 import hal
+from hal.benchmarks import emit
 
 
 LAYOUTS = ("separate", "flat")
@@ -261,11 +261,7 @@ def main(args: Args | None = None) -> dict:
         args = dataclasses.replace(args, size_mb=64, bucket_mb=[4, 16], rounds=2)
     direct = None if args.direct_threshold_mb is None else int(args.direct_threshold_mb * (1 << 20))
     result = run(args.size_mb, args.bucket_mb, args.device, args.rounds, direct, args.layouts)
-    if args.json:
-        print(json.dumps(result, indent=2))
-    else:
-        print_table(result)
-    return result
+    return emit(result, args.json, print_table)
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ import torch
 import tyro
 
 import hal
+from hal.benchmarks import emit
 
 ENGINES = ("nixl", "mooncake")
 
@@ -198,11 +199,7 @@ def print_table(result: dict) -> None:
 def main(args: Args | None = None) -> dict:
     args = args or tyro.cli(Args)
     result = run(args.size_mb, args.bucket_mb, args.device, args.rounds, args.engines)
-    if args.json:
-        print(json.dumps(result, indent=2))
-    else:
-        print_table(result)
-    return result
+    return emit(result, args.json, print_table)
 
 
 if __name__ == "__main__":

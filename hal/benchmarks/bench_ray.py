@@ -20,7 +20,6 @@ rollout applied the step, as ``hal sync`` reports it); the first step of every r
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import statistics
 import tempfile
@@ -29,6 +28,7 @@ from pathlib import Path
 import torch
 import tyro
 
+from hal.benchmarks import emit
 from hal.benchmarks.bench_ckpt import tensor_sizes
 
 
@@ -154,11 +154,7 @@ def main(args: Args | None = None) -> dict:
     if args.quick:
         args = dataclasses.replace(args, size_mb=16, steps=3, rounds=1)
     result = run(args.size_mb, args.device, args.rollouts, args.steps, args.rounds, args.bucket_mb, args.threads)
-    if args.json:
-        print(json.dumps(result, indent=2))
-    else:
-        print_table(result)
-    return result
+    return emit(result, args.json, print_table)
 
 
 if __name__ == "__main__":

@@ -57,6 +57,55 @@ RUNTIME_BYTES = 768 << 20
 """The stated constant of the memory bounds, in bytes: a rank's resident memory besides its model,
 optimizer and buffers (the interpreter, torch and transformers, activations of a step or a decode)."""
 
+TRAINER_BUCKETS = 3
+"""Buckets in the trainer's bound: model + optimizer + 3 buckets + constant."""
+ROLLOUT_BUCKETS = 2
+"""Buckets in a rollout's bound: banks + 2 buckets + constant (the engine's two receive buffers)."""
+
+
+def memory_bound(peak_bytes: int, form: str, terms: dict[str, int]) -> dict[str, Any]:
+    """A peak judged against a stated bound: ``{"form", "terms", "bound_bytes", "peak_bytes", "within"}``.
+
+    Args:
+        peak_bytes: the measured peak (resident bytes).
+        form: the bound in words (e.g. ``"model + 2 buckets + constant"``).
+        terms: its addends in bytes; ``bound_bytes`` is their sum.
+    """
+    bound = sum(terms.values())
+    return {"form": form, "terms": dict(terms), "bound_bytes": bound, "peak_bytes": peak_bytes,
+            "within": peak_bytes <= bound}
+
+
+def trainer_memory_bound(peak_bytes: int, param_bytes: int, grad_bytes: int, optimizer_bytes: int,
+                         bucket_bytes: int) -> dict[str, Any]:
+    """The trainer's peak against model + optimizer + 3 buckets + constant (see :func:`memory_bound`).
+
+    The model term is the trainer's model state: its fp32 master parameters and their gradients
+    (``param_bytes + grad_bytes``); the optimizer term is AdamW's states (``optimizer_bytes``). The peak is
+    reached in the backward pass, when every gradient exists beside the parameters and the optimizer states;
+    the published bf16 buffer exists only after the gradients are freed.
+    """
+    return memory_bound(peak_bytes, f"model (parameters + gradients) + optimizer + {TRAINER_BUCKETS} buckets + constant",
+                        {"model_bytes": param_bytes + grad_bytes, "optimizer_bytes": optimizer_bytes,
+                         "buckets_bytes": TRAINER_BUCKETS * bucket_bytes, "constant_bytes": RUNTIME_BYTES})
+
+
+def rollout_memory_bounds(peak_bytes: int, model_bytes: int, banks: int, bucket_bytes: int) -> dict[str, Any]:
+    """A rollout's peak against the bound of its apply mode, and against the single-bank form.
+
+    Returns:
+        ``{"mode", "judged_by": memory_bound(...), "model_plus_2_buckets": memory_bound(...)}``:
+        ``judged_by`` is the bound the rollout is held to: ``model + 2 buckets + constant`` in place (one
+        bank), ``2 x model + 2 buckets + constant`` atomic (a second bank receives the update, so a failed
+        one leaves the previous weights in service); ``model_plus_2_buckets`` is the single-bank form,
+        reported for both modes (an atomic rollout exceeds it by design).
+    """
+    buckets = {"buckets_bytes": ROLLOUT_BUCKETS * bucket_bytes, "constant_bytes": RUNTIME_BYTES}
+    single = memory_bound(peak_bytes, f"model + {ROLLOUT_BUCKETS} buckets + constant", {"model_bytes": model_bytes, **buckets})
+    judged = single if banks == 1 else memory_bound(
+        peak_bytes, f"{banks} x model + {ROLLOUT_BUCKETS} buckets + constant", {"model_bytes": banks * model_bytes, **buckets})
+    return {"mode": "in-place" if banks == 1 else "atomic", "judged_by": judged, "model_plus_2_buckets": single}
+
 
 @dataclasses.dataclass
 class Sync:
@@ -278,7 +327,7 @@ class _Trainer:
         train_s = time.perf_counter() - start
         states = sum(t.numel() * t.element_size() for s in self.engine.optimizer.state.values()
                      for t in s.values() if isinstance(t, torch.Tensor))
-        self.bounds = {"model_bytes": self.model_bytes, "grad_bytes": self.model_bytes,
+        self.bounds = {"param_bytes": self.model_bytes, "grad_bytes": self.model_bytes,
                        "optimizer_bytes": states}
         if not self.flags:
             self.engine.optimizer.zero_grad(set_to_none=True)  # gradients are not needed until the next step
@@ -347,10 +396,9 @@ class _Trainer:
         row["peak_host_bytes"] = _peak_host_bytes()
         return row
 
-    def memory_bound(self, bucket_bytes: int) -> int:
-        """Stated bound of the trainer's peak: params + grads + optimizer states + 3 buckets + constant."""
-        b = self.bounds
-        return b["model_bytes"] + b["grad_bytes"] + b["optimizer_bytes"] + 3 * bucket_bytes + RUNTIME_BYTES
+    def memory_bound(self, peak_bytes: int, bucket_bytes: int) -> dict[str, Any]:
+        """The step's peak against model (parameters + gradients) + optimizer + 3 buckets + constant."""
+        return trainer_memory_bound(peak_bytes, bucket_bytes=bucket_bytes, **self.bounds)
 
     def conclude(self, row: dict[str, Any], publish_s: float, raw_s: float, rollouts: list[dict[str, Any]],
                  bucket_bytes: int) -> dict[str, Any]:
@@ -369,8 +417,8 @@ class _Trainer:
                    gbps=nbytes / publish_s / 1e9, raw_gbps=nbytes / raw_s / 1e9, ratio_vs_raw=raw_s / publish_s,
                    rollouts=rollouts)
         self.finish(row)
-        row["memory_bound_bytes"] = self.memory_bound(bucket_bytes)
-        row["memory_bounds"] = {**self.bounds, "bucket_bytes": bucket_bytes, "runtime_bytes": RUNTIME_BYTES}
+        row["memory"] = self.memory_bound(row["peak_host_bytes"], bucket_bytes)
+        row["memory_bound_bytes"] = row["memory"]["bound_bytes"]
         return row
 
     def abandon(self) -> None:
@@ -401,9 +449,6 @@ def _rollout_model(args: Sync, adapter_cls=None):
     return adapter, decode
 
 
-def _rollout_bound(adapter, bucket_bytes: int) -> int:
-    """Stated bound of a rollout's peak: its banks (1 or 2 x model bytes) + 2 buckets + constant."""
-    return len(adapter.banks) * adapter.layout.nbytes + 2 * bucket_bytes + RUNTIME_BYTES
 
 
 class _Rollout:
@@ -423,14 +468,15 @@ class _Rollout:
         self.kind = hal.resolve_device(args.device).kind
         self.adapter, self.decode = _rollout_model(args, adapter_cls)
         self.worker = ckpt.CheckpointEngineWorker(engine, self.adapter)
-        self.bound = _rollout_bound(self.adapter, _bucket_bytes(args))
 
     async def receive(self, step: int) -> tuple[dict[str, Any], float]:
         """Receive and apply ``step`` (a transfer error is reported, not raised).
 
         Returns:
             ``(result, applied_at)``: ``result`` has ``rank``, ``served_step``, ``error``, ``receive_s``,
-            ``copied_bytes`` and this rank's peak memory since the receive began against its bound;
+            ``copied_bytes``, this rank's peak memory since the receive began (``peak_host_bytes``,
+            ``peak_device_bytes``) and the host peak against its bounds (``memory``: see
+            :func:`rollout_memory_bounds`; ``memory_bound_bytes``: the bound it is judged by);
             ``applied_at`` is the wall-clock time (``time.time()``) the step was in service.
         """
         _reset_peak(self.kind)
@@ -443,10 +489,12 @@ class _Rollout:
             result["error"] = f"{type(exc).__name__}: {exc}"
         applied_at = time.time()
         adapter = self.adapter
+        peak = _peak_host_bytes()
+        memory = rollout_memory_bounds(peak, adapter.layout.nbytes, len(adapter.banks), _bucket_bytes(self.args))
         result.update(receive_s=time.perf_counter() - start, copied_bytes=adapter.last_copied_bytes,
-                      served_step=adapter.served_step, peak_host_bytes=_peak_host_bytes(),
-                      peak_device_bytes=_peak_device_bytes(self.kind), memory_bound_bytes=self.bound,
-                      banks=[b.data_ptr() for b in adapter.banks])
+                      served_step=adapter.served_step, peak_host_bytes=peak,
+                      peak_device_bytes=_peak_device_bytes(self.kind), memory=memory,
+                      memory_bound_bytes=memory["judged_by"]["bound_bytes"], banks=[b.data_ptr() for b in adapter.banks])
         return result, applied_at
 
     def check(self, step: int, result: dict[str, Any], expected: dict[str, str],
@@ -520,11 +568,42 @@ def _logits_bytes(logits: torch.Tensor) -> bytes:
     return logits.contiguous().numpy().tobytes()
 
 
+async def _publish_timed(trainer: _Trainer, engine, store, receivers, step: int, row: dict | None = None) -> float:
+    """Send the staged buffer as ``step``; seconds from the send's start until every rollout applied it
+    (the send's own seconds go to ``row["send_s"]``)."""
+    t0 = await trainer.publish(engine, step)
+    if row is not None:
+        row["send_s"] = time.time() - t0
+    applied = [json.loads(store.get(f"applied/{step}/{r}")) for r in receivers]
+    return max(a["t"] for a in applied) - t0
+
+
+async def _raw_timed(trainer: _Trainer, store, raw_group, receivers, step: int) -> float:
+    """The raw reference of ``step``: the same bytes, one broadcast from the published buffer, to the same
+    rollouts; seconds from its start (every rollout's receive posted) until the last rollout has them."""
+    for r in receivers:
+        store.get(f"rawready/{step}/{r}")
+    t_raw = time.time()
+    await asyncio.to_thread(_raw_broadcast, raw_group, trainer.bank)
+    return max(float(store.get(f"rawdone/{step}/{r}")) for r in receivers) - t_raw
+
+
 async def _trainer_loop(args: Sync, engine, store, raw_group, world_size: int) -> dict[str, Any]:
     trainer = _Trainer(args)
     # join the checkpoint group now (every rank has built its model by then), so step 1 times a transfer
     await asyncio.to_thread(engine.init_process_group)
     receivers = range(1, world_size)
+    # step 0, untimed: the rollouts load the trainer's initial weights, as an RL job syncs its rollouts
+    # before their first generation; every one-time cost (first transfer on each group's connections,
+    # buffers allocated and first touched) is paid here, by the engine and by the raw reference alike
+    start = time.perf_counter()
+    trainer.stage()
+    warmup = {"publish_s": await _publish_timed(trainer, engine, store, receivers, 0)}
+    warmup["errors"] = [f"rollout rank {r}: {e}" for r in receivers
+                        if (e := json.loads(store.get(f"applied/0/{r}"))["error"])]
+    warmup["raw_s"] = await _raw_timed(trainer, store, raw_group, receivers, 0)
+    trainer.release()
+    warmup["wall_s"] = time.perf_counter() - start
     rows = []
     with _progress() as progress:
         task = progress.add_task("sync", total=args.steps)
@@ -532,10 +611,7 @@ async def _trainer_loop(args: Sync, engine, store, raw_group, world_size: int) -
             progress.update(task, description=f"step {step}: train")
             row = trainer.begin(step)
             progress.update(task, description=f"step {step}: publish")
-            t0 = await trainer.publish(engine, step)
-            row["send_s"] = time.time() - t0
-            applied = [json.loads(store.get(f"applied/{step}/{r}")) for r in receivers]
-            publish_s = max(a["t"] for a in applied) - t0
+            publish_s = await _publish_timed(trainer, engine, store, receivers, step, row)
             progress.update(task, description=f"step {step}: verify")
             sums, ref = trainer.reference()
             store.set(f"sums/{step}", json.dumps(sums))
@@ -543,34 +619,37 @@ async def _trainer_loop(args: Sync, engine, store, raw_group, world_size: int) -
             if ref is not None:
                 store.set(f"logits/{step}", _logits_bytes(ref["logits"]))
                 row["tokens"] = ref["tokens"]
-            # the raw reference: the same bytes, one broadcast, to the same rollouts, right after
-            for r in receivers:
-                store.get(f"rawready/{step}/{r}")
-            t_raw = time.time()
-            await asyncio.to_thread(_raw_broadcast, raw_group, trainer.bank)
-            raw_s = max(float(store.get(f"rawdone/{step}/{r}")) for r in receivers) - t_raw
+            raw_s = await _raw_timed(trainer, store, raw_group, receivers, step)
             results = [json.loads(store.get(f"result/{step}/{r}")) for r in receivers]
             rows.append(trainer.conclude(row, publish_s, raw_s, results, _bucket_bytes(args)))
             progress.advance(task)
     _release(engine)
-    return {"rows": rows}
+    return {"warmup": warmup, "rows": rows}
+
+
+async def _raw_received(rollout: _Rollout, store, raw_group, rank: int, step: int) -> None:
+    """A rollout's side of :func:`_raw_timed`: post the receive, say so, and say when the bytes arrived."""
+    store.set(f"rawready/{step}/{rank}", "1")
+    await asyncio.to_thread(_raw_broadcast, raw_group, rollout.raw_target())
+    store.set(f"rawdone/{step}/{rank}", repr(time.time()))
 
 
 async def _rollout_loop(args: Sync, engine, store, raw_group, rank: int) -> dict[str, Any]:
     rollout = _Rollout(args, engine, rank)
     await asyncio.to_thread(engine.init_process_group)
-    for step in range(1, args.steps + 1):
+    for step in range(0, args.steps + 1):  # step 0: the trainer's initial weights, untimed (see the trainer)
         result, applied_at = await rollout.receive(step)
         store.set(f"applied/{step}/{rank}", json.dumps({"t": applied_at, "error": result["error"]}))
+        if step == 0:
+            await _raw_received(rollout, store, raw_group, rank, step)
+            continue
         sums = json.loads(store.get(f"sums/{step}"))
         ref = json.loads(store.get(f"ref/{step}"))
         if ref is not None:
             ref["logits"] = torch.frombuffer(bytearray(store.get(f"logits/{step}")), dtype=torch.float32).view(
                 len(ref["tokens"]), -1)
         rollout.check(step, result, sums, ref)
-        store.set(f"rawready/{step}/{rank}", "1")
-        await asyncio.to_thread(_raw_broadcast, raw_group, rollout.raw_target())
-        store.set(f"rawdone/{step}/{rank}", repr(time.time()))
+        await _raw_received(rollout, store, raw_group, rank, step)
         store.set(f"result/{step}/{rank}", json.dumps(result))
     _release(engine)
     return {"rank": rank}
@@ -606,8 +685,11 @@ async def _colocated(args: Sync) -> dict[str, Any]:
                                         "copied_bytes": adapter.last_copied_bytes, **checked})
             trainer.release()
             trainer.finish(row)
-            row["memory_bound_bytes"] = (trainer.memory_bound(0) + sum(len(a.banks) * a.layout.nbytes
-                                                                       for a, _ in rollouts))
+            own = trainer.memory_bound(row["peak_host_bytes"], 0)  # one process: the rollouts' banks too
+            banks = sum(len(a.banks) * a.layout.nbytes for a, _ in rollouts)
+            row["memory"] = memory_bound(row["peak_host_bytes"], own["form"] + " + the rollouts' banks",
+                                         {**own["terms"], "rollout_banks_bytes": banks})
+            row["memory_bound_bytes"] = row["memory"]["bound_bytes"]
             rows.append(row)
             progress.advance(task)
     return {"rows": rows}
@@ -647,13 +729,23 @@ def execute(args: Sync) -> dict[str, Any]:
         except ChildFailedError as exc:
             raise RuntimeError(f"a sync process failed: {exc.format_msg()}") from None
         result = per_rank[0]
-    errors = [f"step {row['global_steps']}, rollout rank {r['rank']}: {r['error']}"
-              for row in result["rows"] for r in row["rollouts"] if r["error"]]
+    errors = [f"step 0 (initial weights): {e}" for e in result.get("warmup", {}).get("errors", [])]
+    errors += [f"step {row['global_steps']}, rollout rank {r['rank']}: {r['error']}"
+               for row in result["rows"] for r in row["rollouts"] if r["error"]]
     verified = not errors and len(result["rows"]) == args.steps
     return {"device": kind, "engine": args.engine, "model": args.model, "offload": args.offload,
             "rollout_apply": args.rollout_apply, "launcher": args.launcher,
-            **{k: v for k, v in result.items() if k != "rows"},
+            **{k: v for k, v in result.items() if k != "rows"}, **summary(result["rows"]),
             "rows": result["rows"], "verified": verified, "errors": errors, "wall_s": time.perf_counter() - start}
+
+
+def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Over every step: the smallest ratio to the raw broadcast (``None`` without one), and whether every
+    rank's peak stayed within the bound it is judged by (``None`` where no step reported one)."""
+    ratios = [row["ratio_vs_raw"] for row in rows if row.get("ratio_vs_raw") is not None]
+    judged = [row["memory"]["within"] for row in rows if "memory" in row]
+    judged += [r["memory"]["judged_by"]["within"] for row in rows for r in row["rollouts"] if "memory" in r]
+    return {"ratio_vs_raw_min": min(ratios) if ratios else None, "memory_within": all(judged) if judged else None}
 
 
 def print_table(result: dict[str, Any]) -> None:
