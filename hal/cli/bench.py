@@ -3,8 +3,10 @@
 Every figure is a ratio measured side by side in one run (the machine is shared and noisy): offload+onload
 against a plain single-buffer copy of the same bytes (``hal/benchmarks/bench_offload.py``), and the collective
 checkpoint engine against one single-tensor broadcast and against tensor-by-tensor broadcasts, across
-bucket sizes (``hal/benchmarks/bench_ckpt.py``), and the nixl and mooncake engines, where available, each
-against one raw write of the same bytes by its own library (``hal/benchmarks/bench_p2p.py``).
+bucket sizes (``hal/benchmarks/bench_ckpt.py``), the nixl and mooncake engines, where available, each
+against one raw write of the same bytes by its own library (``hal/benchmarks/bench_p2p.py``), and the main
+job: ``hal sync`` itself, 1 trainer and ``--rollouts`` rollouts applying every update into their models,
+each step against a raw broadcast of the same bytes to the same rollouts (``hal/benchmarks/bench_sync.py``).
 """
 
 from __future__ import annotations
@@ -33,8 +35,16 @@ class Bench:
     """Timed repetitions per figure (medians are reported)."""
     quick: bool = False
     """Small sizes (64 MiB, buckets 4 and 16 MiB, 2 rounds) for a smoke run."""
-    only: tuple[str, ...] = ("offload", "sync")
-    """Which benchmarks to run: offload, sync."""
+    only: tuple[str, ...] = ("offload", "sync", "main")
+    """Which benchmarks to run: offload, sync (engine against broadcasts, 1 receiver), main (hal sync's shape)."""
+    rollouts: int = 2
+    """main: rollout ranks, each applying every update into its model."""
+    main_bucket_mb: float = 256.0
+    """main: bucket size of the collective engine, MiB (hal sync's default; 4 with --quick)."""
+    main_model: str | None = None
+    """main: a hal sync preset or safetensors path instead of the tensor mix of --size-mb (e.g. qwen2.5-0.5b)."""
+    apply: tuple[str, ...] = ("atomic",)
+    """main: rollout apply modes to run (atomic, in-place), one run each."""
     plot: str | None = None
     """Write a PNG: sync throughput against bucket size, offload bandwidth against the copy limit
     (needs matplotlib: pip install '.[plot]')."""
@@ -43,14 +53,19 @@ class Bench:
 
 
 def execute(args: Bench) -> dict[str, Any]:
-    """Run the chosen benchmarks; returns ``{"offload": {...}, "sync": {...}}`` (see each module's ``run``).
+    """Run the chosen benchmarks; returns ``{"offload": {...}, "sync": {...}, "sync_p2p": {...}, "main": {...}}``
+    (those chosen and available; see each module's ``run``).
 
     Raises:
-        UsageError: a size, bucket or round count below 1, or an unknown benchmark name in ``only``.
+        UsageError: a size, bucket or round count below 1, an unknown benchmark name in ``only`` or apply mode.
     """
-    unknown = sorted(set(args.only) - {"offload", "sync"})
+    unknown = sorted(set(args.only) - {"offload", "sync", "main"})
     if unknown:
-        raise UsageError(f"--only takes offload and/or sync, got {unknown}")
+        raise UsageError(f"--only takes offload, sync and/or main, got {unknown}")
+    bad = sorted(set(args.apply) - {"atomic", "in-place"})
+    if bad or not args.apply or args.rollouts < 1:
+        raise UsageError(f"--apply takes atomic and/or in-place and --rollouts must be >= 1, got {list(args.apply)}, "
+                         f"{args.rollouts}")
     size, buckets, rounds = (64, (4, 16), 2) if args.quick else (args.size_mb, args.bucket_mb, args.rounds)
     if size < 1 or rounds < 1 or not buckets or min(buckets) < 1:
         raise UsageError(f"sizes and rounds must be >= 1, got size_mb={size}, bucket_mb={list(buckets)}, "
@@ -71,6 +86,11 @@ def execute(args: Bench) -> dict[str, Any]:
         engines = [e for e in bench_p2p.ENGINES if ckpt.checkpoint_engine_availability(e)[0]]
         if engines:  # the transfer-library engines, each against its own library's raw write
             out["sync_p2p"] = bench_p2p.run(size, min(buckets), kind, rounds, engines)
+    if "main" in args.only:
+        from hal.benchmarks import bench_sync
+
+        steps, bucket = (2, 4.0) if args.quick else (rounds, args.main_bucket_mb)
+        out["main"] = bench_sync.run(size, kind, args.rollouts, steps, bucket, args.apply, args.main_model)
     return out
 
 
@@ -132,6 +152,10 @@ def run(args: Bench) -> int:
             from hal.benchmarks import bench_p2p
 
             bench_p2p.print_table(result["sync_p2p"])
+        if "main" in result:
+            from hal.benchmarks import bench_sync
+
+            bench_sync.print_table(result["main"])
     if args.plot:
         plot(result, pathlib.Path(args.plot))
         print(f"wrote {args.plot}")

@@ -71,13 +71,15 @@ def _sync(*extra: str, device: str = "cpu") -> dict:
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)  # three processes importing torch and transformers on a shared 2-core machine
-@pytest.mark.parametrize("engine,offload", [("collective", "all"), ("file", "optimizer"), ("colocated", "model"),
-                                           ("nixl", "none"), ("mooncake", "optimizer")])
-def test_sync_verifies_every_step(hal_device, engine, offload, tmp_path):
+@pytest.mark.parametrize("engine,offload,apply", [("collective", "all", "atomic"), ("file", "optimizer", "in-place"),
+                                                 ("colocated", "model", "atomic"), ("nixl", "none", "atomic"),
+                                                 ("mooncake", "optimizer", "atomic")])
+def test_sync_verifies_every_step(hal_device, engine, offload, apply, tmp_path):
     result = _sync("--model", "qwen2.5-tiny", "--rollouts", "2", "--steps", "2", "--engine", engine,
                    "--offload", offload, "--bucket-mb", "1", "--timeout", "60", "--file-root", str(tmp_path),
-                   device=hal_device)
+                   "--rollout-apply", apply, device=hal_device)
     assert result["verified"] is True and result["errors"] == []
+    assert result["memory_within"] is True
     assert [row["global_steps"] for row in result["rows"]] == [1, 2]
     for row in result["rows"]:
         assert [r["served_step"] for r in row["rollouts"]] == [row["global_steps"]] * 2
@@ -90,6 +92,14 @@ def test_sync_verifies_every_step(hal_device, engine, offload, tmp_path):
         if engine != "colocated":
             assert row["raw_s"] > 0 and row["ratio_vs_raw"] == pytest.approx(row["raw_s"] / row["publish_s"])
             assert all(r["peak_host_bytes"] <= r["memory_bound_bytes"] for r in row["rollouts"])
+            # each rollout is judged by its apply mode's bound, and shown against the one-bank form
+            form = "model + 2 buckets + constant" if apply == "in-place" else "2 x model + 2 buckets + constant"
+            for r in row["rollouts"]:
+                judged, single = r["memory"]["judged_by"], r["memory"]["model_plus_2_buckets"]
+                assert (r["memory"]["mode"], judged["form"]) == (apply, form)
+                assert judged["bound_bytes"] == r["memory_bound_bytes"] == sum(judged["terms"].values())
+                assert single["terms"]["model_bytes"] == row["bytes"] and single["terms"]["buckets_bytes"] == 2 << 20
+            assert row["memory"]["terms"]["buckets_bytes"] == 3 << 20 and row["memory"]["within"] is True
     losses = [row["loss"] for row in result["rows"]]
     assert losses[1] < losses[0]  # the optimizer really stepped
 
@@ -218,7 +228,8 @@ def test_bench_quick_prints_ratios(tmp_path):
 
     plot = tmp_path / "bench.png"
     want_plot = importlib.util.find_spec("matplotlib") is not None
-    args = ["bench", "--quick", "--device", "npu-sim", "--json"] + (["--plot", str(plot)] if want_plot else [])
+    args = ["bench", "--quick", "--device", "npu-sim", "--json", "--only", "offload", "sync"] + (
+        ["--plot", str(plot)] if want_plot else [])
     out = hal_cmd(*args, timeout=300)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     result = json.loads(out.stdout[: out.stdout.rindex("}") + 1])
@@ -245,3 +256,21 @@ def test_bench_quick_prints_ratios(tmp_path):
         assert r["recv_peak_bytes"] <= 2 * (4 << 20) + largest + (12 << 20)
     if want_plot:
         assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)  # three processes, as hal sync's tests
+def test_bench_main_job_quick_reports_each_step_against_a_raw_broadcast():
+    out = hal_cmd("bench", "--quick", "--only", "main", "--device", "cpu", "--json", timeout=290)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    result = json.loads(out.stdout[: out.stdout.rindex("}") + 1])
+    assert sorted(result) == ["main"]
+    main = result["main"]  # hal sync itself: 1 trainer, 2 rollouts applying into their models
+    assert main["rollouts"] == 2 and main["bytes"] >= 64 << 20 and main["bucket_bytes"] == 4 << 20
+    [run] = main["runs"]
+    assert run["rollout_apply"] == "atomic" and [s["global_steps"] for s in run["steps"]] == [1, 2]
+    for s in run["steps"]:  # each step next to a raw broadcast of the same bytes, measured in the same run
+        assert s["raw_gbps"] > 0 and s["ratio_vs_raw"] == pytest.approx(s["raw_s"] / s["publish_s"])
+    assert run["ratio_vs_raw_min"] == pytest.approx(min(s["ratio_vs_raw"] for s in run["steps"]))
+    assert run["warmup"]["publish_s"] > 0 and run["memory_within"] is True
+    assert sorted(run["rollout_memory"]) == ["1", "2"]

@@ -1,0 +1,163 @@
+"""The main job's weight sync, as ``hal sync`` runs it, against a raw broadcast of the same bytes.
+
+1 trainer and ``rollouts`` rollouts (2 by default) on one device kind, collective engine: this *is*
+:func:`hal.cli.sync.execute` (the same ranks, rollout adapter and timing), run on a safetensors model of
+bf16 tensors (sizes log-uniform, seeded, as in :mod:`hal.benchmarks.bench_ckpt`) or on a preset. Every
+rollout applies each update into its model's existing parameters (``ckpt.ModelRolloutAdapter``, atomic or
+in place). Per step, side by side in one run:
+
+* ``publish``: from the trainer's ``send_weights`` until every rollout has applied the step;
+* ``raw``: one broadcast of the same bytes from the trainer's published buffer to the same rollouts, on a
+  group of the same backend, right after (every rollout's receive posted first).
+
+Before step 1 an untimed step 0 (the trainer's initial weights) pays every one-time cost, for both. The
+figure of merit is the ratio raw / publish per step (1.0: the engine and the rollouts' apply add nothing to
+a raw broadcast); the median and the smallest over the steps are reported, with each rank's peak resident
+memory against the bound it is judged by.
+
+    python -m hal.benchmarks.bench_sync                         # 1024 MiB, 2 rollouts, cpu
+    python -m hal.benchmarks.bench_sync --model qwen2.5-0.5b    # the README's hal sync
+    python -m hal.benchmarks.bench_sync --quick --json
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import tempfile
+from pathlib import Path
+from typing import Any, Literal
+
+import tyro
+
+from hal.benchmarks import emit
+
+
+@dataclasses.dataclass
+class Args:
+    size_mb: int = 1024
+    """Bytes of the tensor-mix model, in MiB (ignored with ``--model``)."""
+    model: str | None = None
+    """A ``hal sync`` preset or safetensors path instead of the tensor mix (e.g. qwen2.5-0.5b)."""
+    device: str = "cpu"
+    """Device kind (cpu, npu-sim, cuda, npu)."""
+    rollouts: int = 2
+    """Rollout ranks receiving every step."""
+    steps: int = 3
+    """Timed steps (after the untimed step 0)."""
+    bucket_mb: float = 256.0
+    """Bucket size of the collective engine, in MiB (hal sync's default)."""
+    apply: tuple[Literal["atomic", "in-place"], ...] = ("atomic",)
+    """Rollout apply modes to run, one run each."""
+    quick: bool = False
+    """Small run (16 MiB, buckets of 4 MiB, 2 steps) for smoke tests."""
+    json: bool = False
+    """Print the result as JSON instead of a table."""
+
+
+def run(size_mb: int, device: str = "cpu", rollouts: int = 2, steps: int = 3, bucket_mb: float = 256.0,
+        applies: tuple[str, ...] | list[str] = ("atomic",), model: str | None = None,
+        timeout: float = 600.0) -> dict[str, Any]:
+    """Run ``hal sync`` once per apply mode; returns per-step and summary figures.
+
+    Args:
+        size_mb: MiB of the bf16 tensor mix used as the model when ``model`` is ``None``.
+        model: a ``hal sync`` preset name or safetensors path instead.
+        applies: rollout apply modes (``"atomic"``, ``"in-place"``), one ``hal sync`` run each.
+        timeout: seconds any rendezvous or transfer of a run may take.
+
+    Returns:
+        ``{"device", "model", "bytes", "tensors", "rollouts", "bucket_bytes", "runs": [{"rollout_apply",
+        "steps": [{"global_steps", "publish_s", "raw_s", "gbps", "raw_gbps", "ratio_vs_raw"}], "gbps",
+        "raw_gbps", "ratio_vs_raw" (medians), "ratio_vs_raw_min", "warmup", "trainer_memory",
+        "rollout_memory" (each rank's worst step: the ``memory`` records of hal sync), "memory_within"}]}``.
+        GB/s are 1e9 bytes per second.
+
+    Raises:
+        RuntimeError: a run did not verify every step byte-exact (its figures would mean nothing).
+        ValueError: ``steps``, ``rollouts`` or ``size_mb`` below 1, or an unknown apply mode.
+    """
+    from hal.cli.sync import Sync, execute
+
+    if min(steps, rollouts, size_mb) < 1 or not applies or set(applies) - {"atomic", "in-place"}:
+        raise ValueError(f"steps, rollouts and size_mb must be >= 1 and applies a non-empty subset of "
+                         f"('atomic', 'in-place'), got {steps}, {rollouts}, {size_mb}, {list(applies)}")
+    label = model or "tensor mix"
+    with tempfile.TemporaryDirectory(prefix="hal-bench-sync-") as tmp:
+        if model is None:
+            from hal.benchmarks.bench_ray import write_model
+
+            model = str(Path(tmp) / "model.safetensors")
+            write_model(Path(model), size_mb)
+        runs = []
+        for apply in applies:
+            result = execute(Sync(device=device, model=model, rollouts=rollouts, steps=steps, bucket_mb=bucket_mb,
+                                  rollout_apply=apply, timeout=timeout))
+            if not result["verified"]:
+                raise RuntimeError(f"hal sync --rollout-apply {apply} did not verify: {result['errors'][:3]}")
+            runs.append(_figures(apply, result))
+    sent = {(r.pop("bytes"), r.pop("tensors")) for r in runs}
+    if len(sent) != 1:
+        raise RuntimeError(f"the runs published different (bytes, tensors): {sorted(sent)}")
+    nbytes, tensors = sent.pop()
+    return {"device": device, "model": label, "bytes": nbytes, "tensors": tensors, "rollouts": rollouts,
+            "bucket_bytes": int(bucket_mb * (1 << 20)), "runs": runs}
+
+
+def _figures(apply: str, result: dict[str, Any]) -> dict[str, Any]:
+    rows = result["rows"]
+    med = statistics.median
+    worst = lambda records: max(records, key=lambda m: m["peak_bytes"] - m["bound_bytes"])  # noqa: E731
+    rollout_memory = {}
+    for r in rows[0]["rollouts"]:
+        rank = r["rank"]
+        records = [x["memory"] for row in rows for x in row["rollouts"] if x["rank"] == rank]
+        rollout_memory[rank] = max(records, key=lambda m: m["judged_by"]["peak_bytes"])
+    return {"rollout_apply": apply, "bytes": rows[0]["bytes"], "tensors": rows[0]["tensors"],
+            "steps": [{k: row[k] for k in ("global_steps", "publish_s", "raw_s", "gbps", "raw_gbps", "ratio_vs_raw")}
+                      for row in rows],
+            "gbps": med(row["gbps"] for row in rows), "raw_gbps": med(row["raw_gbps"] for row in rows),
+            "ratio_vs_raw": med(row["ratio_vs_raw"] for row in rows), "ratio_vs_raw_min": result["ratio_vs_raw_min"],
+            "warmup": result.get("warmup"), "trainer_memory": worst([row["memory"] for row in rows]),
+            "rollout_memory": rollout_memory, "memory_within": result["memory_within"]}
+
+
+def print_table(r: dict[str, Any]) -> None:
+    """The figures of :func:`run` as a rich table: per step, then each run's peaks against their bounds."""
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"main job: 1 trainer -> {r['rollouts']} rollouts applying into their models, {r['model']}, "
+                        f"{r['bytes'] / 2**20:.0f} MiB ({r['tensors']} tensors), {r['device']}, "
+                        f"bucket {r['bucket_bytes'] / 2**20:g} MiB")
+    for col in ("apply", "step", "publish ms", "GB/s", "raw ms", "raw GB/s", "x raw"):
+        table.add_column(col, justify="right")
+    for run_ in r["runs"]:
+        for s in run_["steps"]:
+            table.add_row(run_["rollout_apply"], str(s["global_steps"]), f"{s['publish_s'] * 1e3:.0f}",
+                          f"{s['gbps']:.2f}", f"{s['raw_s'] * 1e3:.0f}", f"{s['raw_gbps']:.2f}", f"{s['ratio_vs_raw']:.2f}")
+        table.add_row(run_["rollout_apply"], "median", "", f"{run_['gbps']:.2f}", "", f"{run_['raw_gbps']:.2f}",
+                      f"{run_['ratio_vs_raw']:.2f} (min {run_['ratio_vs_raw_min']:.2f})")
+    console = Console(width=150)
+    console.print(table)
+    for run_ in r["runs"]:
+        t = run_["trainer_memory"]
+        console.print(f"{run_['rollout_apply']}: trainer peak {t['peak_bytes'] / 1e9:.2f} GB <= {t['form']} = "
+                      f"{t['bound_bytes'] / 1e9:.2f} GB: {t['within']}")
+        for rank, m in run_["rollout_memory"].items():
+            j, single = m["judged_by"], m["model_plus_2_buckets"]
+            console.print(f"  rollout {rank}: peak {j['peak_bytes'] / 1e9:.2f} GB <= {j['form']} = "
+                          f"{j['bound_bytes'] / 1e9:.2f} GB: {j['within']} (model + 2 buckets + constant = "
+                          f"{single['bound_bytes'] / 1e9:.2f} GB: {single['within']})")
+
+
+def main(args: Args | None = None) -> dict[str, Any]:
+    args = args or tyro.cli(Args)
+    if args.quick:
+        args = dataclasses.replace(args, size_mb=16, bucket_mb=4.0, steps=2)
+    result = run(args.size_mb, args.device, args.rollouts, args.steps, args.bucket_mb, args.apply, args.model)
+    return emit(result, args.json, print_table)
+
+
+if __name__ == "__main__":
+    main()
