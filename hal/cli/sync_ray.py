@@ -119,11 +119,11 @@ class TrainerActor(_Worker):
         sums, reference = self.trainer.reference()
         return {"t0": t0, "send_s": send_s, "sums": sums, "reference": reference}
 
-    async def raw_broadcast(self) -> float:
-        """The raw reference: one broadcast of the published buffer; returns its wall-clock start."""
+    async def raw_broadcast(self) -> tuple[float, float]:
+        """The raw reference: one broadcast of the published buffer; returns its wall-clock start and end."""
         start = time.time()
         await asyncio.to_thread(_raw_broadcast, self.raw_group, self.trainer.bank)
-        return start
+        return start, time.time()
 
     def conclude(self, row: dict[str, Any], publish_s: float, raw_s: float,
                  rollouts: list[dict[str, Any]]) -> dict[str, Any]:
@@ -151,21 +151,23 @@ class RolloutActor(_Worker):
         self.engine = _engine(self.args, is_master=False)
         self.rollout = _Rollout(self.args, self.engine, rank, adapter)
 
-    async def update_weights(self, global_steps: int) -> tuple[dict[str, Any], float]:
-        """Receive and apply ``global_steps``; returns ``(result, applied_at)`` (see ``_Rollout.receive``),
-        the result naming this actor's node and device."""
+    async def update_weights(self, global_steps: int) -> tuple[dict[str, Any], float, float]:
+        """Receive and apply ``global_steps``; returns ``(result, started_at, applied_at)`` (wall-clock
+        seconds; see ``_Rollout.receive``), the result naming this actor's node and device."""
+        started_at = time.time()
         result, applied_at = await self.rollout.receive(global_steps)
         result.update(node_ip=self.binding.node_ip, device_id=self.binding.device_id)
-        return result, applied_at
+        return result, started_at, applied_at
 
     def check(self, global_steps: int, result: dict[str, Any], published: dict[str, Any]) -> dict[str, Any]:
         """Verify what this rollout serves against the trainer's ``published`` checksums and decode."""
         return self.rollout.check(global_steps, result, published["sums"], published["reference"])
 
-    async def raw_broadcast(self) -> float:
-        """Receive the raw reference broadcast (into the staging bank); returns when it completed (time.time())."""
+    async def raw_broadcast(self) -> tuple[float, float]:
+        """Receive the raw reference broadcast (into the staging bank); returns its wall-clock start and end."""
+        start = time.time()
         await asyncio.to_thread(_raw_broadcast, self.raw_group, self.rollout.raw_target())
-        return time.time()
+        return start, time.time()
 
     def verify(self, global_steps: int, expected: dict[str, str]) -> str | None:
         """What is wrong with the weights in service against step ``global_steps``'s checksums (``None``: exact)."""
@@ -330,9 +332,9 @@ class RaySync:
             self._abandoned = False
             self._get([self.trainer.abandon.remote()], "onload")
 
-    def update_weights(self, global_steps: int) -> tuple[dict[str, Any], list[tuple[dict[str, Any], float]]]:
+    def update_weights(self, global_steps: int) -> tuple[dict[str, Any], list[tuple[dict[str, Any], float, float]]]:
         """One update as verl's manager runs it; returns the trainer's :meth:`TrainerActor.publish` result
-        and every rollout's ``(result, applied_at)``.
+        and every rollout's ``(result, started_at, applied_at)``.
 
         Raises:
             SyncUpdateError: a worker died or raised; names each (rank, node, device) and the error. A death
@@ -369,10 +371,11 @@ class RaySync:
         self._raw_generation = self._raw_wanted
 
     def _raw_seconds(self) -> float:
-        """One raw broadcast of the published bytes to every rollout: seconds until the last one has them."""
-        refs = [w.raw_broadcast.remote() for w in self.workers]
-        start, *done = self._settle(refs, "raw broadcast")
-        return max(done) - start
+        """One raw broadcast of the published bytes to every rollout: seconds from when every worker was in
+        it (Ray delivers the calls at different moments; under torchrun every rank waits in it already)
+        until the last rollout has the bytes."""
+        spans = self._settle([w.raw_broadcast.remote() for w in self.workers], "raw broadcast")
+        return max(end for _, end in spans[1:]) - max(start for start, _ in spans)
 
     def step(self, global_steps: int) -> dict[str, Any]:
         """Train one step, publish it as ``global_steps``, verify every rollout, time the raw broadcast of the
@@ -392,11 +395,14 @@ class RaySync:
                     pass  # the trainer itself failed: the update's error says so
             raise
         row["send_s"] = published["send_s"]
-        publish_s = max(applied_at for _, applied_at in received) - published["t0"]
+        # from when the trainer and every rollout were in the update (under torchrun the rollouts already
+        # wait in their receive when the trainer sends; Ray delivers the calls at different moments)
+        begun = max(published["t0"], *(started_at for _, started_at, _ in received))
+        publish_s = max(applied_at for _, _, applied_at in received) - begun
         if published["reference"] is not None:
             row["tokens"] = published["reference"]["tokens"]
         shared = self.ray.put(published)
-        results = self._get([r.check.remote(global_steps, result, shared) for r, (result, _) in
+        results = self._get([r.check.remote(global_steps, result, shared) for r, (result, _, _) in
                              zip(self.rollouts, received)], "verify", list(range(1, len(self.workers))))
         raw_s = self._raw_seconds()
         row = self._get([self.trainer.conclude.remote(row, publish_s, raw_s, results)], "onload")[0]
