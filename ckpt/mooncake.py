@@ -71,6 +71,13 @@ class MooncakeTransport(Transport):
         return self._pool.submit(self.engine.batch_transfer_sync_write, r["session"], [a for a, _, _ in pieces],
                                  [r["addr"] + o for _, o, _ in pieces], [n for _, _, n in pieces])
 
+    def poll(self, handle: Any) -> bool:
+        if not handle.done():
+            return False
+        if handle.exception() is not None or handle.result() != 0:
+            raise TransferError(f"Mooncake transfer_sync_write failed: {handle.exception() or handle.result()}")
+        return True
+
     async def wait(self, handle: Any, timeout: float) -> None:
         try:
             rc = await asyncio.wait_for(asyncio.wrap_future(handle), timeout)

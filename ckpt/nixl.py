@@ -52,10 +52,19 @@ class NixlTransport(Transport):
         self.remote: dict[int, dict[str, Any]] = {}
         self._reg = None
 
+    def _dev(self, tensor: torch.Tensor) -> int:
+        """NIXL's device id of ``tensor``'s memory: the device index for ``VRAM``, 0 for host memory."""
+        return (tensor.device.index or 0) if self.memory_type == "VRAM" else 0
+
+    def _register(self, tensor: torch.Tensor) -> Any:
+        # by address with the memory type given: a tensor passed as is gets NIXL's guess instead ("VRAM" for
+        # any non-cpu tensor), wrong for a kind whose device memory is host memory
+        return self.agent.register_memory([(tensor.data_ptr(), tensor.numel(), self._dev(tensor), "")],
+                                          self.memory_type)
+
     def register(self, buffer: torch.Tensor) -> dict[str, Any]:
-        self._reg = self.agent.register_memory(buffer, self.memory_type)
-        self.addr = buffer.data_ptr()
-        self.dev = buffer.device.index or 0
+        self._reg = self._register(buffer)
+        self.addr, self.dev = buffer.data_ptr(), self._dev(buffer)
         return {"agent": base64.b64encode(self.agent.get_agent_metadata()).decode(), "name": self.name,
                 "addr": self.addr, "nbytes": buffer.numel(), "dev": self.dev, "memory_type": self.memory_type}
 
@@ -67,7 +76,7 @@ class NixlTransport(Transport):
         self.remote[peer] = dict(info, name=name.decode() if isinstance(name, bytes) else name)
 
     def register_source(self, tensor: torch.Tensor) -> Any:
-        return self.agent.register_memory(tensor, self.memory_type), tensor
+        return self._register(tensor), tensor
 
     def release_source(self, handle: Any) -> None:
         self.agent.deregister_memory(handle[0])
@@ -84,22 +93,25 @@ class NixlTransport(Transport):
         if state == "ERR":
             self.agent.release_xfer_handle(handle)
             raise TransferError("NIXL transfer() returned ERR")
-        return handle
+        return [handle, None]  # [NIXL handle (None once released), final state]
+
+    def poll(self, handle: Any) -> bool:
+        if handle[1] is None:
+            try:
+                state = self.agent.check_xfer_state(handle[0])
+            except Exception as exc:  # noqa: BLE001 - reported as the peer's failure
+                state = f"ERR ({type(exc).__name__}: {exc})"
+            if state == "DONE" or state.startswith("ERR"):
+                self.agent.release_xfer_handle(handle[0])
+                handle[:] = [None, state]
+        if handle[1] is not None and handle[1] != "DONE":
+            raise TransferError(f"NIXL reports the WRITE in state {handle[1]}")
+        return handle[1] == "DONE"
 
     async def wait(self, handle: Any, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         delay = 0.0
-        while True:
-            try:
-                state = self.agent.check_xfer_state(handle)
-            except Exception as exc:  # noqa: BLE001 - reported as the peer's failure
-                raise TransferError(f"check_xfer_state raised {type(exc).__name__}: {exc}") from exc
-            if state == "DONE":
-                self.agent.release_xfer_handle(handle)
-                return
-            if state == "ERR":
-                self.agent.release_xfer_handle(handle)
-                raise TransferError("NIXL reports the WRITE in state ERR")
+        while not self.poll(handle):
             if time.monotonic() > deadline:
                 raise TransferTimeoutError(f"NIXL WRITE not done within {timeout:g} s")
             await asyncio.sleep(delay)

@@ -83,6 +83,14 @@ class Transport(abc.ABC):
         in registered memory) to ``peer``, as one transfer; returns a handle for :meth:`wait`."""
 
     @abc.abstractmethod
+    def poll(self, handle: Any) -> bool:
+        """Whether the write ``handle`` is complete, without blocking (:meth:`wait` still releases it).
+
+        Raises:
+            TransferError: the library reports a failure.
+        """
+
+    @abc.abstractmethod
     async def wait(self, handle: Any, timeout: float) -> None:
         """Wait until the write completed at the target.
 
@@ -178,13 +186,17 @@ class P2PCheckpointEngine(CheckpointEngine):
     ``CheckpointEngineManager``: construct with ``bucket_size`` and ``is_master``; ``prepare()`` returns the
     trainer master's address, :meth:`build_topology` hands it to every rank, ``init_process_group(rank=,
     world_size=, master_addr=, master_port=)`` sets each rank's place (trainer ranks other than the master
-    get ``rank=-1``: their ``send_weights`` consumes the iterator and returns).
+    get ``rank=-1``: their ``send_weights`` consumes the iterator and returns). The library's agent, the
+    registered slots and the connections outlive ``finalize()`` (which verl calls after every update) while
+    the topology stays the same; a new topology or :meth:`close` releases them.
 
     Args:
         bucket_size: bytes per bucket (per slot); tensors above it travel in chunks of it.
         device: kind name (``"cpu"``, ``"npu-sim"``, ...) or ``None`` for hal's resolution. The buffers live
             on that device when the library moves its memory in place (the kind's device-spec field, see
-            :attr:`spec_field`), else in host memory (tensors are staged through it).
+            :attr:`spec_field`: host memory on cpu, the simulated device's memory on npu-sim, VRAM where
+            NIXL registers it), else in host memory (tensors are staged through it); a rollout receives
+            tensors on the buffer device.
         timeout: seconds bounding every wait (connect, accept, credit, write, metadata).
         host: the address peers reach this process at (default: ``master_addr`` on the trainer; the local
             address of the connection to the trainer on a rollout).
@@ -194,7 +206,7 @@ class P2PCheckpointEngine(CheckpointEngine):
 
     Memory: the trainer holds two slots of ``bucket_size`` (bucket k+1 is packed while k is written), a
     rollout two slots (the trainer writes k+1 while the consumer reads k) plus, when a tensor larger than a
-    bucket arrives, one buffer of that tensor's size (kept for the next one).
+    bucket arrives, one buffer of that tensor's size (kept for the next one of the update).
 
     Ownership: ``send_weights`` returns once every rollout acknowledged every message (the caller may reuse
     or free its tensors). A tensor yielded by ``receive_weights`` is a view into an engine-owned slot,
@@ -327,7 +339,13 @@ class P2PCheckpointEngine(CheckpointEngine):
                            master_addr: str | None = None, master_port: int | None = None, **_ignored: Any) -> None:
         """Set this rank's place (verl's manager passes what :meth:`build_topology` returned; standalone
         engines already have it). Connections are made on the first send / receive, each bounded by
-        ``timeout``, so calling this on every rank in any order never blocks."""
+        ``timeout``, so calling this on every rank in any order never blocks.
+
+        What an earlier update set up (the library's agent, the registered buffers, the connections) is
+        kept when the place is the one it was set up for, and released here when it changed (other rank,
+        world size or trainer address: a new topology); the trainer keeps listening where it listened.
+        """
+        before = self._place()
         if rank is not None or world_size is not None:
             self._set_place(rank, world_size)
         if master_addr is not None:
@@ -337,22 +355,34 @@ class P2PCheckpointEngine(CheckpointEngine):
         if self.rank is None:
             raise CheckpointConfigError("init_process_group needs rank and world_size (from build_topology) "
                                         "unless the engine was built with them")
+        if self._place() != before:
+            self._release()
+
+    def _place(self) -> tuple:
+        return self.rank, self.world_size, self.master_addr, self.master_port
 
     def finalize(self) -> None:
-        """Close every connection, deregister and free the buffers; the engine can be set up again."""
-        self._drop_connections()
+        """End of one update (verl calls it after every one): frees the per-update buffer of a tensor larger
+        than a bucket. The agent, the registered slots and the connections are kept for the next update
+        while the topology is unchanged (they are released by :meth:`init_process_group` with another
+        topology, by :meth:`close`, or after a peer failed)."""
+        self._large = None
+
+    def close(self) -> None:
+        """Close every connection and the listener, deregister and free the buffers; idempotent (the engine
+        can be set up again by a later send / receive)."""
+        self._release()
         if self._listener is not None:
             self._listener.close()
             self._listener = None
+
+    def _release(self) -> None:
+        """Drop the connections, the library's agent and the buffers (the listener stays)."""
+        self._drop_connections()
         if self._transport is not None:
             self._transport.close()
             self._transport = None
         self._region = self._large = None
-
-    def close(self) -> None:
-        """Everything :meth:`finalize` releases (this engine keeps nothing across it); for callers that end
-        a run with ``close()``."""
-        self.finalize()
 
     def _drop_connections(self) -> None:
         for peer in self._peers.values():
@@ -445,8 +475,10 @@ class P2PCheckpointEngine(CheckpointEngine):
     async def _send(self, peers: list[_Peer], weights: Iterable[NamedTensor], step: int | None) -> None:
         for peer in peers:
             peer.sent = peer.acked = 0
-        # messages whose writes were started and that are not announced yet, oldest first: at most the
-        # transport's max_in_flight (<= 2, the slots); packing message k always overlaps k-1's write
+        # messages whose writes were started and that are not announced yet, oldest first (at most 2: the
+        # slots). A message is announced as soon as its writes are complete, so the rollout consumes it and
+        # acknowledges while the next bucket is packed and written: the credit for slot k % 2 (the ack of
+        # message k-2) is then normally in before write k starts, and no round trip sits between writes.
         pending: collections.deque = collections.deque()
         k = 0
         try:
@@ -476,6 +508,8 @@ class P2PCheckpointEngine(CheckpointEngine):
                         handles.append((peer, self._start_write(peer, pieces)))
                 msg = None
                 k += 1
+                while pending and self._written(pending[0][0]):  # announce what is already written
+                    await self._complete(peers, *pending.popleft())
             while pending:
                 await self._complete(peers, *pending.popleft())
             for peer in peers:
@@ -491,6 +525,16 @@ class P2PCheckpointEngine(CheckpointEngine):
             for peer in peers:
                 await self._credit(peer, peer.sent)
             raise
+
+    def _written(self, handles: list) -> bool:
+        """Whether every write of a message is complete (a failed one counts: :meth:`_complete` reports it)."""
+        for _, handle in handles:
+            try:
+                if not self._transport.poll(handle):
+                    return False
+            except TransferError:
+                return True
+        return True
 
     def _start_write(self, peer: _Peer, pieces: list[tuple[int, int, int]]) -> Any:
         try:

@@ -130,9 +130,12 @@ class SimNpuDevice(DeviceSpec):
     ray_resource: str | None = "NPU_SIM"  # its own, so simulated workers never take a real Ascend NPU
     auto_probe: bool = False
     supports_pin_memory: bool = True
-    # Transfer libraries see the simulated device memory as what real Ascend memory is to them: NIXL cannot
-    # register it (it stages through host memory), and ascend_direct needs real Ascend hardware, so
-    # Mooncake stages through host memory over tcp too. Kimi's ParameterServer needs real devices.
+    # The simulated device memory is host memory (the extension's caching allocator hands out host
+    # addresses), so transfer libraries register and move it in place as host memory: NIXL as "DRAM",
+    # Mooncake over "tcp". Rollouts then receive into npu tensors, as with VRAM on cuda or ascend_direct on
+    # a real npu. Kimi's ParameterServer needs real devices.
+    nixl_memory_type: str | None = "DRAM"
+    mooncake_protocol: str | None = "tcp"
 
     def torch_module(self) -> types.ModuleType:
         """``torch.npu`` of the sim, registering it on first use (see :func:`register` for errors)."""

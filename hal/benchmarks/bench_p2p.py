@@ -10,8 +10,10 @@ One run, two processes (1 trainer, 1 rollout), for each engine, measured side by
   views without copying. Its peak memory on each side (host: ``VmHWM`` after a reset, minus the resident
   size before; the first transfer, buffers included) is reported against ``bucket_size``.
 
-After a warm-up, every round times raw and engine once each (barrier to barrier), so a noisy neighbour slows
-both alike; the ratio ``engine GB/s / raw GB/s`` is taken per round, and medians are reported.
+After a warm-up, every round times raw and engine once each (barrier to barrier; raw first in even rounds,
+engine first in odd ones), so a noisy neighbour or a drift slows both alike; the ratio ``engine GB/s / raw
+GB/s`` is taken per round, and medians are reported. Each engine update ends with ``finalize()``, as under
+verl's manager, and the next one reuses the connections and registered buffers.
 
     python -m hal.benchmarks.bench_p2p                          # 256 MiB, bucket 64 MiB, cpu
     python -m hal.benchmarks.bench_p2p --size-mb 64 --bucket-mb 16 --device npu-sim
@@ -111,6 +113,7 @@ def _bench_rank(rank: int, world_size: int, port: int, size_mb: int, bucket_mb: 
                     if n != len(views):
                         raise RuntimeError(f"received {n} tensors, sent {len(views)}")
             asyncio.run(go())
+            engine.finalize()  # as verl's manager ends every update: the engine keeps its connections
 
         def timed(fn) -> float:
             group.barrier()
@@ -125,10 +128,10 @@ def _bench_rank(rank: int, world_size: int, port: int, size_mb: int, bucket_mb: 
         engine_peak = peak.stop()
         timed(raw_once)
         times = {"raw": [], "engine": []}
-        for _ in range(rounds):
-            times["raw"].append(timed(raw_once))
-            times["engine"].append(timed(engine_once))
-        engine.finalize()
+        for r in range(rounds):  # ABBA: each kind goes first in every other round, so a drift hits both
+            for kind in (("raw", "engine") if r % 2 == 0 else ("engine", "raw")):
+                times[kind].append(timed(raw_once if kind == "raw" else engine_once))
+        engine.close()
         raw.close()
         out["engines"][name] = {"times": times, "peak": engine_peak}
     out["crc32"] = zlib.crc32(host.numpy().data)  # the raw writes delivered these bytes to the rollout

@@ -8,6 +8,7 @@ import os
 import time
 import zlib
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -75,6 +76,7 @@ def minilm_three_steps(rank, world_size, port, device, path, engine_name="collec
             for step in (1, 2, 3):
                 trainer.weights = load_weights(path, step, dev)
                 await worker.update_weights(step)
+                engine.finalize()  # verl's manager ends every update with it; the next one must still work
                 report.append(step)
         else:
             reference = load_weights(path, 1, dev)
@@ -82,6 +84,7 @@ def minilm_three_steps(rank, world_size, port, device, path, engine_name="collec
             worker = ckpt.CheckpointEngineWorker(engine, adapter)
             for step in (1, 2, 3):
                 got = await worker.update_weights(step)
+                engine.finalize()
                 expected = load_weights(path, step, torch.device("cpu"))
                 served = adapter.state_dict()
                 exact = [n for n, t in expected.items() if same_bytes(t, served[n])]
@@ -92,6 +95,19 @@ def minilm_three_steps(rank, world_size, port, device, path, engine_name="collec
         return report
 
     return asyncio.run(main())
+
+
+def check_minilm_three_steps(results: dict[int, Any], device: str) -> None:
+    """Assert what :func:`minilm_three_steps` reported with 1 trainer + 2 rollouts: every step arrived
+    byte-exact, tagged with its step, on the device kind's torch device type (no staging through host)."""
+    assert results[0] == [1, 2, 3]
+    for rank in (1, 2):
+        rows = results[rank]
+        assert [r[:3] for r in rows] == [(1, 1, 1), (2, 2, 2), (3, 3, 3)]
+        for step, _, _, exact, total, nbytes, devices in rows:
+            assert total > 100 and exact == total, f"step {step}: {exact}/{total} tensors byte-exact"
+            assert nbytes > 80_000_000  # the whole 90 MB checkpoint arrived
+            assert devices == [hal.resolve_device(device).name], (rank, step, devices)
 
 
 def dies_mid_transfer(rank, world_size, port, device, victim):

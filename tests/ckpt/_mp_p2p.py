@@ -72,4 +72,4 @@ def death_mid_transfer(rank, world_size, port, engine_name, device, victim, time
     try:
         return asyncio.run(main())
     finally:
-        engine.finalize()
+        engine.close()

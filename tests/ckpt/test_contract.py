@@ -60,7 +60,7 @@ def _transfer_library(name, device):
 @pytest.mark.parametrize("check", list(CONTRACT_CHECKS))
 @pytest.mark.parametrize("engine", ["nixl", "mooncake"])
 def test_transfer_library_engine_keeps_the_contract(engine, check, hal_device):
-    """NIXL and Mooncake (host memory on cpu, staged through it on npu-sim), 64 KiB buckets: the mixed
+    """NIXL and Mooncake (host memory on cpu, the sim's device memory in place on npu-sim), 64 KiB buckets: the mixed
     sample's large tensors travel in chunks."""
     asyncio.run(run_check(_transfer_library(engine, hal_device), check, timeout=60))
 

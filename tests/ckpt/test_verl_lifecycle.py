@@ -3,6 +3,7 @@ does it, sync prepare / classmethod build_topology / init_process_group / finali
 communicator kept while the topology is unchanged."""
 
 import asyncio
+import os
 import threading
 
 import pytest
@@ -36,7 +37,7 @@ def test_build_topology_rejects_metadata_without_a_master():
 def _lifecycle(trainers, rollouts):
     """prepare on all, build_topology on the class, init_process_group on all at once (threads)."""
     metadata = [e.prepare() for e in trainers + rollouts]
-    tkw, rkw = CollectiveCheckpointEngine.build_topology(len(trainers), len(rollouts), metadata)
+    tkw, rkw = type(trainers[0]).build_topology(len(trainers), len(rollouts), metadata)
     for side, engines in ((tkw, trainers), (rkw, rollouts)):
         assert all(len(v) == len(engines) for v in side.values())
     calls = [(e, {k: v[i] for k, v in side.items()}) for side, engines in ((tkw, trainers), (rkw, rollouts))
@@ -119,6 +120,49 @@ def test_standalone_engine_driven_by_verls_lifecycle_reuses_its_group():
         assert sender._group is first and first.backend is not None  # the group formed lazily is kept
     finally:
         sender.close(), receiver.close()
+
+
+def _open_fds():
+    return len(os.listdir("/proc/self/fd"))
+
+
+@pytest.mark.parametrize("name", ["nixl", "mooncake"])
+def test_transfer_library_engine_keeps_agent_buffers_and_connections_across_verls_updates(name):
+    ok, reason = ckpt.checkpoint_engine_availability(name)
+    if not ok:
+        pytest.skip(f"{name}: {reason}")
+    kw = dict(bucket_size=64 << 10, device="cpu", timeout=30)
+    trainers = [ckpt.get_checkpoint_engine(name, is_master=True, master_addr="127.0.0.1", **kw),
+                ckpt.get_checkpoint_engine(name, **kw)]
+    rollouts = [ckpt.get_checkpoint_engine(name, **kw) for _ in range(2)]
+
+    def held():  # what each update would otherwise set up again: the library's agent, sockets, buffers
+        sender = trainers[0]
+        return ([sender._transport, sender._listener, sender._region.data_ptr()]
+                + [sender._peers[r].channel.sock for r in (1, 2)]
+                + [x for e in rollouts for x in (e._transport, e._channel.sock, e._region.data_ptr())])
+    try:
+        kept, fds = [], []
+        for step in (1, 2, 3, 4):
+            tkw, rkw = _lifecycle(trainers, rollouts)
+            assert tkw["rank"] == [0, -1] and rkw["rank"] == [1, 2]
+            asyncio.run(_update(trainers, rollouts, step))
+            kept.append(held())
+            for e in trainers + rollouts:
+                e.finalize()
+            fds.append(_open_fds())
+        same = [(a == b) if isinstance(a, int) else (a is b) for k in kept[1:] for a, b in zip(kept[0], k)]
+        assert all(same), f"an update set something up again: {same}"
+        assert fds[1:] == fds[:1] * 3, fds  # sockets, the library's files and registrations stay flat
+        # a changed topology (one rollout leaves) releases them: new connections, new agents, still correct
+        _lifecycle(trainers, rollouts[:1])
+        asyncio.run(_update(trainers, rollouts[:1], 5))
+        assert trainers[0]._transport is not kept[0][0] and list(trainers[0]._peers) == [1]
+        assert rollouts[0]._transport is not kept[0][5]
+    finally:
+        for e in trainers + rollouts:
+            e.close()
+    assert all(e._transport is None and e._peers == {} and e._channel is None for e in trainers + rollouts)
 
 
 class _Decorated(ckpt.ColocatedCheckpointEngine):
