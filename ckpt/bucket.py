@@ -64,7 +64,7 @@ def byte_view(buffer: torch.Tensor, offset: int, dtype: torch.dtype, shape: list
     numel = 1
     for d in shape:
         numel *= d
-    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    nbytes = numel * dtype.itemsize
     return buffer[offset:offset + nbytes].view(dtype).view(tuple(shape))
 
 
