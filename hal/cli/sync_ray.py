@@ -106,18 +106,26 @@ class TrainerActor(_Worker):
         """One optimizer step, offload and cast into the published buffer; returns the step's row."""
         return self.trainer.begin(global_steps)
 
-    async def publish(self, global_steps: int) -> dict[str, Any]:
-        """Send the published buffer as ``global_steps``, then compute the checksums and the decode of the
-        trainer's bf16 model the rollouts are checked against.
+    def stage(self) -> None:
+        """Cast the current (initial) weights into the published buffer, without a training step (step 0)."""
+        self.trainer.stage()
+
+    def release(self) -> None:
+        """Drop the published buffer (after step 0)."""
+        self.trainer.release()
+
+    async def publish(self, global_steps: int, reference: bool = True) -> dict[str, Any]:
+        """Send the published buffer as ``global_steps``, then (``reference``) compute the checksums and the
+        decode of the trainer's bf16 model the rollouts are checked against.
 
         Returns:
-            ``{"t0": send start (time.time()), "send_s", "sums": {name: crc}, "reference": None | {"tokens",
-            "logits": (n, vocab) float32}}``.
+            ``{"t0": send start (time.time()), "send_s", "sums": {name: crc} | None, "reference": None |
+            {"tokens", "logits": (n, vocab) float32}}``.
         """
         t0 = await self.trainer.publish(self.engine, global_steps)
         send_s = time.time() - t0
-        sums, reference = self.trainer.reference()
-        return {"t0": t0, "send_s": send_s, "sums": sums, "reference": reference}
+        sums, ref = self.trainer.reference() if reference else (None, None)
+        return {"t0": t0, "send_s": send_s, "sums": sums, "reference": ref}
 
     async def raw_broadcast(self) -> tuple[float, float]:
         """The raw reference: one broadcast of the published buffer; returns its wall-clock start and end."""
@@ -332,7 +340,8 @@ class RaySync:
             self._abandoned = False
             self._get([self.trainer.abandon.remote()], "onload")
 
-    def update_weights(self, global_steps: int) -> tuple[dict[str, Any], list[tuple[dict[str, Any], float, float]]]:
+    def update_weights(self, global_steps: int, reference: bool = True
+                       ) -> tuple[dict[str, Any], list[tuple[dict[str, Any], float, float]]]:
         """One update as verl's manager runs it; returns the trainer's :meth:`TrainerActor.publish` result
         and every rollout's ``(result, started_at, applied_at)``.
 
@@ -344,7 +353,7 @@ class RaySync:
         settled = list(range(len(self.workers)))
         try:
             self.build_process_group()
-            refs = [self.trainer.publish.remote(global_steps)]
+            refs = [self.trainer.publish.remote(global_steps, reference)]
             refs += [r.update_weights.remote(global_steps) for r in self.rollouts]
             results = self._settle(refs, f"update to global_steps {global_steps}", fail_on_death=True)
         finally:
@@ -377,6 +386,34 @@ class RaySync:
         spans = self._settle([w.raw_broadcast.remote() for w in self.workers], "raw broadcast")
         return max(end for _, end in spans[1:]) - max(start for start, _ in spans)
 
+    @staticmethod
+    def _publish_seconds(published: dict[str, Any], received: list[tuple[dict[str, Any], float, float]]) -> float:
+        """Seconds from when the trainer and every rollout were in the update until the last rollout applied
+        it (under torchrun the rollouts already wait in their receive when the trainer sends; Ray delivers
+        the calls at different moments)."""
+        begun = max(published["t0"], *(started_at for _, started_at, _ in received))
+        return max(applied_at for _, _, applied_at in received) - begun
+
+    def warmup(self) -> dict[str, Any]:
+        """Step 0, untimed, as under torchrun: the rollouts load the trainer's initial weights (as an RL job
+        syncs its rollouts before their first generation) and the raw reference runs once, so every
+        one-time cost (first transfer on each group's connections, first-touched buffers) is paid here.
+
+        Returns:
+            ``{"publish_s", "errors": [one sentence per rollout that failed], "raw_s", "wall_s"}``.
+        """
+        start = time.perf_counter()
+        self._settle_leftovers()
+        self._ensure_raw_group()
+        self._get([self.trainer.stage.remote()], "stage")
+        published, received = self.update_weights(0, reference=False)
+        out = {"publish_s": self._publish_seconds(published, received),
+               "errors": [f"rollout rank {r['rank']}: {r['error']}" for r, _, _ in received if r["error"]]}
+        out["raw_s"] = self._raw_seconds()
+        self._get([self.trainer.release.remote()], "release")
+        out["wall_s"] = time.perf_counter() - start
+        return out
+
     def step(self, global_steps: int) -> dict[str, Any]:
         """Train one step, publish it as ``global_steps``, verify every rollout, time the raw broadcast of the
         same bytes, onload; returns the step's row (the fields of :func:`hal.cli.sync.execute`'s rows)."""
@@ -395,10 +432,7 @@ class RaySync:
                     pass  # the trainer itself failed: the update's error says so
             raise
         row["send_s"] = published["send_s"]
-        # from when the trainer and every rollout were in the update (under torchrun the rollouts already
-        # wait in their receive when the trainer sends; Ray delivers the calls at different moments)
-        begun = max(published["t0"], *(started_at for _, started_at, _ in received))
-        publish_s = max(applied_at for _, _, applied_at in received) - begun
+        publish_s = self._publish_seconds(published, received)
         if published["reference"] is not None:
             row["tokens"] = published["reference"]["tokens"]
         shared = self.ray.put(published)
@@ -471,6 +505,7 @@ def execute_ray(args: Sync) -> dict[str, Any]:
     try:
         cluster_s = time.perf_counter() - begin
         with RaySync(args, strategy=args.placement) as run:
+            warmup = run.warmup()
             rows = []
             with _progress() as progress:
                 task = progress.add_task("sync (ray)", total=args.steps)
@@ -483,8 +518,8 @@ def execute_ray(args: Sync) -> dict[str, Any]:
         ray.shutdown()
         if cluster is not None:
             cluster.stop()
-    return {"rows": rows, "workers": workers, "startup": {"cluster_s": cluster_s if cluster else 0.0,
-                                                          "actors_s": actors_s}}
+    return {"warmup": warmup, "rows": rows, "workers": workers,
+            "startup": {"cluster_s": cluster_s if cluster else 0.0, "actors_s": actors_s}}
 
 
 __all__ = ["SyncUpdateError", "TrainerActor", "RolloutActor", "RaySync", "connect", "execute_ray"]

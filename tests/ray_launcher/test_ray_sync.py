@@ -80,6 +80,10 @@ def test_hal_sync_on_an_existing_cluster_by_address(cluster):
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     result = json.loads(out.stdout)
     assert result["verified"] and result["launcher"] == "ray" and len(result["rows"]) == 2
+    # step 0 (the initial weights, untimed) and the summary, as under torchrun
+    assert result["warmup"]["errors"] == [] and result["warmup"]["publish_s"] > 0 and result["warmup"]["raw_s"] > 0
+    assert result["memory_within"] is True
+    assert result["ratio_vs_raw_min"] == min(row["ratio_vs_raw"] for row in result["rows"])
     for step, row in enumerate(result["rows"], start=1):
         check_row(row, step, rollouts=1)
     ids = [w["device_id"] for w in result["workers"]]  # trainer and rollout: each its own simulated npu
