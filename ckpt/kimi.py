@@ -1,21 +1,67 @@
-"""``kimi``: Kimi's ``checkpoint-engine`` (``ParameterServer``) where that library runs.
+"""``kimi``: Kimi's ``checkpoint-engine`` (``checkpoint_engine.ps.ParameterServer``), peer-to-peer path.
 
-Its ``ParameterServer`` supports only the device types its ``DeviceManager`` knows; on any other
-(``cpu``, ``npu-sim``) its constructor raises ``TypeError: The current device type is not supported``.
-Which hal device kinds it runs on is device knowledge (the spec field ``kimi_checkpoint_engine``), so on
-a machine without one of them :func:`ckpt.get_checkpoint_engine` refuses ``"kimi"`` with
-:class:`ckpt.CheckpointEngineUnavailableError`, saying why and which engines are available.
+The path verl 0.9.1 drives (``verl/checkpoint_engine/kimi_checkpoint_engine.py``), in hal's contract:
+
+* the trainer (rank 0) copies the update into pinned host memory with the library's
+  ``ParameterServer.register_checkpoint`` (which registers those buffers with its Mooncake ``P2PStore``),
+  then every rank runs ``ParameterServer.gather_metas`` (an all-gather of every rank's buffer layout);
+* the rollouts (ranks 1..N) cut the trainer's layout into buckets with the library's ``_gen_h2d_buckets``
+  (one receiving rollout per network device and host, the others get each bucket from it), the receiving
+  rollout pulls each bucket with the library's ``ParameterServer._copy_to_buffer`` (Mooncake
+  ``batch_transfer_sync_read`` from the trainer's host memory), and the bucket is broadcast inside the
+  rollout group, two device slots alternating so bucket k+1 moves while the consumer reads bucket k;
+* when every rollout said it is done, the trainer unregisters the checkpoint and ``send_weights`` returns.
+
+What hal adapts, all of it device knowledge taken from the device spec rather than the library's if-chains:
+the library's ``DeviceManager`` (device type, torch module, collective backend) comes from the hal kind; the
+Mooncake protocol is the kind's ``mooncake_protocol`` (``rdma`` on cuda, ``ascend_direct`` on npu; a kind
+without one, such as npu-sim, moves host memory over ``tcp`` and copies each bucket host-to-device, which is
+what the library's "h2d buffer" is for); the device identifier the library would read from ``npu-smi``
+(used only by its ``update()`` path, which hal does not call) is made from host, process and device index.
+Which kinds the engine runs on is the spec field ``kimi_checkpoint_engine``.
+
+The library's collectives (``checkpoint_engine.distributed``) go to torch's default process group; hal keeps
+that group for the training job and gives the library a ``Distributed`` backend of its own (the library's
+ABC) that answers ``all_gather_object`` and ``barrier`` over hal's rendezvous store, bounded by the engine's
+timeout and naming the ranks that did not answer. checkpoint-engine selects its backend through the module
+global ``checkpoint_engine.distributed.base._BACKEND_INSTANCE`` (its ``use_backend`` knows only
+``vllm_nccl``/``vllm_hccl``), so hal installs its backend there once per process; it routes calls made by a
+hal engine (marked with a context variable) to that engine's store and every other call to the backend that
+was installed before. That, and the private library functions used (``_gen_h2d_buckets``,
+``_to_named_tensor``, ``ParameterServer._copy_to_buffer``, the attributes ``gather_metas`` reads), were
+checked against checkpoint-engine 0.4.2 only: other versions are reported unavailable.
+
+Install: the ``kimi`` extra, with ``pip install --no-deps checkpoint-engine==0.4.2`` (its wheel requires
+torch, which must stay the build you have) and Mooncake (the ``mooncake`` extra).
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextvars
+import os
+import pickle
+import socket
+import time
+from datetime import timedelta
 from typing import Any, AsyncIterator, Iterable
 
+import torch
+
 import hal
-from ckpt.base import CheckpointEngine, NamedTensor
-from ckpt.errors import CheckpointEngineUnavailableError
+from ckpt.base import CheckpointEngine, NamedTensor, check_global_steps, check_step
+from ckpt.errors import (CheckpointConfigError, CheckpointEngineUnavailableError, TransferAbortedError,
+                         TransferError, TransferTimeoutError)
+from ckpt.p2p import DEFAULT_BUCKET_SIZE, rank_topology
 
 SPEC_FIELD = "kimi_checkpoint_engine"
+CHECKED_VERSIONS = ("0.4.2",)
+"""checkpoint-engine versions whose private functions and attributes this adapter was checked against."""
+HOST_PROTOCOL = "tcp"
+"""Mooncake's protocol for host memory: used where the device kind has no ``mooncake_protocol``."""
+_CHECKPOINT = "hal-kimi"
+_BUFFER = "__hal_receive_buffer__"
+_MARK = "~hal/"  # names of the marker entries; every weight's name is "<8-digit ordinal>/<name>"
 
 
 def supported_kinds() -> list[str]:
@@ -25,43 +71,534 @@ def supported_kinds() -> list[str]:
     return [k for k in hal.known_kinds() if getattr(get_spec(k), SPEC_FIELD, False)]
 
 
-class KimiCheckpointEngine(CheckpointEngine):
-    """Placeholder registered under ``"kimi"``: :meth:`availability` says where the library runs.
+def _library_problem() -> str:
+    """Why checkpoint-engine cannot be used by this adapter, or ``""``."""
+    try:
+        import checkpoint_engine
+        import checkpoint_engine.ps  # noqa: F401
+    except Exception as exc:  # noqa: BLE001 - ImportError of it or its dependencies
+        return (f"import checkpoint_engine.ps failed ({type(exc).__name__}: {exc}); install the 'kimi' extra "
+                "(pip install --no-deps checkpoint-engine==0.4.2, then its dependencies)")
+    version = getattr(checkpoint_engine, "__version__", "unknown")
+    if version not in CHECKED_VERSIONS:
+        return (f"checkpoint-engine {version} is installed; hal's adapter was checked against "
+                f"{', '.join(CHECKED_VERSIONS)} only (pip install --no-deps checkpoint-engine==0.4.2)")
+    try:
+        import mooncake.engine  # noqa: F401
+    except Exception as exc:  # noqa: BLE001 - ImportError, OSError (libibverbs.so.1 missing)
+        return (f"import mooncake.engine failed ({type(exc).__name__}: {exc}); checkpoint-engine's p2p path "
+                "needs Mooncake (the 'mooncake' extra)")
+    return ""
 
-    The peer-to-peer path of ``checkpoint_engine.ps.ParameterServer`` (``register_checkpoint``,
-    ``gather_metas``, ``update(ranks=...)`` over Mooncake, delivery to the inference worker by device IPC)
-    needs real devices; this class is only constructed where :meth:`availability` is ok.
+
+# ---- the library's collectives over hal's store ---------------------------------------------------------
+class _World:
+    """One engine's world for the library's collectives: the rendezvous store, this rank, the labels."""
+
+    def __init__(self, store: Any, rank: int, world_size: int, timeout: float, label) -> None:
+        self.store, self.rank, self.world_size, self.timeout, self.label = store, rank, world_size, timeout, label
+        self.calls = 0
+
+    def _wait(self, keys: dict[int, str], what: str) -> None:
+        """Wait for every key of ``keys`` (``{rank: key}``) until ``timeout``; name the ranks that did not set theirs.
+
+        Raises:
+            TransferTimeoutError: a rank did not answer in time; TransferError: the store's host, the
+                trainer, is gone.
+        """
+        deadline = time.monotonic() + self.timeout
+        for key in keys.values():
+            try:
+                self.store.wait([key], timedelta(seconds=max(0.01, deadline - time.monotonic())))
+            except Exception as exc:  # noqa: BLE001 - a timeout, or the store's host (the trainer) is gone
+                first = (str(exc).splitlines() or [""])[0]
+                try:
+                    missing = [self.label(r) for r, k in keys.items() if not self.store.check([k])]
+                except Exception:  # noqa: BLE001 - the store itself is unreachable
+                    raise TransferError(f"{what}: {self.label(0)}, which hosts the rendezvous store, is "
+                                        f"unreachable ({type(exc).__name__}: {first})") from None
+                raise TransferTimeoutError(f"{what}: {', '.join(missing)} did not answer within {self.timeout:g} s "
+                                           f"({type(exc).__name__}: {first})") from None
+
+    def all_gather_object(self, object_list: list, obj: Any) -> None:
+        self.calls += 1
+        prefix = f"kimi/{self.calls}/gather/"
+        try:
+            self.store.set(prefix + str(self.rank), pickle.dumps(obj))
+        except Exception as exc:  # noqa: BLE001 - the store's host (the trainer) is gone
+            raise TransferError(f"checkpoint-engine gather_metas on {self.label(self.rank)}: {self.label(0)}, which "
+                                f"hosts the rendezvous store, is unreachable ({type(exc).__name__}: {exc})") from None
+        self._wait({r: prefix + str(r) for r in range(self.world_size) if r != self.rank},
+                   f"checkpoint-engine gather_metas on {self.label(self.rank)}")
+        for r in range(self.world_size):
+            object_list[r] = obj if r == self.rank else pickle.loads(self.store.get(prefix + str(r)))
+
+
+_CURRENT: contextvars.ContextVar[_World | None] = contextvars.ContextVar("hal_kimi_world", default=None)
+
+
+def _install_backend() -> None:
+    """Install hal's ``Distributed`` backend into checkpoint-engine once per process (see the module doc)."""
+    from checkpoint_engine.distributed import base
+
+    if getattr(base._BACKEND_INSTANCE, "hal_routes", False):
+        return
+
+    class _HalRoutedDistributed(base.Distributed):
+        """Calls made inside a hal engine go to its :class:`_World`; others to the backend installed before."""
+
+        hal_routes = True
+
+        def __init__(self, previous: Any) -> None:
+            self.previous = previous
+
+        def _world(self, what: str) -> _World | None:
+            world = _CURRENT.get()
+            if world is not None and what not in ("all_gather_object", "is_initialized"):
+                raise CheckpointConfigError(f"checkpoint-engine called {what} inside hal's kimi engine, which "
+                                            "answers only all_gather_object (checked against 0.4.2)")
+            return world
+
+        def init_process_group(self, rank, world_size, store, **kwargs):
+            self._world("init_process_group")
+            return self.previous.init_process_group(rank, world_size, store, **kwargs)
+
+        def destroy_process_group(self, group=None):
+            self._world("destroy_process_group")
+            return self.previous.destroy_process_group(group)
+
+        def is_initialized(self) -> bool:
+            return True if self._world("is_initialized") is not None else self.previous.is_initialized()
+
+        def all_gather_object(self, object_list, obj, group=None):
+            world = self._world("all_gather_object")
+            if world is None:
+                return self.previous.all_gather_object(object_list, obj, group)
+            return world.all_gather_object(object_list, obj)
+
+        def all_reduce(self, tensor, op=torch.distributed.ReduceOp.SUM, group=None, **kwargs):
+            self._world("all_reduce")
+            return self.previous.all_reduce(tensor, op, group, **kwargs)
+
+        def broadcast(self, tensor, src=0, group=None, **kwargs):
+            self._world("broadcast")
+            return self.previous.broadcast(tensor, src, group, **kwargs)
+
+        def barrier(self, group=None, **kwargs):
+            self._world("barrier")
+            return self.previous.barrier(group, **kwargs)
+
+        def new_group(self, ranks, **kwargs):
+            self._world("new_group")
+            return self.previous.new_group(ranks, **kwargs)
+
+    base._BACKEND_INSTANCE = _HalRoutedDistributed(base._BACKEND_INSTANCE)
+
+
+# ---- the library's objects, built from the hal device kind -----------------------------------------------
+def _make_parameter_server(spec, device_index: int, rank: int, world_size: int, host: str, timeout: float):
+    """A ``ParameterServer`` (rank ``rank`` of ``world_size``) whose device manager and Mooncake store come
+    from the hal kind ``spec``; without the rendezvous store and ``npu-smi`` call of its own constructor."""
+    from checkpoint_engine.device_utils import DeviceManager
+    from checkpoint_engine.p2p_store import P2PStore
+    from checkpoint_engine.ps import ParameterServer
+    from mooncake.engine import TransferEngine
+
+    class HalDeviceManager(DeviceManager):
+        """The library's device facts from the hal device spec (its own detection knows cuda and npu only)."""
+
+        def __init__(self) -> None:  # noqa: D107 - no detection: the kind is hal's
+            self.device_type = spec.name
+            self.device_module = hal.get_torch_device(spec)
+
+        @property
+        def backend(self) -> str:
+            return spec.dist_backend
+
+        @property
+        def transfer_engine_protocol(self) -> str:
+            return spec.mooncake_protocol or HOST_PROTOCOL
+
+        def rdma_device(self, rank: int) -> str:
+            return super().rdma_device(rank) if self.transfer_engine_protocol == "rdma" else ""
+
+    class HalP2PStore(P2PStore):
+        """The library's Mooncake store, reachable at ``host``, its rank given rather than read from ``RANK``."""
+
+        def __init__(self, device_manager: DeviceManager) -> None:  # noqa: D107
+            self.rank, self.ip = rank, host
+            self.device = device_manager.rdma_device(device_index)
+            self.engine = TransferEngine()
+            protocol = device_manager.transfer_engine_protocol
+            rc = self.engine.initialize(host, "P2PHANDSHAKE", protocol, self.device)
+            if rc != 0:
+                raise TransferError(f"Mooncake TransferEngine.initialize({host!r}, 'P2PHANDSHAKE', {protocol!r}, "
+                                    f"{self.device!r}) returned {rc} on rank {rank}")
+            self.port = self.engine.get_rpc_port()
+            self.named_tensors = {}
+
+        def batch_transfer_sync_read(self, target_hostname, buf_ptrs, remote_ptrs, lens) -> None:
+            rc = self.engine.batch_transfer_sync_read(target_hostname, buf_ptrs, remote_ptrs, lens)
+            if rc != 0:
+                raise TransferError(f"Mooncake batch_transfer_sync_read of {sum(lens)} bytes from {target_hostname} "
+                                    f"returned {rc} (the peer is dead or unreachable)")
+
+    class HalParameterServer(ParameterServer):
+        """``ParameterServer`` state as its 0.4.2 constructor sets it, for the methods hal calls."""
+
+        def __init__(self) -> None:  # noqa: D107
+            from collections import defaultdict
+
+            self._rank, self._world_size = rank, world_size
+            self.device_manager = HalDeviceManager()
+            self._gpu_count = max(1, self.device_manager.device_module.device_count())
+            self._local_rank = device_index
+            self._auto_pg = False
+            self._all_hosts, self._global_device_uuids = [], []
+            self._local_rdma_devices, self._remote_rdma_devices = defaultdict(set), defaultdict(set)
+            self._mem_fraction = 0.9
+            self._zmq_ctx, self._zmq_addr_counter = None, 0
+            self._current_shared_memory_pool_user = ""
+            self._memory_pool = {self.shared_memory_pool_name: []}
+            self._current_global_parameter_metas = {}
+            self._p2p_store = HalP2PStore(self.device_manager)
+            # the library reads it from npu-smi / CUDA; only its update() path (device IPC sockets) uses it
+            self._device_uuid = f"{spec.kind}-{host}-{os.getpid()}-{device_index}"
+            self._rdma_device = self._p2p_store.device
+            self._store, self._store_counter = None, 0
+
+    return HalParameterServer()
+
+
+def _local_address_towards(addr: str) -> str:
+    """The local address this host uses to reach ``addr`` (no packet is sent)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect((addr, 9))
+            return s.getsockname()[0]
+        except OSError:
+            return addr
+
+
+class KimiCheckpointEngine(CheckpointEngine):
+    """Weights through Kimi's ``checkpoint-engine`` ``ParameterServer`` over Mooncake (see the module doc).
+
+    Construction, standalone (hal's): ``rank`` (0: the trainer; 1..N: rollouts; -1: a trainer rank that does
+    not send), ``world_size`` (N + 1), ``master_addr`` / ``master_port`` (where rank 0 hosts the rendezvous
+    store) up front. Driven by verl's ``CheckpointEngineManager``: ``bucket_size`` and ``is_master``;
+    ``prepare()`` on the master picks the store's address, :meth:`build_topology` hands it to every rank.
+
+    Args:
+        bucket_size: bytes per bucket a rollout pulls and broadcasts; a tensor larger than it makes that
+            update's buckets as large as the tensor (the library never splits a tensor).
+        device: kind name (``"npu"``, ``"cuda"``, ``"npu-sim"``) or ``None`` for hal's resolution.
+        timeout: seconds bounding every wait (store, gather, pull, broadcast, the trainer's wait for the rollouts).
+        host: the address peers reach this process's Mooncake store at (default: ``master_addr`` on the
+            trainer, the local address towards it elsewhere).
+
+    Memory: the trainer holds the whole update in pinned host memory (the library's design) until every
+    rollout is done; a rollout holds two device slots of the bucket size, plus a receiving buffer of one
+    bucket (on the device when the kind has a Mooncake protocol, else pinned host memory).
+
+    Order and ownership: ``receive_weights`` yields in send order (the library sorts by name; hal prefixes
+    each name with its ordinal and strips it). A yielded tensor is a view into an engine-owned slot, valid
+    until the item after the next bucket's first is requested: copy it if it must outlive that.
+    ``send_weights`` returns when every rollout finished (the caller may reuse or free its tensors; they were
+    copied into host memory before any rollout read them).
+
+    Failures: a rollout that dies or stalls fails the trainer's send within ``timeout`` naming it; a dead
+    trainer fails each rollout's receive naming it; a dead rollout fails the others' broadcast. A sender
+    whose ``weights`` iterator raises tells the rollouts (:class:`TransferAbortedError`) and stays usable.
     """
 
-    @classmethod
-    def availability(cls) -> hal.Availability:
-        """Ok when a device kind with ``kimi_checkpoint_engine`` is available and the library imports."""
-        kinds = supported_kinds()
-        usable = [k for k in kinds if hal.availability(k)]
-        if not usable:
-            return hal.Availability.unavailable(
-                f"Kimi's checkpoint-engine runs only on device kinds {kinds} (its ParameterServer raises "
-                f"'TypeError: The current device type is not supported' on others), and none of them is "
-                f"available here ({'; '.join(f'{k}: {hal.availability(k).reason}' for k in kinds)})")
-        try:
-            import checkpoint_engine.ps  # noqa: F401
-        except Exception as exc:  # noqa: BLE001 - ImportError of it or its dependencies
-            return hal.Availability.unavailable(
-                f"import checkpoint_engine.ps failed ({type(exc).__name__}: {exc}); install the 'kimi' extra "
-                "(pip install checkpoint-engine==0.4.2)")
-        return hal.Availability.available(len(usable))
-
-    def __init__(self, **config: Any) -> None:
-        state = self.availability()
+    def __init__(self, bucket_size: int = DEFAULT_BUCKET_SIZE, is_master: bool = False, *, rank: int | None = None,
+                 world_size: int | None = None, master_addr: str | None = None, master_port: int | None = None,
+                 device: str | None = None, timeout: float = hal.DEFAULT_TIMEOUT_S, host: str | None = None,
+                 **_ignored: Any) -> None:
+        if isinstance(bucket_size, bool) or not isinstance(bucket_size, int) or bucket_size < 1024:
+            raise CheckpointConfigError(f"bucket_size must be an int >= 1024 bytes, got {bucket_size!r}")
+        if not isinstance(timeout, (int, float)) or timeout <= 0:
+            raise CheckpointConfigError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        state = self.availability(device)
         if not state:
             raise CheckpointEngineUnavailableError(f"checkpoint engine 'kimi' is unavailable here: {state.reason}")
-        raise CheckpointEngineUnavailableError(
-            "checkpoint engine 'kimi': the wrapper around checkpoint-engine's ParameterServer is not "
-            "implemented in this build; use 'nixl' or 'mooncake' (the transfer library it uses)")
+        self.bucket_size, self.is_master, self.timeout = bucket_size, bool(is_master), float(timeout)
+        self.device_kind, self.host = device, host
+        self.master_addr, self.master_port = master_addr, master_port
+        self.rank: int | None = None
+        self.world_size: int | None = None
+        if rank is not None or world_size is not None:
+            self._set_place(rank, world_size)
+        self._ps = None
+        self._world: _World | None = None
+        self._group: hal.StoreGroup | None = None
+        self._slots: torch.Tensor | None = None
+        self._h2d: torch.Tensor | None = None
 
+    @classmethod
+    def availability(cls, device: str | None = None) -> hal.Availability:
+        """Ok when the resolved device kind (``device``, else ``$HAL_DEVICE``, else auto) is one whose spec
+        says ``kimi_checkpoint_engine`` and is available, and checkpoint-engine 0.4.2 and Mooncake import."""
+        kinds = supported_kinds()
+        try:
+            spec = hal.resolve_device(device)
+        except hal.HalError as exc:
+            return hal.Availability.unavailable(f"no usable device kind: {exc}")
+        if spec.kind not in kinds:
+            return hal.Availability.unavailable(
+                f"Kimi's checkpoint-engine runs only on device kinds {kinds} (its ParameterServer needs a device "
+                f"with pinned host memory and a collective backend, which hal's spec field {SPEC_FIELD} declares); "
+                f"this process uses {spec.kind!r} (select one with HAL_DEVICE or --device)")
+        problem = _library_problem()
+        return hal.Availability.unavailable(problem) if problem else hal.Availability.available()
+
+    # ---- configuration and lifecycle ----------------------------------------------------------------
+    def _set_place(self, rank: int | None, world_size: int | None) -> None:
+        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 2:
+            raise CheckpointConfigError(f"world_size must be an int >= 2 (1 trainer + rollouts), got {world_size!r}")
+        if isinstance(rank, bool) or not isinstance(rank, int) or not -1 <= rank < world_size:
+            raise CheckpointConfigError(f"rank must be an int in [-1, {world_size}) (0: the trainer, -1: a trainer "
+                                        f"rank that does not send), got {rank!r}")
+        self.rank, self.world_size = rank, world_size
+
+    def _label(self, rank: int) -> str:
+        return (f"the trainer (rank 0 at {self.master_addr}:{self.master_port})" if rank == 0
+                else f"rollout rank {rank}")
+
+    def prepare(self) -> dict[str, Any]:
+        """On the trainer master: pick the rendezvous store's address; returns ``{"master_addr",
+        "master_port"}`` (``{}`` elsewhere). Idempotent."""
+        if not (self.rank == 0 or (self.rank is None and self.is_master)):
+            return {}
+        if self.master_addr is None:
+            self.master_addr = self.host or socket.gethostbyname(socket.gethostname())
+        if self.master_port is None:
+            self.master_port = hal.pick_port(self.master_addr)
+        return {"master_addr": self.master_addr, "master_port": self.master_port}
+
+    @classmethod
+    def build_topology(cls, trainer_world_size: int, rollout_world_size: int,
+                       metadata: list[dict[str, Any]]) -> tuple[dict[str, list], dict[str, list]]:
+        """Trainer rank 0 publishes, other trainer ranks get ``rank=-1``, rollouts ranks 1..N; everyone gets
+        the master's store address (see :func:`ckpt.p2p.rank_topology`)."""
+        return rank_topology(trainer_world_size, rollout_world_size, metadata)
+
+    def init_process_group(self, rank: int | None = None, world_size: int | None = None,
+                           master_addr: str | None = None, master_port: int | None = None, **_ignored: Any) -> None:
+        """Set this rank's place; the store, the Mooncake engine and the rollout group are made on the first
+        send / receive (each bounded by ``timeout``) and kept while the place is unchanged."""
+        if rank is not None or world_size is not None:
+            if self._ps is not None and (rank, world_size) != (self.rank, self.world_size):
+                self.close()
+            self._set_place(rank, world_size)
+        if master_addr is not None:
+            self.master_addr = master_addr
+        if master_port is not None:
+            self.master_port = int(master_port)
+        if self.rank is None:
+            raise CheckpointConfigError("init_process_group needs rank and world_size (from build_topology) "
+                                        "unless the engine was built with them")
+
+    def finalize(self) -> None:
+        """Free the rollout's bucket buffers; the store, Mooncake engine and group stay for the next update."""
+        self._release_buffers()
+
+    def close(self) -> None:
+        """Release everything: buffers, the rollout group, the Mooncake engine, the store."""
+        self._release_buffers()
+        if self._group is not None:
+            self._group.close()
+        self._group = self._ps = self._world = None
+
+    def _release_buffers(self) -> None:
+        if self._slots is not None and self._ps is not None:
+            try:
+                self._ps._p2p_store.unregister_named_tensors([_BUFFER])
+            except Exception:  # noqa: BLE001 - a failed engine; the buffer is dropped either way
+                pass
+        self._h2d = self._slots = None
+
+    def _ready(self) -> None:
+        """Make the store, the parameter server and (rollouts) the rollout group; blocking, bounded."""
+        if self._ps is not None:
+            return
+        if self.rank is None:
+            raise CheckpointConfigError("send/receive before init_process_group: this engine has no rank")
+        if self.master_addr is None or self.master_port is None:
+            raise CheckpointConfigError(f"kimi needs master_addr and master_port (rank 0's store), got "
+                                        f"{self.master_addr!r}, {self.master_port!r}")
+        _install_backend()
+        spec = hal.resolve_device(self.device_kind)
+        device = hal.bind_local_device(self.device_kind)
+        self._device = device
+        store = hal.connect_store(self.master_addr, int(self.master_port), self.rank, self.world_size, self.timeout)
+        host = self.host or (self.master_addr if self.rank == 0 else _local_address_towards(self.master_addr))
+        self._spec = spec
+        self._ps = _make_parameter_server(spec, device.index or 0, self.rank, self.world_size, host, self.timeout)
+        self._world = _World(store, self.rank, self.world_size, self.timeout, self._label)
+        if self.rank > 0 and self.world_size > 2:
+            self._group = hal.new_group_from_store(store, self.rank - 1, self.world_size - 1, device=spec,
+                                                   timeout=self.timeout, prefix="kimi-rollouts")
+
+    def _gather_metas(self) -> None:
+        token = _CURRENT.set(self._world)
+        try:
+            self._ps.gather_metas(_CHECKPOINT)
+        finally:
+            _CURRENT.reset(token)
+
+    def _done(self, step: int | None) -> None:
+        """Tell the trainer this rollout is done with the update (it then unregisters the host buffers)."""
+        self._world.store.set(f"kimi/{self._world.calls}/done/{self.rank}", str(step).encode())
+
+    # ---- trainer --------------------------------------------------------------------------------------
     async def send_weights(self, weights: Iterable[NamedTensor], global_steps: int | None = None) -> None:
-        raise CheckpointEngineUnavailableError("checkpoint engine 'kimi' is not implemented in this build")
+        """Publish ``weights`` (``(name, tensor)`` pairs, any device, dtype and strides) tagged ``global_steps``;
+        returns when every rollout is done with the update.
 
+        Raises:
+            CheckpointConfigError: called on a rollout, or a bad ``global_steps``.
+            TransferTimeoutError, TransferError: a rollout is dead or stuck (named), within ``timeout``.
+            Whatever ``weights`` raises: the rollouts are told first (:class:`TransferAbortedError`).
+        """
+        global_steps = check_global_steps(global_steps)
+        if self.rank == -1:  # a trainer rank that does not send (verl: every rank iterates its shard)
+            for _ in weights:
+                pass
+            return
+        if self.rank is None or self.rank != 0:
+            raise CheckpointConfigError(f"send_weights called on rank {self.rank}; only rank 0 (the trainer) sends")
+        await asyncio.to_thread(self._ready)
+        named: dict[str, torch.Tensor] = {}
+        failure: BaseException | None = None
+        try:
+            for i, (name, tensor) in enumerate(weights):
+                named[f"{i:08d}/{name}"] = tensor.detach().contiguous()
+        except Exception as exc:  # noqa: BLE001 - told to the rollouts, then raised
+            failure, named = exc, {}
+        named[f"{_MARK}step={global_steps}" + (f"/aborted={type(failure).__name__}: {failure}" if failure else "")] = \
+            torch.zeros(1, dtype=torch.uint8)
+        await asyncio.to_thread(self._publish, named, global_steps)
+        if failure is not None:
+            raise failure
+
+    def _publish(self, named: dict[str, torch.Tensor], step: int | None) -> None:
+        ps = self._ps
+        hal.synchronize(self.device_kind)
+        ps.register_checkpoint(_CHECKPOINT, named_tensors=named, use_inplace_pin_memory=False)
+        named.clear()
+        try:
+            self._gather_metas()
+            n = self._world.calls
+            self._world._wait({r: f"kimi/{n}/done/{r}" for r in range(1, self.world_size)},
+                              f"step {step} on the trainer, waiting for the rollouts to pull it")
+        finally:
+            ps.unregister_checkpoint(_CHECKPOINT)
+
+    # ---- rollouts -------------------------------------------------------------------------------------
     async def receive_weights(self, global_steps: int | None = None) -> AsyncIterator[NamedTensor]:
-        raise CheckpointEngineUnavailableError("checkpoint engine 'kimi' is not implemented in this build")
-        yield  # pragma: no cover - makes this an async generator
+        """Yield the ``(name, tensor)`` pairs of the next update in send order (views: see the class doc).
+
+        Raises:
+            VersionMismatchError: ``global_steps`` given and another step on offer (before anything is yielded).
+            TransferAbortedError: the trainer's ``weights`` iterator raised.
+            TransferTimeoutError, TransferError: the trainer or another rollout is dead or stuck (named).
+            CheckpointConfigError: called on the trainer.
+        """
+        asked = check_global_steps(global_steps)
+        if self.rank is None or self.rank < 1:
+            raise CheckpointConfigError(f"receive_weights called on rank {self.rank}; rollouts are ranks 1..N")
+        await asyncio.to_thread(self._ready)
+        await asyncio.to_thread(self._gather_metas)
+        step: Any = "unknown"
+        try:
+            metas = self._ps._current_global_parameter_metas
+            marks = [m.name for owner in metas.values() for buf in owner.memory_buffer_metas_list
+                     for m in buf.metas if m.name.startswith(_MARK)]
+            if len(marks) != 1:
+                raise TransferError(f"rollout rank {self.rank}: the update on offer carries {len(marks)} step "
+                                    f"markers, expected 1 (is every trainer rank but rank 0 at rank -1?)")
+            head, _, aborted = marks[0][len(_MARK):].partition("/aborted=")
+            text = head.partition("=")[2]
+            step = None if text == "None" else int(text)
+            if aborted:
+                raise TransferAbortedError(f"step {step}: the trainer gave the update up ({aborted}); rollout rank "
+                                           f"{self.rank} keeps its previous weights")
+            check_step(asked, step, f"rollout rank {self.rank}")
+            self.received_global_steps = step
+            async for item in self._pull(metas, step):
+                yield item
+        except (TransferError, hal.DistributedTimeoutError) as exc:
+            if isinstance(exc, TransferError):
+                raise
+            raise TransferTimeoutError(f"step {step} on rollout rank {self.rank}: {exc}") from None
+        finally:
+            try:
+                self._done(step)
+            except Exception:  # noqa: BLE001 - the store's host (the trainer) is gone: nobody waits for it
+                pass
+
+    async def _pull(self, metas: dict, step: int | None) -> AsyncIterator[NamedTensor]:
+        from checkpoint_engine.ps import _gen_h2d_buckets, _to_named_tensor
+
+        ps = self._ps
+        largest = max(m.aligned_size for owner in metas.values() for b in owner.memory_buffer_metas_list
+                      for m in b.metas)
+        size = max(self.bucket_size, largest)
+        rollouts = list(range(1, self.world_size))
+        buckets = _gen_h2d_buckets(metas, size, ps._local_rdma_devices, ps._remote_rdma_devices, rollouts)
+        self._buffers(size)
+        loop = asyncio.get_running_loop()
+
+        def move(k: int) -> None:
+            receiver, owner, bucket = buckets[k]
+            slot = self._slots[(k % 2) * size:(k % 2) * size + bucket.size]
+            if receiver == self.rank:
+                target = self._h2d if self._h2d is not None else slot
+                try:
+                    ps._copy_to_buffer(_CHECKPOINT, bucket, target, owner)
+                except TransferError as exc:
+                    raise TransferError(f"rollout rank {self.rank} pulling bucket {k} of step {step} from "
+                                        f"{self._label(owner)}: {exc}") from None
+                if target is not slot:
+                    slot.copy_(target[:bucket.size])
+                    hal.synchronize(self.device_kind)
+            if self._group is not None:
+                self._group.broadcast(slot, receiver - 1)
+
+        async def finish(pending) -> None:
+            try:
+                await asyncio.wait_for(asyncio.shield(pending), self.timeout)
+            except asyncio.TimeoutError:
+                raise TransferTimeoutError(f"step {step} on rollout rank {self.rank}: a bucket did not arrive "
+                                           f"within {self.timeout:g} s ({self._label(0)} or a rollout is stuck)"
+                                           ) from None
+
+        pending = loop.run_in_executor(None, move, 0) if buckets else None
+        for k in range(len(buckets)):
+            await finish(pending)
+            pending = loop.run_in_executor(None, move, k + 1) if k + 1 < len(buckets) else None
+            slot = self._slots[(k % 2) * size:]
+            try:
+                for item in _to_named_tensor(buckets[k][2].items, 0):
+                    name = item["name"]
+                    if name.startswith(_MARK):
+                        continue
+                    dtype, shape = item["dtype"], torch.Size(item["shape"])
+                    n = dtype.itemsize * shape.numel()
+                    yield name.partition("/")[2], slot[item["offset"]:item["offset"] + n].view(dtype).view(shape)
+            except BaseException:
+                if pending is not None:  # its slot must not be freed while a thread still writes it
+                    await asyncio.wait([pending], timeout=self.timeout)
+                raise
+
+    def _buffers(self, size: int) -> None:
+        """Two device slots of ``size`` bytes; where the kind has no Mooncake protocol, also a pinned host
+        buffer the bucket is pulled into (then copied to the device). Registered with the Mooncake store."""
+        if self._slots is not None and self._slots.numel() == 2 * size:
+            return
+        self._release_buffers()
+        self._slots = torch.empty(2 * size, dtype=torch.uint8, device=self._device)
+        if self._spec.mooncake_protocol is None:
+            self._h2d = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+        self._ps._p2p_store.register_named_tensors({_BUFFER: self._h2d if self._h2d is not None else self._slots})

@@ -177,6 +177,33 @@ class _Peer:
     acked: int = 0  # of those, acknowledged
 
 
+def rank_topology(trainer_world_size: int, rollout_world_size: int,
+                  metadata: list[dict[str, Any]]) -> tuple[dict[str, list], dict[str, list]]:
+    """Per-rank ``init_process_group`` kwargs of a 1-trainer-to-N-rollouts engine: trainer rank 0 sends, the
+    other trainer ranks get ``rank=-1``, rollouts get ranks 1..N; everyone gets the master's address from
+    ``metadata[0]`` (``{"master_addr", "master_port"}``, the master's ``prepare()`` result).
+
+    Raises:
+        CheckpointConfigError: ``metadata[0]`` lacks the master's address (its ``prepare()`` did not run
+            with ``is_master=True``).
+    """
+    master = metadata[0] if metadata else {}
+    if not isinstance(master, dict) or "master_port" not in master:
+        raise CheckpointConfigError(f"metadata[0] must be the trainer master's prepare() result with "
+                                    f"master_addr/master_port, got {master!r}")
+    world = rollout_world_size + 1
+
+    def same(v, n):
+        return [v] * n
+    trainer = {"rank": [0] + [-1] * (trainer_world_size - 1), "world_size": same(world, trainer_world_size),
+               "master_addr": same(master["master_addr"], trainer_world_size),
+               "master_port": same(master["master_port"], trainer_world_size)}
+    rollout = {"rank": list(range(1, world)), "world_size": same(world, rollout_world_size),
+               "master_addr": same(master["master_addr"], rollout_world_size),
+               "master_port": same(master["master_port"], rollout_world_size)}
+    return trainer, rollout
+
+
 class P2PCheckpointEngine(CheckpointEngine):
     """Base of the transfer-library engines: bucketed one-sided writes, 1 trainer to N rollouts.
 
@@ -312,28 +339,8 @@ class P2PCheckpointEngine(CheckpointEngine):
     @classmethod
     def build_topology(cls, trainer_world_size: int, rollout_world_size: int,
                        metadata: list[dict[str, Any]]) -> tuple[dict[str, list], dict[str, list]]:
-        """Per-rank ``init_process_group`` kwargs: trainer rank 0 sends, the other trainer ranks get
-        ``rank=-1``, rollouts get ranks 1..N; everyone gets the master's address from ``metadata[0]``.
-
-        Raises:
-            CheckpointConfigError: ``metadata[0]`` lacks the master's address (its ``prepare()`` did not run
-                with ``is_master=True``).
-        """
-        master = metadata[0] if metadata else {}
-        if not isinstance(master, dict) or "master_port" not in master:
-            raise CheckpointConfigError(f"metadata[0] must be the trainer master's prepare() result with "
-                                        f"master_addr/master_port, got {master!r}")
-        world = rollout_world_size + 1
-
-        def same(v, n):
-            return [v] * n
-        trainer = {"rank": [0] + [-1] * (trainer_world_size - 1), "world_size": same(world, trainer_world_size),
-                   "master_addr": same(master["master_addr"], trainer_world_size),
-                   "master_port": same(master["master_port"], trainer_world_size)}
-        rollout = {"rank": list(range(1, world)), "world_size": same(world, rollout_world_size),
-                   "master_addr": same(master["master_addr"], rollout_world_size),
-                   "master_port": same(master["master_port"], rollout_world_size)}
-        return trainer, rollout
+        """Per-rank ``init_process_group`` kwargs, see :func:`rank_topology`."""
+        return rank_topology(trainer_world_size, rollout_world_size, metadata)
 
     def init_process_group(self, rank: int | None = None, world_size: int | None = None,
                            master_addr: str | None = None, master_port: int | None = None, **_ignored: Any) -> None:

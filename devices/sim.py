@@ -133,9 +133,11 @@ class SimNpuDevice(DeviceSpec):
     # The simulated device memory is host memory (the extension's caching allocator hands out host
     # addresses), so transfer libraries register and move it in place as host memory: NIXL as "DRAM",
     # Mooncake over "tcp". Rollouts then receive into npu tensors, as with VRAM on cuda or ascend_direct on
-    # a real npu. Kimi's ParameterServer needs real devices.
+    # a real npu. Kimi's checkpoint-engine runs (hal's adapter gives its ParameterServer the kind's device
+    # facts, so it needs no npu-smi and pulls buckets over "tcp" straight into the simulated device).
     nixl_memory_type: str | None = "DRAM"
     mooncake_protocol: str | None = "tcp"
+    kimi_checkpoint_engine: bool = True
 
     def torch_module(self) -> types.ModuleType:
         """``torch.npu`` of the sim, registering it on first use (see :func:`register` for errors)."""
