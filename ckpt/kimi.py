@@ -15,8 +15,8 @@ The path verl 0.9.1 drives (``verl/checkpoint_engine/kimi_checkpoint_engine.py``
 What hal adapts, all of it device knowledge taken from the device spec rather than the library's if-chains:
 the library's ``DeviceManager`` (device type, torch module, collective backend) comes from the hal kind; the
 Mooncake protocol is the kind's ``mooncake_protocol`` (``rdma`` on cuda, ``ascend_direct`` on npu; a kind
-without one, such as npu-sim, moves host memory over ``tcp`` and copies each bucket host-to-device, which is
-what the library's "h2d buffer" is for); the device identifier the library would read from ``npu-smi``
+without one, such as npu-sim, or a cuda host without an RDMA NIC, moves host memory over ``tcp`` and copies
+each bucket host-to-device, which is what the library's "h2d buffer" is for; see :func:`mooncake_protocol`); the device identifier the library would read from ``npu-smi``
 (used only by its ``update()`` path, which hal does not call) is made from host, process and device index.
 Which kinds the engine runs on is the spec field ``kimi_checkpoint_engine``.
 
@@ -196,9 +196,33 @@ def _install_backend() -> None:
 
 
 # ---- the library's objects, built from the hal device kind -----------------------------------------------
-def _make_parameter_server(spec, device_index: int, rank: int, world_size: int, host: str, timeout: float):
+def mooncake_protocol(spec) -> tuple[str, bool]:
+    """``(protocol, in_place)``: the Mooncake protocol for the kind ``spec`` and whether it moves the kind's
+    device memory itself (else buckets are pulled into pinned host memory over ``tcp`` and copied over).
+
+    The kind's ``mooncake_protocol`` field decides (``rdma`` on cuda, ``ascend_direct`` on npu); ``rdma``
+    also needs an RDMA NIC, found as checkpoint-engine finds it (``PS_P2P_STORE_RDMA_DEVICES``,
+    ``NCCL_IB_HCA``, else every ibverbs device): without one, host memory over ``tcp`` is what works.
+    """
+    protocol = spec.mooncake_protocol
+    if protocol is None:
+        return HOST_PROTOCOL, False
+    if protocol == "rdma":
+        from checkpoint_engine.device_utils import _get_rdma_devices
+
+        try:
+            nics = _get_rdma_devices()
+        except OSError:  # libibverbs.so.1 missing
+            nics = []
+        if not nics:
+            return HOST_PROTOCOL, False
+    return protocol, True
+
+
+def _make_parameter_server(spec, protocol: str, device_index: int, rank: int, world_size: int, host: str):
     """A ``ParameterServer`` (rank ``rank`` of ``world_size``) whose device manager and Mooncake store come
-    from the hal kind ``spec``; without the rendezvous store and ``npu-smi`` call of its own constructor."""
+    from the hal kind ``spec`` and ``protocol``; without the rendezvous store and ``npu-smi`` call of its own
+    constructor."""
     from checkpoint_engine.device_utils import DeviceManager
     from checkpoint_engine.p2p_store import P2PStore
     from checkpoint_engine.ps import ParameterServer
@@ -217,7 +241,7 @@ def _make_parameter_server(spec, device_index: int, rank: int, world_size: int, 
 
         @property
         def transfer_engine_protocol(self) -> str:
-            return spec.mooncake_protocol or HOST_PROTOCOL
+            return protocol
 
         def rdma_device(self, rank: int) -> str:
             return super().rdma_device(rank) if self.transfer_engine_protocol == "rdma" else ""
@@ -334,6 +358,8 @@ class KimiCheckpointEngine(CheckpointEngine):
         self._group: hal.StoreGroup | None = None
         self._slots: torch.Tensor | None = None
         self._h2d: torch.Tensor | None = None
+        self._device: torch.device | None = None
+        self._protocol, self._in_place = HOST_PROTOCOL, False
 
     @classmethod
     def availability(cls, device: str | None = None) -> hal.Availability:
@@ -348,7 +374,7 @@ class KimiCheckpointEngine(CheckpointEngine):
             return hal.Availability.unavailable(
                 f"Kimi's checkpoint-engine runs only on device kinds {kinds} (its ParameterServer needs a device "
                 f"with pinned host memory and a collective backend, which hal's spec field {SPEC_FIELD} declares); "
-                f"this process uses {spec.kind!r} (select one with HAL_DEVICE or --device)")
+                f"the device kind asked for is {spec.kind!r} (select one with HAL_DEVICE or --device)")
         problem = _library_problem()
         return hal.Availability.unavailable(problem) if problem else hal.Availability.available()
 
@@ -433,12 +459,20 @@ class KimiCheckpointEngine(CheckpointEngine):
         self._device = device
         store = hal.connect_store(self.master_addr, int(self.master_port), self.rank, self.world_size, self.timeout)
         host = self.host or (self.master_addr if self.rank == 0 else _local_address_towards(self.master_addr))
-        self._spec = spec
-        self._ps = _make_parameter_server(spec, device.index or 0, self.rank, self.world_size, host, self.timeout)
+        self._protocol, self._in_place = mooncake_protocol(spec)
+        ps = _make_parameter_server(spec, self._protocol, device.index or 0, self.rank, self.world_size, host)
         self._world = _World(store, self.rank, self.world_size, self.timeout, self._label)
         if self.rank > 0 and self.world_size > 2:
             self._group = hal.new_group_from_store(store, self.rank - 1, self.world_size - 1, device=spec,
                                                    timeout=self.timeout, prefix="kimi-rollouts")
+        self._ps = ps
+
+    async def _ready_async(self) -> None:
+        try:
+            await asyncio.to_thread(self._ready)
+        except hal.DistributedTimeoutError as exc:
+            raise TransferTimeoutError(f"{self._label(self.rank)} could not join the engine's rendezvous within "
+                                       f"{self.timeout:g} s (a peer is dead or missing): {exc}") from None
 
     def _gather_metas(self) -> None:
         token = _CURRENT.set(self._world)
@@ -468,7 +502,7 @@ class KimiCheckpointEngine(CheckpointEngine):
             return
         if self.rank is None or self.rank != 0:
             raise CheckpointConfigError(f"send_weights called on rank {self.rank}; only rank 0 (the trainer) sends")
-        await asyncio.to_thread(self._ready)
+        await self._ready_async()
         named: dict[str, torch.Tensor] = {}
         failure: BaseException | None = None
         try:
@@ -508,7 +542,7 @@ class KimiCheckpointEngine(CheckpointEngine):
         asked = check_global_steps(global_steps)
         if self.rank is None or self.rank < 1:
             raise CheckpointConfigError(f"receive_weights called on rank {self.rank}; rollouts are ranks 1..N")
-        await asyncio.to_thread(self._ready)
+        await self._ready_async()
         await asyncio.to_thread(self._gather_metas)
         step: Any = "unknown"
         try:
@@ -528,10 +562,6 @@ class KimiCheckpointEngine(CheckpointEngine):
             self.received_global_steps = step
             async for item in self._pull(metas, step):
                 yield item
-        except (TransferError, hal.DistributedTimeoutError) as exc:
-            if isinstance(exc, TransferError):
-                raise
-            raise TransferTimeoutError(f"step {step} on rollout rank {self.rank}: {exc}") from None
         finally:
             try:
                 self._done(step)
@@ -566,17 +596,23 @@ class KimiCheckpointEngine(CheckpointEngine):
             if self._group is not None:
                 self._group.broadcast(slot, receiver - 1)
 
-        async def finish(pending) -> None:
+        async def finish(k: int, pending) -> None:
+            done, _ = await asyncio.wait({pending}, timeout=self.timeout)
+            if not done:
+                raise TransferTimeoutError(f"step {step} on rollout rank {self.rank}: bucket {k} did not arrive "
+                                           f"within {self.timeout:g} s ({self._label(0)} or a rollout is stuck)")
             try:
-                await asyncio.wait_for(asyncio.shield(pending), self.timeout)
-            except asyncio.TimeoutError:
-                raise TransferTimeoutError(f"step {step} on rollout rank {self.rank}: a bucket did not arrive "
-                                           f"within {self.timeout:g} s ({self._label(0)} or a rollout is stuck)"
-                                           ) from None
+                pending.result()
+            except hal.DistributedTimeoutError as exc:
+                others = [r for r in rollouts if r != self.rank]
+                raise TransferTimeoutError(
+                    f"step {step} on rollout rank {self.rank}: the rollout group's broadcast of bucket {k} (from "
+                    f"rollout rank {buckets[k][0]}) failed, one of rollout ranks {others} is dead or stuck: {exc}"
+                ) from None
 
         pending = loop.run_in_executor(None, move, 0) if buckets else None
         for k in range(len(buckets)):
-            await finish(pending)
+            await finish(k, pending)
             pending = loop.run_in_executor(None, move, k + 1) if k + 1 < len(buckets) else None
             slot = self._slots[(k % 2) * size:]
             try:
@@ -599,6 +635,6 @@ class KimiCheckpointEngine(CheckpointEngine):
             return
         self._release_buffers()
         self._slots = torch.empty(2 * size, dtype=torch.uint8, device=self._device)
-        if self._spec.mooncake_protocol is None:
+        if not self._in_place:
             self._h2d = torch.empty(size, dtype=torch.uint8, pin_memory=True)
         self._ps._p2p_store.register_named_tensors({_BUFFER: self._h2d if self._h2d is not None else self._slots})

@@ -116,9 +116,14 @@ def _raise_unknown(name: str) -> None:
         f"failed to import: {failed}")
 
 
-def checkpoint_engine_availability(name: str) -> tuple[bool, str]:
+def checkpoint_engine_availability(name: str, device: Any = None) -> tuple[bool, str]:
     """``(ok, reason)`` for the engine registered as ``name``: an engine class may define a classmethod
     ``availability()`` (truthy, with ``.reason`` when not); engines without one are always available.
+
+    Args:
+        device: the device kind the engine would be built for (its ``device=`` argument); passed to
+            ``availability(device)`` when the probe takes it (an engine that runs on some kinds only), else
+            ``None`` means hal's resolution (``$HAL_DEVICE``, then the first available kind).
 
     Raises:
         UnknownCheckpointEngineError: no such name.
@@ -130,7 +135,11 @@ def checkpoint_engine_availability(name: str) -> tuple[bool, str]:
     if probe is None:
         return True, ""
     try:
-        state = probe()
+        takes_device = "device" in inspect.signature(probe).parameters
+    except (TypeError, ValueError):  # a builtin or odd callable: call it without
+        takes_device = False
+    try:
+        state = probe(device) if takes_device else probe()
     except Exception as exc:  # noqa: BLE001 - a failing probe means "not available", with its text
         return False, f"availability() raised {type(exc).__name__}: {exc}"
     return bool(state), getattr(state, "reason", "")
@@ -161,7 +170,7 @@ def get_checkpoint_engine(name: str, **config: Any) -> Any:
         ContractError: the factory returned an engine whose contract methods are not all async.
     """
     factory = checkpoint_engine_factory(name)
-    ok, reason = checkpoint_engine_availability(name)
+    ok, reason = checkpoint_engine_availability(name, config.get("device"))
     if not ok:
         usable = [n for n in sorted(_engines) if n != name and checkpoint_engine_availability(n)[0]]
         raise CheckpointEngineUnavailableError(

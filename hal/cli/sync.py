@@ -131,7 +131,7 @@ class Sync:
     leaves the previous step in service; memory 2 x model). in-place: into the served weights (memory
     1 x model; a failed update leaves the rollout serving no step)."""
     bucket_mb: float = 256.0
-    """Bucket size of the bucketed engines (collective, nixl, mooncake), in MiB."""
+    """Bucket size of the bucketed engines (collective, nixl, mooncake, kimi), in MiB."""
     lr: float = 1e-4
     """AdamW learning rate."""
     decode_tokens: int = 4
@@ -177,7 +177,7 @@ def validate(args: Sync) -> None:
     if args.engine in ("nixl", "mooncake", "kimi"):
         import ckpt
 
-        ok, reason = ckpt.checkpoint_engine_availability(args.engine)
+        ok, reason = ckpt.checkpoint_engine_availability(args.engine, args.device)
         if not ok:
             raise UsageError(f"--engine {args.engine} is unavailable here: {reason}")
     if args.launcher == "ray" and args.engine != "collective":

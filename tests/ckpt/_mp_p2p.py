@@ -73,3 +73,36 @@ def death_mid_transfer(rank, world_size, port, engine_name, device, victim, time
         return asyncio.run(main())
     finally:
         engine.close()
+
+
+def steps_and_version_mismatch(rank, world_size, port, engine_name, device):
+    """Steps 1, 2, 3 of :func:`ckpt.testing.sample_weights` from rank 0; the rollouts ask for step 1 when
+    step 2 is sent. The trainer reports each send's outcome; a rollout reports per step ``(step, outcome,
+    received_global_steps, every tensor byte-exact, device types of what it was handed)``."""
+    from ckpt.testing import sample_weights, same_bytes
+
+    engine = ckpt.get_checkpoint_engine(engine_name, rank=rank, world_size=world_size, master_addr="127.0.0.1",
+                                        master_port=port, device=device, timeout=30, bucket_size=64 << 10)
+
+    async def main():
+        rows = []
+        for step, asked in ((1, 1), (2, 1), (3, 3)):
+            sent = sample_weights(step)
+            if rank == 0:
+                await engine.send_weights(iter(sent), step)
+                rows.append((step, "sent"))
+                continue
+            try:
+                got = [(n, t.to("cpu", copy=True), t.device.type) async for n, t in engine.receive_weights(asked)]
+            except ckpt.VersionMismatchError as exc:
+                rows.append((step, str(exc), engine.received_global_steps, None, None))
+                continue
+            exact = [n for n, _ in sent] == [n for n, _, _ in got] and all(
+                same_bytes(a, b) for (_, a), (_, b, _) in zip(sent, got))
+            rows.append((step, "ok", engine.received_global_steps, exact, sorted({d for _, _, d in got})))
+        return rows
+
+    try:
+        return asyncio.run(main())
+    finally:
+        engine.close()
