@@ -75,27 +75,46 @@ def death_mid_transfer(rank, world_size, port, engine_name, device, victim, time
         engine.close()
 
 
-def steps_and_version_mismatch(rank, world_size, port, engine_name, device):
-    """Steps 1, 2, 3 of :func:`ckpt.testing.sample_weights` from rank 0; the rollouts ask for step 1 when
-    step 2 is sent. The trainer reports each send's outcome; a rollout reports per step ``(step, outcome,
-    received_global_steps, every tensor byte-exact, device types of what it was handed)``."""
+
+def steps_mismatch_then_death(rank, world_size, port, engine_name, device, timeout):
+    """Step 1 of :func:`ckpt.testing.sample_weights` from rank 0; step 2 while the rollouts ask for step 1;
+    step 3 (:func:`_weights`, 24 tensors) during which rollout rank 2 exits after its third tensor.
+
+    The trainer reports ``[(1, "sent"), (2, "sent"), (3, outcome, seconds, error text)]``; a rollout per step
+    ``(step, "ok", received_global_steps, every tensor byte-exact, device types handed over)``, or
+    ``(step, error type, received_global_steps, error text)`` (plus the seconds it took, at step 3). Rank 2
+    raises, instead of exiting, if its steps 1 and 2 were not exactly the expected ones."""
     from ckpt.testing import sample_weights, same_bytes
 
     engine = ckpt.get_checkpoint_engine(engine_name, rank=rank, world_size=world_size, master_addr="127.0.0.1",
-                                        master_port=port, device=device, timeout=30, bucket_size=64 << 10)
+                                        master_port=port, device=device, timeout=timeout, bucket_size=64 << 10)
 
     async def main():
         rows = []
         for step, asked in ((1, 1), (2, 1), (3, 3)):
-            sent = sample_weights(step)
+            expected_rows = [(1, "ok", 1, True, [hal.get_device(device).type]),
+                             (2, "VersionMismatchError", 1, f"version mismatch in rollout rank {rank}: asked for "
+                              "global_steps=1, but the weights on offer carry global_steps=2")]
+            sent = sample_weights(step) if step < 3 else _weights(step, torch.device("cpu"))
+            start = time.monotonic()
             if rank == 0:
-                await engine.send_weights(iter(sent), step)
-                rows.append((step, "sent"))
+                try:
+                    await engine.send_weights(iter(sent), step)
+                    rows.append((step, "sent"))
+                except ckpt.TransferError as exc:
+                    rows.append((step, type(exc).__name__, time.monotonic() - start, str(exc)))
                 continue
+            got = []
             try:
-                got = [(n, t.to("cpu", copy=True), t.device.type) async for n, t in engine.receive_weights(asked)]
-            except ckpt.VersionMismatchError as exc:
-                rows.append((step, str(exc), engine.received_global_steps, None, None))
+                async for n, t in engine.receive_weights(asked):
+                    got.append((n, t.to("cpu", copy=True), t.device.type))
+                    if step == 3 and rank == 2 and len(got) == 3:
+                        if rows != expected_rows:  # what it would have returned: report it instead of dying
+                            raise RuntimeError(f"rollout rank 2 before step 3: {rows}")
+                        os._exit(0)  # exit code 0: run_multiprocess keeps waiting for the survivors
+            except ckpt.CheckpointEngineError as exc:
+                rows.append((step, type(exc).__name__, engine.received_global_steps, str(exc))
+                            + ((time.monotonic() - start,) if step == 3 else ()))
                 continue
             exact = [n for n, _ in sent] == [n for n, _, _ in got] and all(
                 same_bytes(a, b) for (_, a), (_, b, _) in zip(sent, got))
