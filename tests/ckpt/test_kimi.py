@@ -2,16 +2,18 @@
 runs on (npu-sim here; cuda and npu in the vendor lanes), skipped with the reason on the others. Its
 in-process contract suite is in ``test_contract.py``; hal's refusal on cpu is tested there too."""
 
+import asyncio
+
 import pytest
 
 import ckpt
 import hal
-from hal.testing import run_multiprocess
+from ckpt.testing import compare, sample_weights, transfer
+from hal.testing import free_port, run_multiprocess
 from tests.ckpt import _mp_p2p
 
-pytestmark = pytest.mark.multiprocess
 
-
+@pytest.mark.multiprocess
 def test_one_trainer_two_rollouts_steps_a_version_mismatch_and_a_killed_rollout(hal_device):
     """One process group, three updates: byte-exact with the sender's step; a rollout asking for another
     step gets a version error and nothing of that update; a rollout killed mid-update fails the trainer's
@@ -36,3 +38,34 @@ def test_one_trainer_two_rollouts_steps_a_version_mismatch_and_a_killed_rollout(
     step, outcome, _, text, elapsed = results[1][2]  # the surviving rollout lost its broadcast peer
     assert step == 3 and outcome in ("TransferError", "TransferTimeoutError"), results[1][2]
     assert "rollout rank 1" in text and elapsed < timeout + 5, (text, elapsed)
+
+
+def test_a_sender_whose_weights_raise_aborts_the_update_and_the_next_one_works(hal_device):
+    ok, reason = ckpt.checkpoint_engine_availability("kimi", hal_device)
+    if not ok:
+        pytest.skip(f"kimi on {hal_device}: {reason}")
+
+    async def main():
+        common = dict(world_size=2, master_addr="127.0.0.1", master_port=free_port(), bucket_size=64 << 10,
+                      device=hal_device, timeout=20)
+        sender = ckpt.get_checkpoint_engine("kimi", rank=0, **common)
+        receiver = ckpt.get_checkpoint_engine("kimi", rank=1, **common)
+
+        def failing():
+            yield from sample_weights(1)[:3]
+            raise ValueError("the trainer's iterator broke")
+
+        async def receive():
+            return [item async for item in receiver.receive_weights(7)]
+        try:
+            sent, got = await asyncio.gather(sender.send_weights(failing(), 7), receive(), return_exceptions=True)
+            assert isinstance(sent, ValueError), sent
+            assert isinstance(got, ckpt.TransferAbortedError) and "the trainer's iterator broke" in str(got), got
+            assert receiver.received_global_steps is None  # nothing of step 7 was taken
+            weights = sample_weights(8)
+            compare(weights, await transfer(sender, receiver, weights, 8, 8), "the update after an abort")
+            assert receiver.received_global_steps == 8
+        finally:
+            sender.close()
+            receiver.close()
+    asyncio.run(main())
