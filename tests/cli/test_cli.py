@@ -253,7 +253,9 @@ def test_bench_quick_prints_ratios(tmp_path):
     for r in rows:  # each engine next to its own library's raw write; memory: two slots of 4 MiB a side
         assert r["raw_gbps"] > 0 and r["ratio_vs_raw"] > 0.05
         assert r["send_peak_bytes"] <= 2 * (4 << 20) + (12 << 20)
-        assert r["recv_peak_bytes"] <= 2 * (4 << 20) + largest + (12 << 20)
+        # on npu-sim the rollout receives into device memory (host memory underneath, so it is counted), whose
+        # allocator rounds each block up to 2 MiB as CUDA's does: the slots and the two large-tensor buffers
+        assert r["recv_peak_bytes"] <= 2 * (4 << 20) + largest + (12 << 20) + 3 * (2 << 20)
     if want_plot:
         assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
