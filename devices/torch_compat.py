@@ -23,8 +23,10 @@ from typing import Any, Callable, Iterator, NamedTuple
 import torch
 import torch.distributed as dist
 
-CHECKED_ON: tuple[str, ...] = ("2.13.0",)
-"""torch releases on which every accessor below was exercised by ``tests/devices/test_torch_compat.py``."""
+CHECKED_ON: tuple[str, ...] = ("2.13.0", "2.14.0")
+"""torch releases each accessor below was checked on: 2.13.0 by running ``tests/devices/test_torch_compat.py``,
+2.14.0 against that release's source (the modules named in each accessor, read side by side with 2.13.0's;
+what differs is handled in the accessor and said in its doc)."""
 
 
 # -- DTensor --------------------------------------------------------------------------------------------
@@ -46,15 +48,16 @@ def set_dtensor_local(t: torch.Tensor, new: torch.Tensor) -> None:
 def fsdp_params(module: torch.nn.Module) -> Iterator[Any]:
     """Every FSDP2 ``FSDPParam`` under ``module``, one per sharded parameter, module by module.
 
-    Reads ``FSDPModule._get_fsdp_state()._fsdp_param_group.fsdp_params``; a module whose group is ``None``
-    (no parameters of its own) contributes nothing.
+    Reads ``FSDPModule._get_fsdp_state()._fsdp_param_groups[*].fsdp_params`` (torch 2.13 and 2.14); a
+    module without parameters of its own has no group and contributes nothing. The plural list, not the
+    singular ``_fsdp_param_group``: that one is a backward-compatibility property which raises once a
+    ``shard_placement_fn`` puts one module's parameters on several meshes (several groups).
     """
     from torch.distributed.fsdp import FSDPModule
 
     for sub in module.modules():
         if isinstance(sub, FSDPModule):
-            group = sub._get_fsdp_state()._fsdp_param_group
-            if group is not None:
+            for group in sub._get_fsdp_state()._fsdp_param_groups:
                 yield from group.fsdp_params
 
 
@@ -97,12 +100,27 @@ class BackendPlugin(NamedTuple):
 
 
 def registered_backend_plugins() -> list[str]:
-    """Upper-case names of the backends registered through ``Backend.register_backend`` (``Backend._plugins``)."""
+    """Upper-case names of the backends registered through ``Backend.register_backend`` (``Backend._plugins``).
+
+    From torch 2.14 torch registers its own backends (gloo, nccl, ...) through ``register_backend`` too, on
+    first use, so they appear here once a group of theirs was made; before 2.14 only third-party ones do.
+    """
     return sorted(dist.Backend._plugins)
 
 
 def backend_plugin(name: str) -> BackendPlugin | None:
-    """The registered plugin backend ``name`` (any case), or ``None`` when none is registered under it."""
+    """The registered plugin backend ``name`` (any case), or ``None`` when none is registered under it.
+
+    From torch 2.14 a backend may also be offered through the ``torch.distributed.backends`` entry-point
+    group and registered only when first asked for (``Backend._ensure_backend_registered``, which
+    ``init_process_group`` calls); this asks the same way first, so such a backend is found here too.
+
+    Raises:
+        RuntimeError: (torch 2.14) the entry point offering ``name`` fails to load or registers nothing.
+    """
+    ensure = getattr(dist.Backend, "_ensure_backend_registered", None)
+    if ensure is not None:
+        ensure(name)
     plugin = dist.Backend._plugins.get(name.upper())
     return None if plugin is None else BackendPlugin(plugin.creator_fn, bool(plugin.extended_api))
 

@@ -1,7 +1,9 @@
 """Each accessor of :mod:`devices.torch_compat` against the installed torch.
 
-Checked on torch 2.13.0 (CPU build; the NCCL options accessor needs a CUDA build and is skipped on a CPU
-one). When torch is upgraded, run this file on the new release and add it to ``torch_compat.CHECKED_ON``:
+Run on torch 2.13.0 (CPU build; the NCCL options accessor needs a CUDA build and is skipped on a CPU
+one); torch 2.14.0 (the Ascend lane's) was checked against its source, accessor by accessor, and the one
+behaviour it adds (backends registered from an entry point on first use) has its own test here. When torch
+is upgraded, run this file on the new release and add it to ``torch_compat.CHECKED_ON``:
 :func:`test_running_torch_is_a_checked_release` fails until then. A further test keeps every private torch
 name of ``hal``, ``engines``, ``ckpt`` and ``devices`` inside the compat module.
 """
@@ -161,6 +163,26 @@ def test_backend_plugin():
     assert torch_compat.backend_plugin("no-such-backend") is None
 
 
+def test_backend_plugin_asks_torch_to_load_an_entry_point_backend(monkeypatch):
+    # torch 2.14 registers a backend offered through the torch.distributed.backends entry-point group only
+    # when Backend._ensure_backend_registered(name) is called; an accessor that read Backend._plugins alone
+    # would not see it. Stand in for the entry point (absent before 2.14: then the accessor must not need it).
+    asked = []
+
+    def creator(opts, backend_options):
+        return None
+
+    def ensure(name):
+        asked.append(name)
+        if name.lower() == "halcompat-ep":
+            monkeypatch.setitem(dist.Backend._plugins, "HALCOMPAT-EP", dist.Backend._BackendPlugin(creator, True))
+
+    monkeypatch.setattr(dist.Backend, "_ensure_backend_registered", ensure, raising=False)
+    assert torch_compat.backend_plugin("halcompat-ep") == torch_compat.BackendPlugin(creator, True)
+    assert torch_compat.backend_plugin("no-such-backend") is None
+    assert asked == ["halcompat-ep", "no-such-backend"]
+
+
 def test_extended_backend_options():
     _sim()
     store = dist.HashStore()
@@ -216,12 +238,15 @@ def test_privateuse1_backend_name():
 
 
 def test_register_device_module():
-    # a fresh interpreter: a device module's name must be a device type, so PrivateUse1 is renamed first
+    # a fresh interpreter: a device module's name must be a device type, so PrivateUse1 is renamed first.
+    # No backend autoload there: where a real torch_npu is installed (the Ascend lane), `import torch` would
+    # load it through torch's torch.backends entry point and it would take PrivateUse1 as 'npu' first.
     code = ("import types, torch; from devices import torch_compat as c; m = types.ModuleType('halcompat'); "
             "torch.utils.rename_privateuse1_backend('halcompat'); "
             "c.register_device_module('halcompat', m); print(torch.halcompat is m)\n"
             "try:\n    c.register_device_module('halcompat', m)\nexcept RuntimeError:\n    print('refused')")
     env = {k: v for k, v in os.environ.items() if k != "HAL_DEVICE"}  # no sim autoload in the child
+    env["TORCH_DEVICE_BACKEND_AUTOLOAD"] = "0"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env,
                           cwd=ROOT)
     assert done.stdout.split() == ["True", "refused"], done.stderr
