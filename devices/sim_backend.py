@@ -16,9 +16,18 @@ each rank's device fails on any machine.
 Covered: broadcast, allreduce (SUM/PRODUCT/MIN/MAX, and AVG as SUM then divide; gloo has no AVG),
 allreduce_coalesced, allgather, all_gather_single (``all_gather_into_tensor``, ``_allgather_base``),
 reduce_scatter, reduce_scatter_single (``reduce_scatter_tensor``, ``_reduce_scatter_base``), barrier,
-send/recv; DDP and FSDP2 (``fully_shard``, ``DTensor.full_tensor()``) run on it in eager mode. Not covered:
-collectives reached only from C++ (traced/compiled functional collectives): they find the wrapped gloo
-backend, which refuses npu tensors ("unsupported device type npu"), so they fail loudly, never silently.
+send/recv, all_to_all_single; DDP and FSDP2 (``fully_shard``, ``DTensor.full_tensor()``) run on it in eager
+mode.
+
+Collectives that C++ starts (functional collectives: ``DTensor.full_tensor()``, redistribution; DDP's
+reducer) reach a Python process group only through the names torch's ``PyProcessGroup`` trampoline
+forwards (``torch/csrc/distributed/c10d/PyProcessGroup.hpp``): allgather, all_gather_single_coalesced,
+allreduce(_coalesced), all_to_all_single, barrier, broadcast, reduce_scatter(_single_coalesced), send,
+recv; all of them are defined here. A name C++ does not forward (gather, scatter, reduce) would find the
+wrapped gloo backend directly, on the npu tensors' bytes, and with the caller's GIL held: gloo's worker
+thread frees a finished op's tensors while it holds its queue lock, and freeing a tensor that Python has
+seen takes the GIL, so a caller that enqueues while holding the GIL can deadlock with it. Through this
+class every gloo call goes through its Python binding, which releases the GIL first.
 """
 
 from __future__ import annotations
@@ -254,6 +263,18 @@ class SimHcclGroup(dist.ProcessGroup):
     _allgather_base = all_gather_single
     all_gather_into_tensor = all_gather_single
 
+    def all_gather_single_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
+                                    opts=None) -> SimWork:
+        """:meth:`all_gather_single` for each ``(output, input)`` pair, in order. The C++ side of a Python
+        process group calls this one (functional collectives, so ``DTensor.full_tensor()`` and DTensor
+        redistribution); without it C++ would run the wrapped gloo on the npu tensors itself (see the
+        module doc)."""
+        for out, inp in zip(outputs, inputs):
+            self.all_gather_single(out, inp)
+        return SimWork(outputs)
+
+    allgather_into_tensor_coalesced = all_gather_single_coalesced
+
     def reduce_scatter(self, outputs: list[torch.Tensor], input_lists: list[list[torch.Tensor]],
                        opts=None) -> SimWork:
         o = dist.AllreduceOptions()
@@ -279,6 +300,31 @@ class SimHcclGroup(dist.ProcessGroup):
 
     _reduce_scatter_base = reduce_scatter_single
     reduce_scatter_tensor = reduce_scatter_single
+
+    def reduce_scatter_single_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
+                                        opts=None) -> SimWork:
+        """:meth:`reduce_scatter_single` for each ``(output, input)`` pair, in order (the C++ entry of
+        functional reduce-scatters, as for :meth:`all_gather_single_coalesced`)."""
+        for out, inp in zip(outputs, inputs):
+            self.reduce_scatter_single(out, inp, opts)
+        return SimWork(outputs)
+
+    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
+
+    def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: Sequence[int],
+                          input_split_sizes: Sequence[int], opts=None) -> SimWork:
+        """Rank ``r`` sends the ``r``-th slice (along dim 0) of ``input`` to every rank and receives theirs
+        into ``output``; empty split lists mean equal slices (``torch.distributed.all_to_all_single``)."""
+        self._check_devices([input])
+        host_out, host_in = _host(output), _host(input)
+        o = dist.AllToAllOptions()
+        o.timeout = self._timeout
+        self._run("all_to_all_single", lambda: self._gloo.alltoall_base(
+            host_out, host_in, list(output_split_sizes), list(input_split_sizes), o))
+        _write_back(output, host_out)
+        return SimWork([output])
+
+    alltoall_base = all_to_all_single
 
     def barrier(self, opts=None) -> SimWork:
         self._check_devices(())

@@ -64,3 +64,25 @@ def shared_device_group(rank: int, world_size: int, port: int, visible: list[str
         return f"{type(exc).__name__}: {exc}"
     finally:
         group.close()
+
+
+def shared_device_full_tensor(rank: int, world_size: int, port: int) -> str:
+    """The default hccl group with every rank on npu:0, whose first collective is one C++ starts: the
+    all-gather of ``DTensor.full_tensor()`` (a functional collective, not a ``torch.distributed`` call)."""
+    import datetime
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    hal.get_torch_device("npu-sim")  # registers the sim's hccl; no device bound: every rank is on npu:0
+    dist.init_process_group("hccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=30))
+    try:
+        mesh = init_device_mesh("npu", (world_size,))
+        local = distribute_tensor(torch.ones(world_size, 2, device="npu:0"), mesh, [Shard(0)], src_data_rank=None)
+        return f"ok {local.full_tensor().cpu().tolist()}"
+    except Exception as exc:  # noqa: BLE001 - the refusal is the result under test
+        return f"{type(exc).__name__}: {exc}"
+    finally:
+        dist.destroy_process_group()

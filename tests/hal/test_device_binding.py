@@ -39,6 +39,16 @@ def test_the_sim_hccl_refuses_two_ranks_on_one_device(hal_device):
         assert results[rank].startswith("DistBackendError: npu-sim hccl: Duplicate NPU detected: rank 1 and rank 0")
 
 
+def test_a_collective_that_cpp_starts_is_the_sims_too(hal_device):
+    # DTensor's all-gather is a functional collective: C++ calls the group, which must land in the sim's
+    # hccl (here: its device check refuses the shared device) and not in the gloo it wraps, which took
+    # npu tensors without a check and, with the caller's GIL held, could deadlock with gloo's worker.
+    results = run_multiprocess(_binding_workers.shared_device_full_tensor, 2, timeout=90,
+                               env={"HAL_DEVICE": "npu-sim"})
+    for rank in (0, 1):
+        assert results[rank].startswith("DistBackendError: npu-sim hccl: Duplicate NPU detected"), results[rank]
+
+
 def test_one_local_index_on_two_visible_devices_is_two_devices(hal_device):
     results = run_multiprocess(_binding_workers.shared_device_group, 2, ["4", "5"], timeout=90,
                                env={"HAL_DEVICE": "npu-sim"})
