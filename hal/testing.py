@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import queue as queue_mod
+import signal
 import socket
 import time
 import traceback
@@ -52,8 +53,9 @@ def _entry(rank: int, fn: Callable, world_size: int, port: int, env: dict, resul
     # torch is already imported here, so OMP_NUM_THREADS below comes too late for this process: several
     # ranks with two threads each on two cores make gloo's busy waits crawl (a test once passed 100 s).
     torch.set_num_threads(1)
-    # Should the group hang, each rank prints its Python stack shortly before the parent kills it.
-    faulthandler.dump_traceback_later(max(timeout - 3.0, 1.0), exit=False)
+    # Should the group pass its deadline, the parent asks each rank for its Python stacks (every thread)
+    # before it kills it: a timer here would run from this rank's start, late when spawning was slow.
+    faulthandler.register(STACKS_SIGNAL, all_threads=True)
     os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
                        "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": str(world_size),
                        "OMP_NUM_THREADS": "1"})
@@ -62,6 +64,22 @@ def _entry(rank: int, fn: Callable, world_size: int, port: int, env: dict, resul
         results.put((rank, True, fn(rank, world_size, port, *args)))
     except BaseException as exc:  # noqa: BLE001 - reported to the parent, which re-raises
         results.put((rank, False, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+
+
+STACKS_SIGNAL = signal.SIGUSR1
+"""The signal on which a rank started by :func:`run_multiprocess` writes every thread's Python stack to
+its stderr (``faulthandler.register``)."""
+
+
+def _dump_stacks(processes: list, wait_s: float = 2.0) -> None:
+    """Ask each live process for its stacks (:data:`STACKS_SIGNAL`) and give them ``wait_s`` seconds to
+    write them, so a hang's report shows where each rank was when the deadline passed."""
+    for p in processes:
+        try:
+            os.kill(p.pid, STACKS_SIGNAL)
+        except OSError:  # exited meanwhile
+            pass
+    time.sleep(wait_s)
 
 
 class MultiprocessError(RuntimeError):
@@ -96,6 +114,7 @@ def run_multiprocess(fn: Callable[..., Any], world_size: int, *args: Any, timeou
                 while not results.empty():
                     done.append(results.get()[0])
                 alive = [r for r, p in enumerate(context.processes) if p.is_alive()]
+                _dump_stacks([context.processes[r] for r in alive])
                 raise MultiprocessError(f"{world_size} processes did not finish within {timeout} s (ranks done: "
                                         f"{sorted(done)}, still running: {alive}; their stacks are on stderr)")
     except tmp.ProcessRaisedException as exc:
