@@ -76,8 +76,8 @@ def shared_device_full_tensor(rank: int, world_size: int, port: int) -> str:
     from torch.distributed.tensor import Shard, distribute_tensor
 
     hal.get_torch_device("npu-sim")  # registers the sim's hccl; no device bound: every rank is on npu:0
-    dist.init_process_group(hal.get_dist_backend("npu-sim"), init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=30))
+    dist.init_process_group(hal.get_dist_backend("npu-sim"), init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world_size, timeout=datetime.timedelta(seconds=30))
     try:
         mesh = init_device_mesh("npu", (world_size,))
         local = distribute_tensor(torch.ones(world_size, 2, device="npu:0"), mesh, [Shard(0)], src_data_rank=None)
