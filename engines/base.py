@@ -20,7 +20,7 @@ from torch import nn
 import hal
 from devices.base import DeviceSpec
 from engines.errors import EngineStateError, OffloadError
-from engines.host_buffers import HostBufferPool, pin_memory_supported
+from engines.host_buffers import SLAB_BYTES, HostBufferPool, pin_memory_supported
 from engines.placement import Placement, device_type_of
 from engines.slots import Slot
 
@@ -109,7 +109,7 @@ class BaseEngine(abc.ABC):
 
         Offloads copy into host buffers kept per tensor and reused by later offloads (pinned where the kind
         supports it, see :func:`engines.host_buffers.pin_memory_supported`); the buffers one call needs
-        first are views of one host slab (:meth:`engines.host_buffers.HostBufferPool.reserve`); copies are issued
+        first are views of a few host slabs (:meth:`engines.host_buffers.HostBufferPool.reserve`); copies are issued
         non-blocking when pinned and the device is synchronized before returning, so tensors are valid on
         return. After an offload the kind's cache is emptied, so ``memory_allocated`` (and reserved memory)
         drop by the bytes moved. Parameters keep their identity (the optimizer holds the same objects) and
@@ -134,9 +134,9 @@ class BaseEngine(abc.ABC):
         wanted = {"model": model, "grad": grad, "optimizer": optimizer}
         moved = 0
         slots = [(part, slot) for part in _PARTS if wanted[part] for slot in hooks[part]()]
-        if offload:  # the host buffers a first offload needs come from one slab (see HostBufferPool.reserve)
-            self.host_buffers.reserve((slot.key, t) for _, slot in slots
-                                      if (t := slot.get()) is not None and t.device.type != "cpu")
+        if offload:  # the host buffers a first offload needs come from a few slabs (HostBufferPool.reserve)
+            self.host_buffers.reserve(((slot.key, t) for _, slot in slots
+                                       if (t := slot.get()) is not None and t.device.type != "cpu"), SLAB_BYTES)
         with torch.no_grad():  # a DTensor's local shard may require grad; its copies must not join a graph
             for part, slot in slots:
                 moved += self._move(part, slot, target, offload)

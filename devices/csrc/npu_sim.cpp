@@ -81,7 +81,7 @@ void raise_peak(std::atomic<int64_t>& peak, int64_t now) {
 // populated by several threads at once, each over its own slice of the range: the parallel first touch
 // PyTorch's CUDA host allocator does before registering memory (pinned_num_register_threads).
 constexpr size_t kMapThreshold = size_t(1) << 20;
-constexpr size_t kPopulateSlice = size_t(32) << 20;  // bytes per populating thread, at least
+constexpr size_t kPopulateSlice = size_t(8) << 20;  // bytes per populating thread, at least
 
 // Threads that populate a block of ``size`` bytes: one per kPopulateSlice, at most the host's hardware
 // threads (or HAL_SIM_POPULATE_THREADS when set, 1 turning the parallel touch off).

@@ -147,3 +147,25 @@ def test_reserve_carves_one_slab_of_aligned_disjoint_buffers():
     assert grown.shape == (4, 5) and grown.untyped_storage().nbytes() == 80 and pool.allocations == 6
     pool.clear()
     assert len(pool) == 0 and pool.nbytes == 0
+
+
+def test_reserve_splits_slabs_at_slab_bytes_without_splitting_a_buffer():
+    from engines import HostBufferPool
+
+    pool = HostBufferPool(pin=False)
+    likes = [(i, torch.ones(16 * (i + 1))) for i in range(6)]  # 64, 128, ... 384 bytes
+    with pytest.raises(ValueError, match="slab_bytes"):
+        pool.reserve(likes, slab_bytes=0)
+    assert pool.reserve(likes, slab_bytes=256) == 64 + 128 + 192 + 256 + 320 + 384
+    # slabs of at most 256 bytes, in order, a buffer never split (a larger one alone): {0, 1}, {2}, {3}, {4}, {5}
+    bufs = [pool.get(k, t) for k, t in likes]
+    storages = [b.untyped_storage().data_ptr() for b in bufs]
+    assert storages[0] == storages[1] and len(set(storages)) == 5
+    assert [b.untyped_storage().nbytes() for b in bufs] == [192, 192, 192, 256, 320, 384]
+    assert pool.allocations == len(pool) == 6 and pool.nbytes == 64 + 128 + 192 + 256 + 320 + 384
+    for (k, t), b in zip(likes, bufs):
+        b.fill_(k)
+    assert [int(b.sum()) for b in bufs] == [k * t.numel() for k, t in likes]
+    assert pool.reserve(likes, slab_bytes=256) == 0 and pool.allocations == 6
+    pool.clear()
+    assert len(pool) == 0 and pool.nbytes == 0
