@@ -27,7 +27,7 @@ def store_group_collectives(rank: int, world_size: int, port: int) -> dict:
 
 
 def default_group_collectives(rank: int, world_size: int, port: int) -> dict:
-    """hccl as the default group: all_gather, reduce_scatter (AVG too) and a DDP backward on npu tensors."""
+    """hccl as the default group: all_gather, reduce_scatter, all_reduce (AVG), all_to_all and a DDP backward."""
     backend = hal.init_process_group("npu-sim", timeout=30)
     device = hal.get_device("npu-sim")
     gathered = torch.empty(world_size * 3, device=device)
@@ -36,12 +36,15 @@ def default_group_collectives(rank: int, world_size: int, port: int) -> dict:
     dist.reduce_scatter_single(scattered, torch.arange(2.0 * world_size, device=device) * (rank + 1))
     averaged = torch.full((2,), float(rank), device=device)
     dist.all_reduce(averaged, op=dist.ReduceOp.AVG)
+    exchanged = torch.empty(2 * world_size, device=device)  # rank r sends its chunk s (2 values) to rank s
+    dist.all_to_all_single(exchanged, torch.arange(2.0 * world_size, device=device) + 10 * rank)
     torch.manual_seed(0)
     model = torch.nn.Linear(3, 2).to(device)
     ddp = torch.nn.parallel.DistributedDataParallel(model)
     ddp(torch.full((4, 3), float(rank), device=device)).sum().backward()
     out = {"backend": backend, "backend_of_group": dist.get_backend(), "device": str(device),
            "gathered": gathered.cpu().tolist(), "scattered": scattered.cpu().tolist(), "averaged": averaged.cpu().tolist(),
+           "exchanged": exchanged.cpu().tolist(),
            "grad": model.weight.grad.cpu().tolist()}
     dist.destroy_process_group()
     return out

@@ -262,6 +262,7 @@ def test_hccl_default_group_gather_scatter_and_ddp():
         # input on rank r is arange(4) * (r + 1); the sum is arange(4) * 3, rank r keeps chunk r
         assert r["scattered"] == [3.0 * (2 * rank), 3.0 * (2 * rank + 1)]
         assert r["averaged"] == [0.5, 0.5]
+        assert r["exchanged"] == [2.0 * rank, 2.0 * rank + 1, 10 + 2.0 * rank, 11 + 2.0 * rank]
         # DDP averages d(sum of outputs)/dW: rank 0 sees inputs 0, rank 1 sees 1 (4 rows): (0 + 4) / 2
         assert r["grad"] == [[2.0] * 3] * 2
 
