@@ -23,11 +23,12 @@ Collectives that C++ starts (functional collectives: ``DTensor.full_tensor()``, 
 reducer) reach a Python process group only through the names torch's ``PyProcessGroup`` trampoline
 forwards (``torch/csrc/distributed/c10d/PyProcessGroup.hpp``): allgather, all_gather_single_coalesced,
 allreduce(_coalesced), all_to_all_single, barrier, broadcast, reduce_scatter(_single_coalesced), send,
-recv; all of them are defined here. A name C++ does not forward (gather, scatter, reduce) would find the
-wrapped gloo backend directly, on the npu tensors' bytes, and with the caller's GIL held: gloo's worker
-thread frees a finished op's tensors while it holds its queue lock, and freeing a tensor that Python has
-seen takes the GIL, so a caller that enqueues while holding the GIL can deadlock with it. Through this
-class every gloo call goes through its Python binding, which releases the GIL first.
+recv; all of them are defined here. Undefined names (gather, scatter, reduce) reach the wrapped gloo
+directly, on the npu tensors' bytes and past this class's checks. Started from C++, such a call also holds
+the caller's GIL into gloo: gloo's worker thread drops a finished op's tensors while holding its queue lock,
+dropping a tensor that Python has seen takes the GIL (PyTorch keeps a tensor's Python object alive while
+C++ holds it), so a caller that enqueues with the GIL held can deadlock with that thread. Here every gloo
+call goes through its Python binding, which releases the GIL first.
 """
 
 from __future__ import annotations
