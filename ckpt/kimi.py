@@ -320,9 +320,11 @@ class KimiCheckpointEngine(CheckpointEngine):
         host: the address peers reach this process's Mooncake store at (default: ``master_addr`` on the
             trainer, the local address towards it elsewhere).
 
-    Memory: the trainer holds the whole update in pinned host memory (the library's design) until every
-    rollout is done; a rollout holds two device slots of the bucket size, plus a receiving buffer of one
-    bucket (on the device when the kind has a Mooncake protocol, else pinned host memory).
+    Memory: the trainer holds the whole update in pinned host memory (the library's design), in the
+    library's shared pool, kept between updates and reused while the tensor sizes stay the same (a new
+    layout frees it and allocates another); a rollout holds two device slots of the bucket size, plus a
+    receiving buffer of one bucket where the kind has no Mooncake protocol (pinned host memory), also kept
+    across updates. :meth:`close` frees all of it.
 
     Order and ownership: ``receive_weights`` yields in send order (the library sorts by name; hal prefixes
     each name with its ordinal and strips it). A yielded tensor is a view into an engine-owned slot, valid
@@ -360,6 +362,7 @@ class KimiCheckpointEngine(CheckpointEngine):
         self._h2d: torch.Tensor | None = None
         self._device: torch.device | None = None
         self._protocol, self._in_place = HOST_PROTOCOL, False
+        self._pool_layout: tuple[int, ...] | None = None  # sizes of what the trainer's pinned pool holds
 
     @classmethod
     def availability(cls, device: str | None = None) -> hal.Availability:
@@ -426,11 +429,16 @@ class KimiCheckpointEngine(CheckpointEngine):
                                         "unless the engine was built with them")
 
     def finalize(self) -> None:
-        """Free the rollout's bucket buffers; the store, Mooncake engine and group stay for the next update."""
-        self._release_buffers()
+        """Nothing to release per update: the store, Mooncake engine, group, the rollout's registered slots
+        and the trainer's pinned pool stay for the next update while the place is unchanged (:meth:`close`
+        releases them)."""
 
     def close(self) -> None:
-        """Release everything: buffers, the rollout group, the Mooncake engine, the store."""
+        """Release everything: the trainer's pinned pool, the rollout's slots, the group, the Mooncake engine,
+        the store."""
+        if self._pool_layout is not None and self._ps is not None:
+            self._ps.unregister_checkpoint(_CHECKPOINT, force=True)
+        self._pool_layout = None
         self._release_buffers()
         if self._group is not None:
             self._group.close()
@@ -517,20 +525,25 @@ class KimiCheckpointEngine(CheckpointEngine):
             raise failure
 
     def _publish(self, named: dict[str, torch.Tensor], step: int | None) -> None:
+        """Copy ``named`` into the library's shared pinned pool (reused while the sizes are unchanged, as
+        ``register_checkpoint(use_shared_memory_pool=True)`` allows), gather the layouts, wait for the rollouts."""
         ps = self._ps
+        layout = tuple(t.numel() * t.element_size() for t in named.values())  # in name order: ordinal, marker
+        if self._pool_layout is not None:  # the previous update's registration: keep its pool if sizes match
+            ps.unregister_checkpoint(_CHECKPOINT, force=self._pool_layout != layout)
+            self._pool_layout = None
         hal.synchronize(self.device_kind)
-        ps.register_checkpoint(_CHECKPOINT, named_tensors=named, use_inplace_pin_memory=False)
+        ps.register_checkpoint(_CHECKPOINT, named_tensors=named, use_inplace_pin_memory=False,
+                               use_shared_memory_pool=True)
+        self._pool_layout = layout
         named.clear()
         try:
-            try:
-                self._gather_metas()
-            except TransferError as exc:
-                raise type(exc)(f"step {step}: {exc}") from None
-            n = self._world.calls
-            self._world._wait({r: f"kimi/{n}/done/{r}" for r in range(1, self.world_size)},
-                              f"step {step} on the trainer, waiting for the rollouts to pull it")
-        finally:
-            ps.unregister_checkpoint(_CHECKPOINT)
+            self._gather_metas()
+        except TransferError as exc:
+            raise type(exc)(f"step {step}: {exc}") from None
+        n = self._world.calls
+        self._world._wait({r: f"kimi/{n}/done/{r}" for r in range(1, self.world_size)},
+                          f"step {step} on the trainer, waiting for the rollouts to pull it")
 
     # ---- rollouts -------------------------------------------------------------------------------------
     async def receive_weights(self, global_steps: int | None = None) -> AsyncIterator[NamedTensor]:
