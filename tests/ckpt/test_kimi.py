@@ -5,6 +5,7 @@ in-process contract suite is in ``test_contract.py``; hal's refusal on cpu is te
 import asyncio
 
 import pytest
+import torch
 
 import ckpt
 import hal
@@ -69,3 +70,20 @@ def test_a_sender_whose_weights_raise_aborts_the_update_and_the_next_one_works(h
             sender.close()
             receiver.close()
     asyncio.run(main())
+
+
+def test_the_library_backend_hal_installs_routes_only_calls_made_inside_a_hal_engine():
+    """checkpoint-engine's collectives go to torch's default group; hal installs its own backend in the
+    library's module global once, and calls from outside a hal engine still reach the library's own."""
+    pytest.importorskip("checkpoint_engine.distributed", reason="checkpoint-engine is not installed (kimi extra)")
+    from checkpoint_engine.distributed import base
+
+    from ckpt.kimi import _install_backend
+
+    before = base._BACKEND_INSTANCE
+    _install_backend()
+    _install_backend()  # idempotent: one hal backend, wrapping the one installed before
+    routed = base._BACKEND_INSTANCE
+    assert routed.hal_routes and routed.previous is (before.previous if getattr(before, "hal_routes", False) else before)
+    assert type(routed.previous).__name__ == "TorchBackend"
+    assert base.is_initialized() is torch.distributed.is_initialized() is False  # answered by torch, not hal
