@@ -449,8 +449,6 @@ def _rollout_model(args: Sync, adapter_cls=None):
     return adapter, decode
 
 
-
-
 class _Rollout:
     """A rollout rank's side of every step, under either launcher: its served model, the checkpoint worker
     receiving into it, and the verification against the trainer's checksums and decode.
