@@ -145,14 +145,15 @@ def checkpoint_engine_availability(name: str, device: Any = None) -> tuple[bool,
     return bool(state), getattr(state, "reason", "")
 
 
-def checkpoint_engine_status() -> list[dict[str, Any]]:
+def checkpoint_engine_status(device: Any = None) -> list[dict[str, Any]]:
     """Every registered engine, and every built-in or entry-point one that failed to import, as
-    ``{"name", "available", "reason"}`` sorted by name (what ``hal info`` prints)."""
+    ``{"name", "available", "reason"}`` sorted by name (what ``hal info`` prints), for the device kind
+    ``device`` (``None``: hal's resolution; see :func:`checkpoint_engine_availability`)."""
     _load_once()
     rows = []
     for name in sorted(set(_engines) | set(_import_errors)):
         if name in _engines:
-            ok, reason = checkpoint_engine_availability(name)
+            ok, reason = checkpoint_engine_availability(name, device)
         else:
             ok, reason = False, f"failed to import: {_import_errors[name]}"
         rows.append({"name": name, "available": ok, "reason": reason})

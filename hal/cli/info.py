@@ -50,7 +50,7 @@ def collect(device: str | None = None) -> dict[str, Any]:
         "python": sys.version.split()[0],
         "kinds": kinds,
         "plugin_errors": hal.plugin_errors(),
-        "checkpoint_engines": ckpt.checkpoint_engine_status(),
+        "checkpoint_engines": ckpt.checkpoint_engine_status(spec.kind),
     }
 
 
