@@ -100,6 +100,10 @@ def _bench_rank(rank: int, world_size: int, port: int, size_mb: int, bucket_mb: 
                 rc = raw.engine.transfer_sync_read(peer_info["session"], host.data_ptr(), peer_info["addr"], total)
                 if rc != 0:
                     raise RuntimeError(f"Mooncake transfer_sync_read returned {rc}")
+            elif name == "mooncake" and rank == 0:  # the library's synchronous write, as its users call it
+                rc = raw.engine.transfer_sync_write(peer_info["session"], host.data_ptr(), peer_info["addr"], total)
+                if rc != 0:
+                    raise RuntimeError(f"Mooncake transfer_sync_write returned {rc}")
             elif name not in PULLS and rank == 0:
                 asyncio.run(raw.wait(raw.start_write(1, [(host.data_ptr(), 0, total)]), 300))
 
