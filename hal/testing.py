@@ -2,16 +2,27 @@
 
 ``torch.multiprocessing.start_processes`` does the spawning; what it lacks is an overall deadline and a way
 to hand back each rank's return value, which :func:`run_multiprocess` adds.
+
+Where the platform offers it, ranks start from Python's ``forkserver`` with torch preloaded
+(``multiprocessing.set_forkserver_preload``): a rank then costs a fork instead of a fresh interpreter
+importing torch (seconds of CPU each; a suite spawns hundreds). Each rank still gets the caller's current
+environment, working directory, ``sys.path`` and stdout/stderr, as a spawned one would; if a variable that
+``import torch`` reads differs from what the forkserver imported torch with, the group is spawned instead.
 """
 
 from __future__ import annotations
 
+import importlib
+import multiprocessing
 import os
 import queue as queue_mod
 import signal
 import socket
+import sys
+import threading
 import time
 import traceback
+from multiprocessing import reduction
 from typing import Any, Callable
 
 import torch.multiprocessing as tmp
@@ -44,12 +55,45 @@ def free_port() -> int:
     return pick_port("127.0.0.1")  # range exhausted: let the OS choose
 
 
-def _entry(rank: int, fn: Callable, world_size: int, port: int, env: dict, results, args: tuple,
-           timeout: float) -> None:
+class _ParentFd:
+    """One of the caller's file descriptors, handed to a rank as ``reduction.DupFd`` hands a socket over.
+
+    A forkserver rank inherits the forkserver's stdout/stderr (those of whichever test first started it);
+    the rank puts the caller's current ones (pytest's capture of the running test) in their place.
+    """
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def __reduce__(self):
+        return _restore_fd, (reduction.DupFd(self.fd),)
+
+
+def _restore_fd(dup) -> int:
+    return dup.detach()
+
+
+def _entry(rank: int, fn: Callable | tuple[str, str], world_size: int, port: int, env: dict, results,
+           args: tuple, timeout: float, parent: dict | None = None) -> None:
     import faulthandler
 
     import torch
 
+    if parent is not None:  # started from the forkserver: take the caller's state, as spawn would have
+        for target, fd in ((1, parent["stdout"]), (2, parent["stderr"])):
+            if fd != target:
+                os.dup2(fd, target)
+                os.close(fd)
+        os.chdir(parent["cwd"])
+        sys.path[:] = parent["sys_path"]
+        os.environ.clear()
+        os.environ.update(parent["environ"])
+    if isinstance(fn, tuple):  # (module, qualname): imported with the caller's sys.path in place
+        module, qualname = fn
+        target = importlib.import_module(module)
+        for part in qualname.split("."):
+            target = getattr(target, part)
+        fn = target
     # torch is already imported here, so OMP_NUM_THREADS below comes too late for this process: several
     # ranks with two threads each on two cores make gloo's busy waits crawl (a test once passed 100 s).
     torch.set_num_threads(1)
@@ -82,13 +126,45 @@ def _dump_stacks(processes: list, wait_s: float = 2.0) -> None:
     time.sleep(wait_s)
 
 
+# Variables read while torch imports (its backend autoload, hal's sim entry point, thread pools, the loader):
+# a forkserver started under other values would hand its ranks a torch imported differently.
+_IMPORT_ENV_PREFIXES = ("HAL_", "TORCH", "PYTORCH", "OMP_", "MKL_", "KMP_", "OPENBLAS", "ASCEND_", "CUDA_",
+                        "PYTHON", "LD_")
+_forkserver_lock = threading.Lock()
+_forkserver_env: dict[str, str] | None = None
+
+
+def _import_env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k.startswith(_IMPORT_ENV_PREFIXES)}
+
+
+def _start_method() -> str:
+    """``forkserver`` (torch preloaded) when this platform has it and the import environment matches the
+    one the forkserver was started with; ``spawn`` otherwise, or when ``HAL_TEST_START_METHOD=spawn``."""
+    global _forkserver_env
+    if os.environ.get("HAL_TEST_START_METHOD", "forkserver") != "forkserver" or \
+            "forkserver" not in multiprocessing.get_all_start_methods():
+        return "spawn"
+    with _forkserver_lock:
+        if _forkserver_env is None:
+            from multiprocessing import forkserver
+
+            multiprocessing.set_forkserver_preload(["torch", "torch.distributed"])
+            forkserver.ensure_running()
+            _forkserver_env = _import_env()
+        return "forkserver" if _import_env() == _forkserver_env else "spawn"
+
+
 class MultiprocessError(RuntimeError):
     """A spawned rank raised, died, or the group passed its deadline."""
 
 
 def run_multiprocess(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 60.0,
                      env: dict[str, str] | None = None, expect_failure: bool = False) -> dict[int, Any]:
-    """Run ``fn(rank, world_size, port, *args)`` in ``world_size`` spawned processes; return ``{rank: result}``.
+    """Run ``fn(rank, world_size, port, *args)`` in ``world_size`` new processes; return ``{rank: result}``.
+
+    The processes start from the forkserver with torch preloaded where possible, else by spawn (see the
+    module docstring); either way each sees the caller's environment, working directory and ``sys.path``.
 
     ``fn`` must be importable (a module-level function). Each process gets ``MASTER_ADDR``/``MASTER_PORT``/
     ``RANK``/``LOCAL_RANK``/``WORLD_SIZE`` set as ``torch.distributed.run`` would, plus ``env``.
@@ -102,10 +178,19 @@ def run_multiprocess(fn: Callable[..., Any], world_size: int, *args: Any, timeou
             deadline passed. The message carries each failing rank's traceback.
     """
     port = free_port()
-    ctx = tmp.get_context("spawn")
+    # a function of the __main__ script is found again only by spawn, which re-runs that script
+    method = "spawn" if fn.__module__ == "__main__" else _start_method()
+    ctx = tmp.get_context(method)
     results = ctx.SimpleQueue()
-    context = tmp.start_processes(_entry, args=(fn, world_size, port, dict(env or {}), results, args, timeout),
-                                  nprocs=world_size, join=False, start_method="spawn")
+    target: Callable | tuple[str, str] = fn
+    parent = None
+    if method == "forkserver":
+        target = (fn.__module__, fn.__qualname__)
+        parent = {"stdout": _ParentFd(1), "stderr": _ParentFd(2), "cwd": os.getcwd(), "sys_path": list(sys.path),
+                  "environ": dict(os.environ)}
+    context = tmp.start_processes(_entry, args=(target, world_size, port, dict(env or {}), results, args, timeout,
+                                                parent),
+                                  nprocs=world_size, join=False, start_method=method)
     deadline = time.monotonic() + timeout
     try:
         while not context.join(timeout=0.2):

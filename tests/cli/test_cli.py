@@ -69,15 +69,69 @@ def _sync(*extra: str, device: str = "cpu") -> dict:
     return json.loads(out.stdout)
 
 
+# One end-to-end run per engine, and every offload choice at least once. The ranks are processes importing
+# torch and transformers, so the product of engines, offloads and device lanes would cost minutes: a real
+# accelerator lane runs every case, and the two host lanes (npu-sim, cpu) split the cases between them.
+SYNC_CASES = (("collective", "all", "atomic"), ("file", "optimizer", "in-place"), ("colocated", "model", "atomic"),
+              ("nixl", "none", "atomic"), ("mooncake", "optimizer", "atomic"))
+HOST_LANES = ("npu-sim", "cpu")
+
+
+def sync_case_params(lanes: list[str], unavailable: dict[str, str]) -> list:
+    """``(device, engine, offload, rollout-apply)`` params for the hal sync end-to-end test on ``lanes`` (the available
+    hal_device lanes, in order); ``unavailable`` host lanes become skipped params, as the plugin's are."""
+    host = [k for k in lanes if k in HOST_LANES]
+    params = []
+    for kind in lanes:
+        cases = SYNC_CASES[host.index(kind)::len(host)] if kind in host else SYNC_CASES
+        params += [pytest.param(kind, *case, id="-".join((kind, *case))) for case in cases]
+    for kind, reason in unavailable.items():
+        params.append(pytest.param(kind, None, None, None, id=kind, marks=pytest.mark.skip(
+            reason=f"device kind {kind!r} unavailable: {reason}")))
+    return params
+
+
+def pytest_generate_tests(metafunc):
+    if "sync_device" not in metafunc.fixturenames:
+        return
+    from hal.pytest_plugin import ALWAYS_LISTED, requested_kinds
+
+    import hal
+
+    kinds, _ = requested_kinds(metafunc.config)
+    lanes, unavailable = [], {}
+    for kind in kinds:
+        try:
+            state = hal.availability(kind)
+        except hal.HalError as exc:  # an unknown kind named on the command line already failed the run
+            unavailable[kind] = str(exc)
+            continue
+        if state:
+            lanes.append(kind)
+        elif kind in ALWAYS_LISTED:
+            unavailable[kind] = state.reason
+    metafunc.parametrize("sync_device,engine,offload,apply", sync_case_params(lanes, unavailable))
+
+
+def test_the_host_lanes_split_the_sync_cases_and_cover_every_engine_and_offload():
+    from hal.cli.sync import OFFLOAD_FLAGS
+
+    both = [p.values for p in sync_case_params(["npu-sim", "cpu"], {})]
+    assert sorted(case for _, *case in both) == sorted(list(c) for c in SYNC_CASES)
+    assert {d for d, *_ in both} == {"npu-sim", "cpu"}
+    assert {e for _, e, _, _ in both} == {"collective", "file", "colocated", "nixl", "mooncake"}
+    assert {o for _, _, o, _ in both} == set(OFFLOAD_FLAGS) and {a for *_, a in both} == {"atomic", "in-place"}
+    assert [p.values for p in sync_case_params(["cpu"], {})] == [("cpu", *c) for c in SYNC_CASES]
+    real = [p.values for p in sync_case_params(["npu", "npu-sim", "cpu"], {})]
+    assert [tuple(c) for d, *c in real if d == "npu"] == list(SYNC_CASES) and len(real) == 2 * len(SYNC_CASES)
+
+
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)  # three processes importing torch and transformers on a shared 2-core machine
-@pytest.mark.parametrize("engine,offload,apply", [("collective", "all", "atomic"), ("file", "optimizer", "in-place"),
-                                                 ("colocated", "model", "atomic"), ("nixl", "none", "atomic"),
-                                                 ("mooncake", "optimizer", "atomic")])
-def test_sync_verifies_every_step(hal_device, engine, offload, apply, tmp_path):
+def test_sync_verifies_every_step(sync_device, engine, offload, apply, tmp_path):
     result = _sync("--model", "qwen2.5-tiny", "--rollouts", "2", "--steps", "2", "--engine", engine,
                    "--offload", offload, "--bucket-mb", "1", "--timeout", "60", "--file-root", str(tmp_path),
-                   "--rollout-apply", apply, device=hal_device)
+                   "--rollout-apply", apply, device=sync_device)
     assert result["verified"] is True and result["errors"] == []
     assert result["memory_within"] is True
     assert [row["global_steps"] for row in result["rows"]] == [1, 2]
