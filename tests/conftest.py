@@ -15,3 +15,58 @@ def _fresh_hal_resolution(monkeypatch):
     hal.device._auto_kind = None
     yield
     hal.device._auto_kind = None
+
+
+# -- pytest-xdist: the longest tests start first, and tests sharing an expensive fixture share a worker -------
+
+def _declared_cost(item: pytest.Item) -> tuple[float, int]:
+    """What a test declares about its length: its timeout above the default, then a multi-process marker."""
+    mark = item.get_closest_marker("timeout")
+    timeout = float(mark.args[0]) if mark is not None and mark.args else 0.0
+    heavy = item.get_closest_marker("multiprocess") is not None or item.get_closest_marker("interop") is not None
+    return timeout, int(heavy)
+
+
+def _shared_scope(item: pytest.Item) -> str | None:
+    """The group of tests that share an instance of a fixture ``item`` uses: its module for a module-scoped
+    fixture of this suite, the fixture's directory for a package- or session-scoped one; None if none."""
+    group = None
+    for defs in item._fixtureinfo.name2fixturedefs.values():
+        for fixturedef in defs:
+            if not fixturedef.baseid or fixturedef.scope in ("function", "class"):
+                continue  # pytest's and plugins' own fixtures (baseid "") are cheap or per test
+            if fixturedef.scope == "module":
+                group = group or item.module.__name__
+            else:
+                return fixturedef.baseid
+    return group
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Order whole modules by the longest test they declare (a timeout above the default, then a
+    multiprocess or interop marker), longest first, keeping each module's own order, so pytest-xdist
+    starts the long tests while short ones fill the gaps instead of one worker finishing a long test alone;
+    and put tests that share a module/session fixture (a Ray cluster, an FSDP run) in one ``xdist_group``,
+    so the fixture is built once rather than on each worker."""
+    cost: dict[str, tuple[float, int]] = {}
+    for item in items:
+        module = item.nodeid.split("::")[0]
+        cost[module] = max(cost.get(module, (0.0, 0)), _declared_cost(item))
+        group = _shared_scope(item)
+        if group is not None:
+            item.add_marker(pytest.mark.xdist_group(group))
+    first_seen = {module: i for i, module in reversed(list(enumerate(i.nodeid.split("::")[0] for i in items)))}
+    items.sort(key=lambda i: (tuple(-c for c in cost[i.nodeid.split("::")[0]]), first_seen[i.nodeid.split("::")[0]]))
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """``-n`` without ``--dist`` (or ``--dist load``) schedules as ``--dist loadgroup`` in the order above
+    (tests without a group are scheduled one by one, as with ``load``)."""
+    if config.getvalue("dist") != "load":
+        return None
+    from xdist.scheduler import LoadGroupScheduling
+
+    config.option.loadscopereorder = False  # keep the longest-first order instead of largest group first
+    return LoadGroupScheduling(config, log)
