@@ -69,17 +69,18 @@ def _sync(*extra: str, device: str = "cpu") -> dict:
     return json.loads(out.stdout)
 
 
-# One end-to-end run per engine, and every offload choice at least once. The ranks are processes importing
-# torch and transformers, so the product of engines, offloads and device lanes would cost minutes: a real
-# accelerator lane runs every case, and the two host lanes (npu-sim, cpu) split the cases between them.
+# One end-to-end run per engine, and every offload and rollout-apply choice at least once. The ranks are
+# processes importing torch and transformers, so the product of cases and device lanes would cost minutes: a
+# real accelerator lane runs every case, and the two host lanes (npu-sim, cpu) split the cases between them.
 SYNC_CASES = (("collective", "all", "atomic"), ("file", "optimizer", "in-place"), ("colocated", "model", "atomic"),
               ("nixl", "none", "atomic"), ("mooncake", "optimizer", "atomic"))
 HOST_LANES = ("npu-sim", "cpu")
 
 
 def sync_case_params(lanes: list[str], unavailable: dict[str, str]) -> list:
-    """``(device, engine, offload, rollout-apply)`` params for the hal sync end-to-end test on ``lanes`` (the available
-    hal_device lanes, in order); ``unavailable`` host lanes become skipped params, as the plugin's are."""
+    """``(device, engine, offload, rollout-apply)`` params for the hal sync end-to-end test on ``lanes`` (the
+    available hal_device lanes, in order); ``unavailable`` host lanes become skipped params, as the plugin's
+    are."""
     host = [k for k in lanes if k in HOST_LANES]
     params = []
     for kind in lanes:
