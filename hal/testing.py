@@ -135,7 +135,7 @@ _forkserver_env: dict[str, str] | None = None
 
 
 def _import_env() -> dict[str, str]:
-    return {k: v for k, v in os.environ.items() if k.startswith(_IMPORT_ENV_PREFIXES)}
+    return {k: v for k, v in os.environ.items() if k.startswith(_IMPORT_ENV_PREFIXES) and k != "HAL_TEST_START_METHOD"}
 
 
 def _start_method() -> str:

@@ -1,0 +1,44 @@
+"""hal.testing.run_multiprocess: ranks started from the forkserver see what a spawned rank would."""
+
+import multiprocessing
+import os
+import sys
+
+import pytest
+
+from hal import testing
+
+
+def _report(rank, world_size, port):
+    print(f"rank {rank} on stderr", file=sys.stderr, flush=True)
+    return {"env": os.environ.get("OTHER_PROBE"), "cwd": os.getcwd(), "path": sys.path[0], "rank": os.environ["RANK"],
+            "extra": os.environ.get("EXTRA")}
+
+
+@pytest.mark.skipif("forkserver" not in multiprocessing.get_all_start_methods(), reason="ranks are spawned here")
+def test_forkserver_ranks_get_the_callers_current_environment_directory_path_and_stderr(tmp_path, monkeypatch):
+    monkeypatch.delenv("HAL_TEST_START_METHOD", raising=False)
+    testing.run_multiprocess(_report, 1, timeout=120)  # the forkserver may start here, under the old state
+    assert testing._start_method() == "forkserver"
+    monkeypatch.setenv("OTHER_PROBE", "changed")  # not read by import torch: the forkserver still serves
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    log = tmp_path / "stderr.txt"
+    with open(log, "w") as stderr:  # this call's stderr is a new file, not the one the forkserver inherited
+        saved = os.dup(2)
+        os.dup2(stderr.fileno(), 2)
+        try:
+            results = testing.run_multiprocess(_report, 2, timeout=120, env={"EXTRA": "1"})
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+    assert results == {rank: {"env": "changed", "cwd": str(tmp_path), "path": str(tmp_path), "rank": str(rank),
+                              "extra": "1"} for rank in (0, 1)}
+    err = log.read_text()
+    assert "rank 0 on stderr" in err and "rank 1 on stderr" in err, err
+    # a variable read while torch imports (HAL_*, TORCH*, OMP_*, ...) that changed: the group is spawned
+    monkeypatch.setenv("HAL_TEST_PROBE", "changed")
+    assert testing._start_method() == "spawn"
+    monkeypatch.setenv("HAL_TEST_START_METHOD", "spawn")
+    monkeypatch.delenv("HAL_TEST_PROBE")
+    assert testing._start_method() == "spawn"
