@@ -158,7 +158,7 @@ def run(size_mb: int = 256, bucket_mb: int = 64, device: str = "cpu", rounds: in
     Returns:
         ``{"device", "size_bytes", "n_tensors", "bucket_bytes", "rounds", "engines": [{"engine", "raw_s",
         "raw_gbps", "s", "gbps", "ratio_vs_raw", "send_peak_bytes", "recv_peak_bytes", "send_peak_buckets",
-        "recv_peak_buckets"}]}``; times are medians, ``ratio_vs_raw`` the median of per-round
+        "recv_peak_buckets", "round_ratios"}]}``; times are medians, ``ratio_vs_raw`` the median of per-round
         ``raw_s / engine_s`` (1.0: as fast as one raw write, for kimi one raw read, of the same bytes). GB/s = 1e9 bytes/s.
 
     Raises:
@@ -188,6 +188,7 @@ def run(size_mb: int = 256, bucket_mb: int = 64, device: str = "cpu", rounds: in
         out["engines"].append({
             "engine": name, "raw_s": raw_s, "raw_gbps": total / raw_s / 1e9, "s": s, "gbps": total / s / 1e9,
             "ratio_vs_raw": med(a / b for a, b in zip(t["raw"], t["engine"])),
+            "round_ratios": [round(a / b, 3) for a, b in zip(t["raw"], t["engine"])],
             "send_peak_bytes": sp, "recv_peak_bytes": rp, "send_peak_buckets": sp / bucket,
             "recv_peak_buckets": rp / bucket})
     return out
