@@ -254,7 +254,9 @@ def build(model: str, seed: int = 0) -> tuple[nn.Module, Callable[[nn.Module], t
     def regression_loss(m: nn.Module) -> torch.Tensor:
         total = None
         for name, p in m.named_parameters():
-            term = F.mse_loss(p.float(), _target(name, p).float())
+            # in the tensor's own dtype (reductions accumulate in fp32): backward keeps the target of each
+            # tensor, not fp32 copies of the tensor and its target (4 x the weights' bytes for bf16)
+            term = F.mse_loss(p, _target(name, p)).float()
             total = term if total is None else total + term
         if total is None:
             raise UsageError(f"--model {model!r} has no floating-point tensor to train")
