@@ -166,6 +166,10 @@ def run_multiprocess(fn: Callable[..., Any], world_size: int, *args: Any, timeou
     The processes start from the forkserver with torch preloaded where possible, else by spawn (see the
     module docstring); either way each sees the caller's environment, working directory and ``sys.path``.
 
+    A ``fn`` with the attribute ``start_method = "spawn"`` is always spawned: one that measures its own
+    process's memory (VmHWM, VmRSS) needs it, since a forked rank faults in the library pages it runs
+    (mapped lazily after a fork) and counts them as growth.
+
     ``fn`` must be importable (a module-level function). Each process gets ``MASTER_ADDR``/``MASTER_PORT``/
     ``RANK``/``LOCAL_RANK``/``WORLD_SIZE`` set as ``torch.distributed.run`` would, plus ``env``.
 
@@ -179,7 +183,8 @@ def run_multiprocess(fn: Callable[..., Any], world_size: int, *args: Any, timeou
     """
     port = free_port()
     # a function of the __main__ script is found again only by spawn, which re-runs that script
-    method = "spawn" if fn.__module__ == "__main__" else _start_method()
+    spawn = fn.__module__ == "__main__" or getattr(fn, "start_method", None) == "spawn"
+    method = "spawn" if spawn else _start_method()
     ctx = tmp.get_context(method)
     results = ctx.SimpleQueue()
     target: Callable | tuple[str, str] = fn

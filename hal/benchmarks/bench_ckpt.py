@@ -186,6 +186,9 @@ def _bench_rank(rank: int, world_size: int, port: int, size_mb: int, bucket_size
             "direct_threshold": engines[0].direct_threshold if engines else None}
 
 
+_bench_rank.start_method = "spawn"  # hal.testing.run_multiprocess: it measures its own process's memory
+
+
 def run(size_mb: int, bucket_sizes_mb: list[int], device: str, rounds: int = 3,
         direct_threshold: int | None = None, layouts: tuple[str, ...] | list[str] = LAYOUTS) -> dict:
     """Measure in two spawned processes; returns the figures (seconds, bytes, GB/s = 1e9 bytes/s, ratios).

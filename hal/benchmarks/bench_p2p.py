@@ -151,6 +151,9 @@ def _bench_rank(rank: int, world_size: int, port: int, size_mb: int, bucket_mb: 
     return out
 
 
+_bench_rank.start_method = "spawn"  # hal.testing.run_multiprocess: it measures its own process's memory
+
+
 def run(size_mb: int = 256, bucket_mb: int = 64, device: str = "cpu", rounds: int = 5,
         engines: list[str] | tuple[str, ...] = ENGINES) -> dict:
     """Measure in two spawned processes.

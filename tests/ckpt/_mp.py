@@ -185,6 +185,9 @@ def bounded_memory(rank, world_size, port, bucket_size, model_mib, engine_name="
     return asyncio.run(main())
 
 
+bounded_memory.start_method = "spawn"  # hal.testing: it measures its own process's memory
+
+
 def mixed_dtypes(rank, world_size, port, device):
     """The contract's mixed-dtype sample on the device kind, steps 1..3, small buckets (chunks, runs, packs)."""
     from ckpt.testing import sample_weights

@@ -42,3 +42,21 @@ def test_forkserver_ranks_get_the_callers_current_environment_directory_path_and
     monkeypatch.setenv("HAL_TEST_START_METHOD", "spawn")
     monkeypatch.delenv("HAL_TEST_PROBE")
     assert testing._start_method() == "spawn"
+
+
+def _parent(rank, world_size, port):
+    return os.getppid()
+
+
+def _parent_spawned(rank, world_size, port):
+    return os.getppid()
+
+
+_parent_spawned.start_method = "spawn"  # as a rank measuring its own memory declares
+
+
+@pytest.mark.skipif("forkserver" not in multiprocessing.get_all_start_methods(), reason="ranks are spawned here")
+def test_a_rank_function_can_ask_to_be_spawned(monkeypatch):
+    monkeypatch.delenv("HAL_TEST_START_METHOD", raising=False)
+    assert testing.run_multiprocess(_parent_spawned, 1, timeout=120) == {0: os.getpid()}  # this process's child
+    assert testing.run_multiprocess(_parent, 1, timeout=120) != {0: os.getpid()}  # the forkserver's

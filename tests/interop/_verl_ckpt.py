@@ -161,6 +161,10 @@ def collective(rank: int, world_size: int, port: int, device: str, updates: int,
                           devices=sorted({t.device.type for t in served.values()}))
         reports.append(report)
         _exchange(store, f"done/{update}", rank, world_size, True)
+    # rank 0 hosts the store: it leaves only after every rank has read its last key
+    store.set(f"left/{rank}", b"1")
+    if rank == 0:
+        store.wait([f"left/{r}" for r in range(world_size)])
     return reports
 
 
