@@ -18,7 +18,7 @@ import sys
 import tyro
 
 import hal
-from hal.cli.errors import MissingFileError, UsageError
+from hal.cli.errors import MissingFileError, UsageError, worker_failed
 
 
 @dataclasses.dataclass
@@ -133,7 +133,6 @@ def run(args: Launch) -> int:
         torchrun(get_args_parser().parse_args(argv))
     except ChildFailedError as exc:
         rank, failure = exc.get_first_failure()
-        print(f"hal launch: {exc.name} failed on rank {rank} with exit code {failure.exitcode}"
-              f"{f' ({failure.message})' if failure.message else ''}", file=sys.stderr)
+        print(worker_failed(exc, lambda r: f"rank {r} of {exc.name}", "hal launch"), file=sys.stderr)
         return failure.exitcode if isinstance(failure.exitcode, int) and failure.exitcode > 0 else 1
     return 0

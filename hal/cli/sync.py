@@ -43,7 +43,7 @@ from typing import Any, Literal
 import torch
 
 import hal
-from hal.cli.errors import UsageError
+from hal.cli.errors import UsageError, worker_failed
 
 OFFLOAD_FLAGS: dict[str, dict[str, bool]] = {
     # what to.("cpu", ...) moves for each --offload choice; grad moves only with the model (verl's rule)
@@ -539,6 +539,13 @@ def _progress():
                     TimeElapsedColumn(), console=Console(stderr=True), transient=False)
 
 
+def _stage(progress: Any, task: Any, text: str) -> None:
+    """Show ``text`` as the bar's description; piped or logged (rich draws no bar there), print it as a line."""
+    progress.update(task, description=text)
+    if not progress.console.is_terminal:
+        progress.console.print(f"hal sync: {text}")
+
+
 def _rank_main(args_dict: dict[str, Any], ckpt_port: int, ctl_port: int, root: str) -> dict[str, Any]:
     """One process of a multi-process sync: rank 0 trains and publishes, the others load and verify."""
     args = Sync(**args_dict)
@@ -606,11 +613,11 @@ async def _trainer_loop(args: Sync, engine, store, raw_group, world_size: int) -
     with _progress() as progress:
         task = progress.add_task("sync", total=args.steps)
         for step in range(1, args.steps + 1):
-            progress.update(task, description=f"step {step}: train")
+            _stage(progress, task, f"step {step}/{args.steps}: train")
             row = trainer.begin(step)
-            progress.update(task, description=f"step {step}: publish")
+            _stage(progress, task, f"step {step}/{args.steps}: publish")
             publish_s = await _publish_timed(trainer, engine, store, receivers, step, row)
-            progress.update(task, description=f"step {step}: verify")
+            _stage(progress, task, f"step {step}/{args.steps}: verify")
             sums, ref = trainer.reference()
             store.set(f"sums/{step}", json.dumps(sums))
             store.set(f"ref/{step}", json.dumps(None if ref is None else {"tokens": ref["tokens"]}))
@@ -664,6 +671,7 @@ async def _colocated(args: Sync) -> dict[str, Any]:
     with _progress() as progress:
         task = progress.add_task("sync", total=args.steps)
         for step in range(1, args.steps + 1):
+            _stage(progress, task, f"step {step}/{args.steps}")
             row = trainer.begin(step)
             start = time.perf_counter()
             sends = [ch.send_weights(trainer.published(), step) for ch in channels]
@@ -693,10 +701,16 @@ async def _colocated(args: Sync) -> dict[str, Any]:
     return {"rows": rows}
 
 
+def _role(rank: int) -> str:
+    """What a global rank of the torchrun path is: rank 0 trains, the rest serve."""
+    return "trainer (rank 0)" if rank == 0 else f"rollout {rank} (rank {rank})"
+
+
 def execute(args: Sync) -> dict[str, Any]:
     """Run the loop; returns ``{"rows": [...per step...], "verified": bool, "errors": [...], ...}``.
 
-    Raises what :func:`validate` raises, and ``RuntimeError`` when a rank process fails.
+    Raises what :func:`validate` raises, and :class:`hal.cli.errors.WorkerFailedError` (a ``RuntimeError``)
+    naming the trainer or rollout whose process failed, and how (its exception, signal or exit code).
     """
     validate(args)
     kind = hal.resolve_device(args.device).kind
@@ -725,7 +739,7 @@ def execute(args: Sync) -> dict[str, Any]:
         try:
             per_rank = elastic_launch(config, _rank_main)(dataclasses.asdict(args), ckpt_port, ctl_port, root)
         except ChildFailedError as exc:
-            raise RuntimeError(f"a sync process failed: {exc.format_msg()}") from None
+            raise worker_failed(exc, _role, "hal sync") from None
         result = per_rank[0]
     errors = [f"step 0 (initial weights): {e}" for e in result.get("warmup", {}).get("errors", [])]
     errors += [f"step {row['global_steps']}, rollout rank {r['rank']}: {r['error']}"
@@ -752,9 +766,12 @@ def print_table(result: dict[str, Any]) -> None:
 
     rows = result["rows"]
     tensors = rows[0]["tensors"] if rows else 0
-    model = pathlib.Path(result["model"]).name
+    model = result["model"]  # a preset name or the path as the user gave it
     table = Table(title=f"hal sync: {model} ({tensors} tensors) on {result['device']}, engine {result['engine']}, "
-                        f"offload {result['offload']}, rollouts {result['rollout_apply']}")
+                        f"offload {result['offload']}, rollouts {result['rollout_apply']}",
+                  caption="publish s: trainer's send until every rollout serves the step; x raw: a raw broadcast "
+                          "of the same bytes to the same rollouts, its time / publish s (above 1: faster than raw); "
+                          "MB = 10^6 bytes; GB: peak resident / stated bound")
     # publish = send until every rollout serves the step; raw = one broadcast of the same bytes;
     # peak = max resident memory of the trainer / the largest rollout, against its stated bound
     for col in ("step", "loss", "MB", "publish s", "GB/s", "x raw", "offload s", "onload s", "trainer GB",
@@ -766,7 +783,7 @@ def print_table(result: dict[str, Any]) -> None:
         peaks = [r.get("peak_host_bytes") for r in row["rollouts"] if r.get("peak_host_bytes")]
         bounds = [r.get("memory_bound_bytes") for r in row["rollouts"] if r.get("memory_bound_bytes")]
         ratio = row.get("ratio_vs_raw")
-        table.add_row(str(row["global_steps"]), f"{row['loss']:.4g}", f"{row['bytes'] / 1e6:.0f}",
+        table.add_row(str(row["global_steps"]), f"{row['loss']:.6g}", f"{row['bytes'] / 1e6:.0f}",
                       f"{row['publish_s']:.2f}", f"{row['gbps']:.2f}", "-" if ratio is None else f"{ratio:.2f}",
                       f"{row['offload_s']:.2f}", f"{row['onload_s']:.2f}",
                       f"{row['peak_host_bytes'] / 1e9:.2f}/{row['memory_bound_bytes'] / 1e9:.2f}",

@@ -23,7 +23,9 @@ def test_small_run_reports_ratios_and_bounded_peaks(hal_device):
     assert [(r["layout"], r["bucket_bytes"]) for r in rows] == [
         ("separate", 2 << 20), ("separate", 4 << 20), ("flat", 2 << 20), ("flat", 4 << 20)]
     for r in rows:
-        assert r["s"] > 0 and r["ratio_vs_single"] > 0.05 and r["ratio_vs_per_tensor"] > 0.05
+        # one round: each ratio is the reference's time over this row's (no speed floor: load decides speed)
+        assert r["s"] > 0 and r["ratio_vs_single"] == pytest.approx(result["single_s"] / r["s"])
+        assert r["ratio_vs_per_tensor"] == pytest.approx(result["per_tensor_s"] / r["s"])
         # sender: two send buffers; receiver: one bucket plus the largest tensor above a bucket (<= 18 MiB)
         assert r["send_peak_bytes"] <= 2 * r["bucket_bytes"] + (6 << 20)
         assert r["recv_peak_bytes"] <= r["bucket_bytes"] + (18 << 20) + (6 << 20)

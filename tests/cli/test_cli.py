@@ -274,7 +274,7 @@ def test_launch_reports_a_failing_script(tmp_path):
     script.write_text("raise SystemExit(3)\n")
     out = hal_cmd("launch", "--device", "cpu", "--nproc-per-node", "2", "--", str(script), timeout=180)
     assert out.returncode == 3, out.stdout + out.stderr  # the script's own exit code
-    assert "failed on rank" in out.stderr and "exit code 3" in out.stderr
+    assert "hal launch: the rank " in out.stderr and "exited with code 3" in out.stderr
 
 
 @pytest.mark.multiprocess
