@@ -49,10 +49,10 @@ from typing import Any, AsyncIterator, Iterable
 import torch
 
 import hal
-from ckpt.base import CheckpointEngine, NamedTensor, check_global_steps, check_step
+from ckpt.base import NamedTensor, check_global_steps, check_step
 from ckpt.errors import (CheckpointConfigError, CheckpointEngineUnavailableError, TransferAbortedError,
                          TransferError, TransferTimeoutError)
-from ckpt.p2p import DEFAULT_BUCKET_SIZE, rank_topology
+from ckpt.p2p import DEFAULT_BUCKET_SIZE, TrainerToRolloutsEngine
 
 SPEC_FIELD = "kimi_checkpoint_engine"
 CHECKED_VERSIONS = ("0.4.2",)
@@ -304,7 +304,7 @@ def _local_address_towards(addr: str) -> str:
             return addr
 
 
-class KimiCheckpointEngine(CheckpointEngine):
+class KimiCheckpointEngine(TrainerToRolloutsEngine):
     """Weights through Kimi's ``checkpoint-engine`` ``ParameterServer`` over Mooncake (see the module doc).
 
     Construction, standalone (hal's): ``rank`` (0: the trainer; 1..N: rollouts; -1: a trainer rank that does
@@ -341,20 +341,10 @@ class KimiCheckpointEngine(CheckpointEngine):
                  world_size: int | None = None, master_addr: str | None = None, master_port: int | None = None,
                  device: str | None = None, timeout: float = hal.DEFAULT_TIMEOUT_S, host: str | None = None,
                  **_ignored: Any) -> None:
-        if isinstance(bucket_size, bool) or not isinstance(bucket_size, int) or bucket_size < 1024:
-            raise CheckpointConfigError(f"bucket_size must be an int >= 1024 bytes, got {bucket_size!r}")
-        if not isinstance(timeout, (int, float)) or timeout <= 0:
-            raise CheckpointConfigError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        super().__init__(bucket_size, is_master, rank, world_size, master_addr, master_port, device, timeout, host)
         state = self.availability(device)
         if not state:
             raise CheckpointEngineUnavailableError(f"checkpoint engine 'kimi' is unavailable here: {state.reason}")
-        self.bucket_size, self.is_master, self.timeout = bucket_size, bool(is_master), float(timeout)
-        self.device_kind, self.host = device, host
-        self.master_addr, self.master_port = master_addr, master_port
-        self.rank: int | None = None
-        self.world_size: int | None = None
-        if rank is not None or world_size is not None:
-            self._set_place(rank, world_size)
         self._ps = None
         self._world: _World | None = None
         self._group: hal.StoreGroup | None = None
@@ -382,14 +372,6 @@ class KimiCheckpointEngine(CheckpointEngine):
         return hal.Availability.unavailable(problem) if problem else hal.Availability.available()
 
     # ---- configuration and lifecycle ----------------------------------------------------------------
-    def _set_place(self, rank: int | None, world_size: int | None) -> None:
-        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 2:
-            raise CheckpointConfigError(f"world_size must be an int >= 2 (1 trainer + rollouts), got {world_size!r}")
-        if isinstance(rank, bool) or not isinstance(rank, int) or not -1 <= rank < world_size:
-            raise CheckpointConfigError(f"rank must be an int in [-1, {world_size}) (0: the trainer, -1: a trainer "
-                                        f"rank that does not send), got {rank!r}")
-        self.rank, self.world_size = rank, world_size
-
     def _label(self, rank: int) -> str:
         return (f"the trainer (rank 0 at {self.master_addr}:{self.master_port})" if rank == 0
                 else f"rollout rank {rank}")
@@ -405,33 +387,14 @@ class KimiCheckpointEngine(CheckpointEngine):
             self.master_port = hal.pick_port(self.master_addr)
         return {"master_addr": self.master_addr, "master_port": self.master_port}
 
-    @classmethod
-    def build_topology(cls, trainer_world_size: int, rollout_world_size: int,
-                       metadata: list[dict[str, Any]]) -> tuple[dict[str, list], dict[str, list]]:
-        """Trainer rank 0 publishes, other trainer ranks get ``rank=-1``, rollouts ranks 1..N; everyone gets
-        the master's store address (see :func:`ckpt.p2p.rank_topology`)."""
-        return rank_topology(trainer_world_size, rollout_world_size, metadata)
-
-    def init_process_group(self, rank: int | None = None, world_size: int | None = None,
-                           master_addr: str | None = None, master_port: int | None = None, **_ignored: Any) -> None:
-        """Set this rank's place; the store, the Mooncake engine and the rollout group are made on the first
-        send / receive (each bounded by ``timeout``) and kept while the place is unchanged."""
-        if rank is not None or world_size is not None:
-            if self._ps is not None and (rank, world_size) != (self.rank, self.world_size):
-                self.close()
-            self._set_place(rank, world_size)
-        if master_addr is not None:
-            self.master_addr = master_addr
-        if master_port is not None:
-            self.master_port = int(master_port)
-        if self.rank is None:
-            raise CheckpointConfigError("init_process_group needs rank and world_size (from build_topology) "
-                                        "unless the engine was built with them")
-
     def finalize(self) -> None:
         """Nothing to release per update: the store, Mooncake engine, group, the rollout's registered slots
         and the trainer's pinned pool stay for the next update while the place is unchanged (:meth:`close`
         releases them)."""
+
+    def _release(self) -> None:
+        """A new place (rank, world size or store address) gets a new store, engine and group."""
+        self.close()
 
     def close(self) -> None:
         """Release everything: the trainer's pinned pool, the rollout's slots, the group, the Mooncake engine,

@@ -11,14 +11,12 @@ through host memory over ``"tcp"``. Install: ``pip install mooncake-transfer-eng
 
 from __future__ import annotations
 
-import asyncio
-import time
 from typing import Any
 
 import torch
 
 import hal
-from ckpt.errors import TransferError, TransferTimeoutError
+from ckpt.errors import TransferError
 from ckpt.p2p import P2PCheckpointEngine, Transport
 
 HOST_PROTOCOL = "tcp"
@@ -90,14 +88,6 @@ class MooncakeTransport(Transport):
         handle[1] = 1
         return True
 
-    async def wait(self, handle: Any, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        delay = 0.0
-        while not self.poll(handle):
-            if time.monotonic() > deadline:
-                raise TransferTimeoutError(f"Mooncake write not done within {timeout:g} s")
-            await asyncio.sleep(delay)
-            delay = min(1e-3, delay * 2 or 2e-5)
 
     def close(self) -> None:
         if self.addr is not None:

@@ -9,18 +9,16 @@ memory (``"DRAM"``). Install: ``pip install --no-deps nixl==1.5.1 nixl-cu12==1.5
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import logging
 import os
-import time
 import uuid
 from typing import Any
 
 import torch
 
 import hal
-from ckpt.errors import TransferError, TransferTimeoutError
+from ckpt.errors import TransferError
 from ckpt.p2p import P2PCheckpointEngine, Transport
 
 RDMA_SYSFS = "/sys/class/infiniband"
@@ -108,14 +106,6 @@ class NixlTransport(Transport):
             raise TransferError(f"NIXL reports the WRITE in state {handle[1]}")
         return handle[1] == "DONE"
 
-    async def wait(self, handle: Any, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        delay = 0.0
-        while not self.poll(handle):
-            if time.monotonic() > deadline:
-                raise TransferTimeoutError(f"NIXL WRITE not done within {timeout:g} s")
-            await asyncio.sleep(delay)
-            delay = min(1e-3, delay * 2 or 2e-5)
 
     def close(self) -> None:
         for r in self.remote.values():

@@ -90,13 +90,20 @@ class Transport(abc.ABC):
             TransferError: the library reports a failure.
         """
 
-    @abc.abstractmethod
     async def wait(self, handle: Any, timeout: float) -> None:
-        """Wait until the write completed at the target.
+        """Wait until the write completed at the target: :meth:`poll` with a backoff from 20 us to 1 ms,
+        yielding to the event loop between polls.
 
         Raises:
             TransferError: the library reports a failure; TransferTimeoutError: not done in ``timeout`` s.
         """
+        deadline = time.monotonic() + timeout
+        delay = 0.0
+        while not self.poll(handle):
+            if time.monotonic() > deadline:
+                raise TransferTimeoutError(f"{self.library} write not done within {timeout:g} s")
+            await asyncio.sleep(delay)
+            delay = min(1e-3, delay * 2 or 2e-5)
 
     @abc.abstractmethod
     def close(self) -> None:
@@ -204,7 +211,87 @@ def rank_topology(trainer_world_size: int, rollout_world_size: int,
     return trainer, rollout
 
 
-class P2PCheckpointEngine(CheckpointEngine):
+class TrainerToRolloutsEngine(CheckpointEngine):
+    """Base of the engines where trainer rank 0 sends to rollout ranks 1..N over connections it hosts (the
+    transfer-library engines here and ``kimi``): their common arguments and verl's placement calls.
+
+    Args:
+        bucket_size: bytes per bucket (an int >= 1024).
+        is_master: whether this is the trainer master verl's manager calls ``prepare()`` on.
+        rank: 0 the trainer, 1..N rollouts, -1 a trainer rank that does not send; with ``world_size`` (N + 1)
+            the place up front (standalone use), else set by :meth:`init_process_group`.
+        master_addr / master_port: where rank 0 is reached (its listener or rendezvous store).
+        device: kind name or ``None`` for hal's resolution.
+        timeout: seconds bounding every wait (> 0).
+        host: the address peers reach this process at (the engine's default when ``None``).
+
+    Raises:
+        CheckpointConfigError: ``bucket_size``, ``timeout``, ``rank`` or ``world_size`` out of range.
+    """
+
+    def __init__(self, bucket_size: int, is_master: bool, rank: int | None, world_size: int | None,
+                 master_addr: str | None, master_port: int | None, device: str | None, timeout: float,
+                 host: str | None) -> None:
+        if isinstance(bucket_size, bool) or not isinstance(bucket_size, int) or bucket_size < 1024:
+            raise CheckpointConfigError(f"bucket_size must be an int >= 1024 bytes, got {bucket_size!r}")
+        if not isinstance(timeout, (int, float)) or timeout <= 0:
+            raise CheckpointConfigError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        self.bucket_size, self.is_master, self.timeout = bucket_size, bool(is_master), float(timeout)
+        self.device_kind, self.host = device, host
+        self.master_addr, self.master_port = master_addr, master_port
+        self.rank: int | None = None
+        self.world_size: int | None = None
+        if rank is not None or world_size is not None:
+            self._set_place(rank, world_size)
+
+    def _set_place(self, rank: int | None, world_size: int | None) -> None:
+        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 2:
+            raise CheckpointConfigError(f"world_size must be an int >= 2 (1 trainer + rollouts), got {world_size!r}")
+        if isinstance(rank, bool) or not isinstance(rank, int) or not -1 <= rank < world_size:
+            raise CheckpointConfigError(f"rank must be an int in [-1, {world_size}) (0: the trainer, -1: a trainer "
+                                        f"rank that does not send), got {rank!r}")
+        self.rank, self.world_size = rank, world_size
+
+    def _place(self) -> tuple:
+        return self.rank, self.world_size, self.master_addr, self.master_port
+
+    @classmethod
+    def build_topology(cls, trainer_world_size: int, rollout_world_size: int,
+                       metadata: list[dict[str, Any]]) -> tuple[dict[str, list], dict[str, list]]:
+        """Per-rank ``init_process_group`` kwargs, see :func:`rank_topology`."""
+        return rank_topology(trainer_world_size, rollout_world_size, metadata)
+
+    def init_process_group(self, rank: int | None = None, world_size: int | None = None,
+                           master_addr: str | None = None, master_port: int | None = None, **_ignored: Any) -> None:
+        """Set this rank's place (verl's manager passes what :meth:`build_topology` returned; standalone
+        engines already have it). Connections are made on the first send / receive, each bounded by
+        ``timeout``, so calling this on every rank in any order never blocks.
+
+        What an earlier update set up is kept when the place is the one it was set up for, and released
+        here (:meth:`_release`) when it changed (other rank, world size or trainer address: a new topology).
+
+        Raises:
+            CheckpointConfigError: no rank and world size, given here or at construction.
+        """
+        before = self._place()
+        if rank is not None or world_size is not None:
+            self._set_place(rank, world_size)
+        if master_addr is not None:
+            self.master_addr = master_addr
+        if master_port is not None:
+            self.master_port = int(master_port)
+        if self.rank is None:
+            raise CheckpointConfigError("init_process_group needs rank and world_size (from build_topology) "
+                                        "unless the engine was built with them")
+        if self._place() != before:
+            self._release()
+
+    @abc.abstractmethod
+    def _release(self) -> None:
+        """Release what was set up for the previous place (called when the place changes)."""
+
+
+class P2PCheckpointEngine(TrainerToRolloutsEngine):
     """Base of the transfer-library engines: bucketed one-sided writes, 1 trainer to N rollouts.
 
     Construction, standalone (hal's): ``rank`` (0: the trainer; 1..N: rollouts), ``world_size`` (N + 1) and
@@ -258,18 +345,8 @@ class P2PCheckpointEngine(CheckpointEngine):
             if not sep or not port.isdigit():
                 raise CheckpointConfigError(f"store_addr must be 'host:port', got {store_addr!r}")
             master_addr, master_port = addr, int(port)
-        if isinstance(bucket_size, bool) or not isinstance(bucket_size, int) or bucket_size < 1024:
-            raise CheckpointConfigError(f"bucket_size must be an int >= 1024 bytes, got {bucket_size!r}")
-        if not isinstance(timeout, (int, float)) or timeout <= 0:
-            raise CheckpointConfigError(f"timeout must be a positive number of seconds, got {timeout!r}")
-        self.bucket_size, self.is_master, self.timeout = bucket_size, bool(is_master), float(timeout)
-        self.device_kind, self.host = device, host
+        super().__init__(bucket_size, is_master, rank, world_size, master_addr, master_port, device, timeout, host)
         self.direct_threshold = bucket_size // 8 if direct_threshold is None else int(direct_threshold)
-        self.master_addr, self.master_port = master_addr, master_port
-        self.rank: int | None = None
-        self.world_size: int | None = None
-        if rank is not None or world_size is not None:
-            self._set_place(rank, world_size)
         self._listener: socket.socket | None = None
         self._peers: dict[int, _Peer] = {}
         self._channel: _Channel | None = None  # rollout: to the trainer
@@ -291,14 +368,6 @@ class P2PCheckpointEngine(CheckpointEngine):
         spec value (memory type / protocol) when the buffers are on the device, else ``None`` (host)."""
 
     # ---- configuration ----------------------------------------------------------------------------
-    def _set_place(self, rank: int | None, world_size: int | None) -> None:
-        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 2:
-            raise CheckpointConfigError(f"world_size must be an int >= 2 (1 trainer + rollouts), got {world_size!r}")
-        if isinstance(rank, bool) or not isinstance(rank, int) or not -1 <= rank < world_size:
-            raise CheckpointConfigError(f"rank must be an int in [-1, {world_size}) (0: the trainer, -1: a trainer "
-                                        f"rank that does not send), got {rank!r}")
-        self.rank, self.world_size = rank, world_size
-
     @property
     def is_sender(self) -> bool:
         return self.rank == 0 if self.rank is not None else self.is_master
@@ -335,38 +404,6 @@ class P2PCheckpointEngine(CheckpointEngine):
             self._listener = sock
             self.master_addr, self.master_port = addr, sock.getsockname()[1]
         return {"master_addr": self.master_addr, "master_port": self.master_port}
-
-    @classmethod
-    def build_topology(cls, trainer_world_size: int, rollout_world_size: int,
-                       metadata: list[dict[str, Any]]) -> tuple[dict[str, list], dict[str, list]]:
-        """Per-rank ``init_process_group`` kwargs, see :func:`rank_topology`."""
-        return rank_topology(trainer_world_size, rollout_world_size, metadata)
-
-    def init_process_group(self, rank: int | None = None, world_size: int | None = None,
-                           master_addr: str | None = None, master_port: int | None = None, **_ignored: Any) -> None:
-        """Set this rank's place (verl's manager passes what :meth:`build_topology` returned; standalone
-        engines already have it). Connections are made on the first send / receive, each bounded by
-        ``timeout``, so calling this on every rank in any order never blocks.
-
-        What an earlier update set up (the library's agent, the registered buffers, the connections) is
-        kept when the place is the one it was set up for, and released here when it changed (other rank,
-        world size or trainer address: a new topology); the trainer keeps listening where it listened.
-        """
-        before = self._place()
-        if rank is not None or world_size is not None:
-            self._set_place(rank, world_size)
-        if master_addr is not None:
-            self.master_addr = master_addr
-        if master_port is not None:
-            self.master_port = int(master_port)
-        if self.rank is None:
-            raise CheckpointConfigError("init_process_group needs rank and world_size (from build_topology) "
-                                        "unless the engine was built with them")
-        if self._place() != before:
-            self._release()
-
-    def _place(self) -> tuple:
-        return self.rank, self.world_size, self.master_addr, self.master_port
 
     def finalize(self) -> None:
         """End of one update (verl calls it after every one): frees the per-update buffer of a tensor larger

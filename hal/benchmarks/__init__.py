@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable
+import asyncio
+import time
+from typing import Any, Callable, Sequence
 
 
 def emit(result: dict[str, Any], as_json: bool, print_table: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
@@ -15,3 +17,31 @@ def emit(result: dict[str, Any], as_json: bool, print_table: Callable[[dict[str,
     else:
         print_table(result)
     return result
+
+
+def timed_once(group: Any, fn: Callable[[], Any]) -> float:
+    """Seconds of one ``fn()`` on this rank, barrier to barrier on ``group`` (every rank calls it together)."""
+    group.barrier()
+    t0 = time.perf_counter()
+    fn()
+    group.barrier()
+    return time.perf_counter() - t0
+
+
+def transfer_once(engine: Any, rank: int, tensors: Sequence[tuple[str, Any]], step: int) -> None:
+    """One update through a checkpoint ``engine``: rank 0 sends ``tensors`` (``(name, tensor)`` pairs) tagged
+    ``global_steps=step``, every other rank receives it (the yielded views are dropped).
+
+    Raises:
+        RuntimeError: a receiver got another number of tensors than ``len(tensors)``.
+    """
+    async def go() -> None:
+        if rank == 0:
+            await engine.send_weights(iter(tensors), step)
+        else:
+            n = 0
+            async for _name, _t in engine.receive_weights(step):
+                n += 1
+            if n != len(tensors):
+                raise RuntimeError(f"received {n} tensors, sent {len(tensors)}")
+    asyncio.run(go())

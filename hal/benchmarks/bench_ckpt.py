@@ -19,19 +19,17 @@ every measurement once (so a noisy neighbour slows all alike); times and per-rou
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import math
 import re
 import statistics
-import time
 from pathlib import Path
 
 import torch
 import tyro
 
 import hal
-from hal.benchmarks import emit
+from hal.benchmarks import emit, timed_once, transfer_once
 
 
 LAYOUTS = ("separate", "flat")
@@ -96,15 +94,6 @@ class _Peak:
         return self.module.max_memory_allocated() - self.base
 
 
-def _timed_once(group, fn) -> float:
-    """Seconds of one ``fn()``, barrier to barrier."""
-    group.barrier()
-    t0 = time.perf_counter()
-    fn()
-    group.barrier()
-    return time.perf_counter() - t0
-
-
 def _bench_rank(rank: int, world_size: int, port: int, size_mb: int, bucket_sizes_mb: list[int], device: str,
                 rounds: int, direct_threshold: int | None, layouts: list[str]) -> dict:
     import ckpt
@@ -143,17 +132,7 @@ def _bench_rank(rank: int, world_size: int, port: int, size_mb: int, bucket_size
 
     def transfer(engine, layout):
         step[0] += 1
-
-        async def go():
-            if rank == 0:
-                await engine.send_weights(iter(models[layout]), step[0])
-            else:
-                n = 0
-                async for _name, _t in engine.receive_weights(step[0]):
-                    n += 1
-                if n != len(tensors):
-                    raise RuntimeError(f"received {n} tensors, sent {len(tensors)}")
-        asyncio.run(go())
+        transfer_once(engine, rank, models[layout], step[0])
 
     for i, bmb in enumerate(bucket_sizes_mb):
         engine = ckpt.get_checkpoint_engine("collective", rank=rank, world_size=world_size, master_addr="127.0.0.1",
@@ -161,23 +140,23 @@ def _bench_rank(rank: int, world_size: int, port: int, size_mb: int, bucket_size
                                             timeout=120, direct_threshold=direct_threshold)
         peak.start()  # the first (warm-up) transfer, buffers included
         engine.init_process_group()
-        _timed_once(group, lambda: transfer(engine, layouts[0]))
+        timed_once(group, lambda: transfer(engine, layouts[0]))
         peaks.append(peak.stop())
         for layout in layouts[1:]:
-            _timed_once(group, lambda: transfer(engine, layout))
+            timed_once(group, lambda: transfer(engine, layout))
         engines.append(engine)
     # rounds interleave every measurement (single, per-tensor, each engine) so that a noisy neighbour
     # slows them alike; ratios are taken per round, then the median
-    _timed_once(group, single)
-    _timed_once(group, per_tensor)
+    timed_once(group, single)
+    timed_once(group, per_tensor)
     times: dict[str, list[float]] = {"single": [], "per_tensor": []}
     for _ in range(rounds):
-        times["single"].append(_timed_once(group, single))
-        times["per_tensor"].append(_timed_once(group, per_tensor))
+        times["single"].append(timed_once(group, single))
+        times["per_tensor"].append(timed_once(group, per_tensor))
         for engine in engines:
             for layout in layouts:
                 times.setdefault(f"{layout}:{engine.bucket_size}", []).append(
-                    _timed_once(group, lambda: transfer(engine, layout)))
+                    timed_once(group, lambda: transfer(engine, layout)))
     for engine in engines:
         engine.close()
     group.close()

@@ -34,7 +34,7 @@ import torch
 import tyro
 
 import hal
-from hal.benchmarks import emit
+from hal.benchmarks import emit, timed_once, transfer_once
 
 ENGINES = ("nixl", "mooncake", "kimi")
 PULLS = ("kimi",)
@@ -114,25 +114,11 @@ def _bench_rank(rank: int, world_size: int, port: int, size_mb: int, bucket_mb: 
 
         def engine_once():
             step[0] += 1
-
-            async def go():
-                if rank == 0:
-                    await engine.send_weights(iter(views), step[0])
-                else:
-                    n = 0
-                    async for _name, _t in engine.receive_weights(step[0]):
-                        n += 1
-                    if n != len(views):
-                        raise RuntimeError(f"received {n} tensors, sent {len(views)}")
-            asyncio.run(go())
+            transfer_once(engine, rank, views, step[0])
             engine.finalize()  # as verl's manager ends every update: the engine keeps its connections
 
         def timed(fn) -> float:
-            group.barrier()
-            t0 = time.perf_counter()
-            fn()
-            group.barrier()
-            return time.perf_counter() - t0
+            return timed_once(group, fn)
 
         peak = _Peak("cpu")
         peak.start()
