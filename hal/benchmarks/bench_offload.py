@@ -8,7 +8,11 @@ One run measures, side by side on the same machine and device kind:
   pageable host memory (first-touch page faults paid by the copy) and device memory from the caching
   allocator (what the engine's onload gets too, since its offload emptied the cache); measured once;
 * ``engine cold``: the first ``TorchEngine.to("cpu")`` + ``to(<device>)``, which allocates the host buffers;
-* ``engine warm``: later round trips, which reuse them (the steady state of RL post-training).
+* ``engine warm``: later round trips, which reuse them (the steady state of RL post-training);
+* ``host alloc``: allocating the engine's host slabs for the same tensors on their own
+  (:meth:`engines.host_buffers.HostBufferPool.reserve`), no copy. A first offload must allocate them, so
+  ``host alloc + plain round trip`` is the floor of any cold round trip that allocates its host memory at
+  first use; ``cold_floor_ratio`` is the best ``cold_ratio`` that floor allows on this machine.
 
 The model is a stack of transformer-like blocks (hundreds of fp32 tensors from a few KiB to several MiB)
 sized to about ``size_mb``. Peak host RSS is the process's ``ru_maxrss``.
@@ -102,8 +106,12 @@ def run(size_mb: int, device: str | None = None, rounds: int = 3, threads: int |
         ``offload_gbps`` / ``onload_gbps`` (warm engine), ``cold_gbps`` / ``warm_gbps`` (engine round trip,
         first one allocating the host buffers), ``cold_ratio`` / ``warm_ratio`` (engine / plain round
         trip), ``plain_cold_gbps`` (plain ``.to("cpu")`` into fresh host memory and ``.to(device)`` back),
-        ``cold_vs_plain_cold`` (engine cold / plain cold round trip), ``rss_peak_bytes`` (``ru_maxrss``) and ``host_buffer_bytes``. On a host-memory kind (cpu)
-        nothing moves: ``moves`` is False and every rate is 0.
+        ``cold_vs_plain_cold`` (engine cold / plain cold round trip), ``host_alloc_gbps`` (allocating the
+        engine's host slabs for the same tensors, no copy; median of ``rounds`` fresh allocations),
+        ``cold_floor_ratio`` (plain round trip / (host alloc + plain round trip): the best ``cold_ratio``
+        an offload that allocates its host memory at first use can reach here), ``cold_vs_floor`` (that
+        floor's time / engine cold), ``rss_peak_bytes`` (``ru_maxrss``) and ``host_buffer_bytes``. On a
+        host-memory kind (cpu) nothing moves: ``moves`` is False and every rate is 0.
 
     Raises:
         ValueError: ``size_mb`` or ``rounds`` below 1.
@@ -121,6 +129,7 @@ def run(size_mb: int, device: str | None = None, rounds: int = 3, threads: int |
 
 def _run(size_mb: int, device: str | None, rounds: int) -> dict:
     from engines import TorchEngine
+    from engines.host_buffers import SLAB_BYTES, HostBufferPool
 
     spec = hal.resolve_device(device)
     engine = TorchEngine(make_model(size_mb), None, spec)
@@ -130,7 +139,7 @@ def _run(size_mb: int, device: str | None, rounds: int) -> dict:
            "moves": not spec.host_memory}
     rates = ("plain_d2h_gbps", "plain_h2d_gbps", "plain_h2d_fresh_gbps", "plain_gbps", "offload_gbps",
              "onload_gbps", "cold_gbps", "warm_gbps", "cold_ratio", "warm_ratio", "plain_cold_gbps",
-             "cold_vs_plain_cold")
+             "cold_vs_plain_cold", "host_alloc_gbps", "cold_floor_ratio", "cold_vs_floor")
     if spec.host_memory:
         out.update(dict.fromkeys(rates, 0.0), rss_peak_bytes=_rss_peak_bytes(), host_buffer_bytes=0)
         return out
@@ -159,6 +168,13 @@ def _run(size_mb: int, device: str | None, rounds: int) -> dict:
     cold_h2d = _timed(lambda: fresh.append(fresh[0].to(engine.torch_device)), spec)
     fresh.clear()
     h2d_fresh = median(lambda: host_buf.to(engine.torch_device, non_blocking=pin))
+    allocs = []
+    for _ in range(rounds):  # what the cold offload allocated, on its own; freed (untimed) after each round
+        slabs = HostBufferPool(pin)
+        allocs.append(_timed(lambda: slabs.reserve(enumerate(tensors), SLAB_BYTES), spec))
+        slabs.clear()
+    alloc = statistics.median(allocs)
+    floor = alloc + d2h + h2d
     gbps = lambda n, s: n / s / 1e9  # noqa: E731
     out.update(plain_d2h_gbps=gbps(nbytes, d2h), plain_h2d_gbps=gbps(nbytes, h2d),
                plain_h2d_fresh_gbps=gbps(nbytes, h2d_fresh), plain_gbps=gbps(2 * nbytes, d2h + h2d),
@@ -166,6 +182,7 @@ def _run(size_mb: int, device: str | None, rounds: int) -> dict:
                cold_gbps=gbps(2 * nbytes, cold), warm_gbps=gbps(2 * nbytes, warm_s),
                cold_ratio=(d2h + h2d) / cold, warm_ratio=(d2h + h2d) / warm_s,
                plain_cold_gbps=gbps(2 * nbytes, cold_d2h + cold_h2d), cold_vs_plain_cold=(cold_d2h + cold_h2d) / cold,
+               host_alloc_gbps=gbps(nbytes, alloc), cold_floor_ratio=(d2h + h2d) / floor, cold_vs_floor=floor / cold,
                rss_peak_bytes=_rss_peak_bytes(), host_buffer_bytes=engine.host_buffers.nbytes)
     return out
 
@@ -180,7 +197,6 @@ def print_table(r: dict) -> None:
     table = Table(title=title)
     for col in ("what", "GB/s", "x plain"):
         table.add_column(col, justify="right" if col != "what" else "left")
-    p = r["plain_gbps"] or 1.0
     rows = [
         ("plain copy_ round trip (one buffer, D2H + H2D)", r["plain_gbps"], 1.0 if r["moves"] else 0.0),
         ("  plain D2H copy_ into touched host buffer", r["plain_d2h_gbps"], None),
@@ -191,14 +207,17 @@ def print_table(r: dict) -> None:
         ("engine to('cpu') + to(dev), warm (reuses them)", r["warm_gbps"], r["warm_ratio"]),
         ("  engine offload, warm", r["offload_gbps"], r["offload_gbps"] / (r["plain_d2h_gbps"] or 1.0)),
         ("  engine onload, warm", r["onload_gbps"], r["onload_gbps"] / (r["plain_h2d_gbps"] or 1.0)),
+        ("host slabs allocated alone (what a cold offload allocates)", r["host_alloc_gbps"], None),
+        ("floor of a cold round trip: host alloc + plain round trip", 0.0 if not r["cold_floor_ratio"] else
+         r["plain_gbps"] * r["cold_floor_ratio"], r["cold_floor_ratio"]),
     ]
-    del p
     for what, rate, ratio in rows:
         table.add_row(what, f"{rate:.2f}", "" if ratio is None else f"{ratio:.2f}")
     console = Console()
     console.print(table)
     if r["moves"]:
-        console.print(f"engine cold round trip = {r['cold_vs_plain_cold']:.2f}x the plain cold one")
+        console.print(f"engine cold round trip = {r['cold_vs_plain_cold']:.2f}x the plain cold one, "
+                      f"{r['cold_vs_floor']:.2f}x the floor (host alloc + plain round trip)")
     console.print(f"peak host RSS {r['rss_peak_bytes'] / 2**30:.2f} GiB; engine host buffers "
                   f"{r['host_buffer_bytes'] / 2**30:.2f} GiB")
     if not r["moves"]:

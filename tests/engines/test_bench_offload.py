@@ -26,9 +26,9 @@ def test_run_reports_rates_and_buffers(hal_device):
 def test_each_figure_comes_from_its_own_timings(hal_device, monkeypatch):
     # Scripted durations (seconds) in the order the benchmark times things: the cold round trip, three warm
     # (offload, onload) pairs, three device-to-host and three host-to-device copies, the plain cold
-    # .to("cpu") and .to(device), three fresh onloads.
+    # .to("cpu") and .to(device), three fresh onloads, three allocations of the host slabs alone.
     # The moves themselves still run; only the clock is scripted, so every figure is known in advance.
-    script = iter([10.0, 3.0, 4.0, 1.0, 2.0, 0.5, 0.5, 6.0, 2.0, 4.0, 5.0, 1.0, 3.0, 12.0, 4.0, 8.0, 8.0, 8.0])
+    script = iter([10.0, 3.0, 4.0, 1.0, 2.0, 0.5, 0.5, 6.0, 2.0, 4.0, 5.0, 1.0, 3.0, 12.0, 4.0, 8.0, 8.0, 8.0, 9.0, 11.0, 2.0])
 
     def timed(fn, spec):
         fn()
@@ -51,6 +51,9 @@ def test_each_figure_comes_from_its_own_timings(hal_device, monkeypatch):
         "warm_ratio": 7.0 / 3.0,
         "plain_cold_gbps": 2 * n / 16.0 / 1e9,
         "cold_vs_plain_cold": 16.0 / 10.0,
+        "host_alloc_gbps": n / 9.0 / 1e9,  # median of 9, 11, 2
+        "cold_floor_ratio": 7.0 / (9.0 + 7.0),  # plain round trip / (host alloc + plain round trip)
+        "cold_vs_floor": (9.0 + 7.0) / 10.0,
     }
     assert {k: r[k] for k in expected} == pytest.approx(expected, rel=1e-12)
     assert r["host_buffer_bytes"] == n
