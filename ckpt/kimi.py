@@ -12,24 +12,11 @@ The path verl 0.9.1 drives (``verl/checkpoint_engine/kimi_checkpoint_engine.py``
   rollout group, two device slots alternating so bucket k+1 moves while the consumer reads bucket k;
 * when every rollout said it is done, the trainer unregisters the checkpoint and ``send_weights`` returns.
 
-What hal adapts, all of it device knowledge taken from the device spec rather than the library's if-chains:
-the library's ``DeviceManager`` (device type, torch module, collective backend) comes from the hal kind; the
-Mooncake protocol is the kind's ``mooncake_protocol`` (``rdma`` on cuda, ``ascend_direct`` on npu; a kind
-without one, such as npu-sim, or a cuda host without an RDMA NIC, moves host memory over ``tcp`` and copies
-each bucket host-to-device, which is what the library's "h2d buffer" is for; see :func:`mooncake_protocol`); the device identifier the library would read from ``npu-smi``
-(used only by its ``update()`` path, which hal does not call) is made from host, process and device index.
-Which kinds the engine runs on is the spec field ``kimi_checkpoint_engine``.
-
-The library's collectives (``checkpoint_engine.distributed``) go to torch's default process group; hal keeps
-that group for the training job and gives the library a ``Distributed`` backend of its own (the library's
-ABC) that answers ``all_gather_object`` and ``barrier`` over hal's rendezvous store, bounded by the engine's
-timeout and naming the ranks that did not answer. checkpoint-engine selects its backend through the module
-global ``checkpoint_engine.distributed.base._BACKEND_INSTANCE`` (its ``use_backend`` knows only
-``vllm_nccl``/``vllm_hccl``), so hal installs its backend there once per process; it routes calls made by a
-hal engine (marked with a context variable) to that engine's store and every other call to the backend that
-was installed before. That, and the private library functions used (``_gen_h2d_buckets``,
-``_to_named_tensor``, ``ParameterServer._copy_to_buffer``, the attributes ``gather_metas`` reads), were
-checked against checkpoint-engine 0.4.2 only: other versions are reported unavailable.
+Every call into the library goes through :mod:`ckpt.kimi_library`, hal's adapter around checkpoint-engine
+0.4.2: the library's device manager and Mooncake store made from the hal device kind (Mooncake protocol:
+the kind's ``mooncake_protocol``, else host memory over ``tcp`` copied host-to-device), its collectives
+answered over hal's rendezvous store. Which kinds the engine runs on is the spec field ``kimi_checkpoint_engine``; other
+checkpoint-engine versions than those checked are reported unavailable.
 
 Install: the ``kimi`` extra, with ``pip install --no-deps checkpoint-engine==0.4.2`` (its wheel requires
 torch, which must stay the build you have) and Mooncake (the ``mooncake`` extra).
@@ -38,12 +25,7 @@ torch, which must stay the build you have) and Mooncake (the ``mooncake`` extra)
 from __future__ import annotations
 
 import asyncio
-import contextvars
-import os
-import pickle
 import socket
-import time
-from datetime import timedelta
 from typing import Any, AsyncIterator, Iterable
 
 import torch
@@ -52,15 +34,11 @@ import hal
 from ckpt.base import NamedTensor, check_global_steps, check_step
 from ckpt.errors import (CheckpointConfigError, CheckpointEngineUnavailableError, TransferAbortedError,
                          TransferError, TransferTimeoutError)
+from ckpt.kimi_library import (CHECKED_VERSIONS, HOST_PROTOCOL, ParameterServerAdapter, World, library_problem,
+                               mooncake_protocol)
 from ckpt.p2p import DEFAULT_BUCKET_SIZE, TrainerToRolloutsEngine
 
 SPEC_FIELD = "kimi_checkpoint_engine"
-CHECKED_VERSIONS = ("0.4.2",)
-"""checkpoint-engine versions whose private functions and attributes this adapter was checked against."""
-HOST_PROTOCOL = "tcp"
-"""Mooncake's protocol for host memory: used where the device kind has no ``mooncake_protocol``."""
-_CHECKPOINT = "hal-kimi"
-_BUFFER = "__hal_receive_buffer__"
 _MARK = "~hal/"  # names of the marker entries; every weight's name is "<8-digit ordinal>/<name>"
 
 
@@ -69,229 +47,6 @@ def supported_kinds() -> list[str]:
     from hal.registry import get_spec
 
     return [k for k in hal.known_kinds() if getattr(get_spec(k), SPEC_FIELD, False)]
-
-
-def _library_problem() -> str:
-    """Why checkpoint-engine cannot be used by this adapter, or ``""``."""
-    try:
-        import checkpoint_engine
-        import checkpoint_engine.ps  # noqa: F401
-    except Exception as exc:  # noqa: BLE001 - ImportError of it or its dependencies
-        return (f"import checkpoint_engine.ps failed ({type(exc).__name__}: {exc}); install the 'kimi' extra "
-                "(pip install --no-deps checkpoint-engine==0.4.2, then its dependencies)")
-    version = getattr(checkpoint_engine, "__version__", "unknown")
-    if version not in CHECKED_VERSIONS:
-        return (f"checkpoint-engine {version} is installed; hal's adapter was checked against "
-                f"{', '.join(CHECKED_VERSIONS)} only (pip install --no-deps checkpoint-engine==0.4.2)")
-    try:
-        import mooncake.engine  # noqa: F401
-    except Exception as exc:  # noqa: BLE001 - ImportError, OSError (libibverbs.so.1 missing)
-        return (f"import mooncake.engine failed ({type(exc).__name__}: {exc}); checkpoint-engine's p2p path "
-                "needs Mooncake (the 'mooncake' extra)")
-    return ""
-
-
-# ---- the library's collectives over hal's store ---------------------------------------------------------
-class _World:
-    """One engine's world for the library's collectives: the rendezvous store, this rank, the labels."""
-
-    def __init__(self, store: Any, rank: int, world_size: int, timeout: float, label) -> None:
-        self.store, self.rank, self.world_size, self.timeout, self.label = store, rank, world_size, timeout, label
-        self.calls = 0
-
-    def _wait(self, keys: dict[int, str], what: str) -> None:
-        """Wait for every key of ``keys`` (``{rank: key}``) until ``timeout``; name the ranks that did not set theirs.
-
-        Raises:
-            TransferTimeoutError: a rank did not answer in time; TransferError: the store's host, the
-                trainer, is gone.
-        """
-        deadline = time.monotonic() + self.timeout
-        for key in keys.values():
-            try:
-                self.store.wait([key], timedelta(seconds=max(0.01, deadline - time.monotonic())))
-            except Exception as exc:  # noqa: BLE001 - a timeout, or the store's host (the trainer) is gone
-                first = (str(exc).splitlines() or [""])[0]
-                try:
-                    missing = [self.label(r) for r, k in keys.items() if not self.store.check([k])]
-                except Exception:  # noqa: BLE001 - the store itself is unreachable
-                    raise TransferError(f"{what}: {self.label(0)}, which hosts the rendezvous store, is "
-                                        f"unreachable ({type(exc).__name__}: {first})") from None
-                raise TransferTimeoutError(f"{what}: {', '.join(missing)} did not answer within {self.timeout:g} s "
-                                           f"({type(exc).__name__}: {first})") from None
-
-    def all_gather_object(self, object_list: list, obj: Any) -> None:
-        self.calls += 1
-        prefix = f"kimi/{self.calls}/gather/"
-        try:
-            self.store.set(prefix + str(self.rank), pickle.dumps(obj))
-        except Exception as exc:  # noqa: BLE001 - the store's host (the trainer) is gone
-            raise TransferError(f"checkpoint-engine gather_metas on {self.label(self.rank)}: {self.label(0)}, which "
-                                f"hosts the rendezvous store, is unreachable ({type(exc).__name__}: {exc})") from None
-        self._wait({r: prefix + str(r) for r in range(self.world_size) if r != self.rank},
-                   f"checkpoint-engine gather_metas on {self.label(self.rank)}")
-        for r in range(self.world_size):
-            object_list[r] = obj if r == self.rank else pickle.loads(self.store.get(prefix + str(r)))
-
-
-_CURRENT: contextvars.ContextVar[_World | None] = contextvars.ContextVar("hal_kimi_world", default=None)
-
-
-def _install_backend() -> None:
-    """Install hal's ``Distributed`` backend into checkpoint-engine once per process (see the module doc)."""
-    from checkpoint_engine.distributed import base
-
-    if getattr(base._BACKEND_INSTANCE, "hal_routes", False):
-        return
-
-    class _HalRoutedDistributed(base.Distributed):
-        """Calls made inside a hal engine go to its :class:`_World`; others to the backend installed before."""
-
-        hal_routes = True
-
-        def __init__(self, previous: Any) -> None:
-            self.previous = previous
-
-        def _world(self, what: str) -> _World | None:
-            world = _CURRENT.get()
-            if world is not None and what not in ("all_gather_object", "is_initialized"):
-                raise CheckpointConfigError(f"checkpoint-engine called {what} inside hal's kimi engine, which "
-                                            "answers only all_gather_object (checked against 0.4.2)")
-            return world
-
-        def init_process_group(self, rank, world_size, store, **kwargs):
-            self._world("init_process_group")
-            return self.previous.init_process_group(rank, world_size, store, **kwargs)
-
-        def destroy_process_group(self, group=None):
-            self._world("destroy_process_group")
-            return self.previous.destroy_process_group(group)
-
-        def is_initialized(self) -> bool:
-            return True if self._world("is_initialized") is not None else self.previous.is_initialized()
-
-        def all_gather_object(self, object_list, obj, group=None):
-            world = self._world("all_gather_object")
-            if world is None:
-                return self.previous.all_gather_object(object_list, obj, group)
-            return world.all_gather_object(object_list, obj)
-
-        def all_reduce(self, tensor, op=torch.distributed.ReduceOp.SUM, group=None, **kwargs):
-            self._world("all_reduce")
-            return self.previous.all_reduce(tensor, op, group, **kwargs)
-
-        def broadcast(self, tensor, src=0, group=None, **kwargs):
-            self._world("broadcast")
-            return self.previous.broadcast(tensor, src, group, **kwargs)
-
-        def barrier(self, group=None, **kwargs):
-            self._world("barrier")
-            return self.previous.barrier(group, **kwargs)
-
-        def new_group(self, ranks, **kwargs):
-            self._world("new_group")
-            return self.previous.new_group(ranks, **kwargs)
-
-    base._BACKEND_INSTANCE = _HalRoutedDistributed(base._BACKEND_INSTANCE)
-
-
-# ---- the library's objects, built from the hal device kind -----------------------------------------------
-def mooncake_protocol(spec) -> tuple[str, bool]:
-    """``(protocol, in_place)``: the Mooncake protocol for the kind ``spec`` and whether it moves the kind's
-    device memory itself (else buckets are pulled into pinned host memory over ``tcp`` and copied over).
-
-    The kind's ``mooncake_protocol`` field decides (``rdma`` on cuda, ``ascend_direct`` on npu); ``rdma``
-    also needs an RDMA NIC, found as checkpoint-engine finds it (``PS_P2P_STORE_RDMA_DEVICES``,
-    ``NCCL_IB_HCA``, else every ibverbs device): without one, host memory over ``tcp`` is what works.
-    """
-    protocol = spec.mooncake_protocol
-    if protocol is None:
-        return HOST_PROTOCOL, False
-    if protocol == "rdma":
-        from checkpoint_engine.device_utils import _get_rdma_devices
-
-        try:
-            nics = _get_rdma_devices()
-        except OSError:  # libibverbs.so.1 missing
-            nics = []
-        if not nics:
-            return HOST_PROTOCOL, False
-    return protocol, True
-
-
-def _make_parameter_server(spec, protocol: str, device_index: int, rank: int, world_size: int, host: str):
-    """A ``ParameterServer`` (rank ``rank`` of ``world_size``) whose device manager and Mooncake store come
-    from the hal kind ``spec`` and ``protocol``; without the rendezvous store and ``npu-smi`` call of its own
-    constructor."""
-    from checkpoint_engine.device_utils import DeviceManager
-    from checkpoint_engine.p2p_store import P2PStore
-    from checkpoint_engine.ps import ParameterServer
-    from mooncake.engine import TransferEngine
-
-    class HalDeviceManager(DeviceManager):
-        """The library's device facts from the hal device spec (its own detection knows cuda and npu only)."""
-
-        def __init__(self) -> None:  # noqa: D107 - no detection: the kind is hal's
-            self.device_type = spec.name
-            self.device_module = hal.get_torch_device(spec)
-
-        @property
-        def backend(self) -> str:
-            return spec.dist_backend
-
-        @property
-        def transfer_engine_protocol(self) -> str:
-            return protocol
-
-        def rdma_device(self, rank: int) -> str:
-            return super().rdma_device(rank) if self.transfer_engine_protocol == "rdma" else ""
-
-    class HalP2PStore(P2PStore):
-        """The library's Mooncake store, reachable at ``host``, its rank given rather than read from ``RANK``."""
-
-        def __init__(self, device_manager: DeviceManager) -> None:  # noqa: D107
-            self.rank, self.ip = rank, host
-            self.device = device_manager.rdma_device(device_index)
-            self.engine = TransferEngine()
-            protocol = device_manager.transfer_engine_protocol
-            rc = self.engine.initialize(host, "P2PHANDSHAKE", protocol, self.device)
-            if rc != 0:
-                raise TransferError(f"Mooncake TransferEngine.initialize({host!r}, 'P2PHANDSHAKE', {protocol!r}, "
-                                    f"{self.device!r}) returned {rc} on rank {rank}")
-            self.port = self.engine.get_rpc_port()
-            self.named_tensors = {}
-
-        def batch_transfer_sync_read(self, target_hostname, buf_ptrs, remote_ptrs, lens) -> None:
-            rc = self.engine.batch_transfer_sync_read(target_hostname, buf_ptrs, remote_ptrs, lens)
-            if rc != 0:
-                raise TransferError(f"Mooncake batch_transfer_sync_read of {sum(lens)} bytes from {target_hostname} "
-                                    f"returned {rc} (the peer is dead or unreachable)")
-
-    class HalParameterServer(ParameterServer):
-        """``ParameterServer`` state as its 0.4.2 constructor sets it, for the methods hal calls."""
-
-        def __init__(self) -> None:  # noqa: D107
-            from collections import defaultdict
-
-            self._rank, self._world_size = rank, world_size
-            self.device_manager = HalDeviceManager()
-            self._gpu_count = max(1, self.device_manager.device_module.device_count())
-            self._local_rank = device_index
-            self._auto_pg = False
-            self._all_hosts, self._global_device_uuids = [], []
-            self._local_rdma_devices, self._remote_rdma_devices = defaultdict(set), defaultdict(set)
-            self._mem_fraction = 0.9
-            self._zmq_ctx, self._zmq_addr_counter = None, 0
-            self._current_shared_memory_pool_user = ""
-            self._memory_pool = {self.shared_memory_pool_name: []}
-            self._current_global_parameter_metas = {}
-            self._p2p_store = HalP2PStore(self.device_manager)
-            # the library reads it from npu-smi / CUDA; only its update() path (device IPC sockets) uses it
-            self._device_uuid = f"{spec.kind}-{host}-{os.getpid()}-{device_index}"
-            self._rdma_device = self._p2p_store.device
-            self._store, self._store_counter = None, 0
-
-    return HalParameterServer()
 
 
 def _local_address_towards(addr: str) -> str:
@@ -345,8 +100,8 @@ class KimiCheckpointEngine(TrainerToRolloutsEngine):
         state = self.availability(device)
         if not state:
             raise CheckpointEngineUnavailableError(f"checkpoint engine 'kimi' is unavailable here: {state.reason}")
-        self._ps = None
-        self._world: _World | None = None
+        self._ps: ParameterServerAdapter | None = None
+        self._world: World | None = None
         self._group: hal.StoreGroup | None = None
         self._slots: torch.Tensor | None = None
         self._h2d: torch.Tensor | None = None
@@ -368,7 +123,7 @@ class KimiCheckpointEngine(TrainerToRolloutsEngine):
                 f"Kimi's checkpoint-engine runs only on device kinds {kinds} (its ParameterServer needs a device "
                 f"with pinned host memory and a collective backend, which hal's spec field {SPEC_FIELD} declares); "
                 f"the device kind asked for is {spec.kind!r} (select one with HAL_DEVICE or --device)")
-        problem = _library_problem()
+        problem = library_problem()
         return hal.Availability.unavailable(problem) if problem else hal.Availability.available()
 
     # ---- configuration and lifecycle ----------------------------------------------------------------
@@ -400,7 +155,7 @@ class KimiCheckpointEngine(TrainerToRolloutsEngine):
         """Release everything: the trainer's pinned pool, the rollout's slots, the group, the Mooncake engine,
         the store."""
         if self._pool_layout is not None and self._ps is not None:
-            self._ps.unregister_checkpoint(_CHECKPOINT, force=True)
+            self._ps.unregister(force=True)
         self._pool_layout = None
         self._release_buffers()
         if self._group is not None:
@@ -410,7 +165,7 @@ class KimiCheckpointEngine(TrainerToRolloutsEngine):
     def _release_buffers(self) -> None:
         if self._slots is not None and self._ps is not None:
             try:
-                self._ps._p2p_store.unregister_named_tensors([_BUFFER])
+                self._ps.unregister_buffer()
             except Exception:  # noqa: BLE001 - a failed engine; the buffer is dropped either way
                 pass
         self._h2d = self._slots = None
@@ -424,15 +179,15 @@ class KimiCheckpointEngine(TrainerToRolloutsEngine):
         if self.master_addr is None or self.master_port is None:
             raise CheckpointConfigError(f"kimi needs master_addr and master_port (rank 0's store), got "
                                         f"{self.master_addr!r}, {self.master_port!r}")
-        _install_backend()
         spec = hal.resolve_device(self.device_kind)
         device = hal.bind_local_device(self.device_kind)
         self._device = device
         store = hal.connect_store(self.master_addr, int(self.master_port), self.rank, self.world_size, self.timeout)
         host = self.host or (self.master_addr if self.rank == 0 else _local_address_towards(self.master_addr))
         self._protocol, self._in_place = mooncake_protocol(spec)
-        ps = _make_parameter_server(spec, self._protocol, device.index or 0, self.rank, self.world_size, host)
-        self._world = _World(store, self.rank, self.world_size, self.timeout, self._label)
+        world = World(store, self.rank, self.world_size, self.timeout, self._label)
+        ps = ParameterServerAdapter(spec, self._protocol, device.index or 0, self.rank, self.world_size, host, world)
+        self._world = world
         if self.rank > 0 and self.world_size > 2:
             self._group = hal.new_group_from_store(store, self.rank - 1, self.world_size - 1, device=spec,
                                                    timeout=self.timeout, prefix="kimi-rollouts")
@@ -444,13 +199,6 @@ class KimiCheckpointEngine(TrainerToRolloutsEngine):
         except hal.DistributedTimeoutError as exc:
             raise TransferTimeoutError(f"{self._label(self.rank)} could not join the engine's rendezvous within "
                                        f"{self.timeout:g} s (a peer is dead or missing): {exc}") from None
-
-    def _gather_metas(self) -> None:
-        token = _CURRENT.set(self._world)
-        try:
-            self._ps.gather_metas(_CHECKPOINT)
-        finally:
-            _CURRENT.reset(token)
 
     def _done(self, step: int | None) -> None:
         """Tell the trainer this rollout is done with the update (it then unregisters the host buffers)."""
@@ -493,19 +241,18 @@ class KimiCheckpointEngine(TrainerToRolloutsEngine):
         ps = self._ps
         layout = tuple(t.numel() * t.element_size() for t in named.values())  # in name order: ordinal, marker
         if self._pool_layout is not None:  # the previous update's registration: keep its pool if sizes match
-            ps.unregister_checkpoint(_CHECKPOINT, force=self._pool_layout != layout)
+            ps.unregister(force=self._pool_layout != layout)
             self._pool_layout = None
         hal.synchronize(self.device_kind)
-        ps.register_checkpoint(_CHECKPOINT, named_tensors=named, use_inplace_pin_memory=False,
-                               use_shared_memory_pool=True)
+        ps.register(named)
         self._pool_layout = layout
         named.clear()
         try:
-            self._gather_metas()
+            ps.gather_metas()
         except TransferError as exc:
             raise type(exc)(f"step {step}: {exc}") from None
         n = self._world.calls
-        self._world._wait({r: f"kimi/{n}/done/{r}" for r in range(1, self.world_size)},
+        self._world.wait({r: f"kimi/{n}/done/{r}" for r in range(1, self.world_size)},
                           f"step {step} on the trainer, waiting for the rollouts to pull it")
 
     # ---- rollouts -------------------------------------------------------------------------------------
@@ -522,10 +269,9 @@ class KimiCheckpointEngine(TrainerToRolloutsEngine):
         if self.rank is None or self.rank < 1:
             raise CheckpointConfigError(f"receive_weights called on rank {self.rank}; rollouts are ranks 1..N")
         await self._ready_async()
-        await asyncio.to_thread(self._gather_metas)
+        metas = await asyncio.to_thread(self._ps.gather_metas)
         step: Any = "unknown"
         try:
-            metas = self._ps._current_global_parameter_metas
             marks = [m.name for owner in metas.values() for buf in owner.memory_buffer_metas_list
                      for m in buf.metas if m.name.startswith(_MARK)]
             if len(marks) != 1:
@@ -548,14 +294,12 @@ class KimiCheckpointEngine(TrainerToRolloutsEngine):
                 pass
 
     async def _pull(self, metas: dict, step: int | None) -> AsyncIterator[NamedTensor]:
-        from checkpoint_engine.ps import _gen_h2d_buckets, _to_named_tensor
-
         ps = self._ps
         largest = max(m.aligned_size for owner in metas.values() for b in owner.memory_buffer_metas_list
                       for m in b.metas)
         size = max(self.bucket_size, largest)
         rollouts = list(range(1, self.world_size))
-        buckets = _gen_h2d_buckets(metas, size, ps._local_rdma_devices, ps._remote_rdma_devices, rollouts)
+        buckets = ps.buckets(metas, size, rollouts)
         self._buffers(size)
         loop = asyncio.get_running_loop()
 
@@ -565,7 +309,7 @@ class KimiCheckpointEngine(TrainerToRolloutsEngine):
             if receiver == self.rank:
                 target = self._h2d if self._h2d is not None else slot
                 try:
-                    ps._copy_to_buffer(_CHECKPOINT, bucket, target, owner)
+                    ps.pull(bucket, target, owner)
                 except TransferError as exc:
                     raise TransferError(f"rollout rank {self.rank} pulling bucket {k} of step {step} from "
                                         f"{self._label(owner)}: {exc}") from None
@@ -595,7 +339,7 @@ class KimiCheckpointEngine(TrainerToRolloutsEngine):
             pending = loop.run_in_executor(None, move, k + 1) if k + 1 < len(buckets) else None
             slot = self._slots[(k % 2) * size:]
             try:
-                for item in _to_named_tensor(buckets[k][2].items, 0):
+                for item in ps.items(buckets[k][2]):
                     name = item["name"]
                     if name.startswith(_MARK):
                         continue
@@ -616,4 +360,9 @@ class KimiCheckpointEngine(TrainerToRolloutsEngine):
         self._slots = torch.empty(2 * size, dtype=torch.uint8, device=self._device)
         if not self._in_place:
             self._h2d = torch.empty(size, dtype=torch.uint8, pin_memory=True)
-        self._ps._p2p_store.register_named_tensors({_BUFFER: self._h2d if self._h2d is not None else self._slots})
+        self._ps.register_buffer(self._h2d if self._h2d is not None else self._slots)
+
+
+__all__ = ["KimiCheckpointEngine", "supported_kinds", "SPEC_FIELD",
+           # the library adapter's names, importable from here as before it was its own module
+           "CHECKED_VERSIONS", "HOST_PROTOCOL", "mooncake_protocol"]

@@ -78,11 +78,11 @@ def test_the_library_backend_hal_installs_routes_only_calls_made_inside_a_hal_en
     pytest.importorskip("checkpoint_engine.distributed", reason="checkpoint-engine is not installed (kimi extra)")
     from checkpoint_engine.distributed import base
 
-    from ckpt.kimi import _install_backend
+    from ckpt.kimi_library import install_backend
 
     before = base._BACKEND_INSTANCE
-    _install_backend()
-    _install_backend()  # idempotent: one hal backend, wrapping the one installed before
+    install_backend()
+    install_backend()  # idempotent: one hal backend, wrapping the one installed before
     routed = base._BACKEND_INSTANCE
     assert routed.hal_routes and routed.previous is (before.previous if getattr(before, "hal_routes", False) else before)
     assert type(routed.previous).__name__ == "TorchBackend"

@@ -1,0 +1,386 @@
+"""hal's adapter around Kimi's ``checkpoint-engine`` 0.4.2 library (``checkpoint_engine.ps.ParameterServer``).
+
+What :mod:`ckpt.kimi`'s engine needs from the library, and every piece of hal that touches its internals:
+
+* :class:`ParameterServerAdapter`: one ``ParameterServer`` per engine, built without its constructor's
+  rendezvous store and ``npu-smi`` call, from subclasses of the library's ``DeviceManager`` (device type,
+  torch module, collective backend taken from the hal device spec rather than the library's if-chains),
+  ``P2PStore`` (Mooncake, its rank given rather than read from ``RANK``, failures raised as hal errors) and
+  ``ParameterServer``; its methods are the library calls the engine makes (register the trainer's update in
+  pinned host memory, ``gather_metas``, cut the layout into buckets with ``_gen_h2d_buckets``, pull one with
+  ``ParameterServer._copy_to_buffer``, read a bucket's tensors with ``_to_named_tensor``, register a receiving
+  buffer with the Mooncake store). The device identifier the library would read from ``npu-smi`` (used only by
+  its ``update()`` path, which hal does not call) is made from host, process and device index.
+* :func:`mooncake_protocol`: the kind's ``mooncake_protocol`` (``rdma`` on cuda, ``ascend_direct`` on npu); a
+  kind without one, such as npu-sim, or a cuda host without an RDMA NIC, moves host memory over ``tcp``, then
+  each bucket is copied host-to-device (the library's "h2d buffer").
+* The library's collectives (``checkpoint_engine.distributed``) go to torch's default process group; hal keeps
+  that group for the training job and gives the library a ``Distributed`` backend of its own (the library's
+  ABC) that answers ``all_gather_object`` over hal's rendezvous store (:class:`World`), bounded by the engine's
+  timeout and naming the ranks that did not answer. checkpoint-engine selects its backend through the module
+  global ``checkpoint_engine.distributed.base._BACKEND_INSTANCE`` (its ``use_backend`` knows only
+  ``vllm_nccl``/``vllm_hccl``), so :func:`install_backend` installs hal's there once per process; it routes
+  calls made by a hal engine (marked with a context variable) to that engine's store and every other call to
+  the backend that was installed before.
+
+That, and the private library functions used (``_gen_h2d_buckets``, ``_to_named_tensor``,
+``ParameterServer._copy_to_buffer``, the attributes ``gather_metas`` reads), were checked against
+checkpoint-engine 0.4.2 only: other versions are reported unavailable (:func:`library_problem`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import os
+import pickle
+import time
+from datetime import timedelta
+from typing import Any, Callable, Iterator
+
+import torch
+
+import hal
+from ckpt.errors import CheckpointConfigError, TransferError, TransferTimeoutError
+
+CHECKED_VERSIONS = ("0.4.2",)
+"""checkpoint-engine versions whose private functions and attributes this adapter was checked against."""
+HOST_PROTOCOL = "tcp"
+"""Mooncake's protocol for host memory: used where the device kind has no ``mooncake_protocol``."""
+
+
+def library_problem() -> str:
+    """Why checkpoint-engine cannot be used by this adapter, or ``""``."""
+    try:
+        import checkpoint_engine
+        import checkpoint_engine.ps  # noqa: F401
+    except Exception as exc:  # noqa: BLE001 - ImportError of it or its dependencies
+        return (f"import checkpoint_engine.ps failed ({type(exc).__name__}: {exc}); install the 'kimi' extra "
+                "(pip install --no-deps checkpoint-engine==0.4.2, then its dependencies)")
+    version = getattr(checkpoint_engine, "__version__", "unknown")
+    if version not in CHECKED_VERSIONS:
+        return (f"checkpoint-engine {version} is installed; hal's adapter was checked against "
+                f"{', '.join(CHECKED_VERSIONS)} only (pip install --no-deps checkpoint-engine==0.4.2)")
+    try:
+        import mooncake.engine  # noqa: F401
+    except Exception as exc:  # noqa: BLE001 - ImportError, OSError (libibverbs.so.1 missing)
+        return (f"import mooncake.engine failed ({type(exc).__name__}: {exc}); checkpoint-engine's p2p path "
+                "needs Mooncake (the 'mooncake' extra)")
+    return ""
+
+
+# ---- the library's collectives over hal's store ---------------------------------------------------------
+class World:
+    """One engine's world for the library's collectives: the rendezvous store, this rank, the labels.
+
+    Args:
+        store: the engine's ``torch.distributed.Store`` (rank 0 hosts it).
+        rank, world_size: this process's rank and the number of ranks.
+        timeout: seconds bounding each wait.
+        label: ``label(rank) -> str``, how errors name a rank.
+
+    ``calls`` counts the collectives made, so each one's keys are its own.
+    """
+
+    def __init__(self, store: Any, rank: int, world_size: int, timeout: float, label: Callable[[int], str]) -> None:
+        self.store, self.rank, self.world_size, self.timeout, self.label = store, rank, world_size, timeout, label
+        self.calls = 0
+
+    def wait(self, keys: dict[int, str], what: str) -> None:
+        """Wait for every key of ``keys`` (``{rank: key}``) until ``timeout``; name the ranks that did not set theirs.
+
+        Raises:
+            TransferTimeoutError: a rank did not answer in time; TransferError: the store's host, the
+                trainer, is gone.
+        """
+        deadline = time.monotonic() + self.timeout
+        for key in keys.values():
+            try:
+                self.store.wait([key], timedelta(seconds=max(0.01, deadline - time.monotonic())))
+            except Exception as exc:  # noqa: BLE001 - a timeout, or the store's host (the trainer) is gone
+                first = (str(exc).splitlines() or [""])[0]
+                try:
+                    missing = [self.label(r) for r, k in keys.items() if not self.store.check([k])]
+                except Exception:  # noqa: BLE001 - the store itself is unreachable
+                    raise TransferError(f"{what}: {self.label(0)}, which hosts the rendezvous store, is "
+                                        f"unreachable ({type(exc).__name__}: {first})") from None
+                raise TransferTimeoutError(f"{what}: {', '.join(missing)} did not answer within {self.timeout:g} s "
+                                           f"({type(exc).__name__}: {first})") from None
+
+    def all_gather_object(self, object_list: list, obj: Any) -> None:
+        """``torch.distributed.all_gather_object`` over the store: ``object_list[r]`` becomes rank r's ``obj``.
+
+        Raises:
+            TransferTimeoutError, TransferError: as :meth:`wait`.
+        """
+        self.calls += 1
+        prefix = f"kimi/{self.calls}/gather/"
+        try:
+            self.store.set(prefix + str(self.rank), pickle.dumps(obj))
+        except Exception as exc:  # noqa: BLE001 - the store's host (the trainer) is gone
+            raise TransferError(f"checkpoint-engine gather_metas on {self.label(self.rank)}: {self.label(0)}, which "
+                                f"hosts the rendezvous store, is unreachable ({type(exc).__name__}: {exc})") from None
+        self.wait({r: prefix + str(r) for r in range(self.world_size) if r != self.rank},
+                  f"checkpoint-engine gather_metas on {self.label(self.rank)}")
+        for r in range(self.world_size):
+            object_list[r] = obj if r == self.rank else pickle.loads(self.store.get(prefix + str(r)))
+
+
+_CURRENT: contextvars.ContextVar[World | None] = contextvars.ContextVar("hal_kimi_world", default=None)
+
+
+def install_backend() -> None:
+    """Install hal's ``Distributed`` backend into checkpoint-engine once per process (see the module doc)."""
+    from checkpoint_engine.distributed import base
+
+    if getattr(base._BACKEND_INSTANCE, "hal_routes", False):
+        return
+
+    class _HalRoutedDistributed(base.Distributed):
+        """Calls made inside a hal engine go to its :class:`World`; others to the backend installed before."""
+
+        hal_routes = True
+
+        def __init__(self, previous: Any) -> None:
+            self.previous = previous
+
+        def _world(self, what: str) -> World | None:
+            world = _CURRENT.get()
+            if world is not None and what not in ("all_gather_object", "is_initialized"):
+                raise CheckpointConfigError(f"checkpoint-engine called {what} inside hal's kimi engine, which "
+                                            "answers only all_gather_object (checked against 0.4.2)")
+            return world
+
+        def init_process_group(self, rank, world_size, store, **kwargs):
+            self._world("init_process_group")
+            return self.previous.init_process_group(rank, world_size, store, **kwargs)
+
+        def destroy_process_group(self, group=None):
+            self._world("destroy_process_group")
+            return self.previous.destroy_process_group(group)
+
+        def is_initialized(self) -> bool:
+            return True if self._world("is_initialized") is not None else self.previous.is_initialized()
+
+        def all_gather_object(self, object_list, obj, group=None):
+            world = self._world("all_gather_object")
+            if world is None:
+                return self.previous.all_gather_object(object_list, obj, group)
+            return world.all_gather_object(object_list, obj)
+
+        def all_reduce(self, tensor, op=torch.distributed.ReduceOp.SUM, group=None, **kwargs):
+            self._world("all_reduce")
+            return self.previous.all_reduce(tensor, op, group, **kwargs)
+
+        def broadcast(self, tensor, src=0, group=None, **kwargs):
+            self._world("broadcast")
+            return self.previous.broadcast(tensor, src, group, **kwargs)
+
+        def barrier(self, group=None, **kwargs):
+            self._world("barrier")
+            return self.previous.barrier(group, **kwargs)
+
+        def new_group(self, ranks, **kwargs):
+            self._world("new_group")
+            return self.previous.new_group(ranks, **kwargs)
+
+    base._BACKEND_INSTANCE = _HalRoutedDistributed(base._BACKEND_INSTANCE)
+
+
+@contextlib.contextmanager
+def _hal_call(world: World | None = None) -> Iterator[None]:
+    """Mark the library calls made inside as hal's: with ``world``, its collectives are routed to it."""
+    routed = _CURRENT.set(world) if world is not None else None
+    try:
+        yield
+    finally:
+        if routed is not None:
+            _CURRENT.reset(routed)
+
+
+# ---- the library's objects, built from the hal device kind -----------------------------------------------
+def mooncake_protocol(spec) -> tuple[str, bool]:
+    """``(protocol, in_place)``: the Mooncake protocol for the kind ``spec`` and whether it moves the kind's
+    device memory itself (else buckets are pulled into pinned host memory over ``tcp`` and copied over).
+
+    The kind's ``mooncake_protocol`` field decides (``rdma`` on cuda, ``ascend_direct`` on npu); ``rdma``
+    also needs an RDMA NIC, found as checkpoint-engine finds it (``PS_P2P_STORE_RDMA_DEVICES``,
+    ``NCCL_IB_HCA``, else every ibverbs device): without one, host memory over ``tcp`` is what works.
+    """
+    protocol = spec.mooncake_protocol
+    if protocol is None:
+        return HOST_PROTOCOL, False
+    if protocol == "rdma":
+        from checkpoint_engine.device_utils import _get_rdma_devices
+
+        try:
+            nics = _get_rdma_devices()
+        except OSError:  # libibverbs.so.1 missing
+            nics = []
+        if not nics:
+            return HOST_PROTOCOL, False
+    return protocol, True
+
+
+def _make_parameter_server(spec, protocol: str, device_index: int, rank: int, world_size: int, host: str):
+    """A ``ParameterServer`` (rank ``rank`` of ``world_size``) whose device manager and Mooncake store come
+    from the hal kind ``spec`` and ``protocol``; without the rendezvous store and ``npu-smi`` call of its own
+    constructor."""
+    from checkpoint_engine.device_utils import DeviceManager
+    from checkpoint_engine.p2p_store import P2PStore
+    from checkpoint_engine.ps import ParameterServer
+    from mooncake.engine import TransferEngine
+
+    class HalDeviceManager(DeviceManager):
+        """The library's device facts from the hal device spec (its own detection knows cuda and npu only)."""
+
+        def __init__(self) -> None:  # noqa: D107 - no detection: the kind is hal's
+            self.device_type = spec.name
+            self.device_module = hal.get_torch_device(spec)
+
+        @property
+        def backend(self) -> str:
+            return spec.dist_backend
+
+        @property
+        def transfer_engine_protocol(self) -> str:
+            return protocol
+
+        def rdma_device(self, rank: int) -> str:
+            return super().rdma_device(rank) if self.transfer_engine_protocol == "rdma" else ""
+
+    class HalP2PStore(P2PStore):
+        """The library's Mooncake store, reachable at ``host``, its rank given rather than read from ``RANK``."""
+
+        def __init__(self, device_manager: DeviceManager) -> None:  # noqa: D107
+            self.rank, self.ip = rank, host
+            self.device = device_manager.rdma_device(device_index)
+            self.engine = TransferEngine()
+            protocol = device_manager.transfer_engine_protocol
+            rc = self.engine.initialize(host, "P2PHANDSHAKE", protocol, self.device)
+            if rc != 0:
+                raise TransferError(f"Mooncake TransferEngine.initialize({host!r}, 'P2PHANDSHAKE', {protocol!r}, "
+                                    f"{self.device!r}) returned {rc} on rank {rank}")
+            self.port = self.engine.get_rpc_port()
+            self.named_tensors = {}
+
+        def batch_transfer_sync_read(self, target_hostname, buf_ptrs, remote_ptrs, lens) -> None:
+            rc = self.engine.batch_transfer_sync_read(target_hostname, buf_ptrs, remote_ptrs, lens)
+            if rc != 0:
+                raise TransferError(f"Mooncake batch_transfer_sync_read of {sum(lens)} bytes from {target_hostname} "
+                                    f"returned {rc} (the peer is dead or unreachable)")
+
+    class HalParameterServer(ParameterServer):
+        """``ParameterServer`` state as its 0.4.2 constructor sets it, for the methods hal calls."""
+
+        def __init__(self) -> None:  # noqa: D107
+            from collections import defaultdict
+
+            self._rank, self._world_size = rank, world_size
+            self.device_manager = HalDeviceManager()
+            self._gpu_count = max(1, self.device_manager.device_module.device_count())
+            self._local_rank = device_index
+            self._auto_pg = False
+            self._all_hosts, self._global_device_uuids = [], []
+            self._local_rdma_devices, self._remote_rdma_devices = defaultdict(set), defaultdict(set)
+            self._mem_fraction = 0.9
+            self._zmq_ctx, self._zmq_addr_counter = None, 0
+            self._current_shared_memory_pool_user = ""
+            self._memory_pool = {self.shared_memory_pool_name: []}
+            self._current_global_parameter_metas = {}
+            self._p2p_store = HalP2PStore(self.device_manager)
+            # the library reads it from npu-smi / CUDA; only its update() path (device IPC sockets) uses it
+            self._device_uuid = f"{spec.kind}-{host}-{os.getpid()}-{device_index}"
+            self._rdma_device = self._p2p_store.device
+            self._store, self._store_counter = None, 0
+
+    return HalParameterServer()
+
+
+class ParameterServerAdapter:
+    """The library calls hal's kimi engine makes, on one ``ParameterServer`` built from the hal kind.
+
+    Args:
+        spec: the hal device spec; protocol: the Mooncake protocol (:func:`mooncake_protocol`).
+        device_index: this process's local device index; rank, world_size: as the engine's.
+        host: the address peers reach this process's Mooncake store at.
+        world: the engine's :class:`World`, answering the library's ``all_gather_object``.
+
+    One checkpoint (:attr:`CHECKPOINT`) and one receiving buffer (:attr:`BUFFER`) are registered at a time.
+
+    Raises:
+        TransferError: Mooncake's transfer engine did not start.
+    """
+
+    CHECKPOINT = "hal-kimi"
+    BUFFER = "__hal_receive_buffer__"
+
+    def __init__(self, spec, protocol: str, device_index: int, rank: int, world_size: int, host: str,
+                 world: World) -> None:
+        install_backend()
+        self.world = world
+        with _hal_call():
+            self.ps = _make_parameter_server(spec, protocol, device_index, rank, world_size, host)
+
+    def register(self, named: dict[str, torch.Tensor]) -> None:
+        """Copy ``named`` into the library's shared pinned pool and register it with the Mooncake store
+        (``register_checkpoint(use_shared_memory_pool=True)``; the pool is reused while the sizes match)."""
+        with _hal_call():
+            self.ps.register_checkpoint(self.CHECKPOINT, named_tensors=named, use_inplace_pin_memory=False,
+                                        use_shared_memory_pool=True)
+
+    def unregister(self, force: bool) -> None:
+        """Unregister the checkpoint; ``force`` also frees the shared pinned pool (for a new layout)."""
+        with _hal_call():
+            self.ps.unregister_checkpoint(self.CHECKPOINT, force=force)
+
+    def gather_metas(self) -> dict:
+        """Every rank's buffer layout (the library's ``gather_metas``, over :attr:`world`); returns
+        ``{owner rank: MemoryBufferMetaList}``.
+
+        Raises:
+            TransferTimeoutError, TransferError: a rank did not answer (named).
+        """
+        with _hal_call(self.world):
+            self.ps.gather_metas(self.CHECKPOINT)
+        return self.ps._current_global_parameter_metas
+
+    def buckets(self, metas: dict, size: int, receivers: list[int]) -> list:
+        """The layout ``metas`` cut into buckets of at most ``size`` bytes (a larger tensor is a bucket of its
+        own), each given a receiving rank of ``receivers``: ``[(receiver, owner rank, H2DBucket)]``."""
+        from checkpoint_engine.ps import _gen_h2d_buckets
+
+        with _hal_call():
+            return _gen_h2d_buckets(metas, size, self.ps._local_rdma_devices, self.ps._remote_rdma_devices,
+                                    receivers)
+
+    def pull(self, bucket: Any, target: torch.Tensor, owner: int) -> None:
+        """Read ``bucket`` from rank ``owner``'s registered host memory into ``target`` (uint8, registered,
+        at least ``bucket.size`` bytes).
+
+        Raises:
+            TransferError: the owner is dead or unreachable.
+        """
+        with _hal_call():
+            self.ps._copy_to_buffer(self.CHECKPOINT, bucket, target, owner)
+
+    @staticmethod
+    def items(bucket: Any) -> list[dict]:
+        """The tensors of ``bucket`` in its order: ``{"name", "dtype", "shape", "offset" (bytes)}`` each."""
+        from checkpoint_engine.ps import _to_named_tensor
+
+        return _to_named_tensor(bucket.items, 0)
+
+    def register_buffer(self, buffer: torch.Tensor) -> None:
+        """Register ``buffer`` (where pulled buckets land) with the Mooncake store."""
+        with _hal_call():
+            self.ps._p2p_store.register_named_tensors({self.BUFFER: buffer})
+
+    def unregister_buffer(self) -> None:
+        """Unregister the receiving buffer from the Mooncake store."""
+        with _hal_call():
+            self.ps._p2p_store.unregister_named_tensors([self.BUFFER])
+
+
+__all__ = ["CHECKED_VERSIONS", "HOST_PROTOCOL", "World", "ParameterServerAdapter", "install_backend",
+           "library_problem", "mooncake_protocol"]
