@@ -15,7 +15,8 @@ The path verl 0.9.1 drives (``verl/checkpoint_engine/kimi_checkpoint_engine.py``
 Every call into the library goes through :mod:`ckpt.kimi_library`, hal's adapter around checkpoint-engine
 0.4.2: the library's device manager and Mooncake store made from the hal device kind (Mooncake protocol:
 the kind's ``mooncake_protocol``, else host memory over ``tcp`` copied host-to-device), its collectives
-answered over hal's rendezvous store. Which kinds the engine runs on is the spec field ``kimi_checkpoint_engine``; other
+answered over hal's rendezvous store, its INFO logs quiet while hal calls it (``HAL_KIMI_LOGS=1`` lets
+them through). Which kinds the engine runs on is the spec field ``kimi_checkpoint_engine``; other
 checkpoint-engine versions than those checked are reported unavailable.
 
 Install: the ``kimi`` extra, with ``pip install --no-deps checkpoint-engine==0.4.2`` (its wheel requires
@@ -34,8 +35,8 @@ import hal
 from ckpt.base import NamedTensor, check_global_steps, check_step
 from ckpt.errors import (CheckpointConfigError, CheckpointEngineUnavailableError, TransferAbortedError,
                          TransferError, TransferTimeoutError)
-from ckpt.kimi_library import (CHECKED_VERSIONS, HOST_PROTOCOL, ParameterServerAdapter, World, library_problem,
-                               mooncake_protocol)
+from ckpt.kimi_library import (CHECKED_VERSIONS, HOST_PROTOCOL, LOGS_ENV, ParameterServerAdapter, World,
+                               library_problem, mooncake_protocol)
 from ckpt.p2p import DEFAULT_BUCKET_SIZE, TrainerToRolloutsEngine
 
 SPEC_FIELD = "kimi_checkpoint_engine"
@@ -365,4 +366,4 @@ class KimiCheckpointEngine(TrainerToRolloutsEngine):
 
 __all__ = ["KimiCheckpointEngine", "supported_kinds", "SPEC_FIELD",
            # the library adapter's names, importable from here as before it was its own module
-           "CHECKED_VERSIONS", "HOST_PROTOCOL", "mooncake_protocol"]
+           "CHECKED_VERSIONS", "HOST_PROTOCOL", "LOGS_ENV", "mooncake_protocol"]

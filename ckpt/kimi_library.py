@@ -22,6 +22,10 @@ What :mod:`ckpt.kimi`'s engine needs from the library, and every piece of hal th
   ``vllm_nccl``/``vllm_hccl``), so :func:`install_backend` installs hal's there once per process; it routes
   calls made by a hal engine (marked with a context variable) to that engine's store and every other call to
   the backend that was installed before.
+* The library logs INFO through loguru on every registration and ``gather_metas``. While hal's engine calls
+  it, its TRACE to SUCCESS records are dropped (warnings and errors pass); every other caller of the library,
+  and the user's own loguru configuration, are untouched (:func:`quiet_library_logs`). ``HAL_KIMI_LOGS=1``
+  lets them through.
 
 That, and the private library functions used (``_gen_h2d_buckets``, ``_to_named_tensor``,
 ``ParameterServer._copy_to_buffer``, the attributes ``gather_metas`` reads), were checked against
@@ -47,6 +51,9 @@ CHECKED_VERSIONS = ("0.4.2",)
 """checkpoint-engine versions whose private functions and attributes this adapter was checked against."""
 HOST_PROTOCOL = "tcp"
 """Mooncake's protocol for host memory: used where the device kind has no ``mooncake_protocol``."""
+LOGS_ENV = "HAL_KIMI_LOGS"
+"""Set to ``1`` to let checkpoint-engine's INFO (and lower) records through while hal's engine calls it."""
+_LOGGING_MODULES = ("ps", "p2p_store", "pin_memory", "device_utils")  # the library's modules hal calls into
 
 
 def library_problem() -> str:
@@ -127,6 +134,7 @@ class World:
 
 
 _CURRENT: contextvars.ContextVar[World | None] = contextvars.ContextVar("hal_kimi_world", default=None)
+_INSIDE_HAL: contextvars.ContextVar[bool] = contextvars.ContextVar("hal_kimi_call", default=False)
 
 
 def install_backend() -> None:
@@ -187,15 +195,57 @@ def install_backend() -> None:
     base._BACKEND_INSTANCE = _HalRoutedDistributed(base._BACKEND_INSTANCE)
 
 
+# ---- the library's logging, quiet while hal calls it ------------------------------------------------------
+def _quiet(level: str):
+    """A loguru ``logger.<level>`` that drops the record inside hal's engine unless ``HAL_KIMI_LOGS=1``."""
+    def log(self: _QuietInsideHal, message: Any, *args: Any, **kwargs: Any) -> None:
+        if _INSIDE_HAL.get() and os.environ.get(LOGS_ENV, "") != "1":
+            return None
+        return getattr(self.logger.opt(depth=1), level)(message, *args, **kwargs)
+
+    log.__name__ = level
+    return log
+
+
+class _QuietInsideHal:
+    """Stands in for loguru's ``logger`` in the library's modules: a TRACE..SUCCESS record of a call made
+    inside hal's engine is dropped unless ``HAL_KIMI_LOGS=1``; every other record goes to loguru's logger as
+    the library's own (``opt(depth=1)``: the caller is the library's frame, so the user's
+    ``logger.disable("checkpoint_engine")``, filters and formats see what they would without hal)."""
+
+    trace, debug, info, success = (_quiet(level) for level in ("trace", "debug", "info", "success"))
+
+    def __init__(self, logger: Any) -> None:
+        self.logger = logger
+
+    def __getattr__(self, name: str) -> Any:  # warning, error, exception, opt, catch...: the logger's own
+        return getattr(self.logger, name)
+
+
+def quiet_library_logs() -> None:
+    """Make checkpoint-engine's INFO-and-below records of calls hal's engine makes droppable (once per process;
+    see :class:`_QuietInsideHal`). Changes nothing for calls made outside hal's engine."""
+    import importlib
+
+    from loguru import logger
+
+    for name in _LOGGING_MODULES:
+        module = importlib.import_module(f"checkpoint_engine.{name}")
+        if getattr(module, "logger", None) is logger:
+            module.logger = _QuietInsideHal(logger)
+
+
 @contextlib.contextmanager
 def _hal_call(world: World | None = None) -> Iterator[None]:
-    """Mark the library calls made inside as hal's: with ``world``, its collectives are routed to it."""
+    """Mark the library calls made inside: hal's (quiet logs) and, with ``world``, routed to it."""
+    inside = _INSIDE_HAL.set(True)
     routed = _CURRENT.set(world) if world is not None else None
     try:
         yield
     finally:
         if routed is not None:
             _CURRENT.reset(routed)
+        _INSIDE_HAL.reset(inside)
 
 
 # ---- the library's objects, built from the hal device kind -----------------------------------------------
@@ -307,6 +357,7 @@ class ParameterServerAdapter:
         world: the engine's :class:`World`, answering the library's ``all_gather_object``.
 
     One checkpoint (:attr:`CHECKPOINT`) and one receiving buffer (:attr:`BUFFER`) are registered at a time.
+    Every call runs with the library's INFO records quiet (:func:`quiet_library_logs`).
 
     Raises:
         TransferError: Mooncake's transfer engine did not start.
@@ -317,6 +368,7 @@ class ParameterServerAdapter:
 
     def __init__(self, spec, protocol: str, device_index: int, rank: int, world_size: int, host: str,
                  world: World) -> None:
+        quiet_library_logs()
         install_backend()
         self.world = world
         with _hal_call():
@@ -382,5 +434,5 @@ class ParameterServerAdapter:
             self.ps._p2p_store.unregister_named_tensors([self.BUFFER])
 
 
-__all__ = ["CHECKED_VERSIONS", "HOST_PROTOCOL", "World", "ParameterServerAdapter", "install_backend",
-           "library_problem", "mooncake_protocol"]
+__all__ = ["CHECKED_VERSIONS", "HOST_PROTOCOL", "LOGS_ENV", "World", "ParameterServerAdapter",
+           "install_backend", "library_problem", "mooncake_protocol", "quiet_library_logs"]

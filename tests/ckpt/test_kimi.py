@@ -72,6 +72,55 @@ def test_a_sender_whose_weights_raise_aborts_the_update_and_the_next_one_works(h
     asyncio.run(main())
 
 
+def test_the_library_logs_no_info_inside_hal_unless_asked_and_stays_as_it_was_outside(hal_device, monkeypatch):
+    """checkpoint-engine logs INFO through loguru on every registration and gather_metas: dropped while hal's
+    engine calls it, kept with HAL_KIMI_LOGS=1, and a call of the library outside hal's engine logs as before."""
+    ok, reason = ckpt.checkpoint_engine_availability("kimi", hal_device)
+    if not ok:
+        pytest.skip(f"kimi on {hal_device}: {reason}")
+    from loguru import logger
+
+    records = []
+    sink = logger.add(lambda message: records.append(message.record), level="TRACE", filter="checkpoint_engine")
+
+    def infos() -> list[str]:
+        taken = [f"{r['name']}: {r['message']}" for r in records if r["level"].no <= logger.level("SUCCESS").no]
+        records.clear()
+        return taken
+
+    async def main():
+        common = dict(world_size=2, master_addr="127.0.0.1", master_port=free_port(), bucket_size=64 << 10,
+                      device=hal_device, timeout=20)
+        sender = ckpt.get_checkpoint_engine("kimi", rank=0, **common)
+        receiver = ckpt.get_checkpoint_engine("kimi", rank=1, **common)
+        try:
+            weights = sample_weights(1)[:4]
+            monkeypatch.delenv("HAL_KIMI_LOGS", raising=False)
+            compare(weights, await transfer(sender, receiver, weights, 1, 1), "a quiet update")
+            assert infos() == []
+            monkeypatch.setenv("HAL_KIMI_LOGS", "1")
+            compare(weights, await transfer(sender, receiver, weights, 2, 2), "an update with the library's logs")
+            loud = infos()
+            for start in ("checkpoint_engine.ps: [rank0] gather parameter metas finished",
+                          "checkpoint_engine.ps: [rank1] gather parameter metas finished",
+                          "checkpoint_engine.pin_memory: [rank0] start to register"):
+                assert any(line.startswith(start) for line in loud), (start, loud)
+        finally:
+            monkeypatch.delenv("HAL_KIMI_LOGS", raising=False)
+            sender.close()
+            receiver.close()
+    try:
+        asyncio.run(main())
+        assert infos() == []  # closing (unregistering the pool and buffers) was quiet too
+        from checkpoint_engine.pin_memory import _register_checkpoint
+
+        assert _register_checkpoint(files=[], named_tensors={}, rank=5) == []  # outside hal: logs as always
+        assert infos() == ["checkpoint_engine.pin_memory: [rank5] start to register checkpoint with 0 files and 0 "
+                           "named_tensors"]
+    finally:
+        logger.remove(sink)
+
+
 def test_the_library_backend_hal_installs_routes_only_calls_made_inside_a_hal_engine():
     """checkpoint-engine's collectives go to torch's default group; hal installs its own backend in the
     library's module global once, and calls from outside a hal engine still reach the library's own."""
