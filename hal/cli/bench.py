@@ -19,8 +19,10 @@ from typing import Any
 
 import hal
 from hal.cli.errors import MissingExtraError, UsageError
+from hal.cli.helptext import flowing_help
 
 
+@flowing_help
 @dataclasses.dataclass
 class Bench:
     """Run the offload and weight-sync benchmarks and print their ratio tables."""

@@ -10,8 +10,10 @@ from importlib import metadata
 from typing import Any
 
 import hal
+from hal.cli.helptext import flowing_help
 
 
+@flowing_help
 @dataclasses.dataclass
 class Info:
     """Show the resolved device kind, its collective backend and visible-devices variable, the torch

@@ -14,16 +14,20 @@ import dataclasses
 import os
 import pathlib
 import sys
+from typing import Annotated
 
 import tyro
 
 import hal
 from hal.cli.errors import MissingFileError, UsageError, worker_failed
+from hal.cli.helptext import flowing_help
 
 
+@flowing_help
 @dataclasses.dataclass
 class Launch:
-    """Start SCRIPT on --nproc-per-node processes of --device through torch.distributed.run (after '--')."""
+    """Start SCRIPT, given after '--' with its own arguments, on --nproc-per-node processes of --device
+    through torch.distributed.run."""
 
     device: str | None = None
     """Device kind (npu, cuda, cpu, npu-sim, a plugin kind); default $HAL_DEVICE, else the first available."""
@@ -43,8 +47,9 @@ class Launch:
     """Value for the kind's visible-devices variable; default: keep it if set, else 0..nproc_per_node-1."""
     max_restarts: int = 0
     """Restarts of failed workers before the job fails."""
-    script: tyro.conf.Suppress[tuple[str, ...]] = ()
-    """The script and its arguments, given after '--' (filled by hal.cli.main, not a flag)."""
+    script: Annotated[tuple[str, ...], tyro.conf.Positional, tyro.conf.arg(
+        metavar="-- SCRIPT [ARGS...]", help_behavior_hint="(required)")] = ()
+    """The script and its arguments, after '--': everything after it goes to the script, flags included."""
 
 
 def torchrun_argv(args: Launch) -> list[str]:

@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
         if not isinstance(args, Launch):
             print("hal: error: only 'hal launch' takes a script after '--'", file=sys.stderr)
             return 2
-        args.script = script
+        args.script = (*args.script, *script)  # a script named before '--' (then without arguments) comes first
     try:
         return RUNNERS[type(args)](args)
     except HalError as exc:

@@ -44,6 +44,7 @@ import torch
 
 import hal
 from hal.cli.errors import UsageError, worker_failed
+from hal.cli.helptext import flowing_help
 
 OFFLOAD_FLAGS: dict[str, dict[str, bool]] = {
     # what to.("cpu", ...) moves for each --offload choice; grad moves only with the model (verl's rule)
@@ -107,6 +108,7 @@ def rollout_memory_bounds(peak_bytes: int, model_bytes: int, banks: int, bucket_
     return {"mode": "in-place" if banks == 1 else "atomic", "judged_by": judged, "model_plus_2_buckets": single}
 
 
+@flowing_help
 @dataclasses.dataclass
 class Sync:
     """Run an RL weight-sync loop: train, offload, publish with global_steps, load into rollout models,
@@ -125,7 +127,7 @@ class Sync:
     offload: Literal["none", "optimizer", "model", "all"] = "none"
     """What the trainer offloads to the host between its step and the next."""
     engine: Literal["collective", "file", "colocated", "nixl", "mooncake", "kimi"] = "collective"
-    """Checkpoint engine publishing the weights (nixl, mooncake, kimi: where ``hal info`` lists them available)."""
+    """Checkpoint engine publishing the weights (nixl, mooncake, kimi: where hal info lists them available)."""
     rollout_apply: Literal["atomic", "in-place"] = "atomic"
     """atomic: rollouts load into a second weight bank and switch when the update is whole (a failed update
     leaves the previous step in service; memory 2 x model). in-place: into the served weights (memory
