@@ -195,6 +195,26 @@ def safetensors_files(path: pathlib.Path) -> list[pathlib.Path]:
     return files
 
 
+def resolve_model(model: str) -> str:
+    """The model ``--model`` names: a :data:`PRESETS` key, or the safetensors checkpoint path as given.
+
+    A preset key matches exactly, and also in any letter case (``Qwen2.5-0.5B``, as the published
+    checkpoint is named) when no file or directory of that name exists; the key is returned then.
+
+    Raises:
+        What :func:`safetensors_files` raises, for a name that is neither a preset nor a checkpoint.
+    """
+    if model in PRESETS:
+        return model
+    path = pathlib.Path(model)
+    if not path.exists():
+        folded = {key.casefold(): key for key in PRESETS}
+        if model.casefold() in folded:
+            return folded[model.casefold()]
+    safetensors_files(path)
+    return model
+
+
 def load_checkpoint(path: pathlib.Path) -> dict[str, torch.Tensor]:
     """Every tensor of the checkpoint at ``path`` (see :func:`safetensors_files`), on the host.
 
@@ -311,4 +331,5 @@ def num_bytes(module: nn.Module) -> int:
 
 
 __all__ = ["PRESETS", "INDEX_NAME", "TensorModel", "build", "causal_lm", "greedy_decode", "load_checkpoint",
-           "num_bytes", "prompt_ids", "published", "qwen2_config", "safetensors_files", "serving_model"]
+           "num_bytes", "prompt_ids", "published", "qwen2_config", "resolve_model", "safetensors_files",
+           "serving_model"]

@@ -118,8 +118,8 @@ class Sync:
     """Device kind (npu, cuda, cpu, npu-sim, ...); default $HAL_DEVICE, else the first available."""
     model: str = "qwen2.5-0.5b"
     """A preset (qwen2.5-0.5b: transformers' Qwen2 with the Qwen2.5-0.5B configuration, random init, 0.99 GB
-    published per step in bf16; qwen2.5-tiny: same layout, small) or a path to a .safetensors file or a
-    directory of them (model.safetensors.index.json honoured)."""
+    published per step in bf16; qwen2.5-tiny: same layout, small; in any letter case) or a path to a
+    .safetensors file or a directory of them (model.safetensors.index.json honoured)."""
     rollouts: int = 2
     """Rollout ranks receiving each step."""
     steps: int = 3
@@ -161,12 +161,12 @@ def validate(args: Sync) -> None:
 
     Raises:
         UsageError: a count or size is not positive (names the flag and value).
-        MissingFileError: ``--model`` is neither a preset nor a safetensors file/directory (or its index
-            names a missing shard).
+        MissingFileError: ``--model`` is neither a preset (in any letter case) nor a safetensors
+            file/directory (or its index names a missing shard).
         UnknownDeviceError, DeviceUnavailableError: ``--device`` cannot be used here.
         DeviceIndexError: fewer visible devices than local processes (trainer + rollouts).
     """
-    from hal.cli.models import PRESETS, safetensors_files
+    from hal.cli.models import resolve_model
 
     for flag, value in (("--rollouts", args.rollouts), ("--steps", args.steps), ("--bucket-mb", args.bucket_mb),
                         ("--timeout", args.timeout), ("--lr", args.lr), ("--decode-tokens", args.decode_tokens)):
@@ -174,8 +174,7 @@ def validate(args: Sync) -> None:
             raise UsageError(f"{flag} must be positive, got {value}")
     if not args.logits_atol >= 0:
         raise UsageError(f"--logits-atol must be >= 0, got {args.logits_atol}")
-    if args.model not in PRESETS:
-        safetensors_files(pathlib.Path(args.model))
+    resolve_model(args.model)
     if args.engine in ("nixl", "mooncake", "kimi"):
         import ckpt
 
@@ -714,7 +713,10 @@ def execute(args: Sync) -> dict[str, Any]:
     Raises what :func:`validate` raises, and :class:`hal.cli.errors.WorkerFailedError` (a ``RuntimeError``)
     naming the trainer or rollout whose process failed, and how (its exception, signal or exit code).
     """
+    from hal.cli.models import resolve_model
+
     validate(args)
+    args = dataclasses.replace(args, model=resolve_model(args.model))  # a preset by its key: Qwen2.5-0.5B too
     kind = hal.resolve_device(args.device).kind
     start = time.perf_counter()
     if args.launcher == "ray":
