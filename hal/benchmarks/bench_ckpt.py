@@ -39,8 +39,8 @@ LAYOUTS = ("separate", "flat")
 class Args:
     size_mb: int = 1024
     """Total bytes of the tensor mix, in MiB."""
-    bucket_mb: list[int] = dataclasses.field(default_factory=lambda: [16, 64, 256])
-    """Bucket sizes to measure, in MiB."""
+    bucket_mb: list[float] = dataclasses.field(default_factory=lambda: [16.0, 64.0, 256.0])
+    """Bucket sizes to measure, in MiB (as hal sync's --bucket-mb)."""
     device: str = "cpu"
     """Device kind (``cpu``/gloo, ``npu-sim``/sim hccl, ``cuda``/nccl, ``npu``/hccl)."""
     rounds: int = 3
@@ -94,7 +94,7 @@ class _Peak:
         return self.module.max_memory_allocated() - self.base
 
 
-def _bench_rank(rank: int, world_size: int, port: int, size_mb: int, bucket_sizes_mb: list[int], device: str,
+def _bench_rank(rank: int, world_size: int, port: int, size_mb: int, bucket_sizes: list[int], device: str,
                 rounds: int, direct_threshold: int | None, layouts: list[str]) -> dict:
     import ckpt
 
@@ -134,9 +134,9 @@ def _bench_rank(rank: int, world_size: int, port: int, size_mb: int, bucket_size
         step[0] += 1
         transfer_once(engine, rank, models[layout], step[0])
 
-    for i, bmb in enumerate(bucket_sizes_mb):
+    for i, bucket in enumerate(bucket_sizes):
         engine = ckpt.get_checkpoint_engine("collective", rank=rank, world_size=world_size, master_addr="127.0.0.1",
-                                            master_port=port + 1 + i, bucket_size=bmb << 20, device=device,
+                                            master_port=port + 1 + i, bucket_size=bucket, device=device,
                                             timeout=120, direct_threshold=direct_threshold)
         peak.start()  # the first (warm-up) transfer, buffers included
         engine.init_process_group()
@@ -168,11 +168,12 @@ def _bench_rank(rank: int, world_size: int, port: int, size_mb: int, bucket_size
 _bench_rank.start_method = "spawn"  # hal.testing.run_multiprocess: it measures its own process's memory
 
 
-def run(size_mb: int, bucket_sizes_mb: list[int], device: str, rounds: int = 3,
+def run(size_mb: int, bucket_sizes_mb: list[float], device: str, rounds: int = 3,
         direct_threshold: int | None = None, layouts: tuple[str, ...] | list[str] = LAYOUTS) -> dict:
     """Measure in two spawned processes; returns the figures (seconds, bytes, GB/s = 1e9 bytes/s, ratios).
 
     Args:
+        bucket_sizes_mb: the engine's bucket sizes to measure, in MiB (fractions allowed).
         direct_threshold: the engine's ``direct_threshold`` in bytes (``None``: its default, bucket/8).
         layouts: ``"separate"`` (one allocation per tensor, as FSDP2 ``full_tensor()`` gathers give: the
             engine packs all but the large ones) and/or ``"flat"`` (views into one flat buffer, as FSDP1 or
@@ -185,14 +186,16 @@ def run(size_mb: int, bucket_sizes_mb: list[int], device: str, rounds: int = 3,
         "recv_peak_buckets"}]}``. Times are medians; ratios are medians of per-round throughput ratios
         (higher is better for the engine; 1.0 = as fast as one single-tensor broadcast).
     """
+    from hal.cli.errors import mib_to_bytes
     from hal.testing import run_multiprocess
 
+    buckets = [mib_to_bytes(b, "--bucket-mb") for b in bucket_sizes_mb]
     bad = [x for x in layouts if x not in LAYOUTS]
     if bad or not layouts:
         raise ValueError(f"layouts must be a non-empty subset of {LAYOUTS}, got {list(layouts)}")
     layouts = list(layouts)
-    results = run_multiprocess(_bench_rank, 2, size_mb, list(bucket_sizes_mb), device, rounds, direct_threshold,
-                               layouts, timeout=max(120.0, size_mb * 0.3 * (rounds + 1) * (2 + len(bucket_sizes_mb) * len(layouts))))
+    results = run_multiprocess(_bench_rank, 2, size_mb, buckets, device, rounds, direct_threshold,
+                               layouts, timeout=max(120.0, size_mb * 0.3 * (rounds + 1) * (2 + len(buckets) * len(layouts))))
     send, recv = results[0], results[1]
     total, times = send["size_bytes"], send["times"]
     med = statistics.median
@@ -202,8 +205,7 @@ def run(size_mb: int, bucket_sizes_mb: list[int], device: str, rounds: int = 3,
     out.update(single_s=single, single_gbps=gbps(single), per_tensor_s=per_tensor, per_tensor_gbps=gbps(per_tensor),
                per_tensor_ratio=med(a / b for a, b in zip(times["single"], times["per_tensor"])), buckets=[])
     for layout in layouts:
-        for i, bmb in enumerate(bucket_sizes_mb):
-            bucket = bmb << 20
+        for i, bucket in enumerate(buckets):
             t = times[f"{layout}:{bucket}"]
             out["buckets"].append({
                 "layout": layout, "bucket_bytes": bucket, "s": med(t), "gbps": gbps(med(t)),
@@ -230,7 +232,7 @@ def print_table(result: dict) -> None:
     table.add_row("tensor by tensor", f"{result['per_tensor_s'] * 1e3:.0f}", f"{result['per_tensor_gbps']:.2f}",
                   f"{result['per_tensor_ratio']:.2f}", "1.00", "", "")
     for b in result["buckets"]:
-        table.add_row(f"engine, {b['layout']}, bucket {b['bucket_bytes'] / mib:.0f} MiB", f"{b['s'] * 1e3:.0f}", f"{b['gbps']:.2f}",
+        table.add_row(f"engine, {b['layout']}, bucket {b['bucket_bytes'] / mib:g} MiB", f"{b['s'] * 1e3:.0f}", f"{b['gbps']:.2f}",
                       f"{b['ratio_vs_single']:.2f}", f"{b['ratio_vs_per_tensor']:.2f}",
                       f"{b['send_peak_bytes'] / mib:.0f} ({b['send_peak_buckets']:.2f})",
                       f"{b['recv_peak_bytes'] / mib:.0f} ({b['recv_peak_buckets']:.2f})")
@@ -240,7 +242,7 @@ def print_table(result: dict) -> None:
 def main(args: Args | None = None) -> dict:
     args = args or tyro.cli(Args)
     if args.quick:
-        args = dataclasses.replace(args, size_mb=64, bucket_mb=[4, 16], rounds=2)
+        args = dataclasses.replace(args, size_mb=64, bucket_mb=[4.0, 16.0], rounds=2)
     direct = None if args.direct_threshold_mb is None else int(args.direct_threshold_mb * (1 << 20))
     result = run(args.size_mb, args.bucket_mb, args.device, args.rounds, direct, args.layouts)
     return emit(result, args.json, print_table)

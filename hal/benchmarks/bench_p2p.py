@@ -45,8 +45,8 @@ PULLS = ("kimi",)
 class Args:
     size_mb: int = 256
     """Total bytes of the tensor mix, in MiB."""
-    bucket_mb: int = 64
-    """The engines' bucket size, in MiB."""
+    bucket_mb: float = 64.0
+    """The engines' bucket size, in MiB (as hal sync's --bucket-mb)."""
     device: str = "cpu"
     """Device kind of the trainer's tensors (``cpu``, ``npu-sim``, ...)."""
     rounds: int = 5
@@ -68,7 +68,7 @@ def _raw_transport(name: str, rank: int):
     return MooncakeTransport("127.0.0.1", HOST_PROTOCOL)
 
 
-def _bench_rank(rank: int, world_size: int, port: int, size_mb: int, bucket_mb: int, device: str, rounds: int,
+def _bench_rank(rank: int, world_size: int, port: int, size_mb: int, bucket: int, device: str, rounds: int,
                 engines: list[str]) -> dict:
     import ckpt
     from hal.benchmarks.bench_ckpt import _Peak, tensor_sizes
@@ -108,7 +108,7 @@ def _bench_rank(rank: int, world_size: int, port: int, size_mb: int, bucket_mb: 
                 asyncio.run(raw.wait(raw.start_write(1, [(host.data_ptr(), 0, total)]), 300))
 
         engine = ckpt.get_checkpoint_engine(name, rank=rank, world_size=2, master_addr="127.0.0.1",
-                                            master_port=port + 1 + e, bucket_size=bucket_mb << 20, device=device,
+                                            master_port=port + 1 + e, bucket_size=bucket, device=device,
                                             timeout=300)
         step = [0]
 
@@ -140,9 +140,9 @@ def _bench_rank(rank: int, world_size: int, port: int, size_mb: int, bucket_mb: 
 _bench_rank.start_method = "spawn"  # hal.testing.run_multiprocess: it measures its own process's memory
 
 
-def run(size_mb: int = 256, bucket_mb: int = 64, device: str = "cpu", rounds: int = 5,
+def run(size_mb: int = 256, bucket_mb: float = 64.0, device: str = "cpu", rounds: int = 5,
         engines: list[str] | tuple[str, ...] = ENGINES) -> dict:
-    """Measure in two spawned processes.
+    """Measure in two spawned processes; ``bucket_mb``: the engines' bucket size in MiB (fractions allowed).
 
     Returns:
         ``{"device", "size_bytes", "n_tensors", "bucket_bytes", "rounds", "engines": [{"engine", "raw_s",
@@ -151,22 +151,25 @@ def run(size_mb: int = 256, bucket_mb: int = 64, device: str = "cpu", rounds: in
         ``raw_s / engine_s`` (1.0: as fast as one raw write, for kimi one raw read, of the same bytes). GB/s = 1e9 bytes/s.
 
     Raises:
-        ValueError: an unknown engine name, or sizes/rounds below 1.
+        ValueError: an unknown engine name, ``size_mb`` or ``rounds`` below 1, or ``bucket_mb`` not positive
+            (a :class:`hal.cli.errors.UsageError` naming ``--bucket-mb``).
         MultiprocessError: a rank failed (e.g. the library is not installed).
     """
+    from hal.cli.errors import mib_to_bytes
     from hal.testing import run_multiprocess
 
+    bucket = mib_to_bytes(bucket_mb, "--bucket-mb")
     bad = [e for e in engines if e not in ENGINES]
     if bad or not engines:
         raise ValueError(f"engines must be a non-empty subset of {ENGINES}, got {list(engines)}")
-    if size_mb < 1 or bucket_mb < 1 or rounds < 1:
-        raise ValueError(f"size_mb, bucket_mb and rounds must be >= 1, got {size_mb}, {bucket_mb}, {rounds}")
-    results = run_multiprocess(_bench_rank, 2, size_mb, bucket_mb, device, rounds, list(engines),
+    if size_mb < 1 or rounds < 1:
+        raise ValueError(f"size_mb and rounds must be >= 1, got {size_mb}, {rounds}")
+    results = run_multiprocess(_bench_rank, 2, size_mb, bucket, device, rounds, list(engines),
                                timeout=max(180.0, size_mb * 0.1 * (rounds + 2) * len(engines)))
     send, recv = results[0], results[1]
     if recv["crc32"] != send["crc32"]:
         raise RuntimeError("the raw library writes delivered other bytes than the trainer holds")
-    total, bucket = send["size_bytes"], bucket_mb << 20
+    total = send["size_bytes"]
     med = statistics.median
     out = {"device": device, "size_bytes": total, "n_tensors": send["n_tensors"], "bucket_bytes": bucket,
            "rounds": rounds, "engines": []}
@@ -190,7 +193,7 @@ def print_table(result: dict) -> None:
 
     mib = 1 << 20
     table = Table(title=f"transfer-library engines, {result['device']}, {result['n_tensors']} bf16 tensors, "
-                        f"{result['size_bytes'] / mib:.0f} MiB, bucket {result['bucket_bytes'] / mib:.0f} MiB")
+                        f"{result['size_bytes'] / mib:.0f} MiB, bucket {result['bucket_bytes'] / mib:g} MiB")
     for col in ("engine", "raw GB/s (kimi: read)", "engine GB/s", "engine / raw", "send peak MiB (buckets)",
                 "recv peak MiB (buckets)"):
         table.add_column(col, justify="right")

@@ -77,6 +77,7 @@ def run(size_mb: int, device: str = "cpu", rollouts: int = 2, steps: int = 3, bu
         RuntimeError: a run did not verify every step byte-exact (its figures would mean nothing).
         ValueError: ``steps``, ``rollouts`` or ``size_mb`` below 1, or an unknown apply mode.
     """
+    from hal.cli.errors import mib_to_bytes
     from hal.cli.sync import Sync, execute
 
     if min(steps, rollouts, size_mb) < 1 or not applies or set(applies) - {"atomic", "in-place"}:
@@ -101,7 +102,7 @@ def run(size_mb: int, device: str = "cpu", rollouts: int = 2, steps: int = 3, bu
         raise RuntimeError(f"the runs published different (bytes, tensors): {sorted(sent)}")
     nbytes, tensors = sent.pop()
     return {"device": device, "model": label, "bytes": nbytes, "tensors": tensors, "rollouts": rollouts,
-            "bucket_bytes": int(bucket_mb * (1 << 20)), "runs": runs}
+            "bucket_bytes": mib_to_bytes(bucket_mb, "--bucket-mb"), "runs": runs}
 
 
 def _figures(apply: str, result: dict[str, Any]) -> dict[str, Any]:

@@ -5,9 +5,10 @@ against a plain single-buffer copy of the same bytes (``hal/benchmarks/bench_off
 checkpoint engine against one single-tensor broadcast and against tensor-by-tensor broadcasts, across
 bucket sizes (``hal/benchmarks/bench_ckpt.py``), the nixl, mooncake and kimi engines, where available on the
 benchmarked kind, each against one raw transfer of the same bytes by its own library (a write; for kimi,
-whose rollouts pull, a Mooncake read) (``hal/benchmarks/bench_p2p.py``), and the main
-job: ``hal sync`` itself, 1 trainer and ``--rollouts`` rollouts applying every update into their models,
-each step against a raw broadcast of the same bytes to the same rollouts (``hal/benchmarks/bench_sync.py``).
+whose rollouts pull, a Mooncake read) (``hal/benchmarks/bench_p2p.py``), and, only with ``--only main``
+(three processes, minutes), the main job: ``hal sync`` itself, 1 trainer and ``--rollouts`` rollouts applying
+every update into their models, each step against a raw broadcast of the same bytes to the same rollouts
+(``hal/benchmarks/bench_sync.py``). Every bucket size is in MiB, as ``hal sync --bucket-mb`` takes it.
 """
 
 from __future__ import annotations
@@ -18,8 +19,15 @@ import pathlib
 from typing import Any
 
 import hal
-from hal.cli.errors import MissingExtraError, UsageError
+from hal.cli.errors import MissingExtraError, UsageError, mib_to_bytes
 from hal.cli.helptext import flowing_help
+
+
+BENCHMARKS = ("offload", "sync", "main")
+"""Every benchmark ``--only`` names, in the order they run."""
+DEFAULT_SELECTION = ("offload", "sync")
+"""What a plain ``hal bench`` runs: the two-process ratio benchmarks. ``main`` (hal sync's loop on 1 GiB, three
+processes) runs only when named: ``--only main``."""
 
 
 @flowing_help
@@ -32,18 +40,21 @@ class Bench:
     accelerator or npu-sim for the offload figures."""
     size_mb: int = 1024
     """Model / tensor-mix size in MiB."""
-    bucket_mb: tuple[int, ...] = (64, 256, 1024)
-    """Bucket sizes of the collective engine, MiB."""
+    bucket_mb: tuple[float, ...] = (64.0, 256.0, 1024.0)
+    """sync: bucket sizes of the collective engine, in MiB (as hal sync's --bucket-mb); the smallest is the
+    transfer-library engines' (nixl, mooncake, kimi)."""
     rounds: int = 3
     """Timed repetitions per figure (medians are reported)."""
     quick: bool = False
-    """Small sizes (64 MiB, buckets 4 and 16 MiB, 2 rounds) for a smoke run."""
-    only: tuple[str, ...] = ("offload", "sync", "main")
-    """Which benchmarks to run: offload, sync (engine against broadcasts, 1 receiver), main (hal sync's shape)."""
+    """Small sizes (64 MiB, buckets 4 and 16 MiB, 2 rounds; main: 2 steps, buckets of 4 MiB) for a smoke run."""
+    only: tuple[str, ...] = DEFAULT_SELECTION
+    """Which benchmarks to run: offload, sync (engine against broadcasts, 1 receiver) and, only when named,
+    main (hal sync's whole loop: 1 trainer and --rollouts rollout processes, minutes on a host)."""
     rollouts: int = 2
     """main: rollout ranks, each applying every update into its model."""
     main_bucket_mb: float = 256.0
-    """main: bucket size of the collective engine, MiB (hal sync's default; 4 with --quick)."""
+    """main: bucket size of the collective engine, in MiB (hal sync's --bucket-mb and its default; 4 with
+    --quick)."""
     main_model: str | None = None
     """main: a hal sync preset or safetensors path instead of the tensor mix of --size-mb (e.g. qwen2.5-0.5b)."""
     apply: tuple[str, ...] = ("atomic",)
@@ -55,31 +66,47 @@ class Bench:
     """Print the figures as JSON."""
 
 
-def execute(args: Bench) -> dict[str, Any]:
-    """Run the chosen benchmarks; returns ``{"offload": {...}, "sync": {...}, "sync_p2p": {...}, "main": {...}}``
-    (those chosen and available; see each module's ``run``).
+def selection(args: Bench) -> list[str]:
+    """The benchmarks ``args`` runs, in :data:`BENCHMARKS` order, after checking every size and count.
 
     Raises:
-        UsageError: a size, bucket or round count below 1, an unknown benchmark name in ``only`` or apply mode.
+        UsageError: an unknown name in ``--only`` or ``--apply``, a size, round or rollout count below 1, or
+            a bucket size (``--bucket-mb``, ``--main-bucket-mb``) that is not positive; names the flag and value.
     """
-    unknown = sorted(set(args.only) - {"offload", "sync", "main"})
-    if unknown:
-        raise UsageError(f"--only takes offload, sync and/or main, got {unknown}")
+    unknown = sorted(set(args.only) - set(BENCHMARKS))
+    if unknown or not args.only:
+        raise UsageError(f"--only takes {', '.join(BENCHMARKS)} (default: {' '.join(DEFAULT_SELECTION)}), "
+                         f"got {list(args.only)}")
     bad = sorted(set(args.apply) - {"atomic", "in-place"})
-    if bad or not args.apply or args.rollouts < 1:
-        raise UsageError(f"--apply takes atomic and/or in-place and --rollouts must be >= 1, got {list(args.apply)}, "
-                         f"{args.rollouts}")
-    size, buckets, rounds = (64, (4, 16), 2) if args.quick else (args.size_mb, args.bucket_mb, args.rounds)
-    if size < 1 or rounds < 1 or not buckets or min(buckets) < 1:
-        raise UsageError(f"sizes and rounds must be >= 1, got size_mb={size}, bucket_mb={list(buckets)}, "
-                         f"rounds={rounds}")
+    if bad or not args.apply:
+        raise UsageError(f"--apply takes atomic and/or in-place, got {list(args.apply)}")
+    for flag, value in (("--size-mb", args.size_mb), ("--rounds", args.rounds), ("--rollouts", args.rollouts)):
+        if value < 1:
+            raise UsageError(f"{flag} must be >= 1, got {value}")
+    if not args.bucket_mb:
+        raise UsageError("--bucket-mb needs at least one size")
+    for value in args.bucket_mb:
+        mib_to_bytes(value, "--bucket-mb")
+    mib_to_bytes(args.main_bucket_mb, "--main-bucket-mb")
+    return [name for name in BENCHMARKS if name in args.only]
+
+
+def execute(args: Bench) -> dict[str, Any]:
+    """Run the chosen benchmarks (:func:`selection`); returns ``{"offload": {...}, "sync": {...},
+    "sync_p2p": {...}, "main": {...}}`` (those chosen and available; see each module's ``run``).
+
+    Raises:
+        UsageError: what :func:`selection` raises.
+    """
+    chosen = selection(args)
+    size, buckets, rounds = (64, (4.0, 16.0), 2) if args.quick else (args.size_mb, args.bucket_mb, args.rounds)
     kind = hal.resolve_device(args.device).kind
     out: dict[str, Any] = {}
-    if "offload" in args.only:
+    if "offload" in chosen:
         from hal.benchmarks import bench_offload
 
         out["offload"] = bench_offload.run(size, kind, rounds)
-    if "sync" in args.only:
+    if "sync" in chosen:
         from hal.benchmarks import bench_ckpt
 
         out["sync"] = bench_ckpt.run(size, list(buckets), kind, rounds)
@@ -89,7 +116,7 @@ def execute(args: Bench) -> dict[str, Any]:
         engines = [e for e in bench_p2p.ENGINES if ckpt.checkpoint_engine_availability(e, kind)[0]]
         if engines:  # the transfer-library engines, each against its own library's raw transfer
             out["sync_p2p"] = bench_p2p.run(size, min(buckets), kind, rounds, engines)
-    if "main" in args.only:
+    if "main" in chosen:
         from hal.benchmarks import bench_sync
 
         steps, bucket = (2, 4.0) if args.quick else (rounds, args.main_bucket_mb)

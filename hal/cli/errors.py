@@ -8,6 +8,7 @@ line; anything else is a bug and keeps its traceback.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable
 
 from hal.errors import HalError
@@ -27,6 +28,23 @@ class MissingExtraError(HalError, ImportError):
 
 class WorkerFailedError(HalError, RuntimeError):
     """A process the command started (a trainer or rollout rank) failed; the message names it and how."""
+
+
+MIB = 1 << 20
+"""Bytes in a MiB: the unit of every ``*-mb`` size flag (``--bucket-mb``, ``--size-mb``)."""
+
+
+def mib_to_bytes(mib: float, flag: str) -> int:
+    """The bytes of a size given in MiB as ``flag`` (fractions allowed: 0.5 is 524288 bytes).
+
+    Raises:
+        UsageError: ``mib`` is not a finite positive number, or is under one byte; names the flag and value.
+    """
+    if not 0 < mib < math.inf:  # NaN fails both comparisons
+        raise UsageError(f"{flag} must be positive, got {mib} (a size in MiB)")
+    if int(mib * MIB) < 1:
+        raise UsageError(f"{flag} {mib} MiB is less than one byte")
+    return int(mib * MIB)
 
 
 # Exit status -9: SIGKILL. Nothing in hal sends it, so it almost always comes from the kernel's

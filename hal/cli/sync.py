@@ -43,7 +43,7 @@ from typing import Any, Literal
 import torch
 
 import hal
-from hal.cli.errors import UsageError, worker_failed
+from hal.cli.errors import UsageError, mib_to_bytes, worker_failed
 from hal.cli.helptext import flowing_help
 
 OFFLOAD_FLAGS: dict[str, dict[str, bool]] = {
@@ -59,7 +59,8 @@ RUNTIME_BYTES = 768 << 20
 optimizer and buffers (the interpreter, torch and transformers, activations of a step or a decode)."""
 
 TRAINER_BUCKETS = 3
-"""Buckets in the trainer's bound: model + optimizer + 3 buckets + constant."""
+"""Buckets in the bound of a trainer sending through a bucketed engine (collective, nixl, mooncake): model +
+optimizer + 3 buckets + constant (the engine's two send buffers, and one bucket of slack)."""
 ROLLOUT_BUCKETS = 2
 """Buckets in a rollout's bound: banks + 2 buckets + constant (the engine's two receive buffers)."""
 
@@ -77,18 +78,46 @@ def memory_bound(peak_bytes: int, form: str, terms: dict[str, int]) -> dict[str,
             "within": peak_bytes <= bound}
 
 
-def trainer_memory_bound(peak_bytes: int, param_bytes: int, grad_bytes: int, optimizer_bytes: int,
-                         bucket_bytes: int) -> dict[str, Any]:
-    """The trainer's peak against model + optimizer + 3 buckets + constant (see :func:`memory_bound`).
+def engine_send_term(engine: str, bucket_bytes: int, published_bytes: int) -> tuple[str, dict[str, int]]:
+    """What the trainer's checkpoint engine holds while it sends: ``(words, {term name: bytes})``.
+
+    * collective, nixl, mooncake: ``TRAINER_BUCKETS`` buckets (``buckets_bytes``), their send buffers;
+    * kimi: the whole update pinned in host memory (``pinned_update_bytes`` = ``published_bytes``), as
+      checkpoint-engine keeps it for the rollouts to pull;
+    * file: host copies of the tensors of one shard before it is written (``host_copies_bytes``); the
+      shard is at most the whole update, so ``published_bytes`` (no bucket: ``--bucket-mb`` is unused);
+    * colocated: nothing (``{}``): the rollouts copy from the published buffer's views, in this process.
+
+    Raises:
+        UsageError: an engine not listed above.
+    """
+    if engine in ("collective", "nixl", "mooncake"):
+        return f"{TRAINER_BUCKETS} buckets", {"buckets_bytes": TRAINER_BUCKETS * bucket_bytes}
+    if engine == "kimi":
+        return "the update pinned in host memory", {"pinned_update_bytes": published_bytes}
+    if engine == "file":
+        return "the update's host copies (one shard, at most the update)", {"host_copies_bytes": published_bytes}
+    if engine == "colocated":
+        return "", {}
+    raise UsageError(f"--engine {engine!r} has no stated trainer memory (collective, file, colocated, nixl, "
+                     f"mooncake, kimi)")
+
+
+def trainer_memory_bound(peak_bytes: int, param_bytes: int, grad_bytes: int, optimizer_bytes: int, engine: str,
+                         bucket_bytes: int, published_bytes: int) -> dict[str, Any]:
+    """The trainer's peak against model + optimizer + what ``engine`` holds to send + constant (see
+    :func:`memory_bound`; the engine's term is :func:`engine_send_term`'s: 3 buckets for the bucketed engines,
+    the update's host copies for file, none for colocated).
 
     The model term is the trainer's model state: its fp32 master parameters and their gradients
     (``param_bytes + grad_bytes``); the optimizer term is AdamW's states (``optimizer_bytes``). The peak is
     reached in the backward pass, when every gradient exists beside the parameters and the optimizer states;
-    the published bf16 buffer exists only after the gradients are freed.
+    the published buffer (``published_bytes``: bf16 for presets) exists only after the gradients are freed.
     """
-    return memory_bound(peak_bytes, f"model (parameters + gradients) + optimizer + {TRAINER_BUCKETS} buckets + constant",
-                        {"model_bytes": param_bytes + grad_bytes, "optimizer_bytes": optimizer_bytes,
-                         "buckets_bytes": TRAINER_BUCKETS * bucket_bytes, "constant_bytes": RUNTIME_BYTES})
+    words, sending = engine_send_term(engine, bucket_bytes, published_bytes)
+    form = "model (parameters + gradients) + optimizer + " + (f"{words} + " if words else "") + "constant"
+    return memory_bound(peak_bytes, form, {"model_bytes": param_bytes + grad_bytes, "optimizer_bytes": optimizer_bytes,
+                                           **sending, "constant_bytes": RUNTIME_BYTES})
 
 
 def rollout_memory_bounds(peak_bytes: int, model_bytes: int, banks: int, bucket_bytes: int) -> dict[str, Any]:
@@ -168,10 +197,11 @@ def validate(args: Sync) -> None:
     """
     from hal.cli.models import resolve_model
 
-    for flag, value in (("--rollouts", args.rollouts), ("--steps", args.steps), ("--bucket-mb", args.bucket_mb),
-                        ("--timeout", args.timeout), ("--lr", args.lr), ("--decode-tokens", args.decode_tokens)):
+    for flag, value in (("--rollouts", args.rollouts), ("--steps", args.steps), ("--timeout", args.timeout),
+                        ("--lr", args.lr), ("--decode-tokens", args.decode_tokens)):
         if not value > 0:
             raise UsageError(f"{flag} must be positive, got {value}")
+    _bucket_bytes(args)
     if not args.logits_atol >= 0:
         raise UsageError(f"--logits-atol must be >= 0, got {args.logits_atol}")
     resolve_model(args.model)
@@ -397,12 +427,14 @@ class _Trainer:
         row["peak_host_bytes"] = _peak_host_bytes()
         return row
 
-    def memory_bound(self, peak_bytes: int, bucket_bytes: int) -> dict[str, Any]:
-        """The step's peak against model (parameters + gradients) + optimizer + 3 buckets + constant."""
-        return trainer_memory_bound(peak_bytes, bucket_bytes=bucket_bytes, **self.bounds)
+    def memory_bound(self, peak_bytes: int) -> dict[str, Any]:
+        """The step's peak against model (parameters + gradients) + optimizer + what the engine holds to send
+        + constant (:func:`trainer_memory_bound`)."""
+        return trainer_memory_bound(peak_bytes, engine=self.args.engine, bucket_bytes=_bucket_bytes(self.args),
+                                    published_bytes=self.layout.nbytes, **self.bounds)
 
-    def conclude(self, row: dict[str, Any], publish_s: float, raw_s: float, rollouts: list[dict[str, Any]],
-                 bucket_bytes: int) -> dict[str, Any]:
+    def conclude(self, row: dict[str, Any], publish_s: float, raw_s: float,
+                 rollouts: list[dict[str, Any]]) -> dict[str, Any]:
         """End a step under either launcher: the throughput figures, the rollouts' results, the onload and
         the memory figures with their bounds, added to ``row`` (returned).
 
@@ -410,7 +442,6 @@ class _Trainer:
             publish_s: seconds from the send's start until the last rollout applied the step.
             raw_s: seconds of one raw broadcast of the same bytes to the same rollouts.
             rollouts: every rollout's result (:meth:`_Rollout.check`), by rank.
-            bucket_bytes: the engine's bucket size, in bytes (part of the memory bound).
         """
         nbytes = self.layout.nbytes
         self.release()
@@ -418,7 +449,7 @@ class _Trainer:
                    gbps=nbytes / publish_s / 1e9, raw_gbps=nbytes / raw_s / 1e9, ratio_vs_raw=raw_s / publish_s,
                    rollouts=rollouts)
         self.finish(row)
-        row["memory"] = self.memory_bound(row["peak_host_bytes"], bucket_bytes)
+        row["memory"] = self.memory_bound(row["peak_host_bytes"])
         row["memory_bound_bytes"] = row["memory"]["bound_bytes"]
         return row
 
@@ -521,7 +552,8 @@ def _make_checkpoint_engine(args: Sync, rank: int, world_size: int, port: int, r
 
 
 def _bucket_bytes(args: Sync) -> int:
-    return int(args.bucket_mb * (1 << 20))
+    """``--bucket-mb`` in bytes (raises :class:`UsageError` naming it unless it is positive)."""
+    return mib_to_bytes(args.bucket_mb, "--bucket-mb")
 
 
 def _release(engine) -> None:
@@ -627,7 +659,7 @@ async def _trainer_loop(args: Sync, engine, store, raw_group, world_size: int) -
                 row["tokens"] = ref["tokens"]
             raw_s = await _raw_timed(trainer, store, raw_group, receivers, step)
             results = [json.loads(store.get(f"result/{step}/{r}")) for r in receivers]
-            rows.append(trainer.conclude(row, publish_s, raw_s, results, _bucket_bytes(args)))
+            rows.append(trainer.conclude(row, publish_s, raw_s, results))
             progress.advance(task)
     _release(engine)
     return {"warmup": warmup, "rows": rows}
@@ -692,7 +724,7 @@ async def _colocated(args: Sync) -> dict[str, Any]:
                                         "copied_bytes": adapter.last_copied_bytes, **checked})
             trainer.release()
             trainer.finish(row)
-            own = trainer.memory_bound(row["peak_host_bytes"], 0)  # one process: the rollouts' banks too
+            own = trainer.memory_bound(row["peak_host_bytes"])  # one process: the rollouts' banks too
             banks = sum(len(a.banks) * a.layout.nbytes for a, _ in rollouts)
             row["memory"] = memory_bound(row["peak_host_bytes"], own["form"] + " + the rollouts' banks",
                                          {**own["terms"], "rollout_banks_bytes": banks})

@@ -136,7 +136,7 @@ class TrainerActor(_Worker):
     def conclude(self, row: dict[str, Any], publish_s: float, raw_s: float,
                  rollouts: list[dict[str, Any]]) -> dict[str, Any]:
         """Figures, onload and memory of the step (:meth:`hal.cli.sync._Trainer.conclude`); returns the row."""
-        return self.trainer.conclude(row, publish_s, raw_s, rollouts, _bucket_bytes(self.args))
+        return self.trainer.conclude(row, publish_s, raw_s, rollouts)
 
     def abandon(self) -> None:
         """After a failed update: drop the published buffer, onload what the step offloaded."""

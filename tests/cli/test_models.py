@@ -68,3 +68,28 @@ def test_trainer_weights_are_fp32_and_a_rollout_serves_bf16():
     # the same seed gives the same weights: the trainer's init is reproducible
     again, _ = models.build("qwen2.5-tiny")
     assert all(torch.equal(a, b) for a, b in zip(module.parameters(), again.parameters()))
+
+
+def test_a_preset_matches_in_any_letter_case_unless_a_path_of_that_name_exists(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert models.resolve_model("qwen2.5-0.5b") == "qwen2.5-0.5b"
+    assert models.resolve_model("Qwen2.5-0.5B") == "qwen2.5-0.5b" and models.resolve_model("QWEN2.5-TINY") == "qwen2.5-tiny"
+    with pytest.raises(FileNotFoundError, match="'Qwen2.5-7B': no such safetensors file.*presets: qwen2.5-0.5b"):
+        models.resolve_model("Qwen2.5-7B")
+    (tmp_path / "Qwen2.5-tiny").mkdir()  # a checkpoint directory named like a preset is that checkpoint
+    save_file({"w": torch.ones(2)}, str(tmp_path / "Qwen2.5-tiny" / "model.safetensors"))
+    assert models.resolve_model("Qwen2.5-tiny") == "Qwen2.5-tiny"
+
+
+def test_hal_sync_runs_and_reports_the_preset_by_its_key(monkeypatch):
+    from hal.cli import sync
+
+    seen = []
+
+    async def colocated(args):
+        seen.append(args.model)
+        return {"rows": []}
+
+    monkeypatch.setattr(sync, "_colocated", colocated)
+    result = sync.execute(sync.Sync(device="cpu", model="Qwen2.5-Tiny", engine="colocated", steps=1))
+    assert seen == ["qwen2.5-tiny"] and result["model"] == "qwen2.5-tiny"

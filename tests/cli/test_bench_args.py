@@ -1,0 +1,52 @@
+"""hal bench's selection and size flags, checked before any benchmark starts."""
+
+import dataclasses
+
+import pytest
+import tyro
+
+from hal.cli.bench import Bench, execute, selection
+from hal.cli.errors import UsageError
+
+
+def parse(*argv: str) -> Bench:
+    return tyro.cli(Bench, args=list(argv))
+
+
+def test_a_plain_bench_leaves_the_main_job_out_and_only_main_runs_it():
+    assert selection(parse()) == ["offload", "sync"]
+    assert selection(parse("--only", "main")) == ["main"]
+    assert selection(parse("--only", "main", "offload")) == ["offload", "main"]  # always in the same order
+
+
+def test_bucket_flags_are_fractional_mib_like_hal_sync():
+    args = parse("--bucket-mb", "0.5", "4", "--main-bucket-mb", "1.5")
+    assert args.bucket_mb == (0.5, 4.0) and args.main_bucket_mb == 1.5
+    assert selection(args) == ["offload", "sync"]
+
+
+@pytest.mark.parametrize("argv,message", [
+    (("--bucket-mb", "64", "0"), "--bucket-mb must be positive, got 0.0"),
+    (("--bucket-mb", "-4"), "--bucket-mb must be positive, got -4.0"),
+    (("--main-bucket-mb", "0"), "--main-bucket-mb must be positive, got 0.0"),
+    (("--only", "mian"), "--only takes offload, sync, main (default: offload sync), got ['mian']"),
+    (("--rounds", "0"), "--rounds must be >= 1, got 0"),
+    (("--apply", "both"), "--apply takes atomic and/or in-place, got ['both']"),
+])
+def test_bad_values_are_refused_naming_the_flag_before_anything_runs(argv, message, monkeypatch):
+    import hal
+
+    monkeypatch.setattr(hal, "resolve_device", lambda *a: pytest.fail("a benchmark was about to start"))
+    with pytest.raises(UsageError) as info:
+        execute(parse(*argv))
+    assert message in str(info.value)
+
+
+def test_the_main_job_gets_the_bucket_size_in_mib(monkeypatch):
+    from hal.benchmarks import bench_sync
+
+    calls = []
+    monkeypatch.setattr(bench_sync, "run", lambda *a, **k: calls.append(a) or {})
+    execute(dataclasses.replace(parse("--only", "main", "--main-bucket-mb", "0.25"), device="cpu"))
+    size, kind, rollouts, steps, bucket, applies, model = calls[0]
+    assert (size, kind, bucket, applies) == (1024, "cpu", 0.25, ("atomic",))
