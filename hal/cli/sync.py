@@ -173,7 +173,7 @@ class Sync:
     timeout: float = 300.0
     """Seconds any rendezvous, transfer or wait may take before it is an error."""
     file_root: str | None = None
-    """Directory of the file engine (default: a temporary one)."""
+    """Directory of the file engine; None: a new temporary one."""
     json: bool = False
     """Print the per-step results as JSON on stdout (progress goes to stderr)."""
     launcher: Literal["torchrun", "ray"] = "torchrun"
