@@ -148,14 +148,42 @@ def _auto() -> DeviceSpec:
     return registry.get_spec(_auto_kind)
 
 
+def _active_kind_named(name: str) -> DeviceSpec | None:
+    """The active kind whose tensors have torch device type ``name`` under another kind name, or ``None``.
+
+    Active: the kind ``$HAL_DEVICE`` names (probed if it was not yet), else a kind an earlier call already
+    found available. This is how ``tensor.device`` of an npu-sim tensor (``npu:0``) resolves to npu-sim,
+    while an unavailable kind no active kind stands for (``cuda`` there) still fails.
+    """
+    try:
+        env_kind = split_device(None)[0]
+    except HalError:  # a malformed HAL_DEVICE is reported where it is used, not here
+        env_kind = None
+    candidates = [env_kind] if isinstance(env_kind, str) else []
+    candidates += [k for k, state in _availability.items() if state]
+    for kind in candidates:
+        if kind == name:
+            continue
+        try:
+            spec = registry.get_spec(kind)
+        except UnknownDeviceError:
+            continue
+        if spec.name == name and availability(spec.kind):
+            return spec
+    return None
+
+
 def resolve_device(device: DeviceLike = None) -> DeviceSpec:
     """The device kind to use: ``device`` if given, else ``$HAL_DEVICE``, else the first available.
 
     Args:
         device: a kind name (``"npu"``, ``"npu-sim"``), a ``"kind:index"`` string, a ``torch.device``
             (its type is the kind), a spec, or ``None``. ``$HAL_DEVICE`` takes the same strings.
-            An index is checked here (see :func:`check_index`) and honoured by :func:`get_device` and
-            :func:`local_device`.
+            An index is checked here (see :func:`check_index`) and honoured by :func:`get_device`,
+            :func:`local_device` and the per-device calls (:func:`synchronize`, :func:`memory_stats`, ...).
+            A torch device type that is not itself a usable kind names the active kind whose tensors have
+            that type: with ``HAL_DEVICE=npu-sim``, ``"npu"``, ``"npu:0"`` and ``torch.device("npu", 0)``
+            (``tensor.device`` of its tensors) resolve to ``npu-sim``, as they resolve to ``npu`` on Ascend.
 
     Raises:
         DeviceIndexError: an index this process has no device for.
@@ -166,8 +194,20 @@ def resolve_device(device: DeviceLike = None) -> DeviceSpec:
     kind, index = split_device(device)
     if kind is None:
         return _auto()
-    spec = kind if isinstance(kind, DeviceSpec) else registry.get_spec(kind)
+    if isinstance(kind, DeviceSpec):
+        spec = kind
+    else:
+        try:
+            spec = registry.get_spec(kind)
+        except UnknownDeviceError:
+            spec = _active_kind_named(kind)
+            if spec is None:
+                raise
     state = availability(spec.kind)
+    if not state and not isinstance(kind, DeviceSpec):
+        alias = _active_kind_named(spec.kind)
+        if alias is not None:
+            spec, state = alias, availability(alias.kind)
     if not state:
         others = ", ".join(available_kinds()) or "none"
         explicit = [k for k in registry.known_kinds() if k not in _availability and k != spec.kind

@@ -107,3 +107,22 @@ def test_placement_tells_two_indices_of_one_type_apart(sim):
     assert device_type_of(one) == "npu"
     assert device_type_of(one + [torch.zeros(1, device="npu:0")]) == MIXED
     assert device_type_of([torch.zeros(1), torch.zeros(1, device="npu:1")]) == MIXED
+
+
+def test_the_sims_torch_device_type_resolves_to_the_sim_and_an_absent_kind_still_fails(sim, monkeypatch):
+    hal.reset()  # nothing cached: HAL_DEVICE alone makes npu-sim the active kind
+    monkeypatch.setenv("HAL_DEVICE", "npu-sim")
+    t = torch.zeros(1, device="npu:1")
+    for device in (t.device, "npu", "npu:1", torch.device("npu")):
+        assert hal.resolve_device(device).kind == "npu-sim"
+    assert hal.get_device(t.device) == torch.device("npu", 1)
+    assert hal.get_dist_backend(t.device) == "hccl"
+    hal.synchronize(t.device)
+    with pytest.raises(hal.DeviceIndexError, match=f"sees {sim.device_count()} npu-sim device"):
+        hal.resolve_device(f"npu:{sim.device_count()}")
+    with pytest.raises(hal.DeviceUnavailableError, match="'cuda' is unavailable.*available kinds: .*npu-sim"):
+        hal.resolve_device(torch.device("cuda", 0))
+    monkeypatch.delenv("HAL_DEVICE")
+    hal.reset()
+    hal.resolve_device("npu-sim")  # an available kind found earlier is active too
+    assert hal.resolve_device(t.device).kind == "npu-sim"
