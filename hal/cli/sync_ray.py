@@ -16,11 +16,12 @@ drives it as verl's ``CheckpointEngineManager`` does, every update:
 4. the trainer's ``send_weights`` and every rollout's ``receive_weights`` concurrently;
 5. ``finalize()`` on every worker.
 
-A rollout that dies during an update fails that update with :class:`SyncUpdateError` naming the rollout as
-soon as Ray reports the death (the driver waits on every worker's call, not on the engine's timeout); the
-other rollouts keep serving their previous step, their part of the failed transfer ends (an error, at most
-the engine's timeout) before the next update starts, and :meth:`RaySync.replace_rollout` starts a new actor
-in the dead one's bundle for the next update.
+Every remote phase (start, prepare, init_process_group, the update, verify, the raw reference and its
+group, the trainer's own calls) is awaited by one helper, :meth:`RaySync._settle`: a worker that dies or
+raises fails the step with :class:`SyncUpdateError` naming it (role, rank, node, device) as soon as Ray
+reports it, not when the engine's timeout has passed. The other workers keep what they served; their part of
+a broken collective ends (an error, at most the engine's timeout) before the next step starts, and
+:meth:`RaySync.replace_rollout` starts a new actor in a dead one's bundle for the next update.
 
 Without ``--address`` a one-node cluster is started for the run (:class:`hal.ray.LocalCluster`, declaring
 one device of the kind per worker), and stopped at the end.
@@ -36,6 +37,11 @@ from typing import Any
 import hal
 from hal import ray as hal_ray
 from hal.cli.sync import Sync, _bucket_bytes, _progress, _raw_broadcast, _Rollout, _Trainer, verify
+
+
+ERROR_GRACE_S = 5.0
+"""Seconds a phase whose worker raised still waits for the others (at most): a peer's death makes its partners
+raise (connection reset) before Ray reports the death itself, and the error should name the dead one."""
 
 
 class SyncUpdateError(hal.HalError, RuntimeError):
@@ -238,7 +244,7 @@ class RaySync:
             self.trainer = self._remote(TrainerActor, 0, self.args_dict)
             self.rollouts = [self._remote(RolloutActor, rank, self.args_dict, rank, self.adapters.get(rank))
                              for rank in range(1, args.rollouts + 1)]
-            self.bindings = self._get([w.where.remote() for w in self.workers], "start", limit=self.start_timeout)
+            self.bindings = self._settle([w.where.remote() for w in self.workers], "start", limit=self.start_timeout)
             hal_ray.check_distinct_devices(self.bindings)
         except BaseException:
             self.close()
@@ -254,11 +260,6 @@ class RaySync:
         return actor_cls.options(**self.placement.options(bundle_index),
                                  max_restarts=0, max_concurrency=4).remote(*init_args)
 
-    def _get(self, refs: list, what: str, workers: list[int] | None = None, limit: float | None = None) -> list:
-        """Results of ``refs`` (the calls of worker indices ``workers``, default 0, 1, ...), else
-        :class:`SyncUpdateError` naming each worker that failed, died or did not answer in time."""
-        return self._settle(refs, what, workers, limit=limit)
-
     def _name(self, index: int) -> str:
         b = self.bindings[index] if index < len(getattr(self, "bindings", [])) else None
         role = "trainer" if index == 0 else f"rollout rank {index}"
@@ -267,7 +268,7 @@ class RaySync:
 
     def build_process_group(self) -> None:
         """prepare() on every worker, build_topology from their metadata, init_process_group per rank."""
-        metadata = self._get([w.execute_checkpoint_engine.remote("prepare") for w in self.workers], "prepare")
+        metadata = self._settle([w.execute_checkpoint_engine.remote("prepare") for w in self.workers], "prepare")
         trainer_kwargs, rollout_kwargs = self.engine_cls.build_topology(1, len(self.rollouts), metadata)
         for side, kwargs, n in (("trainer", trainer_kwargs, 1), ("rollout", rollout_kwargs, len(self.rollouts))):
             for key, values in kwargs.items():
@@ -280,26 +281,32 @@ class RaySync:
                  for i, r in enumerate(self.rollouts)]
         self._settle(refs, "init_process_group")
 
-    def _settle(self, refs: list, what: str, workers: list[int] | None = None, fail_on_death: bool = False,
-                limit: float | None = None) -> list:
-        """Wait for every ref (at most ``limit`` seconds, default the engine's timeout plus a margin); raise
-        naming each failed worker.
+    def _settle(self, refs: list, what: str, workers: list[int] | None = None, limit: float | None = None) -> list:
+        """Results of ``refs``, the calls of phase ``what`` on worker indices ``workers`` (default 0, 1, ...),
+        waiting at most ``limit`` seconds (default the engine's timeout plus a margin).
 
-        With ``fail_on_death``, a worker Ray reports dead ends the wait at once: the calls still running
-        (the other ranks of a broken transfer) are kept in ``self._unsettled`` and settled before the next
-        update (:meth:`_settle_leftovers`), and the error names the dead worker.
+        The first failure ends the wait: a worker Ray reports dead at once, a worker that raised after at most
+        :data:`ERROR_GRACE_S` more (so a death that made it raise is reported too); every worker whose call
+        ended in failure by then is named. The calls still running (the other ranks of a broken collective,
+        which end within their own timeout) are kept in ``self._unsettled`` and settled before the next step
+        (:meth:`_settle_leftovers`).
+
+        Raises:
+            SyncUpdateError: names each worker that failed, died or did not answer within ``limit``.
         """
         indices = list(workers) if workers is not None else list(range(len(refs)))
         limit = self.timeout + 30.0 if limit is None else limit
         deadline = time.monotonic() + limit
         outcome: dict[int, tuple[bool, Any]] = {}
         pending, by_ref = list(refs), dict(zip(refs, indices))
+        failed_by: float | None = None  # after a failure: when the wait ends at the latest (its grace)
         dead = False
         while pending and not dead:
-            ready, pending = self.ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            until = deadline if failed_by is None else min(deadline, failed_by)
+            ready, pending = self.ray.wait(pending, num_returns=1, timeout=max(0.0, until - time.monotonic()))
             if not ready:
-                break  # the deadline passed
-            if fail_on_death and pending:  # collect whatever else already ended, then look for a death
+                break  # the deadline, or the grace after an error, passed
+            if pending:  # collect whatever else already ended, so every failure that is known is named
                 more, pending = self.ray.wait(pending, num_returns=len(pending), timeout=0)
                 ready += more
             for ref in ready:
@@ -307,12 +314,14 @@ class RaySync:
                     outcome[by_ref[ref]] = (True, self.ray.get(ref))
                 except Exception as exc:  # noqa: BLE001 - every worker's failure is reported, by name
                     outcome[by_ref[ref]] = (False, exc)
-                    dead = dead or (fail_on_death and _died(self.ray, exc))
+                    dead = dead or _died(self.ray, exc)
+                    if failed_by is None:
+                        failed_by = time.monotonic() + ERROR_GRACE_S
         results, failures = [], []
         for index, ref in zip(indices, refs):
             if index not in outcome:
                 results.append(None)
-                if dead:
+                if failed_by is not None:
                     self._unsettled[index] = ref
                 else:
                     failures.append(f"{self._name(index)}: no answer within {limit:g} s")
@@ -326,9 +335,10 @@ class RaySync:
         return results
 
     def _settle_leftovers(self) -> None:
-        """Wait for the calls a failed update left running (each ends within the engine's timeout: its peer
-        died), finalizing each worker as its call ends, so its broken group is released (its peers'
-        transfers then fail at once) and the next update forms a new one."""
+        """Wait for the calls a failed phase left running (each ends within its own timeout: a peer failed),
+        finalizing each worker as its call ends, so a broken engine group is released (its peers' transfers
+        then fail at once) and the next update forms a new one; then onload the trainer if a failed step
+        left that to do."""
         pending = {ref: index for index, ref in self._unsettled.items()}
         self._unsettled = {}
         deadline = time.monotonic() + self.timeout + 30.0
@@ -338,7 +348,7 @@ class RaySync:
                 self._finalize([pending.pop(ref)])
         if self._abandoned:  # the trainer's part ended: drop its published buffer, onload
             self._abandoned = False
-            self._get([self.trainer.abandon.remote()], "onload")
+            self._settle([self.trainer.abandon.remote()], "onload")
 
     def update_weights(self, global_steps: int, reference: bool = True
                        ) -> tuple[dict[str, Any], list[tuple[dict[str, Any], float, float]]]:
@@ -346,16 +356,16 @@ class RaySync:
         and every rollout's ``(result, started_at, applied_at)``.
 
         Raises:
-            SyncUpdateError: a worker died or raised; names each (rank, node, device) and the error. A death
-                ends the update as soon as Ray reports it. The workers that ended their part are finalized
-                now, the others once their part ended, so the next update can form a new group.
+            SyncUpdateError: a worker died or raised; names each (rank, node, device) and the error, as soon
+                as Ray reports it. The workers that ended their part are finalized now, the others once their
+                part ended, so the next update can form a new group.
         """
         settled = list(range(len(self.workers)))
         try:
             self.build_process_group()
             refs = [self.trainer.publish.remote(global_steps, reference)]
             refs += [r.update_weights.remote(global_steps) for r in self.rollouts]
-            results = self._settle(refs, f"update to global_steps {global_steps}", fail_on_death=True)
+            results = self._settle(refs, f"update to global_steps {global_steps}")
         finally:
             self._finalize([i for i in settled if i not in self._unsettled])
         return results[0], results[1:]
@@ -373,17 +383,29 @@ class RaySync:
         """Form the raw-broadcast group (again, after a rollout was replaced) on every worker."""
         if self._raw_generation == self._raw_wanted:
             return
-        addr, port = self._get([self.trainer.host_raw_store.remote()], "raw group")[0]
+        addr, port = self._settle([self.trainer.host_raw_store.remote()], "raw group")[0]
         world = len(self.workers)
-        self._settle([w.join_raw_group.remote(addr, port, rank, world, self._raw_wanted)
-                      for rank, w in enumerate(self.workers)], "raw group")
+        try:
+            self._settle([w.join_raw_group.remote(addr, port, rank, world, self._raw_wanted)
+                          for rank, w in enumerate(self.workers)], "raw group")
+        except SyncUpdateError:
+            self._raw_broken()
+            raise
         self._raw_generation = self._raw_wanted
+
+    def _raw_broken(self) -> None:
+        """The raw group failed (a member died or timed out): the next step forms a new generation."""
+        self._raw_wanted = max(self._raw_wanted, self._raw_generation) + 1
 
     def _raw_seconds(self) -> float:
         """One raw broadcast of the published bytes to every rollout: seconds from when every worker was in
         it (Ray delivers the calls at different moments; under torchrun every rank waits in it already)
         until the last rollout has the bytes."""
-        spans = self._settle([w.raw_broadcast.remote() for w in self.workers], "raw broadcast")
+        try:
+            spans = self._settle([w.raw_broadcast.remote() for w in self.workers], "raw broadcast")
+        except SyncUpdateError:
+            self._raw_broken()
+            raise
         return max(end for _, end in spans[1:]) - max(start for start, _ in spans)
 
     @staticmethod
@@ -405,12 +427,16 @@ class RaySync:
         start = time.perf_counter()
         self._settle_leftovers()
         self._ensure_raw_group()
-        self._get([self.trainer.stage.remote()], "stage")
-        published, received = self.update_weights(0, reference=False)
-        out = {"publish_s": self._publish_seconds(published, received),
-               "errors": [f"rollout rank {r['rank']}: {r['error']}" for r, _, _ in received if r["error"]]}
-        out["raw_s"] = self._raw_seconds()
-        self._get([self.trainer.release.remote()], "release")
+        self._settle([self.trainer.stage.remote()], "stage")
+        try:
+            published, received = self.update_weights(0, reference=False)
+            out = {"publish_s": self._publish_seconds(published, received),
+                   "errors": [f"rollout rank {r['rank']}: {r['error']}" for r, _, _ in received if r["error"]]}
+            out["raw_s"] = self._raw_seconds()
+        except SyncUpdateError:
+            self._abandon()
+            raise
+        self._settle([self.trainer.release.remote()], "release")
         out["wall_s"] = time.perf_counter() - start
         return out
 
@@ -419,29 +445,34 @@ class RaySync:
         same bytes, onload; returns the step's row (the fields of :func:`hal.cli.sync.execute`'s rows)."""
         self._settle_leftovers()
         self._ensure_raw_group()
-        row = self._get([self.trainer.train.remote(global_steps)], "train")[0]
+        row = self._settle([self.trainer.train.remote(global_steps)], "train")[0]
         try:
             published, received = self.update_weights(global_steps)
+            row["send_s"] = published["send_s"]
+            publish_s = self._publish_seconds(published, received)
+            if published["reference"] is not None:
+                row["tokens"] = published["reference"]["tokens"]
+            shared = self.ray.put(published)
+            results = self._settle([r.check.remote(global_steps, result, shared) for r, (result, _, _) in
+                                    zip(self.rollouts, received)], "verify", list(range(1, len(self.workers))))
+            raw_s = self._raw_seconds()
         except SyncUpdateError:
-            if 0 in self._unsettled:
-                self._abandoned = True  # the trainer onloads once its part of the update ended
-            else:
-                try:  # drop the published buffer and onload, so the trainer stays usable for the next step
-                    self._get([self.trainer.abandon.remote()], "onload")
-                except SyncUpdateError:
-                    pass  # the trainer itself failed: the update's error says so
+            self._abandon()
             raise
-        row["send_s"] = published["send_s"]
-        publish_s = self._publish_seconds(published, received)
-        if published["reference"] is not None:
-            row["tokens"] = published["reference"]["tokens"]
-        shared = self.ray.put(published)
-        results = self._get([r.check.remote(global_steps, result, shared) for r, (result, _, _) in
-                             zip(self.rollouts, received)], "verify", list(range(1, len(self.workers))))
-        raw_s = self._raw_seconds()
-        row = self._get([self.trainer.conclude.remote(row, publish_s, raw_s, results)], "onload")[0]
+        row = self._settle([self.trainer.conclude.remote(row, publish_s, raw_s, results)], "onload")[0]
         self.checksums = {global_steps: published["sums"]}
         return row
+
+    def _abandon(self) -> None:
+        """After a failed step: the trainer drops its published buffer and onloads, so it stays usable for
+        the next step; now, or once its own call of the failed phase ended (:meth:`_settle_leftovers`)."""
+        if 0 in self._unsettled:
+            self._abandoned = True
+            return
+        try:
+            self._settle([self.trainer.abandon.remote()], "onload")
+        except SyncUpdateError:
+            pass  # the trainer itself failed: the step's error says so
 
     def replace_rollout(self, rank: int, adapter: Any = None) -> hal_ray.DeviceBinding:
         """Start a new rollout actor of rank ``rank`` in its bundle (after the old one died or was killed)."""
@@ -453,8 +484,8 @@ class RaySync:
         except Exception:  # noqa: BLE001 - it is already dead
             pass
         self.rollouts[rank - 1] = self._remote(RolloutActor, rank, self.args_dict, rank, adapter)
-        self.bindings[rank] = self._get([self.rollouts[rank - 1].where.remote()], "start", [rank],
-                                        limit=self.start_timeout)[0]
+        self.bindings[rank] = self._settle([self.rollouts[rank - 1].where.remote()], "start", [rank],
+                                           limit=self.start_timeout)[0]
         hal_ray.check_distinct_devices(self.bindings)
         self._raw_wanted = self._raw_generation + 1  # the new actor joins a new raw group
         return self.bindings[rank]

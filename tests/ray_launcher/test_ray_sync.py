@@ -1,5 +1,6 @@
 """hal sync over Ray actors on the shared local cluster: verified steps (decode and checksums, as under torchrun),
-a rollout killed mid-update failing the update at once, a replacement; the CLI on a cluster given by address."""
+a rollout killed mid-update failing the update at once, a replacement, a rollout killed before the raw group
+forms failing that phase at once; the CLI on a cluster given by address."""
 
 from __future__ import annotations
 
@@ -54,6 +55,16 @@ def test_steps_then_a_rollout_dies_mid_update_fails_it_at_once_and_is_replaced(c
         # a replacement in the dead one's bundle; the next update reaches both, verified
         run.replace_rollout(2)
         check_row(run.step(4), 4)
+        # a death outside the update: another replacement (the next step forms a new raw group first), killed
+        # as that step begins; the others wait in the group's rendezvous until the timeout, the step does not
+        run.replace_rollout(2)
+        ray.kill(run.rollouts[1], no_restart=True)
+        start = time.monotonic()
+        with pytest.raises(SyncUpdateError, match=r"^raw group failed: rollout rank 2 on node [\d.]+.* died") as info:
+            run.step(5)
+        elapsed = time.monotonic() - start
+        assert elapsed < TIMEOUT / 2, (elapsed, str(info.value))
+        assert "rollout rank 1" not in str(info.value) and "trainer" not in str(info.value)
 
 
 def test_the_ray_launcher_runs_the_collective_engine_only():
