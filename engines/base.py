@@ -142,10 +142,11 @@ class BaseEngine(abc.ABC):
                 moved += self._move(part, slot, target, offload)
         if optimizer and self.optimizer is not None:
             self._optimizer_home = target.type
-        if moved:
-            hal.synchronize(self.device)  # non-blocking copies complete before anyone reads the tensors
+        if moved:  # on this engine's device, which need not be the current one
+            own = f"{self.device.kind}:{self.torch_device.index}"
+            hal.synchronize(own)  # non-blocking copies complete before anyone reads the tensors
             if offload:
-                hal.empty_cache(self.device)
+                hal.empty_cache(own)
         self.last_moved_bytes = moved
         self._after_move()
 

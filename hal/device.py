@@ -221,7 +221,13 @@ def resolve_device(device: DeviceLike = None) -> DeviceSpec:
 
 
 def get_device_name(device: DeviceLike = None) -> str:
-    """The ``torch.device`` type of the resolved kind: ``"cuda"``, ``"npu"`` or ``"cpu"`` (npu-sim: ``"npu"``)."""
+    """The ``torch.device`` type of the resolved kind: ``"cuda"``, ``"npu"`` or ``"cpu"`` (npu-sim: ``"npu"``).
+
+    Raises:
+        UnknownDeviceError: the kind is not built in nor registered.
+        DeviceUnavailableError: the kind is known but unusable here.
+        DeviceIndexError: an explicit index this process has no device for.
+    """
     return resolve_device(device).name
 
 
@@ -229,16 +235,34 @@ def get_torch_device(device: DeviceLike = None) -> types.ModuleType:
     """The torch module of the resolved kind (the vendor's ``torch.<name>`` module, or a ``torch.cpu`` shim).
 
     Use the module directly for anything it offers (``Stream``, ``Event``, ``memory_allocated``, ...).
+
+    Raises:
+        UnknownDeviceError: the kind is not built in nor registered.
+        DeviceUnavailableError: the kind is known but unusable here.
+        DeviceIndexError: an explicit index this process has no device for.
     """
     return resolve_device(device).torch_module()
 
 
 def get_device_id(device: DeviceLike = None) -> int:
-    """The current device index of the resolved kind (0 on cpu)."""
-    spec = resolve_device(device)
+    """The device index ``device`` names: its explicit index (``"npu-sim:1"`` -> 1, or that of
+    ``$HAL_DEVICE`` when ``device`` is ``None``), else the current device index of the resolved kind; 0 on cpu.
+
+    Raises:
+        UnknownDeviceError: the kind is not built in nor registered.
+        DeviceUnavailableError: the kind is known but unusable here.
+        DeviceIndexError: an explicit index this process has no device for.
+    """
+    spec, index = _spec_and_index(device)
     if spec.host_memory:
         return 0
-    return int(spec.torch_module().current_device())
+    return int(spec.torch_module().current_device()) if index is None else index
+
+
+def _spec_and_index(device: DeviceLike) -> tuple[DeviceSpec, int | None]:
+    """The resolved kind and the explicit, checked index of ``device`` (``None``: the current device)."""
+    spec = resolve_device(device)
+    return spec, None if spec.host_memory else split_device(device)[1]
 
 
 def get_device(device: DeviceLike = None) -> torch.device:
@@ -250,6 +274,8 @@ def get_device(device: DeviceLike = None) -> torch.device:
 
     Raises:
         DeviceIndexError: the explicit index is out of range (see :func:`check_index`).
+        UnknownDeviceError: the kind is not built in nor registered.
+        DeviceUnavailableError: the kind is known but unusable here.
     """
     spec = resolve_device(device)
     if spec.host_memory:
@@ -272,6 +298,8 @@ def local_device(device: DeviceLike = None) -> torch.device:
     Raises:
         DeviceIndexError: the index (explicit or ``LOCAL_RANK``) is not below the number of devices this
             process sees; the message names the variable and the visible-devices variable with its value.
+        UnknownDeviceError: the kind is not built in nor registered.
+        DeviceUnavailableError: the kind is known but unusable here.
     """
     spec = resolve_device(device)
     if spec.host_memory:
@@ -297,6 +325,8 @@ def bind_local_device(device: DeviceLike = None) -> torch.device:
 
     Raises:
         DeviceIndexError: see :func:`local_device`.
+        UnknownDeviceError: the kind is not built in nor registered.
+        DeviceUnavailableError: the kind is known but unusable here.
     """
     target = local_device(device)
     if target.type != "cpu":
@@ -312,6 +342,11 @@ def get_dist_backend(device: DeviceLike = None, with_host: bool = False) -> str:
             ``"cpu:gloo,<name>:<backend>"`` (plain ``"gloo"`` on the cpu kind).
             Note: torch 2.13 leaves the default backend unset for such a mixed string; prefer passing
             ``device_id`` and a plain name where the caller does not need host-side collectives.
+
+    Raises:
+        UnknownDeviceError: the kind is not built in nor registered.
+        DeviceUnavailableError: the kind is known but unusable here.
+        DeviceIndexError: an explicit index this process has no device for.
     """
     spec = resolve_device(device)
     if with_host and spec.dist_backend != "gloo":
@@ -320,34 +355,88 @@ def get_dist_backend(device: DeviceLike = None, with_host: bool = False) -> str:
 
 
 def get_visible_devices_keyword(device: DeviceLike = None) -> str | None:
-    """The visible-devices environment variable of the resolved kind (``None`` on cpu)."""
+    """The visible-devices environment variable of the resolved kind (``None`` on cpu).
+
+    Raises:
+        UnknownDeviceError: the kind is not built in nor registered.
+        DeviceUnavailableError: the kind is known but unusable here.
+        DeviceIndexError: an explicit index this process has no device for.
+    """
     return resolve_device(device).visible_devices_env
 
 
 def synchronize(device: DeviceLike = None) -> None:
-    """Block the host until all queued work on the current device of the resolved kind is done."""
-    get_torch_device(device).synchronize()
+    """Block the host until all queued work on one device of the resolved kind is done (no-op on cpu).
+
+    The device is the explicit index of ``device`` (``"npu-sim:1"``, ``torch.device("npu", 1)``, or
+    ``$HAL_DEVICE``'s index when ``device`` is ``None``), else the current device of the resolved kind
+    (``set_device``; see :func:`bind_local_device`). Indices count the devices this process sees (after
+    the visible-devices variable), as torch's do.
+
+    Raises:
+        UnknownDeviceError: the kind is not built in nor registered.
+        DeviceUnavailableError: the kind is known but unusable here.
+        DeviceIndexError: an explicit index this process has no device for.
+    """
+    spec, index = _spec_and_index(device)
+    spec.torch_module().synchronize(index)  # torch.cuda / torch.npu .synchronize(device=None)
 
 
 def empty_cache(device: DeviceLike = None) -> None:
-    """Return the caching allocator's unused blocks to the device (no-op on cpu)."""
-    get_torch_device(device).empty_cache()
+    """Return the caching allocator's unused blocks to the device (no-op on cpu).
+
+    The device is the explicit index of ``device`` (``"npu-sim:1"``, ``torch.device("npu", 1)``, or
+    ``$HAL_DEVICE``'s index when ``device`` is ``None``), else the current device of the resolved kind
+    (``set_device``; see :func:`bind_local_device`). Indices count the devices this process sees (after
+    the visible-devices variable), as torch's do. The vendor call takes no device
+    (``torch.cuda.empty_cache()``, ``torch.npu.empty_cache()``), so for an explicit index other than the
+    current one it runs with that device made current, as a ``torch.cuda.device`` guard does, and the
+    previous current device is restored after.
+
+    Raises:
+        UnknownDeviceError: the kind is not built in nor registered.
+        DeviceUnavailableError: the kind is known but unusable here.
+        DeviceIndexError: an explicit index this process has no device for.
+    """
+    spec, index = _spec_and_index(device)
+    module = spec.torch_module()
+    before = None if index is None else int(module.current_device())
+    if before is None or before == index:
+        module.empty_cache()
+        return
+    module.set_device(index)
+    try:
+        module.empty_cache()
+    finally:
+        module.set_device(before)
 
 
 def memory_stats(device: DeviceLike = None) -> dict[str, int]:
-    """Memory figures of the current device, in bytes.
+    """Memory figures of one device of the resolved kind, in bytes.
+
+    The device is the explicit index of ``device`` (``"npu-sim:1"``, ``torch.device("npu", 1)``, or
+    ``$HAL_DEVICE``'s index when ``device`` is ``None``), else the current device of the resolved kind
+    (``set_device``; see :func:`bind_local_device`). Indices count the devices this process sees (after
+    the visible-devices variable), as torch's do.
 
     Returns:
-        ``{"allocated": ..., "max_allocated": ..., "reserved": ..., "free": ..., "total": ...}``; on cpu
-        the first three are 0 (nothing is counted) and free/total describe host memory.
+        ``{"allocated": ..., "max_allocated": ..., "reserved": ..., "free": ..., "total": ...}`` (the
+        kind's ``memory_allocated``, ``max_memory_allocated``, ``memory_reserved`` and ``mem_get_info`` of
+        that device); on cpu the first three are 0 (nothing is counted) and free/total describe host memory.
+
+    Raises:
+        UnknownDeviceError: the kind is not built in nor registered.
+        DeviceUnavailableError: the kind is known but unusable here.
+        DeviceIndexError: an explicit index this process has no device for.
     """
-    module = get_torch_device(device)
-    free, total = module.mem_get_info()
+    spec, index = _spec_and_index(device)
+    module = spec.torch_module()
+    free, total = module.mem_get_info(index)
     reserved = getattr(module, "memory_reserved", module.memory_allocated)
     return {
-        "allocated": int(module.memory_allocated()),
-        "max_allocated": int(module.max_memory_allocated()),
-        "reserved": int(reserved()),
+        "allocated": int(module.memory_allocated(index)),
+        "max_allocated": int(module.max_memory_allocated(index)),
+        "reserved": int(reserved(index)),
         "free": int(free),
         "total": int(total),
     }
@@ -358,6 +447,9 @@ def manual_seed(seed: int, device: DeviceLike = None) -> None:
 
     Raises:
         ValueError: ``seed`` is not an integer.
+        UnknownDeviceError: the kind is not built in nor registered.
+        DeviceUnavailableError: the kind is known but unusable here.
+        DeviceIndexError: an explicit index this process has no device for.
     """
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise ValueError(f"seed must be an int, got {seed!r}")
@@ -366,7 +458,11 @@ def manual_seed(seed: int, device: DeviceLike = None) -> None:
 
 
 def describe(kind: str) -> dict[str, Any]:
-    """The facts and availability of one kind, as plain data (used by ``hal info``)."""
+    """The facts and availability of one kind, as plain data (used by ``hal info``); probes it once.
+
+    Raises:
+        UnknownDeviceError: the kind is not built in nor registered.
+    """
     spec = registry.get_spec(kind)
     state = availability(kind)
     return {

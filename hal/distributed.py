@@ -154,6 +154,10 @@ class StoreGroup:
 
         With ``async_op=True`` the call only enqueues the broadcast and returns a :class:`PendingWork`
         whose ``wait()`` blocks (at most ``timeout``); ``tensor`` must not be touched until then.
+
+        Raises:
+            DistributedTimeoutError: (without ``async_op``) the broadcast did not complete within the group's
+                timeout, or a peer's connection failed or closed (a dead or missing peer).
         """
         opts = dist.BroadcastOptions()
         opts.rootRank, opts.rootTensor = src, 0
@@ -165,14 +169,23 @@ class StoreGroup:
         return None
 
     def all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM) -> None:
-        """In-place all-reduce of ``tensor``."""
+        """In-place all-reduce of ``tensor``.
+
+        Raises:
+            DistributedTimeoutError: it did not complete within the group's timeout, or a peer's connection
+                failed or closed (a dead or missing peer).
+        """
         opts = dist.AllreduceOptions()
         opts.reduceOp = op
         opts.timeout = self.timeout
         self._wait(self.backend.allreduce([tensor], opts), "all_reduce")
 
     def barrier(self) -> None:
-        """Block until every rank reaches the barrier, by an all-reduce of one element on the group device."""
+        """Block until every rank reaches the barrier, by an all-reduce of one element on the group device.
+
+        Raises:
+            DistributedTimeoutError: see :meth:`all_reduce`.
+        """
         device = torch.device("cpu") if self.spec.host_memory else torch.device(
             self.spec.name, get_torch_device(self.spec).current_device())
         self.all_reduce(torch.zeros(1, device=device))

@@ -49,7 +49,11 @@ def register_device(spec: DeviceSpec) -> DeviceSpec:
 
 
 def unregister_device(kind: str) -> None:
-    """Remove a plugin kind (tests use this); built-in kinds cannot be removed."""
+    """Remove a plugin kind (tests use this); an unknown kind is ignored.
+
+    Raises:
+        ValueError: ``kind`` is a built-in kind (those cannot be removed).
+    """
     if kind in BUILTIN_KINDS:
         raise ValueError(f"built-in device kind {kind!r} cannot be unregistered")
     if kind in _plugin_kinds:

@@ -74,7 +74,11 @@ def test_an_engine_keeps_its_index_and_refuses_another(sim, monkeypatch):
     assert engine.torch_device == torch.device("npu", 1)
     engine.train_step(lambda m: m(torch.ones(2, 4, device="npu:1")).square().mean())
     assert {p.device for p in engine.module.parameters()} == {torch.device("npu", 1)}
+    synced = []
+    monkeypatch.setattr(sim, "synchronize", lambda device=None: synced.append(device))
+    sim.set_device(0)
     engine.to("cpu")
+    assert synced == [1]  # the copies on npu:1 are waited for, not those of the current npu:0
     engine.to("npu:1")  # its own index is accepted and honoured
     assert {p.device for p in engine.module.parameters()} == {torch.device("npu", 1)}
     states = [t for s in engine.optimizer.state.values() for t in s.values() if t.dim() > 0]
@@ -126,3 +130,25 @@ def test_the_sims_torch_device_type_resolves_to_the_sim_and_an_absent_kind_still
     hal.reset()
     hal.resolve_device("npu-sim")  # an available kind found earlier is active too
     assert hal.resolve_device(t.device).kind == "npu-sim"
+
+
+def test_per_device_calls_act_on_the_index_they_are_given_not_the_current_device(sim, monkeypatch):
+    sim.set_device(0)
+    before = hal.memory_stats("npu-sim:1")
+    x = torch.ones(1 << 20, device="npu:1")  # 4 MiB on npu:1 while npu:0 is current
+    stats = hal.memory_stats("npu-sim:1")
+    assert stats["allocated"] - before["allocated"] == x.nbytes == 4 << 20
+    assert stats["allocated"] == sim.memory_allocated(1) and stats["reserved"] == sim.memory_reserved(1)
+    assert (stats["free"], stats["total"]) == sim.mem_get_info(1)
+    assert hal.memory_stats(x.device) == stats
+    monkeypatch.setenv("HAL_DEVICE", "npu-sim:1")
+    assert hal.memory_stats() == stats and hal.get_device_id() == 1
+    assert hal.get_device_id("npu-sim:1") == 1 and hal.get_device_id("npu-sim") == 0
+    calls = []
+    monkeypatch.setattr(sim, "synchronize", lambda device=None: calls.append(("synchronize", device)))
+    monkeypatch.setattr(sim, "empty_cache", lambda: calls.append(("empty_cache", sim.current_device())))
+    hal.synchronize("npu-sim:1")
+    hal.empty_cache(x.device)
+    hal.empty_cache("npu-sim")
+    assert calls == [("synchronize", 1), ("empty_cache", 1), ("empty_cache", 0)]
+    assert sim.current_device() == 0
