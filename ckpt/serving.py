@@ -14,9 +14,13 @@ Two ways to apply, chosen at construction:
   Memory: two banks (2 x the weights' bytes); both keep their addresses for the adapter's lifetime.
 * ``atomic=False``: the update lands in the served bank itself. Memory: one bank. An update that fails
   part way leaves the weights mixed; the adapter then serves no step (``served_step is None``) and says why
-  in :attr:`ModelRolloutAdapter.degraded`, until a complete update arrives. All-or-nothing under a failure
-  mid-transfer needs the old weights and the received part of the new ones at once, so it cannot be had
-  in one bank plus a few buckets.
+  in :attr:`ModelRolloutAdapter.degraded`, until a complete update arrives. "Part way" starts as soon as a
+  tensor was received or a placement was handed to the transport: the collective engine writes a message
+  into its placements before it yields that message's tensors, so a sender that dies then has overwritten
+  part of the served weights although the adapter received nothing. Only a failure before either (a step
+  mismatch the engine detects on the first metadata, a bad argument) keeps the previous step in service.
+  All-or-nothing under a failure mid-transfer needs the old weights and the received part of the new ones
+  at once, so it cannot be had in one bank plus a few buckets.
 """
 
 from __future__ import annotations
@@ -153,6 +157,8 @@ class ModelRolloutAdapter:
         """Why the weights are not a whole step (in-place mode after a failed update), else ``None``."""
         self.last_copied_bytes = 0
         """Bytes the last update copied into place (0 when the transport received everything in place)."""
+        self._receiving = False  # an update is consuming its stream and has met no error: placements are given
+        self._handed = False  # a placement was handed out during the current update (bytes may have landed)
 
     @property
     def staging(self) -> torch.Tensor:
@@ -161,10 +167,14 @@ class ModelRolloutAdapter:
 
     def placement(self, name: str, dtype: torch.dtype, shape: Any) -> torch.Tensor | None:
         """Where the transport may write tensor ``name`` directly: its view in the staging bank, or ``None``
-        when the name, dtype or shape is not what the module serves (the update then fails on that tensor)."""
+        when the name, dtype or shape is not what the module serves (the update then fails on that tensor),
+        or when no update is consuming its stream without error (before :meth:`update_weights` started
+        iterating, after it failed or ended: what a transport receives then, e.g. while the rest of a failed
+        update is drained, goes to its own buffers, never into the weights)."""
         slot = self.layout.slots.get(name)
-        if slot is None or slot.dtype != dtype or slot.shape != tuple(shape):
+        if not self._receiving or slot is None or slot.dtype != dtype or slot.shape != tuple(shape):
             return None
+        self._handed = True
         return self.layout.view(self.staging, name)
 
     async def update_weights(self, weights: AsyncIterator[NamedTensor], global_steps: int | None = None,
@@ -177,15 +187,19 @@ class ModelRolloutAdapter:
         wrote it there. The whole stream is consumed even after an error, so the transport stays in step.
 
         Raises:
+            CheckpointConfigError: another ``wire_format`` (raised before the stream is read: nothing changes).
             WeightMismatchError: an unknown name, a dtype or shape that differs from the module's, or a
                 tensor the update lacks (names it). Anything the stream raises (VersionMismatchError,
                 TransferError). Atomic: the previous weights and step stay in service. In place: the
-                adapter serves no step until a complete update (see :attr:`degraded`).
+                adapter serves no step until a complete update (see :attr:`degraded`) once a tensor was
+                received or a placement handed out; a failure before either (e.g. the collective engine's
+                step mismatch, found on the first metadata) leaves the previous weights and step in service.
         """
         if wire_format != "named_tensors":
             raise CheckpointConfigError(f"ModelRolloutAdapter takes wire_format 'named_tensors', got {wire_format!r}")
         staging, seen, copied = self.staging, set(), 0
         error: BaseException | None = None
+        self._receiving, self._handed = True, False
         try:
             async for name, tensor in weights:
                 if error is not None:
@@ -205,17 +219,20 @@ class ModelRolloutAdapter:
                         copied += slot.nbytes
                     seen.add(name)
                 except WeightMismatchError as exc:
-                    error = exc
+                    error, self._receiving = exc, False
             if error is None and len(seen) != len(self.layout.slots):
                 missing = [n for n in self.layout.slots if n not in seen]
                 error = WeightMismatchError(f"the update lacks tensor {missing[0]!r} ({len(missing)} of "
                                             f"{len(self.layout.slots)} tensors missing); nothing applied")
         except BaseException as exc:
             error = exc
+        finally:
+            self._receiving = False
         if error is not None:
-            if not self.atomic and (seen or copied):
+            if not self.atomic and (seen or copied or self._handed):
                 self.served_step = None
-                self.degraded = f"update failed part way ({type(error).__name__}: {error}); weights are mixed"
+                self.degraded = (f"update failed part way ({type(error).__name__}: {error}); weights are mixed"
+                                 + ("" if seen else " (the transport had written into them before it failed)"))
             raise error
         if global_steps is None:
             global_steps = getattr(weights, "global_steps", None)

@@ -145,3 +145,70 @@ def test_the_collective_engine_receives_straight_into_the_staging_bank():
     finally:
         sender.close()
         receiver.close()
+
+
+def test_in_place_a_sender_dying_after_its_first_message_leaves_the_rollout_degraded_not_stale():
+    """The collective engine writes message 0 into the served bank, then waits for message 1's metadata
+    before yielding message 0's tensors: a sender that dies there fails the update with nothing received,
+    yet the weights are mixed. A step mismatch found on the first metadata writes nothing: not degraded."""
+    import datetime
+    import threading
+    import time
+
+    from tests.ckpt.test_collective import _pair
+
+    sender, receiver = _pair(4 << 10)
+    module = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(4)])  # 4 x 1088 bytes
+    adapter = ckpt.ModelRolloutAdapter(module, atomic=False)
+    worker = ckpt.CheckpointEngineWorker(receiver, adapter)
+    layout = ckpt.WeightLayout(module)
+    first = module[0].weight
+
+    class Died(BaseException):
+        """The trainer process dying: no abort message is sent."""
+
+    def weights(value, die_at=None):
+        bank = layout.allocate("cpu")
+        layout.fill(bank, [(n, torch.full_like(t, value)) for n, t in ckpt.serving.named_weights(module)])
+        for i, item in enumerate(layout.views(bank)):
+            if i == die_at:  # before the last tensor: die once message 0 landed in the rollout's weights
+                deadline = time.monotonic() + 20
+                while not bool((first == value).all()) and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                raise Died
+            yield item
+
+    def send(value, step, die_at=None):
+        try:
+            asyncio.run(sender.send_weights(weights(value, die_at), step))
+        except Died:
+            pass
+
+    async def update(value, sent_step, asked_step, die_at=None):
+        thread = threading.Thread(target=send, args=(value, sent_step, die_at))
+        thread.start()
+        try:
+            return await worker.update_weights(asked_step)
+        finally:
+            await asyncio.to_thread(thread.join)
+
+    def serves(value):
+        return all(same_bytes(t, torch.full_like(t, value)) for _, t in ckpt.serving.named_weights(module))
+
+    async def run():
+        assert await update(1.0, 1, 1) == 1 and adapter.served_step == 1 and serves(1.0)
+        with pytest.raises(ckpt.VersionMismatchError):
+            await update(2.0, 2, 3)
+        assert adapter.served_step == 1 and adapter.degraded is None and serves(1.0)
+        receiver._group.timeout = datetime.timedelta(seconds=1)  # the dead sender is noticed within 1 s
+        with pytest.raises(ckpt.TransferTimeoutError):
+            await update(3.0, 3, 3, die_at=7)
+        assert bool((first == 3.0).all()) and not serves(3.0)  # message 0 landed, the rest did not
+        assert adapter.served_step is None and "written into them" in adapter.degraded
+        assert adapter.placement("0.weight", torch.float32, (16, 16)) is None  # no update running: no writes
+
+    try:
+        asyncio.run(run())
+    finally:
+        sender.close()
+        receiver.close()
