@@ -34,11 +34,13 @@ class Launch:
     nproc_per_node: int = 1
     """Processes on this node."""
     nnodes: str = "1"
-    """Number of nodes, or MIN:MAX for elastic jobs (passed to torch.distributed.run)."""
+    """Number of nodes N >= 1, or MIN:MAX (1 <= MIN <= MAX) for elastic jobs, passed to torch.distributed.run.
+    More than one node needs --rdzv-endpoint."""
     node_rank: int = 0
     """This node's rank (static rendezvous)."""
     rdzv_endpoint: str = ""
-    """host:port of the rendezvous; empty means a local standalone rendezvous."""
+    """host:port of the rendezvous every node joins; required unless --nnodes is 1. Empty: a local
+    standalone rendezvous (one node)."""
     rdzv_backend: str = "c10d"
     """torch.distributed.run rendezvous backend."""
     rdzv_id: str = "hal"
@@ -56,12 +58,17 @@ def torchrun_argv(args: Launch) -> list[str]:
     """The ``torch.distributed.run`` argument list for ``args`` (pure; tested directly).
 
     Raises:
-        UsageError: no script, or ``nproc_per_node < 1`` (a ``ValueError``).
+        UsageError: no script, ``nproc_per_node < 1``, ``nnodes`` not ``N >= 1`` nor ``MIN:MAX`` with
+            ``1 <= MIN <= MAX``, or more than one node without ``rdzv_endpoint`` (a ``ValueError``).
     """
     if not args.script:
         raise UsageError("hal launch needs a script after '--', e.g. hal launch --nproc-per-node 2 -- train.py")
     if args.nproc_per_node < 1:
         raise UsageError(f"--nproc-per-node must be >= 1, got {args.nproc_per_node}")
+    if parse_nnodes(args.nnodes) != (1, 1) and not args.rdzv_endpoint:
+        raise UsageError(
+            f"--nnodes {args.nnodes} needs --rdzv-endpoint HOST:PORT, the rendezvous every node joins (the same "
+            "on each node, with its own --node-rank); without it no other node could join")
     argv = [f"--nproc-per-node={args.nproc_per_node}", f"--nnodes={args.nnodes}",
             f"--max-restarts={args.max_restarts}"]
     if args.rdzv_endpoint:
@@ -70,6 +77,23 @@ def torchrun_argv(args: Launch) -> list[str]:
     else:
         argv += ["--standalone"]
     return argv + list(args.script)
+
+
+def parse_nnodes(value: str) -> tuple[int, int]:
+    """``(min, max)`` nodes of an ``--nnodes`` value: ``"N"`` -> ``(N, N)``, ``"MIN:MAX"`` as
+    ``torch.distributed.run`` reads it.
+
+    Raises:
+        UsageError: not an integer or a pair of integers, or not ``1 <= MIN <= MAX``; names the flag and value.
+    """
+    low, sep, high = str(value).partition(":")
+    try:
+        pair = (int(low), int(high) if sep else int(low))
+    except ValueError:
+        raise UsageError(f"--nnodes must be a node count N or MIN:MAX, got {value!r}") from None
+    if not 1 <= pair[0] <= pair[1]:
+        raise UsageError(f"--nnodes {value!r}: the node count must be >= 1 (MIN:MAX: 1 <= MIN <= MAX)")
+    return pair
 
 
 def launch_env(args: Launch) -> dict[str, str]:

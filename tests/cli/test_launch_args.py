@@ -3,6 +3,7 @@
 import pytest
 
 import hal
+from hal.cli.errors import UsageError
 from hal.cli.launch import Launch, launch_env, torchrun_argv
 
 
@@ -44,6 +45,25 @@ def test_bad_launch_arguments_raise():
         torchrun_argv(Launch())
     with pytest.raises(ValueError, match="-1"):
         torchrun_argv(Launch(nproc_per_node=-1, script=("x.py",)))
+    for nnodes in ("0", "-1", "3:2", "0:2", "two", "1:x"):
+        with pytest.raises(UsageError, match=f"--nnodes.*{nnodes!r}"):
+            torchrun_argv(Launch(nnodes=nnodes, rdzv_endpoint="h:1", script=("x.py",)))
+    for nnodes in ("2", "1:2"):  # more than one node: a standalone rendezvous no other node can join
+        with pytest.raises(UsageError, match=f"--nnodes {nnodes} needs --rdzv-endpoint"):
+            torchrun_argv(Launch(nnodes=nnodes, script=("x.py",)))
+    assert "--nnodes=1:2" in torchrun_argv(Launch(nnodes="1:2", rdzv_endpoint="h:1", script=("x.py",)))
+    assert "--standalone" in torchrun_argv(Launch(nnodes="1:1", script=("x.py",)))
+
+
+def test_a_bad_node_count_fails_before_anything_starts(monkeypatch, capsys):
+    from hal.cli import launch
+    from hal.cli import main as m
+
+    monkeypatch.setattr(launch, "launch_env", lambda args: pytest.fail("resolved devices for a bad --nnodes"))
+    assert m.main(["launch", "--nnodes", "2", "--", "x.py"]) == 2
+    assert m.main(["launch", "--nnodes", "0", "--rdzv-endpoint", "h:1", "--", "x.py"]) == 2
+    err = capsys.readouterr().err
+    assert "--nnodes 2 needs --rdzv-endpoint" in err and "--nnodes '0'" in err and "Traceback" not in err
 
 
 def test_more_processes_than_visible_devices_are_refused(monkeypatch):
