@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import abc
 import inspect
+import math
+import numbers
 from typing import Any, AsyncIterator, Iterable, Tuple
 
 import torch
@@ -192,3 +194,28 @@ def check_global_steps(global_steps: Any) -> int | None:
     if isinstance(global_steps, bool) or not isinstance(global_steps, int) or global_steps < 0:
         raise CheckpointConfigError(f"global_steps must be None or an int >= 0, got {global_steps!r}")
     return global_steps
+
+
+def check_seconds(value: Any, name: str = "timeout", allow_zero: bool = False) -> float:
+    """Validate a duration argument (seconds) of an engine's constructor; return it as a ``float``.
+
+    Accepted: a real number (``int`` or ``float``, not ``bool``), finite, and ``> 0`` (``>= 0`` when
+    ``allow_zero``). ``nan`` would make every deadline comparison false (a wait that never ends) and ``inf``
+    overflows the libraries' timeouts, so both are refused here, where the value is given.
+
+    Args:
+        value: the argument as given.
+        name: the parameter's name, for the message (e.g. ``"timeout"``, ``"poll_interval"``).
+        allow_zero: accept ``0`` (e.g. "do not wait").
+
+    Raises:
+        CheckpointConfigError: anything else (a ``ValueError``); the message names the parameter, the value
+            and what is accepted.
+    """
+    accepted = "a finite real number of seconds " + (">= 0" if allow_zero else "> 0")
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise CheckpointConfigError(f"{name} must be {accepted}, got {value!r} ({type(value).__name__})")
+    seconds = float(value)
+    if not math.isfinite(seconds) or seconds < 0 or (seconds == 0 and not allow_zero):
+        raise CheckpointConfigError(f"{name} must be {accepted}, got {value!r}")
+    return seconds

@@ -15,7 +15,7 @@ from typing import Any, AsyncIterator, Iterable
 import torch
 
 import hal
-from ckpt.base import CheckpointEngine, NamedTensor, check_global_steps, check_step
+from ckpt.base import CheckpointEngine, NamedTensor, check_global_steps, check_seconds, check_step
 from ckpt.bucket import ALIGN, as_bytes, byte_view, decode_meta, dtype_from_name, encode_meta, pack, plan_messages
 from ckpt.errors import CheckpointConfigError, TransferAbortedError, TransferError, TransferTimeoutError
 
@@ -93,8 +93,7 @@ class CollectiveCheckpointEngine(CheckpointEngine):
         for label, value, low in (("bucket_size", bucket_size, 1), ("meta_capacity", meta_capacity, 1024)):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise CheckpointConfigError(f"{label} must be an int >= {low}, got {value!r}")
-        if not isinstance(timeout, (int, float)) or timeout <= 0:
-            raise CheckpointConfigError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        timeout = check_seconds(timeout)
         if master_port is not None and (isinstance(master_port, bool) or not isinstance(master_port, int)
                                         or not 0 <= master_port < 65536):
             raise CheckpointConfigError(f"master_port must be an int in [0, 65536), got {master_port!r}")

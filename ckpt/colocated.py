@@ -6,7 +6,7 @@ import asyncio
 import weakref
 from typing import Any, AsyncIterator, Iterable, Iterator
 
-from ckpt.base import CheckpointEngine, NamedTensor, check_global_steps, check_step
+from ckpt.base import CheckpointEngine, NamedTensor, check_global_steps, check_seconds, check_step
 from ckpt.errors import CheckpointConfigError, TransferAbortedError, TransferError, TransferTimeoutError
 
 
@@ -107,12 +107,11 @@ class ColocatedCheckpointEngine(CheckpointEngine):
 
     def __init__(self, bucket_size: int | None = None, is_master: bool = False, timeout: float = 60.0,
                  channel: str | None = None) -> None:
+        timeout = check_seconds(timeout)
         if getattr(self, "_channel_joined", False):  # another worker's construction of a named channel
             return
         self._channel_joined = channel is not None
         self.channel, self.receivers = channel, 1
-        if not isinstance(timeout, (int, float)) or timeout <= 0:
-            raise CheckpointConfigError(f"timeout must be a positive number of seconds, got {timeout!r}")
         self.timeout = float(timeout)
         self.bucket_size, self.is_master = bucket_size, bool(is_master)
         self._offer: _Offer | None = None

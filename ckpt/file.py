@@ -16,7 +16,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from ckpt.base import CheckpointEngine, NamedTensor, check_global_steps
+from ckpt.base import CheckpointEngine, NamedTensor, check_global_steps, check_seconds
 from ckpt.errors import CheckpointConfigError, TransferError, TransferTimeoutError, VersionMismatchError
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
@@ -54,8 +54,8 @@ class FileCheckpointEngine(CheckpointEngine):
         device: kind (or ``torch.device``) of the received tensors; ``None``: host memory. The receiver binds
             this rank's device (:func:`hal.bind_local_device`: the index given, else ``LOCAL_RANK``'s).
         shard_size: bytes per safetensors file (bounds the sender's host memory).
-        timeout: seconds ``receive_weights`` waits for a step to be published (0: do not wait).
-        poll_interval: seconds between directory listings while waiting.
+        timeout: seconds ``receive_weights`` waits for a step to be published (finite, >= 0; 0: do not wait).
+        poll_interval: seconds between directory listings while waiting (finite, > 0).
         bucket_size, is_master: accepted as verl's registry passes them (shards are sized by ``shard_size``).
 
     The lifecycle (``prepare``, ``build_topology``, ``init_process_group``, ``finalize``) is the ABC's no-op:
@@ -69,11 +69,10 @@ class FileCheckpointEngine(CheckpointEngine):
             raise CheckpointConfigError(f"keep_last must be an int >= 1, got {keep_last!r}")
         if not isinstance(shard_size, int) or shard_size < 1:
             raise CheckpointConfigError(f"shard_size must be a positive number of bytes, got {shard_size!r}")
-        if timeout < 0 or poll_interval <= 0:
-            raise CheckpointConfigError(f"need timeout >= 0 and poll_interval > 0 seconds, got {timeout!r}, {poll_interval!r}")
         self.root = Path(root)
         self.keep_last, self.shard_size = keep_last, shard_size
-        self.timeout, self.poll_interval = float(timeout), float(poll_interval)
+        self.timeout = check_seconds(timeout, "timeout", allow_zero=True)
+        self.poll_interval = check_seconds(poll_interval, "poll_interval")
         self._device = device
         self.bucket_size, self.is_master = bucket_size, bool(is_master)
 

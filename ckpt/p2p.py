@@ -35,7 +35,7 @@ from typing import Any, AsyncIterator, Iterable
 import torch
 
 import hal
-from ckpt.base import CheckpointEngine, NamedTensor, check_global_steps, check_step
+from ckpt.base import CheckpointEngine, NamedTensor, check_global_steps, check_seconds, check_step
 from ckpt.bucket import byte_view, dtype_from_name, pack, plan_messages
 from ckpt.errors import (CheckpointConfigError, TransferAbortedError, TransferError, TransferTimeoutError,
                          VersionMismatchError)
@@ -234,8 +234,7 @@ class TrainerToRolloutsEngine(CheckpointEngine):
                  host: str | None) -> None:
         if isinstance(bucket_size, bool) or not isinstance(bucket_size, int) or bucket_size < 1024:
             raise CheckpointConfigError(f"bucket_size must be an int >= 1024 bytes, got {bucket_size!r}")
-        if not isinstance(timeout, (int, float)) or timeout <= 0:
-            raise CheckpointConfigError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        timeout = check_seconds(timeout)
         self.bucket_size, self.is_master, self.timeout = bucket_size, bool(is_master), float(timeout)
         self.device_kind, self.host = device, host
         self.master_addr, self.master_port = master_addr, master_port

@@ -184,3 +184,33 @@ def test_unknown_engine_lists_known_names_and_import_failures(monkeypatch):
     for part in ("'nope'", "collective", "colocated", "file", "broken: ImportError: No module named 'vendor_ckpt'"):
         assert part in text
     assert isinstance(info.value, KeyError) and isinstance(info.value, ckpt.CheckpointEngineError)
+
+
+def _engine_class(name):
+    from ckpt import collective, colocated, file, kimi, mooncake, nixl
+
+    return {"collective": collective.CollectiveCheckpointEngine, "colocated": colocated.ColocatedCheckpointEngine,
+            "file": file.FileCheckpointEngine, "nixl": nixl.NixlCheckpointEngine,
+            "mooncake": mooncake.MooncakeCheckpointEngine, "kimi": kimi.KimiCheckpointEngine}[name]
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -1, "10", True])
+@pytest.mark.parametrize("name", ["collective", "colocated", "file", "nixl", "mooncake", "kimi"])
+def test_every_engine_refuses_a_timeout_that_is_not_a_finite_positive_number(name, value, tmp_path):
+    """nan made the file engine's wait endless and the collective's fail late with a bare ValueError; every
+    constructor refuses it (and inf, negatives, strings, bools) up front, naming the parameter and value.
+    The class is built directly: the transfer-library engines check their arguments before their library."""
+    extra = {"root": tmp_path} if name == "file" else {}
+    with pytest.raises(ckpt.CheckpointConfigError) as info:
+        _engine_class(name)(timeout=value, **extra)
+    assert f"timeout must be a finite real number of seconds > 0, got {value!r}" in str(info.value) or (
+        name == "file" and f"timeout must be a finite real number of seconds >= 0, got {value!r}" in str(info.value))
+    assert isinstance(info.value, ValueError)
+
+
+def test_the_file_engine_accepts_a_zero_timeout_and_checks_poll_interval(tmp_path):
+    assert ckpt.FileCheckpointEngine(tmp_path, timeout=0).timeout == 0.0
+    with pytest.raises(ckpt.CheckpointConfigError, match=r"poll_interval must be a finite real number of seconds "
+                                                          r"> 0, got nan"):
+        ckpt.FileCheckpointEngine(tmp_path, poll_interval=float("nan"))
+
