@@ -41,7 +41,9 @@ class FileCheckpointEngine(CheckpointEngine):
 
     A step is written under a hidden temporary name and renamed into place (``os.rename`` is atomic on
     one POSIX file system), so a reader never sees a half-written step; then all but the newest
-    ``keep_last`` steps are removed (renamed away first, then deleted). A reader opens every shard of its
+    ``keep_last`` steps are removed (renamed away first, then deleted). Steps only grow: ``send_weights``
+    refuses a step at or below the newest published one (see there for a trainer resumed from an older
+    checkpoint). A reader opens every shard of its
     step before yielding, so pruning during a read does not disturb it (open files outlive ``unlink``).
 
     Order and ownership: tensors arrive in the order they were sent (kept in ``index.json``); each yielded
@@ -92,17 +94,32 @@ class FileCheckpointEngine(CheckpointEngine):
     async def send_weights(self, weights: Iterable[NamedTensor], global_steps: int | None = None) -> None:
         """Write ``weights`` as step ``global_steps`` (``None``: newest published + 1, or 0), publish, prune.
 
+        Published steps only grow: a step at or below the newest one under ``root`` is refused before
+        anything is written. Readers rely on it (a reader asking for step N while a newer one is published
+        is told at once that N will never come), and pruning keeps the newest ``keep_last``, so a lower step
+        would be deleted as soon as it was written. A trainer resumed from an older checkpoint either
+        publishes into a fresh ``root`` or removes the newer step directories (the error names them) first.
+        A failed or interrupted write publishes nothing: the newest published step stays readable.
+
         Raises:
-            CheckpointConfigError: the step is already published, or a pair is not ``(str, Tensor)``.
+            CheckpointConfigError: the step is already published or below the newest published step (the
+                message names both and how to proceed), or a pair is not ``(str, Tensor)``.
         """
         global_steps = check_global_steps(global_steps)
         self.root.mkdir(parents=True, exist_ok=True)
+        steps = self.published_steps()
         if global_steps is None:
-            steps = self.published_steps()
             global_steps = steps[-1] + 1 if steps else 0
         final = self.root / step_dir_name(global_steps)
         if final.exists():
             raise CheckpointConfigError(f"global_steps={global_steps} is already published at {final}")
+        if steps and global_steps < steps[-1]:
+            newer = [step_dir_name(s) for s in steps if s > global_steps]
+            raise CheckpointConfigError(
+                f"global_steps={global_steps} is below the newest step published in {self.root}, "
+                f"global_steps={steps[-1]}; published steps only grow (readers of step {global_steps} would be "
+                f"told {steps[-1]} is on offer, and pruning would delete it at once). To republish from an "
+                f"older checkpoint, publish into a fresh root or remove {', '.join(newer)} from {self.root} first")
         tmp = self.root / f".tmp-{step_dir_name(global_steps)}-{uuid.uuid4().hex[:8]}"
         tmp.mkdir()
         try:

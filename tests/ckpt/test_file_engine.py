@@ -1,7 +1,9 @@
 """FileCheckpointEngine: one directory per step, atomic publication, pruning, step selection."""
 
 import asyncio
+import json
 import os
+import shutil
 import threading
 
 import pytest
@@ -127,3 +129,46 @@ def test_received_tensors_land_on_the_requested_device(tmp_path, hal_device):
     async def kinds():
         return {t.device.type async for _, t in reader.receive_weights(1)}
     assert asyncio.run(kinds()) == {hal.get_device_name(hal_device)}
+
+
+def test_a_step_below_the_newest_is_refused_naming_both_and_the_way_out(tmp_path):
+    """A trainer resumed from step 3 after 5 and 6 were published: writing 3 and pruning it at once (readers
+    then told 6 is on offer) is refused before anything is written; the message's way out works."""
+    writer = ckpt.get_checkpoint_engine("file", root=tmp_path, keep_last=2)
+    for step in (5, 6):
+        _send(writer, sample_weights(step), step)
+    with pytest.raises(ckpt.CheckpointConfigError) as info:
+        _send(writer, sample_weights(3), 3)
+    text = str(info.value)
+    assert "global_steps=3 is below the newest step published" in text and "global_steps=6" in text
+    assert "fresh root or remove step-00000005, step-00000006" in text
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000005", "step-00000006"]  # nothing written
+    reader = ckpt.get_checkpoint_engine("file", root=tmp_path)
+    compare(sample_weights(6), _receive(reader, 6), "newest step after the refusal")
+    for step in (5, 6):
+        shutil.rmtree(tmp_path / f"step-0000000{step}")
+    _send(writer, sample_weights(3), 3)
+    compare(sample_weights(3), _receive(ckpt.get_checkpoint_engine("file", root=tmp_path), 3), "republished 3")
+
+
+@pytest.mark.parametrize("where", ["index", "shard"])
+def test_a_step_whose_index_or_shard_tag_disagrees_is_refused(tmp_path, where):
+    """A step directory whose index.json or a shard's safetensors metadata carries another global_steps
+    (a copied or hand-edited directory) raises TransferError naming the file and both tags, yielding nothing."""
+    from safetensors.torch import load_file, save_file
+
+    writer = ckpt.get_checkpoint_engine("file", root=tmp_path, shard_size=1000)
+    _send(writer, sample_weights(4), 4)
+    step_dir = tmp_path / "step-00000004"
+    shards = sorted(step_dir.glob("*.safetensors"))
+    if where == "index":
+        index = json.loads((step_dir / "index.json").read_text())
+        (step_dir / "index.json").write_text(json.dumps({**index, "global_steps": 9}))
+        expected = "tagged global_steps=4, index=9, expected 4"
+    else:
+        save_file(load_file(shards[-1]), shards[-1], {"global_steps": "9"})
+        expected = f"{shards[-1].name} is tagged global_steps=9, index=4, expected 4"
+    reader = ckpt.get_checkpoint_engine("file", root=tmp_path)
+    with pytest.raises(ckpt.TransferError, match=expected):
+        _receive(reader, 4)
+    assert reader.received_global_steps is None
