@@ -1,7 +1,8 @@
 """One registry of checkpoint engines: built-ins by name, third-party ones by call or entry point.
 
 Like ``torch.distributed.Backend.register_backend``, registering a taken name raises. Built-in engines and
-those of the ``hal.checkpoint_engines`` entry-point group are imported on first lookup; an import failure
+those of the ``hal.checkpoint_engines`` entry-point group are imported on first lookup or registration (so
+registering a built-in's name raises even before any lookup); an import failure
 is remembered and shown when a lookup fails, so "unknown engine" also says which backend could not load.
 """
 
@@ -13,8 +14,8 @@ from importlib import metadata
 from typing import Any, Callable
 
 from ckpt.base import check_async_contract
-from ckpt.errors import (CheckpointEngineUnavailableError, ContractError, DuplicateCheckpointEngineError,
-                         UnknownCheckpointEngineError)
+from ckpt.errors import (CheckpointConfigError, CheckpointEngineUnavailableError, ContractError,
+                         DuplicateCheckpointEngineError, UnknownCheckpointEngineError)
 
 ENTRY_POINT_GROUP = "hal.checkpoint_engines"
 
@@ -60,15 +61,18 @@ def _load_once() -> None:
 def register_checkpoint_engine(name: str, cls_or_factory: Callable[..., Any]) -> None:
     """Register an engine class (or a factory ``(**config) -> engine``) under ``name``.
 
-    A class is checked against the async contract now; a factory's product is checked by
-    :func:`get_checkpoint_engine`.
+    The built-in and entry-point engines are loaded first, so their names are taken even before any
+    lookup (a built-in that failed to import leaves its name free). A class is checked against the async
+    contract now; a factory's product is checked by :func:`get_checkpoint_engine`.
 
     Raises:
+        CheckpointConfigError: ``name`` is not a non-empty ``str`` (a ``ValueError``; names the value).
         DuplicateCheckpointEngineError: ``name`` is taken (a ``ValueError``).
         ContractError: the class has a contract method that is not async (a ``TypeError``).
     """
     if not isinstance(name, str) or not name:
-        raise DuplicateCheckpointEngineError(f"engine name must be a non-empty str, got {name!r}")
+        raise CheckpointConfigError(f"checkpoint engine name must be a non-empty str, got {name!r}")
+    _load_once()  # a no-op when called from inside it (already marked loaded)
     if name in _engines:
         raise DuplicateCheckpointEngineError(
             f"a checkpoint engine is already registered as {name!r} ({_engines[name]!r}); "

@@ -214,3 +214,24 @@ def test_the_file_engine_accepts_a_zero_timeout_and_checks_poll_interval(tmp_pat
                                                           r"> 0, got nan"):
         ckpt.FileCheckpointEngine(tmp_path, poll_interval=float("nan"))
 
+
+def test_registering_a_builtin_name_before_any_lookup_is_refused(monkeypatch):
+    """The built-ins were loaded on first lookup, after the duplicate check: registering 'collective' first
+    silently replaced it. A fresh registry (restored after the test) now refuses it, and bad names are
+    configuration errors naming the value."""
+    from ckpt import registry
+
+    monkeypatch.setattr(registry, "_engines", {})
+    monkeypatch.setattr(registry, "_import_errors", {})
+    monkeypatch.setattr(registry, "_loaded", False)
+
+    class Impostor(ckpt.ColocatedCheckpointEngine):
+        pass
+
+    with pytest.raises(ckpt.DuplicateCheckpointEngineError, match="already registered as 'collective'"):
+        ckpt.register_checkpoint_engine("collective", Impostor)
+    assert ckpt.checkpoint_engine_factory("collective") is ckpt.CollectiveCheckpointEngine
+    for bad in ("", 3):
+        with pytest.raises(ckpt.CheckpointConfigError, match=f"name must be a non-empty str, got {bad!r}") as info:
+            ckpt.register_checkpoint_engine(bad, Impostor)
+        assert not isinstance(info.value, ckpt.DuplicateCheckpointEngineError)
