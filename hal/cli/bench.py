@@ -16,7 +16,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import pathlib
-from typing import Any
+from typing import Annotated, Any
+
+import tyro
 
 import hal
 from hal.cli.errors import MissingExtraError, UsageError, mib_to_bytes
@@ -30,6 +32,11 @@ DEFAULT_SELECTION = ("offload", "sync")
 processes) runs only when named: ``--only main``."""
 
 
+def _quick_default(metavar: str, full: str, quick: str) -> Any:
+    """Help for a size flag whose default ``--quick`` changes: its metavar, both defaults (not ``None``)."""
+    return tyro.conf.arg(metavar=metavar, help_behavior_hint=f"(default: {full}; with --quick: {quick})")
+
+
 @flowing_help
 @dataclasses.dataclass
 class Bench:
@@ -38,23 +45,23 @@ class Bench:
     device: str | None = None
     """Device kind; default $HAL_DEVICE, else the first available. Offload moves nothing on cpu: use an
     accelerator or npu-sim for the offload figures."""
-    size_mb: int = 1024
+    size_mb: Annotated[int | None, _quick_default("INT", "1024", "64")] = None
     """Model / tensor-mix size in MiB."""
-    bucket_mb: tuple[float, ...] = (64.0, 256.0, 1024.0)
+    bucket_mb: Annotated[tuple[float, ...] | None, _quick_default("FLOAT [FLOAT ...]", "64 256 1024", "4 16")] = None
     """sync: bucket sizes of the collective engine, in MiB (as hal sync's --bucket-mb); the smallest is the
     transfer-library engines' (nixl, mooncake, kimi)."""
-    rounds: int = 3
-    """Timed repetitions per figure (medians are reported)."""
+    rounds: Annotated[int | None, _quick_default("INT", "3", "2")] = None
+    """Timed repetitions per figure (medians are reported); main: its steps."""
     quick: bool = False
-    """Small sizes (64 MiB, buckets 4 and 16 MiB, 2 rounds; main: 2 steps, buckets of 4 MiB) for a smoke run."""
+    """Small defaults for a smoke run: --size-mb 64, --bucket-mb 4 16, --rounds 2, --main-bucket-mb 4. Only
+    the defaults change: a size, bucket or round flag given with --quick is used as given."""
     only: tuple[str, ...] = DEFAULT_SELECTION
     """Which benchmarks to run: offload, sync (engine against broadcasts, 1 receiver) and, only when named,
     main (hal sync's whole loop: 1 trainer and --rollouts rollout processes, minutes on a host)."""
     rollouts: int = 2
     """main: rollout ranks, each applying every update into its model."""
-    main_bucket_mb: float = 256.0
-    """main: bucket size of the collective engine, in MiB (hal sync's --bucket-mb and its default; 4 with
-    --quick)."""
+    main_bucket_mb: Annotated[float | None, _quick_default("FLOAT", "256", "4")] = None
+    """main: bucket size of the collective engine, in MiB (256: hal sync's --bucket-mb default)."""
     main_model: str | None = None
     """main: a hal sync preset or safetensors path instead of the tensor mix of --size-mb (e.g. qwen2.5-0.5b)."""
     apply: tuple[str, ...] = ("atomic",)
@@ -66,6 +73,19 @@ class Bench:
     """Print the figures as JSON."""
 
 
+FULL_DEFAULTS = {"size_mb": 1024, "bucket_mb": (64.0, 256.0, 1024.0), "rounds": 3, "main_bucket_mb": 256.0}
+"""The size flags' values when not given (a ``None`` field)."""
+QUICK_DEFAULTS = {"size_mb": 64, "bucket_mb": (4.0, 16.0), "rounds": 2, "main_bucket_mb": 4.0}
+"""The same with ``--quick``."""
+
+
+def with_defaults(args: Bench) -> Bench:
+    """``args`` with every size flag not given (``None``) set to its default, :data:`QUICK_DEFAULTS` under
+    ``--quick``, else :data:`FULL_DEFAULTS`; a flag given explicitly is kept, with or without ``--quick``."""
+    defaults = QUICK_DEFAULTS if args.quick else FULL_DEFAULTS
+    return dataclasses.replace(args, **{k: v for k, v in defaults.items() if getattr(args, k) is None})
+
+
 def selection(args: Bench) -> list[str]:
     """The benchmarks ``args`` runs, in :data:`BENCHMARKS` order, after checking every size and count.
 
@@ -73,6 +93,7 @@ def selection(args: Bench) -> list[str]:
         UsageError: an unknown name in ``--only`` or ``--apply``, a size, round or rollout count below 1, or
             a bucket size (``--bucket-mb``, ``--main-bucket-mb``) that is not positive; names the flag and value.
     """
+    args = with_defaults(args)
     unknown = sorted(set(args.only) - set(BENCHMARKS))
     if unknown or not args.only:
         raise UsageError(f"--only takes {', '.join(BENCHMARKS)} (default: {' '.join(DEFAULT_SELECTION)}), "
@@ -99,7 +120,8 @@ def execute(args: Bench) -> dict[str, Any]:
         UsageError: what :func:`selection` raises.
     """
     chosen = selection(args)
-    size, buckets, rounds = (64, (4.0, 16.0), 2) if args.quick else (args.size_mb, args.bucket_mb, args.rounds)
+    args = with_defaults(args)
+    size, buckets, rounds = args.size_mb, args.bucket_mb, args.rounds
     kind = hal.resolve_device(args.device).kind
     out: dict[str, Any] = {}
     if "offload" in chosen:
@@ -119,8 +141,8 @@ def execute(args: Bench) -> dict[str, Any]:
     if "main" in chosen:
         from hal.benchmarks import bench_sync
 
-        steps, bucket = (2, 4.0) if args.quick else (rounds, args.main_bucket_mb)
-        out["main"] = bench_sync.run(size, kind, args.rollouts, steps, bucket, args.apply, args.main_model)
+        out["main"] = bench_sync.run(size, kind, args.rollouts, rounds, args.main_bucket_mb, args.apply,
+                                     args.main_model)
     return out
 
 

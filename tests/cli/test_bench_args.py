@@ -50,3 +50,25 @@ def test_the_main_job_gets_the_bucket_size_in_mib(monkeypatch):
     execute(dataclasses.replace(parse("--only", "main", "--main-bucket-mb", "0.25"), device="cpu"))
     size, kind, rollouts, steps, bucket, applies, model = calls[0]
     assert (size, kind, bucket, applies) == (1024, "cpu", 0.25, ("atomic",))
+
+
+@pytest.mark.parametrize("argv,expected", [
+    ((), (1024, [64.0, 256.0, 1024.0], 3, 256.0)),
+    (("--quick",), (64, [4.0, 16.0], 2, 4.0)),
+    (("--quick", "--size-mb", "8", "--bucket-mb", "0.5", "--rounds", "5", "--main-bucket-mb", "1"),
+     (8, [0.5], 5, 1.0)),  # explicit flags win over --quick's defaults
+    (("--quick", "--rounds", "1"), (64, [4.0, 16.0], 1, 4.0)),
+])
+def test_quick_changes_only_the_defaults_of_flags_not_given(argv, expected, monkeypatch):
+    from hal.benchmarks import bench_ckpt, bench_offload, bench_p2p, bench_sync
+
+    seen = {}
+    monkeypatch.setattr(bench_offload, "run", lambda size, kind, rounds: seen.update(offload=(size, rounds)))
+    monkeypatch.setattr(bench_ckpt, "run", lambda size, buckets, kind, rounds: seen.update(
+        sync=(size, buckets, rounds)))
+    monkeypatch.setattr(bench_p2p, "ENGINES", ())
+    monkeypatch.setattr(bench_sync, "run", lambda size, kind, rollouts, steps, bucket, *a: seen.update(
+        main=(size, steps, bucket)))
+    execute(dataclasses.replace(parse("--only", "offload", "sync", "main", *argv), device="cpu"))
+    size, buckets, rounds, main_bucket = expected
+    assert seen == {"offload": (size, rounds), "sync": (size, buckets, rounds), "main": (size, rounds, main_bucket)}
