@@ -117,6 +117,7 @@ class CollectiveCheckpointEngine(CheckpointEngine):
         self._pending_meta = None  # receiver: the next message's metadata broadcast, posted ahead
         self._store = None
         self._store_at: tuple[str, int] | None = None  # where self._store points
+        self._store_server = False  # self._store is the server (this rank hosts the rendezvous)
         self._group: hal.StoreGroup | None = None
         self._joined: dict[str, Any] | None = None  # the membership self._group was formed with
         self._generation = 0  # the highest group generation this engine formed (the master's numbers them)
@@ -178,7 +179,7 @@ class CollectiveCheckpointEngine(CheckpointEngine):
             except hal.DistributedTimeoutError as exc:
                 raise TransferTimeoutError(f"the master could not host the checkpoint store: {exc}") from exc
             self.master_addr, self.master_port = addr, int(self._store.port)
-            self._store_at = (addr, self.master_port)
+            self._store_at, self._store_server = (addr, self.master_port), True
         if self.rank is not None and self.rank >= 0:
             self._allocate()
         joined = dict(self._joined) if self._group is not None and not self._broken else None
@@ -273,7 +274,7 @@ class CollectiveCheckpointEngine(CheckpointEngine):
             if self._store is None:
                 self._store = hal.connect_store(m["master_addr"], m["master_port"], m["rank"], m["world_size"],
                                                 self.timeout)
-                self._store_at = (m["master_addr"], m["master_port"])
+                self._store_at, self._store_server = (m["master_addr"], m["master_port"]), m["rank"] == 0
             self._group = hal.new_group_from_store(self._store, m["rank"], m["world_size"], self.device_kind,
                                                    self.timeout, f"ckpt/{m['generation']}")
         except hal.DistributedTimeoutError as exc:
@@ -289,6 +290,7 @@ class CollectiveCheckpointEngine(CheckpointEngine):
         self._pending_meta = None
         if not keep_store:
             self._store = self._store_at = None
+            self._store_server = False
 
     def _allocate(self) -> None:
         """Bind this rank's device (:func:`hal.bind_local_device`: the index in ``device``, else ``LOCAL_RANK``'s)
@@ -308,12 +310,14 @@ class CollectiveCheckpointEngine(CheckpointEngine):
     def finalize(self) -> None:
         """End of one update: free the buffers; keep the group for the next update.
 
-        A group that failed (a dead peer, a timeout) is released too, store included, so the next
-        :meth:`init_process_group` (or send / receive) forms a new one.
+        A group that failed (a dead peer, a timeout) is released too, so the next :meth:`init_process_group`
+        (or send / receive) forms a new one: the other ranks drop their connection to the rendezvous store
+        as well (its host may have been replaced), while the rank hosting it keeps serving at the same
+        address (a peer's failure does not break it, and the old server would still hold the port).
         """
         self._free_buffers()
         if self._broken:
-            self._release_group(keep_store=False)
+            self._release_group(keep_store=self._store_server)
             self._broken = None
 
     def close(self) -> None:

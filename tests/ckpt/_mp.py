@@ -210,3 +210,58 @@ def mixed_dtypes(rank, world_size, port, device):
         return out
 
     return asyncio.run(main())
+
+
+def recovers_after_a_failed_update(rank, world_size, port, side_port):
+    """Update 1 works; in update 2 the last rank stalls past the timeout after its first tensor, so every rank
+    fails (the sender and the other rollout time out, the stalled one finds the group gone); each calls
+    ``finalize()``, then verl's lifecycle (``prepare``, ``build_topology`` on everyone's metadata, exchanged
+    over a side store, ``init_process_group``) forms the group again and update 3 must arrive byte-exact."""
+    timeout = 5
+    engine = ckpt.get_checkpoint_engine("collective", **engine_config(
+        rank, world_size, port, "cpu", timeout=timeout, bucket_size=1 << 20))
+    side = hal.connect_store("127.0.0.1", side_port, rank, world_size, 60)
+
+    def weights(step):  # 16 MiB: more than the sockets buffer, so the sender blocks on the stalled rank
+        return [(f"w{i}", torch.full((256, 1024), float(100 * step + i))) for i in range(16)]
+
+    async def update(step, stall=False):
+        if rank == 0:
+            await engine.send_weights(iter(weights(step)), step)
+            return None
+        got = []
+        async for name, tensor in engine.receive_weights(step):
+            got.append((name, tensor.clone()))
+            if stall:
+                time.sleep(timeout + 1)  # a stuck rollout (blocks its event loop, as a hung kernel would)
+                stall = False
+        return got
+
+    async def main():
+        engine.init_process_group()
+        await update(1)
+        start = time.monotonic()
+        try:
+            await update(2, stall=rank == world_size - 1)
+            failed = ("completed", time.monotonic() - start, "")
+        except ckpt.TransferError as exc:
+            failed = (type(exc).__name__, time.monotonic() - start, str(exc))
+        engine.finalize()
+        import json
+
+        side.set(f"meta/{rank}", json.dumps(engine.prepare()))
+        metadata = [json.loads(side.get(f"meta/{r}")) for r in range(world_size)]
+        trainer, rollout = type(engine).build_topology(1, world_size - 1, metadata)
+        side_kwargs, index = (trainer, 0) if rank == 0 else (rollout, rank - 1)
+        mine = {key: values[index] for key, values in side_kwargs.items()}
+        engine.init_process_group(**mine)
+        got = await update(3)
+        step3 = None
+        if got is not None:
+            expected = weights(3)
+            step3 = (engine.received_global_steps, [n for n, _ in got] == [n for n, _ in expected],
+                     sum(same_bytes(a, b) for (_, a), (_, b) in zip(expected, got)), len(expected))
+        engine.close()
+        return failed, mine["generation"], step3
+
+    return asyncio.run(main())

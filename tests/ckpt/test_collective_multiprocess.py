@@ -1,9 +1,10 @@
 """The collective engine across processes: 1 trainer + 2 rollout ranks on each device kind, real MiniLM
-weights over three steps, a peer dying mid-transfer, and memory bounded by the bucket size."""
+weights over three steps, a peer dying mid-transfer, recovery after a failed update, and memory bounded by
+the bucket size."""
 
 import pytest
 
-from hal.testing import run_multiprocess
+from hal.testing import free_port, run_multiprocess
 from tests.ckpt import _mp
 
 pytestmark = pytest.mark.multiprocess
@@ -45,3 +46,18 @@ def test_memory_is_bounded_by_the_bucket_size_not_the_model():
     # the receiver holds one bucket plus the tensor larger than a bucket (3 buckets), which it is handed
     assert recv_peak <= bucket + 3 * bucket + slack, f"receiver peak {recv_peak / 2**20:.1f} MiB"
     assert max(send_peak, recv_peak) <= total / 4  # far below the 160 MiB model
+
+
+def test_after_a_failed_update_finalize_and_the_lifecycle_form_a_group_that_works():
+    """A rollout stalls past the timeout mid-update: every rank fails; finalize() releases the broken group,
+    so the next prepare / build_topology / init_process_group forms a new generation (not the broken one)
+    and the next update arrives byte-exact with its step."""
+    results = run_multiprocess(_mp.recovers_after_a_failed_update, 3, free_port(), timeout=90)
+    for rank in range(3):
+        (outcome, elapsed, message), generation, step3 = results[rank]
+        assert outcome in ("TransferError", "TransferTimeoutError"), (rank, outcome, message)
+        assert elapsed < 3 * 5 + 5, (rank, elapsed)  # timeout 5 s: the stall, then at most one timeout more
+        assert generation == 1, (rank, generation)  # a new group, not the broken generation 0
+    assert results[0][2] is None
+    for rank in (1, 2):
+        assert results[rank][2] == (3, True, 16, 16), (rank, results[rank][2])
