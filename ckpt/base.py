@@ -219,3 +219,18 @@ def check_seconds(value: Any, name: str = "timeout", allow_zero: bool = False) -
     if not math.isfinite(seconds) or seconds < 0 or (seconds == 0 and not allow_zero):
         raise CheckpointConfigError(f"{name} must be {accepted}, got {value!r}")
     return seconds
+
+
+def check_direct_threshold(direct_threshold: Any, bucket_size: int) -> int:
+    """Validate a ``direct_threshold`` argument (bytes from which tensors are sent from their own memory):
+    ``None`` gives the default ``bucket_size // 8``; else a non-negative ``int`` (not ``bool``; 0 packs all).
+
+    Raises:
+        CheckpointConfigError: anything else (a ``ValueError``; the message names the value).
+    """
+    if direct_threshold is None:
+        return bucket_size // 8
+    if isinstance(direct_threshold, bool) or not isinstance(direct_threshold, int) or direct_threshold < 0:
+        raise CheckpointConfigError(f"direct_threshold must be None (bucket_size // 8) or an int >= 0 bytes, "
+                                    f"got {direct_threshold!r}")
+    return direct_threshold

@@ -15,7 +15,8 @@ from typing import Any, AsyncIterator, Iterable
 import torch
 
 import hal
-from ckpt.base import CheckpointEngine, NamedTensor, check_global_steps, check_seconds, check_step
+from ckpt.base import (CheckpointEngine, NamedTensor, check_direct_threshold, check_global_steps, check_seconds,
+                       check_step)
 from ckpt.bucket import ALIGN, as_bytes, byte_view, decode_meta, dtype_from_name, encode_meta, pack, plan_messages
 from ckpt.errors import CheckpointConfigError, TransferAbortedError, TransferError, TransferTimeoutError
 
@@ -53,7 +54,8 @@ class CollectiveCheckpointEngine(CheckpointEngine):
         meta_capacity: bytes of the per-message metadata record (a bucket closes early when it is full).
         direct_threshold: contiguous tensors on the transfer device of at least this many bytes are
             broadcast from their own storage instead of being copied into a bucket, as are runs of
-            tensors lying back to back in one storage (default ``bucket_size // 8``; 0 packs everything).
+            tensors lying back to back in one storage (default ``bucket_size // 8``; 0 packs everything; else an
+            int >= 0, or :class:`CheckpointConfigError`).
         is_master: this is verl's trainer rank 0 (hosts the store, sends).
 
     Order: tensors arrive in the order the sender's iterable produced them.
@@ -99,7 +101,7 @@ class CollectiveCheckpointEngine(CheckpointEngine):
             raise CheckpointConfigError(f"master_port must be an int in [0, 65536), got {master_port!r}")
         self.master_addr, self.master_port = master_addr, master_port
         self.bucket_size, self.meta_capacity, self.timeout = bucket_size, meta_capacity, float(timeout)
-        self.direct_threshold = bucket_size // 8 if direct_threshold is None else int(direct_threshold)
+        self.direct_threshold = check_direct_threshold(direct_threshold, bucket_size)
         self.device_kind = device
         self.device: torch.device | None = None
         self.is_master = bool(is_master)

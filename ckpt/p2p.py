@@ -35,7 +35,8 @@ from typing import Any, AsyncIterator, Iterable
 import torch
 
 import hal
-from ckpt.base import CheckpointEngine, NamedTensor, check_global_steps, check_seconds, check_step
+from ckpt.base import (CheckpointEngine, NamedTensor, check_direct_threshold, check_global_steps, check_seconds,
+                       check_step)
 from ckpt.bucket import byte_view, dtype_from_name, pack, plan_messages
 from ckpt.errors import (CheckpointConfigError, TransferAbortedError, TransferError, TransferTimeoutError,
                          VersionMismatchError)
@@ -315,7 +316,8 @@ class P2PCheckpointEngine(TrainerToRolloutsEngine):
             address of the connection to the trainer on a rollout).
         direct_threshold: tensors on the buffer device of at least this many bytes (and runs of tensors
             lying back to back in one storage) are registered with the library for the update and written
-            from their own memory, without a copy into a slot (default ``bucket_size // 8``; 0 packs all).
+            from their own memory, without a copy into a slot (default ``bucket_size // 8``; 0 packs all; else an
+            int >= 0, or :class:`CheckpointConfigError`).
 
     Memory: the trainer holds two slots of ``bucket_size`` (bucket k+1 is packed while k is written), a
     rollout two slots (the trainer writes k+1 while the consumer reads k) plus, when a tensor larger than a
@@ -345,7 +347,7 @@ class P2PCheckpointEngine(TrainerToRolloutsEngine):
                 raise CheckpointConfigError(f"store_addr must be 'host:port', got {store_addr!r}")
             master_addr, master_port = addr, int(port)
         super().__init__(bucket_size, is_master, rank, world_size, master_addr, master_port, device, timeout, host)
-        self.direct_threshold = bucket_size // 8 if direct_threshold is None else int(direct_threshold)
+        self.direct_threshold = check_direct_threshold(direct_threshold, bucket_size)
         self._listener: socket.socket | None = None
         self._peers: dict[int, _Peer] = {}
         self._channel: _Channel | None = None  # rollout: to the trainer

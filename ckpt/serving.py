@@ -31,7 +31,7 @@ from typing import Any, AsyncIterator, Iterator
 import torch
 from torch import nn
 
-from ckpt.base import NamedTensor
+from ckpt.base import NamedTensor, check_global_steps
 from ckpt.bucket import ALIGN, align, byte_view
 from ckpt.errors import CheckpointConfigError, WeightMismatchError
 
@@ -129,21 +129,25 @@ class ModelRolloutAdapter:
     Args:
         module: the served model (e.g. a bf16 ``Qwen2ForCausalLM``); its parameters and persistent buffers
             are moved into the adapter's bank now (their values kept) and stay the same objects.
-        atomic: two banks and all-or-nothing (default), or one bank updated in place.
+        atomic: ``True``: two banks and all-or-nothing (default); ``False``: one bank updated in place.
         device: where the banks live; default the device of the module's first tensor.
 
     Raises:
-        CheckpointConfigError: the module has no tensors.
+        CheckpointConfigError: the module has no tensors, or ``atomic`` is not a ``bool`` (a ``ValueError``
+            naming the value: ``atomic="no"`` would otherwise be truthy, i.e. atomic).
 
     Every update must carry every tensor the module serves (a missing one is a :class:`WeightMismatchError`
     naming it, and nothing is applied in atomic mode): a sender that lost a shard is caught, not served.
     """
 
     def __init__(self, module: nn.Module, atomic: bool = True, device: torch.device | str | None = None) -> None:
+        if not isinstance(atomic, bool):
+            raise CheckpointConfigError(f"atomic must be True (two banks, all-or-nothing) or False (one bank, "
+                                        f"updated in place), got {atomic!r}")
         weights = list(named_weights(module))
         if not weights:
             raise CheckpointConfigError(f"{type(module).__name__} has no parameters or buffers to serve")
-        self.module, self.atomic = module, bool(atomic)
+        self.module, self.atomic = module, atomic
         self.device = torch.device(device) if device is not None else weights[0][1].device
         self.layout = WeightLayout(weights)
         self.banks = [self.layout.allocate(self.device) for _ in range(2 if self.atomic else 1)]
@@ -187,7 +191,8 @@ class ModelRolloutAdapter:
         wrote it there. The whole stream is consumed even after an error, so the transport stays in step.
 
         Raises:
-            CheckpointConfigError: another ``wire_format`` (raised before the stream is read: nothing changes).
+            CheckpointConfigError: another ``wire_format``, or ``global_steps`` not ``None`` or an int >= 0
+                (raised before the stream is read: nothing changes).
             WeightMismatchError: an unknown name, a dtype or shape that differs from the module's, or a
                 tensor the update lacks (names it). Anything the stream raises (VersionMismatchError,
                 TransferError). Atomic: the previous weights and step stay in service. In place: the
@@ -197,6 +202,7 @@ class ModelRolloutAdapter:
         """
         if wire_format != "named_tensors":
             raise CheckpointConfigError(f"ModelRolloutAdapter takes wire_format 'named_tensors', got {wire_format!r}")
+        global_steps = check_global_steps(global_steps)
         staging, seen, copied = self.staging, set(), 0
         error: BaseException | None = None
         self._receiving, self._handed = True, False

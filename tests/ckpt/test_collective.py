@@ -87,6 +87,10 @@ def test_wrong_role_and_bad_config_raise_clear_errors():
         ckpt.get_checkpoint_engine("collective", rank=0, world_size=2, store_addr="nohost")
     with pytest.raises(ckpt.CheckpointConfigError, match="bucket_size must be an int >= 1, got 0"):
         ckpt.get_checkpoint_engine("collective", rank=0, world_size=2, store_addr="h:1", bucket_size=0)
+    for kind in ("collective", "nixl", "mooncake"):  # the transfer-library engines build without their library
+        for bad in (-1, 1.5, "7", True):
+            with pytest.raises(ckpt.CheckpointConfigError, match=f"direct_threshold must be .* >= 0 bytes, got {bad!r}"):
+                ckpt.get_checkpoint_engine(kind, rank=0, world_size=2, store_addr="h:1", direct_threshold=bad)
 
 
 def test_a_consumer_that_stops_early_leaves_the_group_in_step():

@@ -212,3 +212,18 @@ def test_in_place_a_sender_dying_after_its_first_message_leaves_the_rollout_degr
     finally:
         sender.close()
         receiver.close()
+
+
+def test_a_bad_global_steps_or_atomic_is_refused_naming_the_value():
+    module = torch.nn.Linear(4, 2)
+    adapter = ckpt.ModelRolloutAdapter(module, atomic=False)
+    update = {n: torch.full_like(t, 2.0) for n, t in ckpt.serving.named_weights(module)}
+    asyncio.run(adapter.update_weights(_stream({n: torch.ones_like(t) for n, t in update.items()}), 1))
+    for bad in ("7", -3, True, 1.0):
+        with pytest.raises(ckpt.CheckpointConfigError, match=f"global_steps must be None or an int >= 0, got {bad!r}"):
+            asyncio.run(adapter.update_weights(_stream(update), bad))
+        assert adapter.served_step == 1 and adapter.degraded is None
+        assert same_bytes(module.weight, torch.ones_like(module.weight))  # nothing was read from the stream
+    for bad in ("no", 0, None):
+        with pytest.raises(ckpt.CheckpointConfigError, match=f"atomic must be True .* or False .*, got {bad!r}"):
+            ckpt.ModelRolloutAdapter(torch.nn.Linear(4, 2), atomic=bad)
