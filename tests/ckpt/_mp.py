@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import json
 import os
 import time
 import zlib
@@ -247,8 +248,6 @@ def recovers_after_a_failed_update(rank, world_size, port, side_port):
         except ckpt.TransferError as exc:
             failed = (type(exc).__name__, time.monotonic() - start, str(exc))
         engine.finalize()
-        import json
-
         side.set(f"meta/{rank}", json.dumps(engine.prepare()))
         metadata = [json.loads(side.get(f"meta/{r}")) for r in range(world_size)]
         trainer, rollout = type(engine).build_topology(1, world_size - 1, metadata)
