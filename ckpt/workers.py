@@ -163,19 +163,34 @@ class CheckpointEngineWorker:
 ExpectedSpec = Mapping[str, Any]
 
 
+def _unexpected_names(missing: list[str], extra: list[str], expected: int, shown: int = 8) -> str:
+    """What an update got wrong about the names of ``expected`` tensors (at most ``shown`` of each)."""
+    def names(found: list[str]) -> str:
+        more = f" and {len(found) - shown} more" if len(found) > shown else ""
+        return ", ".join(repr(n) for n in found[:shown]) + more
+    parts = []
+    if missing:
+        parts.append(f"lacks {len(missing)} of the {expected} tensors the rollout expects ({names(missing)})")
+    if extra:
+        parts.append(f"carries {len(extra)} tensor(s) the rollout does not expect ({names(extra)})")
+    return "the update " + " and ".join(parts) + "; nothing applied"
+
+
 class InMemoryRolloutAdapter:
     """A reference rollout server: holds a state dict and applies updates all-or-nothing.
 
     Args:
         expected: what the rollout expects, ``{name: (shape, dtype)}``, or a state dict
             ``{name: tensor}`` (its tensors become the initial weights, step ``None``), or ``None`` (accept
-            anything). With an expectation, an unknown name or a dtype/shape disagreement raises
-            :class:`WeightMismatchError` naming the tensor.
+            anything). With an expectation, every update must carry exactly the expected names, each with
+            its dtype and shape: a disagreement raises :class:`WeightMismatchError` naming the tensor, and
+            an update that lacks expected names or brings others raises it naming them (all of both).
 
     An update stages a private copy of every received tensor (so views into a transport buffer may be
-    reused afterwards) and swaps weights and step in only once the stream ended without error; on any
-    failure the previous weights and step stay in service, and the rest of the stream is drained so the
-    transport stays in step. Names an update does not carry keep their previous tensors.
+    reused afterwards) and swaps weights and step in only once the stream ended without error and, with
+    an expectation, every expected tensor arrived; on any failure the previous weights and step stay in
+    service, and the rest of the stream is drained so the transport stays in step. Without an expectation,
+    names an update does not carry keep their previous tensors.
     Memory: one extra copy of the update while staging.
     """
 
@@ -196,11 +211,8 @@ class InMemoryRolloutAdapter:
                     raise CheckpointConfigError(f"expected[{name!r}] must be a tensor or (shape, dtype), got {spec!r}")
 
     def _check(self, name: str, tensor: torch.Tensor) -> None:
-        if self._expected is None:
-            return
-        if name not in self._expected:
-            raise WeightMismatchError(f"received tensor {name!r} is not among the {len(self._expected)} "
-                                      f"tensors the rollout expects")
+        if self._expected is None or name not in self._expected:
+            return  # an unexpected name is reported with the missing ones once the stream ended
         shape, dtype = self._expected[name]
         if tuple(tensor.shape) != shape or tensor.dtype != dtype:
             raise WeightMismatchError(f"tensor {name!r}: received {tensor.dtype} {tuple(tensor.shape)}, "
@@ -220,7 +232,8 @@ class InMemoryRolloutAdapter:
             kwargs: verl's further keywords (``base_sync_done``, ...), accepted and ignored.
 
         Raises:
-            WeightMismatchError: a name, dtype or shape disagrees with ``expected`` (names the tensor).
+            WeightMismatchError: a dtype or shape disagrees with ``expected`` (names the tensor), or the
+                update lacks expected tensors or carries unexpected ones (names them).
             CheckpointConfigError: another ``wire_format``, a ``peft_config`` or a bad ``global_steps``.
             Anything the stream raises (VersionMismatchError, TransferError). In every case the previous
             weights and step stay in service, and the rest of the stream is drained.
@@ -233,9 +246,17 @@ class InMemoryRolloutAdapter:
                                             f"got {type(peft_config).__name__}")
             global_steps = check_global_steps(global_steps)
             staged: dict[str, torch.Tensor] = {}
+            extra: list[str] = []
             async for name, tensor in _as_async(weights):
                 self._check(name, tensor)
-                staged[name] = tensor.detach().clone()
+                if self._expected is not None and name not in self._expected:
+                    extra.append(name)
+                else:
+                    staged[name] = tensor.detach().clone()
+            if self._expected is not None:
+                missing = [n for n in self._expected if n not in staged]
+                if missing or extra:
+                    raise WeightMismatchError(_unexpected_names(missing, extra, len(self._expected)))
         except Exception:
             await drain(weights)  # keep the transport in step, apply nothing
             raise
