@@ -6,13 +6,24 @@ devices=["npu"])`` (a list: torch 2.13 splits a string into characters). The cre
 ``test_c10d_pypg`` and ``multi_threaded_pg``) wrapping a ``ProcessGroupGloo``. npu memory is host memory,
 so each npu tensor is handed to gloo as a cpu tensor over the same bytes (no staging copy).
 
-Every collective runs to completion before it returns, or raises ``hal.DistributedTimeoutError`` once the
-group's timeout passes (a missing or dead peer); the returned work object is already complete. Calls must be made in the same order on every rank, as with
-HCCL. Like NCCL ("Duplicate GPU detected") and HCCL, a communicator refuses two ranks on one device: the
+Collectives complete asynchronously, as on HCCL's stream, so that a missing ``wait`` shows up on the sim:
+a call only queues the operation (arguments are checked at once) and returns a :class:`SimWork`. Each
+group runs its queued operations in issue order, on every rank alike (ranks must issue them in the same
+order, as with HCCL), and only when one is needed: ``work.wait()`` (which also runs every operation
+issued before it on the group; the synchronous calls, ``async_op=False``, wait at once and behave as
+before), ``work.get_future()`` (a future's own ``wait`` cannot be seen here: DDP's reducer takes one),
+``torch.npu.synchronize(device)`` (every group whose device is ``device``), :meth:`SimHcclGroup.shutdown`
+(``destroy_process_group``; :meth:`SimHcclGroup.abort` drops them instead). Until then the operation has
+not read its input nor written its output: a sender that changes its tensor before waiting sends the
+changed bytes, a receiver that reads before waiting reads what was there before. ``work.is_completed()``
+only reports. An operation runs within the group's timeout or raises ``hal.DistributedTimeoutError`` (a
+missing or dead peer) from ``wait``; the operations queued behind a failed one fail with it, unrun.
+
+Like NCCL ("Duplicate GPU detected") and HCCL, a communicator refuses two ranks on one device: the
 first collective of a group exchanges each rank's device (host, and the physical id behind
 ``ASCEND_RT_VISIBLE_DEVICES``; the host is ``$HAL_SIM_HOST`` where set) and every rank raises
 ``torch.distributed.DistBackendError`` naming both ranks if two share one, so code that forgets to bind
-each rank's device fails on any machine.
+each rank's device fails on any machine. The device is the one current when the collective is issued.
 Covered: broadcast, allreduce (SUM/PRODUCT/MIN/MAX, and AVG as SUM then divide; gloo has no AVG),
 allreduce_coalesced, allgather, all_gather_single (``all_gather_into_tensor``, ``_allgather_base``),
 reduce_scatter, reduce_scatter_single (``reduce_scatter_tensor``, ``_reduce_scatter_base``), barrier,
@@ -23,19 +34,25 @@ Collectives that C++ starts (functional collectives: ``DTensor.full_tensor()``, 
 reducer) reach a Python process group only through the names torch's ``PyProcessGroup`` trampoline
 forwards (``torch/csrc/distributed/c10d/PyProcessGroup.hpp``): allgather, all_gather_single_coalesced,
 allreduce(_coalesced), all_to_all_single, barrier, broadcast, reduce_scatter(_single_coalesced), send,
-recv; all of them are defined here. Undefined names (gather, scatter, reduce) reach the wrapped gloo
-directly, on the npu tensors' bytes and past this class's checks. Started from C++, such a call also holds
+recv; all of them are defined here, and those callers wait on the work (``wait_tensor``, the reducer's
+future) themselves. Undefined names (gather, scatter, reduce) reach the wrapped gloo directly, on the npu
+tensors' bytes, past this class's checks and queue (so at once, ahead of any queued operation: wait first).
+Started from C++, such a call also holds
 the caller's GIL into gloo: gloo's worker thread drops a finished op's tensors while holding its queue lock,
 dropping a tensor that Python has seen takes the GIL (PyTorch keeps a tensor's Python object alive while
 C++ holds it), so a caller that enqueues with the GIL held can deadlock with that thread. Here every gloo
-call goes through its Python binding, which releases the GIL first.
+call goes through its Python binding, which releases the GIL first, whichever thread runs the queue.
 """
 
 from __future__ import annotations
 
+import collections
 import datetime
+import itertools
 import os
 import socket
+import threading
+import weakref
 import zlib
 from typing import Any, Callable, Sequence
 
@@ -48,30 +65,88 @@ from devices.errors import DistributedTimeoutError
 BACKEND_NAME = "hccl"
 _ext = None
 
+_groups: "weakref.WeakValueDictionary[int, SimHcclGroup]" = weakref.WeakValueDictionary()
+"""The live groups of this process by creation number (what :func:`synchronize` runs, oldest first)."""
+_group_ids = itertools.count()
+
 
 class SimWork(torch_compat.Work):
-    """A completed collective: ``wait`` returns ``True`` at once; ``get_future`` holds the output tensors."""
+    """One issued collective of a :class:`SimHcclGroup`: queued until needed (see the module doc).
 
-    def __init__(self, result: Sequence[torch.Tensor]) -> None:
+    ``wait()`` runs it (and every operation issued before it on the group) and returns ``True``, or raises
+    what it raised (``hal.DistributedTimeoutError`` for a missing or dead peer); ``get_future()`` does the
+    same and returns a completed future of the output tensors; ``is_completed()`` says whether it has run.
+    """
+
+    def __init__(self, group: "SimHcclGroup", what: str, run: Callable[[], None],
+                 result: Sequence[torch.Tensor]) -> None:
         super().__init__()
-        self._result = list(result)
+        self._group, self._what, self._fn, self._result = group, what, run, list(result)
+        self._done = False
+        self._error: BaseException | None = None
+
+    def _execute(self) -> None:
+        """Run the operation now (the group's runner calls this, in issue order)."""
+        fn, self._fn = self._fn, None
+        try:
+            fn()
+        except Exception as exc:  # noqa: BLE001 - kept and raised by wait(), as HCCL's work does
+            self._error = exc
+        finally:
+            self._done = True
+
+    def _fail(self, error: BaseException) -> None:
+        """Complete without running: ``wait()`` raises ``error``."""
+        self._fn, self._error, self._done = None, error, True
 
     def wait(self, timeout: datetime.timedelta | None = None) -> bool:
+        """Run this collective (and those issued before it on the group) unless done; ``True`` when done.
+
+        Raises:
+            DistributedTimeoutError: it did not complete within the group's timeout, or a peer died.
+            Whatever else the collective raised (``DistBackendError`` for two ranks on one device).
+        """
+        if not self._done:
+            self._group._run_until(self)
+        if self._error is not None:
+            raise self._error
         return True
 
     def is_completed(self) -> bool:
-        return True
+        """Whether the collective has run (it runs only when needed, see the module doc)."""
+        return self._done
 
     def is_success(self) -> bool:
-        return True
+        return self._done and self._error is None
+
+    def exception(self) -> BaseException | None:
+        return self._error
 
     def result(self) -> list[torch.Tensor]:
         return self._result
 
     def get_future(self) -> torch.futures.Future:
+        """A completed future of the output tensors (or of the error): the collective runs now."""
         fut: torch.futures.Future = torch.futures.Future()
-        fut.set_result(self._result)
+        try:
+            self.wait()
+        except Exception as exc:  # noqa: BLE001 - handed to the future's waiter
+            fut.set_exception(exc)
+        else:
+            fut.set_result(self._result)
         return fut
+
+
+def synchronize(index: int) -> None:
+    """Run the queued collectives of every live group of this process whose device is npu ``index``
+    (what ``torch.npu.synchronize`` does on the sim: a device's communication streams are drained too).
+
+    Raises:
+        DistributedTimeoutError: one did not complete within its group's timeout (a missing or dead peer).
+    """
+    for _, group in sorted(_groups.items()):
+        if group._device_index == index:
+            group.flush()
 
 
 def _op(opts: Any) -> dist.ReduceOp:
@@ -79,10 +154,16 @@ def _op(opts: Any) -> dist.ReduceOp:
     return dist.ReduceOp.SUM if opts is None else opts.reduceOp
 
 
+def _check_tensors(tensors: Sequence[torch.Tensor]) -> None:
+    """Raise ``ValueError`` naming the device of a tensor that is neither on npu nor on cpu."""
+    for t in tensors:
+        if t.device.type not in ("npu", "cpu"):
+            raise ValueError(f"the npu-sim hccl backend takes npu or cpu tensors, got one on {t.device}")
+
+
 def _host(t: torch.Tensor) -> torch.Tensor:
     """A contiguous cpu tensor over ``t``'s bytes (a copy only when ``t`` is not contiguous)."""
-    if t.device.type not in ("npu", "cpu"):
-        raise ValueError(f"the npu-sim hccl backend takes npu or cpu tensors, got one on {t.device}")
+    _check_tensors((t,))
     alias = _ext.host_alias(t)
     return alias if alias.is_contiguous() else alias.contiguous()
 
@@ -118,7 +199,7 @@ class SimHcclGroup(dist.ProcessGroup):
 
     Args:
         store: the (prefixed) rendezvous store; rank, size: this process's place in the group.
-        timeout: bound on the rendezvous and on every collective (timedelta).
+        timeout: bound on the rendezvous and on every collective (timedelta), queued ones included.
     """
 
     def __init__(self, store: dist.Store, rank: int, size: int, timeout: datetime.timedelta) -> None:
@@ -126,6 +207,11 @@ class SimHcclGroup(dist.ProcessGroup):
         self._rank, self._size, self._timeout = rank, size, timeout
         self._gloo = dist.ProcessGroupGloo(store, rank, size, timeout)
         self._device_checked = False
+        self._device_index: int | None = None  # of the first collective issued: what synchronize(index) drains
+        self._queue: collections.deque[SimWork] = collections.deque()  # issued, not yet run, in issue order
+        self._runner = threading.Lock()  # held by the thread running the queue
+        self._ran = 0  # operations taken off the queue: tells a busy runner from a stuck one
+        _groups[next(_group_ids)] = self
         # C++ callers look a backend up per device (init_process_group with device_id does); gloo answers
         # for host tensors, and for npu ones it rejects what the C++-only paths would hand it.
         for device in ("cpu", "npu"):
@@ -143,6 +229,85 @@ class SimHcclGroup(dist.ProcessGroup):
 
     def size(self) -> int:
         return self._size
+
+    # -- the queue
+    def _issue(self, what: str, tensors: Sequence[torch.Tensor], run: Callable[[], None],
+               result: Sequence[torch.Tensor], check: bool = True) -> SimWork:
+        """Queue ``run`` (which does the whole collective when called) and return its work.
+
+        ``tensors`` name the device: that of the first npu one, else the current one. ``check``: the
+        collective involves every rank, so it may carry the device check of the group's first one.
+
+        Raises:
+            ValueError: a tensor is neither on npu nor on cpu.
+            torch.distributed.DistBackendError: the group was shut down.
+        """
+        _check_tensors(tensors)
+        if self._gloo is None:
+            raise dist.DistBackendError(f"npu-sim hccl {what} on rank {self._rank}: the group was shut down")
+        npu = next((t for t in tensors if t.device.type == "npu"), None)
+        index = npu.device.index if npu is not None and npu.device.index is not None else _ext.current_device()
+        if self._device_index is None:
+            self._device_index = index
+
+        def op() -> None:
+            if check:
+                self._check_devices(index)
+            run()
+
+        work = SimWork(self, what, op, result)
+        self._queue.append(work)
+        return work
+
+    def _run_until(self, work: SimWork) -> None:
+        """Run the queued operations in issue order until ``work`` has run (one thread at a time).
+
+        Raises:
+            DistributedTimeoutError: another thread running this group's queue made no progress within
+                the timeout.
+        """
+        seconds = self._timeout.total_seconds()
+        while not work._done:
+            ran = self._ran
+            if not self._runner.acquire(timeout=seconds):
+                if self._ran == ran:
+                    raise DistributedTimeoutError(
+                        f"npu-sim hccl {work._what} on rank {self._rank}/{self._size}: the collectives issued "
+                        f"before it, run by another thread, made no progress within {seconds:g} s")
+                continue
+            try:
+                while not work._done and self._queue:
+                    head = self._queue.popleft()
+                    head._execute()
+                    self._ran += 1
+                    if head._error is not None:
+                        self._fail_queued(f"{head._what}, issued before it on this group, failed: {head._error}",
+                                          head._error)
+            finally:
+                self._runner.release()
+            if not work._done:  # not queued and not done: issued on another group
+                raise ValueError(f"npu-sim hccl {work._what} is not a collective of this group")
+
+    def _fail_queued(self, why: str, cause: BaseException | None) -> None:
+        """Complete every queued operation without running it; their ``wait`` raises, naming ``why``."""
+        kind = DistributedTimeoutError if isinstance(cause, DistributedTimeoutError) else dist.DistBackendError
+        while self._queue:
+            work = self._queue.popleft()
+            work._fail(kind(f"npu-sim hccl {work._what} on rank {self._rank}/{self._size} was not run: {why}"))
+            self._ran += 1
+
+    def flush(self) -> None:
+        """Run every queued operation now (what synchronizing the group's device does).
+
+        Raises:
+            DistributedTimeoutError: one did not complete within the timeout (then the later ones fail too).
+            Whatever else the last queued one raised.
+        """
+        try:
+            last = self._queue[-1]
+        except IndexError:
+            return
+        last.wait()
 
     # -- plumbing
     def _run(self, what: str, start: Callable[[], Any]) -> None:
@@ -176,10 +341,10 @@ class SimHcclGroup(dist.ProcessGroup):
                 return ok, False
         raise ValueError(f"npu-sim hccl supports SUM, AVG, PRODUCT, MIN, MAX; got {kind}")
 
-    def _check_devices(self, tensors: Sequence[torch.Tensor]) -> None:
+    def _check_devices(self, index: int) -> None:
         """On the group's first collective: refuse two ranks on one device, as NCCL and HCCL do.
 
-        The device is that of the first npu tensor, else the current device. Every rank takes part (the
+        ``index`` is this rank's npu device when the collective was issued. Every rank takes part (the
         first collective is the same call on every rank) and every rank raises on a clash.
 
         Raises:
@@ -188,8 +353,6 @@ class SimHcclGroup(dist.ProcessGroup):
         if self._device_checked:
             return
         self._device_checked = True
-        npu = next((t for t in tensors if t.device.type == "npu"), None)
-        index = npu.device.index if npu is not None and npu.device.index is not None else _ext.current_device()
         mine = torch.tensor([_host_id(), physical_device(index), index], dtype=torch.int64)
         everyone = [torch.empty_like(mine) for _ in range(self._size)]
         self._run("device check", lambda: self._gloo.allgather([everyone], [mine]))
@@ -204,21 +367,8 @@ class SimHcclGroup(dist.ProcessGroup):
                     f"(hal.bind_local_device(), or torch.npu.set_device(LOCAL_RANK))")
             seen[(host, physical)] = rank
 
-    # -- collectives
-    def broadcast(self, tensors: list[torch.Tensor], opts=None) -> SimWork:
-        self._check_devices(tensors)
-        hosts = [_host(t) for t in tensors]
-        o = dist.BroadcastOptions()
-        o.rootRank, o.rootTensor = (opts.rootRank, opts.rootTensor) if opts is not None else (0, 0)
-        o.timeout = self._timeout
-        self._run("broadcast", lambda: self._gloo.broadcast(hosts, o))
-        for t, h in zip(tensors, hosts):
-            _write_back(t, h)
-        return SimWork(tensors)
-
-    def allreduce(self, tensors: list[torch.Tensor], opts=None) -> SimWork:
-        self._check_devices(tensors)
-        op, divide = self._reduce_op(_op(opts))
+    # -- what a queued collective does when it runs
+    def _allreduce_now(self, tensors: Sequence[torch.Tensor], op: dist.ReduceOp, divide: bool) -> None:
         hosts = [_host(t) for t in tensors]
         o = dist.AllreduceOptions()
         o.reduceOp, o.timeout = op, self._timeout
@@ -227,39 +377,75 @@ class SimHcclGroup(dist.ProcessGroup):
             if divide:
                 h.div_(self._size)
             _write_back(t, h)
-        return SimWork(tensors)
 
-    def allreduce_coalesced(self, tensors: list[torch.Tensor], opts=None) -> SimWork:
-        o = dist.AllreduceOptions()
-        o.reduceOp = _op(opts)
-        for t in tensors:
-            self.allreduce([t], o)
-        return SimWork(tensors)
-
-    def allgather(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor],
-                  opts=None) -> SimWork:
-        self._check_devices(inputs)
+    def _allgather_now(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor]) -> None:
         host_outs = [[_host(t) for t in outs] for outs in output_lists]
         host_ins = [_host(t) for t in inputs]
         self._run("allgather", lambda: self._gloo.allgather(host_outs, host_ins))
         for outs, houts in zip(output_lists, host_outs):
             for t, h in zip(outs, houts):
                 _write_back(t, h)
-        return SimWork([t for outs in output_lists for t in outs])
 
-    def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts=None) -> SimWork:
-        """``output`` (``size * input.numel()`` elements, rank-major) gets every rank's ``input``."""
+    def _gather_sizes(self, output: torch.Tensor, input: torch.Tensor) -> None:
         if output.numel() != input.numel() * self._size:
             raise ValueError(f"all_gather_single: output has {output.numel()} elements, expected "
                              f"{input.numel()} x {self._size}")
-        chunks = list(output.reshape(self._size, -1).unbind(0)) if output.is_contiguous() else None
-        if chunks is None:
-            flat = torch.empty(output.numel(), dtype=output.dtype, device=output.device)
-            chunks = list(flat.view(self._size, -1).unbind(0))
-        self.allgather([chunks], [input.reshape(-1)])
-        if not output.is_contiguous():
+
+    def _all_gather_single_now(self, output: torch.Tensor, input: torch.Tensor) -> None:
+        contiguous = output.is_contiguous()
+        flat = output if contiguous else torch.empty(output.numel(), dtype=output.dtype, device=output.device)
+        self._allgather_now([list(flat.reshape(self._size, -1).unbind(0))], [input.reshape(-1)])
+        if not contiguous:
             output.copy_(flat.view(output.shape))
-        return SimWork([output])
+
+    def _scatter_sizes(self, output: torch.Tensor, input: torch.Tensor) -> None:
+        if input.numel() != output.numel() * self._size:
+            raise ValueError(f"reduce_scatter_single: input has {input.numel()} elements, expected "
+                             f"{output.numel()} x {self._size}")
+
+    def _reduce_scatter_single_now(self, output: torch.Tensor, input: torch.Tensor, op: dist.ReduceOp,
+                                   divide: bool) -> None:
+        reduced = input.reshape(-1).clone()
+        self._allreduce_now([reduced], op, divide)
+        output.copy_(reduced.view(self._size, -1)[self._rank].view(output.shape))
+
+    # -- collectives (each queued, see the module doc)
+    def broadcast(self, tensors: list[torch.Tensor], opts=None) -> SimWork:
+        root, root_tensor = (opts.rootRank, opts.rootTensor) if opts is not None else (0, 0)
+
+        def run() -> None:
+            hosts = [_host(t) for t in tensors]
+            o = dist.BroadcastOptions()
+            o.rootRank, o.rootTensor, o.timeout = root, root_tensor, self._timeout
+            self._run("broadcast", lambda: self._gloo.broadcast(hosts, o))
+            for t, h in zip(tensors, hosts):
+                _write_back(t, h)
+        return self._issue(f"broadcast from rank {root}", tensors, run, tensors)
+
+    def allreduce(self, tensors: list[torch.Tensor], opts=None) -> SimWork:
+        op, divide = self._reduce_op(_op(opts))
+        return self._issue("allreduce", tensors, lambda: self._allreduce_now(tensors, op, divide), tensors)
+
+    def allreduce_coalesced(self, tensors: list[torch.Tensor], opts=None) -> SimWork:
+        op, divide = self._reduce_op(_op(opts))
+
+        def run() -> None:
+            for t in tensors:
+                self._allreduce_now([t], op, divide)
+        return self._issue("allreduce_coalesced", tensors, run, tensors)
+
+    def allgather(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor],
+                  opts=None) -> SimWork:
+        _check_tensors([t for outs in output_lists for t in outs])
+        return self._issue("allgather", inputs, lambda: self._allgather_now(output_lists, inputs),
+                           [t for outs in output_lists for t in outs])
+
+    def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts=None) -> SimWork:
+        """``output`` (``size * input.numel()`` elements, rank-major) gets every rank's ``input``."""
+        self._gather_sizes(output, input)
+        _check_tensors([output])
+        return self._issue("all_gather_single", [input], lambda: self._all_gather_single_now(output, input),
+                           [output])
 
     _allgather_base = all_gather_single
     all_gather_into_tensor = all_gather_single
@@ -271,33 +457,36 @@ class SimHcclGroup(dist.ProcessGroup):
         redistribution); without it C++ would run the wrapped gloo on the npu tensors itself (see the
         module doc)."""
         for out, inp in zip(outputs, inputs):
-            self.all_gather_single(out, inp)
-        return SimWork(outputs)
+            self._gather_sizes(out, inp)
+        _check_tensors(outputs)
+
+        def run() -> None:
+            for out, inp in zip(outputs, inputs):
+                self._all_gather_single_now(out, inp)
+        return self._issue("all_gather_single_coalesced", inputs, run, outputs)
 
     allgather_into_tensor_coalesced = all_gather_single_coalesced
 
     def reduce_scatter(self, outputs: list[torch.Tensor], input_lists: list[list[torch.Tensor]],
                        opts=None) -> SimWork:
-        o = dist.AllreduceOptions()
-        o.reduceOp = _op(opts)
-        for out, inputs in zip(outputs, input_lists):
-            stacked = torch.stack([t.reshape(-1) for t in inputs])
-            self.allreduce([stacked], o)
-            out.copy_(stacked[self._rank].view(out.shape))
-        return SimWork(outputs)
+        op, divide = self._reduce_op(_op(opts))
+        _check_tensors(outputs)
+
+        def run() -> None:
+            for out, inputs in zip(outputs, input_lists):
+                stacked = torch.stack([t.reshape(-1) for t in inputs])
+                self._allreduce_now([stacked], op, divide)
+                out.copy_(stacked[self._rank].view(out.shape))
+        return self._issue("reduce_scatter", [t for ins in input_lists for t in ins], run, outputs)
 
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor,
                               opts=None) -> SimWork:
         """``output`` gets this rank's chunk (rank-major) of the reduction of every rank's ``input``."""
-        if input.numel() != output.numel() * self._size:
-            raise ValueError(f"reduce_scatter_single: input has {input.numel()} elements, expected "
-                             f"{output.numel()} x {self._size}")
-        o = dist.AllreduceOptions()
-        o.reduceOp = _op(opts)
-        reduced = input.reshape(-1).clone()
-        self.allreduce([reduced], o)
-        output.copy_(reduced.view(self._size, -1)[self._rank].view(output.shape))
-        return SimWork([output])
+        self._scatter_sizes(output, input)
+        _check_tensors([output])
+        op, divide = self._reduce_op(_op(opts))
+        return self._issue("reduce_scatter_single", [input],
+                           lambda: self._reduce_scatter_single_now(output, input, op, divide), [output])
 
     _reduce_scatter_base = reduce_scatter_single
     reduce_scatter_tensor = reduce_scatter_single
@@ -307,8 +496,14 @@ class SimHcclGroup(dist.ProcessGroup):
         """:meth:`reduce_scatter_single` for each ``(output, input)`` pair, in order (the C++ entry of
         functional reduce-scatters, as for :meth:`all_gather_single_coalesced`)."""
         for out, inp in zip(outputs, inputs):
-            self.reduce_scatter_single(out, inp, opts)
-        return SimWork(outputs)
+            self._scatter_sizes(out, inp)
+        _check_tensors(outputs)
+        op, divide = self._reduce_op(_op(opts))
+
+        def run() -> None:
+            for out, inp in zip(outputs, inputs):
+                self._reduce_scatter_single_now(out, inp, op, divide)
+        return self._issue("reduce_scatter_single_coalesced", inputs, run, outputs)
 
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
 
@@ -316,43 +511,63 @@ class SimHcclGroup(dist.ProcessGroup):
                           input_split_sizes: Sequence[int], opts=None) -> SimWork:
         """Rank ``r`` sends the ``r``-th slice (along dim 0) of ``input`` to every rank and receives theirs
         into ``output``; empty split lists mean equal slices (``torch.distributed.all_to_all_single``)."""
-        self._check_devices([input])
-        host_out, host_in = _host(output), _host(input)
-        o = dist.AllToAllOptions()
-        o.timeout = self._timeout
-        self._run("all_to_all_single", lambda: self._gloo.alltoall_base(
-            host_out, host_in, list(output_split_sizes), list(input_split_sizes), o))
-        _write_back(output, host_out)
-        return SimWork([output])
+        _check_tensors([output])
+        out_splits, in_splits = list(output_split_sizes), list(input_split_sizes)
+
+        def run() -> None:
+            host_out, host_in = _host(output), _host(input)
+            o = dist.AllToAllOptions()
+            o.timeout = self._timeout
+            self._run("all_to_all_single", lambda: self._gloo.alltoall_base(host_out, host_in, out_splits,
+                                                                             in_splits, o))
+            _write_back(output, host_out)
+        return self._issue("all_to_all_single", [input], run, [output])
 
     alltoall_base = all_to_all_single
 
     def barrier(self, opts=None) -> SimWork:
-        self._check_devices(())
-        o = dist.BarrierOptions()
-        o.timeout = self._timeout
-        self._run("barrier", lambda: self._gloo.barrier(o))
-        return SimWork([])
+        def run() -> None:
+            o = dist.BarrierOptions()
+            o.timeout = self._timeout
+            self._run("barrier", lambda: self._gloo.barrier(o))
+        return self._issue("barrier", (), run, [])
 
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> SimWork:
-        hosts = [_host(t) for t in tensors]
-        self._run(f"send to {dst}", lambda: self._gloo.send(hosts, dst, tag))
-        return SimWork(tensors)
+        def run() -> None:
+            hosts = [_host(t) for t in tensors]
+            self._run(f"send to {dst}", lambda: self._gloo.send(hosts, dst, tag))
+        return self._issue(f"send to {dst}", tensors, run, tensors, check=False)
 
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> SimWork:
-        hosts = [_host(t) for t in tensors]
-        self._run(f"recv from {src}", lambda: self._gloo.recv(hosts, src, tag))
-        for t, h in zip(tensors, hosts):
-            _write_back(t, h)
-        return SimWork(tensors)
+        def run() -> None:
+            hosts = [_host(t) for t in tensors]
+            self._run(f"recv from {src}", lambda: self._gloo.recv(hosts, src, tag))
+            for t, h in zip(tensors, hosts):
+                _write_back(t, h)
+        return self._issue(f"recv from {src}", tensors, run, tensors, check=False)
 
     def shutdown(self) -> None:
-        """Release the gloo communicator."""
+        """Run the queued collectives (as a graceful communicator finalize does), then release the gloo
+        communicator.
+
+        Raises:
+            DistributedTimeoutError: a queued collective did not complete within the timeout (a dead peer);
+                the communicator is released all the same.
+        """
+        try:
+            self.flush()
+        finally:
+            self._release()
+
+    def abort(self) -> None:
+        """Drop the queued collectives (their ``wait`` raises) and release the gloo communicator."""
+        self._fail_queued("the group was aborted", None)
+        self._release()
+
+    def _release(self) -> None:
         gloo, self._gloo = self._gloo, None
         if gloo is not None and hasattr(gloo, "shutdown"):
             gloo.shutdown()
-
-    abort = shutdown
 
 
 def create(opts: Any, backend_options: Any = None) -> SimHcclGroup:

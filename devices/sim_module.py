@@ -4,7 +4,8 @@ Names and signatures follow ``torch_npu.npu`` (see ``devices/npu_api_names.txt``
 torch-npu wheel), which in turn mirror ``torch.cuda``. Memory figures are the extension's exact counters,
 in bytes, of its caching allocator (as torch_npu's): ``memory_allocated()`` counts blocks in use,
 ``memory_reserved()`` those plus the cached free ones, and ``empty_cache()`` returns the cached ones. Every operator runs synchronously on the host, so streams and
-events are correct as no-ops (an event is complete once recorded; synchronising waits for nothing).
+events are correct as no-ops (an event is complete once recorded); only collectives complete later (see
+``devices.sim_backend``), and ``synchronize`` runs those queued on the device.
 Random numbers come from the host generator (operators fall back to the cpu), so seeding npu seeds it.
 """
 
@@ -15,6 +16,8 @@ import types
 from typing import Any, Union
 
 import torch
+
+from devices import sim_backend
 
 DeviceArg = Union[int, str, torch.device, None]
 
@@ -83,7 +86,13 @@ def build(ext: types.ModuleType) -> types.ModuleType:
             ext.set_device(self.prev)
 
     def synchronize(device: DeviceArg = None) -> None:
-        """No-op: every operator has finished when it returns."""
+        """Block until the device's work is done: run the hccl collectives queued on it (every other operator
+        has finished when it returns).
+
+        Raises:
+            hal.DistributedTimeoutError: a queued collective did not complete within its group's timeout.
+        """
+        sim_backend.synchronize(_index(device))
 
     def empty_cache() -> None:
         """Return the cached (free) blocks of every device to the simulated device: :func:`memory_reserved`

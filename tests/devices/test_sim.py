@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
 import os
 import pathlib
 import re
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
 
 import hal
-from hal.testing import run_multiprocess
+from hal.testing import free_port, run_multiprocess
 from tests.devices import _sim_workers
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
@@ -375,3 +378,67 @@ def test_a_build_lock_left_by_a_killed_build_is_cleared_and_a_fresh_one_kept(tmp
     os.utime(lock, (old, old))
     sim_ext._clear_stale_lock(tmp_path, max_age_s=60)
     assert not lock.exists()
+
+
+@contextlib.contextmanager
+def _hccl_ranks(timeout: float):
+    """Two hccl ranks of one group in this process (rank r on npu:r), each driven from its own thread:
+    yields ``([group of rank 0, group of rank 1], thread pool)``."""
+    port = free_port()
+    pool = concurrent.futures.ThreadPoolExecutor(2)
+
+    def join(rank: int):
+        hal.get_torch_device("npu-sim").set_device(rank)
+        store = hal.connect_store("127.0.0.1", port, rank, 2, timeout=30)
+        return store, hal.new_group_from_store(store, rank, 2, device="npu-sim", timeout=timeout)
+
+    joined = [f.result(60) for f in [pool.submit(join, r) for r in (0, 1)]]
+    try:
+        yield [g for _, g in joined], pool
+    finally:
+        for _, group in joined:
+            group.backend.abort()
+        pool.shutdown()
+
+
+def _both(pool, fn0, fn1):
+    """Run ``fn0`` and ``fn1`` at once (rank 0's and rank 1's side), return both results."""
+    futures = [pool.submit(fn0), pool.submit(fn1)]
+    return [f.result(60) for f in futures]
+
+
+def test_hccl_async_collectives_run_only_when_waited_in_issue_order(npu):
+    with _hccl_ranks(20) as ((g0, g1), pool):
+        sent, got = torch.full((4,), 1.0, device="npu:0"), torch.zeros(4, device="npu:1")
+        w0, w1 = g0.backend.broadcast([sent]), g1.backend.broadcast([got])  # async: queued, nothing ran
+        assert not w0.is_completed() and not w1.is_completed()
+        assert got.cpu().tolist() == [0.0] * 4  # a receiver reading before wait() reads stale bytes
+        sent.fill_(2.0)  # a sender changing its tensor before wait() sends the changed bytes
+        assert _both(pool, w0.wait, w1.wait) == [True, True]
+        assert got.cpu().tolist() == [2.0] * 4 and w1.is_completed()
+        # a later collective waited on (here a synchronous one) runs the earlier ones first, as one stream does
+        sent.fill_(3.0)
+        w0, w1 = g0.backend.broadcast([sent]), g1.backend.broadcast([got])
+        summed = [torch.full((2,), 1.0, device=f"npu:{r}") for r in (0, 1)]
+        _both(pool, lambda: g0.all_reduce(summed[0]), lambda: g1.all_reduce(summed[1]))
+        assert w0.is_completed() and w1.is_completed() and got.cpu().tolist() == [3.0] * 4
+        assert summed[1].cpu().tolist() == [2.0, 2.0]
+        # synchronizing a device runs what is queued on its groups
+        sent.fill_(4.0)
+        w1 = g1.backend.broadcast([got])
+        g0.broadcast(sent, 0, async_op=True)
+        _both(pool, lambda: npu.synchronize(0), lambda: hal.synchronize("npu-sim:1"))
+        assert w1.is_completed() and got.cpu().tolist() == [4.0] * 4
+
+
+def test_hccl_async_collective_without_its_peer_times_out_and_fails_those_behind_it(npu):
+    with _hccl_ranks(1.5) as ((g0, _), _):
+        first = g0.backend.allreduce([torch.ones(2, device="npu:0")])  # rank 1 never issues it
+        behind = g0.backend.barrier()
+        start = time.monotonic()
+        with pytest.raises(hal.DistributedTimeoutError):
+            first.wait()
+        assert 1.0 <= time.monotonic() - start <= 15.0
+        assert behind.is_completed() and not behind.is_success()
+        with pytest.raises(hal.DistributedTimeoutError, match="allreduce, issued before it on this group, failed"):
+            behind.wait()
