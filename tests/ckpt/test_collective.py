@@ -137,3 +137,34 @@ def test_a_sender_whose_weights_fail_mid_update_aborts_it_and_the_group_stays_us
         compare(sample_weights(2), await transfer(sender, receiver, sample_weights(2), 2, 2), "after the abort")
         sender.close(), receiver.close()
     asyncio.run(go())
+
+
+@pytest.mark.hal_device("npu-sim")
+@pytest.mark.parametrize("final_wait", ["kept", "dropped"])
+def test_the_sender_may_reuse_its_tensors_only_because_send_weights_waits(hal_device, final_wait, monkeypatch):
+    """On npu-sim a collective runs only when waited on (as HCCL's completes later): a send_weights that
+    returned before waiting on its last broadcasts fails the contract's sender-reuse check (its receiver
+    times out: nothing of those broadcasts ran), while the engine as it is passes it."""
+    from ckpt.collective import CollectiveCheckpointEngine
+    from ckpt.testing import ContractFailure, run_check
+
+    if final_wait == "dropped":
+        wait = CollectiveCheckpointEngine._wait
+
+        async def without_final_wait(self, works, what):
+            if not what.startswith("end of step"):
+                await wait(self, works, what)
+        monkeypatch.setattr(CollectiveCheckpointEngine, "_wait", without_final_wait)
+
+    async def make():
+        common = dict(world_size=2, master_addr="127.0.0.1", master_port=free_port(), bucket_size=64 << 10,
+                      timeout=3, direct_threshold=256)
+        return (ckpt.get_checkpoint_engine("collective", rank=0, device=f"{hal_device}:0", **common),
+                ckpt.get_checkpoint_engine("collective", rank=1, device=f"{hal_device}:1", **common))
+
+    check = run_check(make, "sender_may_reuse", timeout=60)
+    if final_wait == "kept":
+        asyncio.run(check)
+    else:
+        with pytest.raises((ckpt.TransferTimeoutError, ContractFailure)):
+            asyncio.run(check)
