@@ -285,8 +285,9 @@ class SimHcclGroup(dist.ProcessGroup):
                                           head._error)
             finally:
                 self._runner.release()
-            if not work._done:  # not queued and not done: issued on another group
-                raise ValueError(f"npu-sim hccl {work._what} is not a collective of this group")
+            if not work._done:  # neither queued nor run: an abort is dropping the queue meanwhile
+                raise dist.DistBackendError(f"npu-sim hccl {work._what} on rank {self._rank}/{self._size} was "
+                                            "dropped from the queue unrun (the group is being aborted)")
 
     def _fail_queued(self, why: str, cause: BaseException | None) -> None:
         """Complete every queued operation without running it; their ``wait`` raises, naming ``why``."""
@@ -560,9 +561,15 @@ class SimHcclGroup(dist.ProcessGroup):
             self._release()
 
     def abort(self) -> None:
-        """Drop the queued collectives (their ``wait`` raises) and release the gloo communicator."""
-        self._fail_queued("the group was aborted", None)
+        """Drop the queued collectives (their ``wait`` raises) and release the gloo communicator; a collective
+        another thread is running ends with an error once the communicator is gone."""
         self._release()
+        held = self._runner.acquire(timeout=self._timeout.total_seconds())
+        try:
+            self._fail_queued("the group was aborted", None)
+        finally:
+            if held:
+                self._runner.release()
 
     def _release(self) -> None:
         gloo, self._gloo = self._gloo, None

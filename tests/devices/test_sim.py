@@ -427,7 +427,7 @@ def test_hccl_async_collectives_run_only_when_waited_in_issue_order(npu):
         sent.fill_(4.0)
         w1 = g1.backend.broadcast([got])
         g0.broadcast(sent, 0, async_op=True)
-        _both(pool, lambda: npu.synchronize(0), lambda: hal.synchronize("npu-sim:1"))
+        _both(pool, lambda: npu.synchronize(0), lambda: npu.synchronize("npu:1"))
         assert w1.is_completed() and got.cpu().tolist() == [4.0] * 4
 
 
