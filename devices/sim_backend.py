@@ -27,21 +27,21 @@ each rank's device fails on any machine. The device is the one current when the 
 Covered: broadcast, allreduce (SUM/PRODUCT/MIN/MAX, and AVG as SUM then divide; gloo has no AVG),
 allreduce_coalesced, allgather, all_gather_single (``all_gather_into_tensor``, ``_allgather_base``),
 reduce_scatter, reduce_scatter_single (``reduce_scatter_tensor``, ``_reduce_scatter_base``), barrier,
-send/recv, all_to_all_single; DDP and FSDP2 (``fully_shard``, ``DTensor.full_tensor()``) run on it in eager
-mode.
+send/recv, all_to_all_single, and (called from Python) reduce, gather, scatter; DDP and FSDP2
+(``fully_shard``, ``DTensor.full_tensor()``) run on it in eager mode.
 
 Collectives that C++ starts (functional collectives: ``DTensor.full_tensor()``, redistribution; DDP's
 reducer) reach a Python process group only through the names torch's ``PyProcessGroup`` trampoline
 forwards (``torch/csrc/distributed/c10d/PyProcessGroup.hpp``): allgather, all_gather_single_coalesced,
 allreduce(_coalesced), all_to_all_single, barrier, broadcast, reduce_scatter(_single_coalesced), send,
 recv; all of them are defined here, and those callers wait on the work (``wait_tensor``, the reducer's
-future) themselves. Undefined names (gather, scatter, reduce) reach the wrapped gloo directly, on the npu
-tensors' bytes, past this class's checks and queue (so at once, ahead of any queued operation: wait first).
-Started from C++, such a call also holds
-the caller's GIL into gloo: gloo's worker thread drops a finished op's tensors while holding its queue lock,
-dropping a tensor that Python has seen takes the GIL (PyTorch keeps a tensor's Python object alive while
-C++ holds it), so a caller that enqueues with the GIL held can deadlock with that thread. Here every gloo
-call goes through its Python binding, which releases the GIL first, whichever thread runs the queue.
+future) themselves. The other names (gather, scatter, reduce when C++ calls them) reach the wrapped gloo
+directly, on the npu tensors' bytes, past this class's checks and queue (so at once, ahead of any queued
+operation). Started from C++, such a call also holds the caller's GIL into gloo: gloo's worker thread
+drops a finished op's tensors while holding its queue lock, dropping a tensor that Python has seen takes
+the GIL (PyTorch keeps a tensor's Python object alive while C++ holds it), so a caller that enqueues with
+the GIL held can deadlock with that thread. Here every gloo call goes through its Python binding, which
+releases the GIL first, whichever thread runs the queue.
 """
 
 from __future__ import annotations
@@ -525,6 +525,56 @@ class SimHcclGroup(dist.ProcessGroup):
         return self._issue("all_to_all_single", [input], run, [output])
 
     alltoall_base = all_to_all_single
+
+    def reduce(self, tensors: list[torch.Tensor], opts=None) -> SimWork:
+        """``tensors`` on rank ``opts.rootRank`` get the reduction of every rank's (``torch.distributed.reduce``)."""
+        op, divide = self._reduce_op(_op(opts))
+        root, root_tensor = (opts.rootRank, opts.rootTensor) if opts is not None else (0, 0)
+
+        def run() -> None:
+            hosts = [_host(t) for t in tensors]
+            o = dist.ReduceOptions()
+            o.reduceOp, o.rootRank, o.rootTensor, o.timeout = op, root, root_tensor, self._timeout
+            self._run("reduce", lambda: self._gloo.reduce(hosts, o))
+            if self._rank == root:
+                for t, h in zip(tensors, hosts):
+                    if divide:
+                        h.div_(self._size)
+                    _write_back(t, h)
+        return self._issue(f"reduce to rank {root}", tensors, run, tensors)
+
+    def gather(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts=None) -> SimWork:
+        """Rank ``opts.rootRank``'s ``output_lists[0][r]`` gets rank ``r``'s ``inputs[0]``
+        (``torch.distributed.gather``; other ranks pass no outputs)."""
+        root = opts.rootRank if opts is not None else 0
+        _check_tensors([t for outs in output_lists for t in outs])
+
+        def run() -> None:
+            host_outs = [[_host(t) for t in outs] for outs in output_lists]
+            host_ins = [_host(t) for t in inputs]
+            o = dist.GatherOptions()
+            o.rootRank, o.timeout = root, self._timeout
+            self._run("gather", lambda: self._gloo.gather(host_outs, host_ins, o))
+            for outs, houts in zip(output_lists, host_outs):
+                for t, h in zip(outs, houts):
+                    _write_back(t, h)
+        return self._issue(f"gather to rank {root}", inputs, run, [t for outs in output_lists for t in outs])
+
+    def scatter(self, outputs: list[torch.Tensor], input_lists: list[list[torch.Tensor]], opts=None) -> SimWork:
+        """Rank ``r``'s ``outputs[0]`` gets rank ``opts.rootRank``'s ``input_lists[0][r]``
+        (``torch.distributed.scatter``; other ranks pass no inputs)."""
+        root = opts.rootRank if opts is not None else 0
+        _check_tensors([t for ins in input_lists for t in ins])
+
+        def run() -> None:
+            host_outs = [_host(t) for t in outputs]
+            host_ins = [[_host(t) for t in ins] for ins in input_lists]
+            o = dist.ScatterOptions()
+            o.rootRank, o.timeout = root, self._timeout
+            self._run("scatter", lambda: self._gloo.scatter(host_outs, host_ins, o))
+            for t, h in zip(outputs, host_outs):
+                _write_back(t, h)
+        return self._issue(f"scatter from rank {root}", outputs, run, outputs)
 
     def barrier(self, opts=None) -> SimWork:
         def run() -> None:

@@ -13,6 +13,7 @@ import time
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import hal
 from hal.testing import free_port, run_multiprocess
@@ -429,6 +430,23 @@ def test_hccl_async_collectives_run_only_when_waited_in_issue_order(npu):
         g0.broadcast(sent, 0, async_op=True)
         _both(pool, lambda: npu.synchronize(0), lambda: npu.synchronize("npu:1"))
         assert w1.is_completed() and got.cpu().tolist() == [4.0] * 4
+        # reduce, gather and scatter (torch.distributed's names, with their options) queue in order too
+        sent.fill_(5.0)
+        w1 = g1.backend.broadcast([got])
+        g0.backend.broadcast([sent])
+        gathered = [torch.zeros(4, device="npu:0") for _ in range(2)]
+        at0 = dist.GatherOptions()
+        _both(pool, g0.backend.gather([gathered], [sent], at0).wait, g1.backend.gather([], [got], at0).wait)
+        assert w1.is_completed() and [t.cpu().tolist() for t in gathered] == [[5.0] * 4] * 2
+        to1 = dist.ReduceOptions()
+        to1.rootRank, to1.reduceOp = 1, dist.ReduceOp.AVG
+        reduced = [torch.full((2,), 1.0 + 2 * r, device=f"npu:{r}") for r in (0, 1)]
+        parts = [torch.zeros(2, device=f"npu:{r}") for r in (0, 1)]
+        chunks = [torch.full((2,), 7.0 + r) for r in (0, 1)]
+        g0.backend.reduce([reduced[0]], to1), g1.backend.reduce([reduced[1]], to1)  # run by the scatter's wait
+        s0, s1 = g0.backend.scatter([parts[0]], [chunks], at0), g1.backend.scatter([parts[1]], [], at0)
+        _both(pool, s0.wait, s1.wait)
+        assert reduced[1].cpu().tolist() == [2.0, 2.0] and [p.cpu().tolist() for p in parts] == [[7.0] * 2, [8.0] * 2]
 
 
 def test_hccl_async_collective_without_its_peer_times_out_and_fails_those_behind_it(npu):
