@@ -117,12 +117,15 @@ class SimWork(torch_compat.Work):
         return self._done
 
     def is_success(self) -> bool:
+        """Whether the collective has run without error."""
         return self._done and self._error is None
 
     def exception(self) -> BaseException | None:
+        """What the collective raised when it ran (``None``: not run yet, or no error)."""
         return self._error
 
     def result(self) -> list[torch.Tensor]:
+        """The output tensors (written once the collective has run)."""
         return self._result
 
     def get_future(self) -> torch.futures.Future:
