@@ -15,10 +15,28 @@ def _report(rank, world_size, port):
             "extra": os.environ.get("EXTRA")}
 
 
-@pytest.mark.skipif("forkserver" not in multiprocessing.get_all_start_methods(), reason="ranks are spawned here")
-def test_forkserver_ranks_get_the_callers_current_environment_directory_path_and_stderr(tmp_path, monkeypatch):
+@pytest.fixture
+def forkserver_env(monkeypatch):
+    """The import environment (HAL_*, TORCH*, ...) the process's forkserver was started with, restored after.
+
+    The forkserver starts once per process, under whatever environment the first multi-process test had
+    (an earlier test in this xdist worker may have set HAL_DEVICE or HAL_SIM_* for its run); these tests
+    are about a forkserver whose environment matches, so they put the environment back to its."""
     monkeypatch.delenv("HAL_TEST_START_METHOD", raising=False)
-    testing.run_multiprocess(_report, 1, timeout=120)  # the forkserver may start here, under the old state
+    testing._start_method()  # starts the forkserver under the current environment if none runs yet
+    started = dict(testing._forkserver_env)
+    for key in testing._import_env():
+        if key not in started:
+            monkeypatch.delenv(key)
+    for key, value in started.items():
+        monkeypatch.setenv(key, value)
+    return started
+
+
+@pytest.mark.skipif("forkserver" not in multiprocessing.get_all_start_methods(), reason="ranks are spawned here")
+def test_forkserver_ranks_get_the_callers_current_environment_directory_path_and_stderr(tmp_path, monkeypatch,
+                                                                                       forkserver_env):
+    testing.run_multiprocess(_report, 1, timeout=120)
     assert testing._start_method() == "forkserver"
     monkeypatch.setenv("OTHER_PROBE", "changed")  # not read by import torch: the forkserver still serves
     monkeypatch.chdir(tmp_path)
@@ -56,7 +74,6 @@ _parent_spawned.start_method = "spawn"  # as a rank measuring its own memory dec
 
 
 @pytest.mark.skipif("forkserver" not in multiprocessing.get_all_start_methods(), reason="ranks are spawned here")
-def test_a_rank_function_can_ask_to_be_spawned(monkeypatch):
-    monkeypatch.delenv("HAL_TEST_START_METHOD", raising=False)
+def test_a_rank_function_can_ask_to_be_spawned(forkserver_env):
     assert testing.run_multiprocess(_parent_spawned, 1, timeout=120) == {0: os.getpid()}  # this process's child
     assert testing.run_multiprocess(_parent, 1, timeout=120) != {0: os.getpid()}  # the forkserver's
