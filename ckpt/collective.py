@@ -23,6 +23,9 @@ from ckpt.errors import CheckpointConfigError, TransferAbortedError, TransferErr
 DEFAULT_BUCKET_SIZE = 256 << 20
 """Default bucket size in bytes (256 MiB)."""
 
+POLL_S = 0.25
+"""Seconds between a waiting receiver's looks in the store for word that the sender closed its engine."""
+
 
 class CollectiveCheckpointEngine(CheckpointEngine):
     """Bucketed broadcast from rank ``src_rank`` (the trainer) to every other rank of its own group.
@@ -124,6 +127,8 @@ class CollectiveCheckpointEngine(CheckpointEngine):
         self._joined: dict[str, Any] | None = None  # the membership self._group was formed with
         self._generation = 0  # the highest group generation this engine formed (the master's numbers them)
         self._broken: str | None = None
+        self._sending: int | None = None  # sender: the step of the update in progress (None: none)
+        self._sent: int | None = None  # sender: the step of the last update it finished
 
     @staticmethod
     def _checked_membership(rank: Any, world_size: Any, master_addr: Any, master_port: Any, generation: Any,
@@ -277,6 +282,8 @@ class CollectiveCheckpointEngine(CheckpointEngine):
                 self._store = hal.connect_store(m["master_addr"], m["master_port"], m["rank"], m["world_size"],
                                                 self.timeout)
                 self._store_at, self._store_server = (m["master_addr"], m["master_port"]), m["rank"] == 0
+            if m["rank"] == m["src_rank"]:  # a sender forming this generation again is not closed
+                self._store.delete_key(_closed_key(m["generation"]))
             self._group = hal.new_group_from_store(self._store, m["rank"], m["world_size"], self.device_kind,
                                                    self.timeout, f"ckpt/{m['generation']}")
         except hal.DistributedTimeoutError as exc:
@@ -323,7 +330,21 @@ class CollectiveCheckpointEngine(CheckpointEngine):
             self._broken = None
 
     def close(self) -> None:
-        """Release everything: buffers, the group and the store (the master's server included)."""
+        """Release everything: buffers, the group and the store (the master's server included).
+
+        The sender first leaves word in the store that it closed (and at which step), so a receiver
+        waiting on it in :meth:`receive_weights` fails at once with :class:`TransferError` instead of after
+        ``timeout``; a receiver whose store was hosted by the sender finds the store gone, likewise.
+        """
+        if self._group is not None and self._joined is not None and self.is_sender and self._store is not None:
+            when = (f"in the middle of step {self._sending}" if self._sending is not None else
+                    f"after step {self._sent}" if self._sent is not None else "before sending any update")
+            try:
+                self._store.set(_closed_key(self._joined["generation"]),
+                                f"the sender (rank {self.rank}) closed its engine {when}")
+            except Exception:  # noqa: BLE001 - an unreachable store: the receivers find it gone instead
+                pass
+        self._sending = None
         self._free_buffers()
         self._release_group(keep_store=False)
         self._broken = None
@@ -341,12 +362,39 @@ class CollectiveCheckpointEngine(CheckpointEngine):
         self._allocate()
         return self._group
 
+    def _sender_closed(self) -> str | None:
+        """Why the sender is gone, if a receiver can tell from the store: the sender's word that it closed,
+        or the store itself unreachable (its host closed or died); ``None`` on the sender or while neither."""
+        if self.is_sender or self._store is None or self._joined is None:
+            return None
+        key = _closed_key(self._joined["generation"])
+        try:
+            return self._store.get(key).decode() if self._store.check([key]) else None
+        except Exception as exc:  # noqa: BLE001 - the store's host went away
+            if self._store_server:
+                return None
+            return (f"the sender (rank {self.src_rank}) closed its engine or died: the rendezvous store at "
+                    f"{self._store_at[0]}:{self._store_at[1]} (hosted by rank 0) is gone "
+                    f"({type(exc).__name__}: {str(exc)[:200]})")
+
     async def _wait(self, works: list, what: str) -> None:
+        def poll() -> None:
+            reason = self._sender_closed()
+            if reason is not None:
+                raise TransferError(f"{what} failed on rank {self.rank}: {reason}")
+
+        watch = None if self.is_sender else poll
         try:
             for work in works:
-                await asyncio.to_thread(work.wait)
+                await asyncio.to_thread(work.wait, watch, POLL_S)
+        except TransferError as exc:
+            self._broken = f"{what}: {exc}"
+            raise
         except hal.DistributedTimeoutError as exc:
             self._broken = f"{what}: {exc}"
+            reason = await asyncio.to_thread(self._sender_closed)
+            if reason is not None:  # the sender's close ended the wait (its sockets closed): say so
+                raise TransferError(f"{what} failed on rank {self.rank}: {reason}") from exc
             raise TransferTimeoutError(f"{what} failed on rank {self.rank} within {self.timeout:g} s "
                                        f"(a peer is dead or stuck): {exc}") from exc
         except Exception as exc:
@@ -383,6 +431,7 @@ class CollectiveCheckpointEngine(CheckpointEngine):
         if not self.is_sender:
             raise CheckpointConfigError(f"send_weights called on rank {self.rank}, but src_rank is {self.src_rank}")
         group = await self._ensure_ready()
+        self._sending = global_steps
         in_flight: list[list] = [[], []]
         keep: list[Any] = [None, None]  # each slot's message: holds directly sent tensors until delivered
         count = 0
@@ -402,8 +451,8 @@ class CollectiveCheckpointEngine(CheckpointEngine):
                     works.append(self._bcast(group, buffer[offset:offset + nbytes] if source is None else source))
                 in_flight[slot], keep[slot] = works, msg
         except Exception as exc:
-            if self._broken:  # the transport failed: nothing more can be said to the receivers
-                raise
+            if self._broken or self._group is not group:  # the transport failed, or close() released it:
+                raise                                      # nothing more can be said to the receivers
             # a local failure (the weights iterator raised, a bad pair): tell the receivers, so they raise
             # TransferError now instead of timing out, and the group stays in step for the next update
             for slot in range(2):
@@ -414,6 +463,7 @@ class CollectiveCheckpointEngine(CheckpointEngine):
             raise
         for slot in range(2):
             await self._wait(in_flight[slot], f"end of step {global_steps}")
+        self._sending, self._sent = None, global_steps
 
     # ---- receiver --------------------------------------------------------------------------------
     def _slot(self, index: int) -> torch.Tensor:
@@ -424,10 +474,12 @@ class CollectiveCheckpointEngine(CheckpointEngine):
             self._buffers.append(torch.zeros(self.bucket_size, dtype=torch.uint8, device=self.device))
         return self._buffers[index]
 
-    async def _next_meta(self, group: hal.StoreGroup) -> dict[str, Any]:
-        """The next message's metadata (its broadcast was posted ahead by :meth:`_post_data`, else now)."""
+    async def _next_meta(self, group: hal.StoreGroup, step: int | None) -> dict[str, Any]:
+        """The next message's metadata (its broadcast was posted ahead by :meth:`_post_data`, else now);
+        ``step``: the update it belongs to, if known (for error messages)."""
         pending, self._pending_meta = self._pending_meta, None
-        await self._wait([pending or self._bcast(group, self._metas[0])], "metadata broadcast")
+        await self._wait([pending or self._bcast(group, self._metas[0])],
+                         "metadata broadcast of " + ("the next update" if step is None else f"step {step}"))
         return decode_meta(self._metas[0])
 
     def _placed(self, placement, name: str, dtype: torch.dtype, shape: list[int], nbytes: int) -> torch.Tensor | None:
@@ -529,7 +581,7 @@ class CollectiveCheckpointEngine(CheckpointEngine):
             await self._finish(meta, works)
             if meta.get("end"):
                 return
-            meta = await self._next_meta(group)
+            meta = await self._next_meta(group, meta.get("step"))
             slot = 1 - slot
             works, _ = self._post_data(group, meta, slot, None, big)
 
@@ -574,7 +626,7 @@ class CollectiveCheckpointEngine(CheckpointEngine):
         works: list = []
         unposted: dict[str, Any] | None = None  # a message whose metadata is read but whose data is not posted
         try:
-            meta = await self._next_meta(group)
+            meta = await self._next_meta(group, global_steps)
             try:
                 check_step(global_steps, meta.get("step"), f"collective receive on rank {self.rank}")
             except Exception:
@@ -589,7 +641,7 @@ class CollectiveCheckpointEngine(CheckpointEngine):
                 if meta.get("end"):
                     break
                 current = items
-                nxt = await self._next_meta(group)
+                nxt = await self._next_meta(group, meta.get("step"))
                 conflict = bool(current) and self._uses_large(nxt, placement) and any(
                     self._large is not None and t.untyped_storage().data_ptr() == self._large.untyped_storage().data_ptr()
                     for _, t in current)
@@ -617,6 +669,11 @@ class CollectiveCheckpointEngine(CheckpointEngine):
             if not isinstance(exc, TransferAbortedError):
                 self._broken = self._broken or str(exc)
             raise
+
+
+def _closed_key(generation: int) -> str:
+    """The store key where the sender of group ``generation`` says that it closed its engine."""
+    return f"ckpt-closed/{generation}"
 
 
 def _host_address() -> str:

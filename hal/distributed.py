@@ -15,7 +15,8 @@ from __future__ import annotations
 import datetime
 import os
 import socket
-from typing import Sequence, Union
+import time
+from typing import Callable, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -206,15 +207,40 @@ class PendingWork:
 
     Raises (from ``wait``):
         DistributedTimeoutError: the collective did not complete in time, or a peer died.
+        Whatever ``poll`` raises.
     """
 
     def __init__(self, group: StoreGroup, work, what: str) -> None:
         self._group, self._work, self._what = group, work, what
 
-    def wait(self) -> None:
-        if self._work is not None:
-            work, self._work = self._work, None
-            self._group._wait(work, self._what)
+    def wait(self, poll: Callable[[], None] | None = None, every: float = 0.25) -> None:
+        """Block until the collective completes, at most the group's timeout.
+
+        Args:
+            poll: called every ``every`` seconds while the collective is pending; it may raise (e.g. when
+                the peer waited on said elsewhere that it left), which ends the wait with that exception
+                and leaves the collective pending. Polled only on backends whose ``work.wait(timeout)``
+                returns at the timeout (gloo's); the simulated npu's runs the collective to its end.
+            every: seconds between polls.
+        """
+        if self._work is None:
+            return
+        work, self._work = self._work, None
+        if poll is not None:
+            slice_ = datetime.timedelta(seconds=every)
+            deadline = time.monotonic() + self._group.timeout.total_seconds()
+            while True:
+                try:
+                    work.wait(slice_)  # returns as soon as the work completes; raises when the slice passes
+                    return
+                except Exception as exc:  # noqa: BLE001 - a finished work's own failure is reported below
+                    if work.is_completed() or "timed out" not in str(exc).lower():
+                        break
+                if time.monotonic() > deadline:  # the backend's own timeout should have ended it already
+                    raise DistributedTimeoutError(f"{self._what} on rank {self._group.rank} did not complete "
+                                                  f"within {self._group.timeout.total_seconds():g} s")
+                poll()
+        self._group._wait(work, self._what)
 
 
 def new_group_from_store(

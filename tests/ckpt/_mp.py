@@ -264,3 +264,48 @@ def recovers_after_a_failed_update(rank, world_size, port, side_port):
         return failed, mine["generation"], step3
 
     return asyncio.run(main())
+
+
+def sender_closes_mid_update(rank, world_size, port, device, side_port, timeout):
+    """Update 1 arrives (its sender waits first, so the rollout's wait spans several polls of the store);
+    in update 2 the trainer ``close()``s its engine after the first message and stays alive (a process
+    that exits closes its sockets, which the receivers notice anyway). Rank 1 returns what it saw."""
+    engine = ckpt.get_checkpoint_engine("collective", **engine_config(rank, world_size, port, device,
+                                                                      timeout=timeout, bucket_size=1 << 20))
+    side = hal.connect_store("127.0.0.1", side_port, rank, world_size, 60)
+    dev = hal.get_device(device)
+    weights = [("w", torch.arange(1024.0, device=dev))]
+
+    def closing():  # step 2: 1 MiB tensors, one message each; the engine closes after the second one
+        for i in range(4):
+            yield f"v{i}", torch.full((1 << 18,), float(i), device=dev)
+            if i == 1:
+                engine.close()
+                side.wait(["done"])
+                raise RuntimeError("the trainer stopped")
+
+    async def main():
+        engine.init_process_group()
+        if rank == 0:
+            side.wait(["ready"])
+            time.sleep(0.6)
+            await engine.send_weights(iter(weights), 1)
+            try:
+                await engine.send_weights(closing(), 2)
+            except Exception:  # noqa: BLE001 - the closed sender's own failure is not what is tested
+                pass
+            return None
+        side.set("ready", "1")
+        got = [(n, t.to("cpu", copy=True)) async for n, t in engine.receive_weights(1)]
+        start = time.monotonic()
+        try:
+            async for _ in engine.receive_weights(2):
+                pass
+            outcome = ("completed", time.monotonic() - start, "")
+        except ckpt.TransferError as exc:
+            outcome = (type(exc).__name__, time.monotonic() - start, str(exc))
+        side.set("done", "1")
+        engine.close()
+        return [n for n, _ in got], same_bytes(got[0][1], weights[0][1].cpu()), outcome
+
+    return asyncio.run(main())

@@ -61,3 +61,16 @@ def test_after_a_failed_update_finalize_and_the_lifecycle_form_a_group_that_work
     assert results[0][2] is None
     for rank in (1, 2):
         assert results[rank][2] == (3, True, 16, 16), (rank, results[rank][2])
+
+
+
+def test_a_sender_that_closes_mid_update_fails_the_waiting_receiver_at_once():
+    """The trainer close()s its engine mid-update and stays alive: the rollout waiting for the next message
+    fails at once with TransferError naming the sender and the step, not after its 20 s timeout. On gloo
+    (cpu) only: the simulated npu's wait runs a collective to its end, so it is not polled."""
+    results = run_multiprocess(_mp.sender_closes_mid_update, 2, "cpu", free_port(), 20, timeout=60)
+    names, exact, (outcome, elapsed, message) = results[1]
+    assert (names, exact) == (["w"], True)  # update 1 arrived byte-exact across several polls of the store
+    assert outcome == "TransferError", (outcome, message)
+    assert elapsed < 5, (elapsed, message)  # not the 20 s timeout
+    assert "sender (rank 0) closed its engine" in message and "step 2" in message, message
