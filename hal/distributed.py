@@ -15,6 +15,7 @@ from __future__ import annotations
 import datetime
 import os
 import socket
+import threading
 import time
 from typing import Callable, Sequence, Union
 
@@ -219,26 +220,18 @@ class PendingWork:
         Args:
             poll: called every ``every`` seconds while the collective is pending; it may raise (e.g. when
                 the peer waited on said elsewhere that it left), which ends the wait with that exception
-                and leaves the collective pending. Polled only on backends whose ``work.wait(timeout)``
-                returns at the timeout (gloo's); the simulated npu's runs the collective to its end.
+                and leaves the collective pending. Polled only on backends whose work completes its
+                future asynchronously (gloo's); the simulated npu's ``get_future`` runs the collective first.
             every: seconds between polls.
         """
         if self._work is None:
             return
         work, self._work = self._work, None
         if poll is not None:
-            slice_ = datetime.timedelta(seconds=every)
+            done = threading.Event()  # set when the work completes or fails (no exception per poll: costly)
+            work.get_future().add_done_callback(lambda _: done.set())
             deadline = time.monotonic() + self._group.timeout.total_seconds()
-            while True:
-                try:
-                    work.wait(slice_)  # returns as soon as the work completes; raises when the slice passes
-                    return
-                except Exception as exc:  # noqa: BLE001 - a finished work's own failure is reported below
-                    if work.is_completed() or "timed out" not in str(exc).lower():
-                        break
-                if time.monotonic() > deadline:  # the backend's own timeout should have ended it already
-                    raise DistributedTimeoutError(f"{self._what} on rank {self._group.rank} did not complete "
-                                                  f"within {self._group.timeout.total_seconds():g} s")
+            while not done.wait(every) and time.monotonic() < deadline:
                 poll()
         self._group._wait(work, self._what)
 
