@@ -14,7 +14,9 @@ One trainer rank and ``--rollouts`` rollout ranks on one device kind. Each of ``
    prompt whose tokens equal, and whose logits are within ``--logits-atol`` of, the trainer's own bf16
    model at that step, and a per-tensor CRC-32 equal to the trainer's;
 5. the same bytes are broadcast raw (one call, from the trainer's published buffer to the same rollouts,
-   on a group of the same backend): the reference the step's throughput is divided by;
+   on a group of the same backend), once just before step 2 and once after step 4: the mean of the two
+   is the reference the step's throughput is divided by (measured on both sides of the publish, so a slow
+   or fast spell of a shared machine weighs on both alike);
 6. the trainer onloads what it offloaded.
 
 Per step, ``--json`` reports the publish-to-all-applied time and throughput, its ratio to that raw
@@ -433,19 +435,24 @@ class _Trainer:
         return trainer_memory_bound(peak_bytes, engine=self.args.engine, bucket_bytes=_bucket_bytes(self.args),
                                     published_bytes=self.layout.nbytes, **self.bounds)
 
-    def conclude(self, row: dict[str, Any], publish_s: float, raw_s: float,
+    def conclude(self, row: dict[str, Any], publish_s: float, raw_s: tuple[float, float],
                  rollouts: list[dict[str, Any]]) -> dict[str, Any]:
         """End a step under either launcher: the throughput figures, the rollouts' results, the onload and
         the memory figures with their bounds, added to ``row`` (returned).
 
         Args:
             publish_s: seconds from the send's start until the last rollout applied the step.
-            raw_s: seconds of one raw broadcast of the same bytes to the same rollouts.
+            raw_s: seconds of a raw broadcast of the same bytes to the same rollouts, just before the publish
+                and just after it (after verification); the step's reference (``row["raw_s"]``) is their
+                mean, so a slow or fast spell of this shared machine weighs on both sides of the ratio
+                alike (the ABA order of side-by-side benchmarks), and ``row["raw_s_each"]`` keeps both.
             rollouts: every rollout's result (:meth:`_Rollout.check`), by rank.
         """
         nbytes = self.layout.nbytes
         self.release()
-        row.update(publish_s=publish_s, raw_s=raw_s, bytes=nbytes, tensors=len(self.layout.slots),
+        raw_s_each, raw_s = list(raw_s), sum(raw_s) / len(raw_s)
+        row.update(publish_s=publish_s, raw_s=raw_s, raw_s_each=raw_s_each, bytes=nbytes,
+                   tensors=len(self.layout.slots),
                    gbps=nbytes / publish_s / 1e9, raw_gbps=nbytes / raw_s / 1e9, ratio_vs_raw=raw_s / publish_s,
                    rollouts=rollouts)
         self.finish(row)
@@ -616,7 +623,7 @@ async def _publish_timed(trainer: _Trainer, engine, store, receivers, step: int,
     return max(a["t"] for a in applied) - t0
 
 
-async def _raw_timed(trainer: _Trainer, store, raw_group, receivers, step: int) -> float:
+async def _raw_timed(trainer: _Trainer, store, raw_group, receivers, step: int | str) -> float:
     """The raw reference of ``step``: the same bytes, one broadcast from the published buffer, to the same
     rollouts; seconds from its start (every rollout's receive posted) until the last rollout has them."""
     for r in receivers:
@@ -648,6 +655,7 @@ async def _trainer_loop(args: Sync, engine, store, raw_group, world_size: int) -
         for step in range(1, args.steps + 1):
             _stage(progress, task, f"step {step}/{args.steps}: train")
             row = trainer.begin(step)
+            raw_before = await _raw_timed(trainer, store, raw_group, receivers, f"{step}-before")
             _stage(progress, task, f"step {step}/{args.steps}: publish")
             publish_s = await _publish_timed(trainer, engine, store, receivers, step, row)
             _stage(progress, task, f"step {step}/{args.steps}: verify")
@@ -657,15 +665,15 @@ async def _trainer_loop(args: Sync, engine, store, raw_group, world_size: int) -
             if ref is not None:
                 store.set(f"logits/{step}", _logits_bytes(ref["logits"]))
                 row["tokens"] = ref["tokens"]
-            raw_s = await _raw_timed(trainer, store, raw_group, receivers, step)
+            raw_after = await _raw_timed(trainer, store, raw_group, receivers, step)
             results = [json.loads(store.get(f"result/{step}/{r}")) for r in receivers]
-            rows.append(trainer.conclude(row, publish_s, raw_s, results))
+            rows.append(trainer.conclude(row, publish_s, (raw_before, raw_after), results))
             progress.advance(task)
     _release(engine)
     return {"warmup": warmup, "rows": rows}
 
 
-async def _raw_received(rollout: _Rollout, store, raw_group, rank: int, step: int) -> None:
+async def _raw_received(rollout: _Rollout, store, raw_group, rank: int, step: int | str) -> None:
     """A rollout's side of :func:`_raw_timed`: post the receive, say so, and say when the bytes arrived."""
     store.set(f"rawready/{step}/{rank}", "1")
     await asyncio.to_thread(_raw_broadcast, raw_group, rollout.raw_target())
@@ -676,6 +684,8 @@ async def _rollout_loop(args: Sync, engine, store, raw_group, rank: int) -> dict
     rollout = _Rollout(args, engine, rank)
     await asyncio.to_thread(engine.init_process_group)
     for step in range(0, args.steps + 1):  # step 0: the trainer's initial weights, untimed (see the trainer)
+        if step > 0:  # the raw reference just before the publish (and again after it, below)
+            await _raw_received(rollout, store, raw_group, rank, f"{step}-before")
         result, applied_at = await rollout.receive(step)
         store.set(f"applied/{step}/{rank}", json.dumps({"t": applied_at, "error": result["error"]}))
         if step == 0:
@@ -806,9 +816,10 @@ def print_table(result: dict[str, Any]) -> None:
     table = Table(title=f"hal sync: {model} ({tensors} tensors) on {result['device']}, engine {result['engine']}, "
                         f"offload {result['offload']}, rollouts {result['rollout_apply']}",
                   caption="publish s: trainer's send until every rollout serves the step; x raw: a raw broadcast "
-                          "of the same bytes to the same rollouts, its time / publish s (above 1: faster than raw); "
+                          "of the same bytes to the same rollouts (mean of one before and one after the publish), "
+                          "its time / publish s (above 1: faster than raw); "
                           "MB = 10^6 bytes; GB: peak resident / stated bound")
-    # publish = send until every rollout serves the step; raw = one broadcast of the same bytes;
+    # publish = send until every rollout serves the step; raw = a broadcast of the same bytes (mean of 2);
     # peak = max resident memory of the trainer / the largest rollout, against its stated bound
     for col in ("step", "loss", "MB", "publish s", "GB/s", "x raw", "offload s", "onload s", "trainer GB",
                 "rollout GB", "tokens", "served", "ok"):

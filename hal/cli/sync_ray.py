@@ -139,7 +139,7 @@ class TrainerActor(_Worker):
         await asyncio.to_thread(_raw_broadcast, self.raw_group, self.trainer.bank)
         return start, time.time()
 
-    def conclude(self, row: dict[str, Any], publish_s: float, raw_s: float,
+    def conclude(self, row: dict[str, Any], publish_s: float, raw_s: tuple[float, float],
                  rollouts: list[dict[str, Any]]) -> dict[str, Any]:
         """Figures, onload and memory of the step (:meth:`hal.cli.sync._Trainer.conclude`); returns the row."""
         return self.trainer.conclude(row, publish_s, raw_s, rollouts)
@@ -442,11 +442,13 @@ class RaySync:
 
     def step(self, global_steps: int) -> dict[str, Any]:
         """Train one step, publish it as ``global_steps``, verify every rollout, time the raw broadcast of the
-        same bytes, onload; returns the step's row (the fields of :func:`hal.cli.sync.execute`'s rows)."""
+        same bytes (just before the publish and after the verification), onload; returns the step's row (the
+        fields of :func:`hal.cli.sync.execute`'s rows)."""
         self._settle_leftovers()
         self._ensure_raw_group()
         row = self._settle([self.trainer.train.remote(global_steps)], "train")[0]
         try:
+            raw_before = self._raw_seconds()  # the raw reference just before the publish and again after it
             published, received = self.update_weights(global_steps)
             row["send_s"] = published["send_s"]
             publish_s = self._publish_seconds(published, received)
@@ -455,11 +457,12 @@ class RaySync:
             shared = self.ray.put(published)
             results = self._settle([r.check.remote(global_steps, result, shared) for r, (result, _, _) in
                                     zip(self.rollouts, received)], "verify", list(range(1, len(self.workers))))
-            raw_s = self._raw_seconds()
+            raw_after = self._raw_seconds()
         except SyncUpdateError:
             self._abandon()
             raise
-        row = self._settle([self.trainer.conclude.remote(row, publish_s, raw_s, results)], "onload")[0]
+        row = self._settle([self.trainer.conclude.remote(row, publish_s, (raw_before, raw_after), results)],
+                           "onload")[0]
         self.checksums = {global_steps: published["sums"]}
         return row
 

@@ -146,6 +146,7 @@ def test_sync_verifies_every_step(sync_device, engine, offload, apply, tmp_path)
             assert r["logits_max_diff"] <= 1e-2
         if engine != "colocated":
             assert row["raw_s"] > 0 and row["ratio_vs_raw"] == pytest.approx(row["raw_s"] / row["publish_s"])
+            assert len(row["raw_s_each"]) == 2 and row["raw_s"] == pytest.approx(sum(row["raw_s_each"]) / 2)
             assert all(r["peak_host_bytes"] <= r["memory_bound_bytes"] for r in row["rollouts"])
             # each rollout is judged by its apply mode's bound, and shown against the one-bank form
             form = "model + 2 buckets + constant" if apply == "in-place" else "2 x model + 2 buckets + constant"

@@ -30,6 +30,7 @@ def check_row(row: dict, step: int, rollouts: int = 2) -> None:
         assert r["tokens"] == row["tokens"] and r["tokens_equal"] is True and r["logits_max_diff"] <= 1e-2
         assert 0 < r["peak_host_bytes"] <= r["memory_bound_bytes"]
     assert row["raw_s"] > 0 and row["ratio_vs_raw"] == pytest.approx(row["raw_s"] / row["publish_s"])
+    assert len(row["raw_s_each"]) == 2 and row["raw_s"] == pytest.approx(sum(row["raw_s_each"]) / 2)
     assert 0 < row["peak_host_bytes"] <= row["memory_bound_bytes"]
 
 
