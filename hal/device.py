@@ -379,7 +379,7 @@ def synchronize(device: DeviceLike = None) -> None:
         DeviceIndexError: an explicit index this process has no device for.
     """
     spec, index = _spec_and_index(device)
-    spec.torch_module().synchronize(index)  # torch.cuda / torch.npu .synchronize(device=None)
+    spec.torch_module().synchronize(index)  # the kind's module: synchronize(device=None)
 
 
 def empty_cache(device: DeviceLike = None) -> None:
@@ -388,10 +388,9 @@ def empty_cache(device: DeviceLike = None) -> None:
     The device is the explicit index of ``device`` (``"npu-sim:1"``, ``torch.device("npu", 1)``, or
     ``$HAL_DEVICE``'s index when ``device`` is ``None``), else the current device of the resolved kind
     (``set_device``; see :func:`bind_local_device`). Indices count the devices this process sees (after
-    the visible-devices variable), as torch's do. The vendor call takes no device
-    (``torch.cuda.empty_cache()``, ``torch.npu.empty_cache()``), so for an explicit index other than the
-    current one it runs with that device made current, as a ``torch.cuda.device`` guard does, and the
-    previous current device is restored after.
+    the visible-devices variable), as torch's do. The kind module's ``empty_cache()`` takes no device,
+    so for an explicit index other than the current one it runs with that device made current (as the
+    kind's device guard does) and the previous current device is restored after.
 
     Raises:
         UnknownDeviceError: the kind is not built in nor registered.
