@@ -389,8 +389,8 @@ def empty_cache(device: DeviceLike = None) -> None:
     ``$HAL_DEVICE``'s index when ``device`` is ``None``), else the current device of the resolved kind
     (``set_device``; see :func:`bind_local_device`). Indices count the devices this process sees (after
     the visible-devices variable), as torch's do. The kind module's ``empty_cache()`` takes no device,
-    so for an explicit index other than the current one it runs with that device made current (as the
-    kind's device guard does) and the previous current device is restored after.
+    so for an explicit index it runs under the kind's device guard (``device(index)``), which makes that
+    device current and restores the previous one after.
 
     Raises:
         UnknownDeviceError: the kind is not built in nor registered.
@@ -399,15 +399,11 @@ def empty_cache(device: DeviceLike = None) -> None:
     """
     spec, index = _spec_and_index(device)
     module = spec.torch_module()
-    before = None if index is None else int(module.current_device())
-    if before is None or before == index:
+    if index is None:
         module.empty_cache()
         return
-    module.set_device(index)
-    try:
+    with module.device(index):  # the kind's guard (torch.<name>.device): restores the current device after
         module.empty_cache()
-    finally:
-        module.set_device(before)
 
 
 def memory_stats(device: DeviceLike = None) -> dict[str, int]:
