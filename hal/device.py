@@ -385,10 +385,7 @@ def synchronize(device: DeviceLike = None) -> None:
 def empty_cache(device: DeviceLike = None) -> None:
     """Return the caching allocator's unused blocks to the device (no-op on cpu).
 
-    The device is the explicit index of ``device`` (``"npu-sim:1"``, ``torch.device("npu", 1)``, or
-    ``$HAL_DEVICE``'s index when ``device`` is ``None``), else the current device of the resolved kind
-    (``set_device``; see :func:`bind_local_device`). Indices count the devices this process sees (after
-    the visible-devices variable), as torch's do. The kind module's ``empty_cache()`` takes no device,
+    The device is chosen as in :func:`synchronize`. The kind module's ``empty_cache()`` takes no device,
     so for an explicit index it runs under the kind's device guard (``device(index)``), which makes that
     device current and restores the previous one after.
 
@@ -409,10 +406,7 @@ def empty_cache(device: DeviceLike = None) -> None:
 def memory_stats(device: DeviceLike = None) -> dict[str, int]:
     """Memory figures of one device of the resolved kind, in bytes.
 
-    The device is the explicit index of ``device`` (``"npu-sim:1"``, ``torch.device("npu", 1)``, or
-    ``$HAL_DEVICE``'s index when ``device`` is ``None``), else the current device of the resolved kind
-    (``set_device``; see :func:`bind_local_device`). Indices count the devices this process sees (after
-    the visible-devices variable), as torch's do.
+    The device is chosen as in :func:`synchronize` (its explicit index, else the current device).
 
     Returns:
         ``{"allocated": ..., "max_allocated": ..., "reserved": ..., "free": ..., "total": ...}`` (the
