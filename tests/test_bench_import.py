@@ -8,7 +8,7 @@ import subprocess
 
 import pytest
 
-from hal.benchmarks import bench_import
+from hal.apps.benchmarks import bench_import
 
 
 def test_run_takes_medians_of_the_rounds_and_flags_any_vendor_import(monkeypatch):

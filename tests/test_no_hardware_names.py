@@ -20,7 +20,7 @@ import tokenize
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-CONSUMERS = ("hal", "engines", "ckpt")  # hal includes hal/cli and hal/benchmarks
+CONSUMERS = ("hal", "engines", "ckpt")  # hal includes hal/apps/cli and hal/apps/benchmarks
 LIBRARY = ("hal", "engines", "ckpt", "devices")
 
 HARDWARE_NAME = re.compile(r"(?i)nccl|hccl|^cuda$|^torch_npu$")
@@ -54,8 +54,8 @@ def _library_files(packages) -> list[pathlib.Path]:
 
 def test_the_guard_reads_every_consumer_module_including_the_cli_and_benchmarks():
     files = {p.relative_to(ROOT).as_posix() for p in _library_files(CONSUMERS)}
-    for expected in ("hal/cli/main.py", "hal/cli/sync.py", "hal/benchmarks/bench_offload.py",
-                     "hal/benchmarks/bench_import.py", "engines/fsdp_engine.py", "ckpt/collective.py"):
+    for expected in ("hal/apps/cli/main.py", "hal/apps/cli/sync.py", "hal/apps/benchmarks/bench_offload.py",
+                     "hal/apps/benchmarks/bench_import.py", "engines/fsdp_engine.py", "ckpt/collective.py"):
         assert expected in files, expected
 
 

@@ -15,7 +15,7 @@ import torch
 
 import ckpt
 import hal
-from hal.benchmarks.bench_ckpt import proc_status_bytes
+from hal.apps.benchmarks.bench_ckpt import proc_status_bytes
 from ckpt.testing import same_bytes
 
 

@@ -4,7 +4,7 @@ import pytest
 
 import hal
 
-from hal.benchmarks import bench_ckpt
+from hal.apps.benchmarks import bench_ckpt
 
 pytestmark = pytest.mark.multiprocess
 

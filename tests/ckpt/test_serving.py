@@ -9,7 +9,7 @@ import torch
 
 import ckpt
 from ckpt.testing import same_bytes
-from hal.cli import models
+from hal.apps.cli import models
 
 pytest.importorskip("transformers")
 

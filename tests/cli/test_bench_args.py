@@ -5,8 +5,8 @@ import dataclasses
 import pytest
 import tyro
 
-from hal.cli.bench import Bench, execute, selection
-from hal.cli.errors import UsageError
+from hal.apps.cli.bench import Bench, execute, selection
+from hal.apps.cli.errors import UsageError
 
 
 def parse(*argv: str) -> Bench:
@@ -43,7 +43,7 @@ def test_bad_values_are_refused_naming_the_flag_before_anything_runs(argv, messa
 
 
 def test_the_main_job_gets_the_bucket_size_in_mib(monkeypatch):
-    from hal.benchmarks import bench_sync
+    from hal.apps.benchmarks import bench_sync
 
     calls = []
     monkeypatch.setattr(bench_sync, "run", lambda *a, **k: calls.append(a) or {})
@@ -60,7 +60,7 @@ def test_the_main_job_gets_the_bucket_size_in_mib(monkeypatch):
     (("--quick", "--rounds", "1"), (64, [4.0, 16.0], 1, 4.0)),
 ])
 def test_quick_changes_only_the_defaults_of_flags_not_given(argv, expected, monkeypatch):
-    from hal.benchmarks import bench_ckpt, bench_offload, bench_p2p, bench_sync
+    from hal.apps.benchmarks import bench_ckpt, bench_offload, bench_p2p, bench_sync
 
     seen = {}
     monkeypatch.setattr(bench_offload, "run", lambda size, kind, rounds: seen.update(offload=(size, rounds)))

@@ -11,7 +11,7 @@ import textwrap
 
 import pytest
 
-HAL = [sys.executable, "-m", "hal.cli.main"]
+HAL = [sys.executable, "-m", "hal.apps.cli.main"]
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
@@ -115,7 +115,7 @@ def pytest_generate_tests(metafunc):
 
 
 def test_the_host_lanes_split_the_sync_cases_and_cover_every_engine_and_offload():
-    from hal.cli.sync import OFFLOAD_FLAGS
+    from hal.apps.cli.sync import OFFLOAD_FLAGS
 
     both = [p.values for p in sync_case_params(["npu-sim", "cpu"], {})]
     assert sorted(case for _, *case in both) == sorted(list(c) for c in SYNC_CASES)
@@ -213,7 +213,7 @@ def test_launch_refuses_more_ranks_than_visible_devices_before_starting(hal_devi
 def test_an_internal_bug_keeps_its_traceback_and_is_not_a_usage_error():
     code = textwrap.dedent('''
         import sys
-        from hal.cli import main as m
+        from hal.apps.cli import main as m
 
         def broken(args):
             raise ValueError("internal bug: a list index went wrong")
@@ -229,7 +229,7 @@ def test_an_internal_bug_keeps_its_traceback_and_is_not_a_usage_error():
 
 def test_hal_errors_from_the_engines_are_usage_errors(monkeypatch, capsys):
     from engines import OffloadError
-    from hal.cli import main as m
+    from hal.apps.cli import main as m
 
     def refuse(args):
         raise OffloadError("to(device='npu:1'): this engine lives on npu:0")
@@ -300,12 +300,12 @@ def test_bench_quick_prints_ratios(tmp_path):
     assert all(b["ratio_vs_single"] > 0 for b in sync["buckets"])
     import ckpt
 
-    from hal.benchmarks import bench_p2p
+    from hal.apps.benchmarks import bench_p2p
 
     engines = [e for e in bench_p2p.ENGINES if ckpt.checkpoint_engine_availability(e, "npu-sim")[0]]
     rows = result["sync_p2p"]["engines"] if engines else []
     assert [r["engine"] for r in rows] == engines
-    from hal.benchmarks.bench_ckpt import tensor_sizes
+    from hal.apps.benchmarks.bench_ckpt import tensor_sizes
 
     # the receiver also holds a buffer for tensors larger than a bucket (handed over whole); when a bigger one
     # arrives the buffer grows, and the previous one may still be referenced by the view last yielded (or

@@ -4,7 +4,7 @@ import docstring_parser
 import pytest
 import tyro
 
-from hal.cli.main import SUBCOMMANDS
+from hal.apps.cli.main import SUBCOMMANDS
 
 
 def render_help(capsys, monkeypatch, command: str, columns: int = 1000) -> list[str]:
@@ -31,7 +31,7 @@ def test_every_help_text_is_one_line_on_a_wide_terminal(command, capsys, monkeyp
 
 
 def test_a_multi_line_field_docstring_reaches_tyro_as_one_paragraph():
-    from hal.cli.sync import Sync
+    from hal.apps.cli.sync import Sync
 
     raw = {p.arg_name: p.description for p in docstring_parser.parse_from_object(Sync).params}
     assert raw["rollout_apply"].count("\n") >= 2  # wrapped in the source: the case tyro 1.0 breaks
@@ -46,7 +46,7 @@ def test_launch_usage_and_help_show_the_script_after_a_double_dash(capsys, monke
 
 
 def test_a_script_before_the_double_dash_comes_first(monkeypatch):
-    from hal.cli import main as m
+    from hal.apps.cli import main as m
 
     seen = []
     monkeypatch.setitem(m.RUNNERS, m.Launch, lambda args: seen.append(args.script) or 0)

@@ -3,8 +3,8 @@
 import pytest
 
 import hal
-from hal.cli.errors import UsageError
-from hal.cli.launch import Launch, launch_env, torchrun_argv
+from hal.apps.cli.errors import UsageError
+from hal.apps.cli.launch import Launch, launch_env, torchrun_argv
 
 
 def test_single_node_is_standalone():
@@ -56,8 +56,8 @@ def test_bad_launch_arguments_raise():
 
 
 def test_a_bad_node_count_fails_before_anything_starts(monkeypatch, capsys):
-    from hal.cli import launch
-    from hal.cli import main as m
+    from hal.apps.cli import launch
+    from hal.apps.cli import main as m
 
     monkeypatch.setattr(launch, "launch_env", lambda args: pytest.fail("resolved devices for a bad --nnodes"))
     assert m.main(["launch", "--nnodes", "2", "--", "x.py"]) == 2

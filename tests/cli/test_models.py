@@ -6,7 +6,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from hal.cli import models
+from hal.apps.cli import models
 
 pytest.importorskip("transformers")
 
@@ -82,7 +82,7 @@ def test_a_preset_matches_in_any_letter_case_unless_a_path_of_that_name_exists(t
 
 
 def test_hal_sync_runs_and_reports_the_preset_by_its_key(monkeypatch):
-    from hal.cli import sync
+    from hal.apps.cli import sync
 
     seen = []
 

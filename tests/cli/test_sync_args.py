@@ -2,8 +2,8 @@
 
 import pytest
 
-from hal.cli.errors import UsageError, mib_to_bytes
-from hal.cli.sync import RUNTIME_BYTES, Sync, engine_send_term, trainer_memory_bound, validate
+from hal.apps.cli.errors import UsageError, mib_to_bytes
+from hal.apps.cli.sync import RUNTIME_BYTES, Sync, engine_send_term, trainer_memory_bound, validate
 
 MODEL, OPT, PUBLISHED, BUCKET = 4_000_000, 8_000_000, 1_000_000, 3 << 20
 

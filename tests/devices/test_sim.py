@@ -337,7 +337,7 @@ def test_refused_when_a_real_torch_npu_is_importable(monkeypatch):
 
 def test_hal_info_reports_npu_hccl_ascend():
     env = dict(os.environ, HAL_DEVICE="npu-sim", COLUMNS="200")
-    out = subprocess.run([sys.executable, "-m", "hal.cli.main", "info", "--json"], capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-m", "hal.apps.cli.main", "info", "--json"], capture_output=True, text=True,
                          env=env, timeout=60, cwd=REPO)
     assert out.returncode == 0, out.stderr
     assert re.search(r'"device":\s*"npu-sim"', out.stdout)

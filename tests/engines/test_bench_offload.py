@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 import hal
-from hal.benchmarks import bench_offload
+from hal.apps.benchmarks import bench_offload
 
 
 def test_run_reports_rates_and_buffers(hal_device):

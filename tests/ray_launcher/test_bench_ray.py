@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from safetensors.torch import load_file
 
-from hal.benchmarks import bench_ray
+from hal.apps.benchmarks import bench_ray
 
 
 def test_the_model_holds_exactly_the_bytes_asked_for(tmp_path):

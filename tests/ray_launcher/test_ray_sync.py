@@ -12,8 +12,8 @@ import pytest
 from tests.ray_launcher._adapters import DiesMidUpdate
 from tests.ray_launcher.conftest import ray
 
-from hal.cli.sync import Sync
-from hal.cli.sync_ray import RaySync, SyncUpdateError
+from hal.apps.cli.sync import Sync
+from hal.apps.cli.sync_ray import RaySync, SyncUpdateError
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(400)]
 
@@ -69,7 +69,7 @@ def test_steps_then_a_rollout_dies_mid_update_fails_it_at_once_and_is_replaced(c
 
 
 def test_the_ray_launcher_runs_the_collective_engine_only():
-    from hal.cli.sync import validate
+    from hal.apps.cli.sync import validate
 
     with pytest.raises(ValueError, match="--launcher ray runs the collective engine"):
         validate(Sync(device="cpu", model="qwen2.5-tiny", launcher="ray", engine="file"))
@@ -85,7 +85,7 @@ def test_hal_sync_on_an_existing_cluster_by_address(cluster):
 
     env = {k: v for k, v in os.environ.items() if k != "HAL_DEVICE"}
     env.update({k: v for k, v in cluster.env().items() if k.startswith("RAY_AUTH")})
-    out = subprocess.run([sys.executable, "-m", "hal.cli.main", "sync", "--launcher", "ray", "--address",
+    out = subprocess.run([sys.executable, "-m", "hal.apps.cli.main", "sync", "--launcher", "ray", "--address",
                           cluster.address, "--device", "npu-sim", "--model", "qwen2.5-tiny", "--rollouts", "1",
                           "--steps", "2", "--timeout", "60", "--json"],
                          capture_output=True, text=True, timeout=300, env=env)

@@ -9,8 +9,8 @@ import pytest
 
 from tests.ray_launcher.conftest import connect_driver, disconnect_driver, ray
 
-from hal.cli.sync import Sync
-from hal.cli.sync_ray import RaySync
+from hal.apps.cli.sync import Sync
+from hal.apps.cli.sync_ray import RaySync
 from hal.ray import LocalCluster
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(400)]

@@ -2,7 +2,7 @@
 
 Each subcommand is a dataclass parsed by tyro and a ``run(args) -> exit status`` function. Errors the user
 can fix (an unknown device, a missing file, a bad size: the :class:`hal.HalError` tree, which holds the
-``engines`` and ``ckpt`` errors and :mod:`hal.cli.errors`) print one line and exit 2, without a traceback.
+``engines`` and ``ckpt`` errors and :mod:`hal.apps.cli.errors`) print one line and exit 2, without a traceback.
 Any other exception is a bug: it propagates with its traceback (exit status 1).
 """
 
@@ -11,14 +11,14 @@ from __future__ import annotations
 import sys
 import tyro
 
-from hal.cli.bench import Bench
-from hal.cli.bench import run as run_bench
-from hal.cli.info import Info
-from hal.cli.info import run as run_info
-from hal.cli.launch import Launch
-from hal.cli.launch import run as run_launch
-from hal.cli.sync import Sync
-from hal.cli.sync import run as run_sync
+from hal.apps.cli.bench import Bench
+from hal.apps.cli.bench import run as run_bench
+from hal.apps.cli.info import Info
+from hal.apps.cli.info import run as run_info
+from hal.apps.cli.launch import Launch
+from hal.apps.cli.launch import run as run_launch
+from hal.apps.cli.sync import Sync
+from hal.apps.cli.sync import run as run_sync
 from hal.errors import HalError
 
 SUBCOMMANDS = {"info": Info, "launch": Launch, "sync": Sync, "bench": Bench}

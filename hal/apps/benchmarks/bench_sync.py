@@ -1,8 +1,8 @@
 """The main job's weight sync, as ``hal sync`` runs it, against a raw broadcast of the same bytes.
 
 1 trainer and ``rollouts`` rollouts (2 by default) on one device kind, collective engine: this *is*
-:func:`hal.cli.sync.execute` (the same ranks, rollout adapter and timing), run on a safetensors model of
-bf16 tensors (sizes log-uniform, seeded, as in :mod:`hal.benchmarks.bench_ckpt`) or on a preset. Every
+:func:`hal.apps.cli.sync.execute` (the same ranks, rollout adapter and timing), run on a safetensors model of
+bf16 tensors (sizes log-uniform, seeded, as in :mod:`hal.apps.benchmarks.bench_ckpt`) or on a preset. Every
 rollout applies each update into its model's existing parameters (``ckpt.ModelRolloutAdapter``, atomic or
 in place). Per step, side by side in one run:
 
@@ -15,9 +15,9 @@ figure of merit is the ratio raw / publish per step (1.0: the engine and the rol
 a raw broadcast); the median and the smallest over the steps are reported, with each rank's peak resident
 memory against the bound it is judged by.
 
-    python -m hal.benchmarks.bench_sync                         # 1024 MiB, 2 rollouts, cpu
-    python -m hal.benchmarks.bench_sync --model qwen2.5-0.5b    # the README's hal sync
-    python -m hal.benchmarks.bench_sync --quick --json
+    python -m hal.apps.benchmarks.bench_sync                         # 1024 MiB, 2 rollouts, cpu
+    python -m hal.apps.benchmarks.bench_sync --model qwen2.5-0.5b    # the README's hal sync
+    python -m hal.apps.benchmarks.bench_sync --quick --json
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from typing import Any, Literal
 
 import tyro
 
-from hal.benchmarks import emit
+from hal.apps.benchmarks import emit
 
 
 @dataclasses.dataclass
@@ -77,8 +77,8 @@ def run(size_mb: int, device: str = "cpu", rollouts: int = 2, steps: int = 3, bu
         RuntimeError: a run did not verify every step byte-exact (its figures would mean nothing).
         ValueError: ``steps``, ``rollouts`` or ``size_mb`` below 1, or an unknown apply mode.
     """
-    from hal.cli.errors import mib_to_bytes
-    from hal.cli.sync import Sync, execute
+    from hal.apps.cli.errors import mib_to_bytes
+    from hal.apps.cli.sync import Sync, execute
 
     if min(steps, rollouts, size_mb) < 1 or not applies or set(applies) - {"atomic", "in-place"}:
         raise ValueError(f"steps, rollouts and size_mb must be >= 1 and applies a non-empty subset of "
@@ -86,7 +86,7 @@ def run(size_mb: int, device: str = "cpu", rollouts: int = 2, steps: int = 3, bu
     label = model or "tensor mix"
     with tempfile.TemporaryDirectory(prefix="hal-bench-sync-") as tmp:
         if model is None:
-            from hal.benchmarks.bench_ray import write_model
+            from hal.apps.benchmarks.bench_ray import write_model
 
             model = str(Path(tmp) / "model.safetensors")
             write_model(Path(model), size_mb)

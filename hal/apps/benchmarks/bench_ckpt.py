@@ -13,8 +13,8 @@ The tensor mix: bf16 tensors whose sizes are log-uniform between 2 KiB and 18 Mi
 1 GiB), seeded. Each timing is from a barrier to a barrier; after a warm-up, ``rounds`` rounds each run
 every measurement once (so a noisy neighbour slows all alike); times and per-round ratios are medians.
 
-    python -m hal.benchmarks.bench_ckpt                       # 1024 MiB, buckets 16..256 MiB, cpu
-    python -m hal.benchmarks.bench_ckpt --size-mb 64 --bucket-mb 4 16 --device npu-sim
+    python -m hal.apps.benchmarks.bench_ckpt                       # 1024 MiB, buckets 16..256 MiB, cpu
+    python -m hal.apps.benchmarks.bench_ckpt --size-mb 64 --bucket-mb 4 16 --device npu-sim
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import torch
 import tyro
 
 import hal
-from hal.benchmarks import emit, timed_once, transfer_once
+from hal.apps.benchmarks import emit, timed_once, transfer_once
 
 
 LAYOUTS = ("separate", "flat")
@@ -186,7 +186,7 @@ def run(size_mb: int, bucket_sizes_mb: list[float], device: str, rounds: int = 3
         "recv_peak_buckets"}]}``. Times are medians; ratios are medians of per-round throughput ratios
         (higher is better for the engine; 1.0 = as fast as one single-tensor broadcast).
     """
-    from hal.cli.errors import mib_to_bytes
+    from hal.apps.cli.errors import mib_to_bytes
     from hal.testing import run_multiprocess
 
     buckets = [mib_to_bytes(b, "--bucket-mb") for b in bucket_sizes_mb]

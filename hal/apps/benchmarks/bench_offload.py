@@ -17,8 +17,8 @@ One run measures, side by side on the same machine and device kind:
 The model is a stack of transformer-like blocks (hundreds of fp32 tensors from a few KiB to several MiB)
 sized to about ``size_mb``. Peak host RSS is the process's ``ru_maxrss``.
 
-    python -m hal.benchmarks.bench_offload --device npu-sim --size-mb 1024
-    python -m hal.benchmarks.bench_offload --quick          # 64 MiB, for smoke tests
+    python -m hal.apps.benchmarks.bench_offload --device npu-sim --size-mb 1024
+    python -m hal.apps.benchmarks.bench_offload --quick          # 64 MiB, for smoke tests
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
 """Weight-sync throughput of one checkpoint engine over Ray actors vs under torchrun, and Ray's start-up time.
 
 One run, one device kind, the same bytes: a safetensors file of bf16 tensors (sizes log-uniform, seeded,
-as in :mod:`hal.benchmarks.bench_ckpt`) is the model of ``hal sync`` under both launchers, collective
+as in :mod:`hal.apps.benchmarks.bench_ckpt`) is the model of ``hal sync`` under both launchers, collective
 engine, same bucket size, 1 trainer and ``--rollouts`` rollouts:
 
-* ``torchrun``: :func:`hal.cli.sync.execute` with the default launcher (processes on this machine);
+* ``torchrun``: :func:`hal.apps.cli.sync.execute` with the default launcher (processes on this machine);
 * ``ray``: the same with ``--launcher ray`` on a one-node :class:`hal.ray.LocalCluster` started here.
 
 Each launcher runs ``--steps`` steps per round, ``--rounds`` rounds alternating (a noisy neighbour slows
@@ -13,8 +13,8 @@ rollout applied the step, as ``hal sync`` reports it); the first step of every r
 ``ray / torchrun`` is the figure of merit (goal >= 0.9). Start-up: seconds until the Ray node serves
 (``cluster_s``) and until every actor bound its device (``actors_s``).
 
-    python -m hal.benchmarks.bench_ray                          # 256 MiB, cpu, 2 rollouts
-    python -m hal.benchmarks.bench_ray --size-mb 64 --device npu-sim --json
+    python -m hal.apps.benchmarks.bench_ray                          # 256 MiB, cpu, 2 rollouts
+    python -m hal.apps.benchmarks.bench_ray --size-mb 64 --device npu-sim --json
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ from pathlib import Path
 import torch
 import tyro
 
-from hal.benchmarks import emit
-from hal.benchmarks.bench_ckpt import tensor_sizes
+from hal.apps.benchmarks import emit
+from hal.apps.benchmarks.bench_ckpt import tensor_sizes
 
 
 @dataclasses.dataclass
@@ -103,7 +103,7 @@ def run(size_mb: int, device: str = "cpu", rollouts: int = 2, steps: int = 4, ro
 
 
 def _run(size_mb: int, device: str, rollouts: int, steps: int, rounds: int, bucket_mb: float, threads: int) -> dict:
-    from hal.cli.sync import Sync, execute
+    from hal.apps.cli.sync import Sync, execute
 
     with tempfile.TemporaryDirectory(prefix="hal-bench-ray-") as tmp:
         model = Path(tmp) / "model.safetensors"

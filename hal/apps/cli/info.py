@@ -10,7 +10,7 @@ from importlib import metadata
 from typing import Any
 
 import hal
-from hal.cli.helptext import flowing_help
+from hal.apps.cli.helptext import flowing_help
 
 
 @flowing_help

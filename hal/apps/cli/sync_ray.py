@@ -2,7 +2,7 @@
 
 One trainer actor and ``--rollouts`` rollout actors, each in its own bundle of one placement group
 (:func:`hal.ray.place_workers`), each binding the device Ray assigned to it (:func:`hal.ray.bind_assigned_device`).
-The job is :mod:`hal.cli.sync`'s, step for step: the trainer is its ``_Trainer`` (fp32 masters, AdamW,
+The job is :mod:`hal.apps.cli.sync`'s, step for step: the trainer is its ``_Trainer`` (fp32 masters, AdamW,
 publishes bf16 for presets), every rollout its ``_Rollout`` (a served model loading updates in place through
 ``ckpt.ModelRolloutAdapter``, verified by greedy decode and CRC-32 against the trainer's bf16 model), and
 a raw broadcast of the same bytes is the reference of the step's throughput; rows and ``--json`` fields are
@@ -36,7 +36,7 @@ from typing import Any
 
 import hal
 from hal import ray as hal_ray
-from hal.cli.sync import Sync, _bucket_bytes, _progress, _raw_broadcast, _Rollout, _Trainer, verify
+from hal.apps.cli.sync import Sync, _bucket_bytes, _progress, _raw_broadcast, _Rollout, _Trainer, verify
 
 
 ERROR_GRACE_S = 5.0
@@ -90,7 +90,7 @@ class _Worker:
 
 
 class TrainerActor(_Worker):
-    """Rank 0: :class:`hal.cli.sync._Trainer` (TorchEngine + AdamW) and the sending checkpoint engine.
+    """Rank 0: :class:`hal.apps.cli.sync._Trainer` (TorchEngine + AdamW) and the sending checkpoint engine.
 
     Args:
         args: :class:`Sync` as a dict.
@@ -141,7 +141,7 @@ class TrainerActor(_Worker):
 
     def conclude(self, row: dict[str, Any], publish_s: float, raw_s: tuple[float, float],
                  rollouts: list[dict[str, Any]]) -> dict[str, Any]:
-        """Figures, onload and memory of the step (:meth:`hal.cli.sync._Trainer.conclude`); returns the row."""
+        """Figures, onload and memory of the step (:meth:`hal.apps.cli.sync._Trainer.conclude`); returns the row."""
         return self.trainer.conclude(row, publish_s, raw_s, rollouts)
 
     def abandon(self) -> None:
@@ -150,7 +150,7 @@ class TrainerActor(_Worker):
 
 
 class RolloutActor(_Worker):
-    """A rollout rank: the receiving checkpoint engine and :class:`hal.cli.sync._Rollout` (its served model).
+    """A rollout rank: the receiving checkpoint engine and :class:`hal.apps.cli.sync._Rollout` (its served model).
 
     Args:
         args: :class:`Sync` as a dict.
@@ -443,7 +443,7 @@ class RaySync:
     def step(self, global_steps: int) -> dict[str, Any]:
         """Train one step, publish it as ``global_steps``, verify every rollout, time the raw broadcast of the
         same bytes (just before the publish and after the verification), onload; returns the step's row (the
-        fields of :func:`hal.cli.sync.execute`'s rows)."""
+        fields of :func:`hal.apps.cli.sync.execute`'s rows)."""
         self._settle_leftovers()
         self._ensure_raw_group()
         row = self._settle([self.trainer.train.remote(global_steps)], "train")[0]
@@ -531,7 +531,7 @@ def connect(args: Sync) -> tuple[Any, hal_ray.LocalCluster | None]:
 
 
 def execute_ray(args: Sync) -> dict[str, Any]:
-    """Run ``hal sync`` with Ray actors; returns what :func:`hal.cli.sync.execute` returns, plus the
+    """Run ``hal sync`` with Ray actors; returns what :func:`hal.apps.cli.sync.execute` returns, plus the
     workers' bindings (``"workers"``) and the cluster/actor start-up seconds (``"startup"``)."""
     ray = hal_ray.require_ray()
     begin = time.perf_counter()

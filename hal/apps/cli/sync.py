@@ -45,8 +45,8 @@ from typing import Any, Literal
 import torch
 
 import hal
-from hal.cli.errors import UsageError, mib_to_bytes, worker_failed
-from hal.cli.helptext import flowing_help
+from hal.apps.cli.errors import UsageError, mib_to_bytes, worker_failed
+from hal.apps.cli.helptext import flowing_help
 
 OFFLOAD_FLAGS: dict[str, dict[str, bool]] = {
     # what to.("cpu", ...) moves for each --offload choice; grad moves only with the model (verl's rule)
@@ -180,7 +180,7 @@ class Sync:
     """Print the per-step results as JSON on stdout (progress goes to stderr)."""
     launcher: Literal["torchrun", "ray"] = "torchrun"
     """Who starts the ranks: torchrun (one machine), or Ray actors placed by the kind's Ray resource (engine
-    collective); see hal.cli.sync_ray."""
+    collective); see hal.apps.cli.sync_ray."""
     address: str | None = None
     """With --launcher ray: the cluster, 'auto' or HOST:PORT; default: start a one-node cluster for the run."""
     placement: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
@@ -197,7 +197,7 @@ def validate(args: Sync) -> None:
         UnknownDeviceError, DeviceUnavailableError: ``--device`` cannot be used here.
         DeviceIndexError: fewer visible devices than local processes (trainer + rollouts).
     """
-    from hal.cli.models import resolve_model
+    from hal.apps.cli.models import resolve_model
 
     for flag, value in (("--rollouts", args.rollouts), ("--steps", args.steps), ("--timeout", args.timeout),
                         ("--lr", args.lr), ("--decode-tokens", args.decode_tokens)):
@@ -217,7 +217,7 @@ def validate(args: Sync) -> None:
         raise UsageError(f"--launcher ray runs the collective engine across nodes, got --engine {args.engine}")
     spec = hal.resolve_device(args.device)
     if args.engine != "colocated" and args.launcher != "ray":  # one local process, and device, per rank
-        from hal.cli.launch import require_devices
+        from hal.apps.cli.launch import require_devices
 
         require_devices(spec, 1 + args.rollouts, what=f"1 trainer + --rollouts {args.rollouts} processes")
 
@@ -331,7 +331,7 @@ class _Trainer:
 
     def __init__(self, args: Sync) -> None:
         from engines import TorchEngine
-        from hal.cli import models
+        from hal.apps.cli import models
 
         import ckpt
 
@@ -405,7 +405,7 @@ class _Trainer:
 
     def reference(self) -> tuple[dict[str, str], dict[str, Any] | None]:
         """Checksums of the published buffer and the trainer's own greedy decode of it."""
-        from hal.cli import models
+        from hal.apps.cli import models
 
         sums = checksums(self.published())
         if self.skeleton is None:
@@ -471,7 +471,7 @@ class _Trainer:
 def _rollout_model(args: Sync, adapter_cls=None):
     """A rollout's served model in an adapter (``adapter_cls(module, atomic=...)``, default
     :class:`ckpt.ModelRolloutAdapter`) and its greedy decode (``None`` for a model that is not a preset)."""
-    from hal.cli import models
+    from hal.apps.cli import models
 
     import ckpt
 
@@ -752,17 +752,17 @@ def _role(rank: int) -> str:
 def execute(args: Sync) -> dict[str, Any]:
     """Run the loop; returns ``{"rows": [...per step...], "verified": bool, "errors": [...], ...}``.
 
-    Raises what :func:`validate` raises, and :class:`hal.cli.errors.WorkerFailedError` (a ``RuntimeError``)
+    Raises what :func:`validate` raises, and :class:`hal.apps.cli.errors.WorkerFailedError` (a ``RuntimeError``)
     naming the trainer or rollout whose process failed, and how (its exception, signal or exit code).
     """
-    from hal.cli.models import resolve_model
+    from hal.apps.cli.models import resolve_model
 
     validate(args)
     args = dataclasses.replace(args, model=resolve_model(args.model))  # a preset by its key: Qwen2.5-0.5B too
     kind = hal.resolve_device(args.device).kind
     start = time.perf_counter()
     if args.launcher == "ray":
-        from hal.cli.sync_ray import execute_ray
+        from hal.apps.cli.sync_ray import execute_ray
 
         result = execute_ray(args)
     elif args.engine == "colocated":

@@ -19,8 +19,8 @@ from typing import Annotated
 import tyro
 
 import hal
-from hal.cli.errors import MissingFileError, UsageError, worker_failed
-from hal.cli.helptext import flowing_help
+from hal.apps.cli.errors import MissingFileError, UsageError, worker_failed
+from hal.apps.cli.helptext import flowing_help
 
 
 @flowing_help

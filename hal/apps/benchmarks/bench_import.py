@@ -5,7 +5,7 @@ Each round starts a fresh interpreter that times ``import torch`` and then ``imp
 of the interpreter itself is left out. The ratio of the medians, (torch + hal) / torch, is the figure to
 report; ``hal_ms`` is what ``import hal`` costs once torch is loaded.
 
-    python -m hal.benchmarks.bench_import --rounds 10
+    python -m hal.apps.benchmarks.bench_import --rounds 10
 """
 
 from __future__ import annotations

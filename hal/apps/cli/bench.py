@@ -1,14 +1,14 @@
 """``hal bench``: the offload and weight-sync benchmarks, printed as ratio tables (and optionally plotted).
 
 Every figure is a ratio measured side by side in one run (the machine is shared and noisy): offload+onload
-against a plain single-buffer copy of the same bytes (``hal/benchmarks/bench_offload.py``), and the collective
+against a plain single-buffer copy of the same bytes (``hal/apps/benchmarks/bench_offload.py``), and the collective
 checkpoint engine against one single-tensor broadcast and against tensor-by-tensor broadcasts, across
-bucket sizes (``hal/benchmarks/bench_ckpt.py``), the nixl, mooncake and kimi engines, where available on the
+bucket sizes (``hal/apps/benchmarks/bench_ckpt.py``), the nixl, mooncake and kimi engines, where available on the
 benchmarked kind, each against one raw transfer of the same bytes by its own library (a write; for kimi,
-whose rollouts pull, a Mooncake read) (``hal/benchmarks/bench_p2p.py``), and, only with ``--only main``
+whose rollouts pull, a Mooncake read) (``hal/apps/benchmarks/bench_p2p.py``), and, only with ``--only main``
 (three processes, minutes), the main job: ``hal sync`` itself, 1 trainer and ``--rollouts`` rollouts applying
 every update into their models, each step against a raw broadcast of the same bytes to the same rollouts
-(``hal/benchmarks/bench_sync.py``). Every bucket size is in MiB, as ``hal sync --bucket-mb`` takes it.
+(``hal/apps/benchmarks/bench_sync.py``). Every bucket size is in MiB, as ``hal sync --bucket-mb`` takes it.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from typing import Annotated, Any
 import tyro
 
 import hal
-from hal.cli.errors import MissingExtraError, UsageError, mib_to_bytes
-from hal.cli.helptext import flowing_help
+from hal.apps.cli.errors import MissingExtraError, UsageError, mib_to_bytes
+from hal.apps.cli.helptext import flowing_help
 
 
 BENCHMARKS = ("offload", "sync", "main")
@@ -125,21 +125,21 @@ def execute(args: Bench) -> dict[str, Any]:
     kind = hal.resolve_device(args.device).kind
     out: dict[str, Any] = {}
     if "offload" in chosen:
-        from hal.benchmarks import bench_offload
+        from hal.apps.benchmarks import bench_offload
 
         out["offload"] = bench_offload.run(size, kind, rounds)
     if "sync" in chosen:
-        from hal.benchmarks import bench_ckpt
+        from hal.apps.benchmarks import bench_ckpt
 
         out["sync"] = bench_ckpt.run(size, list(buckets), kind, rounds)
         import ckpt
-        from hal.benchmarks import bench_p2p
+        from hal.apps.benchmarks import bench_p2p
 
         engines = [e for e in bench_p2p.ENGINES if ckpt.checkpoint_engine_availability(e, kind)[0]]
         if engines:  # the transfer-library engines, each against its own library's raw transfer
             out["sync_p2p"] = bench_p2p.run(size, min(buckets), kind, rounds, engines)
     if "main" in chosen:
-        from hal.benchmarks import bench_sync
+        from hal.apps.benchmarks import bench_sync
 
         out["main"] = bench_sync.run(size, kind, args.rollouts, rounds, args.main_bucket_mb, args.apply,
                                      args.main_model)
@@ -193,19 +193,19 @@ def run(args: Bench) -> int:
         print(json.dumps(result, indent=2))
     else:
         if "offload" in result:
-            from hal.benchmarks import bench_offload
+            from hal.apps.benchmarks import bench_offload
 
             bench_offload.print_table(result["offload"])
         if "sync" in result:
-            from hal.benchmarks import bench_ckpt
+            from hal.apps.benchmarks import bench_ckpt
 
             bench_ckpt.print_table(result["sync"])
         if "sync_p2p" in result:
-            from hal.benchmarks import bench_p2p
+            from hal.apps.benchmarks import bench_p2p
 
             bench_p2p.print_table(result["sync_p2p"])
         if "main" in result:
-            from hal.benchmarks import bench_sync
+            from hal.apps.benchmarks import bench_sync
 
             bench_sync.print_table(result["main"])
     if args.plot:

@@ -7,7 +7,7 @@ One run, two processes (1 trainer, 1 rollout), for each engine, measured side by
   ``transfer_sync_write``; for ``kimi``, which pulls, Mooncake ``transfer_sync_read`` by the rollout): the
   best the library does between these two processes;
 * ``engine``: ``send_weights`` / ``receive_weights`` of the tensor mix (bf16 views into that region, sizes
-  log-uniform 2 KiB .. 18 MiB as in :mod:`hal.benchmarks.bench_ckpt`); the receiver iterates the yielded
+  log-uniform 2 KiB .. 18 MiB as in :mod:`hal.apps.benchmarks.bench_ckpt`); the receiver iterates the yielded
   views without copying. Its peak memory on each side (host: ``VmHWM`` after a reset, minus the resident
   size before; the first transfer, buffers included) is reported against ``bucket_size``.
 
@@ -16,9 +16,9 @@ engine first in odd ones), so a noisy neighbour or a drift slows both alike; the
 GB/s`` is taken per round, and medians are reported. Each engine update ends with ``finalize()``, as under
 verl's manager, and the next one reuses the connections and registered buffers.
 
-    python -m hal.benchmarks.bench_p2p                          # 256 MiB, bucket 64 MiB, cpu
-    python -m hal.benchmarks.bench_p2p --size-mb 64 --bucket-mb 16 --device npu-sim
-    python -m hal.benchmarks.bench_p2p --device npu-sim --engines kimi mooncake   # kimi runs on npu-sim, not cpu
+    python -m hal.apps.benchmarks.bench_p2p                          # 256 MiB, bucket 64 MiB, cpu
+    python -m hal.apps.benchmarks.bench_p2p --size-mb 64 --bucket-mb 16 --device npu-sim
+    python -m hal.apps.benchmarks.bench_p2p --device npu-sim --engines kimi mooncake   # kimi runs on npu-sim, not cpu
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ import torch
 import tyro
 
 import hal
-from hal.benchmarks import emit, timed_once, transfer_once
+from hal.apps.benchmarks import emit, timed_once, transfer_once
 
 ENGINES = ("nixl", "mooncake", "kimi")
 PULLS = ("kimi",)
@@ -71,7 +71,7 @@ def _raw_transport(name: str, rank: int):
 def _bench_rank(rank: int, world_size: int, port: int, size_mb: int, bucket: int, device: str, rounds: int,
                 engines: list[str]) -> dict:
     import ckpt
-    from hal.benchmarks.bench_ckpt import _Peak, tensor_sizes
+    from hal.apps.benchmarks.bench_ckpt import _Peak, tensor_sizes
 
     torch.set_num_threads(1)
     dev = hal.bind_local_device(device)  # one device per rank (LOCAL_RANK's)
@@ -152,10 +152,10 @@ def run(size_mb: int = 256, bucket_mb: float = 64.0, device: str = "cpu", rounds
 
     Raises:
         ValueError: an unknown engine name, ``size_mb`` or ``rounds`` below 1, or ``bucket_mb`` not positive
-            (a :class:`hal.cli.errors.UsageError` naming ``--bucket-mb``).
+            (a :class:`hal.apps.cli.errors.UsageError` naming ``--bucket-mb``).
         MultiprocessError: a rank failed (e.g. the library is not installed).
     """
-    from hal.cli.errors import mib_to_bytes
+    from hal.apps.cli.errors import mib_to_bytes
     from hal.testing import run_multiprocess
 
     bucket = mib_to_bytes(bucket_mb, "--bucket-mb")

@@ -2,7 +2,7 @@
 exit status 2, no traceback.
 
 Each derives from :class:`hal.HalError` and from the built-in a caller would catch (``ValueError``,
-``FileNotFoundError``, ``ImportError``). ``hal.cli.main`` prints errors of the ``HalError`` tree as one
+``FileNotFoundError``, ``ImportError``). ``hal.apps.cli.main`` prints errors of the ``HalError`` tree as one
 line; anything else is a bug and keeps its traceback.
 """
 
