@@ -47,9 +47,23 @@ def as_timedelta(timeout: Timeout | None) -> datetime.timedelta:
     return timeout
 
 
-def _is_timeout(exc: BaseException) -> bool:
-    text = str(exc).lower()
-    return isinstance(exc, (TimeoutError, dist.DistStoreError)) or "timed out" in text or "timeout" in text
+RENDEZVOUS_ERRORS: tuple[type[BaseException], ...] = (TimeoutError, dist.DistError)
+"""What a rendezvous or store call raises when a peer or the store's host is missing, by type: torch's
+``DistStoreError`` (a key not set in time), ``DistNetworkError`` (the store's host unreachable) and
+``DistBackendError`` are all ``torch.distributed.DistError``."""
+
+
+def peer_failure(exc: BaseException) -> bool:
+    """Whether ``exc``, raised by waiting on a collective, means a peer is dead, stuck or gone.
+
+    Classified by type only: torch's own errors (``torch.distributed.DistError``), ``TimeoutError``, and
+    the plain ``RuntimeError`` that gloo raises for both a timeout and a connection closed by its peer
+    (torch 2.13 gives those no finer type). ``NotImplementedError`` (a ``RuntimeError`` subclass: a
+    backend lacking the collective) is not a peer failure.
+    """
+    if isinstance(exc, NotImplementedError):
+        return False
+    return isinstance(exc, (TimeoutError, RuntimeError))
 
 
 def init_process_group(
@@ -95,12 +109,10 @@ def init_process_group(
         dist.init_process_group(
             backend=backend, init_method=init_method, timeout=td,
             rank=-1 if rank is None else rank, world_size=-1 if world_size is None else world_size, **kwargs)
-    except Exception as exc:
-        if _is_timeout(exc):
-            raise DistributedTimeoutError(
-                f"rendezvous for a {backend} group of world size {world_size or os.environ.get('WORLD_SIZE')} "
-                f"did not complete within {td.total_seconds():g} s (a peer is missing): {exc}") from exc
-        raise
+    except RENDEZVOUS_ERRORS as exc:
+        raise DistributedTimeoutError(
+            f"rendezvous for a {backend} group of world size {world_size or os.environ.get('WORLD_SIZE')} "
+            f"did not complete within {td.total_seconds():g} s (a peer is missing): {exc}") from exc
     return backend
 
 
@@ -142,7 +154,7 @@ class StoreGroup:
         try:
             ok = work.wait(self.timeout)
         except Exception as exc:
-            if _is_timeout(exc) or "connection" in str(exc).lower() or "closed" in str(exc).lower():
+            if peer_failure(exc):
                 raise DistributedTimeoutError(
                     f"{what} on rank {self.rank}/{self.world_size} ({self.spec.dist_backend}) failed within "
                     f"{self.timeout.total_seconds():g} s, a peer is dead or missing: {exc}") from exc
@@ -264,12 +276,10 @@ def new_group_from_store(
     store.set_timeout(td)
     try:
         backend = _create_backend(spec, dist.PrefixStore(f"{prefix}/", store), rank, world_size, td)
-    except Exception as exc:
-        if _is_timeout(exc):
-            raise DistributedTimeoutError(
-                f"rendezvous of group {prefix!r} ({spec.dist_backend}, world size {world_size}) did not "
-                f"complete within {td.total_seconds():g} s: {exc}") from exc
-        raise
+    except RENDEZVOUS_ERRORS as exc:
+        raise DistributedTimeoutError(
+            f"rendezvous of group {prefix!r} ({spec.dist_backend}, world size {world_size}) did not "
+            f"complete within {td.total_seconds():g} s: {exc}") from exc
     return StoreGroup(backend, rank, world_size, td, spec)
 
 
@@ -298,12 +308,10 @@ def connect_store(host: str, port: int, rank: int, world_size: int, timeout: Tim
     try:
         return dist.TCPStore(host, port, world_size, is_master=(rank == 0), timeout=td,
                              wait_for_workers=False)
-    except Exception as exc:
-        if _is_timeout(exc) or "connect" in str(exc).lower():
-            raise DistributedTimeoutError(
-                f"could not reach the rendezvous store at {host}:{port} within {td.total_seconds():g} s: {exc}"
-            ) from exc
-        raise
+    except RENDEZVOUS_ERRORS as exc:
+        raise DistributedTimeoutError(
+            f"could not reach the rendezvous store at {host}:{port} within {td.total_seconds():g} s: {exc}"
+        ) from exc
 
 
 __all__: Sequence[str] = [
