@@ -94,6 +94,9 @@ class ColocatedCheckpointEngine(CheckpointEngine):
     returns when all R are done. ``finalize()`` withdraws an offer not taken by every receiver.
     """
 
+    send_buffer_words = ""
+    """What :meth:`send_buffer_bytes` counts, in words: nothing (the receiver reads the sender's own tensors)."""
+
     _channels: "weakref.WeakValueDictionary[tuple[type, str], ColocatedCheckpointEngine]" = \
         weakref.WeakValueDictionary()
 
@@ -126,6 +129,12 @@ class ColocatedCheckpointEngine(CheckpointEngine):
             if self._offer is not None:
                 self._ready.set()
         return self._ready
+
+    @classmethod
+    def send_buffer_bytes(cls, bucket_size: int, published_bytes: int) -> dict[str, int]:
+        """What a sender holds beyond its own tensors while ``send_weights`` runs, in bytes: ``{}`` (nothing
+        is copied; the arguments play no part)."""
+        return {}
 
     @classmethod
     def build_topology(cls, trainer_world_size: int, rollout_world_size: int,
@@ -185,9 +194,13 @@ class ColocatedCheckpointEngine(CheckpointEngine):
         if offer.error is not None:
             raise offer.error
 
-    async def receive_weights(self, global_steps: int | None = None) -> AsyncIterator[NamedTensor]:
+    async def receive_weights(self, global_steps: int | None = None, *,
+                              placement: Any = None) -> AsyncIterator[NamedTensor]:
         """Yield the offered pairs (the sender's own tensors, each valid until the next is requested),
         waiting up to ``timeout`` s for an offer.
+
+        ``placement`` (a ``ReceivePlacement``) is accepted and ignored: nothing is copied, the consumer
+        copies each tensor where it belongs.
 
         Raises:
             VersionMismatchError: ``global_steps`` is given and the offer carries another step (the offer

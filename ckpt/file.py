@@ -10,7 +10,7 @@ import shutil
 import time
 import uuid
 from pathlib import Path
-from typing import AsyncIterator, Iterable
+from typing import Any, AsyncIterator, Iterable
 
 import torch
 from safetensors import safe_open
@@ -56,7 +56,9 @@ class FileCheckpointEngine(CheckpointEngine):
         device: kind (or ``torch.device``) of the received tensors; ``None``: host memory. The receiver binds
             this rank's device (:func:`hal.bind_local_device`: the index given, else ``LOCAL_RANK``'s).
         shard_size: bytes per safetensors file (bounds the sender's host memory).
-        timeout: seconds ``receive_weights`` waits for a step to be published (finite, >= 0; 0: do not wait).
+        timeout: seconds ``receive_weights`` waits for a step to be published (finite, >= 0; default 60, so
+            a receive started concurrently with the send, as verl's manager runs them, waits for the step;
+            0: do not wait).
         poll_interval: seconds between directory listings while waiting (finite, > 0).
         bucket_size, is_master: accepted as verl's registry passes them (shards are sized by ``shard_size``).
 
@@ -64,8 +66,18 @@ class FileCheckpointEngine(CheckpointEngine):
     the directory is the only shared state.
     """
 
+    send_buffer_words = "the update's host copies (one shard, at most the update)"
+    """What :meth:`send_buffer_bytes` counts, in words for a memory bound's report."""
+
+    @classmethod
+    def send_buffer_bytes(cls, bucket_size: int, published_bytes: int) -> dict[str, int]:
+        """What a sender holds beyond its own tensors while ``send_weights`` runs, in bytes:
+        ``{"host_copies_bytes": published_bytes}`` (the host copies of one shard, at most the whole update
+        of ``published_bytes``; ``bucket_size`` plays no part)."""
+        return {"host_copies_bytes": published_bytes}
+
     def __init__(self, root: str | os.PathLike, keep_last: int = 2, device=None, shard_size: int = 1 << 30,
-                 timeout: float = 0.0, poll_interval: float = 0.05, bucket_size: int | None = None,
+                 timeout: float = 60.0, poll_interval: float = 0.05, bucket_size: int | None = None,
                  is_master: bool = False) -> None:
         if isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1:
             raise CheckpointConfigError(f"keep_last must be an int >= 1, got {keep_last!r}")
@@ -190,20 +202,32 @@ class FileCheckpointEngine(CheckpointEngine):
                     return newer[-1]
             if time.monotonic() >= deadline:
                 if global_steps is not None:
-                    raise VersionMismatchError(global_steps, steps[-1] if steps else None,
-                                               f"{self.root} after waiting {self.timeout:g} s (published: {steps})")
+                    raise TransferTimeoutError(
+                        f"step global_steps={global_steps} was not published in {self.root} within the timeout "
+                        f"of {self.timeout:g} s (published: {steps}); is the trainer sending it?")
                 raise TransferTimeoutError(
                     f"no step newer than {self.received_global_steps} was published in {self.root} "
                     f"within {self.timeout:g} s (published: {steps})")
             await asyncio.sleep(self.poll_interval)
 
-    async def receive_weights(self, global_steps: int | None = None) -> AsyncIterator[NamedTensor]:
-        """Yield the tensors of step ``global_steps`` (``None``: the newest step newer than the last received).
+    async def receive_weights(self, global_steps: int | None = None, *,
+                              placement: Any = None) -> AsyncIterator[NamedTensor]:
+        """Yield the tensors of step ``global_steps`` (``None``: the newest step newer than the last received),
+        waiting up to ``timeout`` seconds for it to be published.
+
+        A step counts as received (``received_global_steps``) once its first tensor is yielded; a consumer
+        that stops early (closes the stream before its end) leaves the previous value, so a later
+        ``receive_weights(None)`` offers that step again.
+
+        Args:
+            placement: a ``ReceivePlacement`` (``target(name, dtype, shape)``); accepted and ignored: each
+                tensor is loaded from its file into fresh memory.
 
         Raises:
-            VersionMismatchError: step ``global_steps`` is not published (a newer one is, or none appeared
-                within ``timeout``).
-            TransferTimeoutError: ``global_steps=None`` and no newer step appeared within ``timeout``.
+            VersionMismatchError: a step newer than ``global_steps`` is published (steps only grow, so it
+                will never come).
+            TransferTimeoutError: the step asked for (or, with ``None``, a newer one) was not published
+                within ``timeout`` (names the step and the timeout).
             TransferError: the step directory is corrupt (index or shard missing, step tag disagrees).
         """
         global_steps = check_global_steps(global_steps)
@@ -223,8 +247,14 @@ class FileCheckpointEngine(CheckpointEngine):
             if index.get("global_steps") != step or tagged != str(step):
                 raise TransferError(f"{path / f} is tagged global_steps={tagged}, index={index.get('global_steps')}, "
                                     f"expected {step}")
-        self.received_global_steps = step
+        before, self.received_global_steps = self.received_global_steps, step
         device = self._target_device()
-        for name, f in index["tensors"]:
-            tensor = files[f].get_tensor(name)
-            yield name, (tensor if device.type == "cpu" else tensor.to(device))
+        finished = False
+        try:
+            for name, f in index["tensors"]:
+                tensor = files[f].get_tensor(name)
+                yield name, (tensor if device.type == "cpu" else tensor.to(device))
+            finished = True
+        finally:
+            if not finished and self.received_global_steps == step:
+                self.received_global_steps = before  # closed early: not received

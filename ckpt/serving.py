@@ -3,8 +3,8 @@
 ``ModelRolloutAdapter`` keeps every weight of its module (parameters, then persistent buffers) as a view
 into one flat byte buffer, a *bank*, laid out by :class:`WeightLayout` (tensors in order, each at a
 64-byte aligned offset). An update is copied into place tensor by tensor, as vLLM's ``load_weights`` does
-(``param.copy_(loaded)``), and a transport that accepts a ``placement`` (the collective engine) receives
-straight into the bank, so no byte is copied twice.
+(``param.copy_(loaded)``), and a transport given the adapter's ``receive_placement`` (the collective
+engine) receives straight into the bank, so no byte is copied twice.
 
 Two ways to apply, chosen at construction:
 
@@ -21,12 +21,27 @@ Two ways to apply, chosen at construction:
   mismatch the engine detects on the first metadata, a bad argument) keeps the previous step in service.
   All-or-nothing under a failure mid-transfer needs the old weights and the received part of the new ones
   at once, so it cannot be had in one bank plus a few buckets.
+
+The rollout lays out its own banks from its own module (:attr:`ModelRolloutAdapter.layout`); a sender that
+wants its tensors to land in place publishes in that layout (:meth:`WeightLayout.from_entries` rebuilds it
+from the entries the rollout hands over), instead of guessing the rollout's dtypes and order.
+
+Two guards keep the reported step true:
+
+* Weights moved behind the adapter's back (an inference server's sleep / wake_up, ``module.to("cpu")`` and
+  back) no longer view the bank an update lands in. Before every update (and after an in-place one) the
+  adapter compares each named tensor with its view in the served bank; a tensor that moved within the
+  adapter's device, dtype and shape is re-pointed (its current values copied into the bank, then bound to
+  it); one on another device, or of another dtype or shape, is refused naming it.
+* One update at a time: a second ``update_weights`` waits for the first (an ``asyncio`` lock per adapter),
+  and an update whose step is below the served one is refused naming both, so a step never goes backwards.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
-from typing import Any, AsyncIterator, Iterator
+from typing import Any, AsyncIterator, Iterable, Iterator, Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -37,14 +52,52 @@ from ckpt.errors import CheckpointConfigError, WeightMismatchError
 
 
 @dataclasses.dataclass(frozen=True)
-class Slot:
-    """Where one tensor lives in a bank: ``offset`` and ``nbytes`` in bytes, its dtype and shape."""
+class LayoutEntry:
+    """Where one tensor lives in a bank: ``offset`` and ``nbytes`` in bytes, its dtype and shape.
+
+    Picklable (a typed message a rollout can hand to its trainer)."""
 
     name: str
     dtype: torch.dtype
     shape: tuple[int, ...]
     offset: int
     nbytes: int
+
+
+@runtime_checkable
+class ReceivePlacement(Protocol):
+    """Where a transport may write a received tensor straight into the consumer's memory.
+
+    Local stand-in for ``ckpt.base.ReceivePlacement`` (the shared interface engines take as
+    ``receive_weights(global_steps, placement=...)``); structurally the same protocol."""
+
+    def target(self, name: str, dtype: torch.dtype, shape: Any) -> torch.Tensor | None:
+        """A tensor of ``dtype``/``shape`` to write ``name`` into, or ``None`` (the transport keeps its own)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class AdapterMemory:
+    """What a :class:`ModelRolloutAdapter` holds, in bytes, for memory bounds.
+
+    Attributes:
+        model_bytes: the bytes of the weights the module serves (sum of its tensors' ``nbytes``).
+        banks: how many banks are allocated (2 atomic, 1 in place).
+        bank_bytes: bytes of one bank (the weights, each at a 64-byte aligned offset).
+        staging_bytes: bytes held beyond the served bank to receive an update (``bank_bytes`` atomic, 0 in
+            place).
+        last_copied_bytes: bytes the last applied update copied into place (0: all received in place).
+    """
+
+    model_bytes: int
+    banks: int
+    bank_bytes: int
+    staging_bytes: int
+    last_copied_bytes: int
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes of every bank together (``banks * bank_bytes``)."""
+        return self.banks * self.bank_bytes
 
 
 def named_weights(module: nn.Module) -> Iterator[NamedTensor]:
@@ -70,23 +123,61 @@ class WeightLayout:
         CheckpointConfigError: two tensors share a name.
 
     A sender and a receiver that lay out the same names in the same order agree byte for byte on relative
-    offsets, so a run of tensors sent straight from one bank lands straight in the other.
+    offsets, so a run of tensors sent straight from one bank lands straight in the other. The receiver's
+    layout is the one to agree on: a sender rebuilds it with :meth:`from_entries` from the receiver's
+    :attr:`entries` rather than laying out its own model.
     """
 
     def __init__(self, weights: Any, dtype: torch.dtype | None = None) -> None:
         pairs = named_weights(weights) if isinstance(weights, nn.Module) else weights
-        self.slots: dict[str, Slot] = {}
+        self.entries: dict[str, LayoutEntry] = {}
+        """``{name: LayoutEntry}`` in layout order."""
         offset = 0
         for name, tensor in pairs:
-            if name in self.slots:
+            if name in self.entries:
                 raise CheckpointConfigError(f"tensor name {name!r} appears twice")
             dt = dtype if dtype is not None and tensor.is_floating_point() else tensor.dtype
-            nbytes = tensor.numel() * torch.empty((), dtype=dt).element_size()
+            nbytes = tensor.numel() * dt.itemsize
             offset = align(offset)
-            self.slots[name] = Slot(name, dt, tuple(tensor.shape), offset, nbytes)
+            self.entries[name] = LayoutEntry(name, dt, tuple(tensor.shape), offset, nbytes)
             offset += nbytes
         self.nbytes = align(offset)
         """Bytes of one bank."""
+
+    @classmethod
+    def from_entries(cls, entries: Iterable[LayoutEntry]) -> "WeightLayout":
+        """The layout another side built, from its entries (e.g. a rollout's ``layout.entries.values()``
+        handed to its trainer), offsets kept as given.
+
+        Raises:
+            CheckpointConfigError: a name twice, an entry that is not a :class:`LayoutEntry`, an offset not
+                64-byte aligned, ``nbytes`` that disagrees with dtype and shape, or entries that overlap or
+                are not in ascending offset order (names the entry).
+        """
+        layout = cls([])
+        end = 0
+        for entry in entries:
+            if not isinstance(entry, LayoutEntry):
+                raise CheckpointConfigError(f"layout entries must be LayoutEntry, got {type(entry).__name__}")
+            numel = 1
+            for d in entry.shape:
+                numel *= d
+            if entry.name in layout.entries:
+                raise CheckpointConfigError(f"tensor name {entry.name!r} appears twice")
+            if entry.offset % ALIGN or entry.offset < end or entry.nbytes != numel * entry.dtype.itemsize:
+                raise CheckpointConfigError(
+                    f"layout entry {entry.name!r} (offset {entry.offset}, {entry.nbytes} bytes, {entry.dtype} "
+                    f"{entry.shape}) must start at a multiple of {ALIGN} bytes at or after byte {end} and hold "
+                    f"{numel * entry.dtype.itemsize} bytes")
+            layout.entries[entry.name] = entry
+            end = entry.offset + entry.nbytes
+        layout.nbytes = align(end)
+        return layout
+
+    @property
+    def slots(self) -> dict[str, LayoutEntry]:
+        """Kept for callers of the earlier name: :attr:`entries`."""
+        return self.entries
 
     def allocate(self, device: torch.device | str) -> torch.Tensor:
         """A new bank on ``device``: flat ``uint8`` of :attr:`nbytes`, zero-filled so its pages are resident."""
@@ -94,19 +185,31 @@ class WeightLayout:
 
     def view(self, bank: torch.Tensor, name: str) -> torch.Tensor:
         """Tensor ``name`` inside ``bank`` (no copy)."""
-        slot = self.slots[name]
-        return byte_view(bank, slot.offset, slot.dtype, slot.shape)
+        entry = self.entries[name]
+        return byte_view(bank, entry.offset, entry.dtype, entry.shape)
 
     def views(self, bank: torch.Tensor) -> Iterator[NamedTensor]:
         """``(name, view into bank)`` for every tensor, in layout order: contiguous, back to back."""
-        for name in self.slots:
+        for name in self.entries:
             yield name, self.view(bank, name)
 
     def fill(self, bank: torch.Tensor, weights: Any) -> None:
-        """Copy (and cast) ``weights`` (pairs or a module) into ``bank``; names must be in the layout."""
+        """Copy (and cast) ``weights`` (pairs or a module) into ``bank``.
+
+        Raises:
+            WeightMismatchError: a name that is not in the layout, or a shape that differs from its entry's
+                (``copy_`` would broadcast it silently).
+        """
         pairs = named_weights(weights) if isinstance(weights, nn.Module) else weights
         with torch.no_grad():
             for name, tensor in pairs:
+                entry = self.entries.get(name)
+                if entry is None:
+                    raise WeightMismatchError(f"tensor {name!r} is not among the {len(self.entries)} tensors "
+                                              "of the layout")
+                if tuple(tensor.shape) != entry.shape:
+                    raise WeightMismatchError(f"tensor {name!r} has shape {tuple(tensor.shape)}, the layout "
+                                              f"holds {entry.shape}")
                 self.view(bank, name).copy_(tensor.detach())
 
     def bind(self, module: nn.Module, bank: torch.Tensor | None) -> None:
@@ -114,13 +217,35 @@ class WeightLayout:
         ``Parameter`` objects, tied ones included); ``None`` points them at empty placeholders (frees the
         module's hold on a bank)."""
         for name, tensor in named_weights(module):
-            if name not in self.slots:
+            if name not in self.entries:
                 continue
-            slot = self.slots[name]
             if bank is None:
-                tensor.data = torch.empty(0, dtype=slot.dtype, device=tensor.device)
+                tensor.data = torch.empty(0, dtype=self.entries[name].dtype, device=tensor.device)
             else:
                 tensor.data = self.view(bank, name)
+
+
+class StagingPlacement:
+    """The :class:`ReceivePlacement` a :class:`ModelRolloutAdapter` offers its transport: the staging bank.
+
+    ``target(name, dtype, shape)`` is the tensor's view in the bank the running update lands in, or ``None``
+    (see :meth:`ModelRolloutAdapter.update_weights`). Calling the object, ``placement(name, dtype, shape)``,
+    is the earlier callback form and gives the same.
+    """
+
+    def __init__(self, adapter: "ModelRolloutAdapter") -> None:
+        self._adapter = adapter
+
+    def target(self, name: str, dtype: torch.dtype, shape: Any) -> torch.Tensor | None:
+        """Where the transport may write tensor ``name`` (``dtype``, ``shape``): its view in the staging bank,
+        or ``None`` when the name, dtype or shape is not what the module serves (the update then fails on
+        that tensor), or when no update is consuming its stream without error (before
+        :meth:`ModelRolloutAdapter.update_weights` started iterating, after it failed or ended: what a
+        transport receives then, e.g. while the rest of a failed update is drained, goes to its own buffers,
+        never into the weights)."""
+        return self._adapter._staging_target(name, dtype, shape)
+
+    __call__ = target
 
 
 class ModelRolloutAdapter:
@@ -138,6 +263,8 @@ class ModelRolloutAdapter:
 
     Every update must carry every tensor the module serves (a missing one is a :class:`WeightMismatchError`
     naming it, and nothing is applied in atomic mode): a sender that lost a shard is caught, not served.
+    The layout is the adapter's own (:attr:`layout`, built from ``module``); a sender that wants to write
+    straight into the banks publishes in it (:meth:`WeightLayout.from_entries`).
     """
 
     def __init__(self, module: nn.Module, atomic: bool = True, device: torch.device | str | None = None) -> None:
@@ -150,6 +277,7 @@ class ModelRolloutAdapter:
         self.module, self.atomic = module, atomic
         self.device = torch.device(device) if device is not None else weights[0][1].device
         self.layout = WeightLayout(weights)
+        """The banks' layout, built from the module's own tensors (names, dtypes, shapes, in order)."""
         self.banks = [self.layout.allocate(self.device) for _ in range(2 if self.atomic else 1)]
         """The banks (flat ``uint8``), allocated once; ``banks[0]`` is served, ``banks[-1]`` receives."""
         self.layout.fill(self.banks[0], weights)
@@ -161,25 +289,85 @@ class ModelRolloutAdapter:
         """Why the weights are not a whole step (in-place mode after a failed update), else ``None``."""
         self.last_copied_bytes = 0
         """Bytes the last update copied into place (0 when the transport received everything in place)."""
+        self.repointed: list[str] = []
+        """Names of the tensors the last update found moved out of the served bank and re-pointed to it."""
+        self.receive_placement = StagingPlacement(self)
+        """The :class:`ReceivePlacement` to hand a transport (``receive_weights(..., placement=...)``)."""
         self._receiving = False  # an update is consuming its stream and has met no error: placements are given
         self._handed = False  # a placement was handed out during the current update (bytes may have landed)
+        self._lock: asyncio.Lock | None = None  # one update at a time, per event loop
+        self._lock_loop: asyncio.AbstractEventLoop | None = None
 
     @property
     def staging(self) -> torch.Tensor:
         """The bank the next update lands in (the served one when not atomic)."""
         return self.banks[-1]
 
-    def placement(self, name: str, dtype: torch.dtype, shape: Any) -> torch.Tensor | None:
-        """Where the transport may write tensor ``name`` directly: its view in the staging bank, or ``None``
-        when the name, dtype or shape is not what the module serves (the update then fails on that tensor),
-        or when no update is consuming its stream without error (before :meth:`update_weights` started
-        iterating, after it failed or ended: what a transport receives then, e.g. while the rest of a failed
-        update is drained, goes to its own buffers, never into the weights)."""
-        slot = self.layout.slots.get(name)
-        if not self._receiving or slot is None or slot.dtype != dtype or slot.shape != tuple(shape):
+    def memory(self) -> AdapterMemory:
+        """What the adapter holds, in bytes (see :class:`AdapterMemory`)."""
+        return AdapterMemory(model_bytes=sum(e.nbytes for e in self.layout.entries.values()),
+                             banks=len(self.banks), bank_bytes=self.layout.nbytes,
+                             staging_bytes=self.layout.nbytes if self.atomic else 0,
+                             last_copied_bytes=self.last_copied_bytes)
+
+    def _staging_target(self, name: str, dtype: torch.dtype, shape: Any) -> torch.Tensor | None:
+        entry = self.layout.entries.get(name)
+        if not self._receiving or entry is None or entry.dtype != dtype or entry.shape != tuple(shape):
             return None
         self._handed = True
         return self.layout.view(self.staging, name)
+
+    def _moved(self) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+        """``(name, module tensor, its view in the served bank)`` of every named tensor that no longer views
+        the served bank.
+
+        Raises:
+            WeightMismatchError: a moved tensor is on another device than the banks, or of another dtype or
+                shape (it cannot be re-pointed; names it and both places).
+        """
+        served, moved = self.banks[0], []
+        for name, tensor in named_weights(self.module):
+            entry = self.layout.entries.get(name)
+            if entry is None:
+                continue
+            view = self.layout.view(served, name)
+            same = (tensor.device == view.device and tensor.data_ptr() == view.data_ptr()
+                    and tensor.dtype == entry.dtype and tuple(tensor.shape) == entry.shape)
+            if same:
+                continue
+            if tensor.device != view.device or tensor.dtype != entry.dtype or tuple(tensor.shape) != entry.shape:
+                raise WeightMismatchError(
+                    f"tensor {name!r} of the served module was moved out of the adapter's bank (e.g. by a sleep/"
+                    f"wake_up or module.to()): it is {tensor.dtype} {tuple(tensor.shape)} on {tensor.device}, the "
+                    f"bank holds {entry.dtype} {entry.shape} on {view.device}; an update would not reach the "
+                    f"weights the module computes with. Move the module back to {view.device} (its tensors are "
+                    f"then re-pointed to the bank) or build a new adapter; nothing applied")
+            moved.append((name, tensor, view))
+        return moved
+
+    def _repoint_moved(self) -> list[str]:
+        """Copy every moved tensor's current values into its view in the served bank and bind it there (the
+        module computes with the same values, now where updates land); returns their names."""
+        moved = self._moved()
+        with torch.no_grad():
+            for _, tensor, view in moved:
+                view.copy_(tensor.detach())
+                tensor.data = view
+        return [name for name, _, _ in moved]
+
+    def _update_lock(self) -> asyncio.Lock:
+        """The running loop's update lock (a new loop, e.g. a second ``asyncio.run``, gets a new one)."""
+        loop = asyncio.get_running_loop()
+        if self._lock is None or self._lock_loop is not loop:
+            self._lock, self._lock_loop = asyncio.Lock(), loop
+        return self._lock
+
+    def _refuse_backwards(self, global_steps: int | None) -> None:
+        if global_steps is not None and self.served_step is not None and global_steps < self.served_step:
+            raise CheckpointConfigError(
+                f"global_steps={global_steps} is below the step in service, global_steps={self.served_step}: a "
+                f"rollout's step never goes backwards (an older update finished after a newer one?); nothing "
+                f"applied")
 
     async def update_weights(self, weights: AsyncIterator[NamedTensor], global_steps: int | None = None,
                              wire_format: str = "named_tensors", **_verl_kwargs: Any) -> None:
@@ -187,14 +375,20 @@ class ModelRolloutAdapter:
 
         ``wire_format`` is verl's keyword: only ``"named_tensors"`` (``(name, tensor)`` pairs) is taken.
 
+        One update at a time: a call made while another runs waits for it (in the same event loop). Before
+        the stream is read, tensors the module holds outside the served bank (moved by a sleep/wake_up or
+        ``module.to()``) are re-pointed to it, their values kept (:attr:`repointed` names them).
+
         Each received tensor is copied into its place in the staging bank unless the transport already
-        wrote it there. The whole stream is consumed even after an error, so the transport stays in step.
+        wrote it there (through :attr:`receive_placement`). The whole stream is consumed even after an
+        error, so the transport stays in step.
 
         Raises:
-            CheckpointConfigError: another ``wire_format``, or ``global_steps`` not ``None`` or an int >= 0
-                (raised before the stream is read: nothing changes).
-            WeightMismatchError: an unknown name, a dtype or shape that differs from the module's, or a
-                tensor the update lacks (names it). Anything the stream raises (VersionMismatchError,
+            CheckpointConfigError: another ``wire_format``, ``global_steps`` not ``None`` or an int >= 0, or
+                below the step in service (names both) (raised before the stream is read: nothing changes).
+            WeightMismatchError: a module tensor moved to another device, dtype or shape (names it; raised
+                before the stream is read); an unknown name, a dtype or shape that differs from the module's,
+                or a tensor the update lacks (names it). Anything the stream raises (VersionMismatchError,
                 TransferError). Atomic: the previous weights and step stay in service. In place: the
                 adapter serves no step until a complete update (see :attr:`degraded`) once a tensor was
                 received or a placement handed out; a failure before either (e.g. the collective engine's
@@ -203,7 +397,14 @@ class ModelRolloutAdapter:
         if wire_format != "named_tensors":
             raise CheckpointConfigError(f"ModelRolloutAdapter takes wire_format 'named_tensors', got {wire_format!r}")
         global_steps = check_global_steps(global_steps)
+        async with self._update_lock():
+            self._refuse_backwards(global_steps)
+            self.repointed = self._repoint_moved()
+            await self._apply(weights, global_steps)
+
+    async def _apply(self, weights: AsyncIterator[NamedTensor], global_steps: int | None) -> None:
         staging, seen, copied = self.staging, set(), 0
+        entries = self.layout.entries
         error: BaseException | None = None
         self._receiving, self._handed = True, False
         try:
@@ -211,25 +412,35 @@ class ModelRolloutAdapter:
                 if error is not None:
                     continue  # drain: keep the transport in step, apply nothing more
                 try:
-                    slot = self.layout.slots.get(name)
-                    if slot is None:
+                    entry = entries.get(name)
+                    if entry is None:
                         raise WeightMismatchError(f"received tensor {name!r} is not among the "
-                                                  f"{len(self.layout.slots)} tensors the rollout serves")
-                    if tensor.dtype != slot.dtype or tuple(tensor.shape) != slot.shape:
+                                                  f"{len(entries)} tensors the rollout serves")
+                    if tensor.dtype != entry.dtype or tuple(tensor.shape) != entry.shape:
                         raise WeightMismatchError(f"tensor {name!r}: received {tensor.dtype} {tuple(tensor.shape)}, "
-                                                  f"the rollout serves {slot.dtype} {slot.shape}")
+                                                  f"the rollout serves {entry.dtype} {entry.shape}")
                     dst = self.layout.view(staging, name)
                     if dst.data_ptr() != tensor.data_ptr() or dst.device != tensor.device:
                         with torch.no_grad():
                             dst.copy_(tensor)
-                        copied += slot.nbytes
+                        copied += entry.nbytes
                     seen.add(name)
                 except WeightMismatchError as exc:
                     error, self._receiving = exc, False
-            if error is None and len(seen) != len(self.layout.slots):
-                missing = [n for n in self.layout.slots if n not in seen]
+            if error is None and len(seen) != len(entries):
+                missing = [n for n in entries if n not in seen]
                 error = WeightMismatchError(f"the update lacks tensor {missing[0]!r} ({len(missing)} of "
-                                            f"{len(self.layout.slots)} tensors missing); nothing applied")
+                                            f"{len(entries)} tensors missing); nothing applied")
+            if global_steps is None:
+                global_steps = getattr(weights, "global_steps", None)
+            if error is None:
+                self._refuse_backwards(global_steps)  # the stream's own step, known only now
+            if error is None and not self.atomic:
+                moved = self._moved()  # moved while the update ran: the bank's new values are not served
+                if moved:
+                    error = WeightMismatchError(f"tensor {moved[0][0]!r} of the served module was moved out of "
+                                                "the adapter's bank while the update ran; the module does not "
+                                                "compute with the update")
         except BaseException as exc:
             error = exc
         finally:
@@ -240,8 +451,6 @@ class ModelRolloutAdapter:
                 self.degraded = (f"update failed part way ({type(error).__name__}: {error}); weights are mixed"
                                  + ("" if seen else " (the transport had written into them before it failed)"))
             raise error
-        if global_steps is None:
-            global_steps = getattr(weights, "global_steps", None)
         if self.atomic:
             self.layout.bind(self.module, staging)
             self.banks.reverse()
@@ -252,4 +461,5 @@ class ModelRolloutAdapter:
         return dict(self.layout.views(self.banks[0]))
 
 
-__all__ = ["ModelRolloutAdapter", "Slot", "WeightLayout", "named_weights"]
+__all__ = ["AdapterMemory", "LayoutEntry", "ModelRolloutAdapter", "ReceivePlacement", "StagingPlacement",
+           "WeightLayout", "named_weights"]

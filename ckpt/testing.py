@@ -20,7 +20,8 @@ breaking the next update); tensors of mixed dtypes (fp32, bf16, fp16, int64, boo
 their dtype, shape and order, including empty, 0-d, non-contiguous and larger-than-a-small-bucket ones;
 an empty update carries its step; three updates in a row carry steps 1, 2, 3; once ``await
 send_weights`` returns the sender may change its tensors (they are changed in place at once) and the
-receiver still gets the sent values.
+receiver still gets the sent values; ``receive_weights(global_steps, placement=None)`` is accepted (the
+keyword every engine takes; an engine that cannot receive into the consumer's memory ignores it).
 """
 
 from __future__ import annotations
@@ -129,10 +130,12 @@ def _close_unstarted(*calls: Any) -> None:
 
 async def transfer(sender: CheckpointEngine, receiver: CheckpointEngine, weights: list[tuple[str, torch.Tensor]],
                    send_step: int | None, receive_step: int | None,
-                   after_send: Callable[[], None] | None = None) -> list[tuple[str, torch.Tensor]]:
+                   after_send: Callable[[], None] | None = None,
+                   receive_kwargs: dict[str, Any] | None = None) -> list[tuple[str, torch.Tensor]]:
     """Run one send and one receive concurrently; return what was received (host copies).
 
     ``after_send`` runs the moment ``await send_weights(...)`` returns, while the receiver may still run.
+    ``receive_kwargs`` are passed to ``receive_weights`` as keywords (e.g. ``{"placement": None}``).
 
     Raises the receiver's error if it failed, else the sender's; :class:`ContractError` when the call
     ``send_weights(...)`` is not awaitable or ``receive_weights(...)`` not an async iterator.
@@ -141,7 +144,7 @@ async def transfer(sender: CheckpointEngine, receiver: CheckpointEngine, weights
     if not inspect.isawaitable(send):
         raise _not_awaitable(sender, send)
     try:
-        stream = receiver.receive_weights(receive_step)
+        stream = receiver.receive_weights(receive_step, **(receive_kwargs or {}))
     except BaseException:
         _close_unstarted(send)
         raise
@@ -293,6 +296,22 @@ async def check_empty_update(sender: CheckpointEngine, receiver: CheckpointEngin
     _check_step(receiver, 9, "empty update")
 
 
+async def check_placement_keyword(sender: CheckpointEngine, receiver: CheckpointEngine) -> None:
+    """``receive_weights(global_steps, placement=None)`` is accepted (the keyword is part of every engine's
+    signature, so a rollout worker passes it without asking) and the update arrives byte-exact."""
+    weights = sample_weights(7)
+    try:
+        got = await transfer(sender, receiver, weights, 7, 7, receive_kwargs={"placement": None})
+    except TypeError as exc:
+        if "placement" not in str(exc):
+            raise
+        raise ContractFailure(f"{type(receiver).__name__}.receive_weights does not take the keyword "
+                              f"'placement' ({exc}); accept placement=None (and ignore a placement it cannot "
+                              "use)") from None
+    compare(weights, got, "receive_weights(..., placement=None)")
+    _check_step(receiver, 7, "placement keyword")
+
+
 CONTRACT_CHECKS: dict[str, Callable[[CheckpointEngine, CheckpointEngine], Awaitable[None]]] = {
     "call_contract": check_call_contract,
     "verl_lifecycle": check_verl_lifecycle,
@@ -301,6 +320,7 @@ CONTRACT_CHECKS: dict[str, Callable[[CheckpointEngine, CheckpointEngine], Awaita
     "version_mismatch": check_version_mismatch,
     "empty_update": check_empty_update,
     "sender_may_reuse": check_sender_may_reuse,
+    "placement_keyword": check_placement_keyword,
 }
 """Every check by name: ``async check(sender, receiver) -> None``, raising on a violation."""
 

@@ -9,7 +9,6 @@ names and keywords follow verl 0.9.1's ``update_weights`` path (``verl/checkpoin
 
 from __future__ import annotations
 
-import inspect
 from typing import Any, AsyncIterator, Iterable, Mapping
 
 import torch
@@ -107,13 +106,6 @@ class _StepTagged:
         await self._stream.aclose()
 
 
-def _accepts(fn: Any, keyword: str) -> bool:
-    try:
-        return keyword in inspect.signature(fn).parameters
-    except (TypeError, ValueError):
-        return False
-
-
 class CheckpointEngineWorker:
     """Rollout side: receives one update and hands it to the server adapter.
 
@@ -122,9 +114,12 @@ class CheckpointEngineWorker:
         adapter: any object with ``async update_weights(weights, global_steps=..., wire_format=...)``, the
             keywords verl's ``CheckpointEngineWorker`` passes (e.g. :class:`InMemoryRolloutAdapter`, or a
             verl vLLM / SGLang server adapter).
-            An adapter with ``placement(name, dtype, shape)`` (e.g. :class:`ckpt.serving.ModelRolloutAdapter`)
-            is offered to engines whose ``receive_weights`` takes a ``placement`` keyword, so they can
-            receive straight into its memory.
+            An adapter with a ``receive_placement`` (an object with ``target(name, dtype, shape) ->
+            Tensor | None``, the ``ReceivePlacement`` protocol; e.g.
+            :class:`ckpt.serving.ModelRolloutAdapter`) has it passed to the engine as
+            ``receive_weights(global_steps, placement=...)``, so the engine may receive straight into the
+            adapter's memory; an engine that cannot use it ignores it. An adapter without one gets the plain
+            ``receive_weights(global_steps)`` call (verl's engines take no ``placement``).
     """
 
     def __init__(self, checkpoint_engine: CheckpointEngine, adapter: Any) -> None:
@@ -135,7 +130,9 @@ class CheckpointEngineWorker:
 
         Whatever the adapter raises, the rest of the update is received and discarded before the error
         propagates, so every engine is ready for the next update (a colocated engine keeps no stale
-        hand-over, a collective group stays in step).
+        hand-over, a collective group stays in step), and the engine's ``received_global_steps`` goes back
+        to what it was: an update that was not applied does not count as received (a file engine asked for
+        "the newest step newer than the last received" offers the failed step again).
 
         Raises:
             VersionMismatchError: the sender sent another step (nothing is applied).
@@ -144,18 +141,21 @@ class CheckpointEngineWorker:
                 does not take).
         """
         global_steps = check_global_steps(global_steps)
-        kwargs = {}
-        placement = getattr(self.adapter, "placement", None)
-        if placement is not None and _accepts(self.checkpoint_engine.receive_weights, "placement"):
-            kwargs["placement"] = placement  # the transport may write straight into the served model's memory
-        stream = _StepTagged(self.checkpoint_engine, self.checkpoint_engine.receive_weights(global_steps, **kwargs))
+        engine = self.checkpoint_engine
+        placement = getattr(self.adapter, "receive_placement", None)
+        received_before = getattr(engine, "received_global_steps", None)
+        if placement is None:
+            call = engine.receive_weights(global_steps)
+        else:  # the transport may write straight into the served model's memory
+            call = engine.receive_weights(global_steps, placement=placement)
+        stream = _StepTagged(engine, call)
         try:
             await self.adapter.update_weights(stream, global_steps=global_steps,
-                                              wire_format=getattr(self.checkpoint_engine, "wire_format",
-                                                                  "named_tensors"))
+                                              wire_format=getattr(engine, "wire_format", "named_tensors"))
         except Exception:
             if not stream.finished:
                 await drain(stream)
+            engine.received_global_steps = received_before  # not applied: not received
             raise
         return self.checkpoint_engine.received_global_steps
 

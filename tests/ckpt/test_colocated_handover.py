@@ -64,3 +64,22 @@ def test_a_concurrent_hand_over_serves_the_sent_values_after_the_next_step(hal_d
     asyncio.run(update(2))
     assert adapter.served_step == 2
     assert all(torch.equal(adapter.state_dict()[n].cpu(), values[2][n]) for n in values[2])
+
+
+def test_the_colocated_engine_holds_nothing_to_send_and_accepts_a_placement():
+    engine = ckpt.get_checkpoint_engine("colocated", timeout=5)
+    assert type(engine).send_buffer_bytes(1 << 20, 12345) == {} and type(engine).send_buffer_words == ""
+    weights = [("w", torch.arange(6.0))]
+
+    class Placement:
+        def target(self, name, dtype, shape):
+            raise AssertionError("the colocated engine copies nothing: it never asks for a target")
+
+    from ckpt.testing import collect, compare
+
+    async def go():
+        got, _ = await asyncio.gather(
+            collect(engine.receive_weights(3, placement=Placement())), engine.send_weights(iter(weights), 3))
+        return got
+
+    compare(weights, asyncio.run(go()), "colocated with a placement")

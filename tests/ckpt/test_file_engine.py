@@ -69,7 +69,7 @@ def test_a_reader_never_sees_a_half_written_step(tmp_path):
         assert writer.published_steps() == [1]
         assert any(p.name.startswith(".tmp-step-00000002") for p in tmp_path.iterdir())
         reader = ckpt.get_checkpoint_engine("file", root=tmp_path, timeout=0.2)
-        with pytest.raises(ckpt.VersionMismatchError, match="global_steps=2"):
+        with pytest.raises(ckpt.TransferTimeoutError, match="global_steps=2 was not published .* timeout of 0.2 s"):
             _receive(reader, 2)
         compare(sample_weights(1), _receive(reader, None), "step 1 while 2 is written")
     finally:
@@ -172,3 +172,86 @@ def test_a_step_whose_index_or_shard_tag_disagrees_is_refused(tmp_path, where):
     with pytest.raises(ckpt.TransferError, match=expected):
         _receive(reader, 4)
     assert reader.received_global_steps is None
+
+
+class FailsOnce(ckpt.InMemoryRolloutAdapter):
+    """A rollout whose next apply fails once :attr:`fail_next` is set, after the first tensor (e.g. out of
+    memory while loading)."""
+
+    fail_next = False
+
+    async def update_weights(self, weights, wire_format="named_tensors", *, global_steps=None, **kwargs):
+        if self.fail_next:
+            self.fail_next = False
+            async for _ in weights:
+                raise RuntimeError("apply failed")
+        return await super().update_weights(weights, wire_format, global_steps=global_steps, **kwargs)
+
+
+def test_a_step_whose_apply_failed_is_offered_again_on_retry(tmp_path):
+    """TRL 5932: step 2 was read but its apply failed; the retry (``global_steps=None``: the newest step newer
+    than the last received) gets step 2, not "no step newer than 2"."""
+    writer = ckpt.get_checkpoint_engine("file", root=tmp_path)
+    reader = ckpt.get_checkpoint_engine("file", root=tmp_path, timeout=0.5)
+    adapter = FailsOnce()
+    worker = ckpt.CheckpointEngineWorker(reader, adapter)
+    _send(writer, sample_weights(1), 1)
+    assert asyncio.run(worker.update_weights(None)) == 1
+    _send(writer, sample_weights(2), 2)
+    adapter.fail_next = True
+    with pytest.raises(RuntimeError, match="apply failed"):
+        asyncio.run(worker.update_weights(None))
+    assert adapter.served_step == 1 and reader.received_global_steps == 1  # not applied: not received
+    assert asyncio.run(worker.update_weights(None)) == 2  # the retry
+    assert adapter.served_step == 2
+    compare(sample_weights(2), list(adapter.state_dict().items()), "retried step 2")
+
+
+def test_a_stream_closed_before_its_end_does_not_count_as_received(tmp_path):
+    writer = ckpt.get_checkpoint_engine("file", root=tmp_path)
+    reader = ckpt.get_checkpoint_engine("file", root=tmp_path, timeout=0.5)
+    _send(writer, sample_weights(1), 1)
+    _receive(reader, 1)
+
+    async def first_then_close():
+        stream = reader.receive_weights(None)
+        await stream.__anext__()
+        assert reader.received_global_steps == 2  # the contract: known once the first tensor is yielded
+        await stream.aclose()
+
+    _send(writer, sample_weights(2), 2)
+    asyncio.run(first_then_close())
+    assert reader.received_global_steps == 1
+    compare(sample_weights(2), _receive(reader, None), "step 2 after a closed stream")
+
+
+def test_a_receive_started_before_the_publish_waits_for_the_step(tmp_path):
+    """verl's manager runs send and receive at once; with the default timeout the reader waits for the step."""
+    writer = ckpt.get_checkpoint_engine("file", root=tmp_path)
+    reader = ckpt.get_checkpoint_engine("file", root=tmp_path)
+    assert reader.timeout == 60.0  # bounded, like every other engine
+
+    async def both():
+        got, _ = await asyncio.gather(collect(reader.receive_weights(5)),
+                                      writer.send_weights(iter(sample_weights(5)), 5))
+        return got
+
+    compare(sample_weights(5), asyncio.run(both()), "received while being published")
+    assert reader.received_global_steps == 5
+
+
+def test_a_step_never_published_fails_within_the_timeout_naming_step_and_timeout(tmp_path):
+    import time
+
+    reader = ckpt.get_checkpoint_engine("file", root=tmp_path, timeout=0.3)
+    start = time.monotonic()
+    with pytest.raises(ckpt.TransferTimeoutError, match=r"global_steps=5 was not published .* timeout of 0.3 s "
+                                                        r"\(published: \[\]\)"):
+        _receive(reader, 5)
+    assert 0.3 <= time.monotonic() - start < 5
+
+
+def test_send_buffer_bytes_are_the_host_copies_of_the_update():
+    cls = type(ckpt.get_checkpoint_engine("file", root="unused"))
+    assert cls.send_buffer_bytes(1 << 20, 12345) == {"host_copies_bytes": 12345}
+    assert "host copies" in cls.send_buffer_words

@@ -173,8 +173,8 @@ class _Decorated(ckpt.ColocatedCheckpointEngine):
         await super().send_weights(weights, global_steps)
 
     @torch.no_grad()
-    async def receive_weights(self, global_steps=None):
-        async for item in super().receive_weights(global_steps):
+    async def receive_weights(self, global_steps=None, *, placement=None):
+        async for item in super().receive_weights(global_steps, placement=placement):
             yield item
 
 

@@ -251,3 +251,53 @@ def test_torch_engine_get_per_tensor_param_has_verls_shape():
     adapter = ckpt.InMemoryRolloutAdapter()
     assert _round(ckpt.TrainerWorker(engine, channel), ckpt.CheckpointEngineWorker(channel, adapter), 7, 7) == 7
     assert sorted(adapter.state_dict()) == sorted(model.state_dict())
+
+
+class RecordingEngine(ckpt.CheckpointEngine):
+    """Yields one fixed tensor as step 1 and records the keywords ``receive_weights`` was called with."""
+
+    def __init__(self) -> None:
+        self.calls: list[dict] = []
+
+    async def send_weights(self, weights, global_steps=None):
+        raise NotImplementedError
+
+    async def receive_weights(self, global_steps=None, **kwargs):
+        self.calls.append(kwargs)
+        self.received_global_steps = 1
+        yield "a", torch.full((4, 4), 1.0)
+
+
+class PlacedAdapter(ckpt.InMemoryRolloutAdapter):
+    """An in-memory adapter offering a receive placement (a ``ReceivePlacement``: ``target``)."""
+
+    class Placement:
+        def target(self, name, dtype, shape):
+            return None
+
+    receive_placement = Placement()
+
+
+def test_the_adapters_placement_is_passed_by_keyword_and_no_placement_means_the_plain_call():
+    engine = RecordingEngine()
+    adapter = PlacedAdapter()
+    assert asyncio.run(ckpt.CheckpointEngineWorker(engine, adapter).update_weights(1)) == 1
+    assert engine.calls == [{"placement": adapter.receive_placement}]
+    assert isinstance(adapter.receive_placement, ckpt.serving.ReceivePlacement)
+    engine.calls.clear()
+    assert asyncio.run(ckpt.CheckpointEngineWorker(engine, ckpt.InMemoryRolloutAdapter()).update_weights(1)) == 1
+    assert engine.calls == [{}]  # verl's engines take no placement
+
+
+def test_a_failed_apply_restores_the_engines_received_step():
+    engine = RecordingEngine()
+    engine.received_global_steps = 0
+
+    class Refuses(ckpt.InMemoryRolloutAdapter):
+        async def update_weights(self, weights, wire_format="named_tensors", **kwargs):
+            async for _ in weights:
+                raise RuntimeError("out of memory while loading")
+
+    with pytest.raises(RuntimeError, match="out of memory"):
+        asyncio.run(ckpt.CheckpointEngineWorker(engine, Refuses()).update_weights(1))
+    assert engine.received_global_steps == 0
