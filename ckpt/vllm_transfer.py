@@ -125,20 +125,59 @@ def verify_staged(staged: StagedUpdate, expected: dict[str, str] | None) -> None
         raise WeightMismatchError(f"received tensor {extra[0]!r} was not announced ({len(extra)} unexpected)")
 
 
+def shared_parameter_aliases(model: torch.nn.Module) -> list[tuple[torch.nn.Module, str, torch.nn.Module, str]]:
+    """Parameters one module shares with an earlier one (tied embeddings: ``lm_head.weight is
+    model.embed_tokens.weight``), as ``(module, attribute, owner module, owner attribute)``; the owner is the
+    first holder in ``named_modules`` order (the one a checkpoint names)."""
+    owners: dict[int, tuple[torch.nn.Module, str]] = {}
+    aliases = []
+    for _, module in model.named_modules(remove_duplicate=False):
+        for attr, param in list(module._parameters.items()):
+            if param is None:
+                continue
+            owner = owners.setdefault(id(param), (module, attr))
+            if owner[0] is not module:
+                aliases.append((module, attr, owner[0], owner[1]))
+    return aliases
+
+
+def retie(aliases: list[tuple[torch.nn.Module, str, torch.nn.Module, str]]) -> None:
+    """Point each alias at its owner's parameter again and rerun its post-load processing.
+
+    vLLM's layerwise reload (0.32) loads the owner (``embed_tokens``) but puts the alias's pre-update
+    kernel tensors back (``ParallelLMHead: Failed to load weights``), so a tied ``lm_head`` would keep
+    serving the previous step; at start-up vLLM ties first and processes after, which this repeats.
+    """
+    for module, attr, owner, owner_attr in aliases:
+        module._parameters[attr] = owner._parameters[owner_attr]
+        process = getattr(getattr(module, "quant_method", None), "process_weights_after_loading", None)
+        if process is not None:
+            process(module)
+
+
+def reload_checkpoint_format(model: torch.nn.Module, reload: Callable[[], None]) -> None:
+    """Run ``reload`` (vLLM's in-place ``reload_weights(..., is_checkpoint_format=True)`` of ``model``) and
+    tie shared parameters again afterwards (see :func:`retie`)."""
+    aliases = shared_parameter_aliases(model)
+    reload()
+    retie(aliases)
+
+
 def load_checkpoint_format(worker: Any, weights: Iterable[NamedTensor]) -> None:
     """Load Hugging Face named ``weights`` into a vLLM worker's model as vLLM loads a checkpoint.
 
     Uses the worker's ``reload_weights(weights_iterator=..., is_checkpoint_format=True)`` (name mapping onto
     stacked parameters, then the model's post-load processing; the model runner also drops caches derived
-    from the old weights), else its model runner's.
+    from the old weights), else its model runner's; then ties shared parameters again (:func:`retie`).
 
     Raises:
         CheckpointConfigError: neither the worker nor its model runner has ``reload_weights``.
     """
+    model = worker.model_runner.get_model()
     for owner in (worker, getattr(worker, "model_runner", None)):
         reload = getattr(owner, "reload_weights", None)
         if reload is not None:
-            reload(weights_iterator=iter(weights), is_checkpoint_format=True)
+            reload_checkpoint_format(model, lambda: reload(weights_iterator=iter(weights), is_checkpoint_format=True))
             return
     raise CheckpointConfigError(f"{type(worker).__name__} has no reload_weights(weights_iterator=..., "
                                 "is_checkpoint_format=True); hal's vLLM backend needs vLLM >= 0.32")
@@ -296,8 +335,9 @@ def _vllm_engine_class() -> type:
             from vllm.model_executor.model_loader.reload.inplace import reload_weights
 
             def load(weights: list[NamedTensor]) -> None:
-                reload_weights(self.vllm_config, self.model, weights_iterator=iter(weights), weights_path=None,
-                               is_checkpoint_format=True)
+                reload_checkpoint_format(self.model, lambda: reload_weights(
+                    self.vllm_config, self.model, weights_iterator=iter(weights), weights_path=None,
+                    is_checkpoint_format=True))
 
             result = self.state.update(load, update_info.global_steps, update_info.checksums)
             if result["error"] is not None:
@@ -411,5 +451,6 @@ if "vllm" in sys.modules:  # imported by vLLM's worker (worker_extension_cls): m
 
 
 __all__ = ["BACKEND_NAME", "EXTENSION", "StagedUpdate", "stage_update", "verify_staged", "crc32_hex",
-           "load_checkpoint_format", "HalTransferState", "HalInitInfo", "HalUpdateInfo", "UpdateFailedError",
+           "load_checkpoint_format", "reload_checkpoint_format", "shared_parameter_aliases", "retie",
+           "HalTransferState", "HalInitInfo", "HalUpdateInfo", "UpdateFailedError",
            "HalWeightTransferEngine", "register_vllm_backend", "HalWorkerExtension"]
