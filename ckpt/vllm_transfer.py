@@ -132,9 +132,7 @@ def shared_parameter_aliases(model: torch.nn.Module) -> list[tuple[torch.nn.Modu
     owners: dict[int, tuple[torch.nn.Module, str]] = {}
     aliases = []
     for _, module in model.named_modules(remove_duplicate=False):
-        for attr, param in list(module._parameters.items()):
-            if param is None:
-                continue
+        for attr, param in list(module.named_parameters(recurse=False, remove_duplicate=False)):
             owner = owners.setdefault(id(param), (module, attr))
             if owner[0] is not module:
                 aliases.append((module, attr, owner[0], owner[1]))
@@ -149,7 +147,7 @@ def retie(aliases: list[tuple[torch.nn.Module, str, torch.nn.Module, str]]) -> N
     serving the previous step; at start-up vLLM ties first and processes after, which this repeats.
     """
     for module, attr, owner, owner_attr in aliases:
-        module._parameters[attr] = owner._parameters[owner_attr]
+        setattr(module, attr, getattr(owner, owner_attr))
         process = getattr(getattr(module, "quant_method", None), "process_weights_after_loading", None)
         if process is not None:
             process(module)
@@ -388,8 +386,11 @@ def register_vllm_backend() -> bool:
         from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
     except ImportError:
         return False
-    if BACKEND_NAME not in WeightTransferEngineFactory._registry:
+    try:
         WeightTransferEngineFactory.register_engine(BACKEND_NAME, __name__, "HalWeightTransferEngine")
+    except ValueError as exc:  # registered before (vLLM refuses a second registration under one name)
+        if "already registered" not in str(exc):
+            raise
     return True
 
 
