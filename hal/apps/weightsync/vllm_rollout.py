@@ -60,6 +60,9 @@ class VllmRollout:
         llm_kwargs: more ``vllm.LLM`` keywords, over :data:`DEFAULT_LLM_KWARGS`.
         in_process: run vLLM's engine core and its single worker in this process (``uni`` executor,
             ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, set in this process's environment when not already set).
+        interface: ``"weight_transfer"``: vLLM's RL interface with the ``"hal"`` backend (vLLM >= 0.32);
+            ``"extension"``: the worker extension's own ``hal_init``/``hal_update`` (any vLLM with
+            ``worker_extension_cls`` and ``reload_weights``); ``None``: the first where this vLLM has it.
 
     Attributes:
         startup_seconds: wall time of ``vllm.LLM(...)`` plus the engine's construction in the worker.
@@ -68,12 +71,15 @@ class VllmRollout:
 
     Raises:
         ImportError: vLLM is not installed (``scripts/setup_vllm.sh``).
-        ValueError: a ``dtype`` vLLM does not take, or a model it cannot serve (vLLM's own errors).
+        ValueError: an unknown ``interface``, or ``"weight_transfer"`` on a vLLM without it; a ``dtype``
+            vLLM does not take, or a model it cannot serve (vLLM's own errors).
     """
 
     def __init__(self, model_dir: str, engine_kwargs: dict[str, Any], device: str | None = None,
                  dtype: str = "float32", *, engine: str = "collective", llm_kwargs: dict[str, Any] | None = None,
-                 in_process: bool = True) -> None:
+                 in_process: bool = True, interface: str | None = None) -> None:
+        if interface not in (None, "weight_transfer", "extension"):
+            raise ValueError(f"interface must be None, 'weight_transfer' or 'extension', got {interface!r}")
         if in_process:
             os.environ.setdefault(IN_PROCESS_ENV, "0")
         import vllm
@@ -84,7 +90,10 @@ class VllmRollout:
             kwargs.setdefault("distributed_executor_backend", "uni")
         start = time.perf_counter()
         # vLLM's RL interface with hal's backend where this vLLM has it, else the worker extension alone
-        self.interface = "weight_transfer" if register_vllm_backend() else "extension"
+        registered = interface != "extension" and register_vllm_backend()
+        if interface == "weight_transfer" and not registered:
+            raise ValueError("interface='weight_transfer' needs vLLM's WeightTransferEngineFactory (vLLM >= 0.32)")
+        self.interface = "weight_transfer" if registered else "extension"
         if self.interface == "weight_transfer":
             kwargs.setdefault("weight_transfer_config", {"backend": BACKEND_NAME})
         self.llm = vllm.LLM(model=str(model_dir), dtype=dtype, worker_extension_cls=EXTENSION, **kwargs)
