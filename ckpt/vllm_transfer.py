@@ -19,7 +19,20 @@ and only then loaded, the way vLLM loads a checkpoint: the worker's ``reload_wei
 is_checkpoint_format=True)`` takes Hugging Face names, fills the stacked ``qkv_proj`` / ``gate_up_proj``
 parameters and runs the post-load processing (the cpu kernels repack linear weights and leave the
 parameters empty, so weights cannot be read back out of vLLM there, and ``model.load_weights`` alone fails).
-A transfer that fails or a checksum that differs leaves the previous step serving.
+A transfer that fails or a checksum that differs leaves the previous step serving. Parameters the model
+shares (a tied ``lm_head``) are tied again after the reload (:func:`retie`).
+
+Use (what :class:`hal.apps.weightsync.vllm_rollout.VllmRollout` does)::
+
+    register_vllm_backend()
+    llm = vllm.LLM(model=dir, worker_extension_cls=EXTENSION, weight_transfer_config={"backend": "hal"})
+    llm.init_weight_transfer_engine({"init_info": {"engine": "collective", "engine_kwargs": {
+        "rank": 1, "world_size": 2, "master_addr": addr, "master_port": port, "device": "cpu"}}})
+    # per step, while the trainer runs `await engine.send_weights(weights, step)`:
+    llm.start_weight_update()
+    llm.update_weights({"update_info": {"global_steps": step, "checksums": trainer_crc32s}})  # raises if refused
+    llm.finish_weight_update(weight_version=str(step))
+    llm.collective_rpc("hal_last_result")  # [{"error", "served_step", "receive_s", "load_s", "checksums", ...}]
 
 Memory: one host copy of the update (its bytes) on top of the served model, for the length of one update.
 """
@@ -28,9 +41,9 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import sys
 import time
 import zlib
-import sys
 from typing import Any, AsyncIterator, Callable, Iterable
 
 import torch
