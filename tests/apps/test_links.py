@@ -11,8 +11,15 @@ import torch
 from hal.apps.benchmarks import links
 from hal.apps.benchmarks.bench_senders import bench_senders, model_shapes, shard_ranges
 
-available, reason = links.links_available()
-needs_links = pytest.mark.skipif(not available, reason=f"emulated links unavailable: {reason}")
+
+
+@pytest.fixture
+def needs_links():
+    """Skip, with the reason, where network namespaces, veth, bridge or tbf cannot be built (not root, no
+    iproute2, no CAP_NET_ADMIN); probed once per process, at the first test that needs it."""
+    ok, reason = links.links_available()
+    if not ok:
+        pytest.skip(f"emulated links unavailable: {reason}")
 
 _SERVER = """
 import socket, sys, time
@@ -56,7 +63,7 @@ def _transfer(net, src: str, dst: str, nbytes: int) -> float:
     return int(got) / float(seconds)
 
 
-@needs_links
+@pytest.mark.usefixtures("needs_links")
 def test_link_rate_limits_a_tcp_transfer_and_teardown_removes_the_namespaces():
     rate = 40e6  # bits/s: 5 MB/s, about 2 s for 10 MiB
     with links.emulated_network({"a": rate, "b": 4 * rate}) as net:
@@ -72,7 +79,7 @@ def test_link_rate_limits_a_tcp_transfer_and_teardown_removes_the_namespaces():
     assert not names & set(links.list_namespaces())
 
 
-@needs_links
+@pytest.mark.usefixtures("needs_links")
 def test_teardown_runs_on_an_error_and_stale_namespaces_of_dead_processes_go():
     with pytest.raises(KeyboardInterrupt):
         with links.emulated_network({"a": 1e6}) as net:
@@ -130,7 +137,7 @@ def test_dim0_shards_tile_the_model_as_torch_chunk_does(senders):
     assert any(shape[0] % 4 for shape in shapes)  # uneven shards are exercised
 
 
-@needs_links
+@pytest.mark.usefixtures("needs_links")
 @pytest.mark.multiprocess
 @pytest.mark.timeout(180)
 def test_two_senders_deliver_an_update_faster_than_one():

@@ -165,7 +165,7 @@ class EmulatedNetwork:
         return self.addresses[endpoint]
 
     def set_rate(self, endpoint: str, rate_bps: float) -> None:
-        """Change ``endpoint``'s link to ``rate_bps`` bits/s in both directions (``tc qdisc change``), also
+        """Change ``endpoint``'s link to ``rate_bps`` bits/s in both directions (``tc qdisc replace``), also
         while traffic flows.
 
         Raises:
@@ -176,8 +176,8 @@ class EmulatedNetwork:
         if not rate_bps > 0:
             raise ValueError(f"rate_bps must be > 0 bits/s, got {rate_bps!r}")
         ns = self.namespace(endpoint)
-        _cmd(["tc", "-n", ns, "qdisc", "change", "dev", IFNAME, "root", *_tbf(rate_bps)])
-        _cmd(["tc", "-n", self.hub, "qdisc", "change", "dev", self.ports[endpoint], "root", *_tbf(rate_bps)])
+        _cmd(["tc", "-n", ns, "qdisc", "replace", "dev", IFNAME, "root", *_tbf(rate_bps)])
+        _cmd(["tc", "-n", self.hub, "qdisc", "replace", "dev", self.ports[endpoint], "root", *_tbf(rate_bps)])
 
     def run(self, argv: Sequence[str], endpoint: str, timeout: float = 60.0) -> subprocess.CompletedProcess:
         """Run the command ``argv`` inside ``endpoint``'s namespace (``ip netns exec``); returns it finished,
