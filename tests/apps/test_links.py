@@ -150,3 +150,13 @@ def test_two_senders_deliver_an_update_faster_than_one():
     assert rows[1]["gbps"] * 1e9 <= 1.1 * 50e6 / 8
     assert rows[2]["ratio"] > 1.4, result
     print(f"2 senders / 1 sender: {rows[2]['ratio']:.2f} ({time.monotonic() - t0:.0f} s in all)")
+
+
+def test_bench_senders_refuses_a_bad_path_before_building_anything():
+    mine = f"{links.PREFIX}{os.getpid()}-"  # other tests and workers make and remove their own meanwhile
+    with pytest.raises(ValueError, match="module:factory"):
+        bench_senders(size_mb=1, path="no-colon")
+    with pytest.raises(ModuleNotFoundError):
+        bench_senders(size_mb=1, path="hal.apps.benchmarks.no_such_module:Path")
+    if links.links_available()[0]:
+        assert not [name for name in links.list_namespaces() if name.startswith(mine)]

@@ -20,9 +20,12 @@ to a barrier after the last receive.
 
 Needs root and iproute2 (see :func:`hal.apps.benchmarks.links.links_available`).
 
-An engine's multi-sender path plugs in by taking the place of :func:`send_shards` (on a sender rank:
-``(group, parts, rollout_ranks, timeout_s)``) and :func:`receive_shards` (on a rollout:
-``(group, views, timeout_s)``): same layout, same timing, same check.
+What moves the bytes is a :class:`SenderPath`, named by ``path`` (``"module:factory"``, imported in each
+rank): the default, :class:`GlooP2PPath`, is the gloo point-to-point sends above. An engine's multi-sender
+path plugs in as another factory whose ``send`` publishes a sender's shards (e.g. through the engine's
+``send_weights`` after ``build_topology`` gave every trainer rank a sender role) and whose ``receive``
+lands every sender's part in the given views (the engine's ``receive_weights(placement=...)``); the layout,
+the timing, the links and the byte-for-byte check stay the benchmark's.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ import dataclasses
 import datetime
 import statistics
 import time
-from typing import Any, Sequence
+from typing import Any, Protocol, Sequence
 
 import torch
 import tyro
@@ -40,6 +43,8 @@ from hal.apps.benchmarks import emit
 
 STORE_PORT = 29531
 """The rendezvous store's port on trainer rank 0's emulated address (the namespaces are private: no clash)."""
+DEFAULT_PATH = "hal.apps.benchmarks.bench_senders:GlooP2PPath"
+"""The :class:`SenderPath` factory measured unless another is named: gloo point-to-point sends."""
 
 
 @dataclasses.dataclass
@@ -56,6 +61,8 @@ class Args:
     """Sender counts measured side by side; the largest is also the trainer's world size."""
     rounds: int = 2
     """Timed rounds per figure (medians reported; the order of the sender counts alternates)."""
+    path: str = DEFAULT_PATH
+    """What moves the bytes: a SenderPath factory as 'module:factory' (default: gloo point-to-point)."""
     json: bool = False
     """Print the result as JSON instead of a table."""
 
@@ -145,6 +152,62 @@ def receive_shards(group: Any, views: Sequence[tuple[int, int, torch.Tensor]], t
         _wait(work, f"receive of tensor {index} on rank {group.rank} from sender rank {src}", timeout_s)
 
 
+class SenderPath(Protocol):
+    """What carries an update from S sender ranks to every rollout, made once per rank by the factory that
+    ``path`` names: ``factory(group, rank, trainers, rollout_ranks, shapes, timeout_s)``, where ``group`` is
+    a gloo :class:`hal.StoreGroup` over every rank (trainer ranks ``0..trainers-1``, then the rollouts, each
+    in its own namespace; for the path's own rendezvous or control messages) and ``shapes`` the full bf16
+    tensors' shapes, by tensor index (an engine names them, e.g. ``f"w{index}"``, and finds a shard's rows
+    with :func:`shard_rows`).
+
+    Every call is made by every rank of its role together, between two barriers that time it; a call must
+    not return before its part of the update is done, and must raise (naming the peer) rather than wait past
+    ``timeout_s`` seconds.
+    """
+
+    def send(self, parts: Sequence[tuple[int, torch.Tensor]], senders: int) -> None:
+        """On sender rank ``s < senders``: publish ``parts``, ``(tensor index, contiguous bf16 tensor)``: rows
+        ``shard_rows(shape[0], senders, s)`` of each full tensor (FSDP2's dim-0 shard; empty ones left out),
+        to every rollout."""
+
+    def receive(self, views: Sequence[tuple[int, int, torch.Tensor]], senders: int) -> None:
+        """On a rollout: land every ``(sender rank, tensor index, view)``: that sender's shard of that tensor,
+        straight into ``view``, a contiguous slice of the rollout's flat buffer."""
+
+    def close(self) -> None:
+        """Release what the path holds (after the last update)."""
+
+
+class GlooP2PPath:
+    """The default :class:`SenderPath`: gloo ``send``/``recv`` on the benchmark's group (:func:`send_shards`,
+    :func:`receive_shards`)."""
+
+    def __init__(self, group: Any, rank: int, trainers: int, rollout_ranks: Sequence[int],
+                 shapes: Sequence[tuple[int, ...]], timeout_s: float) -> None:
+        self.group, self.rollout_ranks, self.timeout_s = group, list(rollout_ranks), timeout_s
+
+    def send(self, parts: Sequence[tuple[int, torch.Tensor]], senders: int) -> None:
+        send_shards(self.group, parts, self.rollout_ranks, self.timeout_s)
+
+    def receive(self, views: Sequence[tuple[int, int, torch.Tensor]], senders: int) -> None:
+        receive_shards(self.group, views, self.timeout_s)
+
+    def close(self) -> None:
+        pass
+
+
+def _load(path: str) -> Any:
+    import importlib
+
+    module, sep, name = path.partition(":")
+    if not sep or not module or not name:
+        raise ValueError(f"path must be 'module:factory', got {path!r}")
+    target = importlib.import_module(module)
+    for part in name.split("."):
+        target = getattr(target, part)
+    return target
+
+
 # -- ranks ----------------------------------------------------------------------------------------------------
 
 def _rank(rank: int, world_size: int, _port: int, net: Any, endpoints: list[str], plan: dict) -> dict:
@@ -165,12 +228,14 @@ def _rank(rank: int, world_size: int, _port: int, net: Any, endpoints: list[str]
     is_rollout = rank in rollouts
     buffer = torch.empty_like(full) if is_rollout else None
 
+    path = _load(plan["path"])(group, rank, trainers, rollouts, shapes, timeout_s)
+
     def transfer(senders: int) -> None:
         if is_rollout:
             views = [(s, i, buffer[a:b]) for s in range(senders) for i, a, b in shard_ranges(shapes, senders, s)]
-            receive_shards(group, views, timeout_s)
+            path.receive(views, senders)
         elif rank < senders:
-            send_shards(group, held, rollouts, timeout_s)
+            path.send(held, senders)
 
     times: dict[str, list[float]] = {}
     bad = torch.zeros(1)
@@ -199,6 +264,7 @@ def _rank(rank: int, world_size: int, _port: int, net: Any, endpoints: list[str]
         group.all_reduce(bad)
         if bad.item():
             raise RuntimeError(f"a rollout received wrong bytes in {label} (see its line above)")
+    path.close()
     group.close()
     return {"times": times, "bytes": numel * 2}
 
@@ -208,20 +274,23 @@ def _sender_label(senders: int) -> str:
 
 
 def bench_senders(size_mb: int = 32, rate_mbit: float = 100.0, rollout_factor: float = 4.0, rollouts: int = 2,
-                  senders: Sequence[int] = (1, 2, 4), rounds: int = 2, rollout_limited: bool = True) -> dict:
+                  senders: Sequence[int] = (1, 2, 4), rounds: int = 2, rollout_limited: bool = True,
+                  path: str = DEFAULT_PATH) -> dict:
     """Measure the update's throughput with each count in ``senders`` against the same ``rollouts``, same
     bytes, in one run over emulated links (trainer links ``rate_mbit``, rollout links ``rollout_factor``
     times that), and, when ``rollout_limited``, with rollout links lowered to ``rate_mbit`` and the largest
-    sender count.
+    sender count. ``path`` names the :class:`SenderPath` factory that moves the bytes (``"module:factory"``).
 
     Returns:
-        ``{"bytes", "rate_bps", "rollout_rate_bps", "rollouts", "rounds", "rows": [{"what", "senders",
+        ``{"path", "bytes", "rate_bps", "rollout_rate_bps", "rollouts", "rounds", "seconds", "rows": [{"what", "senders",
         "rollout_rate_bps", "bytes", "s", "gbps", "ratio", "vs"}]}``: ``s`` the median seconds, ``gbps`` the
         update's bytes per second / 1e9, ``ratio`` the median per-round throughput ratio to 1 sender (or, on
-        the rollout-limited row, ``vs == "R"``, throughput over the rollout link's rate in bytes/s).
+        the rollout-limited row, ``vs == "R"``, throughput over the rollout link's rate in bytes/s);
+        ``"seconds"``: every round's time by row label (``"1 sender"``, ..., ``"rollout-limited"``).
 
     Raises:
-        ValueError: a bad count, size or rate, or ``senders`` without 1.
+        ValueError: a bad count, size or rate, ``senders`` without 1, or ``path`` not ``"module:factory"``.
+        ImportError, AttributeError: ``path`` names nothing importable.
         RuntimeError: emulated links are unavailable here (the reason is in the message).
         hal.testing.MultiprocessError: a rank failed, received wrong bytes, or the run passed its deadline.
     """
@@ -234,6 +303,7 @@ def bench_senders(size_mb: int = 32, rate_mbit: float = 100.0, rollout_factor: f
     if rollouts < 1 or rounds < 1 or not rate_mbit > 0 or not rollout_factor > 0:
         raise ValueError(f"need rollouts >= 1, rounds >= 1, rate_mbit > 0, rollout_factor > 0; got {rollouts}, "
                          f"{rounds}, {rate_mbit}, {rollout_factor}")
+    _load(path)  # a bad name fails here, before any namespace or process
     ok, reason = links_available()
     if not ok:
         raise RuntimeError(f"bench_senders needs emulated links: {reason}")
@@ -248,9 +318,13 @@ def bench_senders(size_mb: int = 32, rate_mbit: float = 100.0, rollout_factor: f
     if rollout_limited:
         phases.append({"label": "rollout-limited", "senders": trainers, "rollout_rate": rate})
         phases += [{"label": "rollout-limited", "senders": trainers} for _ in range(rounds - 1)]
-    # what the links allow: a sender's link carries its shard once per rollout
-    expect = sum(nbytes * 8 * rollouts / (rate * p["senders"]) for p in phases)
-    plan = {"trainers": trainers, "shapes": shapes, "phases": phases, "timeout_s": max(30.0, 4 * expect / len(phases))}
+    # seconds the links allow: a sender's link carries its shard once per rollout, and a rollout's link the
+    # whole update (at R in the rollout-limited phases)
+    expect = sum(max(nbytes * 8 * rollouts / (rate * p["senders"]),
+                     nbytes * 8 / (rate * (1 if p["label"] == "rollout-limited" else rollout_factor)))
+                 for p in phases)
+    plan = {"path": path, "trainers": trainers, "shapes": shapes, "phases": phases,
+            "timeout_s": max(30.0, 4 * expect / len(phases))}
     endpoints = [f"t{i}" for i in range(trainers)] + [f"r{i}" for i in range(rollouts)]
     rates = {e: rate if e.startswith("t") else rate * rollout_factor for e in endpoints}
     with emulated_network(rates) as net:
@@ -268,8 +342,8 @@ def bench_senders(size_mb: int = 32, rate_mbit: float = 100.0, rollout_factor: f
         rows.append({"what": f"{_sender_label(trainers)}, rollout links R", "senders": trainers,
                      "rollout_rate_bps": rate, "bytes": nbytes, "s": med(t), "gbps": nbytes / med(t) / 1e9,
                      "ratio": nbytes / med(t) / (rate / 8), "vs": "R"})
-    return {"bytes": nbytes, "rate_bps": rate, "rollout_rate_bps": rate * rollout_factor, "rollouts": rollouts,
-            "rounds": rounds, "rows": rows}
+    return {"path": path, "bytes": nbytes, "rate_bps": rate, "rollout_rate_bps": rate * rollout_factor,
+            "rollouts": rollouts, "rounds": rounds, "rows": rows, "seconds": times}
 
 
 def print_table(result: dict) -> None:
@@ -291,7 +365,7 @@ def print_table(result: dict) -> None:
 def main(args: Args | None = None) -> dict:
     args = args or tyro.cli(Args)
     result = bench_senders(args.size_mb, args.rate_mbit, args.rollout_factor, args.rollouts, args.senders,
-                           args.rounds)
+                           args.rounds, path=args.path)
     return emit(result, args.json, print_table)
 
 

@@ -66,9 +66,11 @@ def _cmd(argv: Sequence[str], timeout: float = CMD_TIMEOUT_S, check: bool = True
 def _tbf(rate_bps: float) -> list[str]:
     """``tc`` arguments of a token bucket of ``rate_bps`` bits/s. Its bucket holds 10 ms of the rate and at
     least 128 KiB (more than a 64 KiB GSO packet, which tbf would otherwise split, and enough that a busy
-    machine's late timer does not starve the link); its queue holds 50 ms."""
+    machine's late timer does not starve the link); its queue holds 200 ms of the rate, so that several senders
+    converging on one receiver's link (incast) lose no packets to it: with a 50 ms queue TCP retransmission
+    timeouts took 5-15% off a receiver-limited transfer here."""
     burst = max(int(rate_bps / 8 * 0.010), 128 << 10)
-    return ["tbf", "rate", f"{int(rate_bps)}bit", "burst", str(burst), "latency", "50ms"]
+    return ["tbf", "rate", f"{int(rate_bps)}bit", "burst", str(burst), "latency", "200ms"]
 
 
 def links_available() -> tuple[bool, str]:
