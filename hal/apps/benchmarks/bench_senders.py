@@ -1,0 +1,373 @@
+"""An update's bandwidth with 1, 2 and 4 senders over emulated per-rank links (issue 22).
+
+One sender's transfer is capped by its one NIC; when every rank of a sharded trainer sends its own shards,
+the NICs add up. This machine has one loopback, so each trainer rank and each rollout runs in its own network
+namespace with a rate-limited link (:mod:`hal.apps.benchmarks.links`): trainer links at ``R``, rollout links
+at ``rollout_factor * R``. Every sender rank holds ``1/S`` of the rows of every tensor (FSDP2's dim-0 shard:
+``torch.chunk(full, S, dim=0)[s]``, the trailing ranks possibly empty) and sends it to every rollout with
+gloo point-to-point sends over TCP (``GLOO_SOCKET_IFNAME`` = its namespace's veth); each rollout receives
+each sender's part straight into that part's slice of one flat bf16 buffer (the rows of a dim-0 shard are
+a contiguous range of the full tensor), then checks the buffer against the full model, byte for byte.
+
+One run measures, side by side, the same bytes to the same rollouts with ``S`` = 1, 2, 4 senders (rounds
+alternate the order), then, with the rollout links lowered to ``R``, ``S`` = max senders: the receivers'
+links are then the limit, and each rollout should receive at close to ``R``. Throughput is the update's
+bytes (what each rollout receives: the whole model) over the seconds from a barrier before the first send
+to a barrier after the last receive.
+
+    python -m hal.apps.benchmarks.bench_senders                    # 32 MiB, R = 100 Mbit/s, 2 rollouts
+    python -m hal.apps.benchmarks.bench_senders --size-mb 16 --rate-mbit 200 --rounds 3 --json
+
+Needs root and iproute2 (see :func:`hal.apps.benchmarks.links.links_available`).
+
+What moves the bytes is a :class:`SenderPath`, named by ``path`` (``"module:factory"``, imported in each
+rank): the default, :class:`GlooP2PPath`, is the gloo point-to-point sends above. An engine's multi-sender
+path plugs in as another factory whose ``send`` publishes a sender's shards (e.g. through the engine's
+``send_weights`` after ``build_topology`` gave every trainer rank a sender role) and whose ``receive``
+lands every sender's part in the given views (the engine's ``receive_weights(placement=...)``); the layout,
+the timing, the links and the byte-for-byte check stay the benchmark's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import statistics
+import time
+from typing import Any, Protocol, Sequence
+
+import torch
+import tyro
+
+from hal.apps.benchmarks import emit
+
+STORE_PORT = 29531
+"""The rendezvous store's port on trainer rank 0's emulated address (the namespaces are private: no clash)."""
+DEFAULT_PATH = "hal.apps.benchmarks.bench_senders:GlooP2PPath"
+"""The :class:`SenderPath` factory measured unless another is named: gloo point-to-point sends."""
+
+
+@dataclasses.dataclass
+class Args:
+    size_mb: int = 32
+    """Model size in MiB (bf16, a mix of 2-D weights with uneven row counts and 1-D vectors)."""
+    rate_mbit: float = 100.0
+    """R: each trainer rank's link rate, in Mbit/s (each direction)."""
+    rollout_factor: float = 4.0
+    """Rollout links run at this times R in the scaling runs (the issue asks for at least 4)."""
+    rollouts: int = 2
+    """Rollout processes, each in its own namespace."""
+    senders: list[int] = dataclasses.field(default_factory=lambda: [1, 2, 4])
+    """Sender counts measured side by side; the largest is also the trainer's world size."""
+    rounds: int = 2
+    """Timed rounds per figure (medians reported; the order of the sender counts alternates)."""
+    path: str = DEFAULT_PATH
+    """What moves the bytes: a SenderPath factory as 'module:factory' (default: gloo point-to-point)."""
+    json: bool = False
+    """Print the result as JSON instead of a table."""
+
+
+# -- layout ---------------------------------------------------------------------------------------------------
+
+def model_shapes(size_bytes: int) -> list[tuple[int, ...]]:
+    """Shapes of a bf16 model of about ``size_bytes`` bytes: 2-D weights of 1024 columns whose row counts are
+    not multiples of 4 (so the dim-0 shards of 2 and 4 senders are uneven, as FSDP2's can be) and small 1-D
+    vectors (norms, biases; their rows are single elements).
+
+    Raises:
+        ValueError: ``size_bytes`` under 1 MiB.
+    """
+    if size_bytes < 1 << 20:
+        raise ValueError(f"size_bytes must be at least 1 MiB, got {size_bytes}")
+    cols, weights = 1024, (4, 3, 2, 2, 1, 1, 1, 1)  # relative sizes, as attention / MLP projections
+    rows_total = size_bytes // 2 // cols - 8
+    shapes: list[tuple[int, ...]] = []
+    for i, w in enumerate(weights):
+        rows = max(5, rows_total * w // sum(weights) - (i % 3) - 1)
+        shapes.append((rows, cols))
+        if i % 2:
+            shapes.append((1027 + i,))
+    return shapes
+
+
+def shard_rows(rows: int, senders: int, sender: int) -> tuple[int, int]:
+    """Rows ``[start, stop)`` of a tensor of ``rows`` rows that sender ``sender`` of ``senders`` holds:
+    FSDP2's dim-0 chunking (``torch.chunk``: chunks of ``ceil(rows / senders)`` rows, the last ones shorter
+    or empty)."""
+    chunk = -(-rows // senders)
+    start = min(rows, sender * chunk)
+    return start, min(rows, start + chunk)
+
+
+def shard_ranges(shapes: Sequence[tuple[int, ...]], senders: int, sender: int) -> list[tuple[int, int, int]]:
+    """``(tensor index, start, stop)`` element ranges, in the flat buffer of the whole model (tensors back to
+    back in order), of the non-empty dim-0 shards that ``sender`` of ``senders`` holds."""
+    out, offset = [], 0
+    for i, shape in enumerate(shapes):
+        row = 1
+        for d in shape[1:]:
+            row *= d
+        r0, r1 = shard_rows(shape[0], senders, sender)
+        if r1 > r0:
+            out.append((i, offset + r0 * row, offset + r1 * row))
+        offset += shape[0] * row
+    return out
+
+
+# -- the transfer: what an engine's multi-sender path replaces ------------------------------------------------
+
+def _wait(work: Any, what: str, timeout_s: float) -> None:
+    from hal import DistributedTimeoutError
+
+    try:
+        ok = work.wait(datetime.timedelta(seconds=timeout_s))
+    except RuntimeError as exc:
+        raise DistributedTimeoutError(f"{what} failed or passed {timeout_s:g} s (a peer is dead or slow): {exc}") from exc
+    if ok is False:
+        raise DistributedTimeoutError(f"{what} did not complete within {timeout_s:g} s")
+
+
+def send_shards(group: Any, parts: Sequence[tuple[int, torch.Tensor]], rollout_ranks: Sequence[int],
+                timeout_s: float) -> None:
+    """On a sender: send each of its ``parts`` (``(tensor index, contiguous bf16 shard)``) to every rollout
+    (gloo ``send``, tagged with the tensor index), all posted at once; blocks until every send completed.
+
+    Raises:
+        DistributedTimeoutError: a send did not complete within ``timeout_s`` seconds (names the rollout).
+    """
+    works = [(group.backend.send([part], dst, index), dst, index) for index, part in parts for dst in rollout_ranks]
+    for work, dst, index in works:
+        _wait(work, f"send of tensor {index} from rank {group.rank} to rollout rank {dst}", timeout_s)
+
+
+def receive_shards(group: Any, views: Sequence[tuple[int, int, torch.Tensor]], timeout_s: float) -> None:
+    """On a rollout: receive each ``(sender rank, tensor index, view)`` straight into ``view`` (a contiguous
+    slice of the served buffer), all posted at once; blocks until every receive completed.
+
+    Raises:
+        DistributedTimeoutError: a receive did not complete within ``timeout_s`` seconds (names the sender).
+    """
+    works = [(group.backend.recv([view], src, index), src, index) for src, index, view in views]
+    for work, src, index in works:
+        _wait(work, f"receive of tensor {index} on rank {group.rank} from sender rank {src}", timeout_s)
+
+
+class SenderPath(Protocol):
+    """What carries an update from S sender ranks to every rollout, made once per rank by the factory that
+    ``path`` names: ``factory(group, rank, trainers, rollout_ranks, shapes, timeout_s)``, where ``group`` is
+    a gloo :class:`hal.StoreGroup` over every rank (trainer ranks ``0..trainers-1``, then the rollouts, each
+    in its own namespace; for the path's own rendezvous or control messages) and ``shapes`` the full bf16
+    tensors' shapes, by tensor index (an engine names them, e.g. ``f"w{index}"``, and finds a shard's rows
+    with :func:`shard_rows`).
+
+    Every call is made by every rank of its role together, between two barriers that time it; a call must
+    not return before its part of the update is done, and must raise (naming the peer) rather than wait past
+    ``timeout_s`` seconds.
+    """
+
+    def send(self, parts: Sequence[tuple[int, torch.Tensor]], senders: int) -> None:
+        """On sender rank ``s < senders``: publish ``parts``, ``(tensor index, contiguous bf16 tensor)``: rows
+        ``shard_rows(shape[0], senders, s)`` of each full tensor (FSDP2's dim-0 shard; empty ones left out),
+        to every rollout."""
+
+    def receive(self, views: Sequence[tuple[int, int, torch.Tensor]], senders: int) -> None:
+        """On a rollout: land every ``(sender rank, tensor index, view)``: that sender's shard of that tensor,
+        straight into ``view``, a contiguous slice of the rollout's flat buffer."""
+
+    def close(self) -> None:
+        """Release what the path holds (after the last update)."""
+
+
+class GlooP2PPath:
+    """The default :class:`SenderPath`: gloo ``send``/``recv`` on the benchmark's group (:func:`send_shards`,
+    :func:`receive_shards`)."""
+
+    def __init__(self, group: Any, rank: int, trainers: int, rollout_ranks: Sequence[int],
+                 shapes: Sequence[tuple[int, ...]], timeout_s: float) -> None:
+        self.group, self.rollout_ranks, self.timeout_s = group, list(rollout_ranks), timeout_s
+
+    def send(self, parts: Sequence[tuple[int, torch.Tensor]], senders: int) -> None:
+        send_shards(self.group, parts, self.rollout_ranks, self.timeout_s)
+
+    def receive(self, views: Sequence[tuple[int, int, torch.Tensor]], senders: int) -> None:
+        receive_shards(self.group, views, self.timeout_s)
+
+    def close(self) -> None:
+        pass
+
+
+def _load(path: str) -> Any:
+    import importlib
+
+    module, sep, name = path.partition(":")
+    if not sep or not module or not name:
+        raise ValueError(f"path must be 'module:factory', got {path!r}")
+    target = importlib.import_module(module)
+    for part in name.split("."):
+        target = getattr(target, part)
+    return target
+
+
+# -- ranks ----------------------------------------------------------------------------------------------------
+
+def _rank(rank: int, world_size: int, _port: int, net: Any, endpoints: list[str], plan: dict) -> dict:
+    import os
+
+    import hal
+    from hal.apps.benchmarks.links import enter_namespace
+
+    enter_namespace(net.namespace(endpoints[rank]))  # before any socket or thread of this process
+    os.environ["GLOO_SOCKET_IFNAME"] = net.ifname
+    trainers, rollouts = plan["trainers"], list(range(plan["trainers"], world_size))
+    timeout_s = plan["timeout_s"]
+    store = hal.connect_store(net.address(endpoints[0]), STORE_PORT, rank, world_size, timeout=timeout_s)
+    group = hal.new_group_from_store(store, rank, world_size, device="cpu", timeout=timeout_s, prefix="senders")
+    shapes = [tuple(s) for s in plan["shapes"]]
+    numel = sum(torch.Size(s).numel() for s in shapes)
+    full = torch.randn(numel, generator=torch.Generator().manual_seed(22), dtype=torch.float32).to(torch.bfloat16)
+    is_rollout = rank in rollouts
+    buffer = torch.empty_like(full) if is_rollout else None
+
+    path = _load(plan["path"])(group, rank, trainers, rollouts, shapes, timeout_s)
+
+    def transfer(senders: int) -> None:
+        if is_rollout:
+            views = [(s, i, buffer[a:b]) for s in range(senders) for i, a, b in shard_ranges(shapes, senders, s)]
+            path.receive(views, senders)
+        elif rank < senders:
+            path.send(held, senders)
+
+    times: dict[str, list[float]] = {}
+    bad = torch.zeros(1)
+    for phase in plan["phases"]:
+        label, senders = phase["label"], phase["senders"]
+        if phase.get("rollout_rate") is not None:
+            group.barrier()
+            if rank == 0:
+                for r in rollouts:
+                    net.set_rate(endpoints[r], phase["rollout_rate"])
+            group.barrier()
+        # the sender's own shards, as FSDP2 holds them (copies: no rank reads another's memory)
+        held = [(i, full[a:b].clone()) for i, a, b in shard_ranges(shapes, senders, rank)] \
+            if rank < senders and not is_rollout else []
+        if is_rollout:
+            buffer.zero_()
+        group.barrier()
+        t0 = time.perf_counter()
+        transfer(senders)
+        group.barrier()
+        times.setdefault(label, []).append(time.perf_counter() - t0)
+        if is_rollout and not torch.equal(buffer.view(torch.int16), full.view(torch.int16)):
+            wrong = int((buffer.view(torch.int16) != full.view(torch.int16)).sum())
+            bad[0] = 1
+            print(f"rollout rank {rank}: {wrong} of {numel} elements differ after {label}", flush=True)
+        group.all_reduce(bad)
+        if bad.item():
+            raise RuntimeError(f"a rollout received wrong bytes in {label} (see its line above)")
+    path.close()
+    group.close()
+    return {"times": times, "bytes": numel * 2}
+
+
+def _sender_label(senders: int) -> str:
+    return f"{senders} sender" + ("s" if senders > 1 else "")
+
+
+def bench_senders(size_mb: int = 32, rate_mbit: float = 100.0, rollout_factor: float = 4.0, rollouts: int = 2,
+                  senders: Sequence[int] = (1, 2, 4), rounds: int = 2, rollout_limited: bool = True,
+                  path: str = DEFAULT_PATH) -> dict:
+    """Measure the update's throughput with each count in ``senders`` against the same ``rollouts``, same
+    bytes, in one run over emulated links (trainer links ``rate_mbit``, rollout links ``rollout_factor``
+    times that), and, when ``rollout_limited``, with rollout links lowered to ``rate_mbit`` and the largest
+    sender count. ``path`` names the :class:`SenderPath` factory that moves the bytes (``"module:factory"``).
+
+    Returns:
+        ``{"path", "bytes", "rate_bps", "rollout_rate_bps", "rollouts", "rounds", "seconds", "rows": [{"what", "senders",
+        "rollout_rate_bps", "bytes", "s", "gbps", "ratio", "vs"}]}``: ``s`` the median seconds, ``gbps`` the
+        update's bytes per second / 1e9, ``ratio`` the median per-round throughput ratio to 1 sender (or, on
+        the rollout-limited row, ``vs == "R"``, throughput over the rollout link's rate in bytes/s);
+        ``"seconds"``: every round's time by row label (``"1 sender"``, ..., ``"rollout-limited"``).
+
+    Raises:
+        ValueError: a bad count, size or rate, ``senders`` without 1, or ``path`` not ``"module:factory"``.
+        ImportError, AttributeError: ``path`` names nothing importable.
+        RuntimeError: emulated links are unavailable here (the reason is in the message).
+        hal.testing.MultiprocessError: a rank failed, received wrong bytes, or the run passed its deadline.
+    """
+    from hal.apps.benchmarks.links import emulated_network, links_available
+    from hal.testing import run_multiprocess
+
+    senders = sorted(set(int(s) for s in senders))
+    if not senders or senders[0] != 1 or senders[-1] > 64:
+        raise ValueError(f"senders must include 1 and be counts in 1..64, got {senders}")
+    if rollouts < 1 or rounds < 1 or not rate_mbit > 0 or not rollout_factor > 0:
+        raise ValueError(f"need rollouts >= 1, rounds >= 1, rate_mbit > 0, rollout_factor > 0; got {rollouts}, "
+                         f"{rounds}, {rate_mbit}, {rollout_factor}")
+    _load(path)  # a bad name fails here, before any namespace or process
+    ok, reason = links_available()
+    if not ok:
+        raise RuntimeError(f"bench_senders needs emulated links: {reason}")
+    rate = rate_mbit * 1e6
+    trainers = senders[-1]
+    shapes = model_shapes(size_mb << 20)
+    nbytes = 2 * sum(torch.Size(s).numel() for s in shapes)
+    phases = []
+    for r in range(rounds):
+        for s in (senders if r % 2 == 0 else senders[::-1]):
+            phases.append({"label": _sender_label(s), "senders": s})
+    if rollout_limited:
+        phases.append({"label": "rollout-limited", "senders": trainers, "rollout_rate": rate})
+        phases += [{"label": "rollout-limited", "senders": trainers} for _ in range(rounds - 1)]
+    # seconds the links allow: a sender's link carries its shard once per rollout, and a rollout's link the
+    # whole update (at R in the rollout-limited phases)
+    expect = sum(max(nbytes * 8 * rollouts / (rate * p["senders"]),
+                     nbytes * 8 / (rate * (1 if p["label"] == "rollout-limited" else rollout_factor)))
+                 for p in phases)
+    plan = {"path": path, "trainers": trainers, "shapes": shapes, "phases": phases,
+            "timeout_s": max(30.0, 4 * expect / len(phases))}
+    endpoints = [f"t{i}" for i in range(trainers)] + [f"r{i}" for i in range(rollouts)]
+    rates = {e: rate if e.startswith("t") else rate * rollout_factor for e in endpoints}
+    with emulated_network(rates) as net:
+        results = run_multiprocess(_rank, len(endpoints), net, endpoints, plan, timeout=120 + 3 * expect)
+    times = results[0]["times"]
+    med = statistics.median
+    rows = []
+    for s in senders:
+        t = times[_sender_label(s)]
+        rows.append({"what": _sender_label(s), "senders": s, "rollout_rate_bps": rate * rollout_factor,
+                     "bytes": nbytes, "s": med(t), "gbps": nbytes / med(t) / 1e9,
+                     "ratio": med(a / b for a, b in zip(times[_sender_label(1)], t)), "vs": "1 sender"})
+    if rollout_limited:
+        t = times["rollout-limited"]
+        rows.append({"what": f"{_sender_label(trainers)}, rollout links R", "senders": trainers,
+                     "rollout_rate_bps": rate, "bytes": nbytes, "s": med(t), "gbps": nbytes / med(t) / 1e9,
+                     "ratio": nbytes / med(t) / (rate / 8), "vs": "R"})
+    return {"path": path, "bytes": nbytes, "rate_bps": rate, "rollout_rate_bps": rate * rollout_factor,
+            "rollouts": rollouts, "rounds": rounds, "rows": rows, "seconds": times}
+
+
+def print_table(result: dict) -> None:
+    """The figures of :func:`bench_senders` as a rich table."""
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"update over emulated links: {result['bytes'] / (1 << 20):.0f} MiB bf16 to "
+                        f"{result['rollouts']} rollouts, trainer links R = {result['rate_bps'] / 1e6:g} Mbit/s, "
+                        f"rollout links {result['rollout_rate_bps'] / 1e6:g} Mbit/s unless said")
+    for col in ("what", "bytes", "time s", "GB/s", "Mbit/s", "ratio", "vs"):
+        table.add_column(col, justify="right")
+    for row in result["rows"]:
+        table.add_row(row["what"], str(row["bytes"]), f"{row['s']:.2f}", f"{row['gbps']:.4f}",
+                      f"{row['gbps'] * 8e3:.0f}", f"{row['ratio']:.2f}", row["vs"])
+    Console(width=150).print(table)
+
+
+def main(args: Args | None = None) -> dict:
+    args = args or tyro.cli(Args)
+    result = bench_senders(args.size_mb, args.rate_mbit, args.rollout_factor, args.rollouts, args.senders,
+                           args.rounds, path=args.path)
+    return emit(result, args.json, print_table)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,276 @@
+"""Emulated per-rank network links: each endpoint (a trainer rank, a rollout) in its own network namespace.
+
+This machine has one loopback, so a transfer's bandwidth cannot grow with the number of senders here by
+itself. :func:`emulated_network` gives every endpoint its own namespace holding one veth (``eth0``, an
+address in ``10.231.0.0/24``) whose peer sits on a bridge in a hub namespace; each link is rate-limited by a
+token bucket (``tc qdisc ... tbf``) on both directions: on the endpoint's ``eth0`` (its upload) and on the
+hub's side of the pair (its download), as a full-duplex NIC of that rate. The addresses exist only inside
+these namespaces, so no traffic leaves them and two networks never collide (each has its own hub).
+
+    with emulated_network({"t0": 100e6, "t1": 100e6, "r0": 400e6}) as net:
+        net.address("t0")                        # '10.231.0.1'
+        net.run(["python", "-c", "..."], "r0")   # ip netns exec <its namespace> ...
+        net.set_rate("r0", 100e6)                # change a link's rate while it is in use
+
+A process enters an endpoint's namespace with :func:`enter_namespace` (``setns(2)``), e.g. first thing in a
+rank started by :func:`hal.testing.run_multiprocess`; threads and sockets it creates afterwards live there.
+
+Needs root (``CAP_NET_ADMIN``), iproute2's ``ip`` and ``tc`` and the kernel's veth, bridge and tbf;
+:func:`links_available` says whether they work here and, if not, why. Namespaces are named
+``hallinks-<pid>-<n>-<endpoint>``: teardown always runs (errors and ``KeyboardInterrupt`` included), and
+namespaces left by a process that died without it are removed by the next :func:`emulated_network` (their
+pid no longer runs).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import dataclasses
+import itertools
+import os
+import re
+import shutil
+import subprocess
+from typing import Iterator, Mapping, Sequence
+
+PREFIX = "hallinks-"
+"""Prefix of every namespace this module creates (then the creating process's pid)."""
+SUBNET = "10.231.0"
+"""The endpoints' /24: endpoint ``i`` (in the order given) gets ``10.231.0.<i+1>``."""
+IFNAME = "eth0"
+"""The endpoint's interface inside its namespace (the name to give ``GLOO_SOCKET_IFNAME``)."""
+MAX_ENDPOINTS = 250
+CMD_TIMEOUT_S = 30.0
+_NETNS_DIR = "/run/netns"
+_CLONE_NEWNET = 0x40000000
+_NAME = re.compile(r"^[A-Za-z0-9_.]{1,40}$")
+_counter = itertools.count()
+_available: tuple[bool, str] | None = None
+
+
+class LinksError(RuntimeError):
+    """An ``ip`` / ``tc`` command failed or timed out; the message holds the command and its stderr."""
+
+
+def _cmd(argv: Sequence[str], timeout: float = CMD_TIMEOUT_S, check: bool = True) -> subprocess.CompletedProcess:
+    try:
+        done = subprocess.run(list(argv), capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as exc:
+        raise LinksError(f"{' '.join(argv)!r} did not finish within {timeout:g} s") from exc
+    if check and done.returncode != 0:
+        raise LinksError(f"{' '.join(argv)!r} failed (exit {done.returncode}): {done.stderr.strip()}")
+    return done
+
+
+def _tbf(rate_bps: float) -> list[str]:
+    """``tc`` arguments of a token bucket of ``rate_bps`` bits/s. Its bucket holds 10 ms of the rate and at
+    least 128 KiB (more than a 64 KiB GSO packet, which tbf would otherwise split, and enough that a busy
+    machine's late timer does not starve the link); its queue holds 200 ms of the rate, so that several senders
+    converging on one receiver's link (incast) lose no packets to it: with a 50 ms queue TCP retransmission
+    timeouts took 5-15% off a receiver-limited transfer here."""
+    burst = max(int(rate_bps / 8 * 0.010), 128 << 10)
+    return ["tbf", "rate", f"{int(rate_bps)}bit", "burst", str(burst), "latency", "200ms"]
+
+
+def links_available() -> tuple[bool, str]:
+    """Whether emulated links can be built here: ``(True, "")``, or ``(False, reason)``.
+
+    Checks for root, ``ip`` and ``tc`` on ``PATH``, then builds and removes a probe namespace pair with a
+    veth, a bridge and a tbf qdisc (a container without ``CAP_NET_ADMIN`` or a kernel without those fails
+    here). The answer is cached for the process.
+    """
+    global _available
+    if _available is not None:
+        return _available
+    if os.geteuid() != 0:
+        _available = (False, "emulated links need root (ip netns / tc need CAP_NET_ADMIN)")
+        return _available
+    missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
+    if missing:
+        _available = (False, f"emulated links need iproute2's {' and '.join(missing)} on PATH")
+        return _available
+    try:
+        with emulated_network({"a": 1e6, "b": 1e6}):
+            pass
+    except (LinksError, OSError) as exc:
+        _available = (False, f"building network namespaces with veth, bridge and tbf failed: {exc}")
+        return _available
+    _available = (True, "")
+    return _available
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def list_namespaces() -> list[str]:
+    """Names of every network namespace on the machine (``ip netns list``), this module's or not."""
+    out = _cmd(["ip", "netns", "list"]).stdout
+    return [line.split()[0] for line in out.splitlines() if line.strip()]
+
+
+def remove_stale() -> list[str]:
+    """Delete the namespaces of this module whose creating process no longer runs; returns their names."""
+    removed = []
+    for name in list_namespaces():
+        match = re.match(rf"^{re.escape(PREFIX)}(\d+)-", name)
+        if match and not _pid_alive(int(match.group(1))):
+            _cmd(["ip", "netns", "del", name], check=False)
+            removed.append(name)
+    return removed
+
+
+@dataclasses.dataclass(frozen=True)
+class EmulatedNetwork:
+    """A built network: endpoint name -> its namespace, address and link rate (picklable, so a rank process
+    can be handed it and change a rate itself).
+
+    Attributes:
+        namespaces: endpoint -> network namespace name (``ip netns`` name).
+        addresses: endpoint -> its IPv4 address on :data:`IFNAME`.
+        hub: the namespace holding the bridge and the hub side of every veth pair.
+        rates: endpoint -> link rate in bits/s at build time (each direction).
+    """
+
+    namespaces: dict[str, str]
+    addresses: dict[str, str]
+    hub: str
+    rates: dict[str, float]
+    ports: dict[str, str]
+    """endpoint -> its veth peer's name in the hub namespace."""
+
+    @property
+    def ifname(self) -> str:
+        """The interface of every endpoint inside its namespace (for ``GLOO_SOCKET_IFNAME``)."""
+        return IFNAME
+
+    def namespace(self, endpoint: str) -> str:
+        """The namespace of ``endpoint``.
+
+        Raises:
+            KeyError: no such endpoint (the message lists them).
+        """
+        if endpoint not in self.namespaces:
+            raise KeyError(f"no endpoint {endpoint!r} in this network (endpoints: {sorted(self.namespaces)})")
+        return self.namespaces[endpoint]
+
+    def address(self, endpoint: str) -> str:
+        """The IPv4 address of ``endpoint`` (reachable from every other endpoint of the network)."""
+        self.namespace(endpoint)
+        return self.addresses[endpoint]
+
+    def set_rate(self, endpoint: str, rate_bps: float) -> None:
+        """Change ``endpoint``'s link to ``rate_bps`` bits/s in both directions (``tc qdisc replace``), also
+        while traffic flows.
+
+        Raises:
+            ValueError: ``rate_bps`` is not positive.
+            KeyError: no such endpoint.
+            LinksError: ``tc`` failed.
+        """
+        if not rate_bps > 0:
+            raise ValueError(f"rate_bps must be > 0 bits/s, got {rate_bps!r}")
+        ns = self.namespace(endpoint)
+        _cmd(["tc", "-n", ns, "qdisc", "replace", "dev", IFNAME, "root", *_tbf(rate_bps)])
+        _cmd(["tc", "-n", self.hub, "qdisc", "replace", "dev", self.ports[endpoint], "root", *_tbf(rate_bps)])
+
+    def run(self, argv: Sequence[str], endpoint: str, timeout: float = 60.0) -> subprocess.CompletedProcess:
+        """Run the command ``argv`` inside ``endpoint``'s namespace (``ip netns exec``); returns it finished,
+        with its stdout and stderr as text.
+
+        Raises:
+            KeyError: no such endpoint.
+            LinksError: it exited non-zero or ran past ``timeout`` seconds (it is then killed).
+        """
+        return _cmd(["ip", "netns", "exec", self.namespace(endpoint), *argv], timeout=timeout)
+
+    def popen(self, argv: Sequence[str], endpoint: str, **kwargs) -> subprocess.Popen:
+        """Start ``argv`` inside ``endpoint``'s namespace and return it running (``subprocess.Popen`` keywords
+        pass through); the caller waits for it, with a timeout."""
+        return subprocess.Popen(["ip", "netns", "exec", self.namespace(endpoint), *argv], **kwargs)
+
+
+def enter_namespace(namespace: str) -> None:
+    """Move the calling thread into the network namespace ``namespace`` (``setns(2)``, as ``ip netns exec``).
+
+    Call it in a child process before it opens any socket or starts threads: threads started afterwards
+    inherit the namespace, those running already stay where they were.
+
+    Raises:
+        FileNotFoundError: no namespace of that name.
+        OSError: ``setns`` failed (not root).
+    """
+    path = os.path.join(_NETNS_DIR, namespace)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        if hasattr(os, "setns"):  # Python >= 3.12
+            os.setns(fd, os.CLONE_NEWNET)
+        else:
+            libc = ctypes.CDLL(None, use_errno=True)
+            if libc.setns(fd, _CLONE_NEWNET) != 0:
+                err = ctypes.get_errno()
+                raise OSError(err, f"setns into network namespace {namespace!r}: {os.strerror(err)}")
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def emulated_network(rates: Mapping[str, float]) -> Iterator[EmulatedNetwork]:
+    """Build a network of one namespace per endpoint, each linked to a shared bridge at its own rate.
+
+    Args:
+        rates: endpoint name (letters, digits, ``_`` and ``.``; at most 40 characters) -> its link rate in
+            bits/s, applied to each direction. Endpoint ``i`` in this order gets address ``10.231.0.<i+1>``.
+
+    Yields:
+        The :class:`EmulatedNetwork`. On leaving, every namespace it made is deleted (the veth pairs go with
+        them), also on an exception or ``KeyboardInterrupt``; processes still inside keep their namespace
+        alive until they exit, but the name is gone.
+
+    Raises:
+        ValueError: no endpoints, more than 250, a bad name or a rate not > 0.
+        LinksError: an ``ip`` / ``tc`` command failed (see :func:`links_available`).
+    """
+    if not rates or len(rates) > MAX_ENDPOINTS:
+        raise ValueError(f"need 1..{MAX_ENDPOINTS} endpoints, got {len(rates)}")
+    for name, rate in rates.items():
+        if not _NAME.match(name):
+            raise ValueError(f"endpoint name {name!r} must be 1-40 characters of letters, digits, '_' and '.'")
+        if not rate > 0:
+            raise ValueError(f"rate of endpoint {name!r} must be > 0 bits/s, got {rate!r}")
+    remove_stale()
+    base = f"{PREFIX}{os.getpid()}-{next(_counter)}-"
+    hub = base + "hub"
+    net = EmulatedNetwork(namespaces={name: base + name for name in rates},
+                          addresses={name: f"{SUBNET}.{i + 1}" for i, name in enumerate(rates)},
+                          hub=hub, rates={name: float(rate) for name, rate in rates.items()},
+                          ports={name: f"p{i}" for i, name in enumerate(rates)})
+    made: list[str] = []
+    try:
+        _cmd(["ip", "netns", "add", hub])
+        made.append(hub)
+        _cmd(["ip", "-n", hub, "link", "add", "br0", "type", "bridge"])
+        _cmd(["ip", "-n", hub, "link", "set", "br0", "up"])
+        for name, rate in net.rates.items():
+            ns, port = net.namespaces[name], net.ports[name]
+            _cmd(["ip", "netns", "add", ns])
+            made.append(ns)
+            _cmd(["ip", "link", "add", IFNAME, "netns", ns, "type", "veth", "peer", "name", port, "netns", hub])
+            _cmd(["ip", "-n", hub, "link", "set", port, "master", "br0"])
+            _cmd(["ip", "-n", hub, "link", "set", port, "up"])
+            _cmd(["ip", "-n", ns, "addr", "add", f"{net.addresses[name]}/24", "dev", IFNAME])
+            _cmd(["ip", "-n", ns, "link", "set", "lo", "up"])
+            _cmd(["ip", "-n", ns, "link", "set", IFNAME, "up"])
+            _cmd(["tc", "-n", ns, "qdisc", "add", "dev", IFNAME, "root", *_tbf(rate)])    # its upload
+            _cmd(["tc", "-n", hub, "qdisc", "add", "dev", port, "root", *_tbf(rate)])     # its download
+        yield net
+    finally:
+        for ns in reversed(made):
+            _cmd(["ip", "netns", "del", ns], check=False)
