@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 import hal
-from ckpt.delta.checksum import tensor_checksum
+from ckpt.delta.checksum import combine, raw_words, updated_parts, word_parts
 from ckpt.delta.wire import POS_WIDTH, POSITIONS, SPEC, VALUES, encode_spec, flush_checksum
 from ckpt.errors import CheckpointConfigError
 
@@ -127,6 +127,7 @@ class DeltaSender:
         spec = hal.resolve_device(device)
         self.pin = bool(getattr(spec, "supports_pin_memory", False)) and not getattr(spec, "host_memory", False)
         self.snapshot: dict[str, torch.Tensor] = {}
+        self._parts: dict[str, tuple[int, int]] = {}  # each snapshot tensor's checksum parts
         self.published_step: int | None = None  # the step the snapshot holds, once committed
         self._valid = False  # the snapshot is a base the receivers hold (committed and not reseeded)
         self._reseed_reason: str | None = "first update"
@@ -191,7 +192,7 @@ class DeltaSender:
         base = None if seed else self.published_step
         self._pending, self._valid = None, False  # not a valid base until committed
         if seed:
-            self.snapshot = {}  # the old one is no base any more; free it before the new one fills
+            self.snapshot, self._parts = {}, {}  # the old one is no base any more; free it before the new one fills
         buckets: dict[tuple[str, torch.dtype], _Bucket] = {}
         held: list[tuple[dict[str, Any], torch.Tensor | None, torch.Tensor]] = []  # the flush held back
         seen: set[str] = set()
@@ -221,9 +222,9 @@ class DeltaSender:
             entry = self._diff(name, tensor.contiguous(), stats)
             if entry is None:
                 continue
-            encoding, flat, positions, values = entry
+            encoding, positions, values, checksum = entry
             bucket = buckets.setdefault((encoding, values.dtype), _Bucket(encoding, values.dtype))
-            self._add(bucket, name, tensor, positions, values, tensor_checksum(flat))
+            self._add(bucket, name, tensor, positions, values, checksum)
             if bucket.nbytes >= self.flush_bytes:
                 yield from close(buckets.pop((encoding, values.dtype)))
         for key in list(buckets):
@@ -234,10 +235,15 @@ class DeltaSender:
         yield self._named(*held.pop(), is_last=True, stats=stats)
 
     def _diff(self, name: str, tensor: torch.Tensor, stats: UpdateStats):
-        """``(encoding, flat, positions int32 | None, values)`` for one tensor, or ``None`` if unchanged;
-        updates the snapshot and ``stats``."""
+        """``(encoding, positions int32 | None, values, checksum)`` for one tensor, or ``None`` if unchanged;
+        updates the snapshot, its checksum parts and ``stats``.
+
+        The comparison runs on 64-bit words (a quarter of the bf16 elements to scan for changes), then on
+        the elements of the changed words only; the new checksum is the old one updated by those words.
+        """
         flat = tensor.reshape(-1)
-        nbytes = flat.numel() * flat.element_size()
+        es = flat.element_size()
+        nbytes = flat.numel() * es
         stats.total += flat.numel()
         stats.dense_bytes += nbytes
         old = self.snapshot.get(name)
@@ -245,26 +251,70 @@ class DeltaSender:
             self.snapshot[name] = host = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu",
                                                      pin_memory=self.pin)
             host.copy_(tensor)
-            stats.changed += flat.numel()
-            stats.dense_tensors += 1
-            return "dense", flat, None, flat
-        new_bits = bits(flat)
-        old_bits = bits(old).to(flat.device, non_blocking=self.pin)
-        positions = (new_bits != old_bits).nonzero().reshape(-1)
-        del old_bits
-        changed = positions.numel()
+            return self._dense(name, flat, stats)
+        old_flat = old.reshape(-1)
+        old_dev = old_flat.to(flat.device, non_blocking=self.pin)
+        changed = int(torch.count_nonzero(bits(flat) != bits(old_dev)))
         if changed == 0:
             return None
-        stats.changed += changed
-        values = flat[positions]
-        nan = values.is_floating_point() and bool(torch.isnan(values).any())
-        if nan or changed * (POS_WIDTH + flat.element_size()) >= nbytes:
-            bits(old).copy_(new_bits)
-            stats.dense_tensors += 1
-            return "dense", flat, None, flat
-        bits(old)[positions.to("cpu")] = bits(values).to("cpu")
+        if changed * (POS_WIDTH + es) >= nbytes:  # dense: no positions to find
+            old_flat.copy_(flat)
+            return self._dense(name, flat, stats, changed=changed)
+        per = 8 // es
+        head = flat.numel() - flat.numel() % per  # elements in whole 64-bit words
+        if flat.storage_offset() % per or old_dev.storage_offset() % per:
+            head = 0  # not word-aligned in its storage: compare element by element
+        pos_parts, val_parts = [], []
+        parts = self._parts[name]
+        if head:
+            new_w = flat[:head].view(torch.uint8).view(torch.int64)
+            old_w = old_dev[:head].view(torch.uint8).view(torch.int64)
+            words = (new_w != old_w).nonzero().reshape(-1)
+            new_ws, old_ws = new_w.index_select(0, words), old_w.index_select(0, words)
+            new_elems = new_ws.view(flat.dtype)
+            j = (bits(new_elems) != bits(old_ws.view(flat.dtype))).nonzero().reshape(-1)  # in the changed words
+            shift = per.bit_length() - 1  # per is 1, 2, 4 or 8
+            pos_parts.append((words.index_select(0, j >> shift) << shift) | (j & (per - 1)))
+            val_parts.append(new_elems.index_select(0, j))
+            parts = updated_parts(parts, words, old_ws, new_ws)
+            old_flat[:head].view(torch.uint8).view(torch.int64).index_copy_(0, words.to("cpu"), new_ws.to("cpu"))
+        if head < flat.numel():
+            rest = (bits(flat[head:]) != bits(old_dev[head:])).nonzero().reshape(-1) + head
+            pos_parts.append(rest)
+            val_parts.append(flat.index_select(0, rest))
+            if head:  # the last, zero-padded word of the checksum
+                last = torch.tensor([head // per], dtype=torch.int64, device=flat.device)
+                parts = updated_parts(parts, last, raw_words(old_dev[head:]), raw_words(flat[head:]))
+            else:
+                parts = word_parts(raw_words(flat))
+            old_flat[head:].copy_(flat[head:])
+        positions = torch.cat(pos_parts) if len(pos_parts) > 1 else pos_parts[0]
+        values = torch.cat(val_parts) if len(val_parts) > 1 else val_parts[0]
+        self._parts[name] = parts
+        if self._goes_dense(values, changed, nbytes, es):
+            return self._dense(name, flat, stats, changed=changed, parts=parts)
+        return self._sparse(positions, values, parts, stats)
+
+    @staticmethod
+    def _goes_dense(values: torch.Tensor, changed: int, nbytes: int, es: int) -> bool:
+        """A delta at least as large as the tensor, or a NaN among the changed values (verl's SGLang loader
+        reads NaN in a sparse flush as "unchanged")."""
+        if changed * (POS_WIDTH + es) >= nbytes:
+            return True
+        return values.is_floating_point() and bool(torch.isnan(values).any())
+
+    def _dense(self, name: str, flat: torch.Tensor, stats: UpdateStats, changed: int | None = None,
+               parts: tuple[int, int] | None = None):
+        self._parts[name] = parts if parts is not None else word_parts(raw_words(flat))
+        stats.changed += flat.numel() if changed is None else changed
+        stats.dense_tensors += 1
+        return "dense", None, flat, combine(self._parts[name])
+
+    @staticmethod
+    def _sparse(positions: torch.Tensor, values: torch.Tensor, parts: tuple[int, int], stats: UpdateStats):
+        stats.changed += positions.numel()
         stats.sparse_tensors += 1
-        return "indices", flat, positions.to(torch.int32), values
+        return "indices", positions.to(torch.int32), values, combine(parts)
 
     @staticmethod
     def _add(bucket: _Bucket, name: str, tensor: torch.Tensor, positions, values, checksum: int) -> None:

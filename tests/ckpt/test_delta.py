@@ -248,3 +248,48 @@ def test_snapshot_is_host_memory_pinned_where_the_kind_supports_it(hal_device):
     snap = sender.snapshot["w"]
     assert snap.device.type == "cpu" and sender.snapshot_bytes == 600
     assert sender.pin == (dev.type != "cpu") and snap.is_pinned() == sender.pin
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.uint8], ids=str)
+def test_odd_sizes_and_views_at_odd_offsets_round_trip_over_many_steps(dtype):
+    """Tensors whose bytes are no multiple of 8, and views starting mid-word in one flat buffer (as FSDP1 /
+    Megatron flat parameters): the word-wise diff's tail and element fallbacks, and the sender's running
+    checksums, checked by the receiver's full recomputation every step."""
+    gen = torch.Generator().manual_seed(3)
+    flat = (torch.randn(10_007, generator=gen) * 50).to(dtype)
+    sizes, offset, views = [1, 3, 1001, 4096, 4903], 1, {}
+    for i, n in enumerate(sizes):
+        views[f"v{i}"] = flat[offset:offset + n]
+        offset += n
+    sender = DeltaSender(device="cpu")
+    served = {n: torch.zeros_like(t) for n, t in views.items()}
+    receiver = DeltaReceiver(served, atomic=False)
+    encodings = set()
+    for step in range(1, 8):
+        if step > 1:
+            idx = torch.randint(0, flat.numel(), (int(flat.numel() * 0.03),), generator=gen)
+            flat.view(torch.uint8).view(-1)[idx * flat.element_size()] ^= 1
+        flushes, stats = one_update(sender, views, step)
+        for named, last in flushes:
+            encodings.add(decode_spec(dict(named)["__delta_spec__"])["encoding"])
+            receiver.apply_flush(named, last)
+        assert receiver.served_step == step
+        assert all(torch.equal(bits_view(served[n]), bits_view(t)) for n, t in views.items()), step
+    assert encodings == {"dense", "indices"}
+
+
+def bits_view(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8)
+
+
+@pytest.mark.multiprocess
+def test_bench_delta_reports_delta_and_full_side_by_side():
+    from hal.apps.benchmarks.bench_delta import bench_delta
+
+    rows = bench_delta(size_mb=4, fractions=[0.02, 0.5], device="cpu", rounds=1, bucket_mb=1)
+    assert [r["fraction"] for r in rows] == [0.02, 0.5]
+    small, half = rows
+    assert small["changed"] == pytest.approx(0.02, rel=0.05) and half["changed"] == pytest.approx(0.5, rel=0.05)
+    assert 0.05 < small["bytes_ratio"] < 0.07  # 6 bytes per changed bf16 value, plus the specs
+    assert 0.99 < half["bytes_ratio"] <= 1.05  # dense: never more than 1.05x the dense bytes
+    assert all(r["full_s"] > 0 and r["delta_s"] > 0 and r["snapshot_bytes"] == r["dense_bytes"] for r in rows)
