@@ -261,6 +261,8 @@ def test_odd_sizes_and_views_at_odd_offsets_round_trip_over_many_steps(dtype):
     for i, n in enumerate(sizes):
         views[f"v{i}"] = flat[offset:offset + n]
         offset += n
+    own = {f"own{n}": (torch.randn(n, generator=gen) * 50).to(dtype) for n in (1001, 4903)}  # aligned, a tail
+    views.update(own)
     sender = DeltaSender(device="cpu")
     served = {n: torch.zeros_like(t) for n, t in views.items()}
     receiver = DeltaReceiver(served, atomic=False)
@@ -269,6 +271,8 @@ def test_odd_sizes_and_views_at_odd_offsets_round_trip_over_many_steps(dtype):
         if step > 1:
             idx = torch.randint(0, flat.numel(), (int(flat.numel() * 0.03),), generator=gen)
             flat.view(torch.uint8).view(-1)[idx * flat.element_size()] ^= 1
+            for t in own.values():  # the last word's head and tail both change
+                t.view(torch.uint8).view(-1)[[0, -1, -1 - 3 * t.element_size()]] ^= 1
         flushes, stats = one_update(sender, views, step)
         for named, last in flushes:
             encodings.add(decode_spec(dict(named)["__delta_spec__"])["encoding"])
