@@ -254,22 +254,32 @@ class DeltaSender:
             return self._dense(name, flat, stats)
         old_flat = old.reshape(-1)
         old_dev = old_flat.to(flat.device, non_blocking=self.pin)
-        changed = int(torch.count_nonzero(bits(flat) != bits(old_dev)))
-        if changed == 0:
-            return None
-        if changed * (POS_WIDTH + es) >= nbytes:  # dense: no positions to find
-            old_flat.copy_(flat)
-            return self._dense(name, flat, stats, changed=changed)
         per = 8 // es
         head = flat.numel() - flat.numel() % per  # elements in whole 64-bit words
         if flat.storage_offset() % per or old_dev.storage_offset() % per:
             head = 0  # not word-aligned in its storage: compare element by element
+        word_changed = None
+        if head == flat.numel():  # all in words: count changed words first (changed values lie in [k, per k])
+            word_changed = (flat.view(torch.uint8).view(torch.int64) != old_dev.view(torch.uint8).view(torch.int64))
+            k = int(torch.count_nonzero(word_changed))
+            if k == 0:
+                return None
+            surely_sparse = k * per * (POS_WIDTH + es) < nbytes
+        else:
+            surely_sparse = False
+        changed = None if surely_sparse else int(torch.count_nonzero(bits(flat) != bits(old_dev)))
+        if changed == 0:
+            return None
+        if changed is not None and changed * (POS_WIDTH + es) >= nbytes:  # dense: no positions to find
+            old_flat.copy_(flat)
+            return self._dense(name, flat, stats, changed=changed)
         pos_parts, val_parts = [], []
         parts = self._parts[name]
         if head:
             new_w = flat[:head].view(torch.uint8).view(torch.int64)
             old_w = old_dev[:head].view(torch.uint8).view(torch.int64)
-            words = (new_w != old_w).nonzero().reshape(-1)
+            words = (word_changed if word_changed is not None else new_w != old_w).nonzero().reshape(-1)
+            del word_changed
             new_ws, old_ws = new_w.index_select(0, words), old_w.index_select(0, words)
             new_elems = new_ws.view(flat.dtype)
             j = (bits(new_elems) != bits(old_ws.view(flat.dtype))).nonzero().reshape(-1)  # in the changed words
@@ -291,6 +301,7 @@ class DeltaSender:
         positions = torch.cat(pos_parts) if len(pos_parts) > 1 else pos_parts[0]
         values = torch.cat(val_parts) if len(val_parts) > 1 else val_parts[0]
         self._parts[name] = parts
+        changed = positions.numel()
         if self._goes_dense(values, changed, nbytes, es):
             return self._dense(name, flat, stats, changed=changed, parts=parts)
         return self._sparse(positions, values, parts, stats)
