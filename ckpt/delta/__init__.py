@@ -11,12 +11,15 @@ Here it is a layer over engines that carry named tensors, so it runs unchanged o
 * :class:`DeltaReceiver` / :func:`apply_delta_flush` (rollout): applies flushes onto a model's own tensors,
   atomic or in place, checking verl's flush checksum and hal's per-tensor checksum of the result
   (carried in the spec JSON under ``"hal"``, a key verl's decoders ignore).
-* :func:`delta_send`, :func:`receive_delta_flushes`, :func:`receive_delta`: the engine-side glue.
+* :func:`delta_send`, :func:`receive_delta_flushes`, :func:`receive_delta`: the engine-side glue;
+  :class:`DeltaCheckpointEngine` / :func:`delta_engine_class`: the same as an engine of
+  ``wire_format = "delta_flush"`` (for verl's registry and rollout adapters).
 
-Modules: ``wire`` (the format), ``checksum``, ``sender``, ``receiver``, ``transport``, ``errors``.
+Modules: ``wire`` (the format), ``checksum``, ``sender``, ``receiver``, ``transport``, ``engine``, ``errors``.
 """
 
 from ckpt.delta.checksum import tensor_checksum
+from ckpt.delta.engine import DeltaCheckpointEngine, delta_engine_class
 from ckpt.delta.errors import DeltaBaseError, DeltaChecksumError, DeltaRefusedError
 from ckpt.delta.receiver import DeltaReceiver, apply_delta_flush
 from ckpt.delta.sender import DeltaSender, UpdateStats
@@ -28,5 +31,5 @@ WIRE_FORMAT = "delta_flush"
 __all__ = [
     "WIRE_FORMAT", "DeltaSender", "UpdateStats", "DeltaReceiver", "apply_delta_flush", "delta_send",
     "receive_delta", "receive_delta_flushes", "wire_tensors", "tensor_checksum", "flush_checksum",
-    "DeltaRefusedError", "DeltaChecksumError", "DeltaBaseError",
+    "DeltaRefusedError", "DeltaChecksumError", "DeltaBaseError", "DeltaCheckpointEngine", "delta_engine_class",
 ]

@@ -155,8 +155,8 @@ def check_run(trainer: tuple[list, int], rollout: list, atomic: bool, steps: int
               corrupt_step: int | None = CORRUPT_STEP, restart_step: int | None = RESTART_STEP) -> list[float]:
     """Assert a :func:`trainer_steps` / :func:`rollout_steps` pair: every step served bit-exact (the
     published bf16 bytes, by CRC-32), except the corrupted one: refused, the previous step still served
-    (atomic; in place too when the corrupted flush was the first, else the rollout is degraded); seeds exactly at step 1, after the refusal and at the
-    restart, deltas otherwise. Returns the changed fraction of each delta step."""
+    (atomic; in place too when the corrupted flush was the first, else the rollout is degraded); seeds
+    exactly at step 1, after the refusal and at the restart, deltas otherwise. Returns the changed fraction of each delta step."""
     rows, snapshot_bytes = trainer
     assert len(rows) == len(rollout) == steps
     assert snapshot_bytes == rows[0][4]  # the snapshot holds the published bf16 bytes

@@ -297,3 +297,41 @@ def test_bench_delta_reports_delta_and_full_side_by_side():
     assert 0.05 < small["bytes_ratio"] < 0.07  # 6 bytes per changed bf16 value, plus the specs
     assert 0.99 < half["bytes_ratio"] <= 1.05  # dense: never more than 1.05x the dense bytes
     assert all(r["full_s"] > 0 and r["delta_s"] > 0 and r["snapshot_bytes"] == r["dense_bytes"] for r in rows)
+
+
+def test_delta_engine_over_the_file_engine_speaks_verls_delta_flush(tmp_path):
+    from ckpt.delta import DeltaCheckpointEngine, delta_engine_class
+
+    file_cls = ckpt.get_checkpoint_engine("file", root=tmp_path).__class__
+    delta_file = delta_engine_class(file_cls)
+    ckpt.check_async_contract(delta_file)  # send_weights awaitable, receive_weights an async iterator
+    writer, reader = delta_file(root=tmp_path), delta_file(root=tmp_path, timeout=10)
+    assert writer.wire_format == reader.wire_format == "delta_flush"
+    assert delta_file.build_topology(1, 2, [{}, {}, {}]) == ({}, {})
+    weights = {"w": torch.randn(2048).to(torch.bfloat16)}
+    served = {"w": torch.zeros(2048, dtype=torch.bfloat16)}
+    receiver = DeltaReceiver(served)
+
+    async def step(n):
+        await writer.send_weights(iter(weights.items()), n)
+        async for named, is_last in reader.receive_weights(n):  # verl's adapters consume exactly this
+            receiver.apply_flush(named, is_last)
+        return writer.last_stats
+
+    assert asyncio.run(step(1)).seed
+    weights["w"][:10] += 1
+    stats = asyncio.run(step(2))
+    assert not stats.seed and stats.changed == 10 and reader.received_global_steps == 2
+    assert bits_equal(served, weights) and writer.snapshot_bytes == 4096
+
+    class MovingTopology(file_cls):
+        topology = {"world_size": 3}
+
+    inner = MovingTopology(root=tmp_path / "t")
+    engine = DeltaCheckpointEngine(inner)
+    asyncio.run(engine.send_weights(iter(weights.items()), 1))
+    asyncio.run(engine.send_weights(iter(weights.items()), 2))
+    assert not engine.last_stats.seed
+    inner.topology = {"world_size": 4}  # a rollout joined: the next update is a seed
+    asyncio.run(engine.send_weights(iter(weights.items()), 3))
+    assert engine.last_stats.seed and "topology changed" in engine.last_stats.reason
