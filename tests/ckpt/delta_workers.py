@@ -88,9 +88,10 @@ def collective_config(rank: int, world_size: int, port: int, device: str) -> dic
                 timeout=60, bucket_size=64 << 10)
 
 
-def trainer_steps(engine: Any, device: torch.device, steps: int = STEPS, flush_bytes: int = 32 << 10,
+def trainer_steps(engine: Any, device: torch.device, kind: str = "cpu", steps: int = STEPS,
+                  flush_bytes: int = 32 << 10,
                   corrupt_step: int | None = CORRUPT_STEP, restart_step: int | None = RESTART_STEP):
-    """The trainer's loop (a coroutine): train, publish as a delta, report per step.
+    """The trainer's loop (a coroutine) on device kind ``kind``: train, publish as a delta, report per step.
 
     It plays the job's part on a rollout's failure: after the corrupted step and at the restart it
     ``reseed()``s. Returns ``[(step, seed, changed_fraction, sent_bytes, dense_bytes, digest)]`` and
@@ -98,7 +99,9 @@ def trainer_steps(engine: Any, device: torch.device, steps: int = STEPS, flush_b
     """
     async def run():
         model, opt = make_trainer(0, device)
-        sender = DeltaSender(flush_bytes=flush_bytes, device=device.type if device.type == "cpu" else None)
+        sender = DeltaSender(flush_bytes=flush_bytes, device=kind)
+        if device.type != "cpu" and not sender.pin:
+            raise AssertionError(f"the snapshot of a {kind} sender is not pinned")
         rows = []
         for step in range(1, steps + 1):
             if step > 1:
@@ -145,7 +148,7 @@ def collective_run(rank: int, world_size: int, port: int, device: str, atomic: b
     dev = hal.get_device(device)
     try:
         if rank == 0:
-            return asyncio.run(trainer_steps(engine, dev))
+            return asyncio.run(trainer_steps(engine, dev, device))
         return asyncio.run(rollout_steps(engine, dev, atomic))
     finally:
         engine.close()
