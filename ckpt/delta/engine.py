@@ -1,0 +1,118 @@
+"""A checkpoint engine of wire format ``delta_flush`` over any hal engine (verl's ``CheckpointEngine``
+attribute ``wire_format = "delta_flush"``): what verl's rollout adapters take as
+``update_weights(engine.receive_weights(...), wire_format="delta_flush")``.
+
+``DeltaCheckpointEngine(inner)`` sends deltas (:func:`~ckpt.delta.delta_send`) through ``inner`` and yields
+``(named_tensors, is_last)`` flushes from it (:func:`~ckpt.delta.receive_delta_flushes`); the lifecycle
+(``prepare``, ``init_process_group``, ``finalize``, ``close``) is ``inner``'s. For verl's registry, which
+builds engines from a class, :func:`delta_engine_class` makes a subclass bound to one inner engine class.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterable
+from typing import Any
+
+import torch
+
+from ckpt.base import CheckpointEngine
+from ckpt.delta.sender import DEFAULT_FLUSH_BYTES, DeltaSender, Flush, UpdateStats
+from ckpt.delta.transport import delta_send, receive_delta_flushes
+from ckpt.errors import CheckpointConfigError
+
+
+class DeltaCheckpointEngine(CheckpointEngine):
+    """Delta weight sync over ``inner`` (any engine carrying named tensors: collective, file, ...).
+
+    Sender: each ``send_weights`` is a delta against ``sender``'s snapshot, or a full seed (the first
+    update, after :meth:`reseed`, after an update that raised, and when ``inner.topology`` changed).
+    Receiver: ``receive_weights`` yields verl ``delta_flush`` flushes, copies owned by the consumer.
+
+    Args:
+        inner: the transport engine (its ``wire_format`` must be ``"named_tensors"``).
+        sender: the trainer's :class:`DeltaSender` (``None``: one is made, with ``flush_bytes`` = half of
+            ``inner.bucket_size`` when it has one).
+
+    Memory: the sender's :attr:`DeltaSender.snapshot_bytes` of host memory plus ``inner``'s own bound.
+
+    Raises:
+        CheckpointConfigError: ``inner`` is not a named-tensor engine.
+    """
+
+    wire_format = "delta_flush"
+
+    def __init__(self, inner: CheckpointEngine, sender: DeltaSender | None = None) -> None:
+        if getattr(inner, "wire_format", "named_tensors") != "named_tensors" or not hasattr(inner, "send_weights"):
+            raise CheckpointConfigError(f"DeltaCheckpointEngine carries flushes over a 'named_tensors' engine, got "
+                                        f"{type(inner).__name__} (wire_format={getattr(inner, 'wire_format', None)!r})")
+        self.inner = inner
+        bucket = getattr(inner, "bucket_size", None)
+        flush_bytes = max(1, bucket // 2) if isinstance(bucket, int) and bucket > 0 else DEFAULT_FLUSH_BYTES
+        self.sender = sender or DeltaSender(flush_bytes=flush_bytes, device=getattr(inner, "device_kind", None))
+        self._topology: Any = None
+        self.last_stats: UpdateStats | None = None
+
+    def reseed(self, reason: str = "asked") -> None:
+        """Make the next update a full seed (a rollout joined late, failed, or restarted)."""
+        self.sender.reseed(reason)
+
+    @property
+    def snapshot_bytes(self) -> int:
+        """Host bytes of the sender's snapshot (for the memory bound)."""
+        return self.sender.snapshot_bytes
+
+    # ---- lifecycle: inner's -------------------------------------------------------------------------
+    def prepare(self) -> dict[str, Any]:
+        """``inner.prepare()``."""
+        return self.inner.prepare()
+
+    def init_process_group(self, **kwargs: Any) -> None:
+        """``inner.init_process_group(**kwargs)``."""
+        self.inner.init_process_group(**kwargs)
+
+    def finalize(self) -> None:
+        """``inner.finalize()``."""
+        self.inner.finalize()
+
+    def close(self) -> None:
+        """``inner.close()`` where it has one."""
+        close = getattr(self.inner, "close", None)
+        if close is not None:
+            close()
+
+    # ---- transfer -----------------------------------------------------------------------------------
+    async def send_weights(self, weights: Iterable[tuple[str, torch.Tensor]], global_steps: int | None = None
+                           ) -> None:
+        """Publish ``weights`` as a delta (or a seed, see the class docstring) through ``inner``."""
+        topology = getattr(self.inner, "topology", None)
+        if topology is not None and self._topology is not None and topology != self._topology:
+            self.sender.reseed(f"topology changed: {self._topology} -> {topology}")
+        self._topology = topology
+        self.last_stats = await delta_send(self.inner, weights, global_steps, self.sender)
+
+    async def receive_weights(self, global_steps: int | None = None, **kwargs: Any) -> AsyncIterator[Flush]:
+        """Yield ``(named_tensors, is_last)`` flushes of one update (verl's ``delta_flush``)."""
+        async for flush in receive_delta_flushes(self.inner, global_steps, **kwargs):
+            self.received_global_steps = getattr(self.inner, "received_global_steps", global_steps)
+            yield flush
+
+
+def delta_engine_class(inner_cls: type[CheckpointEngine], name: str | None = None) -> type[DeltaCheckpointEngine]:
+    """A :class:`DeltaCheckpointEngine` subclass that builds its own ``inner_cls(**kwargs)`` (verl's registry
+    calls ``cls(bucket_size=..., is_master=..., **engine_kwargs)``) and takes ``inner_cls``'s topology.
+
+    Example: ``CheckpointEngineRegistry.register("hal-delta")(delta_engine_class(CollectiveCheckpointEngine))``.
+    """
+
+    class Engine(DeltaCheckpointEngine):
+        __doc__ = f"Delta weight sync over {inner_cls.__name__} (see DeltaCheckpointEngine)."
+
+        def __init__(self, *args: Any, sender: DeltaSender | None = None, **kwargs: Any) -> None:
+            super().__init__(inner_cls(*args, **kwargs), sender=sender)
+
+        @classmethod
+        def build_topology(cls, trainer_world_size: int, rollout_world_size: int, metadata: list):
+            return inner_cls.build_topology(trainer_world_size, rollout_world_size, metadata)
+
+    Engine.__name__ = Engine.__qualname__ = name or f"Delta{inner_cls.__name__}"
+    return Engine

@@ -1,0 +1,236 @@
+"""The rollout side of delta weight sync: apply verl ``delta_flush`` flushes onto a model's own parameters.
+
+:class:`DeltaReceiver` applies an update's flushes in place into the served tensors, verifying verl's
+per-flush checksum and hal's per-tensor checksum of the result (:mod:`ckpt.delta.wire`), in one of two
+modes, as hal's rollout adapter does for full updates:
+
+* ``atomic=True``: every tensor's result is computed beside the served one and checked; what it takes to
+  write it (positions and values, or the dense values) is staged, and written into the served tensors only
+  when the last flush has arrived and every checksum matched. A refused update leaves the previous step
+  served, untouched. Memory: the staged update (the wire bytes of the update, the whole model for a seed)
+  plus one tensor's scratch copy.
+* ``atomic=False`` (in place): each tensor is written into the served one as its flush arrives, then
+  checked. A refused update leaves the rollout ``degraded`` (part of the step written). Memory: one flush.
+
+Either way a refused update raises a :class:`DeltaRefusedError` naming the tensor, and the receiver then
+takes nothing but a full seed (its sender must :meth:`~ckpt.delta.DeltaSender.reseed`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+
+from ckpt.delta.checksum import tensor_checksum
+from ckpt.delta.errors import DeltaBaseError, DeltaChecksumError, DeltaRefusedError
+from ckpt.delta.sender import bits
+from ckpt.delta.wire import POS_WIDTH, POSITIONS, SPEC, VALUES, decode_spec, flush_checksum
+
+
+class DeltaReceiver:
+    """Applies ``delta_flush`` updates onto ``target_params`` (name -> the served tensor, e.g. a model's
+    ``named_parameters()``), in place.
+
+    Args:
+        target_params: the served tensors, contiguous, written through ``.detach()`` (their identity and
+            storage are kept). Every name a flush carries must be here with the flush's dtype and shape.
+        atomic: see the module docstring.
+        served_step: the step ``target_params`` already hold, if the caller knows they equal the sender's
+            snapshot; ``None`` (default): unknown, so only a seed is taken.
+
+    Attributes:
+        served_step: the step served (``None`` before the first seed).
+        needs_seed: only a seed is taken (initially, after a refusal, after :meth:`abort`).
+        degraded: an in-place update was refused part-way: the served tensors hold no consistent step.
+        last_changed: values written by the last applied update.
+    """
+
+    def __init__(self, target_params: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+                 atomic: bool = True, served_step: int | None = None) -> None:
+        self.targets = dict(target_params)
+        self.atomic = bool(atomic)
+        self.served_step = served_step
+        self.needs_seed = served_step is None
+        self.degraded = False
+        self.last_changed = 0
+        self._step: int | None = None  # the update in progress (None: between updates)
+        self._in_update = False
+        self._staged: list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]] = []
+        self._changed = 0
+
+    # ---- one flush -----------------------------------------------------------------------------------
+    def apply_flush(self, named_tensors: Iterable[tuple[str, torch.Tensor]], is_last: bool | None = None
+                    ) -> int | None:
+        """Apply one flush (``[(__delta_spec__, ...), (__positions__, ...)?, (__values__, ...)]``).
+
+        Args:
+            named_tensors: the flush, with verl's names.
+            is_last: whether this is the update's last flush; ``None``: as the spec says.
+
+        Returns:
+            the step now served when this flush completed the update, else ``None``.
+
+        Raises:
+            DeltaChecksumError: the flush's bytes, its layout, or a tensor's result disagree with the
+                sender's checksums (names the tensor where one is to blame).
+            DeltaBaseError: a delta onto another step than the one served (or while a seed is needed).
+            DeltaRefusedError: a tensor the rollout does not have, or another dtype / shape / layout.
+        """
+        try:
+            return self._apply(dict(named_tensors), is_last)
+        except DeltaRefusedError:
+            self._refuse()
+            raise
+
+    def abort(self, reason: str) -> None:
+        """The update in progress will not complete (the transport failed): drop what was staged; an
+        in-place receiver that wrote part of it becomes ``degraded``. Either way a seed is needed next."""
+        if self._in_update or self._staged:
+            self._refuse()
+        self.abort_reason = reason
+
+    def _refuse(self) -> None:
+        if not self.atomic and self._changed:
+            self.degraded = True
+        self._staged, self._changed, self._in_update, self._step = [], 0, False, None
+        self.needs_seed = True
+
+    def _apply(self, tensors: dict[str, torch.Tensor], is_last: bool | None) -> int | None:
+        if SPEC not in tensors or VALUES not in tensors:
+            raise DeltaChecksumError(f"a delta flush needs {SPEC} and {VALUES}; got {sorted(tensors)}")
+        try:
+            spec = decode_spec(tensors[SPEC])
+        except ValueError as exc:
+            raise DeltaChecksumError(f"refused a delta flush: {exc}") from exc
+        values, positions = tensors[VALUES], tensors.get(POSITIONS)
+        hal_meta = spec.get("hal")
+        if not isinstance(hal_meta, dict) or not isinstance(hal_meta.get("checksums"), dict):
+            raise DeltaRefusedError("this delta flush carries no per-tensor checksums (spec key 'hal'): it was "
+                                    "not made by ckpt.delta.DeltaSender; apply it with verl's delta_loader")
+        step, base = hal_meta.get("step"), hal_meta.get("base_step")
+        got = flush_checksum(positions, values)
+        if got != spec.get("checksum"):
+            raise DeltaChecksumError(f"refused step {step}: flush {hal_meta.get('flush')} (tensors "
+                                     f"{[p.get('name') for p in spec.get('params', [])][:8]}) has checksum {got}, "
+                                     f"the sender's is {spec.get('checksum')}: corrupted in transit", step=step)
+        if not self._in_update:
+            self._in_update, self._step, self._changed = True, step, 0
+            if base is not None and (self.needs_seed or base != self.served_step):
+                why = ("it needs a full seed (its last update was refused or it just started)" if self.needs_seed
+                       else f"it serves step {self.served_step}")
+                raise DeltaBaseError(f"refused step {step}: a delta onto step {base}, but {why}; the sender "
+                                     "must reseed()", step=step)
+        elif step != self._step:
+            raise DeltaChecksumError(f"flush of step {step} inside the update to step {self._step}", step=step)
+        encoding = spec.get("encoding")
+        if encoding not in ("dense", "indices"):
+            raise DeltaChecksumError(f"refused step {step}: unknown encoding {encoding!r}", step=step)
+        if encoding == "indices" and positions is None:
+            raise DeltaChecksumError(f"refused step {step}: an 'indices' flush without {POSITIONS}", step=step)
+        for param in spec.get("params", []):
+            self._apply_param(param, encoding, positions, values, hal_meta["checksums"], step)
+        last = bool(hal_meta.get("is_last")) if is_last is None else bool(is_last)
+        if not last:
+            return None
+        for target, index, vals in self._staged:
+            _write(target, index, vals)
+        self.last_changed = self._changed
+        self._staged, self._changed, self._in_update = [], 0, False
+        self.served_step, self.needs_seed, self.degraded = step, False, False
+        return step
+
+    def _apply_param(self, param: dict[str, Any], encoding: str, positions: torch.Tensor | None,
+                     values: torch.Tensor, checksums: dict[str, int], step: int | None) -> None:
+        name = param.get("name")
+        target = self.targets.get(name)
+        if target is None:
+            raise DeltaRefusedError(f"refused step {step}: tensor {name!r} is not one of this rollout's "
+                                    f"{len(self.targets)} tensors", tensor=name, step=step)
+        target = target.detach()
+        dtype, shape = str(target.dtype).removeprefix("torch."), list(target.shape)
+        if param.get("dtype") != dtype or param.get("shape") != shape or not target.is_contiguous():
+            raise DeltaRefusedError(f"refused step {step}: tensor {name!r} arrives as {param.get('dtype')} "
+                                    f"{param.get('shape')}, the rollout holds {dtype} {shape}"
+                                    f"{'' if target.is_contiguous() else ' (not contiguous)'}", tensor=name, step=step)
+        v0, v1 = param.get("val_start", -1), param.get("val_end", -1)
+        numel = target.numel()
+        bad_layout = not 0 <= v0 <= v1 <= values.numel() or values.dtype != target.dtype
+        if encoding == "dense":
+            bad_layout = bad_layout or v1 - v0 != numel
+        else:
+            p0, p1 = param.get("pos_start", -1), param.get("pos_end", -1)
+            bad_layout = (bad_layout or param.get("pos_width") != POS_WIDTH or not 0 <= p0 <= p1 <= positions.numel()
+                          or p1 - p0 != POS_WIDTH * (v1 - v0) or p0 % POS_WIDTH)
+        if bad_layout:
+            raise DeltaChecksumError(f"refused step {step}: tensor {name!r} has an inconsistent {encoding} layout "
+                                     f"in its flush ({param})", tensor=name, step=step)
+        vals = values[v0:v1]
+        index = None
+        if encoding == "indices":
+            index = positions[p0:p1].view(torch.int32).to(torch.int64)
+            if index.numel() and (int(index.min()) < 0 or int(index.max()) >= numel):
+                raise DeltaChecksumError(f"refused step {step}: tensor {name!r} has positions outside its "
+                                         f"{numel} values", tensor=name, step=step)
+        expected = checksums.get(name)
+        if self.atomic:
+            result = vals if index is None else _written(target, index, vals)
+            got = tensor_checksum(result)
+            if got != expected:
+                raise DeltaChecksumError(f"refused step {step}: tensor {name!r} would hold checksum {got:#x}, the "
+                                         f"sender's is {expected}; still serving step {self.served_step}",
+                                         tensor=name, step=step)
+            self._staged.append((target, index, vals))
+        else:
+            _write(target, index, vals)
+            self._changed += vals.numel()
+            got = tensor_checksum(target)
+            if got != expected:
+                raise DeltaChecksumError(f"refused step {step}: tensor {name!r} holds checksum {got:#x} after the "
+                                         f"in-place write, the sender's is {expected}; the rollout is degraded",
+                                         tensor=name, step=step)
+            return
+        self._changed += vals.numel()
+
+
+def _write(target: torch.Tensor, index: torch.Tensor | None, vals: torch.Tensor) -> None:
+    """Write ``vals`` into ``target`` bit for bit: all of it (``index`` None) or at flat ``index``."""
+    dst = bits(target)
+    src = bits(vals.to(target.device))
+    if index is None:
+        dst.copy_(src)
+    else:
+        dst.index_copy_(0, index.to(target.device), src)
+
+
+def _written(target: torch.Tensor, index: torch.Tensor, vals: torch.Tensor) -> torch.Tensor:
+    """A copy of ``target`` with ``vals`` written at ``index`` (the atomic mode's scratch result)."""
+    scratch = target.clone()
+    _write(scratch, index, vals)
+    return scratch
+
+
+def apply_delta_flush(named_tensors: Iterable[tuple[str, torch.Tensor]],
+                      target_params: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+                      atomic: bool = True) -> int | None:
+    """Apply one self-contained flush (a whole update in one flush, seed or delta) onto ``target_params``.
+
+    No step bookkeeping: the flush's base step is not checked (use :class:`DeltaReceiver` across
+    updates). ``atomic``: nothing is written unless every tensor's checksum matches; else tensors are
+    written as they come and a refusal leaves the earlier ones written.
+
+    Returns:
+        the step the flush carries.
+
+    Raises:
+        DeltaChecksumError, DeltaRefusedError: as :meth:`DeltaReceiver.apply_flush`.
+    """
+    receiver = DeltaReceiver(target_params, atomic=atomic, served_step=0)
+    tensors = dict(named_tensors)
+    spec = decode_spec(tensors[SPEC]) if SPEC in tensors else {}
+    if isinstance(spec.get("hal"), dict):  # a lone flush: its base is whatever the caller holds
+        receiver.served_step = spec["hal"].get("base_step")
+        receiver.needs_seed = False
+    receiver.apply_flush(tensors.items(), is_last=True)
+    return receiver.served_step
