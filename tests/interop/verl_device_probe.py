@@ -1,6 +1,6 @@
 """Run in a fresh process: what verl 0.9.1's ``verl.utils.device`` reports, imported before or after hal.
 
-``python -m tests.interop._verl_device verl-first|hal-first [spawn]`` prints ``RESULT <json>``; with
+``python -m tests.interop.verl_device_probe verl-first|hal-first [spawn]`` prints ``RESULT <json>``; with
 ``spawn`` it also starts a ``multiprocessing`` spawn child that imports verl first, and reports the child's
 answer under ``"child"``. Nothing here registers the sim: with ``HAL_DEVICE=npu-sim`` in the environment,
 ``import torch`` does (torch's backend autoload).
