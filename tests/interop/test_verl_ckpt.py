@@ -9,8 +9,8 @@ import pytest
 
 pytest.importorskip("verl.checkpoint_engine", reason="verl 0.9.1 is not installed (the verl extra)")
 
-from hal.testing import run_multiprocess  # noqa: E402 - below importorskip: collected only where verl is installed
-from tests.interop import verl_ckpt_workers  # noqa: E402 - as above (it imports verl at its top)
+from hal.testing import run_multiprocess
+from tests.interop import verl_ckpt_workers
 
 pytestmark = pytest.mark.interop
 

@@ -189,11 +189,11 @@ def colocated(rank: int, world_size: int, port: int, device: str, updates: int):
         _set_weights(trainer, step)
         asked = [step, step + 100 if step == 2 else step]
 
-        async def update():
+        async def update(step: int, asked: list[int]):
             return await asyncio.gather(trainer.update_weights(global_steps=step, mode=backend),
                                         *(w.update_weights(global_steps=a) for w, a in zip(rollouts, asked)),
                                         return_exceptions=True)
-        results = asyncio.run(update())
+        results = asyncio.run(update(step, asked))
         for e in engines:
             e.finalize()
         reports.append({"update": step, "errors": [type(r).__name__ if isinstance(r, BaseException) else None

@@ -28,7 +28,8 @@ def report(order: str) -> dict:
 
     return {"device": device.get_device_name(), "backend": device.get_nccl_backend(),
             "visible": device.get_visible_devices_keyword(), "npu": device.is_npu_available,
-            "resource": device.get_resource_name(), "torch_device": device.get_torch_device() is getattr(torch, "npu", None),
+            "resource": device.get_resource_name(),
+            "torch_device": device.get_torch_device() is getattr(torch, "npu", None),
             "hal": hal_kind, "hal_backend": hal.get_dist_backend()}
 
 

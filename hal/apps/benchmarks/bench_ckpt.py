@@ -19,6 +19,7 @@ every measurement once (so a noisy neighbour slows all alike); times and per-rou
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 import statistics
@@ -103,7 +104,8 @@ def _bench_rank(rank: int, world_size: int, ports: list[int], size_mb: int, buck
     group = hal.new_group_from_store(store, rank, world_size, device=device, timeout=120, prefix="bench")
     flat = torch.zeros(total, dtype=torch.uint8, device=dev)  # touched: no page faults in the timings
     if rank == 0:
-        block = torch.randint(0, 256, (min(total, 64 << 20),), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
+        block = torch.randint(0, 256, (min(total, 64 << 20),), dtype=torch.uint8,
+                              generator=torch.Generator().manual_seed(1))
         for i in range(0, total, block.numel()):
             n = min(block.numel(), total - i)
             flat[i:i + n].copy_(block[:n])
@@ -134,10 +136,10 @@ def _bench_rank(rank: int, world_size: int, ports: list[int], size_mb: int, buck
                                             timeout=120, direct_threshold=direct_threshold)
         peak.start()  # the first (warm-up) transfer, buffers included
         engine.init_process_group()
-        timed_once(group, lambda: transfer(engine, layouts[0]))
+        timed_once(group, functools.partial(transfer, engine, layouts[0]))
         peaks.append(peak.stop())
         for layout in layouts[1:]:
-            timed_once(group, lambda: transfer(engine, layout))
+            timed_once(group, functools.partial(transfer, engine, layout))
         engines.append(engine)
     # rounds interleave every measurement (single, per-tensor, each engine) so that a noisy neighbour
     # slows them alike; ratios are taken per round, then the median
@@ -150,7 +152,7 @@ def _bench_rank(rank: int, world_size: int, ports: list[int], size_mb: int, buck
         for engine in engines:
             for layout in layouts:
                 times.setdefault(f"{layout}:{engine.bucket_size}", []).append(
-                    timed_once(group, lambda: transfer(engine, layout)))
+                    timed_once(group, functools.partial(transfer, engine, layout)))
     for engine in engines:
         engine.close()
     group.close()
@@ -243,7 +245,8 @@ def print_table(result: dict) -> None:
     table.add_row("tensor by tensor", f"{result['per_tensor_s'] * 1e3:.0f}", f"{result['per_tensor_gbps']:.2f}",
                   f"{result['per_tensor_ratio']:.2f}", "1.00", "", "")
     for b in result["buckets"]:
-        table.add_row(f"engine, {b['layout']}, bucket {b['bucket_bytes'] / mib:g} MiB", f"{b['s'] * 1e3:.0f}", f"{b['gbps']:.2f}",
+        table.add_row(f"engine, {b['layout']}, bucket {b['bucket_bytes'] / mib:g} MiB", f"{b['s'] * 1e3:.0f}",
+                      f"{b['gbps']:.2f}",
                       f"{b['ratio_vs_single']:.2f}", f"{b['ratio_vs_per_tensor']:.2f}",
                       f"{b['send_peak_bytes'] / mib:.0f} ({b['send_peak_buckets']:.2f})",
                       f"{b['recv_peak_bytes'] / mib:.0f} ({b['recv_peak_buckets']:.2f})")

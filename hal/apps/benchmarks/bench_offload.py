@@ -24,6 +24,7 @@ sized to about ``size_mb``. Peak host RSS is the process's ``ru_maxrss``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import resource
 import statistics
@@ -142,14 +143,14 @@ def _run(size_mb: int, device: str | None, rounds: int) -> dict:
     h2d = median(lambda: dev_buf.copy_(host_buf, non_blocking=pin))
     fresh: list[torch.Tensor] = []
     cold_d2h = _timed(lambda: fresh.append(dev_buf.to("cpu")), spec)  # fresh pageable host memory
-    del dev_buf  # its block goes back to the device cache, which the onload below draws from
+    dev_buf = None  # its block goes back to the device cache, which the onload below draws from
     cold_h2d = _timed(lambda: fresh.append(fresh[0].to(engine.torch_device)), spec)
     fresh.clear()
     h2d_fresh = median(lambda: host_buf.to(engine.torch_device, non_blocking=pin))
     allocs = []
     for _ in range(rounds):  # what the cold offload allocated, on its own; freed (untimed) after each round
         slabs = HostBufferPool(pin)
-        allocs.append(_timed(lambda: slabs.reserve(enumerate(tensors), SLAB_BYTES), spec))
+        allocs.append(_timed(functools.partial(slabs.reserve, enumerate(tensors), SLAB_BYTES), spec))
         slabs.clear()
     timings = Timings(cold_s=cold, warm_s=warm, d2h_s=d2h, h2d_s=h2d, cold_d2h_s=cold_d2h, cold_h2d_s=cold_h2d,
                       h2d_fresh_s=h2d_fresh, host_alloc_s=statistics.median(allocs))

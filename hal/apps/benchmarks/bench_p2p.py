@@ -29,6 +29,7 @@ import json
 import statistics
 import time
 import zlib
+from typing import Any, Callable
 
 import torch
 
@@ -70,53 +71,61 @@ def _bench_rank(rank: int, world_size: int, ports: list[int], size_mb: int, buck
     flat = host if dev.type == "cpu" else host.to(dev)
     views = tensor_views(flat, sizes)
     out = {"size_bytes": total, "n_tensors": len(sizes), "engines": {}}
-    for e, name in enumerate(engines):
-        raw = _raw_transport(name, rank)
-        info = raw.register(host)
-        store.set(f"raw/{name}/{rank}", json.dumps(info))
-        peer_info = json.loads(store.get(f"raw/{name}/{1 - rank}"))
-        raw.add_peer(1 - rank, peer_info)
-
-        def raw_once():
-            if name in PULLS and rank == 1:
-                rc = raw.engine.transfer_sync_read(peer_info["session"], host.data_ptr(), peer_info["addr"], total)
-                if rc != 0:
-                    raise RuntimeError(f"Mooncake transfer_sync_read returned {rc}")
-            elif name == "mooncake" and rank == 0:  # the library's synchronous write, as its users call it
-                rc = raw.engine.transfer_sync_write(peer_info["session"], host.data_ptr(), peer_info["addr"], total)
-                if rc != 0:
-                    raise RuntimeError(f"Mooncake transfer_sync_write returned {rc}")
-            elif name not in PULLS and rank == 0:
-                asyncio.run(raw.wait(raw.start_write(1, [(host.data_ptr(), 0, total)]), 300))
-
+    for name, port in zip(engines, ports[1:]):
         engine = ckpt.get_checkpoint_engine(name, rank=rank, world_size=2, master_addr="127.0.0.1",
-                                            master_port=ports[1 + e], bucket_size=bucket, device=device,
-                                            timeout=300)
-        step = [0]
-
-        def engine_once():
-            step[0] += 1
-            transfer_once(engine, rank, views, step[0])
-            engine.finalize()  # as verl's manager ends every update: the engine keeps its connections
-
-        def timed(fn) -> float:
-            return timed_once(group, fn)
-
-        peak = PeakMemory("cpu")
-        peak.start()
-        timed(engine_once)  # warm-up, buffers and connections included
-        engine_peak = peak.stop()
-        timed(raw_once)
-        times = {"raw": [], "engine": []}
-        for r in range(rounds):  # ABBA: each kind goes first in every other round, so a drift hits both
-            for kind in (("raw", "engine") if r % 2 == 0 else ("engine", "raw")):
-                times[kind].append(timed(raw_once if kind == "raw" else engine_once))
+                                            master_port=port, bucket_size=bucket, device=device, timeout=300)
+        raw_once, raw = _raw_once(name, rank, store, host)
+        out["engines"][name] = _measure(engine, raw_once, rank, group, views, rounds)
         engine.close()
         raw.close()
-        out["engines"][name] = {"times": times, "peak": engine_peak}
     out["crc32"] = zlib.crc32(host.numpy().data)  # the raw writes delivered these bytes to the rollout
     group.close()
     return out
+
+
+def _raw_once(name: str, rank: int, store, host: torch.Tensor) -> tuple[Callable[[], None], Any]:
+    """One raw transfer of all of ``host`` by ``name``'s library between the two ranks, as a call, and the
+    transport to close after (the regions registered and the peer added here, once)."""
+    raw = _raw_transport(name, rank)
+    store.set(f"raw/{name}/{rank}", json.dumps(raw.register(host)))
+    peer = json.loads(store.get(f"raw/{name}/{1 - rank}"))
+    raw.add_peer(1 - rank, peer)
+    total = host.numel()
+
+    def once() -> None:
+        if name in PULLS and rank == 1:
+            rc = raw.engine.transfer_sync_read(peer["session"], host.data_ptr(), peer["addr"], total)
+            if rc != 0:
+                raise RuntimeError(f"Mooncake transfer_sync_read returned {rc}")
+        elif name == "mooncake" and rank == 0:  # the library's synchronous write, as its users call it
+            rc = raw.engine.transfer_sync_write(peer["session"], host.data_ptr(), peer["addr"], total)
+            if rc != 0:
+                raise RuntimeError(f"Mooncake transfer_sync_write returned {rc}")
+        elif name not in PULLS and rank == 0:
+            asyncio.run(raw.wait(raw.start_write(1, [(host.data_ptr(), 0, total)]), 300))
+
+    return once, raw
+
+
+def _measure(engine, raw_once: Callable[[], None], rank: int, group, views, rounds: int) -> dict:
+    """``{"times": {"raw": [s, ...], "engine": [...]}, "peak": bytes}`` of one engine against its library."""
+    step = [0]
+
+    def engine_once() -> None:
+        step[0] += 1
+        transfer_once(engine, rank, views, step[0])
+        engine.finalize()  # as verl's manager ends every update: the engine keeps its connections
+
+    peak = PeakMemory("cpu")
+    peak.start()
+    timed_once(group, engine_once)  # warm-up, buffers and connections included
+    engine_peak = peak.stop()
+    timed_once(group, raw_once)
+    times: dict[str, list[float]] = {"raw": [], "engine": []}
+    for r in range(rounds):  # ABBA: each kind goes first in every other round, so a drift hits both
+        for kind in (("raw", "engine") if r % 2 == 0 else ("engine", "raw")):
+            times[kind].append(timed_once(group, raw_once if kind == "raw" else engine_once))
+    return {"times": times, "peak": engine_peak}
 
 
 def run(size_mb: int = 256, bucket_mb: float = 64.0, device: str = "cpu", rounds: int = 5,
@@ -127,7 +136,8 @@ def run(size_mb: int = 256, bucket_mb: float = 64.0, device: str = "cpu", rounds
         ``{"device", "size_bytes", "n_tensors", "bucket_bytes", "rounds", "engines": [{"engine", "raw_s",
         "raw_gbps", "s", "gbps", "ratio_vs_raw", "send_peak_bytes", "recv_peak_bytes", "send_peak_buckets",
         "recv_peak_buckets", "round_ratios"}]}``; times are medians, ``ratio_vs_raw`` the median of per-round
-        ``raw_s / engine_s`` (1.0: as fast as one raw write, for kimi one raw read, of the same bytes). GB/s = 1e9 bytes/s.
+        ``raw_s / engine_s`` (1.0: as fast as one raw write, for kimi one raw read, of the same bytes).
+        GB/s = 1e9 bytes/s.
 
     Raises:
         ValueError: an unknown engine name, ``size_mb`` or ``rounds`` below 1, or ``bucket_mb`` not positive

@@ -10,9 +10,9 @@ engine, same bucket size, 1 trainer and ``--rollouts`` rollouts:
 
 Each launcher runs ``steps`` steps per run, ``rounds`` runs alternating (a noisy neighbour slows
 both alike). The throughput of a step is bytes / its publish time (from the send's start until the last
-rollout applied the step, as ``hal sync`` reports it); the first step of every run is a warm-up and not counted; figures are medians. The ratio
-``ray / torchrun`` is the figure of merit (goal >= 0.9). Start-up: seconds until the Ray node serves
-(``cluster_s``) and until every actor bound its device (``actors_s``).
+rollout applied the step, as ``hal sync`` reports it); the first step of every run is a warm-up and not
+counted; figures are medians. The ratio ``ray / torchrun`` is the figure of merit (goal >= 0.9). Start-up:
+seconds until the Ray node serves (``cluster_s``) and until every actor bound its device (``actors_s``).
 
     hal bench --only ray --size-mb 256                       # cpu, 2 rollouts
     hal bench --only ray --quick --device npu-sim --json
@@ -20,6 +20,7 @@ rollout applied the step, as ``hal sync`` reports it); the first step of every r
 
 from __future__ import annotations
 
+import functools
 import os
 import statistics
 import tempfile
@@ -79,7 +80,7 @@ def _run(size_mb: int, device: str, rollouts: int, steps: int, rounds: int, buck
         sent = set()
         for _ in range(rounds):
             for launcher in ("torchrun", "ray"):
-                result = retry_port_taken(lambda: run_sync_job(**options, launcher=launcher))
+                result = retry_port_taken(functools.partial(run_sync_job, **options, launcher=launcher))
                 if not result["verified"]:
                     raise RuntimeError(f"{launcher} run did not verify: {result['errors'][:3]}")
                 gbps[launcher] += step_gbps(result["rows"])

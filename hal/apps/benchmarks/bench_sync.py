@@ -111,7 +111,8 @@ def print_table(r: dict[str, Any]) -> None:
     for run_ in r["runs"]:
         for s in run_["steps"]:
             table.add_row(run_["rollout_apply"], str(s["global_steps"]), f"{s['publish_s'] * 1e3:.0f}",
-                          f"{s['gbps']:.2f}", f"{s['raw_s'] * 1e3:.0f}", f"{s['raw_gbps']:.2f}", f"{s['ratio_vs_raw']:.2f}")
+                          f"{s['gbps']:.2f}", f"{s['raw_s'] * 1e3:.0f}", f"{s['raw_gbps']:.2f}",
+                          f"{s['ratio_vs_raw']:.2f}")
         table.add_row(run_["rollout_apply"], "median", "", f"{run_['gbps']:.2f}", "", f"{run_['raw_gbps']:.2f}",
                       f"{run_['ratio_vs_raw']:.2f} (min {run_['ratio_vs_raw_min']:.2f})")
     console = Console(width=150)
