@@ -15,7 +15,6 @@ from __future__ import annotations
 import importlib
 import multiprocessing
 import os
-import queue as queue_mod
 import signal
 import socket
 import sys

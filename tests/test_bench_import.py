@@ -26,10 +26,6 @@ def test_run_takes_medians_of_the_rounds_and_flags_any_vendor_import(monkeypatch
     assert len(calls) == 3 and calls[0][-len(bench_import.vendor_modules()):] == bench_import.vendor_modules()
 
 
-def test_vendor_modules_name_the_npu_kinds_package():
-    assert bench_import.vendor_modules() == ["torch_npu"]
-
-
 def _fake_vendor(root, import_at_startup: bool) -> dict[str, str]:
     """An environment whose path holds a stand-in vendor package (and optionally imports it at start-up)."""
     for name in bench_import.vendor_modules():

@@ -9,12 +9,12 @@ import pytest
 
 pytest.importorskip("verl.checkpoint_engine", reason="verl 0.9.1 is not installed (the verl extra)")
 
-from hal.testing import run_multiprocess  # noqa: E402
-from tests.interop import _verl_ckpt as _verl_mp  # noqa: E402
+from hal.testing import run_multiprocess
+from tests.interop import verl_ckpt_workers
 
 pytestmark = pytest.mark.interop
 
-N_TENSORS = len(_verl_mp._weights(0))
+N_TENSORS = len(verl_ckpt_workers.weights(0))
 
 
 def test_importing_hal_and_ckpt_does_not_import_verl():
@@ -72,7 +72,7 @@ def test_verls_colocated_engine_is_flagged_with_the_exact_violation():
 def test_verl_workers_drive_hal_collective_1_trainer_2_rollouts(hal_device):
     import hal
 
-    results = run_multiprocess(_verl_mp.collective, 3, hal_device, 3, 2, timeout=240)
+    results = run_multiprocess(verl_ckpt_workers.collective, 3, hal_device, 3, 2, timeout=240)
     for rank in (1, 2):
         reports = results[rank]
         assert [r["update"] for r in reports] == [1, 2, 3]
@@ -88,7 +88,7 @@ def test_verl_workers_drive_hal_collective_1_trainer_2_rollouts(hal_device):
 
 @pytest.mark.multiprocess
 def test_thirty_verl_updates_keep_process_groups_and_fds_flat():
-    results = run_multiprocess(_verl_mp.collective, 3, "cpu", 30, None, timeout=400)
+    results = run_multiprocess(verl_ckpt_workers.collective, 3, "cpu", 30, None, timeout=400)
     for rank, reports in results.items():
         assert [r["groups"] for r in reports] == [1] * 30, rank
         assert reports[-1]["fds"] == reports[2]["fds"], (rank, [r["fds"] for r in reports])
@@ -97,7 +97,7 @@ def test_thirty_verl_updates_keep_process_groups_and_fds_flat():
 
 
 def test_verl_workers_drive_hal_colocated_1_trainer_2_rollouts(hal_device):
-    reports = run_multiprocess(_verl_mp.colocated, 1, hal_device, 3, timeout=180)[0]
+    reports = run_multiprocess(verl_ckpt_workers.colocated, 1, hal_device, 3, timeout=180)[0]
     for r in reports:
         assert r["same_engine"]
         if r["update"] == 2:
@@ -108,6 +108,6 @@ def test_verl_workers_drive_hal_colocated_1_trainer_2_rollouts(hal_device):
 
 
 def test_verls_checkpoint_engine_manager_drives_hal_colocated(hal_device):
-    reports = run_multiprocess(_verl_mp.manager_colocated, 1, hal_device, 3, timeout=180)[0]
+    reports = run_multiprocess(verl_ckpt_workers.manager_colocated, 1, hal_device, 3, timeout=180)[0]
     assert [r["served"] for r in reports] == [[1, 1], [2, 2], [3, 3]]
     assert all(r["exact"] == [N_TENSORS, N_TENSORS] for r in reports)

@@ -45,7 +45,7 @@ def _run(module: str, *args: str, sim: bool = True, timeout: float = 300) -> dic
 
 @pytest.mark.timeout(600)
 def test_verl_sees_ascend_importing_verl_first_and_in_a_spawned_child():
-    result = _run("tests.interop._verl_device", "verl-first", "spawn")
+    result = _run("tests.interop.verl_device_probe", "verl-first", "spawn")
     child = result.pop("child")
     assert result == ASCEND
     assert child == ASCEND
@@ -53,18 +53,18 @@ def test_verl_sees_ascend_importing_verl_first_and_in_a_spawned_child():
 
 @pytest.mark.timeout(600)
 def test_verl_sees_ascend_importing_hal_first():
-    assert _run("tests.interop._verl_device", "hal-first") == ASCEND
+    assert _run("tests.interop.verl_device_probe", "hal-first") == ASCEND
 
 
 @pytest.mark.timeout(600)
 def test_without_the_variable_verl_sees_no_npu():
-    result = _run("tests.interop._verl_device", "verl-first", sim=False)
+    result = _run("tests.interop.verl_device_probe", "verl-first", sim=False)
     assert result["npu"] is False and result["hal"] == "cpu" and result["device"] != "npu"
 
 
 @pytest.mark.timeout(900)
 def test_verl_fsdp2_engine_offload_all_flag_combinations_train_bit_identical():
-    result = _run("tests.interop._verl_fsdp", str(free_port()), timeout=840)
+    result = _run("tests.interop.verl_fsdp_run", str(free_port()), timeout=840)
     assert (result["device"], result["backend"], result["npu"], result["pg_backend"]) == ("npu", "hccl", True, "hccl")
     assert result["module"] == "FSDPQwen2ForCausalLM" and result["param_type"] == "DTensor"  # FSDP2
     assert result["reference"] != result["initial"]  # training changed the weights

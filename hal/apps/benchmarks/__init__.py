@@ -1,22 +1,16 @@
-"""Benchmarks: each prints ratios measured side by side in one run (the machine is shared and noisy)."""
+"""Benchmarks: each prints ratios measured side by side in one run (the machine is shared and noisy).
+
+One entry point, ``hal bench`` (:mod:`hal.apps.cli.bench`), chooses them and their sizes; each module here
+offers ``run(...) -> dict`` (the figures) and ``print_table(dict)``, and imports nothing from the command
+line. Ranks start through torch.distributed's elastic launcher (:mod:`hal.apps.benchmarks.ranks`); the
+weight-sync job is reached through one function (:mod:`hal.apps.benchmarks.job`).
+"""
 
 from __future__ import annotations
 
 import asyncio
 import time
 from typing import Any, Callable, Sequence
-
-
-def emit(result: dict[str, Any], as_json: bool, print_table: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
-    """The end of a benchmark's ``main``: print ``result`` as indented JSON on stdout when ``as_json``, else
-    as ``print_table(result)`` draws it; returns ``result``."""
-    if as_json:
-        import json
-
-        print(json.dumps(result, indent=2))
-    else:
-        print_table(result)
-    return result
 
 
 def timed_once(group: Any, fn: Callable[[], Any]) -> float:
@@ -28,20 +22,25 @@ def timed_once(group: Any, fn: Callable[[], Any]) -> float:
     return time.perf_counter() - t0
 
 
-def transfer_once(engine: Any, rank: int, tensors: Sequence[tuple[str, Any]], step: int) -> None:
+def transfer_once(engine: Any, rank: int, tensors: Sequence[tuple[str, Any]], step: int) -> int:
     """One update through a checkpoint ``engine``: rank 0 sends ``tensors`` (``(name, tensor)`` pairs) tagged
     ``global_steps=step``, every other rank receives it (the yielded views are dropped).
+
+    Returns:
+        The bytes this rank sent (rank 0) or received (the others): the sum of ``numel * element_size``.
 
     Raises:
         RuntimeError: a receiver got another number of tensors than ``len(tensors)``.
     """
-    async def go() -> None:
+    async def go() -> int:
         if rank == 0:
             await engine.send_weights(iter(tensors), step)
-        else:
-            n = 0
-            async for _name, _t in engine.receive_weights(step):
-                n += 1
-            if n != len(tensors):
-                raise RuntimeError(f"received {n} tensors, sent {len(tensors)}")
-    asyncio.run(go())
+            return sum(t.numel() * t.element_size() for _, t in tensors)
+        n = nbytes = 0
+        async for _name, t in engine.receive_weights(step):
+            n += 1
+            nbytes += t.numel() * t.element_size()
+        if n != len(tensors):
+            raise RuntimeError(f"received {n} tensors, sent {len(tensors)}")
+        return nbytes
+    return asyncio.run(go())

@@ -13,46 +13,27 @@ The tensor mix: bf16 tensors whose sizes are log-uniform between 2 KiB and 18 Mi
 1 GiB), seeded. Each timing is from a barrier to a barrier; after a warm-up, ``rounds`` rounds each run
 every measurement once (so a noisy neighbour slows all alike); times and per-round ratios are medians.
 
-    python -m hal.apps.benchmarks.bench_ckpt                       # 1024 MiB, buckets 16..256 MiB, cpu
-    python -m hal.apps.benchmarks.bench_ckpt --size-mb 64 --bucket-mb 4 16 --device npu-sim
+    hal bench --only sync                                   # 1024 MiB, buckets 64, 256, 1024 MiB
+    hal bench --only sync --quick --device npu-sim          # 64 MiB, buckets 4 and 16 MiB
 """
 
 from __future__ import annotations
 
-import dataclasses
+import functools
 import math
 import re
 import statistics
 from pathlib import Path
 
 import torch
-import tyro
 
 import hal
-from hal.apps.benchmarks import emit, timed_once, transfer_once
+from hal.apps.benchmarks import timed_once, transfer_once
+from hal.apps.benchmarks.ranks import free_ports, run_ranks
+from hal.apps.options import mib_to_bytes
 
 
 LAYOUTS = ("separate", "flat")
-
-
-@dataclasses.dataclass
-class Args:
-    size_mb: int = 1024
-    """Total bytes of the tensor mix, in MiB."""
-    bucket_mb: list[float] = dataclasses.field(default_factory=lambda: [16.0, 64.0, 256.0])
-    """Bucket sizes to measure, in MiB (as hal sync's --bucket-mb)."""
-    device: str = "cpu"
-    """Device kind (``cpu``/gloo, ``npu-sim``/sim hccl, ``cuda``/nccl, ``npu``/hccl)."""
-    rounds: int = 3
-    """Timed repetitions per measurement (median reported)."""
-    quick: bool = False
-    """Small run (64 MiB, buckets 4 and 16 MiB, 2 rounds) for smoke tests."""
-    json: bool = False
-    """Print the result as JSON instead of a table."""
-    layouts: list[str] = dataclasses.field(default_factory=lambda: list(LAYOUTS))
-    """Tensor layouts: ``separate`` (one allocation each) and/or ``flat`` (views into one buffer)."""
-    direct_threshold_mb: float | None = None
-    """The engine's direct_threshold in MiB (default: its own, bucket/8; 0 packs every tensor)."""
 
 
 def tensor_sizes(total_bytes: int, seed: int = 0, low: int = 2 << 10, high: int = 18 << 20) -> list[int]:
@@ -68,13 +49,30 @@ def tensor_sizes(total_bytes: int, seed: int = 0, low: int = 2 << 10, high: int 
     return sizes
 
 
+def tensor_views(flat: torch.Tensor, sizes: list[int]) -> list[tuple[str, torch.Tensor]]:
+    """``("layer{i}.weight", view)`` pairs: bf16 views laid end to end in the uint8 buffer ``flat``, the i-th
+    of ``sizes[i]`` bytes (even), as FSDP1 or Megatron flat parameters are views into one buffer.
+
+    Raises:
+        ValueError: ``flat`` is not a 1-d uint8 tensor of at least ``sum(sizes)`` bytes.
+    """
+    if flat.dtype != torch.uint8 or flat.dim() != 1 or flat.numel() < sum(sizes):
+        raise ValueError(f"flat must be a 1-d uint8 tensor of >= {sum(sizes)} bytes, got {flat.dtype} "
+                         f"{tuple(flat.shape)}")
+    views, offset = [], 0
+    for i, s in enumerate(sizes):
+        views.append((f"layer{i}.weight", flat[offset:offset + s].view(torch.bfloat16)))
+        offset += s
+    return views
+
+
 def proc_status_bytes(key: str) -> int:
     """A ``/proc/self/status`` memory field (``VmRSS``, ``VmHWM``, ...) in bytes (Linux; the file gives KiB)."""
     return int(re.search(rf"{key}:\s+(\d+)", Path("/proc/self/status").read_text()).group(1)) * 1024
 
 
-class _Peak:
-    """Peak bytes added between ``start()`` and ``stop()``: the host's VmHWM, or the device allocator's."""
+class PeakMemory:
+    """Peak bytes added between ``start()`` and ``stop()``: the host's VmHWM (Linux), or the device allocator's."""
 
     def __init__(self, device: str) -> None:
         self.spec = hal.resolve_device(device)
@@ -94,7 +92,7 @@ class _Peak:
         return self.module.max_memory_allocated() - self.base
 
 
-def _bench_rank(rank: int, world_size: int, port: int, size_mb: int, bucket_sizes: list[int], device: str,
+def _bench_rank(rank: int, world_size: int, ports: list[int], size_mb: int, bucket_sizes: list[int], device: str,
                 rounds: int, direct_threshold: int | None, layouts: list[str]) -> dict:
     import ckpt
 
@@ -102,18 +100,16 @@ def _bench_rank(rank: int, world_size: int, port: int, size_mb: int, bucket_size
     dev = hal.bind_local_device(device)  # one device per rank (LOCAL_RANK's), as a communicator requires
     sizes = tensor_sizes(size_mb << 20)
     total = sum(sizes)
-    store = hal.connect_store("127.0.0.1", port, rank, world_size, timeout=120)
+    store = hal.connect_store("127.0.0.1", ports[0], rank, world_size, timeout=120)
     group = hal.new_group_from_store(store, rank, world_size, device=device, timeout=120, prefix="bench")
     flat = torch.zeros(total, dtype=torch.uint8, device=dev)  # touched: no page faults in the timings
     if rank == 0:
-        block = torch.randint(0, 256, (min(total, 64 << 20),), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
+        block = torch.randint(0, 256, (min(total, 64 << 20),), dtype=torch.uint8,
+                              generator=torch.Generator().manual_seed(1))
         for i in range(0, total, block.numel()):
             n = min(block.numel(), total - i)
             flat[i:i + n].copy_(block[:n])
-    views, offset = [], 0
-    for i, s in enumerate(sizes):  # bf16 views into one flat buffer (as FSDP1 / Megatron flat parameters)
-        views.append((f"layer{i}.weight", flat[offset:offset + s].view(torch.bfloat16)))
-        offset += s
+    views = tensor_views(flat, sizes)
     models = {"flat": views,  # separate: one allocation per tensor (as FSDP2 full_tensor() gathers give)
               "separate": [(n, t.clone()) for n, t in views] if rank == 0 else views}
     tensors = views
@@ -126,24 +122,24 @@ def _bench_rank(rank: int, world_size: int, port: int, size_mb: int, bucket_size
         for w in works:
             w.wait()
 
-    peak = _Peak(device)
-    engines, peaks = [], []
+    peak = PeakMemory(device)
+    engines, peaks, moved = [], [], []
     step = [0]
 
     def transfer(engine, layout):
         step[0] += 1
-        transfer_once(engine, rank, models[layout], step[0])
+        moved.append(transfer_once(engine, rank, models[layout], step[0]))
 
     for i, bucket in enumerate(bucket_sizes):
         engine = ckpt.get_checkpoint_engine("collective", rank=rank, world_size=world_size, master_addr="127.0.0.1",
-                                            master_port=port + 1 + i, bucket_size=bucket, device=device,
+                                            master_port=ports[1 + i], bucket_size=bucket, device=device,
                                             timeout=120, direct_threshold=direct_threshold)
         peak.start()  # the first (warm-up) transfer, buffers included
         engine.init_process_group()
-        timed_once(group, lambda: transfer(engine, layouts[0]))
+        timed_once(group, functools.partial(transfer, engine, layouts[0]))
         peaks.append(peak.stop())
         for layout in layouts[1:]:
-            timed_once(group, lambda: transfer(engine, layout))
+            timed_once(group, functools.partial(transfer, engine, layout))
         engines.append(engine)
     # rounds interleave every measurement (single, per-tensor, each engine) so that a noisy neighbour
     # slows them alike; ratios are taken per round, then the median
@@ -156,16 +152,13 @@ def _bench_rank(rank: int, world_size: int, port: int, size_mb: int, bucket_size
         for engine in engines:
             for layout in layouts:
                 times.setdefault(f"{layout}:{engine.bucket_size}", []).append(
-                    timed_once(group, lambda: transfer(engine, layout)))
+                    timed_once(group, functools.partial(transfer, engine, layout)))
     for engine in engines:
         engine.close()
     group.close()
     return {"device": device, "backend": hal.get_dist_backend(device), "size_bytes": total, "n_tensors": len(sizes),
-            "rounds": rounds, "times": times, "peaks": peaks,
+            "rounds": rounds, "times": times, "peaks": peaks, "moved_bytes": sorted(set(moved)),
             "direct_threshold": engines[0].direct_threshold if engines else None}
-
-
-_bench_rank.start_method = "spawn"  # hal.testing.run_multiprocess: it measures its own process's memory
 
 
 def run(size_mb: int, bucket_sizes_mb: list[float], device: str, rounds: int = 3,
@@ -180,28 +173,48 @@ def run(size_mb: int, bucket_sizes_mb: list[float], device: str, rounds: int = 3
             Megatron keep parameters: the engine sends runs of adjacent tensors from their storage).
 
     Returns:
-        ``{"device", "backend", "size_bytes", "n_tensors", "single_s", "single_gbps", "per_tensor_s",
+        ``{"device", "backend", "size_bytes", "n_tensors", "moved_bytes", "single_s", "single_gbps", "per_tensor_s",
         "per_tensor_gbps", "per_tensor_ratio", "buckets": [{"layout", "bucket_bytes", "s", "gbps", "ratio_vs_single",
         "ratio_vs_per_tensor", "send_peak_bytes", "recv_peak_bytes", "send_peak_buckets",
         "recv_peak_buckets"}]}``. Times are medians; ratios are medians of per-round throughput ratios
-        (higher is better for the engine; 1.0 = as fast as one single-tensor broadcast).
-    """
-    from hal.apps.cli.errors import mib_to_bytes
-    from hal.testing import run_multiprocess
+        (higher is better for the engine; 1.0 = as fast as one single-tensor broadcast). ``moved_bytes``: the
+        bytes the receiver got in each engine transfer (one value: every transfer moved the whole mix).
 
+    Raises:
+        UsageError: a bucket size that is not positive (names ``--bucket-mb``).
+        ValueError: an unknown layout, or ``size_mb`` / ``rounds`` below 1.
+        ChildFailedError: a rank failed or passed its deadline (see :func:`hal.apps.benchmarks.ranks.run_ranks`).
+    """
     buckets = [mib_to_bytes(b, "--bucket-mb") for b in bucket_sizes_mb]
     bad = [x for x in layouts if x not in LAYOUTS]
     if bad or not layouts:
         raise ValueError(f"layouts must be a non-empty subset of {LAYOUTS}, got {list(layouts)}")
+    if size_mb < 1 or rounds < 1:
+        raise ValueError(f"size_mb and rounds must be >= 1, got size_mb={size_mb}, rounds={rounds}")
     layouts = list(layouts)
-    results = run_multiprocess(_bench_rank, 2, size_mb, buckets, device, rounds, direct_threshold,
-                               layouts, timeout=max(120.0, size_mb * 0.3 * (rounds + 1) * (2 + len(buckets) * len(layouts))))
-    send, recv = results[0], results[1]
+    timeout = max(120.0, size_mb * 0.3 * (rounds + 1) * (2 + len(buckets) * len(layouts)))
+    results = run_ranks(_bench_rank, 2, free_ports(1 + len(buckets)), size_mb, buckets, device, rounds,
+                        direct_threshold, layouts, timeout=timeout, name="ckpt")
+    return figures(results[0], results[1], buckets, layouts)
+
+
+def figures(send: dict, recv: dict, buckets: list[int], layouts: list[str]) -> dict:
+    """The figures of :func:`run` from what the sending rank (``send``) and the receiving rank (``recv``)
+    measured: each a dict with ``times`` (``{"single": [s, ...], "per_tensor": [...], "<layout>:<bucket>":
+    [...]}``, one entry per round, seconds), ``peaks`` (bytes, one per bucket size) and the run's facts.
+
+    Times are medians over the rounds; a ratio is the median of the per-round ratios (a round's reference
+    time over the engine's in that same round), not the ratio of the medians.
+    """
     total, times = send["size_bytes"], send["times"]
     med = statistics.median
-    gbps = lambda s: total / s / 1e9  # noqa: E731
+
+    def gbps(seconds: float) -> float:
+        return total / seconds / 1e9
+
     single, per_tensor = med(times["single"]), med(times["per_tensor"])
     out = {k: send[k] for k in ("device", "backend", "size_bytes", "n_tensors", "rounds")}
+    out["moved_bytes"] = recv["moved_bytes"]
     out.update(single_s=single, single_gbps=gbps(single), per_tensor_s=per_tensor, per_tensor_gbps=gbps(per_tensor),
                per_tensor_ratio=med(a / b for a, b in zip(times["single"], times["per_tensor"])), buckets=[])
     for layout in layouts:
@@ -232,21 +245,10 @@ def print_table(result: dict) -> None:
     table.add_row("tensor by tensor", f"{result['per_tensor_s'] * 1e3:.0f}", f"{result['per_tensor_gbps']:.2f}",
                   f"{result['per_tensor_ratio']:.2f}", "1.00", "", "")
     for b in result["buckets"]:
-        table.add_row(f"engine, {b['layout']}, bucket {b['bucket_bytes'] / mib:g} MiB", f"{b['s'] * 1e3:.0f}", f"{b['gbps']:.2f}",
+        table.add_row(f"engine, {b['layout']}, bucket {b['bucket_bytes'] / mib:g} MiB", f"{b['s'] * 1e3:.0f}",
+                      f"{b['gbps']:.2f}",
                       f"{b['ratio_vs_single']:.2f}", f"{b['ratio_vs_per_tensor']:.2f}",
                       f"{b['send_peak_bytes'] / mib:.0f} ({b['send_peak_buckets']:.2f})",
                       f"{b['recv_peak_bytes'] / mib:.0f} ({b['recv_peak_buckets']:.2f})")
     Console(width=150).print(table)
 
-
-def main(args: Args | None = None) -> dict:
-    args = args or tyro.cli(Args)
-    if args.quick:
-        args = dataclasses.replace(args, size_mb=64, bucket_mb=[4.0, 16.0], rounds=2)
-    direct = None if args.direct_threshold_mb is None else int(args.direct_threshold_mb * (1 << 20))
-    result = run(args.size_mb, args.bucket_mb, args.device, args.rounds, direct, args.layouts)
-    return emit(result, args.json, print_table)
-
-
-if __name__ == "__main__":
-    main()

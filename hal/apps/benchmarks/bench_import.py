@@ -5,18 +5,14 @@ Each round starts a fresh interpreter that times ``import torch`` and then ``imp
 of the interpreter itself is left out. The ratio of the medians, (torch + hal) / torch, is the figure to
 report; ``hal_ms`` is what ``import hal`` costs once torch is loaded.
 
-    python -m hal.apps.benchmarks.bench_import --rounds 10
+    hal bench --only import --rounds 10
 """
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import statistics
 import subprocess
 import sys
-
-import tyro
 
 PROBE = ("import time; t0 = time.perf_counter(); import torch; t1 = time.perf_counter(); import hal; "
          "t2 = time.perf_counter(); import sys; print(t1 - t0, t2 - t1, any(m in sys.modules for m in sys.argv[1:]))")
@@ -31,14 +27,6 @@ def vendor_modules() -> list[str]:
 
     specs = [hal.registry.get_spec(kind) for kind in BUILTIN_KINDS]
     return sorted({s.vendor_package.replace("-", "_") for s in specs if s.vendor_package})
-
-
-@dataclasses.dataclass
-class Args:
-    rounds: int = 8
-    """Fresh interpreters to time."""
-    json: bool = False
-    """Print the result as JSON."""
 
 
 def run(rounds: int = 8, env: dict[str, str] | None = None) -> dict:
@@ -66,16 +54,8 @@ def run(rounds: int = 8, env: dict[str, str] | None = None) -> dict:
     return {"torch_s": t, "hal_s": h, "ratio": (t + h) / t, "rounds": rounds, "imports_vendor": vendor}
 
 
-def main() -> None:
-    args = tyro.cli(Args)
-    result = run(args.rounds)
-    if args.json:
-        print(json.dumps(result))
-    else:
-        print(f"import torch              {result['torch_s'] * 1e3:8.1f} ms (median of {args.rounds})")
-        print(f"import hal after torch    {result['hal_s'] * 1e3:8.1f} ms")
-        print(f"ratio (torch + hal)/torch {result['ratio']:8.3f}   vendor plugin imported: {result['imports_vendor']}")
-
-
-if __name__ == "__main__":
-    main()
+def print_table(result: dict) -> None:
+    """The figures of :func:`run`: both medians in ms, the ratio, and whether a vendor package was imported."""
+    print(f"import torch              {result['torch_s'] * 1e3:8.1f} ms (median of {result['rounds']})")
+    print(f"import hal after torch    {result['hal_s'] * 1e3:8.1f} ms")
+    print(f"ratio (torch + hal)/torch {result['ratio']:8.3f}   vendor plugin imported: {result['imports_vendor']}")

@@ -17,43 +17,27 @@ One run measures, side by side on the same machine and device kind:
 The model is a stack of transformer-like blocks (hundreds of fp32 tensors from a few KiB to several MiB)
 sized to about ``size_mb``. Peak host RSS is the process's ``ru_maxrss``.
 
-    python -m hal.apps.benchmarks.bench_offload --device npu-sim --size-mb 1024
-    python -m hal.apps.benchmarks.bench_offload --quick          # 64 MiB, for smoke tests
+    hal bench --only offload --device npu-sim                # 1024 MiB
+    hal bench --only offload --device npu-sim --quick        # 64 MiB, for smoke tests
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
+import functools
 import math
 import resource
 import statistics
 import time
+from typing import Any, Callable
 
 import torch
-import tyro
 from torch import nn
 
 import hal
 
 LAYERS = 24
 TENSORS_PER_LAYER = 12
-
-
-@dataclasses.dataclass
-class Args:
-    size_mb: int = 1024
-    """Model size in MiB (fp32 parameters)."""
-    device: str | None = None
-    """Device kind (default: $HAL_DEVICE, then the first available; npu-sim shows real movement on a CPU)."""
-    rounds: int = 3
-    """Warm round trips (and plain copies) to take the median of."""
-    threads: int = 1
-    """torch intra-op threads during the run (0: leave as is)."""
-    quick: bool = False
-    """Small run (64 MiB, 2 rounds) for smoke tests."""
-    json: bool = False
-    """Print the result as JSON instead of a table."""
 
 
 class Block(nn.Module):
@@ -80,7 +64,8 @@ def _rss_peak_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
-def _timed(fn, spec) -> float:
+def _timed(fn: Callable[[], Any], spec: Any) -> float:
+    """Wall seconds of ``fn()``, the device synchronized before and after."""
     hal.synchronize(spec)
     start = time.perf_counter()
     fn()
@@ -153,38 +138,71 @@ def _run(size_mb: int, device: str | None, rounds: int) -> dict:
         return statistics.median(_timed(fn, spec) for _ in range(rounds))
 
     cold = _timed(lambda: (engine.to("cpu"), engine.to(spec)), spec)
-    offload = onload = 0.0
-    warm = []
-    for _ in range(rounds):
-        a = _timed(lambda: engine.to("cpu"), spec)
-        b = _timed(lambda: engine.to(spec), spec)
-        warm.append((a + b, a, b))
-    warm_s, offload, onload = sorted(warm)[len(warm) // 2]
+    warm = [(_timed(lambda: engine.to("cpu"), spec), _timed(lambda: engine.to(spec), spec)) for _ in range(rounds)]
     d2h = median(lambda: host_buf.copy_(dev_buf, non_blocking=pin))
     h2d = median(lambda: dev_buf.copy_(host_buf, non_blocking=pin))
     fresh: list[torch.Tensor] = []
     cold_d2h = _timed(lambda: fresh.append(dev_buf.to("cpu")), spec)  # fresh pageable host memory
-    del dev_buf  # its block goes back to the device cache, which the onload below draws from
+    dev_buf = None  # its block goes back to the device cache, which the onload below draws from
     cold_h2d = _timed(lambda: fresh.append(fresh[0].to(engine.torch_device)), spec)
     fresh.clear()
     h2d_fresh = median(lambda: host_buf.to(engine.torch_device, non_blocking=pin))
     allocs = []
     for _ in range(rounds):  # what the cold offload allocated, on its own; freed (untimed) after each round
         slabs = HostBufferPool(pin)
-        allocs.append(_timed(lambda: slabs.reserve(enumerate(tensors), SLAB_BYTES), spec))
+        allocs.append(_timed(functools.partial(slabs.reserve, enumerate(tensors), SLAB_BYTES), spec))
         slabs.clear()
-    alloc = statistics.median(allocs)
-    floor = alloc + d2h + h2d
-    gbps = lambda n, s: n / s / 1e9  # noqa: E731
-    out.update(plain_d2h_gbps=gbps(nbytes, d2h), plain_h2d_gbps=gbps(nbytes, h2d),
-               plain_h2d_fresh_gbps=gbps(nbytes, h2d_fresh), plain_gbps=gbps(2 * nbytes, d2h + h2d),
-               offload_gbps=gbps(nbytes, offload), onload_gbps=gbps(nbytes, onload),
-               cold_gbps=gbps(2 * nbytes, cold), warm_gbps=gbps(2 * nbytes, warm_s),
-               cold_ratio=(d2h + h2d) / cold, warm_ratio=(d2h + h2d) / warm_s,
-               plain_cold_gbps=gbps(2 * nbytes, cold_d2h + cold_h2d), cold_vs_plain_cold=(cold_d2h + cold_h2d) / cold,
-               host_alloc_gbps=gbps(nbytes, alloc), cold_floor_ratio=(d2h + h2d) / floor, cold_vs_floor=floor / cold,
-               rss_peak_bytes=_rss_peak_bytes(), host_buffer_bytes=engine.host_buffers.nbytes)
+    timings = Timings(cold_s=cold, warm_s=warm, d2h_s=d2h, h2d_s=h2d, cold_d2h_s=cold_d2h, cold_h2d_s=cold_h2d,
+                      h2d_fresh_s=h2d_fresh, host_alloc_s=statistics.median(allocs))
+    out.update(figures(nbytes, timings), rss_peak_bytes=_rss_peak_bytes(),
+               host_buffer_bytes=engine.host_buffers.nbytes)
     return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Timings:
+    """What :func:`run` measured, in seconds; the ``d2h``/``h2d``/``h2d_fresh``/``host_alloc`` figures are
+    already medians over the rounds."""
+
+    cold_s: float
+    """The first ``to("cpu")`` + ``to(device)`` round trip (allocates the engine's host buffers)."""
+    warm_s: list[tuple[float, float]]
+    """Each later round trip as its ``(offload, onload)`` seconds."""
+    d2h_s: float
+    """Plain device-to-host ``copy_`` of all the bytes into a touched host buffer."""
+    h2d_s: float
+    """Plain host-to-device ``copy_`` into an existing device buffer."""
+    cold_d2h_s: float
+    """Plain ``.to("cpu")`` into fresh pageable host memory (once)."""
+    cold_h2d_s: float
+    """Plain ``.to(device)`` of that copy back (once)."""
+    h2d_fresh_s: float
+    """Plain ``.to(device)`` into fresh device memory."""
+    host_alloc_s: float
+    """Allocating the engine's host slabs for the same tensors, no copy."""
+
+
+def figures(nbytes: int, t: Timings) -> dict[str, float]:
+    """The rates (GB/s: 1e9 bytes/s; a round trip moves ``2 * nbytes``) and ratios of :func:`run` from
+    ``t``. The warm figures are those of the median warm round trip (by its total), so offload and onload
+    are the two halves of one round trip, not medians taken apart.
+    """
+    warm_total, offload, onload = sorted((a + b, a, b) for a, b in t.warm_s)[len(t.warm_s) // 2]
+    plain = t.d2h_s + t.h2d_s
+    plain_cold = t.cold_d2h_s + t.cold_h2d_s
+    floor = t.host_alloc_s + plain
+
+    def gbps(n: int, seconds: float) -> float:
+        return n / seconds / 1e9
+
+    return dict(plain_d2h_gbps=gbps(nbytes, t.d2h_s), plain_h2d_gbps=gbps(nbytes, t.h2d_s),
+                plain_h2d_fresh_gbps=gbps(nbytes, t.h2d_fresh_s), plain_gbps=gbps(2 * nbytes, plain),
+                offload_gbps=gbps(nbytes, offload), onload_gbps=gbps(nbytes, onload),
+                cold_gbps=gbps(2 * nbytes, t.cold_s), warm_gbps=gbps(2 * nbytes, warm_total),
+                cold_ratio=plain / t.cold_s, warm_ratio=plain / warm_total,
+                plain_cold_gbps=gbps(2 * nbytes, plain_cold), cold_vs_plain_cold=plain_cold / t.cold_s,
+                host_alloc_gbps=gbps(nbytes, t.host_alloc_s), cold_floor_ratio=plain / floor,
+                cold_vs_floor=floor / t.cold_s)
 
 
 def print_table(r: dict) -> None:
@@ -224,16 +242,3 @@ def print_table(r: dict) -> None:
         console.print(f"device kind {r['device']!r} keeps tensors in host memory: nothing moves "
                       "(use --device npu-sim, cuda or npu)")
 
-
-def main(args: Args) -> dict:
-    size_mb, rounds = (64, 2) if args.quick else (args.size_mb, args.rounds)
-    result = run(size_mb, args.device, rounds, args.threads or None)
-    if args.json:
-        print(json.dumps(result))
-    else:
-        print_table(result)
-    return result
-
-
-if __name__ == "__main__":
-    main(tyro.cli(Args))

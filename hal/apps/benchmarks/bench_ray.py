@@ -4,55 +4,32 @@ One run, one device kind, the same bytes: a safetensors file of bf16 tensors (si
 as in :mod:`hal.apps.benchmarks.bench_ckpt`) is the model of ``hal sync`` under both launchers, collective
 engine, same bucket size, 1 trainer and ``--rollouts`` rollouts:
 
-* ``torchrun``: :func:`hal.apps.cli.sync.execute` with the default launcher (processes on this machine);
+* ``torchrun``: the job (:func:`hal.apps.benchmarks.job.run_sync_job`) with the default launcher
+  (processes on this machine);
 * ``ray``: the same with ``--launcher ray`` on a one-node :class:`hal.ray.LocalCluster` started here.
 
-Each launcher runs ``--steps`` steps per round, ``--rounds`` rounds alternating (a noisy neighbour slows
+Each launcher runs ``steps`` steps per run, ``rounds`` runs alternating (a noisy neighbour slows
 both alike). The throughput of a step is bytes / its publish time (from the send's start until the last
-rollout applied the step, as ``hal sync`` reports it); the first step of every run is a warm-up and not counted; figures are medians. The ratio
-``ray / torchrun`` is the figure of merit (goal >= 0.9). Start-up: seconds until the Ray node serves
-(``cluster_s``) and until every actor bound its device (``actors_s``).
+rollout applied the step, as ``hal sync`` reports it); the first step of every run is a warm-up and not
+counted; figures are medians. The ratio ``ray / torchrun`` is the figure of merit (goal >= 0.9). Start-up:
+seconds until the Ray node serves (``cluster_s``) and until every actor bound its device (``actors_s``).
 
-    python -m hal.apps.benchmarks.bench_ray                          # 256 MiB, cpu, 2 rollouts
-    python -m hal.apps.benchmarks.bench_ray --size-mb 64 --device npu-sim --json
+    hal bench --only ray --size-mb 256                       # cpu, 2 rollouts
+    hal bench --only ray --quick --device npu-sim --json
 """
 
 from __future__ import annotations
 
-import dataclasses
+import functools
 import os
 import statistics
 import tempfile
 from pathlib import Path
 
 import torch
-import tyro
 
-from hal.apps.benchmarks import emit
 from hal.apps.benchmarks.bench_ckpt import tensor_sizes
-
-
-@dataclasses.dataclass
-class Args:
-    size_mb: int = 256
-    """Bytes of the model's tensors, in MiB."""
-    device: str = "cpu"
-    """Device kind (cpu, npu-sim, cuda, npu)."""
-    rollouts: int = 2
-    """Rollout ranks."""
-    steps: int = 4
-    """Steps per run (the first is a warm-up)."""
-    rounds: int = 2
-    """Runs per launcher, alternating."""
-    bucket_mb: float = 64.0
-    """Bucket size of the collective engine, in MiB."""
-    threads: int = 1
-    """OMP_NUM_THREADS of every rank under both launchers (Ray gives an actor of 1 CPU one thread; torchrun's
-    command line sets 1 per process too, the launcher API hal sync uses does not)."""
-    quick: bool = False
-    """Small run (16 MiB, 3 steps, 1 round) for smoke tests."""
-    json: bool = False
-    """Print the result as JSON instead of a table."""
+from hal.apps.benchmarks.job import retry_port_taken, run_sync_job
 
 
 def write_model(path: Path, size_mb: int, seed: int = 0) -> int:
@@ -66,18 +43,8 @@ def write_model(path: Path, size_mb: int, seed: int = 0) -> int:
     return sum(sizes)
 
 
-def _execute_retrying(execute, args, attempts: int = 2) -> dict:
-    """``execute(args)``, once more if a rendezvous port it picked was taken meanwhile (a shared machine)."""
-    for _ in range(attempts - 1):
-        try:
-            return execute(args)
-        except RuntimeError as exc:
-            if "EADDRINUSE" not in str(exc):
-                raise
-    return execute(args)
-
-
-def _gbps(rows: list[dict]) -> list[float]:
+def step_gbps(rows: list[dict]) -> list[float]:
+    """GB/s (1e9 bytes/s) of each step of a run but the first (the warm-up): its bytes over its publish time."""
     return [row["bytes"] / row["publish_s"] / 1e9 for row in rows[1:]]
 
 
@@ -103,22 +70,20 @@ def run(size_mb: int, device: str = "cpu", rollouts: int = 2, steps: int = 4, ro
 
 
 def _run(size_mb: int, device: str, rollouts: int, steps: int, rounds: int, bucket_mb: float, threads: int) -> dict:
-    from hal.apps.cli.sync import Sync, execute
-
     with tempfile.TemporaryDirectory(prefix="hal-bench-ray-") as tmp:
         model = Path(tmp) / "model.safetensors"
         nbytes = write_model(model, size_mb)
-        base = Sync(device=device, model=str(model), rollouts=rollouts, steps=steps, bucket_mb=bucket_mb,
-                    timeout=600.0)
+        options = dict(device=device, model=str(model), rollouts=rollouts, steps=steps, bucket_mb=bucket_mb,
+                       timeout=600.0)
         gbps: dict[str, list[float]] = {"torchrun": [], "ray": []}
         startup: list[dict] = []
         sent = set()
         for _ in range(rounds):
             for launcher in ("torchrun", "ray"):
-                result = _execute_retrying(execute, dataclasses.replace(base, launcher=launcher))
+                result = retry_port_taken(functools.partial(run_sync_job, **options, launcher=launcher))
                 if not result["verified"]:
                     raise RuntimeError(f"{launcher} run did not verify: {result['errors'][:3]}")
-                gbps[launcher] += _gbps(result["rows"])
+                gbps[launcher] += step_gbps(result["rows"])
                 sent |= {row["bytes"] for row in result["rows"]}
                 if launcher == "ray":
                     startup.append(result["startup"])
@@ -133,6 +98,7 @@ def _run(size_mb: int, device: str, rollouts: int, steps: int, rounds: int, buck
 
 
 def print_table(r: dict) -> None:
+    """The figures of :func:`run` as a rich table, then Ray's start-up seconds."""
     from rich.console import Console
     from rich.table import Table
 
@@ -148,14 +114,3 @@ def print_table(r: dict) -> None:
     console.print(f"Ray start-up: node serving after {r['cluster_start_s']:.1f} s, actors bound after "
                   f"{r['actors_start_s']:.1f} s (medians)")
 
-
-def main(args: Args | None = None) -> dict:
-    args = args or tyro.cli(Args)
-    if args.quick:
-        args = dataclasses.replace(args, size_mb=16, steps=3, rounds=1)
-    result = run(args.size_mb, args.device, args.rollouts, args.steps, args.rounds, args.bucket_mb, args.threads)
-    return emit(result, args.json, print_table)
-
-
-if __name__ == "__main__":
-    main()

@@ -1,7 +1,7 @@
 """The main job's weight sync, as ``hal sync`` runs it, against a raw broadcast of the same bytes.
 
 1 trainer and ``rollouts`` rollouts (2 by default) on one device kind, collective engine: this *is*
-:func:`hal.apps.cli.sync.execute` (the same ranks, rollout adapter and timing), run on a safetensors model of
+:func:`hal.apps.benchmarks.job.run_sync_job` (the same ranks, rollout adapter and timing), run on a safetensors model of
 bf16 tensors (sizes log-uniform, seeded, as in :mod:`hal.apps.benchmarks.bench_ckpt`) or on a preset. Every
 rollout applies each update into its model's existing parameters (``ckpt.ModelRolloutAdapter``, atomic or
 in place). Per step, side by side in one run:
@@ -15,44 +15,21 @@ figure of merit is the ratio raw / publish per step (1.0: the engine and the rol
 a raw broadcast); the median and the smallest over the steps are reported, with each rank's peak resident
 memory against the bound it is judged by.
 
-    python -m hal.apps.benchmarks.bench_sync                         # 1024 MiB, 2 rollouts, cpu
-    python -m hal.apps.benchmarks.bench_sync --model qwen2.5-0.5b    # the README's hal sync
-    python -m hal.apps.benchmarks.bench_sync --quick --json
+    hal bench --only main                                    # 1024 MiB, 2 rollouts
+    hal bench --only main --main-model qwen2.5-0.5b          # the README's hal sync
+    hal bench --only main --quick --json
 """
 
 from __future__ import annotations
 
-import dataclasses
 import statistics
 import tempfile
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
-import tyro
-
-from hal.apps.benchmarks import emit
-
-
-@dataclasses.dataclass
-class Args:
-    size_mb: int = 1024
-    """Bytes of the tensor-mix model, in MiB (ignored with ``--model``)."""
-    model: str | None = None
-    """A ``hal sync`` preset or safetensors path instead of the tensor mix (e.g. qwen2.5-0.5b)."""
-    device: str = "cpu"
-    """Device kind (cpu, npu-sim, cuda, npu)."""
-    rollouts: int = 2
-    """Rollout ranks receiving every step."""
-    steps: int = 3
-    """Timed steps (after the untimed step 0)."""
-    bucket_mb: float = 256.0
-    """Bucket size of the collective engine, in MiB (hal sync's default)."""
-    apply: tuple[Literal["atomic", "in-place"], ...] = ("atomic",)
-    """Rollout apply modes to run, one run each."""
-    quick: bool = False
-    """Small run (16 MiB, buckets of 4 MiB, 2 steps) for smoke tests."""
-    json: bool = False
-    """Print the result as JSON instead of a table."""
+from hal.apps.benchmarks.bench_ray import write_model
+from hal.apps.benchmarks.job import run_sync_job
+from hal.apps.options import mib_to_bytes
 
 
 def run(size_mb: int, device: str = "cpu", rollouts: int = 2, steps: int = 3, bucket_mb: float = 256.0,
@@ -77,23 +54,18 @@ def run(size_mb: int, device: str = "cpu", rollouts: int = 2, steps: int = 3, bu
         RuntimeError: a run did not verify every step byte-exact (its figures would mean nothing).
         ValueError: ``steps``, ``rollouts`` or ``size_mb`` below 1, or an unknown apply mode.
     """
-    from hal.apps.cli.errors import mib_to_bytes
-    from hal.apps.cli.sync import Sync, execute
-
     if min(steps, rollouts, size_mb) < 1 or not applies or set(applies) - {"atomic", "in-place"}:
         raise ValueError(f"steps, rollouts and size_mb must be >= 1 and applies a non-empty subset of "
                          f"('atomic', 'in-place'), got {steps}, {rollouts}, {size_mb}, {list(applies)}")
     label = model or "tensor mix"
     with tempfile.TemporaryDirectory(prefix="hal-bench-sync-") as tmp:
         if model is None:
-            from hal.apps.benchmarks.bench_ray import write_model
-
             model = str(Path(tmp) / "model.safetensors")
             write_model(Path(model), size_mb)
         runs = []
         for apply in applies:
-            result = execute(Sync(device=device, model=model, rollouts=rollouts, steps=steps, bucket_mb=bucket_mb,
-                                  rollout_apply=apply, timeout=timeout))
+            result = run_sync_job(device=device, model=model, rollouts=rollouts, steps=steps, bucket_mb=bucket_mb,
+                                  rollout_apply=apply, timeout=timeout)
             if not result["verified"]:
                 raise RuntimeError(f"hal sync --rollout-apply {apply} did not verify: {result['errors'][:3]}")
             runs.append(_figures(apply, result))
@@ -108,7 +80,10 @@ def run(size_mb: int, device: str = "cpu", rollouts: int = 2, steps: int = 3, bu
 def _figures(apply: str, result: dict[str, Any]) -> dict[str, Any]:
     rows = result["rows"]
     med = statistics.median
-    worst = lambda records: max(records, key=lambda m: m["peak_bytes"] - m["bound_bytes"])  # noqa: E731
+
+    def worst(records: list[dict[str, Any]]) -> dict[str, Any]:  # the record furthest above (or least below) its bound
+        return max(records, key=lambda m: m["peak_bytes"] - m["bound_bytes"])
+
     rollout_memory = {}
     for r in rows[0]["rollouts"]:
         rank = r["rank"]
@@ -136,7 +111,8 @@ def print_table(r: dict[str, Any]) -> None:
     for run_ in r["runs"]:
         for s in run_["steps"]:
             table.add_row(run_["rollout_apply"], str(s["global_steps"]), f"{s['publish_s'] * 1e3:.0f}",
-                          f"{s['gbps']:.2f}", f"{s['raw_s'] * 1e3:.0f}", f"{s['raw_gbps']:.2f}", f"{s['ratio_vs_raw']:.2f}")
+                          f"{s['gbps']:.2f}", f"{s['raw_s'] * 1e3:.0f}", f"{s['raw_gbps']:.2f}",
+                          f"{s['ratio_vs_raw']:.2f}")
         table.add_row(run_["rollout_apply"], "median", "", f"{run_['gbps']:.2f}", "", f"{run_['raw_gbps']:.2f}",
                       f"{run_['ratio_vs_raw']:.2f} (min {run_['ratio_vs_raw_min']:.2f})")
     console = Console(width=150)
@@ -151,14 +127,3 @@ def print_table(r: dict[str, Any]) -> None:
                           f"{j['bound_bytes'] / 1e9:.2f} GB: {j['within']} (model + 2 buckets + constant = "
                           f"{single['bound_bytes'] / 1e9:.2f} GB: {single['within']})")
 
-
-def main(args: Args | None = None) -> dict[str, Any]:
-    args = args or tyro.cli(Args)
-    if args.quick:
-        args = dataclasses.replace(args, size_mb=16, bucket_mb=4.0, steps=2)
-    result = run(args.size_mb, args.device, args.rollouts, args.steps, args.bucket_mb, args.apply, args.model)
-    return emit(result, args.json, print_table)
-
-
-if __name__ == "__main__":
-    main()

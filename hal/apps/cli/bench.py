@@ -1,4 +1,5 @@
-"""``hal bench``: the offload and weight-sync benchmarks, printed as ratio tables (and optionally plotted).
+"""``hal bench``: the one entry point of the benchmarks (``hal.apps.benchmarks``), printed as ratio tables
+(and optionally plotted).
 
 Every figure is a ratio measured side by side in one run (the machine is shared and noisy): offload+onload
 against a plain single-buffer copy of the same bytes (``hal/apps/benchmarks/bench_offload.py``), and the collective
@@ -8,7 +9,10 @@ benchmarked kind, each against one raw transfer of the same bytes by its own lib
 whose rollouts pull, a Mooncake read) (``hal/apps/benchmarks/bench_p2p.py``), and, only with ``--only main``
 (three processes, minutes), the main job: ``hal sync`` itself, 1 trainer and ``--rollouts`` rollouts applying
 every update into their models, each step against a raw broadcast of the same bytes to the same rollouts
-(``hal/apps/benchmarks/bench_sync.py``). Every bucket size is in MiB, as ``hal sync --bucket-mb`` takes it.
+(``hal/apps/benchmarks/bench_sync.py``). Also only when named: ``--only ray`` (the same job over Ray actors
+against torchrun, ``bench_ray.py``) and ``--only import`` (what ``import hal`` adds to ``import torch``,
+``bench_import.py``). Every bucket size is in MiB, as ``hal sync --bucket-mb`` takes it. ``--quick`` means
+one thing for all of them: the small defaults of :data:`QUICK_DEFAULTS`.
 """
 
 from __future__ import annotations
@@ -21,15 +25,19 @@ from typing import Annotated, Any
 import tyro
 
 import hal
-from hal.apps.cli.errors import MissingExtraError, UsageError, mib_to_bytes
+from hal.apps.cli.errors import MissingExtraError, worker_failed
 from hal.apps.cli.helptext import flowing_help
+from hal.apps.options import UsageError, mib_to_bytes
 
 
-BENCHMARKS = ("offload", "sync", "main")
+BENCHMARKS = ("offload", "sync", "main", "ray", "import")
 """Every benchmark ``--only`` names, in the order they run."""
 DEFAULT_SELECTION = ("offload", "sync")
 """What a plain ``hal bench`` runs: the two-process ratio benchmarks. ``main`` (hal sync's loop on 1 GiB, three
-processes) runs only when named: ``--only main``."""
+processes), ``ray`` (that loop over Ray actors and under torchrun, several runs) and ``import`` run only when
+named: ``--only main``."""
+RAY_STEPS = 3
+"""ray: steps per run (the first a warm-up)."""
 
 
 def _quick_default(metavar: str, full: str, quick: str) -> Any:
@@ -51,17 +59,20 @@ class Bench:
     """sync: bucket sizes of the collective engine, in MiB (as hal sync's --bucket-mb); the smallest is the
     transfer-library engines' (nixl, mooncake, kimi)."""
     rounds: Annotated[int | None, _quick_default("INT", "3", "2")] = None
-    """Timed repetitions per figure (medians are reported); main: its steps."""
+    """Timed repetitions per figure (medians are reported); main: its steps; ray: runs per launcher;
+    import: fresh interpreters."""
     quick: bool = False
-    """Small defaults for a smoke run: --size-mb 64, --bucket-mb 4 16, --rounds 2, --main-bucket-mb 4. Only
-    the defaults change: a size, bucket or round flag given with --quick is used as given."""
+    """Small defaults for a smoke run, the same for every benchmark: --size-mb 64, --bucket-mb 4 16,
+    --rounds 2, --main-bucket-mb 4. Only the defaults change: a size, bucket or round flag given with --quick
+    is used as given."""
     only: tuple[str, ...] = DEFAULT_SELECTION
     """Which benchmarks to run: offload, sync (engine against broadcasts, 1 receiver) and, only when named,
-    main (hal sync's whole loop: 1 trainer and --rollouts rollout processes, minutes on a host)."""
+    main (hal sync's whole loop: 1 trainer and --rollouts rollout processes, minutes on a host), ray (that
+    loop over Ray actors against torchrun; needs the ray extra) and import (import hal's cost)."""
     rollouts: int = 2
-    """main: rollout ranks, each applying every update into its model."""
+    """main, ray: rollout ranks, each applying every update into its model."""
     main_bucket_mb: Annotated[float | None, _quick_default("FLOAT", "256", "4")] = None
-    """main: bucket size of the collective engine, in MiB (256: hal sync's --bucket-mb default)."""
+    """main, ray: bucket size of the collective engine, in MiB (256: hal sync's --bucket-mb default)."""
     main_model: str | None = None
     """main: a hal sync preset or safetensors path instead of the tensor mix of --size-mb (e.g. qwen2.5-0.5b)."""
     apply: tuple[str, ...] = ("atomic",)
@@ -114,13 +125,23 @@ def selection(args: Bench) -> list[str]:
 
 def execute(args: Bench) -> dict[str, Any]:
     """Run the chosen benchmarks (:func:`selection`); returns ``{"offload": {...}, "sync": {...},
-    "sync_p2p": {...}, "main": {...}}`` (those chosen and available; see each module's ``run``).
+    "sync_p2p": {...}, "main": {...}, "ray": {...}, "import": {...}}`` (those chosen and available; see each
+    module's ``run``).
 
     Raises:
         UsageError: what :func:`selection` raises.
+        WorkerFailedError: a benchmark's rank failed; names it and how.
     """
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
     chosen = selection(args)
-    args = with_defaults(args)
+    try:
+        return _execute(chosen, with_defaults(args))
+    except ChildFailedError as exc:
+        raise worker_failed(exc, lambda rank: f"benchmark rank {rank}", "hal bench") from None
+
+
+def _execute(chosen: list[str], args: Bench) -> dict[str, Any]:
     size, buckets, rounds = args.size_mb, args.bucket_mb, args.rounds
     kind = hal.resolve_device(args.device).kind
     out: dict[str, Any] = {}
@@ -143,6 +164,14 @@ def execute(args: Bench) -> dict[str, Any]:
 
         out["main"] = bench_sync.run(size, kind, args.rollouts, rounds, args.main_bucket_mb, args.apply,
                                      args.main_model)
+    if "ray" in chosen:
+        from hal.apps.benchmarks import bench_ray
+
+        out["ray"] = bench_ray.run(size, kind, args.rollouts, RAY_STEPS, rounds, args.main_bucket_mb)
+    if "import" in chosen:
+        from hal.apps.benchmarks import bench_import
+
+        out["import"] = bench_import.run(rounds)
     return out
 
 
@@ -187,27 +216,28 @@ def plot(result: dict[str, Any], path: pathlib.Path) -> None:
     plt.close(fig)
 
 
+def print_tables(result: dict[str, Any]) -> None:
+    """Each benchmark's table (its module's ``print_table``), in :data:`BENCHMARKS` order."""
+    from hal.apps.benchmarks import bench_ckpt, bench_import, bench_offload, bench_p2p, bench_ray, bench_sync
+
+    tables = (("offload", bench_offload), ("sync", bench_ckpt), ("sync_p2p", bench_p2p), ("main", bench_sync),
+              ("ray", bench_ray), ("import", bench_import))
+    for key, module in tables:
+        if key in result:
+            module.print_table(result[key])
+
+
 def run(args: Bench) -> int:
+    """``hal bench``: run the chosen benchmarks, print their tables (or JSON), write the plot; exit status 0.
+
+    Raises:
+        UsageError, WorkerFailedError: see :func:`execute`; MissingExtraError: see :func:`plot`.
+    """
     result = execute(args)
     if args.json:
         print(json.dumps(result, indent=2))
     else:
-        if "offload" in result:
-            from hal.apps.benchmarks import bench_offload
-
-            bench_offload.print_table(result["offload"])
-        if "sync" in result:
-            from hal.apps.benchmarks import bench_ckpt
-
-            bench_ckpt.print_table(result["sync"])
-        if "sync_p2p" in result:
-            from hal.apps.benchmarks import bench_p2p
-
-            bench_p2p.print_table(result["sync_p2p"])
-        if "main" in result:
-            from hal.apps.benchmarks import bench_sync
-
-            bench_sync.print_table(result["main"])
+        print_tables(result)
     if args.plot:
         plot(result, pathlib.Path(args.plot))
         print(f"wrote {args.plot}")

@@ -8,14 +8,11 @@ line; anything else is a bug and keeps its traceback.
 
 from __future__ import annotations
 
-import math
 from typing import Any, Callable
 
+# the usage error and MiB sizes live in hal.apps.options (the benchmarks check sizes too); re-exported here
+from hal.apps.options import MIB as MIB, UsageError as UsageError, mib_to_bytes as mib_to_bytes
 from hal.errors import HalError
-
-
-class UsageError(HalError, ValueError):
-    """A command-line argument is wrong (a count below 1, an unknown name); the message names the flag."""
 
 
 class MissingFileError(HalError, FileNotFoundError):
@@ -28,23 +25,6 @@ class MissingExtraError(HalError, ImportError):
 
 class WorkerFailedError(HalError, RuntimeError):
     """A process the command started (a trainer or rollout rank) failed; the message names it and how."""
-
-
-MIB = 1 << 20
-"""Bytes in a MiB: the unit of every ``*-mb`` size flag (``--bucket-mb``, ``--size-mb``)."""
-
-
-def mib_to_bytes(mib: float, flag: str) -> int:
-    """The bytes of a size given in MiB as ``flag`` (fractions allowed: 0.5 is 524288 bytes).
-
-    Raises:
-        UsageError: ``mib`` is not a finite positive number, or is under one byte; names the flag and value.
-    """
-    if not 0 < mib < math.inf:  # NaN fails both comparisons
-        raise UsageError(f"{flag} must be positive, got {mib} (a size in MiB)")
-    if int(mib * MIB) < 1:
-        raise UsageError(f"{flag} {mib} MiB is less than one byte")
-    return int(mib * MIB)
 
 
 # Exit status -9: SIGKILL. Nothing in hal sends it, so it almost always comes from the kernel's

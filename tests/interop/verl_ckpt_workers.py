@@ -24,7 +24,8 @@ import torch
 BUCKET_MB = 1
 
 
-def _weights(step: int) -> dict[str, torch.Tensor]:
+def weights(step: int) -> dict[str, torch.Tensor]:
+    """The trainer's weights at ``step`` (seeded by it): fp32, bf16 and int64 tensors, one above a 1 MiB bucket."""
     g = torch.Generator().manual_seed(100 + step)
     return {"embed.weight": torch.randn(64, 32, generator=g), "layer.0.weight": torch.randn(32, 32, generator=g),
             "layer.0.bias": torch.randn(32, generator=g).to(torch.bfloat16),
@@ -34,7 +35,7 @@ def _weights(step: int) -> dict[str, torch.Tensor]:
 
 def _module(step: int) -> torch.nn.Module:
     module = torch.nn.Module()
-    for name, t in _weights(step).items():
+    for name, t in weights(step).items():
         parent = module
         *path, leaf = name.split(".")
         for part in path:
@@ -85,7 +86,7 @@ def _rollout(backend: str, device: str, expected: dict[str, torch.Tensor]):
 
 
 def _set_weights(trainer, step: int) -> None:
-    for name, t in _weights(step).items():
+    for name, t in weights(step).items():
         trainer.actor.engine.module.get_buffer(name).copy_(t)
 
 
@@ -112,7 +113,7 @@ def collective(rank: int, world_size: int, port: int, device: str, updates: int,
         formed.append(args[2] if len(args) > 2 else kwargs.get("world_size"))
         return real_new_group(*args, **kwargs)
     collective_module.hal.new_group_from_store = counting
-    worker = _trainer(backend, device, True) if rank == 0 else _rollout(backend, device, _weights(0))
+    worker = _trainer(backend, device, True) if rank == 0 else _rollout(backend, device, weights(0))
     engine = worker.checkpoint_engine
 
     def lifecycle(update: int):
@@ -157,7 +158,7 @@ def collective(rank: int, world_size: int, port: int, device: str, updates: int,
             adapter = worker.server_adapter
             served = adapter.state_dict()
             report.update(served_step=adapter.served_step,
-                          exact=sum(same_bytes(served[n], t) for n, t in _weights(adapter.served_step or 0).items()),
+                          exact=sum(same_bytes(served[n], t) for n, t in weights(adapter.served_step or 0).items()),
                           devices=sorted({t.device.type for t in served.values()}))
         reports.append(report)
         _exchange(store, f"done/{update}", rank, world_size, True)
@@ -176,7 +177,7 @@ def colocated(rank: int, world_size: int, port: int, device: str, updates: int):
 
     backend = "hal-colocated"
     trainer = _trainer(backend, device, True)
-    rollouts = [_rollout(backend, device, _weights(0)) for _ in range(2)]
+    rollouts = [_rollout(backend, device, weights(0)) for _ in range(2)]
     engines = [trainer.checkpoint_engine] + [w.checkpoint_engine for w in rollouts]
     reports = []
     for step in range(1, updates + 1):
@@ -188,18 +189,18 @@ def colocated(rank: int, world_size: int, port: int, device: str, updates: int):
         _set_weights(trainer, step)
         asked = [step, step + 100 if step == 2 else step]
 
-        async def update():
+        async def update(step: int, asked: list[int]):
             return await asyncio.gather(trainer.update_weights(global_steps=step, mode=backend),
                                         *(w.update_weights(global_steps=a) for w, a in zip(rollouts, asked)),
                                         return_exceptions=True)
-        results = asyncio.run(update())
+        results = asyncio.run(update(step, asked))
         for e in engines:
             e.finalize()
         reports.append({"update": step, "errors": [type(r).__name__ if isinstance(r, BaseException) else None
                                                    for r in results],
                         "served": [w.server_adapter.served_step for w in rollouts],
                         "exact": [sum(same_bytes(w.server_adapter.state_dict()[n], t)
-                                      for n, t in _weights(w.server_adapter.served_step or 0).items())
+                                      for n, t in weights(w.server_adapter.served_step or 0).items())
                                   for w in rollouts],
                         "same_engine": all(e is engines[0] for e in engines)})
     return reports
@@ -266,7 +267,7 @@ def manager_colocated(rank: int, world_size: int, port: int, device: str, update
     backend = "hal-colocated"
     ce, _ = _configs(backend, device)
     trainer = _trainer(backend, device, True)
-    rollouts = [_rollout(backend, device, _weights(0)) for _ in range(2)]
+    rollouts = [_rollout(backend, device, weights(0)) for _ in range(2)]
     manager = CheckpointEngineManager(ce, _Group([trainer]), [_Replica([w]) for w in rollouts])
     reports = []
     for step in range(1, updates + 1):
@@ -274,6 +275,6 @@ def manager_colocated(rank: int, world_size: int, port: int, device: str, update
         manager.update_weights(global_steps=step)
         reports.append({"update": step, "served": [w.server_adapter.served_step for w in rollouts],
                         "exact": [sum(same_bytes(w.server_adapter.state_dict()[n], t)
-                                      for n, t in _weights(w.server_adapter.served_step or 0).items())
+                                      for n, t in weights(w.server_adapter.served_step or 0).items())
                                   for w in rollouts]})
     return reports

@@ -1,6 +1,6 @@
 """Run in a fresh process with HAL_DEVICE=npu-sim: verl 0.9.1's own FSDPEngine (FSDP2) on the simulated npu.
 
-``python -m tests.interop._verl_fsdp PORT`` prints one ``RESULT <json>`` line. The engine is built as verl
+``python -m tests.interop.verl_fsdp_run PORT`` prints one ``RESULT <json>`` line. The engine is built as verl
 builds it (``HFModelConfig`` of a tiny Qwen2 checkpoint written with ``save_pretrained``,
 ``FSDPEngineConfig(strategy="fsdp2")``, ``FSDPOptimizerConfig``, ``initialize()``), on a 1-rank ``hccl``
 process group. Each of the 8 ``(model, optimizer, grad)`` combinations of ``FSDPEngine.to`` gets a fresh

@@ -1,6 +1,6 @@
 """Run in a fresh process: what verl 0.9.1's ``verl.utils.device`` reports, imported before or after hal.
 
-``python -m tests.interop._verl_device verl-first|hal-first [spawn]`` prints ``RESULT <json>``; with
+``python -m tests.interop.verl_device_probe verl-first|hal-first [spawn]`` prints ``RESULT <json>``; with
 ``spawn`` it also starts a ``multiprocessing`` spawn child that imports verl first, and reports the child's
 answer under ``"child"``. Nothing here registers the sim: with ``HAL_DEVICE=npu-sim`` in the environment,
 ``import torch`` does (torch's backend autoload).
@@ -28,7 +28,8 @@ def report(order: str) -> dict:
 
     return {"device": device.get_device_name(), "backend": device.get_nccl_backend(),
             "visible": device.get_visible_devices_keyword(), "npu": device.is_npu_available,
-            "resource": device.get_resource_name(), "torch_device": device.get_torch_device() is getattr(torch, "npu", None),
+            "resource": device.get_resource_name(),
+            "torch_device": device.get_torch_device() is getattr(torch, "npu", None),
             "hal": hal_kind, "hal_backend": hal.get_dist_backend()}
 
 

@@ -1,0 +1,61 @@
+"""How the benchmarks start their ranks (torch.distributed's elastic launcher): each rank's return value
+comes back by rank, a rank that raises or hangs fails the run naming it, and ``hal bench`` says so in one line."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+from hal.apps.benchmarks import bench_import
+from hal.apps.benchmarks.ranks import free_ports, run_ranks
+from hal.apps.cli.bench import Bench, execute
+from hal.apps.cli.errors import WorkerFailedError
+
+pytestmark = pytest.mark.multiprocess
+
+
+def echo(rank: int, world_size: int, word: str) -> tuple[int, int, str]:
+    return rank, world_size, word
+
+
+def fails_on_rank_1(rank: int, world_size: int) -> int:
+    if rank == 1:
+        raise ValueError("rank 1 refuses")
+    return rank
+
+
+def sleeps(rank: int, world_size: int, seconds: float) -> None:
+    time.sleep(seconds)
+
+
+def test_each_rank_runs_once_and_its_value_comes_back_by_rank():
+    assert run_ranks(echo, 2, "bench", timeout=60, name="test") == {0: (0, 2, "bench"), 1: (1, 2, "bench")}
+
+
+def test_a_rank_that_raises_fails_the_run_and_hal_bench_names_it(monkeypatch):
+    with pytest.raises(ChildFailedError) as info:
+        run_ranks(fails_on_rank_1, 2, timeout=60, name="test")
+    rank, failure = info.value.get_first_failure()
+    assert rank == 1 and "ValueError: rank 1 refuses" in str(failure.message)
+
+    def raises(rounds):
+        raise info.value
+
+    monkeypatch.setattr(bench_import, "run", raises)
+    with pytest.raises(WorkerFailedError) as cli:
+        execute(Bench(device="cpu", only=("import",)))
+    assert str(cli.value) == "hal bench: the benchmark rank 1 exited with code 1: ValueError: rank 1 refuses"
+
+
+def test_a_rank_past_its_deadline_fails_the_run_within_it():
+    start = time.monotonic()
+    with pytest.raises(ChildFailedError):
+        run_ranks(sleeps, 1, 300.0, timeout=5, name="test")
+    assert time.monotonic() - start < 60  # the deadline, plus starting an interpreter on a loaded machine
+
+
+def test_free_ports_are_distinct():
+    ports = free_ports(4)
+    assert len(set(ports)) == 4 and all(0 < p < 65536 for p in ports)
