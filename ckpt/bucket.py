@@ -1,53 +1,34 @@
 """Packing named tensors into fixed-size byte buckets, and the per-message metadata that describes them.
 
-A transfer is a sequence of *messages*. Each message is one metadata record (JSON in a fixed-capacity
-``uint8`` tensor: 8-byte little-endian length, then the text) followed by one or more data *segments*:
+A transfer is a sequence of *messages*. Each message is one :class:`ckpt.wire.WireMessage` (its encoding is
+:mod:`ckpt.wire`'s) followed by one or more data *segments*:
 
-* a **bucket** message: ``entries`` ``[name, dtype, shape, offset, nbytes]`` (in send order) laid out in a
+* a **bucket** message: ``entries`` (:class:`~ckpt.wire.TensorEntry`, in send order) laid out in a
   receive buffer of ``bucket_size`` bytes, each at an offset its dtype can be viewed at in place, and
-  ``segments`` ``[offset, nbytes]`` - the byte ranges actually broadcast: ``[0, front)`` holding every
+  ``segments`` (:class:`~ckpt.wire.Segment`) - the byte ranges actually moved: ``[0, front)`` holding every
   tensor copied into the send buffer, then one range per *run* (tensors back to back in one storage, or
   one large contiguous tensor) sent straight from the sender's storage, placed from the back;
 * a **chunk** message: a slice ``[start, start + length)`` of the bytes of one tensor larger than a bucket;
   the receiver reassembles the chunks in a buffer of that tensor's size;
-* an **end** message (``end: true``) closing the update, or an **abort** message (``abort: "reason"``)
+* an **end** message (``end``) closing the update, or an **abort** message (``abort="reason"``)
   when the sender failed on its side mid-update.
 
-Every record carries the sender's ``step`` (``global_steps``). Bytes are the tensor's in-memory bytes
+Every record carries the sender's ``step`` (``global_steps``) and ``bucket_size``. Bytes are the tensor's in-memory bytes
 (``tensor.view(torch.uint8)``), so every dtype, 0-d, empty and non-contiguous tensors round-trip exactly.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
-from typing import Any, Iterable, Iterator
+from typing import Iterable, Iterator
 
 import torch
 
-from ckpt.errors import CheckpointConfigError, TransferError
+from ckpt.errors import CheckpointConfigError
+from ckpt.wire import META_HEADER, Chunk, Segment, TensorEntry, WireMessage, dtype_name
 
 ALIGN = 64
 """Byte alignment of tensors inside a bucket (>= the element size of every dtype)."""
-META_HEADER = 8
-"""Bytes of the length prefix of a metadata record."""
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """``torch.bfloat16`` -> ``"bfloat16"``."""
-    return str(dtype).removeprefix("torch.")
-
-
-def dtype_from_name(name: str) -> torch.dtype:
-    """``"bfloat16"`` -> ``torch.bfloat16``.
-
-    Raises:
-        TransferError: ``name`` is not a torch dtype (corrupt or foreign metadata).
-    """
-    dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype):
-        raise TransferError(f"metadata names an unknown dtype {name!r}")
-    return dtype
 
 
 def align(n: int) -> int:
@@ -72,25 +53,21 @@ def byte_view(buffer: torch.Tensor, offset: int, dtype: torch.dtype, shape: list
 class Message:
     """One planned message of the sender.
 
-    ``meta`` is the JSON-ready record; ``packed`` the ``(offset, tensor)`` pairs to copy into the send
-    buffer; ``sources`` one entry per segment: a flat ``uint8`` tensor to broadcast as is, or ``None`` for
+    ``meta`` is its wire metadata; ``packed`` the ``(offset, tensor)`` pairs to copy into the send
+    buffer; ``sources`` one entry per segment: a flat ``uint8`` tensor to send as is, or ``None`` for
     "the send buffer's bytes of that segment".
     """
 
-    meta: dict[str, Any]
+    meta: WireMessage
     packed: list[tuple[int, torch.Tensor]] = dataclasses.field(default_factory=list)
     sources: list[torch.Tensor | None] = dataclasses.field(default_factory=list)
     rows: tuple[torch.Tensor, int] | None = None  # (rows of a non-contiguous big tensor, byte length)
 
 
-def _entry_size(entry: list[Any]) -> int:
-    return len(json.dumps(entry, separators=(",", ":"))) + 1
-
-
 class _Run:
     """Tensors that lie back to back in one storage: broadcast as one byte range, zero copy."""
 
-    def __init__(self, tensor: torch.Tensor, entry: list[Any]) -> None:
+    def __init__(self, tensor: torch.Tensor, entry: TensorEntry) -> None:
         self.storage = tensor.untyped_storage()
         self.base = self.storage.data_ptr()
         self.start = tensor.data_ptr()
@@ -120,8 +97,8 @@ class _Planner:
         self._reset()
 
     def _reset(self) -> None:
-        self.msg = Message(meta={"segments": []})
-        self.entries: list[list[Any]] = []
+        self.msg = Message(meta=WireMessage(self.step, self.bucket_size))
+        self.entries: list[TensorEntry] = []
         self.front, self.back, self.meta_used = 0, self.bucket_size, 0
         self.run: _Run | None = None
 
@@ -129,13 +106,13 @@ class _Planner:
         """Whether ``nbytes`` more (plus alignment) fit between the packed front and the direct back."""
         return align(self.front) + nbytes + ALIGN <= self.back
 
-    def _pack_at_front(self, items: list[tuple[list[Any], torch.Tensor]], start_ptr: int | None) -> None:
+    def _pack_at_front(self, items: list[tuple[TensorEntry, torch.Tensor]], start_ptr: int | None) -> None:
         offset = align(self.front) + (0 if start_ptr is None else start_ptr % ALIGN)
         for entry, tensor in items:
             at = offset + (0 if start_ptr is None else tensor.data_ptr() - start_ptr)
-            entry[3] = at
+            entry.offset = at
             self.msg.packed.append((at, tensor))
-            self.front = at + entry[4]
+            self.front = at + entry.nbytes
 
     def _flush_run(self) -> None:
         run, self.run = self.run, None
@@ -145,10 +122,10 @@ class _Planner:
             offset = self.back - run.nbytes
             offset -= (offset - run.start) % ALIGN  # congruent to the storage address: alignment kept
             for entry, tensor in run.items:
-                entry[3] = offset + (tensor.data_ptr() - run.start)
+                entry.offset = offset + (tensor.data_ptr() - run.start)
             source = torch.empty(0, dtype=torch.uint8, device=self.device).set_(
                 run.storage, run.start - run.base, (run.nbytes,), (1,))
-            self.msg.meta["segments"].append([offset, run.nbytes])
+            self.msg.meta.segments.append(Segment(offset, run.nbytes))
             self.msg.sources.append(source)
             self.back = offset
         else:
@@ -157,17 +134,17 @@ class _Planner:
     def close(self) -> Message:
         self._flush_run()
         if self.front:
-            self.msg.meta["segments"].insert(0, [0, self.front])
+            self.msg.meta.segments.insert(0, Segment(0, self.front))
             self.msg.sources.insert(0, None)
-        self.msg.meta.update(step=self.step, entries=self.entries)
+        self.msg.meta.entries = self.entries
         done = self.msg
         self._reset()
         return done
 
     def add(self, name: str, tensor: torch.Tensor, nbytes: int) -> Message | None:
         """Add one tensor (at most a bucket); returns the bucket it closed, if it did not fit."""
-        entry = [name, dtype_name(tensor.dtype), list(tensor.shape), 0, nbytes]
-        esize = _entry_size(entry)
+        entry = TensorEntry(name, dtype_name(tensor.dtype), list(tensor.shape), 0, nbytes)
+        esize = entry.encoded_size()
         if esize > self.budget:
             raise CheckpointConfigError(f"metadata of tensor {name!r} takes {esize} bytes, more than the "
                                         f"meta_capacity allows; raise meta_capacity")
@@ -191,7 +168,7 @@ class _Planner:
             self._pack_at_front([(entry, tensor)], None)
         return closed
 
-    def _add_entry(self, entry: list[Any], esize: int) -> None:
+    def _add_entry(self, entry: TensorEntry, esize: int) -> None:
         self.entries.append(entry)
         self.meta_used += esize
 
@@ -233,7 +210,7 @@ def plan_messages(weights: Iterable[tuple[str, torch.Tensor]], step: int | None,
             yield closed
     if planner.entries:
         yield planner.close()
-    yield Message(meta={"step": step, "end": True})
+    yield Message(meta=WireMessage(step, bucket_size, end=True))
 
 
 def _chunk_messages(name: str, tensor: torch.Tensor, nbytes: int, step: int | None, bucket_size: int,
@@ -244,7 +221,7 @@ def _chunk_messages(name: str, tensor: torch.Tensor, nbytes: int, step: int | No
     other is copied through the send buffer a block of dim-0 rows at a time, so the sender never holds a
     second copy of it; only a tensor whose single row exceeds a bucket is made contiguous first.
     """
-    head = {"name": name, "dtype": dtype_name(tensor.dtype), "shape": list(tensor.shape), "nbytes": nbytes}
+    head = dict(name=name, dtype=dtype_name(tensor.dtype), shape=list(tensor.shape), nbytes=nbytes)
     tensor = tensor.detach()
     row_bytes = nbytes // tensor.shape[0] if tensor.dim() else nbytes
     direct = tensor.is_contiguous() and tensor.device == device
@@ -254,15 +231,15 @@ def _chunk_messages(name: str, tensor: torch.Tensor, nbytes: int, step: int | No
         flat = as_bytes(tensor)
         for start in range(0, nbytes, bucket_size):
             length = min(bucket_size, nbytes - start)
-            yield Message(meta={"step": step, "chunk": dict(head, start=start, length=length),
-                                "segments": [[0, length]]}, sources=[flat[start:start + length]])
+            yield Message(meta=WireMessage(step, bucket_size, chunk=Chunk(**head, start=start, length=length),
+                                           segments=[Segment(0, length)]), sources=[flat[start:start + length]])
         return
     rows_per = bucket_size // row_bytes
     for r in range(0, tensor.shape[0], rows_per):
         rows = tensor[r:r + rows_per]
         length = rows.shape[0] * row_bytes
-        yield Message(meta={"step": step, "chunk": dict(head, start=r * row_bytes, length=length),
-                            "segments": [[0, length]]}, sources=[None], rows=(rows, length))
+        yield Message(meta=WireMessage(step, bucket_size, chunk=Chunk(**head, start=r * row_bytes, length=length),
+                                       segments=[Segment(0, length)]), sources=[None], rows=(rows, length))
 
 
 def pack(msg: Message, buffer: torch.Tensor) -> None:
@@ -272,34 +249,3 @@ def pack(msg: Message, buffer: torch.Tensor) -> None:
     if msg.rows is not None:
         rows, _ = msg.rows
         byte_view(buffer, 0, rows.dtype, rows.shape).copy_(rows)
-
-
-def encode_meta(meta: dict[str, Any], out: torch.Tensor) -> None:
-    """Write ``meta`` as length-prefixed JSON into ``out`` (flat ``uint8``, on any device).
-
-    Raises:
-        CheckpointConfigError: the record does not fit ``out``.
-    """
-    raw = json.dumps(meta, separators=(",", ":")).encode()
-    if META_HEADER + len(raw) > out.numel():
-        raise CheckpointConfigError(f"metadata record of {len(raw)} bytes exceeds meta_capacity={out.numel()}")
-    host = torch.empty(META_HEADER + len(raw), dtype=torch.uint8)
-    host[:META_HEADER] = torch.tensor([len(raw)], dtype=torch.int64).view(torch.uint8)
-    host[META_HEADER:] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
-    out[:host.numel()].copy_(host)
-
-
-def decode_meta(buf: torch.Tensor) -> dict[str, Any]:
-    """Read a record written by :func:`encode_meta`.
-
-    Raises:
-        TransferError: the length or the JSON is corrupt.
-    """
-    host = buf.cpu() if buf.device.type != "cpu" else buf
-    length = int(host[:META_HEADER].view(torch.int64).item())
-    if not 0 < length <= host.numel() - META_HEADER:
-        raise TransferError(f"corrupt checkpoint metadata: length {length} for a {host.numel()}-byte record")
-    try:
-        return json.loads(bytes(host[META_HEADER:META_HEADER + length].numpy()))
-    except ValueError as exc:
-        raise TransferError(f"corrupt checkpoint metadata: {exc}") from exc

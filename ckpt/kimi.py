@@ -37,7 +37,7 @@ from ckpt.errors import (CheckpointConfigError, CheckpointEngineUnavailableError
                          TransferError, TransferTimeoutError)
 from ckpt.kimi_library import (CHECKED_VERSIONS, HOST_PROTOCOL, LOGS_ENV, ParameterServerAdapter, World,
                                library_problem, mooncake_protocol)
-from ckpt.p2p import DEFAULT_BUCKET_SIZE, TrainerToRolloutsEngine
+from ckpt.one_to_many import DEFAULT_BUCKET_SIZE, OneToManyEngine, host_address
 
 SPEC_FIELD = "kimi_checkpoint_engine"
 _MARK = "~hal/"  # names of the marker entries; every weight's name is "<8-digit ordinal>/<name>"
@@ -60,7 +60,7 @@ def _local_address_towards(addr: str) -> str:
             return addr
 
 
-class KimiCheckpointEngine(TrainerToRolloutsEngine):
+class KimiCheckpointEngine(OneToManyEngine):
     """Weights through Kimi's ``checkpoint-engine`` ``ParameterServer`` over Mooncake (see the module doc).
 
     Construction, standalone (hal's): ``rank`` (0: the trainer; 1..N: rollouts; -1: a trainer rank that does
@@ -95,9 +95,12 @@ class KimiCheckpointEngine(TrainerToRolloutsEngine):
 
     def __init__(self, bucket_size: int = DEFAULT_BUCKET_SIZE, is_master: bool = False, *, rank: int | None = None,
                  world_size: int | None = None, master_addr: str | None = None, master_port: int | None = None,
-                 device: str | None = None, timeout: float = hal.DEFAULT_TIMEOUT_S, host: str | None = None,
-                 **_ignored: Any) -> None:
-        super().__init__(bucket_size, is_master, rank, world_size, master_addr, master_port, device, timeout, host)
+                 store_addr: str | None = None, device: str | None = None, timeout: float = hal.DEFAULT_TIMEOUT_S,
+                 host: str | None = None, **extra: Any) -> None:
+        self._check_extra(extra, KimiCheckpointEngine.__init__, "__init__")
+        super().__init__(bucket_size=bucket_size, is_master=is_master, rank=rank, world_size=world_size,
+                         master_addr=master_addr, master_port=master_port, store_addr=store_addr, device=device,
+                         timeout=timeout, host=host)
         state = self.availability(device)
         if not state:
             raise CheckpointEngineUnavailableError(f"checkpoint engine 'kimi' is unavailable here: {state.reason}")
@@ -128,29 +131,36 @@ class KimiCheckpointEngine(TrainerToRolloutsEngine):
         return hal.Availability.unavailable(problem) if problem else hal.Availability.available()
 
     # ---- configuration and lifecycle ----------------------------------------------------------------
-    def _label(self, rank: int) -> str:
-        return (f"the trainer (rank 0 at {self.master_addr}:{self.master_port})" if rank == 0
-                else f"rollout rank {rank}")
+    min_bucket_size = 1024
+    min_world_size = 2
+    send_buffer_words = "the whole update, pinned in host memory"
 
-    def prepare(self) -> dict[str, Any]:
-        """On the trainer master: pick the rendezvous store's address; returns ``{"master_addr",
-        "master_port"}`` (``{}`` elsewhere). Idempotent."""
-        if not (self.rank == 0 or (self.rank is None and self.is_master)):
-            return {}
+    @classmethod
+    def send_buffer_bytes(cls, bucket_size: int, published_bytes: int) -> dict[str, int]:
+        """The trainer copies the whole update into pinned host memory (bytes)."""
+        return {"pinned_update_bytes": published_bytes}
+
+    def _host_rendezvous(self) -> None:
+        """On the trainer master: pick the rendezvous store's address (the store is made on first use)."""
         if self.master_addr is None:
-            self.master_addr = self.host or socket.gethostbyname(socket.gethostname())
+            self.master_addr = self.host or host_address()
         if self.master_port is None:
             self.master_port = hal.pick_port(self.master_addr)
-        return {"master_addr": self.master_addr, "master_port": self.master_port}
+
+    def _healthy(self) -> bool:
+        return self._ps is not None
+
+    def _enter(self, membership) -> None:
+        """A new place (rank, world size, store address or generation) gets a new store, engine and group."""
+        self.close()
+
+    def _leave(self) -> None:
+        self.close()
 
     def finalize(self) -> None:
         """Nothing to release per update: the store, Mooncake engine, group, the rollout's registered slots
         and the trainer's pinned pool stay for the next update while the place is unchanged (:meth:`close`
         releases them)."""
-
-    def _release(self) -> None:
-        """A new place (rank, world size or store address) gets a new store, engine and group."""
-        self.close()
 
     def close(self) -> None:
         """Release everything: the trainer's pinned pool, the rollout's slots, the group, the Mooncake engine,
@@ -162,6 +172,7 @@ class KimiCheckpointEngine(TrainerToRolloutsEngine):
         if self._group is not None:
             self._group.close()
         self._group = self._ps = self._world = None
+        self._joined = None
 
     def _release_buffers(self) -> None:
         if self._slots is not None and self._ps is not None:
@@ -193,6 +204,8 @@ class KimiCheckpointEngine(TrainerToRolloutsEngine):
             self._group = hal.new_group_from_store(store, self.rank - 1, self.world_size - 1, device=spec,
                                                    timeout=self.timeout, prefix="kimi-rollouts")
         self._ps = ps
+        if self._membership is not None:
+            self._joined_now(self._membership)
 
     async def _ready_async(self) -> None:
         try:
@@ -216,12 +229,11 @@ class KimiCheckpointEngine(TrainerToRolloutsEngine):
             Whatever ``weights`` raises: the rollouts are told first (:class:`TransferAbortedError`).
         """
         global_steps = check_global_steps(global_steps)
-        if self.rank == -1:  # a trainer rank that does not send (verl: every rank iterates its shard)
-            for _ in weights:
-                pass
+        if self._outside(weights):  # a trainer rank that does not send (verl: every rank iterates its shard)
             return
-        if self.rank is None or self.rank != 0:
-            raise CheckpointConfigError(f"send_weights called on rank {self.rank}; only rank 0 (the trainer) sends")
+        if self.rank is None:
+            raise CheckpointConfigError("send/receive before init_process_group: this engine has no rank")
+        self._check_sender()
         await self._ready_async()
         named: dict[str, torch.Tensor] = {}
         failure: BaseException | None = None
@@ -267,8 +279,7 @@ class KimiCheckpointEngine(TrainerToRolloutsEngine):
             CheckpointConfigError: called on the trainer.
         """
         asked = check_global_steps(global_steps)
-        if self.rank is None or self.rank < 1:
-            raise CheckpointConfigError(f"receive_weights called on rank {self.rank}; rollouts are ranks 1..N")
+        self._check_receiver()
         await self._ready_async()
         metas = await asyncio.to_thread(self._ps.gather_metas)
         step: Any = "unknown"

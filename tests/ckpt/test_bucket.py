@@ -5,7 +5,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ckpt.bucket import ALIGN, byte_view, decode_meta, dtype_from_name, encode_meta, pack, plan_messages
+from ckpt.bucket import ALIGN, byte_view, pack, plan_messages
+from ckpt.wire import WireMessage
 from ckpt.testing import same_bytes
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.bool, torch.uint8, torch.float64]
@@ -19,29 +20,29 @@ def simulate(weights, bucket_size, threshold):
     out, big = [], None
     for msg in plan_messages(iter(weights), 4, bucket_size, 64 << 10, torch.device("cpu"), threshold):
         pack(msg, send_buf)
-        encode_meta(msg.meta, meta_buf)
-        meta = decode_meta(meta_buf.clone())
-        assert meta["step"] == 4
-        if meta.get("end"):
+        msg.meta.write(meta_buf)
+        meta = WireMessage.read(meta_buf.clone())
+        assert meta == msg.meta and meta.step == 4 and meta.bucket_size == bucket_size
+        if meta.end:
             break
-        chunk = meta.get("chunk")
-        if chunk is not None and chunk["start"] == 0:
-            big = torch.zeros(chunk["nbytes"], dtype=torch.uint8)
-        dest = recv_buf if chunk is None else big[chunk["start"]:]
+        chunk = meta.chunk
+        if chunk is not None and chunk.start == 0:
+            big = torch.zeros(chunk.nbytes, dtype=torch.uint8)
+        dest = recv_buf if chunk is None else big[chunk.start:]
         covered = []
-        for (o, n), src in zip(meta["segments"], msg.sources):
+        for (o, n), src in zip(((s.offset, s.nbytes) for s in meta.segments), msg.sources):
             assert 0 <= o and o + n <= dest.numel()
             dest[o:o + n].copy_(send_buf[o:o + n] if src is None else src)
             covered.append((o, o + n))
         covered.sort()
         assert all(a[1] <= b[0] for a, b in zip(covered, covered[1:])), f"overlapping segments {covered}"
         if chunk is None:
-            for name, dtype, shape, offset, nbytes in meta["entries"]:
-                assert offset % torch.empty((), dtype=dtype_from_name(dtype)).element_size() == 0
-                assert any(a <= offset and offset + nbytes <= b for a, b in covered) or nbytes == 0
-                out.append((name, byte_view(recv_buf, offset, dtype_from_name(dtype), shape).clone()))
-        elif chunk["start"] + chunk["length"] == chunk["nbytes"]:
-            out.append((chunk["name"], byte_view(big, 0, dtype_from_name(chunk["dtype"]), chunk["shape"]).clone()))
+            for e in meta.entries:
+                assert e.offset % e.torch_dtype.itemsize == 0
+                assert any(a <= e.offset and e.offset + e.nbytes <= b for a, b in covered) or e.nbytes == 0
+                out.append((e.name, byte_view(recv_buf, e.offset, e.torch_dtype, e.shape).clone()))
+        elif chunk.last:
+            out.append((chunk.name, byte_view(big, 0, chunk.torch_dtype, chunk.shape).clone()))
     return out
 
 
@@ -84,7 +85,7 @@ def test_packed_tensors_share_one_segment_and_runs_fill_from_the_back():
     small = [(f"s{i}", torch.full((10,), float(i))) for i in range(3)]
     weights = [small[0], *big_run[:2], small[1], *big_run[2:], small[2]]
     (msg, _end) = list(plan_messages(iter(weights), 1, 1 << 16, 64 << 10, torch.device("cpu"), 1024))
-    segs = msg.meta["segments"]
+    segs = [(s.offset, s.nbytes) for s in msg.meta.segments]
     assert segs[0][0] == 0 and msg.sources[0] is None  # one packed segment for all three small tensors
     assert len(segs) == 3 and all(s is not None for s in msg.sources[1:])  # each 2 KiB run from its storage
     assert segs[1][0] + segs[1][1] <= 1 << 16 and segs[2][0] + segs[2][1] <= segs[1][0]

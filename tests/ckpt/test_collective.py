@@ -7,6 +7,7 @@ import torch
 
 import ckpt
 from ckpt.bucket import plan_messages
+from ckpt.wire import Segment, WireMessage
 from ckpt.testing import compare, sample_weights, transfer
 from hal.testing import free_port
 
@@ -33,10 +34,10 @@ def test_adjacent_views_are_sent_from_their_storage_as_one_segment():
     weights, flat = _flat_views()
     msgs = list(plan_messages(iter(weights[:5]), 1, 1 << 20, 64 << 10, torch.device("cpu"), direct_threshold=16))
     bucket, end = msgs
-    assert end.meta == {"step": 1, "end": True}
-    assert bucket.meta["segments"] == [[bucket.meta["entries"][0][3], 144]]  # 0..144: five tensors, one range
+    assert end.meta == WireMessage(step=1, bucket_size=1 << 20, end=True)
+    assert bucket.meta.segments == [Segment(bucket.meta.entries[0].offset, 144)]  # 0..144: five tensors, one range
     assert bucket.sources[0].data_ptr() == flat.data_ptr() and bucket.packed == []  # zero copy
-    offsets = [e[3] for e in bucket.meta["entries"]]
+    offsets = [e.offset for e in bucket.meta.entries]
     assert [o - offsets[0] for o in offsets] == [0, 40, 64, 120, 126]  # same relative layout as the sender
 
 

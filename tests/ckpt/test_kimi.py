@@ -11,7 +11,7 @@ import ckpt
 import hal
 from ckpt.testing import compare, sample_weights, transfer
 from hal.testing import free_port, run_multiprocess
-from tests.ckpt import _mp_p2p
+from tests.ckpt import mp_p2p_workers
 
 
 @pytest.mark.multiprocess
@@ -23,7 +23,7 @@ def test_one_trainer_two_rollouts_steps_a_version_mismatch_and_a_killed_rollout(
     if not ok:
         pytest.skip(f"kimi on {hal_device}: {reason}")
     timeout = 15
-    results = run_multiprocess(_mp_p2p.steps_mismatch_then_death, 3, "kimi", hal_device, timeout, timeout=150,
+    results = run_multiprocess(mp_p2p_workers.steps_mismatch_then_death, 3, "kimi", hal_device, timeout, timeout=150,
                                expect_failure=True)
     device_type = hal.get_device(hal_device).type  # npu-sim hands over npu tensors
     assert 2 not in results, results[2]  # rank 2 checked its steps 1 and 2 itself, then exited in step 3

@@ -6,6 +6,7 @@ import asyncio
 import importlib.util
 import json
 import os
+import re
 import time
 import zlib
 from pathlib import Path
@@ -15,8 +16,12 @@ import torch
 
 import ckpt
 import hal
-from hal.apps.benchmarks.bench_ckpt import proc_status_bytes
 from ckpt.testing import same_bytes
+
+
+def proc_status_bytes(key: str) -> int:
+    """A ``/proc/self/status`` memory field (``VmRSS``, ``VmHWM``, ...) in bytes (Linux; the file gives KiB)."""
+    return int(re.search(rf"{key}:\s+(\d+)", Path("/proc/self/status").read_text()).group(1)) * 1024
 
 
 def minilm_path() -> Path | None:
