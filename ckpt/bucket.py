@@ -25,14 +25,8 @@ from typing import Iterable, Iterator
 import torch
 
 from ckpt.errors import CheckpointConfigError
+from ckpt.layout import ALIGN, AlignedCursor, align
 from ckpt.wire import META_HEADER, Chunk, Segment, TensorEntry, WireMessage, dtype_name
-
-ALIGN = 64
-"""Byte alignment of tensors inside a bucket (>= the element size of every dtype)."""
-
-
-def align(n: int) -> int:
-    return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
 def as_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -99,20 +93,26 @@ class _Planner:
     def _reset(self) -> None:
         self.msg = Message(meta=WireMessage(self.step, self.bucket_size))
         self.entries: list[TensorEntry] = []
-        self.front, self.back, self.meta_used = 0, self.bucket_size, 0
+        self.cursor, self.back, self.meta_used = AlignedCursor(), self.bucket_size, 0
         self.run: _Run | None = None
 
     def _fits(self, nbytes: int) -> bool:
         """Whether ``nbytes`` more (plus alignment) fit between the packed front and the direct back."""
-        return align(self.front) + nbytes + ALIGN <= self.back
+        return align(self.cursor.end) + nbytes + ALIGN <= self.back
 
     def _pack_at_front(self, items: list[tuple[TensorEntry, torch.Tensor]], start_ptr: int | None) -> None:
-        offset = align(self.front) + (0 if start_ptr is None else start_ptr % ALIGN)
+        """Place ``items`` at the front: one tensor at the next aligned offset, or a run (``start_ptr``: its
+        first byte's address) at its relative in-storage offsets, congruent to its address."""
+        if start_ptr is None:
+            (entry, tensor), = items
+            entry.offset = self.cursor.place(entry.nbytes)
+        else:
+            last, last_tensor = items[-1]
+            base = self.cursor.place(last_tensor.data_ptr() - start_ptr + last.nbytes, congruent_to=start_ptr)
+            for entry, tensor in items:
+                entry.offset = base + tensor.data_ptr() - start_ptr
         for entry, tensor in items:
-            at = offset + (0 if start_ptr is None else tensor.data_ptr() - start_ptr)
-            entry.offset = at
-            self.msg.packed.append((at, tensor))
-            self.front = at + entry.nbytes
+            self.msg.packed.append((entry.offset, tensor))
 
     def _flush_run(self) -> None:
         run, self.run = self.run, None
@@ -133,8 +133,8 @@ class _Planner:
 
     def close(self) -> Message:
         self._flush_run()
-        if self.front:
-            self.msg.meta.segments.insert(0, Segment(0, self.front))
+        if self.cursor.end:
+            self.msg.meta.segments.insert(0, Segment(0, self.cursor.end))
             self.msg.sources.insert(0, None)
         self.msg.meta.entries = self.entries
         done = self.msg

@@ -14,7 +14,7 @@ from typing import Any, AsyncIterator, Iterable
 import torch
 
 import hal
-from ckpt.base import NamedTensor, check_global_steps, check_step
+from ckpt.base import NamedTensor, ReceivePlacement, as_placement, check_global_steps, check_step
 from ckpt.bucket import ALIGN, as_bytes, byte_view, pack, plan_messages
 from ckpt.errors import CheckpointConfigError, TransferAbortedError, TransferError, TransferTimeoutError
 from ckpt.wire import Segment, TensorEntry, WireMessage
@@ -340,7 +340,7 @@ class CollectiveCheckpointEngine(OneToManyEngine):
         """The consumer's destination for one tensor, if it is one the engine can write into directly."""
         if placement is None or nbytes == 0:
             return None
-        dest = placement(name, dtype, shape)
+        dest = placement.target(name, dtype, torch.Size(shape))
         if (not isinstance(dest, torch.Tensor) or dest.dtype != dtype or list(dest.shape) != list(shape)
                 or not dest.is_contiguous() or dest.device != self.device or dest.data_ptr() % ALIGN):
             return None
@@ -447,7 +447,8 @@ class CollectiveCheckpointEngine(OneToManyEngine):
         return chunk is not None and self._placed(placement, chunk.name, chunk.torch_dtype, chunk.shape,
                                                   chunk.nbytes) is None
 
-    async def receive_weights(self, global_steps: int | None = None, placement=None) -> AsyncIterator[NamedTensor]:
+    async def receive_weights(self, global_steps: int | None = None, *,
+                              placement: ReceivePlacement | None = None) -> AsyncIterator[NamedTensor]:
         """Yield the ``(name, tensor)`` pairs of the next update, in send order (see the class docstring for
         buffer ownership). With ``global_steps=N`` and another step on offer, the whole update is received
         and discarded (the group stays in step) and :class:`VersionMismatchError` is raised, before
@@ -458,8 +459,8 @@ class CollectiveCheckpointEngine(OneToManyEngine):
 
         Args:
             global_steps: the step asked for, or ``None`` for whatever is sent.
-            placement: optional ``placement(name, dtype, shape) -> torch.Tensor | None``, where the consumer
-                wants a tensor's bytes (e.g. its slot in a rollout's weight bank): a contiguous tensor on the
+            placement: optional :class:`ckpt.base.ReceivePlacement`, ``placement.target(name, dtype, shape)
+                -> torch.Tensor | None``: where the consumer wants a tensor's bytes (e.g. its slot in a rollout's weight bank): a contiguous tensor on the
                 engine's device, 64-byte aligned. Segments whose tensors all have placements in one storage
                 at the bucket's relative offsets, and tensors larger than a bucket, are received straight
                 into them (the broadcast writes there, padding between tensors included), and those very
@@ -472,6 +473,7 @@ class CollectiveCheckpointEngine(OneToManyEngine):
             weights iterator failed mid-update, in which case the group stays usable).
         """
         global_steps = check_global_steps(global_steps)
+        placement = as_placement(placement)
         self._check_receiver()
         group = await self._ensure_ready()
         big: dict[str, Any] = {}

@@ -32,7 +32,7 @@ from typing import Any, AsyncIterator, Iterable
 import torch
 
 import hal
-from ckpt.base import NamedTensor, check_global_steps, check_step
+from ckpt.base import NamedTensor, ReceivePlacement, check_global_steps, check_step
 from ckpt.errors import (CheckpointConfigError, CheckpointEngineUnavailableError, TransferAbortedError,
                          TransferError, TransferTimeoutError)
 from ckpt.kimi_library import (CHECKED_VERSIONS, HOST_PROTOCOL, LOGS_ENV, ParameterServerAdapter, World,
@@ -269,8 +269,10 @@ class KimiCheckpointEngine(OneToManyEngine):
                           f"step {step} on the trainer, waiting for the rollouts to pull it")
 
     # ---- rollouts -------------------------------------------------------------------------------------
-    async def receive_weights(self, global_steps: int | None = None) -> AsyncIterator[NamedTensor]:
+    async def receive_weights(self, global_steps: int | None = None, *,
+                              placement: ReceivePlacement | None = None) -> AsyncIterator[NamedTensor]:
         """Yield the ``(name, tensor)`` pairs of the next update in send order (views: see the class doc).
+        ``placement`` is not used: the library writes into this engine's registered slots.
 
         Raises:
             VersionMismatchError: ``global_steps`` given and another step on offer (before anything is yielded).

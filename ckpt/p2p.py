@@ -35,7 +35,7 @@ from typing import Any, AsyncIterator, Iterable
 import torch
 
 import hal
-from ckpt.base import NamedTensor, check_global_steps, check_step
+from ckpt.base import NamedTensor, ReceivePlacement, check_global_steps, check_step
 from ckpt.bucket import byte_view, pack, plan_messages
 from ckpt.wire import WireMessage
 from ckpt.errors import (CheckpointConfigError, TransferAbortedError, TransferError, TransferTimeoutError,
@@ -555,8 +555,10 @@ class P2PCheckpointEngine(OneToManyEngine):
         self._channel = channel
         return channel
 
-    async def receive_weights(self, global_steps: int | None = None) -> AsyncIterator[NamedTensor]:
+    async def receive_weights(self, global_steps: int | None = None, *,
+                              placement: ReceivePlacement | None = None) -> AsyncIterator[NamedTensor]:
         """Yield the ``(name, tensor)`` pairs of the next update in send order (views: see the class doc).
+        ``placement`` is not used: the library writes into this engine's registered slots.
 
         With ``global_steps=N`` and another step on offer, the update is drained (acknowledged unread) and
         :class:`VersionMismatchError` raised before anything is yielded. A consumer that stops early

@@ -32,7 +32,8 @@ import torch
 from torch import nn
 
 from ckpt.base import NamedTensor, check_global_steps
-from ckpt.bucket import ALIGN, align, byte_view
+from ckpt.bucket import byte_view
+from ckpt.layout import ALIGN, AlignedCursor
 from ckpt.errors import CheckpointConfigError, WeightMismatchError
 
 
@@ -76,16 +77,14 @@ class WeightLayout:
     def __init__(self, weights: Any, dtype: torch.dtype | None = None) -> None:
         pairs = named_weights(weights) if isinstance(weights, nn.Module) else weights
         self.slots: dict[str, Slot] = {}
-        offset = 0
+        cursor = AlignedCursor()  # the planner ckpt.bucket lays out a bucket's packed tensors with
         for name, tensor in pairs:
             if name in self.slots:
                 raise CheckpointConfigError(f"tensor name {name!r} appears twice")
             dt = dtype if dtype is not None and tensor.is_floating_point() else tensor.dtype
             nbytes = tensor.numel() * torch.empty((), dtype=dt).element_size()
-            offset = align(offset)
-            self.slots[name] = Slot(name, dt, tuple(tensor.shape), offset, nbytes)
-            offset += nbytes
-        self.nbytes = align(offset)
+            self.slots[name] = Slot(name, dt, tuple(tensor.shape), cursor.place(nbytes), nbytes)
+        self.nbytes = cursor.total
         """Bytes of one bank."""
 
     def allocate(self, device: torch.device | str) -> torch.Tensor:
