@@ -15,7 +15,7 @@ import torch
 
 import hal
 from ckpt.base import NamedTensor, ReceivePlacement, as_placement, check_global_steps, check_step
-from ckpt.bucket import ALIGN, as_bytes, byte_view, pack, plan_messages
+from ckpt.bucket import ALIGN, as_bytes, byte_view, plan_messages
 from ckpt.errors import CheckpointConfigError, TransferAbortedError, TransferError, TransferTimeoutError
 from ckpt.wire import Segment, TensorEntry, WireMessage
 from ckpt.one_to_many import DEFAULT_BUCKET_SIZE, Membership, OneToManyEngine, check_int, host_address
@@ -66,15 +66,18 @@ class CollectiveCheckpointEngine(OneToManyEngine):
     before waiting for the current data. A backend whose collectives complete before returning (the
     simulated npu's hccl) runs the same code serially.
 
-    Memory: each side holds at most two bucket buffers of ``bucket_size``, allocated on first need (the
-    sender packs bucket k+1 while bucket k is in flight; a receiver receives message k+1 while message k's
-    tensors are read), plus the sender's references to at most two buckets' worth of directly sent
-    tensors. Runs of tensors adjacent in one storage of at least ``direct_threshold`` bytes are broadcast
-    from that storage, without packing, and a receiver given a ``placement`` receives straight into the
-    consumer's memory: a flat published buffer sent to a rollout's weight bank needs no bucket at all. A
-    tensor larger than a bucket is split into chunks of ``bucket_size`` (sent from its own storage when
-    contiguous, else a block of rows at a time through the send buffer); without a placement the receiver
-    assembles it in one more buffer of the largest such tensor's size, kept across updates.
+    Memory: the sender holds at most three bucket buffers of ``bucket_size`` (it copies bucket k's tensors
+    as they are yielded while buckets k-1 and k-2 may be in flight), a receiver two (it receives message
+    k+1 while message k's tensors are read), allocated on first need, plus the sender's references to at
+    most two buckets' worth of directly sent tensors. When ``weights`` is a collection (list, tuple,
+    ``dict.items()``), runs of tensors adjacent in one storage of at least ``direct_threshold`` bytes are
+    broadcast from that storage, without packing, and a receiver given a ``placement`` receives straight
+    into the consumer's memory: a flat published buffer sent to a rollout's weight bank needs no bucket at
+    all. The bytes of a tensor from any other iterable are copied when it is yielded (see
+    :func:`ckpt.bucket.plan_messages`). A tensor larger than a bucket is split into chunks of
+    ``bucket_size``; without a placement the receiver assembles it in one more buffer of the largest such
+    tensor's size, kept across updates. A receiver lays buckets out at the sender's ``bucket_size`` (every
+    message carries it), whatever its own.
 
     Ownership: ``send_weights`` returns when every broadcast has completed; the caller may then reuse or
     free its tensors. Every tensor yielded by ``receive_weights`` is a **view into an engine-owned buffer,
@@ -135,6 +138,7 @@ class CollectiveCheckpointEngine(OneToManyEngine):
         self._free_buffers()
 
     def _join(self, m: Membership) -> None:
+        self._bind()  # it may run in a worker thread (asyncio.to_thread): the group forms on this rank's device
         self._release_group(keep_store=self._store_at == (m.master_addr, m.master_port))
         self._broken = None
         try:
@@ -162,7 +166,7 @@ class CollectiveCheckpointEngine(OneToManyEngine):
     def _allocate(self) -> None:
         """Bind this rank's device (:func:`hal.bind_local_device`: the index in ``device``, else ``LOCAL_RANK``'s)
         and put the metadata records there (2 on the sender, 1 on a receiver, of ``meta_capacity`` bytes).
-        The two bucket buffers of ``bucket_size`` bytes each side may use are allocated (zero-filled, so
+        The bucket buffers (three on the sender, two on a receiver) are allocated (zero-filled, so
         their pages are resident) on first need by :meth:`_slot` and kept until ``finalize()``: an update
         sent from runs of one storage and received into placements needs none."""
         if self._metas:
@@ -217,6 +221,7 @@ class CollectiveCheckpointEngine(OneToManyEngine):
                                             "with build_topology's entries, or build it with rank, world_size, "
                                             "master_addr and master_port")
             await asyncio.to_thread(self._join, self._membership)
+        self._bind()
         self._allocate()
         return self._group
 
@@ -288,20 +293,18 @@ class CollectiveCheckpointEngine(OneToManyEngine):
         keep: list[Any] = [None, None]  # each slot's message: holds directly sent tensors until delivered
         count = 0
         try:
-            for count, msg in enumerate(plan_messages(weights, global_steps, self.bucket_size, self.meta_capacity,
-                                                      self.device, self.direct_threshold)):
+            # three send buffers in rotation: the planner copies message k's tensors into buffer k % 3 once
+            # message k-1 is posted, and by then message k-3 (which used it) has been waited for
+            plan = plan_messages(weights, global_steps, self.bucket_size, self.meta_capacity, self.device,
+                                 self.direct_threshold, buffer_for=lambda k: self._slot(k % 3))
+            for count, msg in enumerate(plan):
                 slot = count % 2
                 await self._wait(in_flight[slot], f"message {count - 2} of step {global_steps}")
                 meta = self._metas[slot]
-                needs_buffer = bool(msg.packed) or msg.rows is not None or any(x is None for x in msg.sources)
-                buffer = self._slot(slot) if needs_buffer else None
-                if buffer is not None:
-                    pack(msg, buffer)
                 msg.meta.write(meta)
                 works = [self._bcast(group, meta)]
-                for seg, source in zip(msg.meta.segments, msg.sources):
-                    works.append(self._bcast(group, buffer[seg.offset:seg.offset + seg.nbytes] if source is None
-                                             else source))
+                for _offset, _nbytes, source in msg.segment_bytes():
+                    works.append(self._bcast(group, source))
                 in_flight[slot], keep[slot] = works, msg
         except Exception as exc:
             if self._broken or self._group is not group:  # the transport failed, or close() released it:
@@ -320,12 +323,18 @@ class CollectiveCheckpointEngine(OneToManyEngine):
         self._sending, self._sent = None, global_steps
 
     # ---- receiver --------------------------------------------------------------------------------
-    def _slot(self, index: int) -> torch.Tensor:
-        """Bucket buffer ``index`` (0 or 1), allocated and touched on first use, then kept until ``finalize()``:
-        the sender packs bucket k+1 in one while k is in flight from the other; a receiver receives message
-        k+1 in one while k's tensors are read from the other."""
+    def _slot(self, index: int, nbytes: int | None = None) -> torch.Tensor:
+        """Bucket buffer ``index`` of ``nbytes`` (default ``bucket_size``), allocated and touched on first use,
+        then kept until ``finalize()``: the sender copies bucket k's tensors into buffer k % 3 while k-1 and
+        k-2 may be in flight from the others; a receiver receives message k+1 into buffer (k+1) % 2 while
+        k's tensors are read from the other. A receiver's buffers take the sender's bucket size (carried by
+        every message), so a sender built with another ``bucket_size`` is adopted before any byte moves."""
+        nbytes = self.bucket_size if nbytes is None else nbytes
         while len(self._buffers) <= index:
-            self._buffers.append(torch.zeros(self.bucket_size, dtype=torch.uint8, device=self.device))
+            self._buffers.append(None)
+        if self._buffers[index] is None or self._buffers[index].numel() != nbytes:
+            self._buffers[index] = None
+            self._buffers[index] = torch.zeros(nbytes, dtype=torch.uint8, device=self.device)
         return self._buffers[index]
 
     async def _next_meta(self, group: hal.StoreGroup, step: int | None) -> WireMessage:
@@ -410,14 +419,14 @@ class CollectiveCheckpointEngine(OneToManyEngine):
             for seg in meta.segments:
                 target, placed = self._segment_target(placement, meta.entries, seg)
                 if target is None:
-                    buffer = self._slot(slot) if buffer is None else buffer
+                    buffer = self._slot(slot, meta.bucket_size) if buffer is None else buffer
                     target = buffer[seg.offset:seg.offset + seg.nbytes]
                 else:
                     views.update(placed)
                 works.append(self._bcast(group, target))
             for e in meta.entries:
                 if e.name not in views:
-                    buffer = self._slot(slot) if buffer is None else buffer
+                    buffer = self._slot(slot, meta.bucket_size) if buffer is None else buffer
                     views[e.name] = byte_view(buffer, e.offset, e.torch_dtype, e.shape)
                 items.append((e.name, views[e.name]))
         if not meta.end and meta.abort is None:

@@ -186,6 +186,7 @@ class KimiCheckpointEngine(OneToManyEngine):
         """Make the store, the parameter server and (rollouts) the rollout group; blocking, bounded."""
         if self._ps is not None:
             return
+        self._bind()
         if self.rank is None:
             raise CheckpointConfigError("send/receive before init_process_group: this engine has no rank")
         if self.master_addr is None or self.master_port is None:
@@ -242,7 +243,10 @@ class KimiCheckpointEngine(OneToManyEngine):
                 named[f"{i:08d}/{name}"] = tensor.detach().contiguous()
         except Exception as exc:  # noqa: BLE001 - told to the rollouts, then raised
             failure, named = exc, {}
-        named[f"{_MARK}step={global_steps}" + (f"/aborted={type(failure).__name__}: {failure}" if failure else "")] = \
+        # the marker carries the step and the trainer's bucket size: every rollout cuts the update into the
+        # same buckets (their broadcast inside the rollout group must agree), whatever each was built with
+        named[f"{_MARK}step={global_steps};bucket={self.bucket_size}"
+              + (f"/aborted={type(failure).__name__}: {failure}" if failure else "")] = \
             torch.zeros(1, dtype=torch.uint8)
         await asyncio.to_thread(self._publish, named, global_steps)
         if failure is not None:
@@ -251,6 +255,7 @@ class KimiCheckpointEngine(OneToManyEngine):
     def _publish(self, named: dict[str, torch.Tensor], step: int | None) -> None:
         """Copy ``named`` into the library's shared pinned pool (reused while the sizes are unchanged, as
         ``register_checkpoint(use_shared_memory_pool=True)`` allows), gather the layouts, wait for the rollouts."""
+        self._bind()  # a worker thread (asyncio.to_thread): on this rank's device
         ps = self._ps
         layout = tuple(t.numel() * t.element_size() for t in named.values())  # in name order: ordinal, marker
         if self._pool_layout is not None:  # the previous update's registration: keep its pool if sizes match
@@ -292,14 +297,15 @@ class KimiCheckpointEngine(OneToManyEngine):
                 raise TransferError(f"rollout rank {self.rank}: the update on offer carries {len(marks)} step "
                                     f"markers, expected 1 (is every trainer rank but rank 0 at rank -1?)")
             head, _, aborted = marks[0][len(_MARK):].partition("/aborted=")
-            text = head.partition("=")[2]
-            step = None if text == "None" else int(text)
+            fields = dict(field.partition("=")[::2] for field in head.split(";"))
+            step = None if fields.get("step") == "None" else int(fields["step"])
+            bucket = int(fields.get("bucket", self.bucket_size))
             if aborted:
                 raise TransferAbortedError(f"step {step}: the trainer gave the update up ({aborted}); rollout rank "
                                            f"{self.rank} keeps its previous weights")
             check_step(asked, step, f"rollout rank {self.rank}")
             self.received_global_steps = step
-            async for item in self._pull(metas, step):
+            async for item in self._pull(metas, step, bucket):
                 yield item
         finally:
             try:
@@ -307,17 +313,20 @@ class KimiCheckpointEngine(OneToManyEngine):
             except Exception:  # noqa: BLE001 - the store's host (the trainer) is gone: nobody waits for it
                 pass
 
-    async def _pull(self, metas: dict, step: int | None) -> AsyncIterator[NamedTensor]:
+    async def _pull(self, metas: dict, step: int | None, bucket: int) -> AsyncIterator[NamedTensor]:
+        """Pull and broadcast the update in buckets of the trainer's ``bucket`` bytes (at least the largest
+        tensor), so every rollout cuts the same buckets."""
         ps = self._ps
         largest = max(m.aligned_size for owner in metas.values() for b in owner.memory_buffer_metas_list
                       for m in b.metas)
-        size = max(self.bucket_size, largest)
+        size = max(bucket, largest)
         rollouts = list(range(1, self.world_size))
         buckets = ps.buckets(metas, size, rollouts)
         self._buffers(size)
         loop = asyncio.get_running_loop()
 
         def move(k: int) -> None:
+            self._bind()  # an executor thread: on this rank's device
             receiver, owner, bucket = buckets[k]
             slot = self._slots[(k % 2) * size:(k % 2) * size + bucket.size]
             if receiver == self.rank:

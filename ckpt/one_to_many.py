@@ -142,7 +142,11 @@ class OneToManyEngine(CheckpointEngine):
             :meth:`init_process_group`. ``rank=-1``: a trainer rank outside the group.
         master_addr, master_port: where rank 0 is reached; or ``store_addr="host:port"``.
         src_rank: the sending rank (0).
-        device: device kind name (``"cpu"``, ``"npu-sim"``, ...) or ``None`` for hal's resolution.
+        device: device kind name (``"cpu"``, ``"npu-sim"``, ``"npu-sim:1"``, ...) or ``None`` for hal's
+            resolution. The engine is **built for one device**, fixed here: the index given, else
+            ``LOCAL_RANK``'s, else the constructing thread's current device (:func:`hal.local_device`); every
+            call binds it in the calling thread (:meth:`_bind`), so a send or receive run from an executor
+            thread (verl's fully-async trainer) still uses this rank's device, not that thread's current one.
         timeout: seconds bounding every wait (a finite number > 0).
         direct_threshold: bytes from which tensors are sent from their own memory (``None``:
             ``bucket_size // 8``; 0 packs everything).
@@ -180,7 +184,7 @@ class OneToManyEngine(CheckpointEngine):
         self.bucket_size, self.is_master = bucket_size, bool(is_master)
         self.timeout = check_seconds(timeout)
         self.direct_threshold = check_direct_threshold(direct_threshold, bucket_size)
-        self.device_kind, self.host = device, host
+        self.device_kind, self.host = self.built_for(device), host
         self.master_addr, self.master_port = master_addr, master_port
         self.rank: int | None = None
         self.world_size: int | None = None
@@ -200,6 +204,23 @@ class OneToManyEngine(CheckpointEngine):
 
     extra_keywords: tuple[str, ...] = ()
     """Constructor keywords a subclass takes before passing the rest to its base (for the message)."""
+
+    @staticmethod
+    def built_for(device: Any) -> str:
+        """The device an engine built with ``device`` uses, as a kind name with its index (``"npu-sim:1"``;
+        a host kind as its name, ``"cpu"``): see the class docstring.
+
+        Raises:
+            hal.UnknownDeviceError, hal.DeviceUnavailableError, hal.DeviceIndexError: as
+                :func:`hal.local_device`.
+        """
+        spec = hal.resolve_device(device)
+        local = hal.local_device(device)
+        return spec.kind if local.type == "cpu" or local.index is None else f"{spec.kind}:{local.index}"
+
+    def _bind(self) -> None:
+        """Make this engine's device the current one of the calling thread (a no-op on host kinds)."""
+        hal.bind_local_device(self.device_kind)
 
     def _check_extra(self, extra: dict[str, Any], method: Any, where: str) -> None:
         """:func:`check_keywords` for ``method``'s named parameters (plus :attr:`extra_keywords` for
@@ -254,6 +275,7 @@ class OneToManyEngine(CheckpointEngine):
             ``{"is_master", "master_addr", "master_port", "generation", "joined"}``; ``joined`` is the
             membership (as a dict) of the group this engine holds set up, ``None`` when none.
         """
+        self._bind()
         master = self.is_master or (self._membership is not None and self._membership.rank == self.src_rank)
         if master:
             self._host_rendezvous()
@@ -333,6 +355,7 @@ class OneToManyEngine(CheckpointEngine):
             TransferTimeoutError: the engine joins eagerly and a peer did not come within ``timeout``.
         """
         self._check_extra(extra, OneToManyEngine.init_process_group, "init_process_group")
+        self._bind()
         if rank is None and world_size is None:
             if self._membership is None:
                 if self.rank == -1:
@@ -371,6 +394,7 @@ class OneToManyEngine(CheckpointEngine):
         """On a trainer rank outside the group (-1): consume ``weights`` (its iterator may take part in
         gathers, as FSDP's does) and return ``True``; else ``False``."""
         if self.rank != -1:
+            self._bind()
             return False
         for _ in weights:
             pass
@@ -388,6 +412,7 @@ class OneToManyEngine(CheckpointEngine):
 
     def _check_receiver(self) -> None:
         """Raise :class:`CheckpointConfigError` unless this rank receives."""
+        self._bind()
         if self.rank is None or self.rank < 0:
             raise CheckpointConfigError(f"receive_weights called on an engine outside any group (rank {self.rank}); "
                                         "call init_process_group(...) with build_topology's entries first")

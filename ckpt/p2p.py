@@ -36,8 +36,8 @@ import torch
 
 import hal
 from ckpt.base import NamedTensor, ReceivePlacement, check_global_steps, check_step
-from ckpt.bucket import byte_view, pack, plan_messages
-from ckpt.wire import WireMessage
+from ckpt.bucket import Message, byte_view, plan_messages
+from ckpt.wire import WireMessage, check_bucket_size
 from ckpt.errors import (CheckpointConfigError, TransferAbortedError, TransferError, TransferTimeoutError,
                          VersionMismatchError)
 from ckpt.one_to_many import DEFAULT_BUCKET_SIZE, OneToManyEngine, host_address
@@ -177,6 +177,15 @@ class _Channel:
 
 
 @dataclasses.dataclass
+class Registered:
+    """A storage registered with the library for direct writes: its handle and how many in-flight messages
+    use it (it is deregistered when the last one completed)."""
+
+    handle: Any
+    users: int = 0
+
+
+@dataclasses.dataclass
 class _Peer:
     rank: int
     channel: _Channel
@@ -242,6 +251,7 @@ class P2PCheckpointEngine(OneToManyEngine):
                          master_addr=master_addr, master_port=master_port, store_addr=store_addr, device=device,
                          timeout=timeout, direct_threshold=direct_threshold, host=host)
         self._listener: socket.socket | None = None
+        self._sources: dict[tuple[int, int], Registered] = {}  # storages registered for direct writes
         self._peers: dict[int, _Peer] = {}
         self._channel: _Channel | None = None  # rollout: to the trainer
         self._transport: Transport | None = None
@@ -318,6 +328,7 @@ class P2PCheckpointEngine(OneToManyEngine):
             self._transport.close()
             self._transport = None
         self._region = self._large = None
+        self._sources = {}
         self._joined = None
 
     def _drop_connections(self) -> None:
@@ -334,14 +345,54 @@ class P2PCheckpointEngine(OneToManyEngine):
         self._device = hal.bind_local_device(self.device_kind)  # this rank's device: its index, else LOCAL_RANK's
         in_place = self._kind_value()
         self._buffer_device = self._device if in_place is not None else torch.device("cpu")
-        self._region = torch.zeros(2 * self.bucket_size, dtype=torch.uint8, device=self._buffer_device)
+        slots = 3 if self.is_sender else 2  # the trainer's send slots, a rollout's receive slots
+        self._region = torch.zeros(slots * self.bucket_size, dtype=torch.uint8, device=self._buffer_device)
         self._transport = self.make_transport(host, in_place)
         self._region_info = self._transport.register(self._region)
         if self._membership is not None:
             self._joined_now(self._membership)
 
     def _slot(self, k: int) -> torch.Tensor:
+        """A rollout's receive slot ``k % 2`` (flat ``uint8`` of ``bucket_size``)."""
         return self._region[(k % 2) * self.bucket_size:(k % 2 + 1) * self.bucket_size]
+
+    def _send_slot(self, k: int) -> torch.Tensor:
+        """The trainer's send slot ``k % 3`` (flat ``uint8`` of ``bucket_size``, registered memory)."""
+        return self._region[(k % 3) * self.bucket_size:(k % 3 + 1) * self.bucket_size]
+
+    def _register_source(self, source: torch.Tensor, msg: Message, offset: int, nbytes: int) -> tuple[int, int]:
+        """Register the storage ``source`` lies in, once however many views of it an update sends (two
+        overlapping registrations of one memory range are refused by Mooncake); returns its key for
+        :meth:`_release_source`.
+
+        Raises:
+            TransferError: the library refused; the message names the tensors and the sizes.
+        """
+        storage = source.untyped_storage()
+        key = (storage.data_ptr(), storage.nbytes())
+        registered = self._sources.get(key)
+        if registered is None:
+            whole = torch.empty(0, dtype=torch.uint8, device=source.device).set_(storage, 0, (storage.nbytes(),), (1,))
+            try:
+                registered = Registered(self._transport.register_source(whole))
+            except TransferError as exc:
+                if msg.meta.chunk is not None:
+                    names = [msg.meta.chunk.name]
+                else:
+                    names = [e.name for e in msg.meta.entries if offset <= e.offset < offset + nbytes]
+                raise TransferError(f"{self._transport.library} refused to register the {storage.nbytes()}-byte "
+                                    f"storage (at {key[0]:#x}) holding {', '.join(map(repr, names))} ({nbytes} "
+                                    f"bytes of it to send at once): {exc}") from exc
+            self._sources[key] = registered
+        registered.users += 1
+        return key
+
+    def _release_source(self, key: tuple[int, int]) -> None:
+        registered = self._sources[key]
+        registered.users -= 1
+        if registered.users == 0:
+            del self._sources[key]
+            self._transport.release_source(registered.handle)
 
     def _sync(self) -> None:
         if self._buffer_device is not None and self._buffer_device.type != "cpu":
@@ -356,6 +407,7 @@ class P2PCheckpointEngine(OneToManyEngine):
             return [self._peers[r] for r in sorted(want)]
         loop = asyncio.get_running_loop()
         deadline = time.monotonic() + self.timeout
+        bucket_sizes: dict[int, Any] = {}
         while set(self._peers) != want:
             left = deadline - time.monotonic()
             try:
@@ -375,6 +427,7 @@ class P2PCheckpointEngine(OneToManyEngine):
                     raise _PeerFailure(channel.label, f"said it is rank {rank!r}; expected one of {sorted(want)}")
                 channel.label = f"rollout rank {rank} (at {addr[0]}:{addr[1]})"
                 self._transport.add_peer(rank, hello["transport"])
+                bucket_sizes[rank] = hello.get("bucket_size")
             except _PeerFailure:
                 channel.close()  # a stray or broken connection: wait for the real one until the deadline
                 continue
@@ -382,6 +435,13 @@ class P2PCheckpointEngine(OneToManyEngine):
             if old is not None:
                 old.channel.close()
             self._peers[rank] = _Peer(rank, channel)
+        wrong = {r: n for r, n in bucket_sizes.items() if n != self.bucket_size}
+        if wrong:  # the rollouts' slots are laid out for another bucket size: refuse before any byte moves
+            text = ", ".join(f"{self._label(r)} has bucket_size={n}" for r, n in sorted(wrong.items()))
+            reason = (f"bucket_size mismatch: the trainer (rank 0) lays updates out in buckets of {self.bucket_size} "
+                      f"bytes, {text}; build every side with the same bucket_size")
+            await self._abort_all(None, reason, fatal=True)  # each rollout refuses too (the record's bucket_size)
+            raise CheckpointConfigError(reason)
         return [self._peers[r] for r in sorted(want)]
 
     async def send_weights(self, weights: Iterable[NamedTensor], global_steps: int | None = None) -> None:
@@ -415,22 +475,20 @@ class P2PCheckpointEngine(OneToManyEngine):
         pending: collections.deque = collections.deque()
         k = 0
         try:
+            # three local send slots in rotation: the planner copies message k's tensors into slot k % 3 once
+            # message k-1 was handed over, and by then message k-3 (which used it) has completed
             for msg in plan_messages(weights, step, self.bucket_size, META_BUDGET, self._buffer_device,
-                                     self.direct_threshold):
+                                     self.direct_threshold, buffer_for=self._send_slot):
                 if len(pending) == 2:  # slot k % 2 was message k-2's: its writes must be done first
                     await self._complete(peers, *pending.popleft())
-                slot, base = self._slot(k), (k % 2) * self.bucket_size
-                pack(msg, slot)
+                base = (k % 2) * self.bucket_size  # the rollouts' receive slot k % 2
                 pieces, sources = [], []
-                for (offset, nbytes), source in ((dataclasses.astuple(seg), src)
-                                                 for seg, src in zip(msg.meta.segments, msg.sources)):
+                for (offset, nbytes, data), source in zip(msg.segment_bytes(), msg.sources):
                     if nbytes == 0:
                         continue
-                    if source is None:  # packed into the slot
-                        pieces.append((slot.data_ptr() + offset, base + offset, nbytes))
-                    else:  # a run of tensors (or a chunk of one) written from its own storage, no copy
-                        sources.append(self._transport.register_source(source))
-                        pieces.append((source.data_ptr(), base + offset, nbytes))
+                    if source is not None:  # a run of tensors (or a chunk of one) written from its own storage
+                        sources.append(self._register_source(source, msg, offset, nbytes))
+                    pieces.append((data.data_ptr(), base + offset, nbytes))
                 self._sync()
                 while len(pending) >= self._transport.max_in_flight:
                     await self._complete(peers, *pending.popleft())
@@ -491,7 +549,7 @@ class P2PCheckpointEngine(OneToManyEngine):
                                        isinstance(exc, TransferTimeoutError)) from exc
         finally:
             for source in sources:
-                self._transport.release_source(source)
+                self._release_source(source)
         raw = record.to_dict()
         for peer in peers:
             await peer.channel.send(raw, self.timeout)
@@ -548,7 +606,8 @@ class P2PCheckpointEngine(OneToManyEngine):
         channel = _Channel(sock, label)
         try:
             self._setup_buffers(self.host or sock.getsockname()[0])
-            await channel.send({"rank": self.rank, "transport": self._region_info}, self.timeout)
+            await channel.send({"rank": self.rank, "transport": self._region_info, "bucket_size": self.bucket_size},
+                               self.timeout)
         except BaseException:
             channel.close()
             raise
@@ -579,6 +638,9 @@ class P2PCheckpointEngine(OneToManyEngine):
             async def next_record() -> WireMessage:
                 record = WireMessage.from_dict(
                     await channel.recv(self.timeout, f"the metadata of message {k} of the next update"))
+                if record.bucket_size != self.bucket_size:  # its slots are laid out for another size
+                    self._drop_connections()
+                    check_bucket_size(record.bucket_size, self.bucket_size, f"rollout rank {self.rank}")
                 if record.abort is not None:
                     await channel.send({"ack": k}, self.timeout)
                     if record.fatal:

@@ -32,11 +32,11 @@ def _flat_views():
 
 def test_adjacent_views_are_sent_from_their_storage_as_one_segment():
     weights, flat = _flat_views()
-    msgs = list(plan_messages(iter(weights[:5]), 1, 1 << 20, 64 << 10, torch.device("cpu"), direct_threshold=16))
+    msgs = list(plan_messages(weights[:5], 1, 1 << 20, 64 << 10, torch.device("cpu"), direct_threshold=16))
     bucket, end = msgs
     assert end.meta == WireMessage(step=1, bucket_size=1 << 20, end=True)
     assert bucket.meta.segments == [Segment(bucket.meta.entries[0].offset, 144)]  # 0..144: five tensors, one range
-    assert bucket.sources[0].data_ptr() == flat.data_ptr() and bucket.packed == []  # zero copy
+    assert bucket.sources[0].data_ptr() == flat.data_ptr() and bucket.buffer is None  # zero copy
     offsets = [e.offset for e in bucket.meta.entries]
     assert [o - offsets[0] for o in offsets] == [0, 40, 64, 120, 126]  # same relative layout as the sender
 
