@@ -317,8 +317,8 @@ def sender_closes_mid_update(rank, world_size, port, device, side_port, timeout)
 
 
 def bucket_size_mismatch(rank, world_size, port, engine_name, device, sizes):
-    """Rank 0 sends 8 tensors of 3000 float32 (12 KB each) with bucket ``sizes[0]``; rank 1 receives with
-    ``sizes[1]``. Returns ``("ok", [(name, value), ...])`` or ``("error", type name, message)``."""
+    """Rank 0 sends 8 tensors of 3000 float32 (12 KB each) with bucket ``sizes[0]``; rank r > 0 receives with
+    ``sizes[r]``. Returns ``("ok", [(name, value), ...])`` or ``("error", type name, message)``."""
     engine = ckpt.get_checkpoint_engine(engine_name, **engine_config(
         rank, world_size, port, device, timeout=20, bucket_size=sizes[rank]))
     dev = hal.get_device(device)
