@@ -96,10 +96,12 @@ class WeightLayout:
         slot = self.slots[name]
         return byte_view(bank, slot.offset, slot.dtype, slot.shape)
 
-    def views(self, bank: torch.Tensor) -> Iterator[NamedTensor]:
-        """``(name, view into bank)`` for every tensor, in layout order: contiguous, back to back."""
-        for name in self.slots:
-            yield name, self.view(bank, name)
+    def views(self, bank: torch.Tensor) -> list[NamedTensor]:
+        """``(name, view into bank)`` for every tensor, in layout order: contiguous, back to back.
+
+        A list (every view exists at once), so an engine may send runs of them straight from the bank
+        (:func:`ckpt.bucket.plan_messages` copies the tensors of any other iterable as they are yielded)."""
+        return [(name, self.view(bank, name)) for name in self.slots]
 
     def fill(self, bank: torch.Tensor, weights: Any) -> None:
         """Copy (and cast) ``weights`` (pairs or a module) into ``bank``; names must be in the layout."""
