@@ -221,9 +221,12 @@ class P2PCheckpointEngine(OneToManyEngine):
             from their own memory, without a copy into a slot (default ``bucket_size // 8``; 0 packs all; else an
             int >= 0, or :class:`CheckpointConfigError`).
 
-    Memory: the trainer holds two slots of ``bucket_size`` (bucket k+1 is packed while k is written), a
-    rollout two slots (the trainer writes k+1 while the consumer reads k) plus, when a tensor larger than a
-    bucket arrives, one buffer of that tensor's size (kept for the next one of the update).
+    Memory: the trainer holds three registered slots of ``bucket_size`` (each tensor is copied into bucket k's
+    slot when it is yielded while k-1 and k-2 may still be written; only tensors of a collection are
+    written from their own memory, see :func:`ckpt.bucket.plan_messages`), a rollout two slots (the trainer
+    writes k+1 while the consumer reads k) plus, when a tensor larger than a bucket arrives, one buffer of
+    that tensor's size (kept for the next one of the update). Both sides must be built with the same
+    ``bucket_size``: the trainer refuses a rollout whose slots are laid out for another, before any write.
 
     Ownership: ``send_weights`` returns once every rollout acknowledged every message (the caller may reuse
     or free its tensors). A tensor yielded by ``receive_weights`` is a view into an engine-owned slot,
