@@ -29,7 +29,7 @@ import abc
 import inspect
 import math
 import numbers
-from typing import Any, AsyncIterator, Iterable, Tuple
+from typing import Any, AsyncIterator, Iterable, Protocol, Tuple, runtime_checkable
 
 import torch
 
@@ -47,6 +47,33 @@ ASYNC_ITER_METHODS = ("receive_weights",)
 """Methods whose call must give an async iterator."""
 COROUTINE_METHODS = AWAITABLE_METHODS
 """Kept for callers of the earlier name: the methods that must be awaitable."""
+
+
+@runtime_checkable
+class ReceivePlacement(Protocol):
+    """Where a consumer wants received tensors' bytes (e.g. a rollout's weight bank), for engines that can
+    receive straight into consumer memory (``receive_weights(..., placement=...)``).
+    """
+
+    def target(self, name: str, dtype: torch.dtype, shape: torch.Size) -> torch.Tensor | None:
+        """The tensor ``name`` (``dtype``, ``shape``) should land in, or ``None`` for "anywhere".
+
+        An engine uses a target only if it is contiguous, on the engine's device, of that dtype and shape
+        (and whatever alignment the engine needs); it yields that very tensor then. Bytes may be written
+        there before the update is known to be complete.
+        """
+
+
+def as_placement(placement: Any) -> ReceivePlacement | None:
+    """``placement`` checked as a :class:`ReceivePlacement`: ``None`` or an object with ``target``.
+
+    Raises:
+        CheckpointConfigError: anything else (names its type).
+    """
+    if placement is None or isinstance(placement, ReceivePlacement):
+        return placement
+    raise CheckpointConfigError(f"placement must be None or have target(name, dtype, shape) -> Tensor | None, "
+                                f"got {type(placement).__name__}")
 
 
 class CheckpointEngine(abc.ABC):
@@ -78,6 +105,22 @@ class CheckpointEngine(abc.ABC):
     received_global_steps: int | None = None
     """The ``global_steps`` of the update most recently received by this instance (``None`` before any)."""
 
+    send_buffer_words: str = ""
+    """What :meth:`send_buffer_bytes` counts, in words for a memory bound's report (``""``: nothing)."""
+
+    @classmethod
+    def send_buffer_bytes(cls, bucket_size: int, published_bytes: int) -> dict[str, int]:
+        """What the sending side holds while it sends one update, beyond the caller's tensors.
+
+        Args:
+            bucket_size: the engine's bucket size (bytes).
+            published_bytes: bytes of the update (all tensors).
+
+        Returns:
+            ``{what: bytes}`` (e.g. ``{"buckets_bytes": 3 * bucket_size}``); ``{}`` here: nothing.
+        """
+        return {}
+
     def prepare(self) -> dict[str, Any]:
         """Allocate per-update buffers; return this worker's metadata for ``build_topology`` (``{}`` here)."""
         return {}
@@ -104,8 +147,13 @@ class CheckpointEngine(abc.ABC):
         """Publish ``weights`` (iterable of ``(name, tensor)``) tagged with ``global_steps``."""
 
     @abc.abstractmethod
-    async def receive_weights(self, global_steps: int | None = None) -> AsyncIterator[NamedTensor]:
-        """Yield the ``(name, tensor)`` pairs of one update; see the class docstring."""
+    async def receive_weights(self, global_steps: int | None = None, *,
+                              placement: ReceivePlacement | None = None) -> AsyncIterator[NamedTensor]:
+        """Yield the ``(name, tensor)`` pairs of one update; see the class docstring.
+
+        ``placement`` (a :class:`ReceivePlacement`) says where the consumer wants tensors' bytes; an engine
+        that can write there does, and yields those tensors; one that cannot ignores it.
+        """
         yield  # pragma: no cover - marks the abstract method as an async generator
 
     def finalize(self) -> None:

@@ -1,57 +1,33 @@
 """Packing named tensors into fixed-size byte buckets, and the per-message metadata that describes them.
 
-A transfer is a sequence of *messages*. Each message is one metadata record (JSON in a fixed-capacity
-``uint8`` tensor: 8-byte little-endian length, then the text) followed by one or more data *segments*:
+A transfer is a sequence of *messages*. Each message is one :class:`ckpt.wire.WireMessage` (its encoding is
+:mod:`ckpt.wire`'s) followed by one or more data *segments*:
 
-* a **bucket** message: ``entries`` ``[name, dtype, shape, offset, nbytes]`` (in send order) laid out in a
+* a **bucket** message: ``entries`` (:class:`~ckpt.wire.TensorEntry`, in send order) laid out in a
   receive buffer of ``bucket_size`` bytes, each at an offset its dtype can be viewed at in place, and
-  ``segments`` ``[offset, nbytes]`` - the byte ranges actually broadcast: ``[0, front)`` holding every
+  ``segments`` (:class:`~ckpt.wire.Segment`) - the byte ranges actually moved: ``[0, front)`` holding every
   tensor copied into the send buffer, then one range per *run* (tensors back to back in one storage, or
   one large contiguous tensor) sent straight from the sender's storage, placed from the back;
 * a **chunk** message: a slice ``[start, start + length)`` of the bytes of one tensor larger than a bucket;
   the receiver reassembles the chunks in a buffer of that tensor's size;
-* an **end** message (``end: true``) closing the update, or an **abort** message (``abort: "reason"``)
+* an **end** message (``end``) closing the update, or an **abort** message (``abort="reason"``)
   when the sender failed on its side mid-update.
 
-Every record carries the sender's ``step`` (``global_steps``). Bytes are the tensor's in-memory bytes
+Every record carries the sender's ``step`` (``global_steps``) and ``bucket_size``. Bytes are the tensor's in-memory bytes
 (``tensor.view(torch.uint8)``), so every dtype, 0-d, empty and non-contiguous tensors round-trip exactly.
 """
 
 from __future__ import annotations
 
+import collections.abc
 import dataclasses
-import json
-from typing import Any, Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import torch
 
-from ckpt.errors import CheckpointConfigError, TransferError
-
-ALIGN = 64
-"""Byte alignment of tensors inside a bucket (>= the element size of every dtype)."""
-META_HEADER = 8
-"""Bytes of the length prefix of a metadata record."""
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """``torch.bfloat16`` -> ``"bfloat16"``."""
-    return str(dtype).removeprefix("torch.")
-
-
-def dtype_from_name(name: str) -> torch.dtype:
-    """``"bfloat16"`` -> ``torch.bfloat16``.
-
-    Raises:
-        TransferError: ``name`` is not a torch dtype (corrupt or foreign metadata).
-    """
-    dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype):
-        raise TransferError(f"metadata names an unknown dtype {name!r}")
-    return dtype
-
-
-def align(n: int) -> int:
-    return (n + ALIGN - 1) // ALIGN * ALIGN
+from ckpt.errors import CheckpointConfigError
+from ckpt.layout import ALIGN, AlignedCursor, align
+from ckpt.wire import META_HEADER, Chunk, Segment, TensorEntry, WireMessage, dtype_name
 
 
 def as_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -72,25 +48,30 @@ def byte_view(buffer: torch.Tensor, offset: int, dtype: torch.dtype, shape: list
 class Message:
     """One planned message of the sender.
 
-    ``meta`` is the JSON-ready record; ``packed`` the ``(offset, tensor)`` pairs to copy into the send
-    buffer; ``sources`` one entry per segment: a flat ``uint8`` tensor to broadcast as is, or ``None`` for
-    "the send buffer's bytes of that segment".
+    ``meta`` is its wire metadata; ``buffer`` the send buffer its copied bytes were written into (when the
+    tensor was yielded; ``None``: nothing was copied); ``sources`` one entry per segment: a flat ``uint8``
+    tensor to send as is (a run of the caller's own memory), or ``None`` for "``buffer``'s bytes of that
+    segment".
     """
 
-    meta: dict[str, Any]
-    packed: list[tuple[int, torch.Tensor]] = dataclasses.field(default_factory=list)
+    meta: WireMessage
+    buffer: torch.Tensor | None = None
     sources: list[torch.Tensor | None] = dataclasses.field(default_factory=list)
-    rows: tuple[torch.Tensor, int] | None = None  # (rows of a non-contiguous big tensor, byte length)
 
-
-def _entry_size(entry: list[Any]) -> int:
-    return len(json.dumps(entry, separators=(",", ":"))) + 1
+    def segment_bytes(self) -> list[tuple[int, int, torch.Tensor]]:
+        """``(offset, nbytes, flat uint8 source)`` of every segment: a slice of :attr:`buffer` or a run."""
+        out = []
+        for seg, source in zip(self.meta.segments, self.sources):
+            if source is None:
+                source = self.buffer[seg.offset:seg.offset + seg.nbytes]
+            out.append((seg.offset, seg.nbytes, source))
+        return out
 
 
 class _Run:
     """Tensors that lie back to back in one storage: broadcast as one byte range, zero copy."""
 
-    def __init__(self, tensor: torch.Tensor, entry: list[Any]) -> None:
+    def __init__(self, tensor: torch.Tensor, entry: TensorEntry) -> None:
         self.storage = tensor.untyped_storage()
         self.base = self.storage.data_ptr()
         self.start = tensor.data_ptr()
@@ -114,28 +95,54 @@ class _Planner:
     """
 
     def __init__(self, step: int | None, bucket_size: int, budget: int, device: torch.device,
-                 direct_threshold: int) -> None:
+                 direct_threshold: int, buffer_for: Callable[[int], torch.Tensor], stable: bool) -> None:
         self.step, self.bucket_size, self.budget = step, bucket_size, budget
         self.device, self.direct_threshold = device, direct_threshold
+        self.buffer_for, self.stable = buffer_for, stable
+        self.yielded = 0  # messages handed to the sender so far: the current bucket's index
+        self.deferred: list[tuple[TensorEntry, torch.Tensor]] = []
         self._reset()
 
+    def copy_in(self, offset: int, tensor: torch.Tensor) -> None:
+        """Copy ``tensor``'s bytes into the current bucket's send buffer at ``offset``, now."""
+        if self.msg.buffer is None:
+            self.msg.buffer = self.buffer_for(self.yielded)
+        byte_view(self.msg.buffer, offset, tensor.dtype, tensor.shape).copy_(tensor)
+
+    def copy_deferred(self) -> None:
+        """Copy the tensor that closed the previous bucket into the new one (once that bucket was handed to
+        the sender, whose buffer the new one may reuse only then)."""
+        for entry, tensor in self.deferred:
+            self.copy_in(entry.offset, tensor)
+        self.deferred = []
+
     def _reset(self) -> None:
-        self.msg = Message(meta={"segments": []})
-        self.entries: list[list[Any]] = []
-        self.front, self.back, self.meta_used = 0, self.bucket_size, 0
+        self.msg = Message(meta=WireMessage(self.step, self.bucket_size))
+        self.entries: list[TensorEntry] = []
+        self.cursor, self.back, self.meta_used = AlignedCursor(), self.bucket_size, 0
         self.run: _Run | None = None
+        self.closing = False  # the tensor being added closed the previous bucket: its copy waits
 
     def _fits(self, nbytes: int) -> bool:
         """Whether ``nbytes`` more (plus alignment) fit between the packed front and the direct back."""
-        return align(self.front) + nbytes + ALIGN <= self.back
+        return align(self.cursor.end) + nbytes + ALIGN <= self.back
 
-    def _pack_at_front(self, items: list[tuple[list[Any], torch.Tensor]], start_ptr: int | None) -> None:
-        offset = align(self.front) + (0 if start_ptr is None else start_ptr % ALIGN)
+    def _pack_at_front(self, items: list[tuple[TensorEntry, torch.Tensor]], start_ptr: int | None) -> None:
+        """Place ``items`` at the front: one tensor at the next aligned offset, or a run (``start_ptr``: its
+        first byte's address) at its relative in-storage offsets, congruent to its address."""
+        if start_ptr is None:
+            (entry, tensor), = items
+            entry.offset = self.cursor.place(entry.nbytes)
+        else:
+            last, last_tensor = items[-1]
+            base = self.cursor.place(last_tensor.data_ptr() - start_ptr + last.nbytes, congruent_to=start_ptr)
+            for entry, tensor in items:
+                entry.offset = base + tensor.data_ptr() - start_ptr
         for entry, tensor in items:
-            at = offset + (0 if start_ptr is None else tensor.data_ptr() - start_ptr)
-            entry[3] = at
-            self.msg.packed.append((at, tensor))
-            self.front = at + entry[4]
+            if self.closing:
+                self.deferred.append((entry, tensor))
+            else:
+                self.copy_in(entry.offset, tensor)
 
     def _flush_run(self) -> None:
         run, self.run = self.run, None
@@ -145,10 +152,10 @@ class _Planner:
             offset = self.back - run.nbytes
             offset -= (offset - run.start) % ALIGN  # congruent to the storage address: alignment kept
             for entry, tensor in run.items:
-                entry[3] = offset + (tensor.data_ptr() - run.start)
+                entry.offset = offset + (tensor.data_ptr() - run.start)
             source = torch.empty(0, dtype=torch.uint8, device=self.device).set_(
                 run.storage, run.start - run.base, (run.nbytes,), (1,))
-            self.msg.meta["segments"].append([offset, run.nbytes])
+            self.msg.meta.segments.append(Segment(offset, run.nbytes))
             self.msg.sources.append(source)
             self.back = offset
         else:
@@ -156,22 +163,22 @@ class _Planner:
 
     def close(self) -> Message:
         self._flush_run()
-        if self.front:
-            self.msg.meta["segments"].insert(0, [0, self.front])
+        if self.cursor.end:
+            self.msg.meta.segments.insert(0, Segment(0, self.cursor.end))
             self.msg.sources.insert(0, None)
-        self.msg.meta.update(step=self.step, entries=self.entries)
+        self.msg.meta.entries = self.entries
         done = self.msg
         self._reset()
         return done
 
     def add(self, name: str, tensor: torch.Tensor, nbytes: int) -> Message | None:
         """Add one tensor (at most a bucket); returns the bucket it closed, if it did not fit."""
-        entry = [name, dtype_name(tensor.dtype), list(tensor.shape), 0, nbytes]
-        esize = _entry_size(entry)
+        entry = TensorEntry(name, dtype_name(tensor.dtype), list(tensor.shape), 0, nbytes)
+        esize = entry.encoded_size()
         if esize > self.budget:
             raise CheckpointConfigError(f"metadata of tensor {name!r} takes {esize} bytes, more than the "
                                         f"meta_capacity allows; raise meta_capacity")
-        eligible = (self.direct_threshold > 0 and nbytes > 0 and nbytes + 2 * ALIGN <= self.bucket_size
+        eligible = (self.stable and self.direct_threshold > 0 and nbytes > 0 and nbytes + 2 * ALIGN <= self.bucket_size
                     and tensor.is_contiguous() and tensor.device == self.device)
         meta_ok = self.meta_used + esize <= self.budget
         if (eligible and meta_ok and self.run is not None and self.run.adjacent(tensor)
@@ -188,22 +195,33 @@ class _Planner:
         if eligible:
             self.run = _Run(tensor, entry)
         else:
+            self.closing = closed is not None
             self._pack_at_front([(entry, tensor)], None)
+            self.closing = False
         return closed
 
-    def _add_entry(self, entry: list[Any], esize: int) -> None:
+    def _add_entry(self, entry: TensorEntry, esize: int) -> None:
         self.entries.append(entry)
         self.meta_used += esize
 
 
 def plan_messages(weights: Iterable[tuple[str, torch.Tensor]], step: int | None, bucket_size: int,
-                  meta_capacity: int, device: torch.device, direct_threshold: int) -> Iterator[Message]:
+                  meta_capacity: int, device: torch.device, direct_threshold: int,
+                  buffer_for: Callable[[int], torch.Tensor] | None = None) -> Iterator[Message]:
     """Group ``weights`` into messages, lazily (one bucket of lookahead, never the whole model).
 
-    Tensors that lie back to back in one storage (views into a flat parameter buffer, as FSDP1 or
-    Megatron keep them) form a *run*; a run of at least ``direct_threshold`` bytes, contiguous and on
-    ``device``, is broadcast straight from that storage (zero copy), laid out in the bucket at the same
-    relative offsets so every tensor keeps its alignment. Everything else is copied into the send buffer.
+    **Each tensor's bytes are taken when it is yielded**: a sender whose iterator reuses one staging buffer
+    between the tensors it yields (as vLLM's and verl's per-tensor generators may) is sent what each tensor
+    held when it was yielded. Copies go into the send buffer of their message at once (before the next
+    tensor is asked for); tensors larger than a bucket are copied through it chunk by chunk, each chunk
+    before its message is handed on.
+
+    Only when ``weights`` is a collection (a list, a tuple, a dict's ``items()``: every tensor exists at
+    once, so none can be overwritten by the next), tensors that lie back to back in one storage (views into
+    a flat parameter buffer, as FSDP1 or Megatron keep them) form a *run*; a run of at least
+    ``direct_threshold`` bytes, contiguous and on ``device``, is sent straight from that storage (zero
+    copy), laid out in the bucket at the same relative offsets so every tensor keeps its alignment, and a
+    contiguous tensor larger than a bucket on ``device`` is sent from its own memory too.
 
     Args:
         weights: ``(name, tensor)`` pairs, any dtype/shape/strides/device.
@@ -212,12 +230,21 @@ def plan_messages(weights: Iterable[tuple[str, torch.Tensor]], step: int | None,
         meta_capacity: bytes of the metadata tensor; a bucket also closes when its record would overflow it.
         device: the transfer device.
         direct_threshold: bytes from which a run is sent from its own storage; ``0`` packs everything.
+        buffer_for: ``buffer_for(k)`` gives message ``k``'s send buffer (flat ``uint8`` of ``bucket_size``
+            bytes), asked for when the first byte is copied into it: after message ``k - 1`` was handed to
+            the caller (so with three buffers in rotation and at most two messages in flight, the one asked
+            for is free). ``None``: a new zero-filled buffer each time.
 
     Raises:
         CheckpointConfigError: a name is not a str, a value is not a tensor, or one metadata entry alone
             exceeds ``meta_capacity``.
     """
-    planner = _Planner(step, bucket_size, meta_capacity - META_HEADER - 256, device, direct_threshold)
+    if buffer_for is None:
+        def buffer_for(k: int) -> torch.Tensor:
+            return torch.zeros(bucket_size, dtype=torch.uint8, device=device)
+    stable = isinstance(weights, collections.abc.Collection)
+    planner = _Planner(step, bucket_size, meta_capacity - META_HEADER - 256, device, direct_threshold,
+                       buffer_for, stable)
     for name, tensor in weights:
         if not isinstance(name, str) or not isinstance(tensor, torch.Tensor):
             raise CheckpointConfigError(f"weights must yield (str, torch.Tensor) pairs, got ({name!r}, {type(tensor).__name__})")
@@ -225,81 +252,57 @@ def plan_messages(weights: Iterable[tuple[str, torch.Tensor]], step: int | None,
         nbytes = tensor.numel() * tensor.element_size()
         if nbytes > bucket_size:
             if planner.entries:
+                planner.yielded += 1
                 yield planner.close()
-            yield from _chunk_messages(name, tensor, nbytes, step, bucket_size, device)
+            for msg in _chunk_messages(name, tensor, nbytes, step, bucket_size, device, stable,
+                                       lambda: buffer_for(planner.yielded)):
+                planner.yielded += 1
+                yield msg
             continue
         closed = planner.add(name, tensor, nbytes)
         if closed is not None:
+            planner.yielded += 1
             yield closed
+            planner.copy_deferred()
     if planner.entries:
+        planner.yielded += 1
         yield planner.close()
-    yield Message(meta={"step": step, "end": True})
+    yield Message(meta=WireMessage(step, bucket_size, end=True))
 
 
 def _chunk_messages(name: str, tensor: torch.Tensor, nbytes: int, step: int | None, bucket_size: int,
-                    device: torch.device) -> Iterator[Message]:
+                    device: torch.device, stable: bool, next_buffer: Callable[[], torch.Tensor]) -> Iterator[Message]:
     """Chunk messages for one tensor larger than a bucket.
 
-    A contiguous tensor on ``device`` is sent from its own storage in byte slices of ``bucket_size``. Any
-    other is copied through the send buffer a block of dim-0 rows at a time, so the sender never holds a
-    second copy of it; only a tensor whose single row exceeds a bucket is made contiguous first.
+    A contiguous tensor on ``device`` of a ``stable`` collection is sent from its own storage in byte
+    slices of ``bucket_size``. Any other is copied through the send buffer (``next_buffer()``, asked for
+    right before each message is handed on) a slice of bytes (contiguous) or a block of dim-0 rows at a
+    time, so the sender never holds a second copy of it; only a tensor whose single row exceeds a bucket is
+    made contiguous first (that private copy is then sent from its own memory).
     """
-    head = {"name": name, "dtype": dtype_name(tensor.dtype), "shape": list(tensor.shape), "nbytes": nbytes}
-    tensor = tensor.detach()
+    head = dict(name=name, dtype=dtype_name(tensor.dtype), shape=list(tensor.shape), nbytes=nbytes)
     row_bytes = nbytes // tensor.shape[0] if tensor.dim() else nbytes
-    direct = tensor.is_contiguous() and tensor.device == device
-    if not direct and row_bytes > bucket_size:
-        tensor, direct = tensor.contiguous().to(device), True
-    if direct:
+    direct = stable and tensor.is_contiguous() and tensor.device == device
+    if not direct and not tensor.is_contiguous() and row_bytes > bucket_size:
+        tensor, direct = tensor.contiguous().to(device), True  # a private copy: nobody else can change it
+    if direct or tensor.is_contiguous():
         flat = as_bytes(tensor)
         for start in range(0, nbytes, bucket_size):
             length = min(bucket_size, nbytes - start)
-            yield Message(meta={"step": step, "chunk": dict(head, start=start, length=length),
-                                "segments": [[0, length]]}, sources=[flat[start:start + length]])
+            meta = WireMessage(step, bucket_size, chunk=Chunk(**head, start=start, length=length),
+                               segments=[Segment(0, length)])
+            if direct:
+                yield Message(meta=meta, sources=[flat[start:start + length]])
+            else:
+                buffer = next_buffer()
+                buffer[:length].copy_(flat[start:start + length])
+                yield Message(meta=meta, buffer=buffer, sources=[None])
         return
     rows_per = bucket_size // row_bytes
     for r in range(0, tensor.shape[0], rows_per):
         rows = tensor[r:r + rows_per]
         length = rows.shape[0] * row_bytes
-        yield Message(meta={"step": step, "chunk": dict(head, start=r * row_bytes, length=length),
-                            "segments": [[0, length]]}, sources=[None], rows=(rows, length))
-
-
-def pack(msg: Message, buffer: torch.Tensor) -> None:
-    """Copy the packed tensors (and rows of a chunk) of ``msg`` into ``buffer`` (flat ``uint8``), in place."""
-    for offset, tensor in msg.packed:
-        byte_view(buffer, offset, tensor.dtype, tensor.shape).copy_(tensor)
-    if msg.rows is not None:
-        rows, _ = msg.rows
+        buffer = next_buffer()
         byte_view(buffer, 0, rows.dtype, rows.shape).copy_(rows)
-
-
-def encode_meta(meta: dict[str, Any], out: torch.Tensor) -> None:
-    """Write ``meta`` as length-prefixed JSON into ``out`` (flat ``uint8``, on any device).
-
-    Raises:
-        CheckpointConfigError: the record does not fit ``out``.
-    """
-    raw = json.dumps(meta, separators=(",", ":")).encode()
-    if META_HEADER + len(raw) > out.numel():
-        raise CheckpointConfigError(f"metadata record of {len(raw)} bytes exceeds meta_capacity={out.numel()}")
-    host = torch.empty(META_HEADER + len(raw), dtype=torch.uint8)
-    host[:META_HEADER] = torch.tensor([len(raw)], dtype=torch.int64).view(torch.uint8)
-    host[META_HEADER:] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
-    out[:host.numel()].copy_(host)
-
-
-def decode_meta(buf: torch.Tensor) -> dict[str, Any]:
-    """Read a record written by :func:`encode_meta`.
-
-    Raises:
-        TransferError: the length or the JSON is corrupt.
-    """
-    host = buf.cpu() if buf.device.type != "cpu" else buf
-    length = int(host[:META_HEADER].view(torch.int64).item())
-    if not 0 < length <= host.numel() - META_HEADER:
-        raise TransferError(f"corrupt checkpoint metadata: length {length} for a {host.numel()}-byte record")
-    try:
-        return json.loads(bytes(host[META_HEADER:META_HEADER + length].numpy()))
-    except ValueError as exc:
-        raise TransferError(f"corrupt checkpoint metadata: {exc}") from exc
+        yield Message(meta=WireMessage(step, bucket_size, chunk=Chunk(**head, start=r * row_bytes, length=length),
+                                       segments=[Segment(0, length)]), buffer=buffer, sources=[None])

@@ -9,25 +9,22 @@ updates (rebuilding a communicator per update exhausts HCCL resources). Wire for
 from __future__ import annotations
 
 import asyncio
-import socket
 from typing import Any, AsyncIterator, Iterable
 
 import torch
 
 import hal
-from ckpt.base import (CheckpointEngine, NamedTensor, check_direct_threshold, check_global_steps, check_seconds,
-                       check_step)
-from ckpt.bucket import ALIGN, as_bytes, byte_view, decode_meta, dtype_from_name, encode_meta, pack, plan_messages
+from ckpt.base import NamedTensor, ReceivePlacement, as_placement, check_global_steps, check_step
+from ckpt.bucket import ALIGN, as_bytes, byte_view, plan_messages
 from ckpt.errors import CheckpointConfigError, TransferAbortedError, TransferError, TransferTimeoutError
-
-DEFAULT_BUCKET_SIZE = 256 << 20
-"""Default bucket size in bytes (256 MiB)."""
+from ckpt.wire import Segment, TensorEntry, WireMessage
+from ckpt.one_to_many import DEFAULT_BUCKET_SIZE, Membership, OneToManyEngine, check_int, host_address
 
 POLL_S = 0.25
 """Seconds between a waiting receiver's looks in the store for word that the sender closed its engine."""
 
 
-class CollectiveCheckpointEngine(CheckpointEngine):
+class CollectiveCheckpointEngine(OneToManyEngine):
     """Bucketed broadcast from rank ``src_rank`` (the trainer) to every other rank of its own group.
 
     Two ways to build one:
@@ -69,15 +66,18 @@ class CollectiveCheckpointEngine(CheckpointEngine):
     before waiting for the current data. A backend whose collectives complete before returning (the
     simulated npu's hccl) runs the same code serially.
 
-    Memory: each side holds at most two bucket buffers of ``bucket_size``, allocated on first need (the
-    sender packs bucket k+1 while bucket k is in flight; a receiver receives message k+1 while message k's
-    tensors are read), plus the sender's references to at most two buckets' worth of directly sent
-    tensors. Runs of tensors adjacent in one storage of at least ``direct_threshold`` bytes are broadcast
-    from that storage, without packing, and a receiver given a ``placement`` receives straight into the
-    consumer's memory: a flat published buffer sent to a rollout's weight bank needs no bucket at all. A
-    tensor larger than a bucket is split into chunks of ``bucket_size`` (sent from its own storage when
-    contiguous, else a block of rows at a time through the send buffer); without a placement the receiver
-    assembles it in one more buffer of the largest such tensor's size, kept across updates.
+    Memory: the sender holds at most three bucket buffers of ``bucket_size`` (it copies bucket k's tensors
+    as they are yielded while buckets k-1 and k-2 may be in flight), a receiver two (it receives message
+    k+1 while message k's tensors are read), allocated on first need, plus the sender's references to at
+    most two buckets' worth of directly sent tensors. When ``weights`` is a collection (list, tuple,
+    ``dict.items()``), runs of tensors adjacent in one storage of at least ``direct_threshold`` bytes are
+    broadcast from that storage, without packing, and a receiver given a ``placement`` receives straight
+    into the consumer's memory: a flat published buffer sent to a rollout's weight bank needs no bucket at
+    all. The bytes of a tensor from any other iterable are copied when it is yielded (see
+    :func:`ckpt.bucket.plan_messages`). A tensor larger than a bucket is split into chunks of
+    ``bucket_size``; without a placement the receiver assembles it in one more buffer of the largest such
+    tensor's size, kept across updates. A receiver lays buckets out at the sender's ``bucket_size`` (every
+    message carries it), whatever its own.
 
     Ownership: ``send_weights`` returns when every broadcast has completed; the caller may then reuse or
     free its tensors. Every tensor yielded by ``receive_weights`` is a **view into an engine-owned buffer,
@@ -89,33 +89,17 @@ class CollectiveCheckpointEngine(CheckpointEngine):
                  master_port: int | None = None, store_addr: str | None = None, src_rank: int = 0,
                  bucket_size: int = DEFAULT_BUCKET_SIZE, device: str | None = None,
                  timeout: float = hal.DEFAULT_TIMEOUT_S, meta_capacity: int = 64 << 10,
-                 direct_threshold: int | None = None, is_master: bool = False) -> None:
-        if store_addr is not None:
-            host, sep, port = store_addr.rpartition(":")
-            if not sep or not port.isdigit():
-                raise CheckpointConfigError(f"store_addr must be 'host:port', got {store_addr!r}")
-            master_addr, master_port = host, int(port)
-        for label, value, low in (("bucket_size", bucket_size, 1), ("meta_capacity", meta_capacity, 1024)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise CheckpointConfigError(f"{label} must be an int >= {low}, got {value!r}")
-        timeout = check_seconds(timeout)
-        if master_port is not None and (isinstance(master_port, bool) or not isinstance(master_port, int)
-                                        or not 0 <= master_port < 65536):
-            raise CheckpointConfigError(f"master_port must be an int in [0, 65536), got {master_port!r}")
-        self.master_addr, self.master_port = master_addr, master_port
-        self.bucket_size, self.meta_capacity, self.timeout = bucket_size, meta_capacity, float(timeout)
-        self.direct_threshold = check_direct_threshold(direct_threshold, bucket_size)
-        self.device_kind = device
+                 direct_threshold: int | None = None, is_master: bool = False, **extra: Any) -> None:
+        self._check_extra(extra, CollectiveCheckpointEngine.__init__, "__init__")
+        check_int(meta_capacity, "meta_capacity", 1024)
+        super().__init__(bucket_size=bucket_size, is_master=is_master, rank=rank, world_size=world_size,
+                         master_addr=master_addr, master_port=master_port, store_addr=store_addr, src_rank=src_rank,
+                         device=device, timeout=timeout, direct_threshold=direct_threshold)
+        if self._membership is not None and (self.master_addr is None or self.master_port is None):
+            raise CheckpointConfigError("the collective engine needs master_addr and master_port "
+                                        f"(or store_addr='host:port'), got {self.master_addr!r}, {self.master_port!r}")
+        self.meta_capacity = meta_capacity
         self.device: torch.device | None = None
-        self.is_master = bool(is_master)
-        self.rank, self.world_size, self.src_rank = None, None, 0
-        self._membership: dict[str, Any] | None = None  # the group this engine is to be in (None: not yet told)
-        if rank is not None or world_size is not None:  # hal's standalone construction: the group is known now
-            if master_addr is None or master_port is None:
-                raise CheckpointConfigError("the collective engine needs master_addr and master_port "
-                                            f"(or store_addr='host:port'), got {master_addr!r}, {master_port!r}")
-            self._membership = self._checked_membership(rank, world_size, master_addr, master_port, 0, src_rank)
-            self._set_role(self._membership)
         self._buffers: list[torch.Tensor] = []
         self._metas: list[torch.Tensor] = []
         self._large: torch.Tensor | None = None  # receiver: assembly buffer of tensors larger than a bucket
@@ -124,173 +108,51 @@ class CollectiveCheckpointEngine(CheckpointEngine):
         self._store_at: tuple[str, int] | None = None  # where self._store points
         self._store_server = False  # self._store is the server (this rank hosts the rendezvous)
         self._group: hal.StoreGroup | None = None
-        self._joined: dict[str, Any] | None = None  # the membership self._group was formed with
-        self._generation = 0  # the highest group generation this engine formed (the master's numbers them)
         self._broken: str | None = None
-        self._sending: int | None = None  # sender: the step of the update in progress (None: none)
-        self._sent: int | None = None  # sender: the step of the last update it finished
 
-    @staticmethod
-    def _checked_membership(rank: Any, world_size: Any, master_addr: Any, master_port: Any, generation: Any,
-                            src_rank: Any = 0) -> dict[str, Any]:
-        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-            raise CheckpointConfigError(f"world_size must be an int >= 1, got {world_size!r}")
-        for label, value in (("rank", rank), ("src_rank", src_rank)):
-            if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < world_size:
-                raise CheckpointConfigError(f"{label} must be an int in [0, {world_size}), got {value!r}")
-        if not isinstance(master_addr, str) or not master_addr:
-            raise CheckpointConfigError(f"master_addr must be a host name or address, got {master_addr!r}")
-        if isinstance(master_port, bool) or not isinstance(master_port, int) or not 0 < master_port < 65536:
-            raise CheckpointConfigError(f"master_port must be an int in (0, 65536), got {master_port!r}")
-        if isinstance(generation, bool) or not isinstance(generation, int) or generation < 0:
-            raise CheckpointConfigError(f"generation must be an int >= 0, got {generation!r}")
-        return {"rank": rank, "world_size": world_size, "master_addr": master_addr, "master_port": master_port,
-                "generation": generation, "src_rank": src_rank}
-
-    def _set_role(self, membership: dict[str, Any] | None) -> None:
-        if membership is None:  # a trainer rank outside the group (verl gives it rank -1)
-            self.rank, self.world_size, self.src_rank, self.is_sender = -1, None, 0, False
+    # ---- lifecycle (verl's CheckpointEngine ABC: all synchronous; the sequence is the base's) --------
+    def _host_rendezvous(self) -> None:
+        """The master hosts the rendezvous store, once, at ``master_port`` (``None``: a free port)."""
+        if self._membership is not None or self._store is not None:
             return
-        self.rank, self.world_size = membership["rank"], membership["world_size"]
-        self.src_rank = membership["src_rank"]
-        self.is_sender = self.rank == self.src_rank
+        addr = self.master_addr or host_address()
+        try:
+            self._store = hal.connect_store(addr, self.master_port or 0, 0, 1, self.timeout)
+        except hal.DistributedTimeoutError as exc:
+            raise TransferTimeoutError(f"the master could not host the checkpoint store: {exc}") from exc
+        self.master_addr, self.master_port = addr, int(self._store.port)
+        self._store_at, self._store_server = (addr, self.master_port), True
 
-    @property
-    def topology(self) -> dict[str, Any] | None:
-        """This rank's place: ``{"rank", "world_size", "src_rank", "role", "receivers"}``; ``None`` before
-        the group is known; ``role`` is ``"sender"``, ``"receiver"`` or ``"outside"`` (rank -1)."""
-        if self.rank is None:
-            return None
-        if self.rank < 0:
-            return {"rank": -1, "world_size": None, "src_rank": self.src_rank, "role": "outside", "receivers": []}
-        return {"rank": self.rank, "world_size": self.world_size, "src_rank": self.src_rank,
-                "role": "sender" if self.is_sender else "receiver",
-                "receivers": [r for r in range(self.world_size) if r != self.src_rank]}
-
-    # ---- lifecycle (verl's CheckpointEngine ABC: all synchronous) ---------------------------------
-    def prepare(self) -> dict[str, Any]:
-        """Allocate this update's buffers (once the role is known) and describe this worker.
-
-        The master (``is_master=True``, verl's trainer rank 0) hosts the rendezvous store here, once, at
-        ``master_port`` (``None``: a free port) and reports where it is. Every worker reports the group it
-        is in, so :meth:`build_topology` can keep it.
-
-        Returns:
-            ``{"is_master", "master_addr", "master_port", "generation", "joined"}``; ``joined`` is the
-            membership of the group this engine holds (``None``: none, or it broke).
-        """
-        if self.is_master and self._membership is None and self._store is None:
-            addr = self.master_addr or _host_address()
-            try:
-                self._store = hal.connect_store(addr, self.master_port or 0, 0, 1, self.timeout)
-            except hal.DistributedTimeoutError as exc:
-                raise TransferTimeoutError(f"the master could not host the checkpoint store: {exc}") from exc
-            self.master_addr, self.master_port = addr, int(self._store.port)
-            self._store_at, self._store_server = (addr, self.master_port), True
+    def _prepare_buffers(self) -> None:
         if self.rank is not None and self.rank >= 0:
             self._allocate()
-        joined = dict(self._joined) if self._group is not None and not self._broken else None
-        return {"is_master": self.is_master or (self._membership is not None and self._membership["rank"] == 0),
-                "master_addr": self.master_addr, "master_port": self.master_port,
-                "generation": self._generation, "joined": joined}
 
-    @classmethod
-    def build_topology(cls, trainer_world_size: int, rollout_world_size: int,
-                       metadata: list) -> tuple[dict[str, list], dict[str, list]]:
-        """One sender (trainer rank 0) and every rollout rank; other trainer ranks stay outside (rank -1).
+    def _healthy(self) -> bool:
+        return self._group is not None and not self._broken
 
-        The group is kept when every member already holds exactly it (same ranks, world size, store and
-        generation); otherwise a new generation is formed (its keys are new, so nothing stale is read).
-
-        Args:
-            metadata: :meth:`prepare` results, trainer ranks first; ``metadata[0]`` is the master's.
-
-        Returns:
-            ``(trainer_kwargs, rollout_kwargs)`` with per-rank lists for ``rank``, ``world_size``,
-            ``master_addr``, ``master_port`` and ``generation``.
-
-        Raises:
-            CheckpointConfigError: bad sizes, or ``metadata[0]`` is not the master's.
-        """
-        for label, value, low in (("trainer_world_size", trainer_world_size, 1),
-                                  ("rollout_world_size", rollout_world_size, 1)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise CheckpointConfigError(f"{label} must be an int >= {low}, got {value!r}")
-        if not isinstance(metadata, (list, tuple)) or len(metadata) != trainer_world_size + rollout_world_size:
-            raise CheckpointConfigError(f"metadata must list the prepare() result of all {trainer_world_size} + "
-                                        f"{rollout_world_size} workers, got {metadata!r}")
-        master = metadata[0]
-        if not isinstance(master, dict) or not master.get("is_master") or not master.get("master_port"):
-            raise CheckpointConfigError("metadata[0] must be the prepare() result of the master (trainer rank 0, "
-                                        f"built with is_master=True), got {master!r}")
-        world_size = 1 + rollout_world_size
-        ranks = [0] + [-1] * (trainer_world_size - 1) + list(range(1, world_size))
-        addr, port, generation = master["master_addr"], master["master_port"], master["generation"]
-
-        def wanted(rank: int, gen: int) -> dict[str, Any]:
-            return {"rank": rank, "world_size": world_size, "master_addr": addr, "master_port": port,
-                    "generation": gen, "src_rank": 0}
-
-        keep = all(isinstance(m, dict) and m.get("joined") == wanted(r, generation)
-                   for r, m in zip(ranks, metadata) if r >= 0)
-        if not keep:
-            generation += 1
-        sides = []
-        for side in (ranks[:trainer_world_size], ranks[trainer_world_size:]):
-            n = len(side)
-            sides.append({"rank": side, "world_size": [world_size] * n, "master_addr": [addr] * n,
-                          "master_port": [port] * n, "generation": [generation] * n})
-        return sides[0], sides[1]
-
-    def init_process_group(self, rank: int | None = None, world_size: int | None = None,
-                           master_addr: str | None = None, master_port: int | None = None,
-                           generation: int = 0, **_ignored: Any) -> None:
-        """Be rank ``rank`` of the group ``build_topology`` described; reuse the one held if it is that group.
-
-        Without arguments: join the group given at construction (hal's standalone use). ``rank=-1``:
-        this worker is outside the group (it releases any group it held). Blocks until every member
-        joined, at most ``timeout`` seconds.
-
-        Raises:
-            CheckpointConfigError: bad arguments, or no group known at all.
-            TransferTimeoutError: the store or a peer did not come within ``timeout``.
-        """
-        if rank is None and world_size is None:
-            if self._membership is None:
-                raise CheckpointConfigError("init_process_group() needs rank, world_size, master_addr and "
-                                            "master_port (from build_topology), or an engine built with them")
-            membership = self._membership
-        elif isinstance(rank, int) and not isinstance(rank, bool) and rank < 0:
-            self._release_group(keep_store=self.is_master)
-            self._membership = None
-            self._set_role(None)
-            self._free_buffers()
-            return
-        else:
-            membership = self._checked_membership(rank, world_size, master_addr, master_port, generation)
-        self._membership = membership
-        self._set_role(membership)
-        if self._group is not None and self._joined == membership and not self._broken:
-            return  # the same group: keep the communicator (rebuilding one per update exhausts HCCL)
+    def _enter(self, membership: Membership) -> None:
         self._join(membership)
 
-    def _join(self, m: dict[str, Any]) -> None:
-        self._release_group(keep_store=self._store_at == (m["master_addr"], m["master_port"]))
+    def _leave(self) -> None:
+        self._release_group(keep_store=self.is_master)
+        self._free_buffers()
+
+    def _join(self, m: Membership) -> None:
+        self._bind()  # it may run in a worker thread (asyncio.to_thread): the group forms on this rank's device
+        self._release_group(keep_store=self._store_at == (m.master_addr, m.master_port))
         self._broken = None
         try:
             if self._store is None:
-                self._store = hal.connect_store(m["master_addr"], m["master_port"], m["rank"], m["world_size"],
-                                                self.timeout)
-                self._store_at, self._store_server = (m["master_addr"], m["master_port"]), m["rank"] == 0
-            if m["rank"] == m["src_rank"]:  # a sender forming this generation again is not closed
-                self._store.delete_key(_closed_key(m["generation"]))
-            self._group = hal.new_group_from_store(self._store, m["rank"], m["world_size"], self.device_kind,
-                                                   self.timeout, f"ckpt/{m['generation']}")
+                self._store = hal.connect_store(m.master_addr, m.master_port, m.rank, m.world_size, self.timeout)
+                self._store_at, self._store_server = (m.master_addr, m.master_port), m.rank == 0
+            if m.rank == m.src_rank:  # a sender forming this generation again is not closed
+                self._store.delete_key(_closed_key(m.generation))
+            self._group = hal.new_group_from_store(self._store, m.rank, m.world_size, self.device_kind,
+                                                   self.timeout, f"ckpt/{m.generation}")
         except hal.DistributedTimeoutError as exc:
-            raise TransferTimeoutError(f"rank {m['rank']} could not form the checkpoint group at "
-                                       f"{m['master_addr']}:{m['master_port']}: {exc}") from exc
-        self._joined = dict(m)
-        self._generation = max(self._generation, m["generation"])
+            raise TransferTimeoutError(f"rank {m.rank} could not form the checkpoint group at "
+                                       f"{m.master_addr}:{m.master_port}: {exc}") from exc
+        self._joined_now(m)
 
     def _release_group(self, keep_store: bool) -> None:
         if self._group is not None:
@@ -304,7 +166,7 @@ class CollectiveCheckpointEngine(CheckpointEngine):
     def _allocate(self) -> None:
         """Bind this rank's device (:func:`hal.bind_local_device`: the index in ``device``, else ``LOCAL_RANK``'s)
         and put the metadata records there (2 on the sender, 1 on a receiver, of ``meta_capacity`` bytes).
-        The two bucket buffers of ``bucket_size`` bytes each side may use are allocated (zero-filled, so
+        The bucket buffers (three on the sender, two on a receiver) are allocated (zero-filled, so
         their pages are resident) on first need by :meth:`_slot` and kept until ``finalize()``: an update
         sent from runs of one storage and received into placements needs none."""
         if self._metas:
@@ -340,7 +202,7 @@ class CollectiveCheckpointEngine(CheckpointEngine):
             when = (f"in the middle of step {self._sending}" if self._sending is not None else
                     f"after step {self._sent}" if self._sent is not None else "before sending any update")
             try:
-                self._store.set(_closed_key(self._joined["generation"]),
+                self._store.set(_closed_key(self._joined.generation),
                                 f"the sender (rank {self.rank}) closed its engine {when}")
             except Exception:  # noqa: BLE001 - an unreachable store: the receivers find it gone instead
                 pass
@@ -359,6 +221,7 @@ class CollectiveCheckpointEngine(CheckpointEngine):
                                             "with build_topology's entries, or build it with rank, world_size, "
                                             "master_addr and master_port")
             await asyncio.to_thread(self._join, self._membership)
+        self._bind()
         self._allocate()
         return self._group
 
@@ -367,7 +230,7 @@ class CollectiveCheckpointEngine(CheckpointEngine):
         or the store itself unreachable (its host closed or died); ``None`` on the sender or while neither."""
         if self.is_sender or self._store is None or self._joined is None:
             return None
-        key = _closed_key(self._joined["generation"])
+        key = _closed_key(self._joined.generation)
         try:
             return self._store.get(key).decode() if self._store.check([key]) else None
         except Exception as exc:  # noqa: BLE001 - the store's host went away
@@ -421,34 +284,27 @@ class CollectiveCheckpointEngine(CheckpointEngine):
             and the group stays usable for the next update.
         """
         global_steps = check_global_steps(global_steps)
-        if self.rank == -1:  # a trainer rank outside the group: its weights iterator may need it (FSDP gathers)
-            for _ in weights:
-                pass
+        if self._outside(weights):  # a trainer rank outside the group: its iterator may need it (FSDP gathers)
             return
-        if self.rank is None and self._membership is None:
-            raise CheckpointConfigError("this collective engine is in no group: call init_process_group(...) "
-                                        "first, or build it with rank, world_size, master_addr and master_port")
-        if not self.is_sender:
-            raise CheckpointConfigError(f"send_weights called on rank {self.rank}, but src_rank is {self.src_rank}")
+        self._check_sender()
         group = await self._ensure_ready()
         self._sending = global_steps
         in_flight: list[list] = [[], []]
         keep: list[Any] = [None, None]  # each slot's message: holds directly sent tensors until delivered
         count = 0
         try:
-            for count, msg in enumerate(plan_messages(weights, global_steps, self.bucket_size, self.meta_capacity,
-                                                      self.device, self.direct_threshold)):
+            # three send buffers in rotation: the planner copies message k's tensors into buffer k % 3 once
+            # message k-1 is posted, and by then message k-3 (which used it) has been waited for
+            plan = plan_messages(weights, global_steps, self.bucket_size, self.meta_capacity, self.device,
+                                 self.direct_threshold, buffer_for=lambda k: self._slot(k % 3))
+            for count, msg in enumerate(plan):
                 slot = count % 2
                 await self._wait(in_flight[slot], f"message {count - 2} of step {global_steps}")
                 meta = self._metas[slot]
-                needs_buffer = bool(msg.packed) or msg.rows is not None or any(x is None for x in msg.sources)
-                buffer = self._slot(slot) if needs_buffer else None
-                if buffer is not None:
-                    pack(msg, buffer)
-                encode_meta(msg.meta, meta)
+                msg.meta.write(meta)
                 works = [self._bcast(group, meta)]
-                for (offset, nbytes), source in zip(msg.meta["segments"] if "segments" in msg.meta else [], msg.sources):
-                    works.append(self._bcast(group, buffer[offset:offset + nbytes] if source is None else source))
+                for _offset, _nbytes, source in msg.segment_bytes():
+                    works.append(self._bcast(group, source))
                 in_flight[slot], keep[slot] = works, msg
         except Exception as exc:
             if self._broken or self._group is not group:  # the transport failed, or close() released it:
@@ -458,7 +314,8 @@ class CollectiveCheckpointEngine(CheckpointEngine):
             for slot in range(2):
                 await self._wait(in_flight[slot], f"abort of step {global_steps}")
             slot = (count + 1) % 2
-            encode_meta({"step": global_steps, "abort": f"{type(exc).__name__}: {exc}"[:2000]}, self._metas[slot])
+            WireMessage(global_steps, self.bucket_size,
+                        abort=f"{type(exc).__name__}: {exc}"[:2000]).write(self._metas[slot])
             await self._wait([self._bcast(group, self._metas[slot])], f"abort of step {global_steps}")
             raise
         for slot in range(2):
@@ -466,33 +323,39 @@ class CollectiveCheckpointEngine(CheckpointEngine):
         self._sending, self._sent = None, global_steps
 
     # ---- receiver --------------------------------------------------------------------------------
-    def _slot(self, index: int) -> torch.Tensor:
-        """Bucket buffer ``index`` (0 or 1), allocated and touched on first use, then kept until ``finalize()``:
-        the sender packs bucket k+1 in one while k is in flight from the other; a receiver receives message
-        k+1 in one while k's tensors are read from the other."""
+    def _slot(self, index: int, nbytes: int | None = None) -> torch.Tensor:
+        """Bucket buffer ``index`` of ``nbytes`` (default ``bucket_size``), allocated and touched on first use,
+        then kept until ``finalize()``: the sender copies bucket k's tensors into buffer k % 3 while k-1 and
+        k-2 may be in flight from the others; a receiver receives message k+1 into buffer (k+1) % 2 while
+        k's tensors are read from the other. A receiver's buffers take the sender's bucket size (carried by
+        every message), so a sender built with another ``bucket_size`` is adopted before any byte moves."""
+        nbytes = self.bucket_size if nbytes is None else nbytes
         while len(self._buffers) <= index:
-            self._buffers.append(torch.zeros(self.bucket_size, dtype=torch.uint8, device=self.device))
+            self._buffers.append(None)
+        if self._buffers[index] is None or self._buffers[index].numel() != nbytes:
+            self._buffers[index] = None
+            self._buffers[index] = torch.zeros(nbytes, dtype=torch.uint8, device=self.device)
         return self._buffers[index]
 
-    async def _next_meta(self, group: hal.StoreGroup, step: int | None) -> dict[str, Any]:
+    async def _next_meta(self, group: hal.StoreGroup, step: int | None) -> WireMessage:
         """The next message's metadata (its broadcast was posted ahead by :meth:`_post_data`, else now);
         ``step``: the update it belongs to, if known (for error messages)."""
         pending, self._pending_meta = self._pending_meta, None
         await self._wait([pending or self._bcast(group, self._metas[0])],
                          "metadata broadcast of " + ("the next update" if step is None else f"step {step}"))
-        return decode_meta(self._metas[0])
+        return WireMessage.read(self._metas[0])
 
     def _placed(self, placement, name: str, dtype: torch.dtype, shape: list[int], nbytes: int) -> torch.Tensor | None:
         """The consumer's destination for one tensor, if it is one the engine can write into directly."""
         if placement is None or nbytes == 0:
             return None
-        dest = placement(name, dtype, shape)
+        dest = placement.target(name, dtype, torch.Size(shape))
         if (not isinstance(dest, torch.Tensor) or dest.dtype != dtype or list(dest.shape) != list(shape)
                 or not dest.is_contiguous() or dest.device != self.device or dest.data_ptr() % ALIGN):
             return None
         return dest
 
-    def _segment_target(self, placement, entries: list[list[Any]], offset: int, nbytes: int):
+    def _segment_target(self, placement, entries: list[TensorEntry], seg: Segment):
         """A flat ``uint8`` range of consumer memory that segment ``[offset, offset + nbytes)`` can be
         received into directly, with the placed tensors it fills; ``(None, None)`` if there is none.
 
@@ -500,12 +363,16 @@ class CollectiveCheckpointEngine(CheckpointEngine):
         offsets as in the bucket, the segment starts at its first tensor and ends at its last, and the gaps
         between tensors are alignment padding (< ALIGN bytes, so no other 64-byte aligned tensor is in them).
         """
-        inside = sorted((e for e in entries if offset <= e[3] < offset + nbytes and e[4] > 0), key=lambda e: e[3])
-        if placement is None or not inside or inside[0][3] != offset or inside[-1][3] + inside[-1][4] != offset + nbytes:
+        offset, nbytes = seg.offset, seg.nbytes
+        inside = sorted((e for e in entries if offset <= e.offset < offset + nbytes and e.nbytes > 0),
+                        key=lambda e: e.offset)
+        if (placement is None or not inside or inside[0].offset != offset
+                or inside[-1].offset + inside[-1].nbytes != offset + nbytes):
             return None, None
         placed, delta, storage, prev_end = {}, None, None, None
-        for name, dtype, shape, at, size in inside:
-            dest = self._placed(placement, name, dtype_from_name(dtype), shape, size)
+        for e in inside:
+            name, at, size = e.name, e.offset, e.nbytes
+            dest = self._placed(placement, name, e.torch_dtype, e.shape, size)
             if dest is None:
                 return None, None
             if storage is None:
@@ -522,75 +389,75 @@ class CollectiveCheckpointEngine(CheckpointEngine):
         target = torch.empty(0, dtype=torch.uint8, device=self.device).set_(storage, start, (nbytes,), (1,))
         return target, placed
 
-    def _post_data(self, group: hal.StoreGroup, meta: dict[str, Any], slot: int, placement, big: dict[str, Any]):
+    def _post_data(self, group: hal.StoreGroup, meta: WireMessage, slot: int, placement, big: dict[str, Any]):
         """Post the data broadcasts of one message and the next message's metadata broadcast.
 
         Returns ``(works, items)``: the pending broadcasts and the ``(name, tensor)`` pairs the message
         completes once they are done (views into a receive buffer, or the consumer's placed tensors).
         """
         works, items = [], []
-        chunk = meta.get("chunk")
+        chunk = meta.chunk
         if chunk is not None:
-            dtype = dtype_from_name(chunk["dtype"])
-            if chunk["start"] == 0 or "bytes" not in big:  # a tensor larger than a bucket: into its placement,
-                big.clear()                                     # else a reused buffer
-                dest = None if chunk["start"] else self._placed(placement, chunk["name"], dtype, chunk["shape"],
-                                                                chunk["nbytes"])
+            dtype = chunk.torch_dtype
+            if chunk.start == 0 or "bytes" not in big:  # a tensor larger than a bucket: into its placement,
+                big.clear()                                 # else a reused buffer
+                dest = None if chunk.start else self._placed(placement, chunk.name, dtype, chunk.shape, chunk.nbytes)
                 if dest is None:
-                    if self._large is None or self._large.numel() < chunk["nbytes"]:
+                    if self._large is None or self._large.numel() < chunk.nbytes:
                         self._large = None
-                        self._large = torch.empty(chunk["nbytes"], dtype=torch.uint8, device=self.device)
-                    dest = byte_view(self._large, 0, dtype, chunk["shape"])
+                        self._large = torch.empty(chunk.nbytes, dtype=torch.uint8, device=self.device)
+                    dest = byte_view(self._large, 0, dtype, chunk.shape)
                 big["tensor"], big["bytes"] = dest, as_bytes(dest)
-            target = big["bytes"][chunk["start"]:chunk["start"] + chunk["length"]]
-            works = [self._bcast(group, target[o:o + n]) for o, n in meta.get("segments", [])]
-            if chunk["start"] + chunk["length"] == chunk["nbytes"]:
-                items.append((chunk["name"], big.pop("tensor")))
+            target = big["bytes"][chunk.start:chunk.start + chunk.length]
+            works = [self._bcast(group, target[seg.offset:seg.offset + seg.nbytes]) for seg in meta.segments]
+            if chunk.last:
+                items.append((chunk.name, big.pop("tensor")))
                 big.clear()
-        elif "entries" in meta:
-            buffer, entries = None, meta["entries"]
+        elif meta.entries:
+            buffer = None
             views: dict[str, torch.Tensor] = {}
-            for o, n in meta.get("segments", []):
-                target, placed = self._segment_target(placement, entries, o, n)
+            for seg in meta.segments:
+                target, placed = self._segment_target(placement, meta.entries, seg)
                 if target is None:
-                    buffer = self._slot(slot) if buffer is None else buffer
-                    target = buffer[o:o + n]
+                    buffer = self._slot(slot, meta.bucket_size) if buffer is None else buffer
+                    target = buffer[seg.offset:seg.offset + seg.nbytes]
                 else:
                     views.update(placed)
                 works.append(self._bcast(group, target))
-            for name, dtype, shape, offset, _nbytes in entries:
-                if name not in views:
-                    buffer = self._slot(slot) if buffer is None else buffer
-                    views[name] = byte_view(buffer, offset, dtype_from_name(dtype), shape)
-                items.append((name, views[name]))
-        if not meta.get("end") and "abort" not in meta:
+            for e in meta.entries:
+                if e.name not in views:
+                    buffer = self._slot(slot, meta.bucket_size) if buffer is None else buffer
+                    views[e.name] = byte_view(buffer, e.offset, e.torch_dtype, e.shape)
+                items.append((e.name, views[e.name]))
+        if not meta.end and meta.abort is None:
             self._pending_meta = self._bcast(group, self._metas[0])
         return works, items
 
-    async def _finish(self, meta: dict[str, Any], works: list) -> None:
-        await self._wait(works, f"data broadcast of step {meta.get('step')}")
-        if "abort" in meta:
-            raise TransferAbortedError(f"the sender aborted step {meta.get('step')} (rank {self.rank} keeps nothing of "
-                                       f"it; the group stays usable): {meta['abort']}")
+    async def _finish(self, meta: WireMessage, works: list) -> None:
+        await self._wait(works, f"data broadcast of step {meta.step}")
+        if meta.abort is not None:
+            raise TransferAbortedError(f"the sender aborted step {meta.step} (rank {self.rank} keeps nothing of "
+                                       f"it; the group stays usable): {meta.abort}")
 
-    async def _drain(self, group: hal.StoreGroup, meta: dict[str, Any], works: list, slot: int = 0) -> None:
+    async def _drain(self, group: hal.StoreGroup, meta: WireMessage, works: list, slot: int = 0) -> None:
         """Receive and discard the rest of an update whose message ``meta`` is posted (``works``, into
         receive buffer ``slot``)."""
         big: dict[str, Any] = {}
         while True:
             await self._finish(meta, works)
-            if meta.get("end"):
+            if meta.end:
                 return
-            meta = await self._next_meta(group, meta.get("step"))
+            meta = await self._next_meta(group, meta.step)
             slot = 1 - slot
             works, _ = self._post_data(group, meta, slot, None, big)
 
-    def _uses_large(self, meta: dict[str, Any], placement) -> bool:
-        chunk = meta.get("chunk")
-        return chunk is not None and self._placed(placement, chunk["name"], dtype_from_name(chunk["dtype"]),
-                                                  chunk["shape"], chunk["nbytes"]) is None
+    def _uses_large(self, meta: WireMessage, placement) -> bool:
+        chunk = meta.chunk
+        return chunk is not None and self._placed(placement, chunk.name, chunk.torch_dtype, chunk.shape,
+                                                  chunk.nbytes) is None
 
-    async def receive_weights(self, global_steps: int | None = None, placement=None) -> AsyncIterator[NamedTensor]:
+    async def receive_weights(self, global_steps: int | None = None, *,
+                              placement: ReceivePlacement | None = None) -> AsyncIterator[NamedTensor]:
         """Yield the ``(name, tensor)`` pairs of the next update, in send order (see the class docstring for
         buffer ownership). With ``global_steps=N`` and another step on offer, the whole update is received
         and discarded (the group stays in step) and :class:`VersionMismatchError` is raised, before
@@ -601,8 +468,8 @@ class CollectiveCheckpointEngine(CheckpointEngine):
 
         Args:
             global_steps: the step asked for, or ``None`` for whatever is sent.
-            placement: optional ``placement(name, dtype, shape) -> torch.Tensor | None``, where the consumer
-                wants a tensor's bytes (e.g. its slot in a rollout's weight bank): a contiguous tensor on the
+            placement: optional :class:`ckpt.base.ReceivePlacement`, ``placement.target(name, dtype, shape)
+                -> torch.Tensor | None``: where the consumer wants a tensor's bytes (e.g. its slot in a rollout's weight bank): a contiguous tensor on the
                 engine's device, 64-byte aligned. Segments whose tensors all have placements in one storage
                 at the bucket's relative offsets, and tensors larger than a bucket, are received straight
                 into them (the broadcast writes there, padding between tensors included), and those very
@@ -615,33 +482,30 @@ class CollectiveCheckpointEngine(CheckpointEngine):
             weights iterator failed mid-update, in which case the group stays usable).
         """
         global_steps = check_global_steps(global_steps)
-        if self.rank is None or self.rank < 0:
-            raise CheckpointConfigError(f"receive_weights called on an engine outside any group (rank {self.rank}); "
-                                        "call init_process_group(...) with build_topology's entries first")
-        if self.is_sender:
-            raise CheckpointConfigError(f"receive_weights called on rank {self.rank}, the sending rank")
+        placement = as_placement(placement)
+        self._check_receiver()
         group = await self._ensure_ready()
         big: dict[str, Any] = {}
-        meta: dict[str, Any] | None = None
+        meta: WireMessage | None = None
         works: list = []
-        unposted: dict[str, Any] | None = None  # a message whose metadata is read but whose data is not posted
+        unposted: WireMessage | None = None  # a message whose metadata is read but whose data is not posted
         try:
             meta = await self._next_meta(group, global_steps)
             try:
-                check_step(global_steps, meta.get("step"), f"collective receive on rank {self.rank}")
+                check_step(global_steps, meta.step, f"collective receive on rank {self.rank}")
             except Exception:
                 await self._drain(group, meta, self._post_data(group, meta, 0, None, big)[0])
                 raise
-            self.received_global_steps = meta.get("step")
+            self.received_global_steps = meta.step
             slot = 0
             works, items = self._post_data(group, meta, slot, placement, big)
             while True:
                 await self._finish(meta, works)
                 works = []
-                if meta.get("end"):
+                if meta.end:
                     break
                 current = items
-                nxt = await self._next_meta(group, meta.get("step"))
+                nxt = await self._next_meta(group, meta.step)
                 conflict = bool(current) and self._uses_large(nxt, placement) and any(
                     self._large is not None and t.untyped_storage().data_ptr() == self._large.untyped_storage().data_ptr()
                     for _, t in current)
@@ -674,11 +538,3 @@ class CollectiveCheckpointEngine(CheckpointEngine):
 def _closed_key(generation: int) -> str:
     """The store key where the sender of group ``generation`` says that it closed its engine."""
     return f"ckpt-closed/{generation}"
-
-
-def _host_address() -> str:
-    """This host's address as its name resolves (what peers on other nodes dial), else ``127.0.0.1``."""
-    try:
-        return socket.gethostbyname(socket.gethostname())
-    except OSError:
-        return "127.0.0.1"

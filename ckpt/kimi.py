@@ -32,12 +32,12 @@ from typing import Any, AsyncIterator, Iterable
 import torch
 
 import hal
-from ckpt.base import NamedTensor, check_global_steps, check_step
+from ckpt.base import NamedTensor, ReceivePlacement, check_global_steps, check_step
 from ckpt.errors import (CheckpointConfigError, CheckpointEngineUnavailableError, TransferAbortedError,
                          TransferError, TransferTimeoutError)
 from ckpt.kimi_library import (CHECKED_VERSIONS, HOST_PROTOCOL, LOGS_ENV, ParameterServerAdapter, World,
                                library_problem, mooncake_protocol)
-from ckpt.p2p import DEFAULT_BUCKET_SIZE, TrainerToRolloutsEngine
+from ckpt.one_to_many import DEFAULT_BUCKET_SIZE, OneToManyEngine, host_address
 
 SPEC_FIELD = "kimi_checkpoint_engine"
 _MARK = "~hal/"  # names of the marker entries; every weight's name is "<8-digit ordinal>/<name>"
@@ -60,7 +60,7 @@ def _local_address_towards(addr: str) -> str:
             return addr
 
 
-class KimiCheckpointEngine(TrainerToRolloutsEngine):
+class KimiCheckpointEngine(OneToManyEngine):
     """Weights through Kimi's ``checkpoint-engine`` ``ParameterServer`` over Mooncake (see the module doc).
 
     Construction, standalone (hal's): ``rank`` (0: the trainer; 1..N: rollouts; -1: a trainer rank that does
@@ -95,9 +95,12 @@ class KimiCheckpointEngine(TrainerToRolloutsEngine):
 
     def __init__(self, bucket_size: int = DEFAULT_BUCKET_SIZE, is_master: bool = False, *, rank: int | None = None,
                  world_size: int | None = None, master_addr: str | None = None, master_port: int | None = None,
-                 device: str | None = None, timeout: float = hal.DEFAULT_TIMEOUT_S, host: str | None = None,
-                 **_ignored: Any) -> None:
-        super().__init__(bucket_size, is_master, rank, world_size, master_addr, master_port, device, timeout, host)
+                 store_addr: str | None = None, device: str | None = None, timeout: float = hal.DEFAULT_TIMEOUT_S,
+                 host: str | None = None, **extra: Any) -> None:
+        self._check_extra(extra, KimiCheckpointEngine.__init__, "__init__")
+        super().__init__(bucket_size=bucket_size, is_master=is_master, rank=rank, world_size=world_size,
+                         master_addr=master_addr, master_port=master_port, store_addr=store_addr, device=device,
+                         timeout=timeout, host=host)
         state = self.availability(device)
         if not state:
             raise CheckpointEngineUnavailableError(f"checkpoint engine 'kimi' is unavailable here: {state.reason}")
@@ -128,29 +131,36 @@ class KimiCheckpointEngine(TrainerToRolloutsEngine):
         return hal.Availability.unavailable(problem) if problem else hal.Availability.available()
 
     # ---- configuration and lifecycle ----------------------------------------------------------------
-    def _label(self, rank: int) -> str:
-        return (f"the trainer (rank 0 at {self.master_addr}:{self.master_port})" if rank == 0
-                else f"rollout rank {rank}")
+    min_bucket_size = 1024
+    min_world_size = 2
+    send_buffer_words = "the whole update, pinned in host memory"
 
-    def prepare(self) -> dict[str, Any]:
-        """On the trainer master: pick the rendezvous store's address; returns ``{"master_addr",
-        "master_port"}`` (``{}`` elsewhere). Idempotent."""
-        if not (self.rank == 0 or (self.rank is None and self.is_master)):
-            return {}
+    @classmethod
+    def send_buffer_bytes(cls, bucket_size: int, published_bytes: int) -> dict[str, int]:
+        """The trainer copies the whole update into pinned host memory (bytes)."""
+        return {"pinned_update_bytes": published_bytes}
+
+    def _host_rendezvous(self) -> None:
+        """On the trainer master: pick the rendezvous store's address (the store is made on first use)."""
         if self.master_addr is None:
-            self.master_addr = self.host or socket.gethostbyname(socket.gethostname())
+            self.master_addr = self.host or host_address()
         if self.master_port is None:
             self.master_port = hal.pick_port(self.master_addr)
-        return {"master_addr": self.master_addr, "master_port": self.master_port}
+
+    def _healthy(self) -> bool:
+        return self._ps is not None
+
+    def _enter(self, membership) -> None:
+        """A new place (rank, world size, store address or generation) gets a new store, engine and group."""
+        self.close()
+
+    def _leave(self) -> None:
+        self.close()
 
     def finalize(self) -> None:
         """Nothing to release per update: the store, Mooncake engine, group, the rollout's registered slots
         and the trainer's pinned pool stay for the next update while the place is unchanged (:meth:`close`
         releases them)."""
-
-    def _release(self) -> None:
-        """A new place (rank, world size or store address) gets a new store, engine and group."""
-        self.close()
 
     def close(self) -> None:
         """Release everything: the trainer's pinned pool, the rollout's slots, the group, the Mooncake engine,
@@ -162,6 +172,7 @@ class KimiCheckpointEngine(TrainerToRolloutsEngine):
         if self._group is not None:
             self._group.close()
         self._group = self._ps = self._world = None
+        self._joined = None
 
     def _release_buffers(self) -> None:
         if self._slots is not None and self._ps is not None:
@@ -175,6 +186,7 @@ class KimiCheckpointEngine(TrainerToRolloutsEngine):
         """Make the store, the parameter server and (rollouts) the rollout group; blocking, bounded."""
         if self._ps is not None:
             return
+        self._bind()
         if self.rank is None:
             raise CheckpointConfigError("send/receive before init_process_group: this engine has no rank")
         if self.master_addr is None or self.master_port is None:
@@ -193,6 +205,8 @@ class KimiCheckpointEngine(TrainerToRolloutsEngine):
             self._group = hal.new_group_from_store(store, self.rank - 1, self.world_size - 1, device=spec,
                                                    timeout=self.timeout, prefix="kimi-rollouts")
         self._ps = ps
+        if self._membership is not None:
+            self._joined_now(self._membership)
 
     async def _ready_async(self) -> None:
         try:
@@ -216,12 +230,11 @@ class KimiCheckpointEngine(TrainerToRolloutsEngine):
             Whatever ``weights`` raises: the rollouts are told first (:class:`TransferAbortedError`).
         """
         global_steps = check_global_steps(global_steps)
-        if self.rank == -1:  # a trainer rank that does not send (verl: every rank iterates its shard)
-            for _ in weights:
-                pass
+        if self._outside(weights):  # a trainer rank that does not send (verl: every rank iterates its shard)
             return
-        if self.rank is None or self.rank != 0:
-            raise CheckpointConfigError(f"send_weights called on rank {self.rank}; only rank 0 (the trainer) sends")
+        if self.rank is None:
+            raise CheckpointConfigError("send/receive before init_process_group: this engine has no rank")
+        self._check_sender()
         await self._ready_async()
         named: dict[str, torch.Tensor] = {}
         failure: BaseException | None = None
@@ -230,7 +243,10 @@ class KimiCheckpointEngine(TrainerToRolloutsEngine):
                 named[f"{i:08d}/{name}"] = tensor.detach().contiguous()
         except Exception as exc:  # noqa: BLE001 - told to the rollouts, then raised
             failure, named = exc, {}
-        named[f"{_MARK}step={global_steps}" + (f"/aborted={type(failure).__name__}: {failure}" if failure else "")] = \
+        # the marker carries the step and the trainer's bucket size: every rollout cuts the update into the
+        # same buckets (their broadcast inside the rollout group must agree), whatever each was built with
+        named[f"{_MARK}step={global_steps};bucket={self.bucket_size}"
+              + (f"/aborted={type(failure).__name__}: {failure}" if failure else "")] = \
             torch.zeros(1, dtype=torch.uint8)
         await asyncio.to_thread(self._publish, named, global_steps)
         if failure is not None:
@@ -239,6 +255,7 @@ class KimiCheckpointEngine(TrainerToRolloutsEngine):
     def _publish(self, named: dict[str, torch.Tensor], step: int | None) -> None:
         """Copy ``named`` into the library's shared pinned pool (reused while the sizes are unchanged, as
         ``register_checkpoint(use_shared_memory_pool=True)`` allows), gather the layouts, wait for the rollouts."""
+        self._bind()  # a worker thread (asyncio.to_thread): on this rank's device
         ps = self._ps
         layout = tuple(t.numel() * t.element_size() for t in named.values())  # in name order: ordinal, marker
         if self._pool_layout is not None:  # the previous update's registration: keep its pool if sizes match
@@ -257,8 +274,10 @@ class KimiCheckpointEngine(TrainerToRolloutsEngine):
                           f"step {step} on the trainer, waiting for the rollouts to pull it")
 
     # ---- rollouts -------------------------------------------------------------------------------------
-    async def receive_weights(self, global_steps: int | None = None) -> AsyncIterator[NamedTensor]:
+    async def receive_weights(self, global_steps: int | None = None, *,
+                              placement: ReceivePlacement | None = None) -> AsyncIterator[NamedTensor]:
         """Yield the ``(name, tensor)`` pairs of the next update in send order (views: see the class doc).
+        ``placement`` is not used: the library writes into this engine's registered slots.
 
         Raises:
             VersionMismatchError: ``global_steps`` given and another step on offer (before anything is yielded).
@@ -267,8 +286,7 @@ class KimiCheckpointEngine(TrainerToRolloutsEngine):
             CheckpointConfigError: called on the trainer.
         """
         asked = check_global_steps(global_steps)
-        if self.rank is None or self.rank < 1:
-            raise CheckpointConfigError(f"receive_weights called on rank {self.rank}; rollouts are ranks 1..N")
+        self._check_receiver()
         await self._ready_async()
         metas = await asyncio.to_thread(self._ps.gather_metas)
         step: Any = "unknown"
@@ -279,14 +297,15 @@ class KimiCheckpointEngine(TrainerToRolloutsEngine):
                 raise TransferError(f"rollout rank {self.rank}: the update on offer carries {len(marks)} step "
                                     f"markers, expected 1 (is every trainer rank but rank 0 at rank -1?)")
             head, _, aborted = marks[0][len(_MARK):].partition("/aborted=")
-            text = head.partition("=")[2]
-            step = None if text == "None" else int(text)
+            fields = dict(field.partition("=")[::2] for field in head.split(";"))
+            step = None if fields.get("step") == "None" else int(fields["step"])
+            bucket = int(fields.get("bucket", self.bucket_size))
             if aborted:
                 raise TransferAbortedError(f"step {step}: the trainer gave the update up ({aborted}); rollout rank "
                                            f"{self.rank} keeps its previous weights")
             check_step(asked, step, f"rollout rank {self.rank}")
             self.received_global_steps = step
-            async for item in self._pull(metas, step):
+            async for item in self._pull(metas, step, bucket):
                 yield item
         finally:
             try:
@@ -294,17 +313,20 @@ class KimiCheckpointEngine(TrainerToRolloutsEngine):
             except Exception:  # noqa: BLE001 - the store's host (the trainer) is gone: nobody waits for it
                 pass
 
-    async def _pull(self, metas: dict, step: int | None) -> AsyncIterator[NamedTensor]:
+    async def _pull(self, metas: dict, step: int | None, bucket: int) -> AsyncIterator[NamedTensor]:
+        """Pull and broadcast the update in buckets of the trainer's ``bucket`` bytes (at least the largest
+        tensor), so every rollout cuts the same buckets."""
         ps = self._ps
         largest = max(m.aligned_size for owner in metas.values() for b in owner.memory_buffer_metas_list
                       for m in b.metas)
-        size = max(self.bucket_size, largest)
+        size = max(bucket, largest)
         rollouts = list(range(1, self.world_size))
         buckets = ps.buckets(metas, size, rollouts)
         self._buffers(size)
         loop = asyncio.get_running_loop()
 
         def move(k: int) -> None:
+            self._bind()  # an executor thread: on this rank's device
             receiver, owner, bucket = buckets[k]
             slot = self._slots[(k % 2) * size:(k % 2) * size + bucket.size]
             if receiver == self.rank:

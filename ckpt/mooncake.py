@@ -11,6 +11,7 @@ through host memory over ``"tcp"``. Install: ``pip install mooncake-transfer-eng
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -21,6 +22,15 @@ from ckpt.p2p import P2PCheckpointEngine, Transport
 
 HOST_PROTOCOL = "tcp"
 """Mooncake's protocol for host memory, used when the device kind's memory cannot be moved in place."""
+
+
+@dataclasses.dataclass
+class MooncakeWrite:
+    """The batches of one write (``transfer_submit_write`` ids still running, oldest first) and its state:
+    0 running, 1 done, < 0 the failed batch's ``transfer_check_status``."""
+
+    batches: list[int]
+    state: int = 0
 
 
 class MooncakeTransport(Transport):
@@ -73,19 +83,19 @@ class MooncakeTransport(Transport):
                 raise TransferError(f"Mooncake transfer_submit_write of {n} bytes to {r['session']} failed "
                                     "(the peer is unreachable or the address is not registered)")
             batches.append(batch)
-        return [batches, 0]  # [batches still running, completed-or-failed state (0 running, 1 done, <0 error)]
+        return MooncakeWrite(batches)
 
-    def poll(self, handle: Any) -> bool:
-        while handle[0] and handle[1] == 0:
-            status = self.engine.transfer_check_status(handle[0][0])  # frees the batch once it is final
+    def poll(self, handle: MooncakeWrite) -> bool:
+        while handle.batches and handle.state == 0:
+            status = self.engine.transfer_check_status(handle.batches[0])  # frees the batch once it is final
             if status == 0:
                 return False
-            handle[0].pop(0)
+            handle.batches.pop(0)
             if status < 0:
-                handle[1] = status
-        if handle[1] < 0:
-            raise TransferError(f"Mooncake reports the write failed (transfer_check_status {handle[1]})")
-        handle[1] = 1
+                handle.state = status
+        if handle.state < 0:
+            raise TransferError(f"Mooncake reports the write failed (transfer_check_status {handle.state})")
+        handle.state = 1
         return True
 
 
@@ -103,6 +113,7 @@ class MooncakeCheckpointEngine(P2PCheckpointEngine):
         device_name: Mooncake's device filter (RDMA NIC names for ``"rdma"``; ``""``: let it choose).
     """
 
+    extra_keywords = ("device_name",)
     spec_field = "mooncake_protocol"
 
     def __init__(self, *args: Any, device_name: str = "", **kwargs: Any) -> None:

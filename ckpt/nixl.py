@@ -10,6 +10,7 @@ memory (``"DRAM"``). Install: ``pip install --no-deps nixl==1.5.1 nixl-cu12==1.5
 from __future__ import annotations
 
 import base64
+import dataclasses
 import logging
 import os
 import uuid
@@ -25,6 +26,15 @@ RDMA_SYSFS = "/sys/class/infiniband"
 """Where Linux lists RDMA devices; absent or empty on a machine without them."""
 HOST_MEMORY_TYPE = "DRAM"
 """NIXL's memory type of host memory, used when the device kind's memory cannot be registered."""
+
+
+@dataclasses.dataclass
+class NixlWrite:
+    """One WRITE in flight: NIXL's transfer handle (``None`` once released) and its final state
+    (``None`` while running, ``"DONE"`` or ``"ERR..."``)."""
+
+    handle: Any
+    state: str | None = None
 
 
 class NixlTransport(Transport):
@@ -91,20 +101,20 @@ class NixlTransport(Transport):
         if state == "ERR":
             self.agent.release_xfer_handle(handle)
             raise TransferError("NIXL transfer() returned ERR")
-        return [handle, None]  # [NIXL handle (None once released), final state]
+        return NixlWrite(handle)
 
-    def poll(self, handle: Any) -> bool:
-        if handle[1] is None:
+    def poll(self, handle: NixlWrite) -> bool:
+        if handle.state is None:
             try:
-                state = self.agent.check_xfer_state(handle[0])
+                state = self.agent.check_xfer_state(handle.handle)
             except Exception as exc:  # noqa: BLE001 - reported as the peer's failure
                 state = f"ERR ({type(exc).__name__}: {exc})"
             if state == "DONE" or state.startswith("ERR"):
-                self.agent.release_xfer_handle(handle[0])
-                handle[:] = [None, state]
-        if handle[1] is not None and handle[1] != "DONE":
-            raise TransferError(f"NIXL reports the WRITE in state {handle[1]}")
-        return handle[1] == "DONE"
+                self.agent.release_xfer_handle(handle.handle)
+                handle.handle, handle.state = None, state
+        if handle.state is not None and handle.state != "DONE":
+            raise TransferError(f"NIXL reports the WRITE in state {handle.state}")
+        return handle.state == "DONE"
 
 
     def close(self) -> None:
@@ -127,6 +137,7 @@ class NixlCheckpointEngine(P2PCheckpointEngine):
         backends: NIXL backends to instantiate (default ``("UCX",)``; UCX reads ``UCX_TLS`` etc.).
     """
 
+    extra_keywords = ("backends",)
     spec_field = "nixl_memory_type"
 
     def __init__(self, *args: Any, backends: tuple[str, ...] | list[str] = ("UCX",), **kwargs: Any) -> None:

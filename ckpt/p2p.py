@@ -35,14 +35,13 @@ from typing import Any, AsyncIterator, Iterable
 import torch
 
 import hal
-from ckpt.base import (CheckpointEngine, NamedTensor, check_direct_threshold, check_global_steps, check_seconds,
-                       check_step)
-from ckpt.bucket import byte_view, dtype_from_name, pack, plan_messages
+from ckpt.base import NamedTensor, ReceivePlacement, check_global_steps, check_step
+from ckpt.bucket import Message, byte_view, plan_messages
+from ckpt.wire import WireMessage, check_bucket_size
 from ckpt.errors import (CheckpointConfigError, TransferAbortedError, TransferError, TransferTimeoutError,
                          VersionMismatchError)
+from ckpt.one_to_many import DEFAULT_BUCKET_SIZE, OneToManyEngine, host_address
 
-DEFAULT_BUCKET_SIZE = 256 << 20
-"""Default bucket size in bytes (256 MiB)."""
 META_BUDGET = 1 << 20
 """Bytes of JSON metadata per bucket at most (a bucket of many small tensors closes early)."""
 _HEADER = struct.Struct("<Q")
@@ -178,6 +177,15 @@ class _Channel:
 
 
 @dataclasses.dataclass
+class Registered:
+    """A storage registered with the library for direct writes: its handle and how many in-flight messages
+    use it (it is deregistered when the last one completed)."""
+
+    handle: Any
+    users: int = 0
+
+
+@dataclasses.dataclass
 class _Peer:
     rank: int
     channel: _Channel
@@ -185,113 +193,7 @@ class _Peer:
     acked: int = 0  # of those, acknowledged
 
 
-def rank_topology(trainer_world_size: int, rollout_world_size: int,
-                  metadata: list[dict[str, Any]]) -> tuple[dict[str, list], dict[str, list]]:
-    """Per-rank ``init_process_group`` kwargs of a 1-trainer-to-N-rollouts engine: trainer rank 0 sends, the
-    other trainer ranks get ``rank=-1``, rollouts get ranks 1..N; everyone gets the master's address from
-    ``metadata[0]`` (``{"master_addr", "master_port"}``, the master's ``prepare()`` result).
-
-    Raises:
-        CheckpointConfigError: ``metadata[0]`` lacks the master's address (its ``prepare()`` did not run
-            with ``is_master=True``).
-    """
-    master = metadata[0] if metadata else {}
-    if not isinstance(master, dict) or "master_port" not in master:
-        raise CheckpointConfigError(f"metadata[0] must be the trainer master's prepare() result with "
-                                    f"master_addr/master_port, got {master!r}")
-    world = rollout_world_size + 1
-
-    def same(v, n):
-        return [v] * n
-    trainer = {"rank": [0] + [-1] * (trainer_world_size - 1), "world_size": same(world, trainer_world_size),
-               "master_addr": same(master["master_addr"], trainer_world_size),
-               "master_port": same(master["master_port"], trainer_world_size)}
-    rollout = {"rank": list(range(1, world)), "world_size": same(world, rollout_world_size),
-               "master_addr": same(master["master_addr"], rollout_world_size),
-               "master_port": same(master["master_port"], rollout_world_size)}
-    return trainer, rollout
-
-
-class TrainerToRolloutsEngine(CheckpointEngine):
-    """Base of the engines where trainer rank 0 sends to rollout ranks 1..N over connections it hosts (the
-    transfer-library engines here and ``kimi``): their common arguments and verl's placement calls.
-
-    Args:
-        bucket_size: bytes per bucket (an int >= 1024).
-        is_master: whether this is the trainer master verl's manager calls ``prepare()`` on.
-        rank: 0 the trainer, 1..N rollouts, -1 a trainer rank that does not send; with ``world_size`` (N + 1)
-            the place up front (standalone use), else set by :meth:`init_process_group`.
-        master_addr / master_port: where rank 0 is reached (its listener or rendezvous store).
-        device: kind name or ``None`` for hal's resolution.
-        timeout: seconds bounding every wait (> 0).
-        host: the address peers reach this process at (the engine's default when ``None``).
-
-    Raises:
-        CheckpointConfigError: ``bucket_size``, ``timeout``, ``rank`` or ``world_size`` out of range.
-    """
-
-    def __init__(self, bucket_size: int, is_master: bool, rank: int | None, world_size: int | None,
-                 master_addr: str | None, master_port: int | None, device: str | None, timeout: float,
-                 host: str | None) -> None:
-        if isinstance(bucket_size, bool) or not isinstance(bucket_size, int) or bucket_size < 1024:
-            raise CheckpointConfigError(f"bucket_size must be an int >= 1024 bytes, got {bucket_size!r}")
-        timeout = check_seconds(timeout)
-        self.bucket_size, self.is_master, self.timeout = bucket_size, bool(is_master), float(timeout)
-        self.device_kind, self.host = device, host
-        self.master_addr, self.master_port = master_addr, master_port
-        self.rank: int | None = None
-        self.world_size: int | None = None
-        if rank is not None or world_size is not None:
-            self._set_place(rank, world_size)
-
-    def _set_place(self, rank: int | None, world_size: int | None) -> None:
-        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 2:
-            raise CheckpointConfigError(f"world_size must be an int >= 2 (1 trainer + rollouts), got {world_size!r}")
-        if isinstance(rank, bool) or not isinstance(rank, int) or not -1 <= rank < world_size:
-            raise CheckpointConfigError(f"rank must be an int in [-1, {world_size}) (0: the trainer, -1: a trainer "
-                                        f"rank that does not send), got {rank!r}")
-        self.rank, self.world_size = rank, world_size
-
-    def _place(self) -> tuple:
-        return self.rank, self.world_size, self.master_addr, self.master_port
-
-    @classmethod
-    def build_topology(cls, trainer_world_size: int, rollout_world_size: int,
-                       metadata: list[dict[str, Any]]) -> tuple[dict[str, list], dict[str, list]]:
-        """Per-rank ``init_process_group`` kwargs, see :func:`rank_topology`."""
-        return rank_topology(trainer_world_size, rollout_world_size, metadata)
-
-    def init_process_group(self, rank: int | None = None, world_size: int | None = None,
-                           master_addr: str | None = None, master_port: int | None = None, **_ignored: Any) -> None:
-        """Set this rank's place (verl's manager passes what :meth:`build_topology` returned; standalone
-        engines already have it). Connections are made on the first send / receive, each bounded by
-        ``timeout``, so calling this on every rank in any order never blocks.
-
-        What an earlier update set up is kept when the place is the one it was set up for, and released
-        here (:meth:`_release`) when it changed (other rank, world size or trainer address: a new topology).
-
-        Raises:
-            CheckpointConfigError: no rank and world size, given here or at construction.
-        """
-        before = self._place()
-        if rank is not None or world_size is not None:
-            self._set_place(rank, world_size)
-        if master_addr is not None:
-            self.master_addr = master_addr
-        if master_port is not None:
-            self.master_port = int(master_port)
-        if self.rank is None:
-            raise CheckpointConfigError("init_process_group needs rank and world_size (from build_topology) "
-                                        "unless the engine was built with them")
-        if self._place() != before:
-            self._release()
-
-    @abc.abstractmethod
-    def _release(self) -> None:
-        """Release what was set up for the previous place (called when the place changes)."""
-
-
-class P2PCheckpointEngine(TrainerToRolloutsEngine):
+class P2PCheckpointEngine(OneToManyEngine):
     """Base of the transfer-library engines: bucketed one-sided writes, 1 trainer to N rollouts.
 
     Construction, standalone (hal's): ``rank`` (0: the trainer; 1..N: rollouts), ``world_size`` (N + 1) and
@@ -319,9 +221,12 @@ class P2PCheckpointEngine(TrainerToRolloutsEngine):
             from their own memory, without a copy into a slot (default ``bucket_size // 8``; 0 packs all; else an
             int >= 0, or :class:`CheckpointConfigError`).
 
-    Memory: the trainer holds two slots of ``bucket_size`` (bucket k+1 is packed while k is written), a
-    rollout two slots (the trainer writes k+1 while the consumer reads k) plus, when a tensor larger than a
-    bucket arrives, one buffer of that tensor's size (kept for the next one of the update).
+    Memory: the trainer holds three registered slots of ``bucket_size`` (each tensor is copied into bucket k's
+    slot when it is yielded while k-1 and k-2 may still be written; only tensors of a collection are
+    written from their own memory, see :func:`ckpt.bucket.plan_messages`), a rollout two slots (the trainer
+    writes k+1 while the consumer reads k) plus, when a tensor larger than a bucket arrives, one buffer of
+    that tensor's size (kept for the next one of the update). Both sides must be built with the same
+    ``bucket_size``: the trainer refuses a rollout whose slots are laid out for another, before any write.
 
     Ownership: ``send_weights`` returns once every rollout acknowledged every message (the caller may reuse
     or free its tensors). A tensor yielded by ``receive_weights`` is a view into an engine-owned slot,
@@ -337,18 +242,19 @@ class P2PCheckpointEngine(TrainerToRolloutsEngine):
     spec_field = ""
     """The device-spec field naming what the library does with the kind's memory (set by subclasses)."""
 
+    min_bucket_size = 1024
+    min_world_size = 2
+
     def __init__(self, bucket_size: int = DEFAULT_BUCKET_SIZE, is_master: bool = False, *, rank: int | None = None,
                  world_size: int | None = None, master_addr: str | None = None, master_port: int | None = None,
                  store_addr: str | None = None, device: str | None = None, timeout: float = hal.DEFAULT_TIMEOUT_S,
-                 host: str | None = None, direct_threshold: int | None = None, **_ignored: Any) -> None:
-        if store_addr is not None:
-            addr, sep, port = store_addr.rpartition(":")
-            if not sep or not port.isdigit():
-                raise CheckpointConfigError(f"store_addr must be 'host:port', got {store_addr!r}")
-            master_addr, master_port = addr, int(port)
-        super().__init__(bucket_size, is_master, rank, world_size, master_addr, master_port, device, timeout, host)
-        self.direct_threshold = check_direct_threshold(direct_threshold, bucket_size)
+                 host: str | None = None, direct_threshold: int | None = None, **extra: Any) -> None:
+        self._check_extra(extra, P2PCheckpointEngine.__init__, "__init__")
+        super().__init__(bucket_size=bucket_size, is_master=is_master, rank=rank, world_size=world_size,
+                         master_addr=master_addr, master_port=master_port, store_addr=store_addr, device=device,
+                         timeout=timeout, direct_threshold=direct_threshold, host=host)
         self._listener: socket.socket | None = None
+        self._sources: dict[tuple[int, int], Registered] = {}  # storages registered for direct writes
         self._peers: dict[int, _Peer] = {}
         self._channel: _Channel | None = None  # rollout: to the trainer
         self._transport: Transport | None = None
@@ -369,30 +275,19 @@ class P2PCheckpointEngine(TrainerToRolloutsEngine):
         spec value (memory type / protocol) when the buffers are on the device, else ``None`` (host)."""
 
     # ---- configuration ----------------------------------------------------------------------------
-    @property
-    def is_sender(self) -> bool:
-        return self.rank == 0 if self.rank is not None else self.is_master
-
-    def _label(self, rank: int) -> str:
-        return "the trainer (rank 0" + (f" at {self.master_addr}:{self.master_port})" if self.master_addr else ")") \
-            if rank == 0 else f"rollout rank {rank}"
-
     def _kind_value(self) -> str | None:
         spec = hal.resolve_device(self.device_kind)
         return getattr(spec, self.spec_field, None)
 
     # ---- lifecycle --------------------------------------------------------------------------------
-    def prepare(self) -> dict[str, Any]:
-        """On the trainer (rank 0, or ``is_master``): listen for the rollouts; returns
-        ``{"master_addr", "master_port"}``. Elsewhere returns ``{}``. Idempotent.
+    def _host_rendezvous(self) -> None:
+        """On the trainer: listen for the rollouts (once) at ``master_addr:master_port`` (a free port when unset).
 
         Raises:
             CheckpointConfigError: the trainer's address cannot be bound.
         """
-        if not self.is_sender:
-            return {}
         if self._listener is None:
-            addr = self.master_addr or self.host or socket.gethostbyname(socket.gethostname())
+            addr = self.master_addr or self.host or host_address()
             sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             try:
@@ -404,7 +299,15 @@ class P2PCheckpointEngine(TrainerToRolloutsEngine):
             sock.setblocking(False)
             self._listener = sock
             self.master_addr, self.master_port = addr, sock.getsockname()[1]
-        return {"master_addr": self.master_addr, "master_port": self.master_port}
+
+    def _healthy(self) -> bool:
+        return self._transport is not None
+
+    def _enter(self, membership) -> None:
+        self._release()
+
+    def _leave(self) -> None:
+        self._release()
 
     def finalize(self) -> None:
         """End of one update (verl calls it after every one): frees the per-update buffer of a tensor larger
@@ -428,6 +331,8 @@ class P2PCheckpointEngine(TrainerToRolloutsEngine):
             self._transport.close()
             self._transport = None
         self._region = self._large = None
+        self._sources = {}
+        self._joined = None
 
     def _drop_connections(self) -> None:
         for peer in self._peers.values():
@@ -443,12 +348,54 @@ class P2PCheckpointEngine(TrainerToRolloutsEngine):
         self._device = hal.bind_local_device(self.device_kind)  # this rank's device: its index, else LOCAL_RANK's
         in_place = self._kind_value()
         self._buffer_device = self._device if in_place is not None else torch.device("cpu")
-        self._region = torch.zeros(2 * self.bucket_size, dtype=torch.uint8, device=self._buffer_device)
+        slots = 3 if self.is_sender else 2  # the trainer's send slots, a rollout's receive slots
+        self._region = torch.zeros(slots * self.bucket_size, dtype=torch.uint8, device=self._buffer_device)
         self._transport = self.make_transport(host, in_place)
         self._region_info = self._transport.register(self._region)
+        if self._membership is not None:
+            self._joined_now(self._membership)
 
     def _slot(self, k: int) -> torch.Tensor:
+        """A rollout's receive slot ``k % 2`` (flat ``uint8`` of ``bucket_size``)."""
         return self._region[(k % 2) * self.bucket_size:(k % 2 + 1) * self.bucket_size]
+
+    def _send_slot(self, k: int) -> torch.Tensor:
+        """The trainer's send slot ``k % 3`` (flat ``uint8`` of ``bucket_size``, registered memory)."""
+        return self._region[(k % 3) * self.bucket_size:(k % 3 + 1) * self.bucket_size]
+
+    def _register_source(self, source: torch.Tensor, msg: Message, offset: int, nbytes: int) -> tuple[int, int]:
+        """Register the storage ``source`` lies in, once however many views of it an update sends (two
+        overlapping registrations of one memory range are refused by Mooncake); returns its key for
+        :meth:`_release_source`.
+
+        Raises:
+            TransferError: the library refused; the message names the tensors and the sizes.
+        """
+        storage = source.untyped_storage()
+        key = (storage.data_ptr(), storage.nbytes())
+        registered = self._sources.get(key)
+        if registered is None:
+            whole = torch.empty(0, dtype=torch.uint8, device=source.device).set_(storage, 0, (storage.nbytes(),), (1,))
+            try:
+                registered = Registered(self._transport.register_source(whole))
+            except TransferError as exc:
+                if msg.meta.chunk is not None:
+                    names = [msg.meta.chunk.name]
+                else:
+                    names = [e.name for e in msg.meta.entries if offset <= e.offset < offset + nbytes]
+                raise TransferError(f"{self._transport.library} refused to register the {storage.nbytes()}-byte "
+                                    f"storage (at {key[0]:#x}) holding {', '.join(map(repr, names))} ({nbytes} "
+                                    f"bytes of it to send at once): {exc}") from exc
+            self._sources[key] = registered
+        registered.users += 1
+        return key
+
+    def _release_source(self, key: tuple[int, int]) -> None:
+        registered = self._sources[key]
+        registered.users -= 1
+        if registered.users == 0:
+            del self._sources[key]
+            self._transport.release_source(registered.handle)
 
     def _sync(self) -> None:
         if self._buffer_device is not None and self._buffer_device.type != "cpu":
@@ -456,13 +403,14 @@ class P2PCheckpointEngine(TrainerToRolloutsEngine):
 
     # ---- trainer ----------------------------------------------------------------------------------
     async def _accept_all(self) -> list[_Peer]:
-        self.prepare()
+        self._host_rendezvous()
         self._setup_buffers(self.master_addr)
         want = set(range(1, self.world_size))
         if set(self._peers) == want:
             return [self._peers[r] for r in sorted(want)]
         loop = asyncio.get_running_loop()
         deadline = time.monotonic() + self.timeout
+        bucket_sizes: dict[int, Any] = {}
         while set(self._peers) != want:
             left = deadline - time.monotonic()
             try:
@@ -482,6 +430,7 @@ class P2PCheckpointEngine(TrainerToRolloutsEngine):
                     raise _PeerFailure(channel.label, f"said it is rank {rank!r}; expected one of {sorted(want)}")
                 channel.label = f"rollout rank {rank} (at {addr[0]}:{addr[1]})"
                 self._transport.add_peer(rank, hello["transport"])
+                bucket_sizes[rank] = hello.get("bucket_size")
             except _PeerFailure:
                 channel.close()  # a stray or broken connection: wait for the real one until the deadline
                 continue
@@ -489,6 +438,13 @@ class P2PCheckpointEngine(TrainerToRolloutsEngine):
             if old is not None:
                 old.channel.close()
             self._peers[rank] = _Peer(rank, channel)
+        wrong = {r: n for r, n in bucket_sizes.items() if n != self.bucket_size}
+        if wrong:  # the rollouts' slots are laid out for another bucket size: refuse before any byte moves
+            text = ", ".join(f"{self._label(r)} has bucket_size={n}" for r, n in sorted(wrong.items()))
+            reason = (f"bucket_size mismatch: the trainer (rank 0) lays updates out in buckets of {self.bucket_size} "
+                      f"bytes, {text}; build every side with the same bucket_size")
+            await self._abort_all(None, reason, fatal=True)  # each rollout refuses too (the record's bucket_size)
+            raise CheckpointConfigError(reason)
         return [self._peers[r] for r in sorted(want)]
 
     async def send_weights(self, weights: Iterable[NamedTensor], global_steps: int | None = None) -> None:
@@ -501,14 +457,9 @@ class P2PCheckpointEngine(TrainerToRolloutsEngine):
             Whatever ``weights`` raises: the rollouts are told (:class:`TransferAbortedError`) first.
         """
         global_steps = check_global_steps(global_steps)
-        if self.rank is None and not self.is_master:
-            raise CheckpointConfigError("send_weights before init_process_group: this engine has no rank")
-        if self.rank == -1:  # a trainer rank that does not send (verl: every rank iterates its shard)
-            for _ in weights:
-                pass
+        if self._outside(weights):  # a trainer rank that does not send (verl: every rank iterates its shard)
             return
-        if not self.is_sender:
-            raise CheckpointConfigError(f"send_weights called on rollout rank {self.rank}; only rank 0 sends")
+        self._check_sender()
         try:
             peers = await self._accept_all()
             await self._send(peers, weights, global_steps)
@@ -527,26 +478,25 @@ class P2PCheckpointEngine(TrainerToRolloutsEngine):
         pending: collections.deque = collections.deque()
         k = 0
         try:
+            # three local send slots in rotation: the planner copies message k's tensors into slot k % 3 once
+            # message k-1 was handed over, and by then message k-3 (which used it) has completed
             for msg in plan_messages(weights, step, self.bucket_size, META_BUDGET, self._buffer_device,
-                                     self.direct_threshold):
+                                     self.direct_threshold, buffer_for=self._send_slot):
                 if len(pending) == 2:  # slot k % 2 was message k-2's: its writes must be done first
                     await self._complete(peers, *pending.popleft())
-                slot, base = self._slot(k), (k % 2) * self.bucket_size
-                pack(msg, slot)
+                base = (k % 2) * self.bucket_size  # the rollouts' receive slot k % 2
                 pieces, sources = [], []
-                for (offset, nbytes), source in zip(msg.meta.get("segments", []), msg.sources):
+                for (offset, nbytes, data), source in zip(msg.segment_bytes(), msg.sources):
                     if nbytes == 0:
                         continue
-                    if source is None:  # packed into the slot
-                        pieces.append((slot.data_ptr() + offset, base + offset, nbytes))
-                    else:  # a run of tensors (or a chunk of one) written from its own storage, no copy
-                        sources.append(self._transport.register_source(source))
-                        pieces.append((source.data_ptr(), base + offset, nbytes))
+                    if source is not None:  # a run of tensors (or a chunk of one) written from its own storage
+                        sources.append(self._register_source(source, msg, offset, nbytes))
+                    pieces.append((data.data_ptr(), base + offset, nbytes))
                 self._sync()
                 while len(pending) >= self._transport.max_in_flight:
                     await self._complete(peers, *pending.popleft())
                 handles = []
-                pending.append((handles, dict(msg.meta, slot=k % 2), sources))
+                pending.append((handles, dataclasses.replace(msg.meta, slot=k % 2), sources))
                 if pieces:
                     for peer in peers:
                         await self._credit(peer, k - 1)  # the rollout is done with its slot k % 2
@@ -565,7 +515,8 @@ class P2PCheckpointEngine(TrainerToRolloutsEngine):
             while pending:
                 await self._complete(peers, *pending.popleft())
             for peer in peers:
-                await peer.channel.send({"step": step, "abort": f"{type(exc).__name__}: {exc}"[:2000]}, self.timeout)
+                await peer.channel.send(WireMessage(step, self.bucket_size,
+                                                    abort=f"{type(exc).__name__}: {exc}"[:2000]).to_dict(), self.timeout)
                 peer.sent += 1
             for peer in peers:
                 await self._credit(peer, peer.sent)
@@ -588,7 +539,7 @@ class P2PCheckpointEngine(TrainerToRolloutsEngine):
             raise _PeerFailure(peer.channel.label, f"the {self._transport.library} write to {peer.channel.label} "
                                                    f"could not start: {exc}") from exc
 
-    async def _complete(self, peers: list[_Peer], handles: list, record: dict[str, Any], sources: list) -> None:
+    async def _complete(self, peers: list[_Peer], handles: list, record: WireMessage, sources: list) -> None:
         """Wait for a message's writes, release the storage registered for them, then announce the message
         to every rollout."""
         try:
@@ -601,9 +552,10 @@ class P2PCheckpointEngine(TrainerToRolloutsEngine):
                                        isinstance(exc, TransferTimeoutError)) from exc
         finally:
             for source in sources:
-                self._transport.release_source(source)
+                self._release_source(source)
+        raw = record.to_dict()
         for peer in peers:
-            await peer.channel.send(record, self.timeout)
+            await peer.channel.send(raw, self.timeout)
             peer.sent += 1
 
     async def _credit(self, peer: _Peer, count: int) -> None:
@@ -620,7 +572,8 @@ class P2PCheckpointEngine(TrainerToRolloutsEngine):
         grace = min(self.timeout, 5.0)
         for peer in list(self._peers.values()):
             try:
-                await peer.channel.send({"step": step, "abort": reason[:2000], "fatal": fatal}, grace)
+                await peer.channel.send(WireMessage(step, self.bucket_size, abort=reason[:2000],
+                                                    fatal=fatal).to_dict(), grace)
                 # close gracefully: a close() with unread acknowledgements pending would reset the connection
                 # and could destroy the abort record before the rollout reads it
                 peer.channel.sock.shutdown(socket.SHUT_WR)
@@ -656,15 +609,18 @@ class P2PCheckpointEngine(TrainerToRolloutsEngine):
         channel = _Channel(sock, label)
         try:
             self._setup_buffers(self.host or sock.getsockname()[0])
-            await channel.send({"rank": self.rank, "transport": self._region_info}, self.timeout)
+            await channel.send({"rank": self.rank, "transport": self._region_info, "bucket_size": self.bucket_size},
+                               self.timeout)
         except BaseException:
             channel.close()
             raise
         self._channel = channel
         return channel
 
-    async def receive_weights(self, global_steps: int | None = None) -> AsyncIterator[NamedTensor]:
+    async def receive_weights(self, global_steps: int | None = None, *,
+                              placement: ReceivePlacement | None = None) -> AsyncIterator[NamedTensor]:
         """Yield the ``(name, tensor)`` pairs of the next update in send order (views: see the class doc).
+        ``placement`` is not used: the library writes into this engine's registered slots.
 
         With ``global_steps=N`` and another step on offer, the update is drained (acknowledged unread) and
         :class:`VersionMismatchError` raised before anything is yielded. A consumer that stops early
@@ -676,57 +632,58 @@ class P2PCheckpointEngine(TrainerToRolloutsEngine):
             stuck, named, within ``timeout``).
         """
         asked = check_global_steps(global_steps)
-        if self.rank is None:
-            raise CheckpointConfigError("receive_weights before init_process_group: this engine has no rank")
-        if self.is_sender or self.rank < 0:
-            raise CheckpointConfigError(f"receive_weights called on trainer rank {self.rank}")
+        self._check_receiver()
         k = 0
         done = False
         try:
             channel = await self._connect()
 
-            async def next_record() -> dict[str, Any]:
-                record = await channel.recv(self.timeout, f"the metadata of message {k} of the next update")
-                if "abort" in record:
+            async def next_record() -> WireMessage:
+                record = WireMessage.from_dict(
+                    await channel.recv(self.timeout, f"the metadata of message {k} of the next update"))
+                if record.bucket_size != self.bucket_size:  # its slots are laid out for another size
+                    self._drop_connections()
+                    check_bucket_size(record.bucket_size, self.bucket_size, f"rollout rank {self.rank}")
+                if record.abort is not None:
                     await channel.send({"ack": k}, self.timeout)
-                    if record.get("fatal"):
+                    if record.fatal:
                         self._drop_connections()
-                    raise TransferAbortedError(f"the trainer gave up step {record.get('step')} (rollout rank "
-                                               f"{self.rank} keeps nothing of it): {record['abort']}")
+                    raise TransferAbortedError(f"the trainer gave up step {record.step} (rollout rank "
+                                               f"{self.rank} keeps nothing of it): {record.abort}")
                 return record
 
             record = await next_record()
             try:
-                check_step(asked, record.get("step"), f"{type(self).__name__} receive on rollout rank {self.rank}")
+                check_step(asked, record.step, f"{type(self).__name__} receive on rollout rank {self.rank}")
             except VersionMismatchError:
-                while not record.get("end"):
+                while not record.end:
                     await channel.send({"ack": k}, self.timeout)
                     k += 1
                     record = await next_record()
                 await channel.send({"ack": k}, self.timeout)
                 done = True
                 raise
-            self.received_global_steps = record.get("step")
+            self.received_global_steps = record.step
             big: torch.Tensor | None = None
-            while not record.get("end"):
-                slot = self._slot(record["slot"])
-                chunk = record.get("chunk")
+            while not record.end:
+                slot = self._slot(record.slot)
+                chunk = record.chunk
                 if chunk is None:
-                    for name, dtype, shape, offset, _ in record["entries"]:
-                        yield name, byte_view(slot, offset, dtype_from_name(dtype), shape)
+                    for e in record.entries:
+                        yield e.name, byte_view(slot, e.offset, e.torch_dtype, e.shape)
                 else:
-                    if chunk["start"] == 0:
-                        if self._large is None or self._large.numel() < chunk["nbytes"]:
+                    if chunk.start == 0:
+                        if self._large is None or self._large.numel() < chunk.nbytes:
                             self._large = None
-                            self._large = torch.empty(chunk["nbytes"], dtype=torch.uint8, device=self._buffer_device)
-                        big = byte_view(self._large, 0, dtype_from_name(chunk["dtype"]), chunk["shape"])
-                    self._large[chunk["start"]:chunk["start"] + chunk["length"]].copy_(slot[:chunk["length"]])
-                    if chunk["start"] + chunk["length"] == chunk["nbytes"]:
+                            self._large = torch.empty(chunk.nbytes, dtype=torch.uint8, device=self._buffer_device)
+                        big = byte_view(self._large, 0, chunk.torch_dtype, chunk.shape)
+                    self._large[chunk.start:chunk.start + chunk.length].copy_(slot[:chunk.length])
+                    if chunk.last:
                         self._sync()
                         await channel.send({"ack": k}, self.timeout)
                         k += 1
                         record = await next_record()
-                        yield chunk["name"], big
+                        yield chunk.name, big
                         continue
                 self._sync()
                 await channel.send({"ack": k}, self.timeout)
@@ -737,11 +694,11 @@ class P2PCheckpointEngine(TrainerToRolloutsEngine):
         except GeneratorExit:  # the consumer stopped early: acknowledge the rest so the trainer finishes
             if not done and self._channel is not None:
                 try:
-                    while not record.get("end"):
+                    while not record.end:
                         await self._channel.send({"ack": k}, self.timeout)
                         k += 1
-                        record = await self._channel.recv(self.timeout, f"message {k}")
-                        if "abort" in record:
+                        record = WireMessage.from_dict(await self._channel.recv(self.timeout, f"message {k}"))
+                        if record.abort is not None:
                             break
                     await self._channel.send({"ack": k}, self.timeout)
                 except _PeerFailure:

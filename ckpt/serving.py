@@ -41,13 +41,14 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from typing import Any, AsyncIterator, Iterable, Iterator, Protocol, runtime_checkable
+from typing import Any, AsyncIterator, Iterable, Iterator
 
 import torch
 from torch import nn
 
-from ckpt.base import NamedTensor, check_global_steps
-from ckpt.bucket import ALIGN, align, byte_view
+from ckpt.base import NamedTensor, ReceivePlacement, check_global_steps
+from ckpt.bucket import byte_view
+from ckpt.layout import ALIGN, AlignedCursor, align
 from ckpt.errors import CheckpointConfigError, WeightMismatchError
 
 
@@ -62,17 +63,6 @@ class LayoutEntry:
     shape: tuple[int, ...]
     offset: int
     nbytes: int
-
-
-@runtime_checkable
-class ReceivePlacement(Protocol):
-    """Where a transport may write a received tensor straight into the consumer's memory.
-
-    Local stand-in for ``ckpt.base.ReceivePlacement`` (the shared interface engines take as
-    ``receive_weights(global_steps, placement=...)``); structurally the same protocol."""
-
-    def target(self, name: str, dtype: torch.dtype, shape: Any) -> torch.Tensor | None:
-        """A tensor of ``dtype``/``shape`` to write ``name`` into, or ``None`` (the transport keeps its own)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,16 +122,14 @@ class WeightLayout:
         pairs = named_weights(weights) if isinstance(weights, nn.Module) else weights
         self.entries: dict[str, LayoutEntry] = {}
         """``{name: LayoutEntry}`` in layout order."""
-        offset = 0
+        cursor = AlignedCursor()  # the planner ckpt.bucket lays out a bucket's packed tensors with
         for name, tensor in pairs:
             if name in self.entries:
                 raise CheckpointConfigError(f"tensor name {name!r} appears twice")
             dt = dtype if dtype is not None and tensor.is_floating_point() else tensor.dtype
             nbytes = tensor.numel() * dt.itemsize
-            offset = align(offset)
-            self.entries[name] = LayoutEntry(name, dt, tuple(tensor.shape), offset, nbytes)
-            offset += nbytes
-        self.nbytes = align(offset)
+            self.entries[name] = LayoutEntry(name, dt, tuple(tensor.shape), cursor.place(nbytes), nbytes)
+        self.nbytes = cursor.total
         """Bytes of one bank."""
 
     @classmethod
@@ -188,10 +176,12 @@ class WeightLayout:
         entry = self.entries[name]
         return byte_view(bank, entry.offset, entry.dtype, entry.shape)
 
-    def views(self, bank: torch.Tensor) -> Iterator[NamedTensor]:
-        """``(name, view into bank)`` for every tensor, in layout order: contiguous, back to back."""
-        for name in self.entries:
-            yield name, self.view(bank, name)
+    def views(self, bank: torch.Tensor) -> list[NamedTensor]:
+        """``(name, view into bank)`` for every tensor, in layout order: contiguous, back to back.
+
+        A list (every view exists at once), so an engine may send runs of them straight from the bank
+        (:func:`ckpt.bucket.plan_messages` copies the tensors of any other iterable as they are yielded)."""
+        return [(name, self.view(bank, name)) for name in self.entries]
 
     def fill(self, bank: torch.Tensor, weights: Any) -> None:
         """Copy (and cast) ``weights`` (pairs or a module) into ``bank``.
@@ -229,8 +219,7 @@ class StagingPlacement:
     """The :class:`ReceivePlacement` a :class:`ModelRolloutAdapter` offers its transport: the staging bank.
 
     ``target(name, dtype, shape)`` is the tensor's view in the bank the running update lands in, or ``None``
-    (see :meth:`ModelRolloutAdapter.update_weights`). Calling the object, ``placement(name, dtype, shape)``,
-    is the earlier callback form and gives the same.
+    (see :meth:`ModelRolloutAdapter.update_weights`).
     """
 
     def __init__(self, adapter: "ModelRolloutAdapter") -> None:
@@ -244,8 +233,6 @@ class StagingPlacement:
         transport receives then, e.g. while the rest of a failed update is drained, goes to its own buffers,
         never into the weights)."""
         return self._adapter._staging_target(name, dtype, shape)
-
-    __call__ = target
 
 
 class ModelRolloutAdapter:

@@ -7,6 +7,7 @@ import torch
 
 import ckpt
 from ckpt.bucket import plan_messages
+from ckpt.wire import Segment, WireMessage
 from ckpt.testing import compare, sample_weights, transfer
 from hal.testing import free_port
 
@@ -31,12 +32,12 @@ def _flat_views():
 
 def test_adjacent_views_are_sent_from_their_storage_as_one_segment():
     weights, flat = _flat_views()
-    msgs = list(plan_messages(iter(weights[:5]), 1, 1 << 20, 64 << 10, torch.device("cpu"), direct_threshold=16))
+    msgs = list(plan_messages(weights[:5], 1, 1 << 20, 64 << 10, torch.device("cpu"), direct_threshold=16))
     bucket, end = msgs
-    assert end.meta == {"step": 1, "end": True}
-    assert bucket.meta["segments"] == [[bucket.meta["entries"][0][3], 144]]  # 0..144: five tensors, one range
-    assert bucket.sources[0].data_ptr() == flat.data_ptr() and bucket.packed == []  # zero copy
-    offsets = [e[3] for e in bucket.meta["entries"]]
+    assert end.meta == WireMessage(step=1, bucket_size=1 << 20, end=True)
+    assert bucket.meta.segments == [Segment(bucket.meta.entries[0].offset, 144)]  # 0..144: five tensors, one range
+    assert bucket.sources[0].data_ptr() == flat.data_ptr() and bucket.buffer is None  # zero copy
+    offsets = [e.offset for e in bucket.meta.entries]
     assert [o - offsets[0] for o in offsets] == [0, 40, 64, 120, 126]  # same relative layout as the sender
 
 
@@ -168,3 +169,69 @@ def test_the_sender_may_reuse_its_tensors_only_because_send_weights_waits(hal_de
     else:
         with pytest.raises((ckpt.TransferTimeoutError, ContractFailure)):
             asyncio.run(check)
+
+
+class _Bank:
+    """A ReceivePlacement: every tensor has a home in one flat bank, laid out as the rollout lays it out."""
+
+    def __init__(self, weights):
+        self.layout = ckpt.WeightLayout(weights)
+        self.bank = self.layout.allocate("cpu")
+        self.asked = []
+
+    def target(self, name, dtype, shape):
+        self.asked.append((name, dtype, tuple(shape)))
+        return self.layout.view(self.bank, name)
+
+
+def test_receive_writes_into_a_receive_placements_targets():
+    weights = [(f"w{i}", torch.full((64,), float(i))) for i in range(4)]
+    flat = torch.cat([t for _, t in weights])  # the sender publishes them back to back: one run
+    published = [(n, flat[64 * i:64 * (i + 1)]) for i, (n, _) in enumerate(weights)]
+    sender, receiver = _pair(1 << 16, direct_threshold=64)
+    placement = _Bank(weights)
+
+    async def run():
+        got = await asyncio.gather(sender.send_weights(published, 1),
+                                   _collect(receiver.receive_weights(1, placement=placement)))
+        return got[1]
+    try:
+        got = asyncio.run(run())
+    finally:
+        sender.close()
+        receiver.close()
+    assert [n for n, _ in got] == [n for n, _ in weights]
+    for name, tensor in got:
+        home = placement.layout.view(placement.bank, name)
+        assert tensor.data_ptr() == home.data_ptr()  # the very target was written and yielded
+    assert [placement.layout.view(placement.bank, n)[0].item() for n, _ in weights] == [0.0, 1.0, 2.0, 3.0]
+    assert ("w0", torch.float32, (64,)) in placement.asked
+
+
+async def _collect(stream):
+    return [(n, t.clone() if t.untyped_storage().nbytes() > t.nbytes * 4 else t) async for n, t in stream]
+
+
+def test_send_buffer_facts_are_on_the_engine_classes():
+    from ckpt.base import CheckpointEngine
+    from ckpt.collective import CollectiveCheckpointEngine
+
+    assert CheckpointEngine.send_buffer_bytes(1 << 20, 5 << 20) == {} and CheckpointEngine.send_buffer_words == ""
+    assert CollectiveCheckpointEngine.send_buffer_bytes(1 << 20, 5 << 20) == {"buckets_bytes": 3 << 20}
+    for name, expected in (("nixl", {"buckets_bytes": 3 << 20}), ("mooncake", {"buckets_bytes": 3 << 20}),
+                           ("kimi", {"pinned_update_bytes": 5 << 20})):
+        try:
+            cls = ckpt.checkpoint_engine_factory(name)
+        except ckpt.CheckpointEngineError:
+            continue
+        assert cls.send_buffer_bytes(1 << 20, 5 << 20) == expected, name
+        assert cls.send_buffer_words, name
+
+
+def test_the_bank_layout_and_a_buckets_packed_layout_agree():
+    """One planner: a bucket packs tensors at the offsets a WeightLayout gives them."""
+    weights = [("a", torch.zeros(3)), ("b", torch.zeros(5, dtype=torch.bfloat16)), ("c", torch.zeros(100))]
+    layout = ckpt.WeightLayout(weights)
+    (bucket, _end) = list(plan_messages(weights, 1, 1 << 16, 64 << 10, torch.device("cpu"), direct_threshold=0))
+    assert {e.name: e.offset for e in bucket.meta.entries} == {n: s.offset for n, s in layout.slots.items()}
+    assert [s.offset for s in layout.slots.values()] == [0, 64, 128]

