@@ -6,7 +6,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from hal.apps.cli import models
+from hal.apps.weightsync import models
 
 pytest.importorskip("transformers")
 
