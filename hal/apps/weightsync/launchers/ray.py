@@ -117,12 +117,14 @@ class RayGroup:
         return found
 
     async def replace(self, index: int) -> None:
-        """Kill actor ``index`` (it may be dead already) and start a new one in its bundle."""
+        """Kill actor ``index`` (it may be dead already) and start a new one in its bundle, with the default
+        server adapter."""
         try:
             self.ray.kill(self.actors[index], no_restart=True)
         except Exception:  # noqa: BLE001 - it is already dead
             pass
-        self.actors[index] = self.start_actor(index, self.adapters.get(index))
+        self.adapters.pop(index, None)
+        self.actors[index] = self.start_actor(index)
         self.whereabouts[index] = await self.submit(index, "where")
 
     def close(self) -> None:
