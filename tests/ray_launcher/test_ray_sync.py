@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from tests.ray_launcher._adapters import DiesMidUpdate
+from tests.ray_launcher.rollout_adapters import DiesMidUpdate
 from tests.ray_launcher.conftest import ray
 
 from ckpt.manager import UpdateError

@@ -62,7 +62,6 @@ class Received:
     peak_device_bytes: int | None = None
     memory: dict[str, Any] | None = None
     memory_bound_bytes: int | None = None
-    banks: list[int] | None = None
     node_ip: str | None = None
     device_id: str | None = None
 

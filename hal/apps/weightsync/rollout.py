@@ -76,7 +76,6 @@ class Rollout(Worker):
             out.memory = memory.rollout_memory_bounds(out.peak_host_bytes, held.model_bytes, held.banks,
                                                       self.options.bucket_bytes)
             out.memory_bound_bytes = out.memory["judged_by"]["bound_bytes"]
-            out.banks = [b.data_ptr() for b in self.adapter.banks]
         return out
 
     def check(self, global_steps: int, reference: Reference) -> Checked:
@@ -89,7 +88,8 @@ class Rollout(Worker):
 
     def raw_buffer(self):
         """The adapter's staging area, the update's size (a raw broadcast lands there; the weights in service
-        stay as they are)."""
+        stay as they are). The raw reference is the only reader of an adapter's buffers outside ``ckpt``:
+        a buffer of its own would stay resident and count in every later peak."""
         return self.adapter.staging[:memory.adapter_memory(self.adapter).bank_bytes]
 
 
