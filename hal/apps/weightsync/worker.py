@@ -8,7 +8,6 @@ import inspect
 import os
 from typing import Any
 
-import hal
 from ckpt.manager import LIFECYCLE_METHODS
 from hal.apps.weightsync.options import JobOptions
 

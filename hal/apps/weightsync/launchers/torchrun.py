@@ -96,10 +96,24 @@ class TorchrunGroup:
             raise RemoteCallError(reply.error)
         return reply.value
 
-    def stop(self) -> None:
-        """Tell every serving rank to return."""
+    def stop(self, wait: bool) -> None:
+        """Tell every serving rank to return; ``wait``: until each said it does (at most the timeout), so this
+        rank, which hosts the store, does not end while a serving rank still reads from it.
+
+        Raises:
+            TimeoutError: ``wait`` and a serving rank did not answer within the timeout.
+        """
+        keys = []
         for index in range(1, 1 + self.rollout_world_size):
-            self.store.set(f"call/{index}/{self.seq[index]}", pickle.dumps(Call("stop")))
+            seq = self.seq[index]
+            self.seq[index] += 1
+            self.store.set(f"call/{index}/{seq}", pickle.dumps(Call("stop")))
+            keys.append(f"reply/{index}/{seq}")
+        deadline = time.monotonic() + self.timeout
+        while wait and not self.store.check(keys):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the serving ranks did not stop within {self.timeout:g} s")
+            time.sleep(POLL_S)
 
     def describe(self, index: int) -> str:
         return f"{describe_worker(index, None)} (rank {index})"
@@ -132,6 +146,7 @@ def serve(worker: Any, store: Any, rank: int, timeout: float) -> None:
                                                   f"({type(exc).__name__}: {exc})") from exc
             store.delete_key(key)
             if call.method == "stop":
+                store.set(f"reply/{rank}/{seq}", pickle.dumps(Reply(True)))
                 return
             try:
                 reply = Reply(True, loop.run_until_complete(worker.invoke(call.method, *call.args, **call.kwargs)))
@@ -155,8 +170,10 @@ def rank_main(options: JobOptions, ctl_port: int, hooks: Sequence[StepHook]) -> 
     group = TorchrunGroup(Trainer(options, engine), store, world_size, options.timeout)
     try:
         result = asyncio.run(run(options, group, hooks))
-    finally:
-        group.stop()
+    except BaseException:
+        group.stop(wait=False)
+        raise
+    group.stop(wait=True)
     return dataclasses.asdict(result)
 
 
