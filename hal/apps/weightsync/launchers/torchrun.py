@@ -140,10 +140,11 @@ def serve(worker: Any, store: Any, rank: int, timeout: float) -> None:
         while True:
             key = f"call/{rank}/{seq}"
             try:
-                call = pickle.loads(store.get(key))  # blocks at most the store's timeout
+                message = store.get(key)  # blocks at most the store's timeout
             except Exception as exc:  # noqa: BLE001 - torch raises its own store errors; say which wait
                 raise hal.DistributedTimeoutError(f"rank {rank}: no call from rank 0 within {timeout:g} s "
                                                   f"({type(exc).__name__}: {exc})") from exc
+            call = pickle.loads(message)
             store.delete_key(key)
             if call.method == "stop":
                 store.set(f"reply/{rank}/{seq}", pickle.dumps(Reply(True)))
