@@ -160,6 +160,7 @@ def execute(args: Sync) -> dict[str, Any]:
 
 
 def print_table(result: dict[str, Any]) -> None:
+    """Print :func:`execute`'s result as a rich table (a row per step), its mismatches and the verdict."""
     from rich.console import Console
     from rich.table import Table
 
@@ -202,6 +203,7 @@ def print_table(result: dict[str, Any]) -> None:
 
 
 def run(args: Sync) -> int:
+    """``hal sync``: run the job, print the table (or ``--json``); exit status 0 when every step verified, else 1."""
     result = execute(args)
     if args.json:
         print(json.dumps(result, indent=2))
