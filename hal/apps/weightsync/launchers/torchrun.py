@@ -28,6 +28,8 @@ from hal.apps.weightsync.worker import describe_worker, make_engine
 LOOPBACK = "127.0.0.1"
 POLL_S = 0.002
 """Seconds between two looks for a reply (replies carry their own timestamps: polling does not skew figures)."""
+REPLY_MARGIN_S = 30.0
+"""Seconds a reply may take beyond the timeout (a call that waits out the engine's timeout still answers)."""
 
 
 @dataclasses.dataclass
@@ -59,7 +61,7 @@ class TorchrunGroup:
         local: this rank's worker (the trainer).
         store: a TCPStore every rank is connected to.
         world_size: the number of ranks.
-        timeout: seconds any reply may take.
+        timeout: the job's timeout; a reply may take ``timeout + REPLY_MARGIN_S`` seconds.
     """
 
     def __init__(self, local: Any, store: Any, world_size: int, timeout: float) -> None:
@@ -82,13 +84,14 @@ class TorchrunGroup:
 
         Raises:
             RemoteCallError: the call raised there.
-            TimeoutError: no reply within the timeout.
+            TimeoutError: no reply within ``timeout + REPLY_MARGIN_S`` seconds.
         """
         key = f"reply/{index}/{seq}"
-        deadline = time.monotonic() + self.timeout
+        limit = self.timeout + REPLY_MARGIN_S
+        deadline = time.monotonic() + limit
         while not self.store.check([key]):
             if time.monotonic() > deadline:
-                raise TimeoutError(f"{method} on rank {index}: no reply within {self.timeout:g} s")
+                raise TimeoutError(f"{method} on rank {index}: no reply within {limit:g} s")
             await asyncio.sleep(POLL_S)
         reply = pickle.loads(self.store.get(key))
         self.store.delete_key(key)
