@@ -9,7 +9,7 @@ import torch
 
 import ckpt
 from ckpt.testing import same_bytes
-from hal.apps.cli import models
+from hal.apps.weightsync import models
 from hal.testing import free_port
 
 pytest.importorskip("transformers")

@@ -16,7 +16,6 @@ import hal
 from engines import OffloadError, TorchEngine, pin_memory_supported
 from tests.engines.models import host_copy, loss_for, make_model
 
-VALID_FLAGS = [f for f in itertools.product([True, False], repeat=3) if not (f[2] and not f[0])]
 ALL_FLAGS = list(itertools.product([True, False], repeat=3))
 STEPS = 3
 

@@ -9,8 +9,9 @@ import pytest
 
 from tests.ray_launcher.conftest import connect_driver, disconnect_driver, ray
 
-from hal.apps.cli.sync import Sync
-from hal.apps.cli.sync_ray import RaySync
+from hal.apps.cli.sync import Sync, job_options
+from hal.apps.weightsync.launchers.ray import RayJob
+from hal.apps.weightsync.raw import RawReference
 from hal.ray import LocalCluster
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(400)]
@@ -46,8 +47,8 @@ def two_nodes():
 def test_rollouts_on_the_second_node_receive_byte_exact_with_global_steps(two_nodes):
     nodes = {n["NodeManagerAddress"]: n["Resources"].get("NPU_SIM") for n in ray.nodes() if n["Alive"]}
     assert nodes[WORKER_IP] == 2 and len(nodes) == 2
-    args = Sync(device="npu-sim", model="qwen2.5-tiny", rollouts=2, steps=2, timeout=60)
-    with RaySync(args, rollout_node=WORKER_IP) as run:
+    options = job_options(Sync(device="npu-sim", model="qwen2.5-tiny", rollouts=2, steps=2, timeout=60))
+    with RayJob(options, [RawReference()], rollout_node=WORKER_IP) as run:
         trainer, *rollouts = run.bindings
         assert trainer.node_ip != WORKER_IP and {b.node_ip for b in rollouts} == {WORKER_IP}
         assert sorted(b.device_id for b in rollouts) == ["1", "2"] and trainer.device_id == "0"

@@ -1,4 +1,4 @@
-"""hal sync's models: transformers' Qwen2 presets, and safetensors checkpoints with the index rules."""
+"""The weight-sync job's models: transformers' Qwen2 presets, and safetensors checkpoints with the index rules."""
 
 import json
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from hal.apps.cli import models
+from hal.apps.weightsync import models
 
 pytest.importorskip("transformers")
 
@@ -83,13 +83,16 @@ def test_a_preset_matches_in_any_letter_case_unless_a_path_of_that_name_exists(t
 
 def test_hal_sync_runs_and_reports_the_preset_by_its_key(monkeypatch):
     from hal.apps.cli import sync
+    from hal.apps.weightsync import launchers
+    from hal.apps.weightsync.loop import JobResult
 
     seen = []
 
-    async def colocated(args):
-        seen.append(args.model)
-        return {"rows": []}
+    def launch(options, hooks):
+        seen.append((options.model, options.engine, hooks))
+        return JobResult({}, [])
 
-    monkeypatch.setattr(sync, "_colocated", colocated)
+    monkeypatch.setattr(launchers, "launch", launch)
     result = sync.execute(sync.Sync(device="cpu", model="Qwen2.5-Tiny", engine="colocated", steps=1))
-    assert seen == ["qwen2.5-tiny"] and result["model"] == "qwen2.5-tiny"
+    assert seen == [("qwen2.5-tiny", "colocated", [])] and result["model"] == "qwen2.5-tiny"
+    assert result["verified"] is False  # no row for its one step

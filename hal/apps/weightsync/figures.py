@@ -1,0 +1,61 @@
+"""The figures of a weight-sync step's row and of the whole run, from measured times, bytes and peaks."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Sequence
+
+from hal.apps.weightsync.messages import Checked, Concluded, Received, Sent, Trained, rollout_row
+
+
+def publish_seconds(sent: Sent, received: Sequence[Received]) -> float:
+    """Seconds from when the trainer and every rollout were in the update (the latest of the send's start and
+    every receive's start: launchers deliver the calls at different moments) until the last rollout applied it."""
+    begun = max(sent.t0, *(r.started_at for r in received))
+    return max(r.applied_at for r in received) - begun
+
+
+def throughput(nbytes: int, publish_s: float) -> dict[str, Any]:
+    """``{"publish_s", "bytes", "gbps"}``: ``nbytes`` published in ``publish_s`` seconds (GB/s, 10^9 bytes)."""
+    return {"publish_s": publish_s, "bytes": nbytes, "gbps": nbytes / publish_s / 1e9}
+
+
+def raw_figures(nbytes: int, publish_s: float, raw_s_each: Sequence[float] | None) -> dict[str, Any]:
+    """The step against a raw broadcast of the same bytes: ``raw_s`` (the mean of ``raw_s_each``, seconds),
+    ``raw_s_each``, ``raw_gbps`` and ``ratio_vs_raw`` (``raw_s / publish_s``: above 1, faster than raw).
+    Without a raw reference (``None`` or empty): ``raw_s``, ``raw_gbps`` and ``ratio_vs_raw`` are ``None``."""
+    if not raw_s_each:
+        return {"raw_s": None, "raw_gbps": None, "ratio_vs_raw": None}
+    raw_s = sum(raw_s_each) / len(raw_s_each)
+    return {"raw_s": raw_s, "raw_s_each": list(raw_s_each), "raw_gbps": nbytes / raw_s / 1e9,
+            "ratio_vs_raw": raw_s / publish_s}
+
+
+def step_row(trained: Trained, sent: Sent, received: Sequence[Received], checked: Sequence[Checked],
+             concluded: Concluded, nbytes: int, tensors: int, tokens: list[int] | None) -> dict[str, Any]:
+    """One step's row of ``--json`` (without the raw reference, which its add-on adds: :func:`raw_figures`).
+
+    Args:
+        nbytes, tensors: the bytes and tensors published.
+        tokens: the trainer's decode (``None``: not a preset).
+    """
+    publish_s = publish_seconds(sent, received)
+    row = {**dataclasses.asdict(trained), "send_s": sent.send_s, **throughput(nbytes, publish_s),
+           "tensors": tensors, **raw_figures(nbytes, publish_s, None),
+           "rollouts": [rollout_row(r, c) for r, c in zip(received, checked)], **dataclasses.asdict(concluded)}
+    row["memory_bound_bytes"] = concluded.memory["bound_bytes"]
+    if tokens is not None:
+        row["tokens"] = tokens
+    return row
+
+
+def summary(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Over every step: the smallest ratio to the raw broadcast (``None`` without one), and whether every
+    rank's peak stayed within the bound it is judged by (``None`` where no step reported one)."""
+    ratios = [row["ratio_vs_raw"] for row in rows if row.get("ratio_vs_raw") is not None]
+    judged = [row["memory"]["within"] for row in rows if "memory" in row]
+    judged += [r["memory"]["judged_by"]["within"] for row in rows for r in row["rollouts"] if r.get("memory")]
+    return {"ratio_vs_raw_min": min(ratios) if ratios else None, "memory_within": all(judged) if judged else None}
+
+
+__all__ = ["publish_seconds", "raw_figures", "step_row", "summary", "throughput"]

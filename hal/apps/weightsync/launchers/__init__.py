@@ -1,0 +1,33 @@
+"""Launchers of the weight-sync job: each starts the workers and carries the job's calls to them
+(:class:`ckpt.manager.WorkerGroup`); the step loop (:func:`hal.apps.weightsync.loop.run`) is the same.
+
+* :mod:`~hal.apps.weightsync.launchers.torchrun`: one process per worker on this machine (the default);
+* :mod:`~hal.apps.weightsync.launchers.colocated`: every worker in this process (the colocated engine);
+* :mod:`~hal.apps.weightsync.launchers.ray`: Ray actors placed by the kind's Ray resource.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from hal.apps.weightsync.loop import JobResult, StepHook
+from hal.apps.weightsync.options import JobOptions
+
+
+def launch(options: JobOptions, hooks: Sequence[StepHook] = ()) -> JobResult:
+    """Run the job with the launcher ``options`` asks for: Ray (``launcher="ray"``), in this process (the
+    colocated engine), else torchrun; ``hooks`` run around each publish."""
+    if options.launcher == "ray":
+        from hal.apps.weightsync.launchers import ray
+
+        return ray.launch(options, hooks)
+    if options.colocated:
+        from hal.apps.weightsync.launchers import colocated
+
+        return colocated.launch(options, hooks)
+    from hal.apps.weightsync.launchers import torchrun
+
+    return torchrun.launch(options, hooks)
+
+
+__all__ = ["launch"]

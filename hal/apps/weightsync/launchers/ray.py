@@ -1,0 +1,236 @@
+"""The Ray launcher: the trainer and the rollouts as Ray actors, placed by the kind's Ray resource.
+
+One trainer actor and ``options.rollouts`` rollout actors, each in its own bundle of one placement group
+(:func:`hal.ray.place_workers`), each binding the device Ray assigned to it (:func:`hal.ray.bind_assigned_device`)
+and hosting its role (:class:`RayWorker`). The step loop runs in the driver over :class:`RayGroup`; a worker
+Ray reports dead fails the call at once, naming it (role, rank, node, device); :meth:`RayJob.replace_rollout`
+starts a new actor in a dead one's bundle for the next update.
+
+Without ``options.address`` a one-node cluster is started for the run (:class:`hal.ray.LocalCluster`,
+declaring one device of the kind per worker), and stopped at the end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from typing import Any, Sequence
+
+from hal import ray as hal_ray
+from hal.apps.weightsync.loop import START_MARGIN_S, Job, JobResult, StepHook
+from hal.apps.weightsync.options import JobOptions
+from hal.apps.weightsync.rollout import Rollout
+from hal.apps.weightsync.trainer import Trainer
+from hal.apps.weightsync.worker import Where, describe_worker, make_engine
+
+
+class RayWorker:
+    """An actor hosting worker ``index`` (0: the trainer, else rollout rank ``index``) on the device Ray
+    assigned it.
+
+    Args:
+        options: the job's options.
+        adapter_cls: a rollout's server adapter class (``cls(module, atomic=...)``; default
+            :class:`ckpt.ModelRolloutAdapter`).
+    """
+
+    def __init__(self, options: JobOptions, index: int, adapter_cls: Any = None) -> None:
+        self.binding = hal_ray.bind_assigned_device(options.device)  # the driver resolved the kind
+        b = self.binding
+        where = Where(index, b.node_ip, b.pid, options.device, b.resource or "CPU", b.device_id)
+        engine = make_engine(options, index, b.node_ip)
+        self.worker = Trainer(options, engine, where) if index == 0 else \
+            Rollout(options, engine, index, adapter_cls, where)
+
+    def device_binding(self) -> hal_ray.DeviceBinding:
+        """The device this actor bound (node, Ray's ids, visible devices, local index)."""
+        return self.binding
+
+    async def invoke(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """The worker's :meth:`~hal.apps.weightsync.worker.Worker.invoke`."""
+        return await self.worker.invoke(method, *args, **kwargs)
+
+
+def died(ray: Any, error: BaseException) -> bool:
+    """Whether ``error`` says the actor is gone for good (not a task error, not a transient unavailability)."""
+    unavailable = getattr(ray.exceptions, "ActorUnavailableError", ())
+    return isinstance(error, ray.exceptions.RayActorError) and not isinstance(error, unavailable)
+
+
+class RayGroup:
+    """A :class:`ckpt.manager.WorkerGroup` of :class:`RayWorker` actors in one placement group.
+
+    Args:
+        options: the job's options (``device`` a resolved kind).
+        strategy: placement strategy of the bundles (``PACK``, ``SPREAD``, ...).
+        trainer_node, rollout_node: node IPs the trainer / the rollouts must run on (``None``: anywhere).
+        adapters: ``{rollout rank: adapter class}`` for rollouts whose server adapter is not
+            :class:`ckpt.ModelRolloutAdapter`.
+
+    Needs a connected Ray driver (``ray.init``). :meth:`close` kills the actors and frees the placement group.
+    """
+
+    def __init__(self, options: JobOptions, strategy: hal_ray.Strategy = "PACK", trainer_node: str | None = None,
+                 rollout_node: str | None = None, adapters: dict[int, Any] | None = None) -> None:
+        self.ray = hal_ray.require_ray()
+        self.options, self.adapters = options, dict(adapters or {})
+        self.trainer_world_size, self.rollout_world_size = 1, options.rollouts
+        self.whereabouts: list[Where | None] = [None] * (1 + options.rollouts)
+        self.placement = hal_ray.place_workers(options.device, options.rollouts, strategy=strategy,
+                                               trainer_node=trainer_node, rollout_node=rollout_node,
+                                               timeout=min(options.timeout, 120.0))
+        self.actors = [self.start_actor(i, self.adapters.get(i)) for i in range(1 + options.rollouts)]
+
+    def start_actor(self, index: int, adapter_cls: Any = None) -> Any:
+        actor_cls = self.ray.remote(RayWorker)
+        return actor_cls.options(**self.placement.options(index), max_restarts=0,
+                                 max_concurrency=4).remote(self.options, index, adapter_cls)
+
+    def submit(self, index: int, method: str, *args: Any, **kwargs: Any) -> asyncio.Future:
+        return asyncio.wrap_future(self.actors[index].invoke.remote(method, *args, **kwargs).future())
+
+    def describe(self, index: int) -> str:
+        return describe_worker(index, self.whereabouts[index])
+
+    def is_dead(self, error: BaseException) -> bool:
+        return died(self.ray, error)
+
+    def explain(self, error: BaseException) -> str:
+        ray = self.ray
+        if isinstance(error, ray.exceptions.RayTaskError):
+            cause = error.cause if getattr(error, "cause", None) is not None else error
+            return f"{type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''}"
+        if isinstance(error, ray.exceptions.RayActorError):
+            return f"the actor died ({type(error).__name__})"
+        return f"{type(error).__name__}: {error}"
+
+    def bindings(self) -> list[hal_ray.DeviceBinding]:
+        """Every actor's device binding (trainer first), checked to be distinct devices.
+
+        Raises:
+            hal.ray.RayLaunchError: two workers bound one device.
+        """
+        found = self.ray.get([a.device_binding.remote() for a in self.actors],
+                             timeout=self.options.timeout + START_MARGIN_S)
+        hal_ray.check_distinct_devices(found)
+        return found
+
+    async def replace(self, index: int) -> None:
+        """Kill actor ``index`` (it may be dead already) and start a new one in its bundle, with the default
+        server adapter."""
+        try:
+            self.ray.kill(self.actors[index], no_restart=True)
+        except Exception:  # noqa: BLE001 - it is already dead
+            pass
+        self.adapters.pop(index, None)
+        self.actors[index] = self.start_actor(index)
+        self.whereabouts[index] = await self.submit(index, "where")
+
+    def close(self) -> None:
+        """Kill the actors and release the placement group."""
+        for actor in self.actors:
+            try:
+                self.ray.kill(actor, no_restart=True)
+            except Exception:  # noqa: BLE001 - already dead
+                pass
+        self.placement.remove()
+
+
+class RayJob:
+    """The job over Ray actors, step by step from synchronous code (tests, the driver): every method runs
+    the job's coroutine on one event loop kept for the job's life.
+
+    Args: ``options`` and ``placement`` as :class:`RayGroup`'s; ``hooks``: run around each publish.
+    """
+
+    def __init__(self, options: JobOptions, hooks: Sequence[StepHook] = (), **placement: Any) -> None:
+        begin = time.perf_counter()
+        self.loop = asyncio.new_event_loop()
+        self.group = RayGroup(options, **placement)
+        try:
+            self.job = Job(options, self.group, hooks)
+            self.group.whereabouts = self.sync(self.job.start())
+            self.bindings = self.group.bindings()
+        except BaseException:
+            self.close()
+            raise
+        self.start_seconds = time.perf_counter() - begin
+
+    def sync(self, coroutine: Any) -> Any:
+        return self.loop.run_until_complete(coroutine)
+
+    @property
+    def checksums(self) -> dict[int, dict[str, str]]:
+        return self.job.checksums
+
+    def warmup(self) -> dict[str, Any]:
+        return self.sync(self.job.warmup())
+
+    def step(self, global_steps: int) -> dict[str, Any]:
+        return self.sync(self.job.step(global_steps))
+
+    def call(self, index: int, method: str, *args: Any) -> Any:
+        """``method`` on worker ``index`` under the job's fault policy; returns its result."""
+        return self.sync(self.job.manager.call([index], method, [args]))[0]
+
+    def replace_rollout(self, index: int) -> hal_ray.DeviceBinding:
+        """Start a new rollout actor of rank ``index`` in its bundle (after the old one died or was killed)."""
+        self.sync(self.job.replace_rollout(index))
+        self.bindings = self.group.bindings()
+        return self.bindings[index]
+
+    def close(self) -> None:
+        """Kill the actors, release the placement group, close the event loop."""
+        if hasattr(self, "group"):
+            self.group.close()
+        self.loop.close()
+
+    def __enter__(self) -> "RayJob":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def connect(options: JobOptions) -> tuple[Any, hal_ray.LocalCluster | None]:
+    """Connect to ``options.address`` (``auto`` or ``HOST:PORT``), or start a one-node cluster for the run.
+
+    Returns:
+        ``(ray context, the cluster started here or None)``.
+    """
+    ray = hal_ray.require_ray()
+    if options.address:
+        return ray.init(address=options.address, log_to_driver=False), None
+    resource = hal_ray.resource_name(options.device)
+    workers = 1 + options.rollouts
+    cluster = hal_ray.LocalCluster(num_cpus=workers, resources={resource: workers} if resource else {})
+    cluster.start()
+    try:
+        return cluster.connect(), cluster
+    except BaseException:
+        cluster.stop()
+        raise
+
+
+def launch(options: JobOptions, hooks: Sequence[StepHook] = ()) -> JobResult:
+    """Run the job with Ray actors (``hooks`` around each publish); the result's ``extra`` has the workers' bindings (``"workers"``) and the
+    cluster/actor start-up seconds (``"startup"``)."""
+    ray = hal_ray.require_ray()
+    begin = time.perf_counter()
+    _, cluster = connect(options)
+    try:
+        cluster_s = time.perf_counter() - begin
+        with RayJob(options, hooks, strategy=options.placement) as job:
+            result = job.sync(job.job.run_steps())
+            workers = [dataclasses.asdict(b) for b in job.bindings]
+            actors_s = job.start_seconds
+    finally:
+        ray.shutdown()
+        if cluster is not None:
+            cluster.stop()
+    result.extra = {"workers": workers, "startup": {"cluster_s": cluster_s if cluster else 0.0, "actors_s": actors_s}}
+    return result
+
+
+__all__ = ["RayGroup", "RayJob", "RayWorker", "connect", "died", "launch"]

@@ -1,0 +1,212 @@
+"""The torchrun launcher: one process per worker, started by torch.distributed's elastic launcher (the
+library behind ``torchrun``) on this machine, one device each.
+
+Rank 0 runs the step loop and the trainer; every other rank runs :func:`serve`, executing the typed calls
+rank 0 sends it over a ``torch.distributed`` TCPStore (a pickled :class:`Call` under ``call/{rank}/{seq}``,
+its :class:`Reply` under ``reply/{rank}/{seq}``). Every wait is bounded by the job's timeout; a rank that
+raises is named in the error of the call, and a rank that dies takes the run down with it (the elastic
+agent stops the others), reported by role and cause.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+import pickle
+import time
+import uuid
+from typing import Any, Sequence
+
+import hal
+from hal.apps.weightsync.loop import JobResult, StepHook, run
+from hal.apps.weightsync.options import JobOptions
+from hal.apps.weightsync.rollout import Rollout
+from hal.apps.weightsync.trainer import Trainer
+from hal.apps.weightsync.worker import describe_worker, make_engine
+
+LOOPBACK = "127.0.0.1"
+POLL_S = 0.002
+"""Seconds between two looks for a reply (replies carry their own timestamps: polling does not skew figures)."""
+REPLY_MARGIN_S = 30.0
+"""Seconds a reply may take beyond the timeout (a call that waits out the engine's timeout still answers)."""
+
+
+@dataclasses.dataclass
+class Call:
+    """One call rank 0 sends a serving rank: ``method(*args, **kwargs)`` on its worker (``"stop"``: end)."""
+
+    method: str
+    args: tuple = ()
+    kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass
+class Reply:
+    """A serving rank's answer: the result, or its failure as ``"ExceptionType: message"``."""
+
+    ok: bool
+    value: Any = None
+    error: str | None = None
+
+
+class RemoteCallError(hal.HalError, RuntimeError):
+    """A call on a serving rank raised; the message is its ``"ExceptionType: message"``."""
+
+
+class TorchrunGroup:
+    """A :class:`ckpt.manager.WorkerGroup` on rank 0: worker 0 here, workers 1..R the serving ranks.
+
+    Args:
+        local: this rank's worker (the trainer).
+        store: a TCPStore every rank is connected to.
+        world_size: the number of ranks.
+        timeout: the job's timeout; a reply may take ``timeout + REPLY_MARGIN_S`` seconds.
+    """
+
+    def __init__(self, local: Any, store: Any, world_size: int, timeout: float) -> None:
+        self.local, self.store, self.timeout = local, store, timeout
+        self.trainer_world_size, self.rollout_world_size = 1, world_size - 1
+        self.seq = [0] * world_size
+
+    def submit(self, index: int, method: str, *args: Any, **kwargs: Any):
+        """Start ``method`` on worker ``index``: posted to a serving rank now (so every rank of a collective
+        phase is asked before rank 0's own part blocks), awaited by the returned coroutine."""
+        if index == 0:
+            return self.local.invoke(method, *args, **kwargs)
+        seq = self.seq[index]
+        self.seq[index] += 1
+        self.store.set(f"call/{index}/{seq}", pickle.dumps(Call(method, args, kwargs)))
+        return self.reply(index, seq, method)
+
+    async def reply(self, index: int, seq: int, method: str) -> Any:
+        """The reply to call ``seq`` of rank ``index``.
+
+        Raises:
+            RemoteCallError: the call raised there.
+            TimeoutError: no reply within ``timeout + REPLY_MARGIN_S`` seconds.
+        """
+        key = f"reply/{index}/{seq}"
+        limit = self.timeout + REPLY_MARGIN_S
+        deadline = time.monotonic() + limit
+        while not self.store.check([key]):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{method} on rank {index}: no reply within {limit:g} s")
+            await asyncio.sleep(POLL_S)
+        reply = pickle.loads(self.store.get(key))
+        self.store.delete_key(key)
+        if not reply.ok:
+            raise RemoteCallError(reply.error)
+        return reply.value
+
+    def stop(self, wait: bool) -> None:
+        """Tell every serving rank to return; ``wait``: until each said it does (at most the timeout), so this
+        rank, which hosts the store, does not end while a serving rank still reads from it.
+
+        Raises:
+            TimeoutError: ``wait`` and a serving rank did not answer within the timeout.
+        """
+        keys = []
+        for index in range(1, 1 + self.rollout_world_size):
+            seq = self.seq[index]
+            self.seq[index] += 1
+            self.store.set(f"call/{index}/{seq}", pickle.dumps(Call("stop")))
+            keys.append(f"reply/{index}/{seq}")
+        deadline = time.monotonic() + self.timeout
+        while wait and not self.store.check(keys):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the serving ranks did not stop within {self.timeout:g} s")
+            time.sleep(POLL_S)
+
+    def describe(self, index: int) -> str:
+        return f"{describe_worker(index, None)} (rank {index})"
+
+    def is_dead(self, error: BaseException) -> bool:
+        return False  # a dead rank ends the run through the elastic agent, which names it
+
+    def explain(self, error: BaseException) -> str:
+        return str(error) if isinstance(error, RemoteCallError) else f"{type(error).__name__}: {error}"
+
+    async def replace(self, index: int) -> None:
+        raise NotImplementedError("the torchrun launcher does not restart a rank (max_restarts=0)")
+
+
+def serve(worker: Any, store: Any, rank: int, timeout: float) -> None:
+    """A serving rank's loop: run each call rank 0 sends, in order, until ``"stop"``.
+
+    Raises:
+        hal.DistributedTimeoutError: no call came within ``timeout`` seconds (rank 0 is gone or stuck).
+    """
+    loop = asyncio.new_event_loop()
+    seq = 0
+    try:
+        while True:
+            key = f"call/{rank}/{seq}"
+            try:
+                message = store.get(key)  # blocks at most the store's timeout
+            except Exception as exc:  # noqa: BLE001 - torch raises its own store errors; say which wait
+                raise hal.DistributedTimeoutError(f"rank {rank}: no call from rank 0 within {timeout:g} s "
+                                                  f"({type(exc).__name__}: {exc})") from exc
+            call = pickle.loads(message)
+            store.delete_key(key)
+            if call.method == "stop":
+                store.set(f"reply/{rank}/{seq}", pickle.dumps(Reply(True)))
+                return
+            try:
+                reply = Reply(True, loop.run_until_complete(worker.invoke(call.method, *call.args, **call.kwargs)))
+            except Exception as exc:  # noqa: BLE001 - every failure goes back to rank 0, which names this rank
+                reply = Reply(False, error=f"{type(exc).__name__}: {exc}")
+            store.set(f"reply/{rank}/{seq}", pickle.dumps(reply))
+            seq += 1
+    finally:
+        loop.close()
+
+
+def rank_main(options: JobOptions, ctl_port: int, hooks: Sequence[StepHook]) -> dict[str, Any] | None:
+    """One process: rank 0 runs the job (with ``hooks``) and returns its result (as a dict); the others serve."""
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    hal.bind_local_device(options.device)  # one device per rank: LOCAL_RANK's
+    store = hal.connect_store(LOOPBACK, ctl_port, rank, world_size, timeout=options.timeout)
+    engine = make_engine(options, rank, LOOPBACK)
+    if rank != 0:
+        serve(Rollout(options, engine, rank), store, rank, options.timeout)
+        return None
+    group = TorchrunGroup(Trainer(options, engine), store, world_size, options.timeout)
+    try:
+        result = asyncio.run(run(options, group, hooks))
+    except BaseException:
+        group.stop(wait=False)
+        raise
+    group.stop(wait=True)
+    return dataclasses.asdict(result)
+
+
+def role(rank: int) -> str:
+    """What a global rank is: rank 0 trains, the rest serve."""
+    return "trainer (rank 0)" if rank == 0 else f"rollout {rank} (rank {rank})"
+
+
+def launch(options: JobOptions, hooks: Sequence[StepHook] = ()) -> JobResult:
+    """Run the job with one process per worker; ``hooks`` (pickled to rank 0) run around each publish.
+
+    Raises:
+        hal.apps.cli.errors.WorkerFailedError: a rank failed; names it (role) and how (exception, signal, exit code).
+    """
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    from hal.apps.cli.errors import worker_failed
+    from hal.distributed import pick_port
+
+    os.environ[hal.ENV_VAR] = options.device
+    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=1 + options.rollouts,
+                          run_id=f"hal-sync-{uuid.uuid4().hex[:8]}", rdzv_backend="c10d",
+                          rdzv_endpoint=f"{LOOPBACK}:0", max_restarts=0, monitor_interval=0.1, start_method="spawn")
+    try:
+        per_rank = elastic_launch(config, rank_main)(options, pick_port(), list(hooks))
+    except ChildFailedError as exc:
+        raise worker_failed(exc, role, "hal sync") from None
+    return JobResult(**per_rank[0])
+
+
+__all__ = ["Call", "RemoteCallError", "Reply", "TorchrunGroup", "launch", "rank_main", "role", "serve"]

@@ -1,0 +1,222 @@
+"""The weight-sync job's one step loop, the same under every launcher.
+
+Each step: the trainer trains, offloads and casts (``train``); the update runs as verl's manager runs it
+(:class:`ckpt.manager.CheckpointEngineManager`: prepare, build_topology, init_process_group, the trainer's send
+and every rollout's receive concurrently, finalize); the trainer computes its reference (``reference``:
+checksums and its own bf16 model's decode) and every rollout checks what it serves against it (``check``);
+the trainer onloads and judges its peak (``conclude``). A step's row is :func:`~hal.apps.weightsync.figures.step_row`'s.
+Step 0, untimed, loads the trainer's initial weights into the rollouts (as an RL job syncs its rollouts
+before their first generation), so one-time costs are paid before step 1 is timed.
+
+Hooks (:class:`StepHook`) add a measurement around each publish (the raw-broadcast reference of ``hal sync``
+is one: :class:`hal.apps.weightsync.raw.RawReference`). A failed call raises :class:`ckpt.manager.UpdateError`
+naming the worker; the trainer then drops its published buffer and onloads, and the next step starts clean
+(the calls still running are settled first).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+from typing import Any, Protocol, Sequence
+
+from ckpt.manager import CheckpointEngineManager, UpdateError, WorkerGroup
+from hal.apps.weightsync.figures import publish_seconds, step_row, summary
+from hal.apps.weightsync.options import JobOptions
+
+START_MARGIN_S = 150.0
+"""Seconds a worker may take to start (import torch and transformers, build its model) besides the timeout."""
+
+
+class StepHook(Protocol):
+    """A measurement the job runs around each publish, on its workers (through ``job.manager``)."""
+
+    async def before_publish(self, job: "Job", global_steps: int) -> None:
+        """Just before the update of ``global_steps`` (after the trainer staged it); not for step 0."""
+
+    async def after_publish(self, job: "Job", global_steps: int) -> None:
+        """After every rollout verified ``global_steps`` (step 0: after the rollouts applied it)."""
+
+    def figures(self, global_steps: int, nbytes: int, publish_s: float) -> dict[str, Any]:
+        """The fields this hook adds to the row of ``global_steps`` (0: to the warmup's)."""
+
+    def members_changed(self, index: int) -> None:
+        """Worker ``index`` was replaced by a new one."""
+
+
+@dataclasses.dataclass
+class JobResult:
+    """What a run produced: the warmup (step 0: ``publish_s``, ``errors``, ``wall_s``, hooks' fields), a row
+    per step (:func:`~hal.apps.weightsync.figures.step_row`), and what the launcher adds (``extra``)."""
+
+    warmup: dict[str, Any]
+    rows: list[dict[str, Any]]
+    extra: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    @property
+    def errors(self) -> list[str]:
+        """One sentence per rollout that failed a step (step 0 included)."""
+        errors = [f"step 0 (initial weights): {e}" for e in self.warmup.get("errors", [])]
+        return errors + [f"step {row['global_steps']}, rollout rank {r['rank']}: {r['error']}"
+                         for row in self.rows for r in row["rollouts"] if r["error"]]
+
+    def report(self, steps: int) -> dict[str, Any]:
+        """The ``--json`` fields of the run: ``warmup``, the launcher's, :func:`summary`'s, ``rows``,
+        ``verified`` (no error and ``steps`` rows) and ``errors``."""
+        return {"warmup": self.warmup, **self.extra, **summary(self.rows), "rows": self.rows,
+                "verified": not self.errors and len(self.rows) == steps, "errors": self.errors}
+
+
+def engine_class(options: JobOptions) -> Any:
+    """The class of ``options.engine`` (its ``build_topology`` runs where the loop runs)."""
+    import ckpt
+
+    return ckpt.checkpoint_engine_factory(options.engine)
+
+
+class Job:
+    """The job over a launcher's ``group`` (worker 0 the trainer, 1..R the rollouts); see the module docstring.
+
+    Args:
+        options: the job's options.
+        group: the workers (:class:`ckpt.manager.WorkerGroup`).
+        hooks: measurements around each publish.
+    """
+
+    def __init__(self, options: JobOptions, group: WorkerGroup, hooks: Sequence[StepHook] = ()) -> None:
+        self.options, self.group, self.hooks = options, group, list(hooks)
+        self.manager = CheckpointEngineManager(engine_class(options), group, options.timeout)
+        self.checksums: dict[int, dict[str, str]] = {}
+        """``{global_steps: {name: checksum}}`` of the last step every rollout verified."""
+        self.shape: tuple[int, int] = (0, 0)
+        self.abandon_pending = False
+
+    @property
+    def everyone(self) -> list[int]:
+        return list(range(self.manager.world_size))
+
+    async def start(self) -> list[Any]:
+        """Wait until every worker is up; returns where each runs (``Worker.where``)."""
+        where = await self.manager.call(self.everyone, "where", what="start",
+                                        limit=self.options.timeout + START_MARGIN_S)
+        [self.shape] = await self.manager.call([0], "published_shape")
+        return where
+
+    async def settle(self) -> None:
+        """Settle what a failed step left running; then, if that step could not yet, the trainer onloads."""
+        await self.manager.settle_leftovers()
+        if self.abandon_pending:
+            self.abandon_pending = False
+            await self.manager.call([0], "abandon", what="onload")
+
+    async def abandon(self) -> None:
+        """After a failed step: the trainer drops its published buffer and onloads, now or once its own call
+        of the failed phase ended (:meth:`settle`)."""
+        if 0 in self.manager.unsettled:
+            self.abandon_pending = True
+            return
+        with contextlib.suppress(UpdateError):  # the trainer itself failed: the step's error says so
+            await self.manager.call([0], "abandon", what="onload")
+
+    async def warmup(self) -> dict[str, Any]:
+        """Step 0, untimed: returns ``{"publish_s", "errors": [one sentence per rollout that failed], "wall_s"}``
+        and the hooks' fields."""
+        start = time.perf_counter()
+        await self.settle()
+        await self.manager.call([0], "stage")
+        try:
+            sent, *received = await self.manager.update_weights(0)
+            out = {"publish_s": publish_seconds(sent, received),
+                   "errors": [f"rollout rank {r.rank}: {r.error}" for r in received if r.error]}
+            for hook in self.hooks:
+                await hook.after_publish(self, 0)
+                out.update(hook.figures(0, self.shape[0], out["publish_s"]))
+        except UpdateError:
+            await self.abandon()
+            raise
+        await self.manager.call([0], "release")
+        out["wall_s"] = time.perf_counter() - start
+        return out
+
+    async def step(self, global_steps: int) -> dict[str, Any]:
+        """Train, publish as ``global_steps``, verify every rollout, onload; returns the step's row.
+
+        Raises:
+            UpdateError: a worker failed or died (named); the trainer onloads (now or before the next step).
+        """
+        await self.settle()
+        [trained] = await self.manager.call([0], "train", [(global_steps,)])
+        rollouts = self.manager.rollouts
+        try:
+            for hook in self.hooks:
+                await hook.before_publish(self, global_steps)
+            sent, *received = await self.manager.update_weights(global_steps)
+            [reference] = await self.manager.call([0], "reference")
+            checked = await self.manager.call(rollouts, "check", [(global_steps, reference)] * len(rollouts),
+                                              what="verify")
+            for hook in self.hooks:
+                await hook.after_publish(self, global_steps)
+        except UpdateError:
+            await self.abandon()
+            raise
+        # colocated: the rollouts' banks are in the trainer's process, so in its peak
+        extra = ({"rollout_banks_bytes": sum(r.held_bytes for r in received)}, "the rollouts' banks") \
+            if self.options.colocated else (None, "")
+        [concluded] = await self.manager.call([0], "conclude", [extra], what="onload")
+        row = step_row(trained, sent, received, checked, concluded, *self.shape, reference.tokens)
+        for hook in self.hooks:
+            row.update(hook.figures(global_steps, row["bytes"], row["publish_s"]))
+        self.checksums = {global_steps: reference.sums}
+        return row
+
+    async def replace_rollout(self, index: int) -> None:
+        """Start a new rollout in place of ``index``; it joins at the next step."""
+        await self.manager.replace_rollout(index)
+        for hook in self.hooks:
+            hook.members_changed(index)
+
+    async def run_steps(self) -> JobResult:
+        """Warm up, run ``options.steps`` steps (``global_steps`` 1..steps) and close the engines."""
+        warmup = await self.warmup()
+        rows = []
+        with progress_bar() as progress:
+            steps = self.options.steps
+            task = progress.add_task("sync", total=steps)
+            for step in range(1, steps + 1):
+                progress.update(task, description=f"step {step}/{steps}")
+                if not progress.console.is_terminal:
+                    progress.console.print(f"hal sync: step {step}/{steps}")
+                rows.append(await self.step(step))
+                progress.advance(task)
+        await self.close()
+        return JobResult(warmup, rows)
+
+    async def close(self) -> None:
+        """End of the run: ``close()`` every worker's checkpoint engine (the group too)."""
+        await self.manager.settle_leftovers()
+        await self.manager.call(self.everyone, "execute_checkpoint_engine", [("close",)] * len(self.everyone),
+                                what="close")
+
+
+def progress_bar():
+    """A rich progress bar on stderr (one line per step where stderr is not a terminal)."""
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    return Progress(TextColumn("[bold]{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                    TimeElapsedColumn(), console=Console(stderr=True), transient=False)
+
+
+async def run(options: JobOptions, group: WorkerGroup, hooks: Sequence[StepHook] = ()) -> JobResult:
+    """Start the job on ``group`` and run it (:meth:`Job.run_steps`); the one loop every launcher runs.
+
+    Raises:
+        UpdateError: a worker failed or died; the message names it (role, rank, node and device when known).
+    """
+    job = Job(options, group, hooks)
+    await job.start()
+    return await job.run_steps()
+
+
+__all__ = ["Job", "JobResult", "StepHook", "engine_class", "progress_bar", "run"]

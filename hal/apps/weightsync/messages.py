@@ -1,0 +1,105 @@
+"""The typed messages of one weight-sync step, as the launchers carry them between the roles (pickled over
+a store under torchrun, Ray's serialization under Ray, as objects in one process when colocated).
+
+Times ending in ``_at`` or named ``t0`` are wall-clock (``time.time()``, seconds), comparable across
+processes of one machine; ``*_s`` are durations in seconds; ``*_bytes`` are bytes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+
+@dataclasses.dataclass
+class Trained:
+    """The trainer's part of a step before the publish: its optimizer step, offload and cast."""
+
+    global_steps: int
+    loss: float
+    train_s: float
+    offload_s: float
+    placement: dict[str, Any]
+    stage_s: float
+
+
+@dataclasses.dataclass
+class Sent:
+    """The trainer's ``update_weights`` result: when its send started (``t0``) and how long it took."""
+
+    t0: float
+    send_s: float
+
+
+@dataclasses.dataclass
+class Reference:
+    """What the rollouts are checked against: the trainer's CRC-32 per tensor (``sums``, ``{name: hex}``)
+    and, for presets, its own bf16 model's greedy decode (``tokens``; ``logits``: ``(len(tokens), vocab)``
+    float32 on the host)."""
+
+    sums: dict[str, str]
+    tokens: list[int] | None = None
+    logits: torch.Tensor | None = None
+
+
+@dataclasses.dataclass
+class Received:
+    """A rollout's ``update_weights`` result: the step it serves, the transfer's error (``None``: none) and
+    its figures. ``memory`` (its peak against :func:`hal.apps.weightsync.memory.rollout_memory_bounds`) is
+    ``None`` where the rollout shares its process (colocated). ``held_bytes`` is what its weight banks hold."""
+
+    rank: int
+    served_step: int | None
+    error: str | None
+    receive_s: float
+    copied_bytes: int
+    started_at: float
+    applied_at: float
+    held_bytes: int
+    peak_host_bytes: int | None = None
+    peak_device_bytes: int | None = None
+    memory: dict[str, Any] | None = None
+    memory_bound_bytes: int | None = None
+    node_ip: str | None = None
+    device_id: str | None = None
+
+
+@dataclasses.dataclass
+class Checked:
+    """A rollout's verification after an update (:func:`hal.apps.weightsync.verify.verify_rollout`)."""
+
+    error: str | None = None
+    tokens: list[int] | None = None
+    tokens_equal: bool | None = None
+    logits_max_diff: float | None = None
+    verify_s: float = 0.0
+
+
+@dataclasses.dataclass
+class Concluded:
+    """The trainer's end of a step: onload time, its peaks and the bound it is judged by."""
+
+    onload_s: float
+    peak_device_bytes: int
+    peak_host_bytes: int
+    memory: dict[str, Any]
+
+
+WHEN_FIELDS = ("started_at", "applied_at", "held_bytes")
+"""Fields of :class:`Received` that serve the timing and the colocated bound, not the row."""
+
+
+def rollout_row(received: Received, checked: Checked) -> dict[str, Any]:
+    """A rollout's entry in a step's row (``--json``): :class:`Received`'s fields but the timing ones and
+    those left unset (``None``: no memory colocated, no node outside Ray), then :class:`Checked`'s; a
+    transfer error stays the error reported."""
+    row = {k: v for k, v in dataclasses.asdict(received).items()
+           if k not in WHEN_FIELDS and (v is not None or k in ("served_step", "error"))}
+    row.update(dataclasses.asdict(checked))
+    row["error"] = received.error or checked.error
+    return row
+
+
+__all__ = ["Checked", "Concluded", "Received", "Reference", "Sent", "Trained", "rollout_row"]

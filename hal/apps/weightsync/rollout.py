@@ -1,0 +1,96 @@
+"""A rollout's role in a weight-sync step: an inference-server stand-in holding its own model
+(``ckpt.ModelRolloutAdapter`` by default), loading each update through its checkpoint engine, and proving
+what it serves against the trainer's reference (checksums, greedy decode)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import hal
+from hal.apps.weightsync import memory, models
+from hal.apps.weightsync.messages import Checked, Received, Reference
+from hal.apps.weightsync.options import JobOptions
+from hal.apps.weightsync.trainer import intra_op_threads
+from hal.apps.weightsync.verify import verify, verify_rollout
+from hal.apps.weightsync.worker import Where, Worker
+
+
+def rollout_model(options: JobOptions, adapter_cls: Any = None):
+    """A rollout's served model in an adapter (``adapter_cls(module, atomic=...)``, default
+    :class:`ckpt.ModelRolloutAdapter`) and its greedy decode (``None`` for a model that is not a preset)."""
+    import ckpt
+
+    module = models.serving_model(options.model, hal.get_device(options.device))
+    adapter = (adapter_cls or ckpt.ModelRolloutAdapter)(module, atomic=options.rollout_apply == "atomic")
+    decode = None
+    if options.model in models.PRESETS:
+        prompt = models.prompt_ids(options.model)
+
+        def decode():
+            with intra_op_threads(1):
+                return models.greedy_decode(module, prompt, options.decode_tokens)
+    return adapter, decode
+
+
+class Rollout(Worker):
+    """A rollout rank: the receiving checkpoint engine and the served model it loads into.
+
+    Args:
+        options: the job's options.
+        engine: this rank's receiving checkpoint engine.
+        rank: the rollout's rank (1..R).
+        adapter_cls: the server adapter's class (see :func:`rollout_model`).
+    """
+
+    def __init__(self, options: JobOptions, engine: Any, rank: int, adapter_cls: Any = None,
+                 where: Where | None = None) -> None:
+        import ckpt
+
+        super().__init__(options, rank, engine, where)
+        self.adapter, self.decode = rollout_model(options, adapter_cls)
+        self.receiver = ckpt.CheckpointEngineWorker(engine, self.adapter)
+
+    async def update_weights(self, global_steps: int) -> Received:
+        """Receive and apply ``global_steps`` (a transfer error is reported in the result, not raised); with a
+        process of its own, this rank's peak memory since the receive began against its bounds."""
+        started_at = time.time()
+        memory.reset_peak(self.kind)
+        error = None
+        start = time.perf_counter()
+        try:
+            await self.receiver.update_weights(global_steps)
+            hal.synchronize(self.kind)
+        except hal.HalError as exc:
+            error = f"{type(exc).__name__}: {exc}"
+        applied_at = time.time()
+        held = memory.adapter_memory(self.adapter)
+        out = Received(rank=self.index, served_step=self.adapter.served_step, error=error,
+                       receive_s=time.perf_counter() - start, copied_bytes=held.last_copied_bytes,
+                       started_at=started_at, applied_at=applied_at, held_bytes=held.banks * held.bank_bytes)
+        if self.whereabouts.resource is not None:
+            out.node_ip, out.device_id = self.whereabouts.node_ip, self.whereabouts.device_id
+        if not self.options.colocated:  # colocated: the process's peak is the trainer's, judged there
+            out.peak_host_bytes = memory.peak_host_bytes()
+            out.peak_device_bytes = memory.peak_device_bytes(self.kind)
+            out.memory = memory.rollout_memory_bounds(out.peak_host_bytes, held.model_bytes, held.banks,
+                                                      self.options.bucket_bytes)
+            out.memory_bound_bytes = out.memory["judged_by"]["bound_bytes"]
+        return out
+
+    def check(self, global_steps: int, reference: Reference) -> Checked:
+        """What this rollout proves after receiving ``global_steps`` (:func:`verify_rollout`)."""
+        return verify_rollout(self.adapter, global_steps, reference, self.decode, self.options.logits_atol)
+
+    def verify(self, global_steps: int, expected: dict[str, str]) -> str | None:
+        """What is wrong with the weights in service against step ``global_steps``'s checksums (``None``: exact)."""
+        return verify(self.adapter, global_steps, expected)
+
+    def raw_buffer(self):
+        """The adapter's staging area, the update's size (a raw broadcast lands there; the weights in service
+        stay as they are). The raw reference is the only reader of an adapter's buffers outside ``ckpt``:
+        a buffer of its own would stay resident and count in every later peak."""
+        return self.adapter.staging[:memory.adapter_memory(self.adapter).bank_bytes]
+
+
+__all__ = ["Rollout", "rollout_model"]

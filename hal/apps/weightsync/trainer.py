@@ -1,0 +1,162 @@
+"""The trainer's role in a weight-sync step: fp32 master weights in a TorchEngine with AdamW, a real
+optimizer step, offload, a cast into one flat published buffer (bf16 for presets, as verl's actor hands its
+rollout bf16), the send tagged with ``global_steps``, the reference the rollouts are checked against, onload."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import time
+from typing import Any, Iterator
+
+import torch
+
+import hal
+from hal.apps.weightsync import memory, models
+from hal.apps.weightsync.messages import Concluded, Reference, Sent, Trained
+from hal.apps.weightsync.options import JobOptions
+from hal.apps.weightsync.verify import checksums
+from hal.apps.weightsync.worker import Where, Worker
+
+
+@contextlib.contextmanager
+def intra_op_threads(n: int) -> Iterator[None]:
+    """Run the block with ``n`` intra-op threads (decodes use 1 everywhere, so kernels match bitwise)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+class Trainer(Worker):
+    """Worker 0: the model being trained and the sending checkpoint engine (see the module docstring).
+
+    Args:
+        options: the job's options (``model``: a preset key or a safetensors path).
+        engine: the sending checkpoint engine.
+    """
+
+    def __init__(self, options: JobOptions, engine: Any, where: Where | None = None) -> None:
+        import ckpt
+        from engines import TorchEngine
+
+        super().__init__(options, 0, engine, where)
+        self.device = hal.get_device(self.kind)
+        self.preset = options.model in models.PRESETS
+        module, self.loss_fn = models.build(options.model)
+        params = [p for p in module.parameters() if p.requires_grad]
+        fused = self.kind == "cpu" and all(p.dtype == torch.float32 for p in params)  # one pass over the states
+        optimizer = torch.optim.AdamW(params, lr=options.lr, **({"fused": True} if fused else {}))
+        self.torch_engine = TorchEngine(module, optimizer, device=self.kind)  # moves parameters in place
+        self.flags = options.offload_flags
+        self.layout = ckpt.WeightLayout(module, dtype=torch.bfloat16 if self.preset else None)
+        self.model_bytes = sum(p.numel() * p.element_size() for p in module.parameters())
+        self.state_bytes = {"param_bytes": self.model_bytes, "grad_bytes": self.model_bytes, "optimizer_bytes": 0}
+        self.skeleton = None
+        if self.preset:  # the trainer's own bf16 model, bound to each step's published buffer for its decode
+            self.skeleton = models.causal_lm(options.model, torch.bfloat16, device=self.device, seed=None)
+            self.layout.bind(self.skeleton, None)
+            self.prompt = models.prompt_ids(options.model)
+        self.bank: torch.Tensor | None = None
+
+    def published_shape(self) -> tuple[int, int]:
+        """``(bytes, tensors)`` of one published update."""
+        return self.layout.nbytes, len(self.layout.slots)
+
+    def train(self, global_steps: int) -> Trained:
+        """Start step ``global_steps``: a new peak-memory window, one optimizer step, the offload, the cast into
+        a fresh published buffer (:meth:`stage`)."""
+        memory.reset_peak(self.kind)
+        start = time.perf_counter()
+        with intra_op_threads(os.cpu_count() or 1):  # the rollouts wait meanwhile: the trainer may use every core
+            loss = self.torch_engine.train_step(self.loss_fn)
+        train_s = time.perf_counter() - start
+        self.state_bytes["optimizer_bytes"] = sum(
+            t.numel() * t.element_size() for s in self.torch_engine.optimizer.state.values()
+            for t in s.values() if isinstance(t, torch.Tensor))
+        if not self.flags:
+            self.torch_engine.optimizer.zero_grad(set_to_none=True)  # not needed until the next step
+            memory.trim_host_heap()
+        start = time.perf_counter()
+        if self.flags:
+            self.torch_engine.to("cpu", **self.flags)
+        offload_s = time.perf_counter() - start
+        return Trained(global_steps=global_steps, loss=loss, train_s=train_s, offload_s=offload_s,
+                       placement=dataclasses.asdict(self.torch_engine.placement()), stage_s=self.stage())
+
+    def stage(self) -> float:
+        """Cast the weights into a fresh published buffer (the trainer's bf16 model views it); seconds."""
+        from ckpt.serving import named_weights
+
+        start = time.perf_counter()
+        self.bank = torch.empty(self.layout.nbytes, dtype=torch.uint8, device=self.device)
+        self.layout.fill(self.bank, named_weights(self.torch_engine.module))
+        if self.skeleton is not None:
+            self.layout.bind(self.skeleton, self.bank)
+        hal.synchronize(self.kind)
+        return time.perf_counter() - start
+
+    def published(self):
+        """``(name, tensor)`` views of the published buffer, back to back (the engine sends them as runs)."""
+        return self.layout.views(self.bank)
+
+    def raw_buffer(self) -> torch.Tensor:
+        """The published buffer (a raw broadcast sends it as it is)."""
+        return self.bank
+
+    async def update_weights(self, global_steps: int) -> Sent:
+        """Send the published buffer as ``global_steps`` through the engine (verl's trainer worker method)."""
+        t0 = time.time()
+        await self.engine.send_weights(self.published(), global_steps)
+        return Sent(t0=t0, send_s=time.time() - t0)
+
+    def reference(self) -> Reference:
+        """Checksums of the published buffer and the trainer's own greedy decode of it (presets)."""
+        sums = checksums(self.published())
+        if self.skeleton is None:
+            return Reference(sums)
+        with intra_op_threads(1):
+            tokens, logits = models.greedy_decode(self.skeleton, self.prompt, self.options.decode_tokens)
+        return Reference(sums, tokens, logits)
+
+    def release(self) -> None:
+        """Drop the published buffer."""
+        if self.skeleton is not None:
+            self.layout.bind(self.skeleton, None)
+        self.bank = None
+
+    def memory_bound(self, peak_bytes: int, extra: dict[str, int] | None = None, words: str = "") -> dict[str, Any]:
+        """The step's peak against model (parameters + gradients) + optimizer + what the engine holds to send
+        + constant (:func:`hal.apps.weightsync.memory.trainer_memory_bound`), plus ``extra`` terms described
+        by ``words`` (colocated: the rollouts' banks, in this process)."""
+        bound = memory.trainer_memory_bound(peak_bytes, engine_cls=type(self.engine),
+                                            bucket_bytes=self.options.bucket_bytes,
+                                            published_bytes=self.layout.nbytes, **self.state_bytes)
+        if not extra:
+            return bound
+        return memory.memory_bound(peak_bytes, f"{bound['form']} + {words}", {**bound["terms"], **extra})
+
+    def conclude(self, extra: dict[str, int] | None = None, words: str = "") -> Concluded:
+        """End a step: drop the published buffer, onload what the step offloaded, and judge the step's peak
+        (:meth:`memory_bound` with ``extra``/``words``)."""
+        self.release()
+        start = time.perf_counter()
+        if self.flags:
+            self.torch_engine.to(self.kind, **self.flags)
+        onload_s = time.perf_counter() - start
+        peak = memory.peak_host_bytes()
+        return Concluded(onload_s=onload_s, peak_device_bytes=memory.peak_device_bytes(self.kind),
+                         peak_host_bytes=peak, memory=self.memory_bound(peak, extra, words))
+
+    def abandon(self) -> None:
+        """After a failed update: drop the published buffer and onload what the step offloaded, so the
+        next step starts as usual."""
+        self.release()
+        if self.flags:
+            self.torch_engine.to(self.kind, **self.flags)
+
+
+__all__ = ["Trainer", "intra_op_threads"]

@@ -1,0 +1,84 @@
+"""What a rollout proves after an update: the step it serves, a CRC-32 per tensor equal to the trainer's,
+and a greedy decode equal to the trainer's own bf16 model's."""
+
+from __future__ import annotations
+
+import time
+import zlib
+from typing import Any, Callable, Iterable
+
+import torch
+
+from hal.apps.weightsync.messages import Checked, Reference
+
+
+def checksums(weights: Iterable[tuple[str, torch.Tensor]]) -> dict[str, str]:
+    """``{name: CRC-32 (8 hex digits) of the tensor's bytes}``, in iteration order (host copies as needed)."""
+    out = {}
+    for name, tensor in weights:
+        data = tensor.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy()
+        out[name] = f"{zlib.crc32(data) & 0xFFFFFFFF:08x}"
+    return out
+
+
+def first_mismatch(expected: dict[str, str], got: dict[str, str]) -> str | None:
+    """A sentence naming the first tensor that differs, is missing or is unexpected; ``None`` if equal."""
+    for name, digest in expected.items():
+        if name not in got:
+            return f"tensor {name!r} was not received"
+        if got[name] != digest:
+            return f"tensor {name!r}: checksum {got[name]} differs from the trainer's {digest}"
+    extra = sorted(set(got) - set(expected))
+    return f"tensor {extra[0]!r} was received but not sent" if extra else None
+
+
+def verify(adapter: Any, step: int, expected: dict[str, str]) -> str | None:
+    """What is wrong with a rollout (``served_step``, ``state_dict()``) after receiving ``step``: the step it
+    serves, else the first tensor whose checksum differs from ``expected``; ``None`` when it serves ``step``
+    byte-exact."""
+    if adapter.served_step != step:
+        return f"rollout serves step {adapter.served_step}, expected {step}"
+    return first_mismatch(expected, checksums(adapter.state_dict().items()))
+
+
+def compare_decode(tokens: list[int], logits: torch.Tensor, reference: Reference, atol: float) -> tuple[bool, float, str | None]:
+    """A rollout's greedy decode against the trainer's: ``(tokens equal, largest |logits difference|, error)``.
+
+    Args:
+        tokens: the rollout's decoded token ids.
+        logits: its logits, ``(len(tokens), vocab)`` float32.
+        reference: the trainer's (``tokens``, ``logits`` of the same shape).
+        atol: the largest absolute logits difference allowed.
+
+    Returns:
+        ``error`` names the differing tokens or the logits difference over ``atol`` (``None``: equal).
+    """
+    diff = float((logits - reference.logits).abs().max())
+    equal = tokens == reference.tokens
+    if not equal:
+        return equal, diff, f"greedy decode gave tokens {tokens}, the trainer's model {reference.tokens}"
+    if not diff <= atol:
+        return equal, diff, f"decode logits differ from the trainer's by {diff:.3g} (> --logits-atol {atol:g})"
+    return equal, diff, None
+
+
+def verify_rollout(adapter: Any, step: int, reference: Reference,
+                   decode: Callable[[], tuple[list[int], torch.Tensor]] | None, atol: float) -> Checked:
+    """What a rollout proves after receiving ``step``: :func:`verify` against ``reference.sums``, then, when
+    it serves the step and both a decode and the trainer's decode exist, :func:`compare_decode`.
+
+    Args:
+        decode: ``() -> (tokens, logits)`` on the rollout's served model, or ``None`` (no decode).
+    """
+    start = time.perf_counter()
+    out = Checked(error=verify(adapter, step, reference.sums))
+    if adapter.served_step == step and reference.tokens is not None and decode is not None:
+        tokens, logits = decode()
+        out.tokens = tokens
+        out.tokens_equal, out.logits_max_diff, error = compare_decode(tokens, logits, reference, atol)
+        out.error = out.error or error
+    out.verify_s = time.perf_counter() - start
+    return out
+
+
+__all__ = ["checksums", "compare_decode", "first_mismatch", "verify", "verify_rollout"]

