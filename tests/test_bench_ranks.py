@@ -11,7 +11,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from hal.apps.benchmarks import bench_import
 from hal.apps.benchmarks.ranks import free_ports, run_ranks
 from hal.apps.cli.bench import Bench, execute
-from hal.apps.cli.errors import WorkerFailedError
+from hal.apps.errors import WorkerFailedError
 
 pytestmark = pytest.mark.multiprocess
 

@@ -5,7 +5,7 @@ import torch
 
 import hal
 from hal.apps.benchmarks import bench_ckpt
-from hal.apps.options import UsageError
+from hal.apps.errors import UsageError
 
 
 def test_tensor_mix_is_log_uniform_bf16_sizes_summing_to_the_total():

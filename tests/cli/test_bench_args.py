@@ -6,7 +6,7 @@ import pytest
 import tyro
 
 from hal.apps.cli.bench import Bench, execute, selection
-from hal.apps.cli.errors import UsageError
+from hal.apps.errors import UsageError
 
 
 def parse(*argv: str) -> Bench:

@@ -3,7 +3,7 @@
 import pytest
 
 import hal
-from hal.apps.cli.errors import UsageError
+from hal.apps.errors import UsageError
 from hal.apps.cli.launch import Launch, launch_env, torchrun_argv
 
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from hal.apps.cli.errors import UsageError, mib_to_bytes
+from hal.apps.errors import UsageError, mib_to_bytes
 from hal.apps.cli.sync import Sync, job_options, validate
 
 def test_bucket_sizes_are_mib_with_fractions_and_refused_by_flag_when_not_positive():

@@ -8,7 +8,7 @@ import time
 
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
-from hal.apps.cli.errors import WorkerFailedError, describe_failure, worker_failed
+from hal.apps.errors import WorkerFailedError, describe_failure, worker_failed
 from hal.errors import HalError
 
 

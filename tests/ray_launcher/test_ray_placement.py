@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from tests.ray_launcher._light import EnvProbe
+from tests.ray_launcher.probe_actors import EnvProbe
 from tests.ray_launcher.conftest import ray
 
 import hal

@@ -30,7 +30,7 @@ import torch
 import hal
 from hal.apps.benchmarks import timed_once, transfer_once
 from hal.apps.benchmarks.ranks import free_ports, run_ranks
-from hal.apps.options import mib_to_bytes
+from hal.apps.errors import mib_to_bytes
 
 
 LAYOUTS = ("separate", "flat")

@@ -139,7 +139,7 @@ def bench_delta(size_mb: int = 64, fractions: tuple[float, ...] | list[float] = 
         RuntimeError: the rollout's tensors differ from the trainer's at the end.
         hal.testing.MultiprocessError: a rank failed.
     """
-    from hal.apps.cli.errors import mib_to_bytes
+    from hal.apps.errors import mib_to_bytes
     from hal.testing import run_multiprocess
 
     bad = [f for f in fractions if not 0 < f <= 1]

@@ -37,7 +37,7 @@ import hal
 from hal.apps.benchmarks import timed_once, transfer_once
 from hal.apps.benchmarks.bench_ckpt import PeakMemory, tensor_sizes, tensor_views
 from hal.apps.benchmarks.ranks import free_ports, run_ranks
-from hal.apps.options import mib_to_bytes
+from hal.apps.errors import mib_to_bytes
 
 ENGINES = ("nixl", "mooncake", "kimi")
 PULLS = ("kimi",)
@@ -141,7 +141,7 @@ def run(size_mb: int = 256, bucket_mb: float = 64.0, device: str = "cpu", rounds
 
     Raises:
         ValueError: an unknown engine name, ``size_mb`` or ``rounds`` below 1, or ``bucket_mb`` not positive
-            (a :class:`hal.apps.options.UsageError` naming ``--bucket-mb``).
+            (a :class:`hal.apps.errors.UsageError` naming ``--bucket-mb``).
         ChildFailedError: a rank failed (e.g. the library is not installed) or passed its deadline.
     """
     bucket = mib_to_bytes(bucket_mb, "--bucket-mb")

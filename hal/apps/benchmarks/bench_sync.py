@@ -29,7 +29,7 @@ from typing import Any
 
 from hal.apps.benchmarks.bench_ray import write_model
 from hal.apps.benchmarks.job import run_sync_job
-from hal.apps.options import mib_to_bytes
+from hal.apps.errors import mib_to_bytes
 
 
 def run(size_mb: int, device: str = "cpu", rollouts: int = 2, steps: int = 3, bucket_mb: float = 256.0,

@@ -1,8 +1,7 @@
-"""The one call from the benchmarks into the weight-sync job (``hal sync``'s trainer and rollouts).
+"""The one call from the benchmarks into the weight-sync job (``hal.apps.weightsync``, what ``hal sync`` runs).
 
-``bench_sync`` and ``bench_ray`` measure the job as users run it; they reach it only through
-:func:`run_sync_job`, so the job can move (it is being rewritten as a library, ``hal.apps.weightsync``)
-with one import to change here.
+``bench_sync`` and ``bench_ray`` measure the job as users run it, with the raw-broadcast reference attached
+(:class:`hal.apps.weightsync.raw.RawReference`), through :func:`run_sync_job`.
 """
 
 from __future__ import annotations
@@ -28,12 +27,17 @@ def run_sync_job(*, device: str, model: str, rollouts: int, steps: int, bucket_m
     Raises:
         UsageError: an option the job refuses; RuntimeError: a trainer or rollout process failed.
     """
-    # The job still lives in the command line; this is the only benchmark import of it (re-pointed at
-    # hal.apps.weightsync when that lands).
-    from hal.apps.cli.sync import Sync, execute
+    import hal
+    from hal.apps.errors import mib_to_bytes
+    from hal.apps.weightsync.launchers import launch
+    from hal.apps.weightsync.models import resolve_model
+    from hal.apps.weightsync.options import JobOptions
+    from hal.apps.weightsync.raw import RawReference
 
-    return execute(Sync(device=device, model=model, rollouts=rollouts, steps=steps, bucket_mb=bucket_mb,
-                        timeout=timeout, launcher=launcher, rollout_apply=rollout_apply))
+    options = JobOptions(device=hal.resolve_device(device).kind, model=resolve_model(model), rollouts=rollouts,
+                         steps=steps, bucket_bytes=mib_to_bytes(bucket_mb, "bucket_mb"), timeout=timeout,
+                         launcher=launcher, rollout_apply=rollout_apply)
+    return launch(options, [RawReference()]).report(steps)
 
 
 def retry_port_taken(call: Callable[[], dict[str, Any]], attempts: int = 2) -> dict[str, Any]:

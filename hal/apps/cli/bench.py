@@ -25,9 +25,9 @@ from typing import Annotated, Any
 import tyro
 
 import hal
-from hal.apps.cli.errors import MissingExtraError, worker_failed
+from hal.apps.errors import MissingExtraError, worker_failed
 from hal.apps.cli.helptext import flowing_help
-from hal.apps.options import UsageError, mib_to_bytes
+from hal.apps.errors import UsageError, mib_to_bytes
 
 
 BENCHMARKS = ("offload", "sync", "main", "ray", "import")

@@ -19,7 +19,7 @@ from typing import Annotated
 import tyro
 
 import hal
-from hal.apps.cli.errors import MissingFileError, UsageError, worker_failed
+from hal.apps.errors import MissingFileError, UsageError, worker_failed
 from hal.apps.cli.helptext import flowing_help
 
 

@@ -2,7 +2,7 @@
 
 Each subcommand is a dataclass parsed by tyro and a ``run(args) -> exit status`` function. Errors the user
 can fix (an unknown device, a missing file, a bad size: the :class:`hal.HalError` tree, which holds the
-``engines`` and ``ckpt`` errors and :mod:`hal.apps.cli.errors`) print one line and exit 2, without a traceback.
+``engines`` and ``ckpt`` errors and :mod:`hal.apps.errors`) print one line and exit 2, without a traceback.
 Any other exception is a bug: it propagates with its traceback (exit status 1).
 """
 

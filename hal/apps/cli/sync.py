@@ -38,7 +38,7 @@ import time
 from typing import Any, Literal
 
 import hal
-from hal.apps.cli.errors import UsageError, mib_to_bytes
+from hal.apps.errors import UsageError, mib_to_bytes
 from hal.apps.cli.helptext import flowing_help
 from hal.apps.weightsync.options import JobOptions
 
@@ -143,7 +143,7 @@ def execute(args: Sync) -> dict[str, Any]:
     """Run the job; returns ``{"rows": [...per step...], "verified": bool, "errors": [...], ...}`` (the
     ``--json`` output).
 
-    Raises what :func:`validate` raises, :class:`hal.apps.cli.errors.WorkerFailedError` (a ``RuntimeError``)
+    Raises what :func:`validate` raises, :class:`hal.apps.errors.WorkerFailedError` (a ``RuntimeError``)
     naming the trainer or rollout whose process failed and how, and :class:`ckpt.manager.UpdateError` naming
     a worker that failed or died in a call (Ray).
     """

@@ -23,7 +23,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from hal.apps.cli.errors import MissingExtraError, MissingFileError, UsageError
+from hal.apps.errors import MissingExtraError, MissingFileError, UsageError
 
 PRESETS: dict[str, dict[str, Any]] = {
     # Qwen/Qwen2.5-0.5B config.json: 494M parameters, 0.99 GB in bf16 (tied embeddings published once).

@@ -190,12 +190,12 @@ def launch(options: JobOptions, hooks: Sequence[StepHook] = ()) -> JobResult:
     """Run the job with one process per worker; ``hooks`` (pickled to rank 0) run around each publish.
 
     Raises:
-        hal.apps.cli.errors.WorkerFailedError: a rank failed; names it (role) and how (exception, signal, exit code).
+        hal.apps.errors.WorkerFailedError: a rank failed; names it (role) and how (exception, signal, exit code).
     """
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    from hal.apps.cli.errors import worker_failed
+    from hal.apps.errors import worker_failed
     from hal.distributed import pick_port
 
     os.environ[hal.ENV_VAR] = options.device

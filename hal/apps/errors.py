@@ -1,18 +1,38 @@
-"""Errors of the ``hal`` command line: a wrong argument, a missing file or extra, a failed worker process;
-exit status 2, no traceback.
+"""Errors and argument checks shared by hal's applications (the command line, the weight-sync job, the
+benchmarks): a wrong argument, a missing file or extra, a failed worker process, and sizes in MiB.
 
-Each derives from :class:`hal.HalError` and from the built-in a caller would catch (``ValueError``,
-``FileNotFoundError``, ``ImportError``). ``hal.apps.cli.main`` prints errors of the ``HalError`` tree as one
-line; anything else is a bug and keeps its traceback.
+Each error derives from :class:`hal.HalError` and from the built-in a caller would catch (``ValueError``,
+``FileNotFoundError``, ``ImportError``, ``RuntimeError``). ``hal.apps.cli.main`` prints errors of the
+``HalError`` tree as one line with exit status 2, no traceback; anything else is a bug and keeps its traceback.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable
 
-# the usage error and MiB sizes live in hal.apps.options (the benchmarks check sizes too); re-exported here
-from hal.apps.options import MIB as MIB, UsageError as UsageError, mib_to_bytes as mib_to_bytes
 from hal.errors import HalError
+
+
+class UsageError(HalError, ValueError):
+    """A command-line argument is wrong (a count below 1, an unknown name); the message names the flag."""
+
+
+MIB = 1 << 20
+"""Bytes in a MiB: the unit of every ``*-mb`` size flag (``--bucket-mb``, ``--size-mb``)."""
+
+
+def mib_to_bytes(mib: float, flag: str) -> int:
+    """The bytes of a size given in MiB as ``flag`` (fractions allowed: 0.5 is 524288 bytes).
+
+    Raises:
+        UsageError: ``mib`` is not a finite positive number, or is under one byte; names the flag and value.
+    """
+    if not 0 < mib < math.inf:  # NaN fails both comparisons
+        raise UsageError(f"{flag} must be positive, got {mib} (a size in MiB)")
+    if int(mib * MIB) < 1:
+        raise UsageError(f"{flag} {mib} MiB is less than one byte")
+    return int(mib * MIB)
 
 
 class MissingFileError(HalError, FileNotFoundError):
