@@ -3,7 +3,7 @@
 A bound is a sum of named terms in bytes (:func:`memory_bound`). The trainer's is its model state (fp32
 parameters and gradients), AdamW's states, what its checkpoint engine holds while sending (a fact of the
 engine's class, :func:`send_buffer`) and :data:`RUNTIME_BYTES`; a rollout's is its weight banks (from its
-adapter's ``memory()``, :func:`adapter_memory`), the engine's receive buckets and :data:`RUNTIME_BYTES`.
+adapter's ``memory()``), the engine's receive buckets and :data:`RUNTIME_BYTES`.
 Peaks are the process's resident high-water mark (Linux ``VmHWM``), reset at the start of each window.
 """
 
@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import dataclasses
 import pathlib
 from typing import Any
 
@@ -41,44 +40,21 @@ def memory_bound(peak_bytes: int, form: str, terms: dict[str, int]) -> dict[str,
             "within": peak_bytes <= bound}
 
 
-def _known_send_buffers() -> dict[Any, tuple[str, Any]]:
-    """Today's send terms of hal's engines, by class (for classes that do not state their own)."""
-    import ckpt
-
-    buckets = (f"{TRAINER_BUCKETS} buckets", lambda bucket, published: {"buckets_bytes": TRAINER_BUCKETS * bucket})
-    table = {"collective": buckets, "nixl": buckets, "mooncake": buckets,
-             "kimi": ("the update pinned in host memory", lambda bucket, published: {"pinned_update_bytes": published}),
-             "file": ("the update's host copies (one shard, at most the update)",
-                      lambda bucket, published: {"host_copies_bytes": published}),
-             "colocated": ("", lambda bucket, published: {})}
-    known = {}
-    for name, entry in table.items():
-        with contextlib.suppress(ckpt.CheckpointEngineError):
-            known[ckpt.checkpoint_engine_factory(name)] = entry
-    return known
-
-
 def send_buffer(engine_cls: Any, bucket_bytes: int, published_bytes: int) -> tuple[str, dict[str, int]]:
     """What a trainer's checkpoint engine of class ``engine_cls`` holds while it sends: ``(words, {term: bytes})``.
 
-    The class states it: ``engine_cls.send_buffer_bytes(bucket_size, published_bytes)`` and
-    ``engine_cls.send_buffer_words``. A class without them gets hal's known values for its engines (3 buckets
-    for collective, nixl and mooncake; the update pinned in host memory for kimi; the update's host copies
-    for file; nothing for colocated); the class's own attributes win when present.
+    The class states it (``ckpt.CheckpointEngine.send_buffer_bytes(bucket_size, published_bytes)`` and
+    ``send_buffer_words``; the ABC's default is nothing held): 3 buckets for collective, nixl and mooncake,
+    the update pinned in host memory for kimi, the update's host copies for file, nothing for colocated.
 
     Raises:
-        ValueError: a class that neither states it nor is one of hal's engines.
+        ValueError: a class that does not state it (not a ``ckpt.CheckpointEngine``, and no such attributes).
     """
-    if hasattr(engine_cls, "send_buffer_bytes"):
-        return (getattr(engine_cls, "send_buffer_words", ""),
-                dict(engine_cls.send_buffer_bytes(bucket_bytes, published_bytes)))
-    known = _known_send_buffers()
-    if engine_cls not in known:
+    if not hasattr(engine_cls, "send_buffer_bytes"):
         raise ValueError(f"checkpoint engine class {getattr(engine_cls, '__name__', engine_cls)!r} states no "
-                         "send_buffer_bytes and is not one of hal's engines (collective, file, colocated, nixl, "
-                         "mooncake, kimi)")
-    words, terms = known[engine_cls]
-    return words, terms(bucket_bytes, published_bytes)
+                         "send_buffer_bytes (ckpt.CheckpointEngine's classmethod): its memory bound is unknown")
+    return (getattr(engine_cls, "send_buffer_words", ""),
+            dict(engine_cls.send_buffer_bytes(bucket_bytes, published_bytes)))
 
 
 def trainer_memory_bound(peak_bytes: int, param_bytes: int, grad_bytes: int, optimizer_bytes: int, engine_cls: Any,
@@ -114,30 +90,6 @@ def rollout_memory_bounds(peak_bytes: int, model_bytes: int, banks: int, bucket_
     return {"mode": "in-place" if banks == 1 else "atomic", "judged_by": judged, "model_plus_2_buckets": single}
 
 
-@dataclasses.dataclass(frozen=True)
-class HeldMemory:
-    """What a rollout adapter holds, in bytes (the fields of ``ckpt``'s ``AdapterMemory``): its served model
-    (``model_bytes``), ``banks`` weight banks of ``bank_bytes`` each, its staging area, and the bytes its
-    last update copied."""
-
-    model_bytes: int
-    banks: int
-    bank_bytes: int
-    staging_bytes: int
-    last_copied_bytes: int
-
-
-def adapter_memory(adapter: Any) -> Any:
-    """What ``adapter`` holds: its ``memory()`` (``model_bytes``, ``banks``, ``bank_bytes``, ``staging_bytes``,
-    ``last_copied_bytes``). An adapter without ``memory()`` is read as ``ckpt.ModelRolloutAdapter`` lays
-    itself out (one layout, a list of banks); its own ``memory()`` wins when present."""
-    if hasattr(adapter, "memory"):
-        return adapter.memory()
-    nbytes = adapter.layout.nbytes
-    return HeldMemory(model_bytes=nbytes, banks=len(adapter.banks), bank_bytes=nbytes,
-                      staging_bytes=int(adapter.staging.numel()), last_copied_bytes=adapter.last_copied_bytes)
-
-
 # ---- peaks ------------------------------------------------------------------------------------------
 def reset_peak(kind: str) -> None:
     """Start a new peak-memory window: host VmHWM (Linux clear_refs 5) and the device's peak counter."""
@@ -170,6 +122,6 @@ def trim_host_heap() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
-__all__ = ["HeldMemory", "ROLLOUT_BUCKETS", "RUNTIME_BYTES", "TRAINER_BUCKETS", "adapter_memory", "memory_bound",
+__all__ = ["ROLLOUT_BUCKETS", "RUNTIME_BYTES", "TRAINER_BUCKETS", "memory_bound",
            "peak_device_bytes", "peak_host_bytes", "reset_peak", "rollout_memory_bounds", "send_buffer",
            "trainer_memory_bound", "trim_host_heap"]

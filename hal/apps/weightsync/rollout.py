@@ -64,7 +64,7 @@ class Rollout(Worker):
         except hal.HalError as exc:
             error = f"{type(exc).__name__}: {exc}"
         applied_at = time.time()
-        held = memory.adapter_memory(self.adapter)
+        held = self.adapter.memory()
         out = Received(rank=self.index, served_step=self.adapter.served_step, error=error,
                        receive_s=time.perf_counter() - start, copied_bytes=held.last_copied_bytes,
                        started_at=started_at, applied_at=applied_at, held_bytes=held.banks * held.bank_bytes)
@@ -90,7 +90,7 @@ class Rollout(Worker):
         """The adapter's staging area, the update's size (a raw broadcast lands there; the weights in service
         stay as they are). The raw reference is the only reader of an adapter's buffers outside ``ckpt``:
         a buffer of its own would stay resident and count in every later peak."""
-        return self.adapter.staging[:memory.adapter_memory(self.adapter).bank_bytes]
+        return self.adapter.staging[:self.adapter.memory().bank_bytes]
 
 
 __all__ = ["Rollout", "rollout_model"]

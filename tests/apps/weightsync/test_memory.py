@@ -4,7 +4,7 @@ judged outside it."""
 import pytest
 
 import ckpt
-from hal.apps.weightsync.memory import (RUNTIME_BYTES, HeldMemory, adapter_memory, memory_bound,
+from hal.apps.weightsync.memory import (RUNTIME_BYTES, memory_bound,
                                         rollout_memory_bounds, send_buffer, trainer_memory_bound)
 
 MODEL, OPT, PUBLISHED, BUCKET = 4_000_000, 8_000_000, 1_000_000, 3 << 20
@@ -21,7 +21,8 @@ def test_the_trainer_bound_counts_what_each_engine_class_holds_to_send():
     base = {"model_bytes": 8_000_000, "optimizer_bytes": 8_000_000, "constant_bytes": 805_306_368}
     assert collective["terms"] == {**base, "buckets_bytes": 9_437_184}
     assert collective["bound_bytes"] == 830_743_552
-    assert collective["form"] == "model (parameters + gradients) + optimizer + 3 buckets + constant"
+    assert collective["form"] == ("model (parameters + gradients) + optimizer + three buckets (two send buffers "
+                                  "and the one in flight) + constant")
     # the file engine writes shards of host copies: no bucket, at most the whole update
     assert file["terms"] == {**base, "host_copies_bytes": 1_000_000} and file["bound_bytes"] == 822_306_368
     assert file["form"] == ("model (parameters + gradients) + optimizer + the update's host copies (one shard, "
@@ -39,7 +40,7 @@ def test_a_peak_over_the_bound_is_outside_it_and_at_the_bound_within():
                                                            "bound_bytes": 10, "peak_bytes": 11, "within": False}
 
 
-def test_an_engine_class_that_states_its_send_buffer_wins_and_an_unknown_one_is_refused():
+def test_the_bound_reads_the_engine_class_and_refuses_one_that_states_nothing():
     class Stated:
         send_buffer_words = "one staging copy"
 
@@ -62,13 +63,10 @@ def test_a_rollout_is_judged_by_its_apply_modes_bound():
     assert in_place["judged_by"]["within"] is True
 
 
-def test_an_adapters_own_memory_report_wins_and_a_model_adapter_is_read_from_its_layout():
-    class Reports:
-        def memory(self):
-            return HeldMemory(model_bytes=5, banks=2, bank_bytes=5, staging_bytes=5, last_copied_bytes=3)
-
-    assert adapter_memory(Reports()).banks == 2
+def test_a_model_adapter_reports_its_banks():
     torch = pytest.importorskip("torch")
     module = torch.nn.Linear(16, 4, bias=False)  # 64 fp32 values: 256 bytes
-    held = adapter_memory(ckpt.ModelRolloutAdapter(module, atomic=True))
+    held = ckpt.ModelRolloutAdapter(module, atomic=True).memory()
     assert (held.model_bytes, held.banks, held.bank_bytes) == (256, 2, 256)
+    held = ckpt.ModelRolloutAdapter(torch.nn.Linear(16, 4, bias=False), atomic=False).memory()
+    assert (held.model_bytes, held.banks, held.bank_bytes) == (256, 1, 256)
