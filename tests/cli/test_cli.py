@@ -1,5 +1,6 @@
 """The `hal` console script driven as a user drives it: in a subprocess, reading its output and exit status."""
 
+import importlib.util
 import json
 import os
 import pathlib
@@ -165,7 +166,6 @@ def test_launch_reports_a_failing_script(tmp_path):
 
 @pytest.mark.multiprocess
 def test_bench_quick_prints_ratios(tmp_path):
-    
     plot = tmp_path / "bench.png"
     want_plot = importlib.util.find_spec("matplotlib") is not None
     args = ["bench", "--quick", "--device", "npu-sim", "--json", "--only", "offload", "sync"] + (
