@@ -33,9 +33,9 @@ class NpuDevice(DeviceSpec):
         import torch
         import torch_npu  # noqa: F401  - registers torch.npu and the hccl backend
 
-        from devices import sim_compat
+        from devices.npu_sim import compat
 
-        if sim_compat.is_compat(torch_npu):
+        if compat.is_compat(torch_npu):
             raise ImportError("torch_npu here is hal's npu-sim compatibility module, not the real package; "
                               "select the 'npu-sim' kind for it")
         return torch.npu

@@ -298,7 +298,7 @@ def _assigned_ids(ray, resource: str, visible_env: str | None) -> list[str]:
 
 
 def _sim_already_registered() -> bool:
-    sim = sys.modules.get("devices.sim")
+    sim = sys.modules.get("devices.npu_sim")
     return sim is not None and getattr(sim, "_registered", None) is not None
 
 

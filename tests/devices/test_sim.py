@@ -283,7 +283,7 @@ def test_fsdp2_on_npu_mesh_matches_unsharded():
 def strict_mode():
     """Strict mode for this test only: installed (as HAL_SIM_STRICT=1 does at registration), then put back
     as it was, so later tests in this process see the torch.cuda they started with."""
-    from devices import sim_strict
+    from devices.npu_sim import strict as sim_strict
 
     was = sim_strict.installed()
     sim_strict.install()
@@ -307,7 +307,7 @@ def test_strict_mode_names_the_stray_cuda_caller(npu, strict_mode):
 
 def test_strict_mode_uninstall_restores_torch_cuda():
     # a fresh process, so that the session's own strict mode (the plugin sets HAL_SIM_STRICT) is not involved
-    code = ("import torch\nfrom devices import sim_strict\noriginal = torch.cuda.synchronize\n"
+    code = ("import torch\nfrom devices.npu_sim import strict as sim_strict\noriginal = torch.cuda.synchronize\n"
             "sim_strict.install()\nwrapped = torch.cuda.synchronize is not original\n"
             "try:\n    torch.cuda.synchronize()\n    raised = False\nexcept sim_strict.StrictCudaCallError:\n"
             "    raised = True\nsim_strict.uninstall()\n"
@@ -327,7 +327,7 @@ def test_strict_mode_in_a_fresh_process():
 
 
 def test_refused_when_a_real_torch_npu_is_importable(monkeypatch):
-    from devices import sim
+    from devices import npu_sim as sim
 
     monkeypatch.setattr(sim, "_registered", None)
     monkeypatch.setattr(sim, "real_torch_npu_present", lambda: True)
@@ -356,7 +356,7 @@ def test_hccl_collective_with_a_missing_peer_times_out():
 def test_registration_is_idempotent_and_mirrors_torch_npu(npu):
     import torch.distributed as dist
 
-    from devices import sim
+    from devices import npu_sim as sim
 
     assert sim.register() is sim.register() is torch.npu  # a second PrivateUse1 rename would raise
     assert torch._C._get_privateuse1_backend_name() == "npu"
@@ -369,15 +369,15 @@ def test_registration_is_idempotent_and_mirrors_torch_npu(npu):
 def test_a_build_lock_left_by_a_killed_build_is_cleared_and_a_fresh_one_kept(tmp_path):
     import time
 
-    from devices import sim_ext
+    from devices.npu_sim import ext as sim_ext
 
     lock = tmp_path / "lock"
     lock.write_text("")
-    sim_ext._clear_stale_lock(tmp_path, max_age_s=60)
+    sim_ext.clear_stale_lock(tmp_path, max_age_s=60)
     assert lock.exists()  # a build may be running: keep it
     old = time.time() - 120
     os.utime(lock, (old, old))
-    sim_ext._clear_stale_lock(tmp_path, max_age_s=60)
+    sim_ext.clear_stale_lock(tmp_path, max_age_s=60)
     assert not lock.exists()
 
 

@@ -5,7 +5,7 @@ torch-npu wheel), which in turn mirror ``torch.cuda``. Memory figures are the ex
 in bytes, of its caching allocator (as torch_npu's): ``memory_allocated()`` counts blocks in use,
 ``memory_reserved()`` those plus the cached free ones, and ``empty_cache()`` returns the cached ones. Every operator runs synchronously on the host, so streams and
 events are correct as no-ops (an event is complete once recorded); only collectives complete later (see
-``devices.sim_backend``), and ``synchronize`` runs those queued on the device.
+``devices.npu_sim.backend``), and ``synchronize`` runs those queued on the device.
 Random numbers come from the host generator (operators fall back to the cpu), so seeding npu seeds it.
 """
 
@@ -17,7 +17,7 @@ from typing import Any, Union
 
 import torch
 
-from devices import sim_backend
+from devices.npu_sim import backend
 
 DeviceArg = Union[int, str, torch.device, None]
 
@@ -92,7 +92,7 @@ def build(ext: types.ModuleType) -> types.ModuleType:
         Raises:
             hal.DistributedTimeoutError: a queued collective did not complete within its group's timeout.
         """
-        sim_backend.synchronize(_index(device))
+        backend.synchronize(_index(device))
 
     def empty_cache() -> None:
         """Return the cached (free) blocks of every device to the simulated device: :func:`memory_reserved`

@@ -9,8 +9,8 @@ multiprocessing or Ray, where no code of the user's runs before verl's or vLLM's
 It does nothing unless asked: ``HAL_DEVICE=npu-sim`` (or ``npu-sim:<index>``), or ``HAL_NPU_SIM_AUTOLOAD=1``
 with any ``HAL_DEVICE``. ``HAL_NPU_SIM_AUTOLOAD=0`` turns it off even with ``HAL_DEVICE=npu-sim`` (hal then
 registers the sim on first use, as before), and torch's ``TORCH_DEVICE_BACKEND_AUTOLOAD=0`` turns off every
-backend autoload. Unasked, it reads two environment variables and imports nothing: this module imports only
-``os``. A failure (a compiler error on the first build, a real torch_npu present) becomes a
+backend autoload. Unasked, it reads two environment variables and registers nothing: this module imports
+only ``os``, and its package's top (:mod:`devices.npu_sim`) only the spec's dataclass base. A failure (a compiler error on the first build, a real torch_npu present) becomes a
 ``RuntimeWarning``, never an exception: ``import torch`` must keep working.
 """
 
@@ -41,9 +41,9 @@ def autoload() -> None:
     if not wanted():
         return
     try:
-        from devices import sim
+        from devices import npu_sim
 
-        sim.register()
+        npu_sim.register()
     except Exception as exc:  # noqa: BLE001 - import torch must survive any failure of the sim
         import warnings
 

@@ -9,8 +9,8 @@
 //   * the factory / copy / view kernels, `_has_compatible_shallow_copy_type` (npu and cpu strided tensors
 //     are compatible, as torch_npu registers), and at::native::cpu_fallback as the boxed fallback for
 //     every other operator.
-// The Python side (devices/sim.py, whose docstring says why this route and not the pure-Python backend)
-// renames PrivateUse1 to "npu", registers torch.npu (devices/sim_module.py) and hccl (devices/sim_backend.py).
+// The Python side (devices/npu_sim/__init__.py, whose docstring says why this route and not the pure-Python backend)
+// renames PrivateUse1 to "npu", registers torch.npu (devices/npu_sim/module.py) and hccl (devices/npu_sim/backend.py).
 
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
