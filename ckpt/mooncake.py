@@ -103,7 +103,10 @@ class MooncakeCheckpointEngine(P2PCheckpointEngine):
         device_name: Mooncake's device filter (RDMA NIC names for ``"rdma"``; ``""``: let it choose).
     """
 
-    spec_field = "mooncake_protocol"
+    @staticmethod
+    def in_place_value(spec: hal.DeviceSpec) -> str | None:
+        """The kind's Mooncake protocol (``"tcp"``, ``"rdma"``, ``"ascend_direct"``), ``None``: stage via host memory."""
+        return spec.mooncake_protocol
 
     def __init__(self, *args: Any, device_name: str = "", **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)

@@ -297,11 +297,6 @@ def _assigned_ids(ray, resource: str, visible_env: str | None) -> list[str]:
     return [listed[i] for i in slots]
 
 
-def _sim_already_registered() -> bool:
-    sim = sys.modules.get("devices.npu_sim")
-    return sim is not None and getattr(sim, "_registered", None) is not None
-
-
 def bind_assigned_device(kind: str) -> DeviceBinding:
     """Bind the device Ray assigned to this actor as the local device of ``kind``; set ``HAL_DEVICE``.
 
@@ -311,7 +306,8 @@ def bind_assigned_device(kind: str) -> DeviceBinding:
     2. the visible-devices variable: Ray set it to those ids for its accelerators; for a custom resource hal
        sets it the same way; with ``RAY_EXPERIMENTAL_NOSET_<VARIABLE>=1`` nobody does;
     3. the local index: the bound id's position in the visible list, or the id itself when the variable is
-       unset (or the simulated npu had already read it);
+       unset (or the kind had already read it: :meth:`DeviceSpec.visible_devices_read`, the simulated npu
+       registered before the binding);
     4. ``HAL_DEVICE=<kind>`` and ``LOCAL_RANK=<local index>``, then ``hal.bind_local_device``.
 
     Raises:
@@ -348,14 +344,14 @@ def bind_assigned_device(kind: str) -> DeviceBinding:
         set_by = "noset"
     elif ray_sets_visible_devices(resource):
         set_by = "ray"
-    elif kind == "npu-sim" and _sim_already_registered():
-        set_by = "noset"  # the sim already counted its devices from the variable: changing it now means nothing
+    elif spec.visible_devices_read():
+        set_by = "noset"  # the kind already read the variable (the sim counted its devices): changing it means nothing
     else:
         os.environ[env] = ",".join(ids)
         set_by = "hal"
     visible = os.environ.get(env) if env else None
-    if set_by == "noset" and kind == "npu-sim" and _sim_already_registered():
-        visible_list = None  # the sim counts devices 0..n-1 by their node-wide ids
+    if set_by == "noset" and spec.visible_devices_read():
+        visible_list = None  # the kind counts devices 0..n-1 by their node-wide ids
     else:
         visible_list = [v.strip() for v in visible.split(",")] if visible else None
     if visible_list is None:

@@ -126,12 +126,13 @@ def _first_error(exc: BaseException) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class SimNpuDevice(DeviceSpec):
-    """The simulated Ascend kind (see the module doc). ``supports_pin_memory``: pinned host memory works."""
+    """The simulated Ascend kind (see the module doc); pinned host memory works, as on Ascend."""
 
     kind: str = "npu-sim"
     name: str = "npu"
     dist_backend: str = "hccl"
     visible_devices_env: str | None = "ASCEND_RT_VISIBLE_DEVICES"
+    visible_devices_fixed: bool = True  # counted once, by register()
     ray_resource: str | None = "NPU_SIM"  # its own, so simulated workers never take a real Ascend NPU
     auto_probe: bool = False
     supports_pin_memory: bool = True
@@ -148,15 +149,20 @@ class SimNpuDevice(DeviceSpec):
         """``torch.npu`` of the sim, registering it on first use (see :func:`register` for errors)."""
         return register()
 
-    def availability(self) -> Availability:
-        """Registers the sim on first call; unavailable (never raises) when torch_npu is present or the build fails."""
+    def is_set_up(self) -> bool:
+        """Whether :func:`register` ran in this process (it counted the devices from the variables then)."""
+        return _registered is not None
+
+    def availability(self, device: int | None = None) -> Availability:
+        """Registers the sim on first call; unavailable (never raises) when torch_npu is present or the build
+        fails, or when ``device`` is given and is not one of the simulated devices."""
         try:
             module = register()
         except BaseException as exc:  # noqa: BLE001 - compiler, loader, or a real torch_npu
             if isinstance(exc, (KeyboardInterrupt, SystemExit)):
                 raise
             return Availability.unavailable(f"npu-sim setup failed: {type(exc).__name__}: {_first_error(exc)}")
-        return Availability.available(module.device_count())
+        return Availability.available(module.device_count()).of_index(self.kind, device)
 
 
 SPEC = SimNpuDevice()

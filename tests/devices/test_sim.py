@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 import hal
 from hal.testing import free_port, run_multiprocess
-from tests.devices import _sim_workers
+from tests.devices import sim_workers
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 
@@ -248,7 +248,7 @@ def test_streams_and_events_are_no_op_correct(npu):
 
 @pytest.mark.multiprocess
 def test_hccl_broadcast_and_all_reduce_two_processes():
-    results = run_multiprocess(_sim_workers.store_group_collectives, 2, timeout=90)
+    results = run_multiprocess(sim_workers.store_group_collectives, 2, timeout=90)
     expected = torch.arange(6, dtype=torch.float32).reshape(2, 3) * 1.5
     for rank in (0, 1):
         assert results[rank]["broadcast"] == expected.tolist()
@@ -258,7 +258,7 @@ def test_hccl_broadcast_and_all_reduce_two_processes():
 
 @pytest.mark.multiprocess
 def test_hccl_default_group_gather_scatter_and_ddp():
-    results = run_multiprocess(_sim_workers.default_group_collectives, 2, timeout=90)
+    results = run_multiprocess(sim_workers.default_group_collectives, 2, timeout=90)
     for rank in (0, 1):
         r = results[rank]
         assert r["backend"] == "hccl" and r["backend_of_group"] == "hccl" and r["device"] == f"npu:{rank}"
@@ -273,7 +273,7 @@ def test_hccl_default_group_gather_scatter_and_ddp():
 
 @pytest.mark.multiprocess
 def test_fsdp2_on_npu_mesh_matches_unsharded():
-    results = run_multiprocess(_sim_workers.fsdp2_training, 2, 3, timeout=110)
+    results = run_multiprocess(sim_workers.fsdp2_training, 2, 3, timeout=110)
     for rank in (0, 1):
         assert results[rank]["local_device"] == f"npu:{rank}"
         assert results[rank]["max_abs_diff"] <= 1e-6  # reduce-scatter averages in another order
@@ -348,7 +348,7 @@ def test_hal_info_reports_npu_hccl_ascend():
 
 @pytest.mark.multiprocess
 def test_hccl_collective_with_a_missing_peer_times_out():
-    results = run_multiprocess(_sim_workers.missing_peer, 2, 2.0, timeout=60)
+    results = run_multiprocess(sim_workers.missing_peer, 2, 2.0, timeout=60)
     assert results[0]["error"] == "DistributedTimeoutError", results[0]
     assert 1.5 <= results[0]["elapsed"] <= 10.0, results[0]
 

@@ -370,7 +370,7 @@ class _Trainer:
             self.engine.to("cpu", **self.flags)
         offload_s = time.perf_counter() - start
         return {"loss": loss, "train_s": train_s, "offload_s": offload_s,
-                "placement": dataclasses.asdict(self.engine.placement())}
+                "placement": dataclasses.asdict(self.engine.tensor_home())}
 
     def begin(self, step: int) -> dict[str, Any]:
         """Start step ``step`` under either launcher: a new peak-memory window, the optimizer step and
