@@ -279,6 +279,72 @@ def test_fsdp2_on_npu_mesh_matches_unsharded():
         assert results[rank]["max_abs_diff"] <= 1e-6  # reduce-scatter averages in another order
 
 
+@pytest.mark.multiprocess
+def test_fsdp1_over_two_ranks_matches_unsharded():
+    # FSDP1 shards by freeing the flat parameter's storage (resize_(0)) and set_() onto the shard: both must
+    # behave as on a device (they crashed the sim)
+    results = run_multiprocess(sim_workers.fsdp1_training, 2, 3, timeout=110)
+    for rank in (0, 1):
+        r = results[rank]
+        assert r["sharded_numel"] < r["total_numel"]  # each rank holds a shard, not the whole model
+        assert r["max_abs_diff"] <= 1e-6
+
+
+STORAGE_CALLS = """
+import torch
+x = torch.randn(1000, device="npu")
+x.untyped_storage().resize_(0)
+y = torch.randn(10, device="npu")
+x.set_(y)
+shares = x.untyped_storage().data_ptr() == y.untyped_storage().data_ptr()
+z = torch.randn(6, device="npu")
+z.untyped_storage().resize_(0)
+z.untyped_storage().resize_(24)  # FSDP2's re-fill of a freed parameter
+z.copy_(torch.arange(6.0))
+e = torch.randn(3, device="npu").set_()
+print(x.device, tuple(x.shape), shares, torch.equal(x.cpu(), y.cpu()), x.is_set_to(y),
+      z.untyped_storage().device, z.cpu().tolist(), e.device, e.numel())
+"""
+
+
+def test_storage_resize_to_zero_then_set_behaves_as_on_a_device():
+    # in a subprocess: the sim segfaulted here, which must fail this test rather than end pytest
+    env = {**os.environ, "HAL_DEVICE": "npu-sim"}
+    done = subprocess.run([sys.executable, "-c", STORAGE_CALLS], capture_output=True, text=True, timeout=180,
+                          env=env, cwd=REPO)
+    assert done.returncode == 0, f"exit status {done.returncode}: {done.stderr[-2000:]}"
+    assert done.stdout.split() == ["npu:0", "(10,)", "True", "True", "True", "npu:0",
+                                   "[0.0,", "1.0,", "2.0,", "3.0,", "4.0,", "5.0]", "npu:0", "0"]
+
+
+@pytest.mark.parametrize("call", ["current_stream", "default_stream", "synchronize", "set_device", "device",
+                                  "memory_allocated", "max_memory_allocated", "memory_reserved", "memory_stats",
+                                  "reset_peak_memory_stats", "mem_get_info", "get_device_name",
+                                  "get_device_properties", "get_device_capability", "Stream",
+                                  "set_per_process_memory_fraction", "get_per_process_memory_fraction"])
+def test_every_call_taking_an_index_refuses_one_past_the_devices(npu, call):
+    count = npu.device_count()
+    fn = getattr(npu, call)
+    args = (0.5, count) if call == "set_per_process_memory_fraction" else (count,)
+    with pytest.raises(RuntimeError, match=rf"Invalid device argument {count}: .*valid indices 0\.\.{count - 1}"):
+        fn(*args)
+    if call not in ("set_device", "device", "current_stream", "default_stream", "synchronize", "Stream"):
+        with pytest.raises(RuntimeError, match="Invalid device argument -2"):
+            fn(*args[:-1], -2)  # a negative index is refused where torch_npu refuses it
+
+
+def test_negative_index_means_no_change_or_the_current_device_where_torch_npu_says_so(npu):
+    current = npu.current_device()
+    npu.set_device(-1)
+    with npu.device(-1):
+        assert npu.current_device() == current
+    assert npu.current_stream(-1).device == torch.device("npu", current)
+    with pytest.raises(RuntimeError, match="Invalid device argument -2"):
+        npu.current_stream(-2)
+    with pytest.raises(RuntimeError, match=f"Invalid device argument {npu.device_count()}"):
+        torch.empty(2, device=f"npu:{npu.device_count()}")
+
+
 @pytest.fixture
 def strict_mode():
     """Strict mode for this test only: installed (as HAL_SIM_STRICT=1 does at registration), then put back

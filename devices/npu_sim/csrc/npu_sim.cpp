@@ -61,10 +61,16 @@ struct DeviceCounters {
 };
 DeviceCounters g_counters[kMaxDevices];
 
+// A RuntimeError, as torch_npu's device checks raise, naming the index and the valid range.
 void check_index(int64_t index) {
-  TORCH_CHECK_INDEX(index >= 0 && index < g_device_count, "npu-sim: device index ", index,
-                    " is out of range, this process sees ", g_device_count,
-                    " simulated devices (HAL_SIM_NPU_COUNT / ASCEND_RT_VISIBLE_DEVICES)");
+  TORCH_CHECK(index >= 0 && index < g_device_count, "Invalid device argument ", index, ": npu-sim has ",
+              g_device_count, " devices in this process (valid indices 0..", g_device_count - 1,
+              "; HAL_SIM_NPU_COUNT / ASCEND_RT_VISIBLE_DEVICES)");
+}
+
+// The index of ``d`` for the noexcept stream calls: its own when in range, else the current device.
+c10::DeviceIndex stream_slot(c10::DeviceIndex d) noexcept {
+  return d >= 0 && d < g_device_count ? d : t_current_device;
 }
 
 void raise_peak(std::atomic<int64_t>& peak, int64_t now) {
@@ -200,10 +206,14 @@ void free_block(void* ctx) {
   g_cache[block->device].emplace(block->size, block);
 }
 
+void free_nothing(void*) {}
+
 class SimAllocator final : public c10::Allocator {
  public:
   c10::DataPtr allocate(size_t nbytes) override {
     c10::DeviceIndex device = t_current_device;
+    // No block for an empty storage (as the CUDA caching allocator): a null pointer that still names the device.
+    if (nbytes == 0) return {nullptr, nullptr, &free_nothing, c10::Device(c10::DeviceType::PrivateUse1, device)};
     auto& c = g_counters[device];
     const size_t size = round_size(nbytes);
     Block* block = nullptr;
@@ -252,6 +262,23 @@ class SimAllocator final : public c10::Allocator {
 
 SimAllocator g_allocator;
 REGISTER_ALLOCATOR(c10::DeviceType::PrivateUse1, &g_allocator);
+
+// Storage resize on the device (untyped_storage().resize_(n), what FSDP1 and FSDP2 do to free and re-fill a
+// parameter): a new block of the sim's allocator on the storage's device, the old bytes copied over, the old
+// block freed. ATen's resize_bytes_cpu is not used: for n == 0 it leaves a data pointer on the *cpu* device,
+// after which set_() refuses the storage and a copy reads a null pointer.
+void resize_storage_bytes(c10::StorageImpl* storage, size_t newsize) {
+  TORCH_CHECK(storage->resizable(), "Trying to resize storage that is not resizable");
+  const c10::Device device = storage->device().type() == c10::DeviceType::PrivateUse1
+                                 ? storage->device()
+                                 : c10::Device(c10::DeviceType::PrivateUse1, t_current_device);
+  c10::DeviceGuard guard(device);
+  c10::DataPtr fresh = g_allocator.allocate(newsize);
+  const size_t keep = std::min(storage->nbytes(), newsize);
+  if (keep > 0 && storage->data() != nullptr) std::memcpy(fresh.get(), storage->data(), keep);
+  c10::DataPtr old = storage->set_data_ptr(std::move(fresh));  // freed (back to the cache) on return
+  storage->set_nbytes(newsize);
+}
 
 // ---------------------------------------------------------------- pinned host memory
 std::mutex g_pinned_mutex;
@@ -319,7 +346,7 @@ struct SimGuardImpl final : public c10::impl::DeviceGuardImplInterface {
     if (d.index() >= 0 && d.index() < g_device_count) t_current_device = d.index();
   }
   c10::Stream getStream(c10::Device d) const noexcept override {
-    auto index = d.index() < 0 ? t_current_device : d.index();
+    auto index = stream_slot(d.index());
     return c10::Stream(c10::Stream::UNSAFE, c10::Device(kType, index), t_current_stream[index]);
   }
   c10::Stream getDefaultStream(c10::Device d) const override { return c10::Stream(c10::Stream::DEFAULT, d); }
@@ -329,7 +356,7 @@ struct SimGuardImpl final : public c10::impl::DeviceGuardImplInterface {
     return c10::Stream(c10::Stream::UNSAFE, d, next_id++);
   }
   c10::Stream exchangeStream(c10::Stream s) const noexcept override {
-    auto index = s.device_index() < 0 ? t_current_device : s.device_index();
+    auto index = stream_slot(s.device_index());
     auto old = c10::Stream(c10::Stream::UNSAFE, c10::Device(kType, index), t_current_stream[index]);
     t_current_stream[index] = s.id();
     return old;
@@ -384,8 +411,7 @@ struct SimHooks final : public at::PrivateUse1HooksInterface {
     return at::Device(c10::DeviceType::PrivateUse1, t_current_device);
   }
   void resizePrivateUse1Bytes(const c10::Storage& storage, size_t newsize) const override {
-    c10::DeviceGuard guard(storage.device());
-    at::native::resize_bytes_cpu(storage.unsafeGetStorageImpl(), newsize);
+    resize_storage_bytes(storage.unsafeGetStorageImpl(), newsize);
   }
 };
 
@@ -436,7 +462,9 @@ const at::Tensor& sim_resize_(const at::Tensor& self, c10::SymIntArrayRef size,
   auto sizes = C10_AS_INTARRAYREF_SLOW(size);
   impl->set_sizes_contiguous(sizes);
   auto nbytes = at::detail::computeStorageNbytesContiguous(sizes, impl->dtype().itemsize(), impl->storage_offset());
-  at::native::maybe_resize_storage_cpu(impl, nbytes);
+  if (impl->numel() > 0 && nbytes > impl->storage().nbytes()) {
+    resize_storage_bytes(impl->storage().unsafeGetStorageImpl(), nbytes);
+  }
   if (memory_format.has_value()) {
     auto fmt = *memory_format;
     TORCH_CHECK(fmt != at::MemoryFormat::Preserve, "npu-sim: resize_ does not take MemoryFormat::Preserve");
@@ -455,6 +483,21 @@ at::Tensor& sim_set_source_storage_offset(at::Tensor& self, c10::Storage storage
   return at::native::set_storage_cpu_(self, storage, offset.guard_int(__FILE__, __LINE__),
                                       C10_AS_INTARRAYREF_SLOW(size), C10_AS_INTARRAYREF_SLOW(stride));
 }
+
+// set_(source): ATen's own kernel, which re-points ``self`` at ``source``'s storage through set_.source_Storage_
+// storage_offset below. Without it the cpu fallback copied ``self`` to the host first, reading the bytes of a
+// storage FSDP had just resized to 0 (a segfault), and then copied the result back instead of sharing storage.
+at::Tensor& sim_set_source_tensor(at::Tensor& self, const at::Tensor& source) { return at::native::set_tensor_(self, source); }
+
+// set_(): an empty storage of the sim's own allocator on ``self``'s device (ATen's set_cpu_ would take the host's).
+at::Tensor& sim_set_empty(at::Tensor& self) {
+  c10::DeviceGuard guard(self.device());
+  c10::Storage storage(c10::Storage::use_byte_size_t(), 0, &g_allocator, /*resizable=*/true);
+  return self.set_(storage, 0, {0}, {});
+}
+
+// Whether both tensors view the same storage with the same offset, sizes and strides; never copies.
+bool sim_is_set_to(const at::Tensor& self, const at::Tensor& tensor) { return at::native::is_set_to(self, tensor); }
 
 at::Tensor sim_view(const at::Tensor& self, c10::SymIntArrayRef size) { return at::native::view(self, C10_AS_INTARRAYREF_SLOW(size)); }
 
@@ -488,6 +531,9 @@ TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
   m.impl("resize_", sim_resize_);
   m.impl("set_.source_Storage", sim_set_source_storage);
   m.impl("set_.source_Storage_storage_offset", sim_set_source_storage_offset);
+  m.impl("set_.source_Tensor", sim_set_source_tensor);
+  m.impl("set_", sim_set_empty);
+  m.impl("is_set_to", sim_is_set_to);
   m.impl("view", sim_view);
   m.impl("as_strided", sim_as_strided);
   m.impl("_reshape_alias", sim_reshape_alias);
