@@ -66,6 +66,11 @@ def _device_count() -> int:
     return count
 
 
+def capacity_bytes() -> int:
+    """Each simulated device's memory in bytes: ``HAL_SIM_NPU_MEMORY``, default 8 GiB."""
+    return int(os.environ.get("HAL_SIM_NPU_MEMORY", DEFAULT_CAPACITY_BYTES))
+
+
 def register() -> types.ModuleType:
     """Load the extension and register the ``npu`` device, ``torch.npu`` and ``hccl``; idempotent.
 
@@ -97,7 +102,7 @@ def register() -> types.ModuleType:
                                "the npu-sim kind needs it as 'npu'")
         ext = extension.load()
         ext.init(_device_count())
-        capacity = int(os.environ.get("HAL_SIM_NPU_MEMORY", DEFAULT_CAPACITY_BYTES))
+        capacity = capacity_bytes()
         for index in range(ext.device_count()):
             ext.set_capacity(index, capacity)
         if current != "npu":
