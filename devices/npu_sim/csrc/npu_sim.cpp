@@ -7,8 +7,8 @@
 //     every operator runs synchronously on the host);
 //   * a hooks object (device count, pinned host memory, storage resize, the default generator);
 //   * the factory / copy / view kernels, `_has_compatible_shallow_copy_type` (npu and cpu strided tensors
-//     are compatible, as torch_npu registers), and at::native::cpu_fallback as the boxed fallback for
-//     every other operator.
+//     are compatible, as torch_npu registers), and a boxed fallback for every other operator that runs its
+//     cpu kernel on cpu views of the npu bytes (see sim_fallback).
 // The Python side (devices/npu_sim/__init__.py, whose docstring says why this route and not the pure-Python backend)
 // renames PrivateUse1 to "npu", registers torch.npu (devices/npu_sim/module.py) and hccl (devices/npu_sim/backend.py).
 
@@ -521,7 +521,133 @@ bool sim_has_compatible_shallow_copy_type(const at::Tensor& self, const at::Tens
 
 void sim_record_stream(at::Tensor&, c10::Stream) {}
 
-void sim_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) { at::native::cpu_fallback(op, stack); }
+// ---------------------------------------------------------------- the fallback: cpu kernels on the same bytes
+// Every operator without an npu kernel runs its cpu kernel. npu memory is host memory, so the kernel runs on
+// cpu *views* of the npu tensors' own bytes: no host mirror of the inputs is made (at::native::cpu_fallback
+// copies every input to the host and every mutated argument back; for an optimizer step that is several
+// copies of the largest parameter at once, and of the embedding for every lookup), and in-place and out=
+// operators write the npu bytes directly. A view's storage is resizable through the cpu allocator: a kernel
+// that resizes an out= argument gets new host memory, which is then copied back into the npu tensor.
+// Fresh results are copied onto the device (counted by the allocator), as a device kernel would have
+// allocated them. HAL_SIM_COPY_FALLBACK=1 switches back to at::native::cpu_fallback.
+at::Tensor host_view(const at::Tensor& t) {
+  if (!t.defined() || !t.device().is_privateuseone()) return t;
+  const c10::Storage& src = t.storage();
+  c10::Storage storage(c10::Storage::use_byte_size_t(), src.nbytes(),
+                       c10::DataPtr(src.mutable_data(), nullptr, &free_nothing, c10::Device(c10::kCPU)),
+                       c10::GetCPUAllocator(), /*resizable=*/true);
+  at::Tensor view = at::empty({0}, t.options().device(c10::kCPU));
+  view.unsafeGetTensorImpl()->set_storage_keep_dtype(std::move(storage));
+  view.unsafeGetTensorImpl()->set_sizes_and_strides(t.sizes(), t.strides(), t.storage_offset());
+  return view;
+}
+
+struct Swapped {
+  at::Tensor original;  // the npu tensor
+  at::Tensor view;      // its host view, given to the cpu kernel
+  const void* data;     // the view's data pointer before the call
+};
+
+// Copy a mutated argument back unless the kernel wrote the npu bytes in place (same pointer and sizes).
+void write_back(const Swapped& s) {
+  if (s.view.data_ptr() == s.data && s.view.sizes() == s.original.sizes() && s.view.strides() == s.original.strides()) {
+    return;
+  }
+  at::native::resize_(s.original, s.view.sizes(), std::nullopt);
+  sim_copy_from(s.view, s.original, false);
+}
+
+at::Tensor to_device(const at::Tensor& t, c10::Device device) {
+  if (!t.defined() || !t.is_cpu()) return t;
+  c10::DeviceGuard guard(device);
+  at::Tensor out = at::detail::empty_strided_generic(t.sizes(), t.strides(), &g_allocator, sim_keys(),
+                                                     t.scalar_type());
+  sim_copy_from(t, out, false);
+  return out;
+}
+
+void sim_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  static const bool copy_fallback = std::getenv("HAL_SIM_COPY_FALLBACK") != nullptr;
+  if (copy_fallback) {
+    at::native::cpu_fallback(op, stack);
+    return;
+  }
+  const auto& schema = op.schema();
+  const size_t n = schema.arguments().size();
+  const size_t base = stack->size() - n;
+  c10::Device device(c10::DeviceType::PrivateUse1, t_current_device);
+  bool found_device = false;
+  std::vector<std::vector<Swapped>> swapped(n);  // per argument: its npu tensors (one, or a list's)
+  auto swap = [&](const at::Tensor& t, size_t arg) -> at::Tensor {
+    if (!t.defined() || !t.device().is_privateuseone()) return t;
+    if (!found_device) device = t.device(), found_device = true;
+    at::Tensor view = host_view(t);
+    swapped[arg].push_back({t, view, view.defined() && view.numel() > 0 ? view.data_ptr() : nullptr});
+    return view;
+  };
+  for (size_t i = 0; i < n; ++i) {
+    c10::IValue& iv = (*stack)[base + i];
+    if (iv.isTensor()) {
+      iv = swap(iv.toTensor(), i);
+    } else if (iv.isTensorList()) {
+      c10::List<at::Tensor> list = iv.toTensorList();
+      c10::List<at::Tensor> views;
+      views.reserve(list.size());
+      for (const at::Tensor& t : list) views.push_back(swap(t, i));
+      iv = views;
+    } else if (iv.isOptionalTensorList()) {
+      auto list = iv.toOptionalTensorList();
+      c10::List<std::optional<at::Tensor>> views;
+      views.reserve(list.size());
+      for (std::optional<at::Tensor> t : list) views.push_back(t.has_value() ? std::optional<at::Tensor>(swap(*t, i)) : t);
+      iv = views;
+    } else if (iv.isDevice() && iv.toDevice().is_privateuseone()) {
+      if (!found_device) device = iv.toDevice(), found_device = true;
+      iv = c10::Device(c10::kCPU);
+    }
+  }
+  op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::CPU), stack);
+  // Mutated arguments: written in place, or copied back if the kernel gave them new memory.
+  for (size_t i = 0; i < n; ++i) {
+    const auto* alias = schema.arguments()[i].alias_info();
+    if (alias != nullptr && alias->isWrite()) {
+      for (const Swapped& s : swapped[i]) write_back(s);
+    }
+  }
+  // Results: an alias of an argument is that (npu) argument or an npu view of it; anything else is fresh.
+  const size_t r = schema.returns().size();
+  const size_t rbase = stack->size() - r;
+  for (size_t j = 0; j < r; ++j) {
+    c10::IValue& iv = (*stack)[rbase + j];
+    const auto* ret_alias = schema.returns()[j].alias_info();
+    if (ret_alias != nullptr && iv.isTensor()) {
+      bool mapped = false;
+      for (size_t i = 0; i < n && !mapped; ++i) {
+        const auto* arg_alias = schema.arguments()[i].alias_info();
+        if (arg_alias == nullptr || arg_alias->beforeSets() != ret_alias->beforeSets() || swapped[i].size() != 1) continue;
+        const Swapped& s = swapped[i].front();
+        const at::Tensor& ret = iv.toTensor();
+        if (ret.is_same(s.view) || arg_alias->isWrite()) {
+          iv = s.original;
+        } else {  // a view of the argument: the same view of the npu tensor
+          const auto offset = ret.storage_offset();
+          iv = s.original.as_strided(ret.sizes(), ret.strides(), offset);
+        }
+        mapped = true;
+      }
+      if (mapped) continue;
+    }
+    if (iv.isTensor()) {
+      iv = to_device(iv.toTensor(), device);
+    } else if (iv.isTensorList()) {
+      c10::List<at::Tensor> list = iv.toTensorList();
+      c10::List<at::Tensor> out;
+      out.reserve(list.size());
+      for (const at::Tensor& t : list) out.push_back(to_device(t, device));
+      iv = out;
+    }
+  }
+}
 
 TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
   m.impl("empty.memory_format", sim_empty_memory_format);
