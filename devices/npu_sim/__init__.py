@@ -24,7 +24,7 @@ compatibility module (:mod:`devices.npu_sim.compat`). With ``HAL_DEVICE=npu-sim`
 ``import torch`` (:mod:`devices.npu_sim.autoload`), before any consumer's first import.
 
 Environment: ``HAL_SIM_NPU_COUNT`` (devices, default: entries of ``ASCEND_RT_VISIBLE_DEVICES``, else 8),
-``HAL_SIM_NPU_MEMORY`` (capacity per device in bytes, default 8 GiB), ``HAL_SIM_STRICT=1`` (any
+``HAL_SIM_NPU_MEMORY`` (capacity per device in bytes, default 16 GiB: the default `hal sync` preset trains with AdamW in fp32, 8 GiB of states plus its step's temporaries), ``HAL_SIM_STRICT=1`` (any
 ``torch.cuda`` call raises, see :mod:`devices.npu_sim.strict`), ``HAL_CACHE_DIR`` (build cache).
 """
 
@@ -38,7 +38,7 @@ import types
 from devices.base import Availability, DeviceSpec
 
 DEFAULT_DEVICE_COUNT = 8
-DEFAULT_CAPACITY_BYTES = 8 << 30
+DEFAULT_CAPACITY_BYTES = 16 << 30
 
 _lock = threading.Lock()
 _registered: types.ModuleType | None = None
@@ -68,7 +68,7 @@ def _device_count() -> int:
 
 
 def capacity_bytes() -> int:
-    """Each simulated device's memory in bytes: ``HAL_SIM_NPU_MEMORY``, default 8 GiB."""
+    """Each simulated device's memory in bytes: ``HAL_SIM_NPU_MEMORY``, default 16 GiB."""
     return int(os.environ.get("HAL_SIM_NPU_MEMORY", DEFAULT_CAPACITY_BYTES))
 
 

@@ -170,7 +170,7 @@ def build(ext: types.ModuleType) -> types.ModuleType:
         ext.reset_peak_memory_stats(_index(device))
 
     def mem_get_info(device: DeviceArg = None) -> tuple[int, int]:
-        """``(free, total)`` bytes against the simulated capacity (``HAL_SIM_NPU_MEMORY``, default 8 GiB);
+        """``(free, total)`` bytes against the simulated capacity (``HAL_SIM_NPU_MEMORY``, default 16 GiB);
         cached blocks count as used, as the driver sees them."""
         index = _index(device)
         total = ext.capacity(index)

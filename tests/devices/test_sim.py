@@ -149,6 +149,33 @@ def test_freed_blocks_are_cached_reused_in_place_and_returned_by_empty_cache(npu
     assert int(z[::4096].sum()) == (64 << 20) // 4096
 
 
+CACHE_RESIDENT = """
+import os, torch
+def rss(): return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+blocks = [torch.ones(64 << 20, dtype=torch.uint8, device="npu") for _ in range(4)]
+addresses = [b.data_ptr() for b in blocks]
+reserved, before = torch.npu.memory_reserved(), rss()
+del blocks  # 256 MiB into the cache; 64 MiB of it may stay resident
+freed, after_reserved = before - rss(), torch.npu.memory_reserved()
+again = [torch.empty(64 << 20, dtype=torch.uint8, device="npu") for _ in range(4)]
+print(after_reserved == reserved, freed >> 20, sorted(a.data_ptr() for a in again) == sorted(addresses),
+      rss() - before + freed >= (192 << 20))
+"""
+
+
+@pytest.mark.skipif(not pathlib.Path("/proc/self/statm").exists(), reason="needs Linux /proc/self/statm")
+def test_cached_blocks_past_the_resident_limit_give_their_host_pages_back():
+    # the cache keeps its blocks (reserved, same addresses, as on a device) but only HAL_SIM_CACHE_RESIDENT_MB
+    # of them resident: the default job's rollouts held 4 GiB of host memory in cached blocks
+    env = {**os.environ, "HAL_DEVICE": "npu-sim", "HAL_SIM_CACHE_RESIDENT_MB": "64"}
+    done = subprocess.run([sys.executable, "-c", CACHE_RESIDENT], capture_output=True, text=True, timeout=180,
+                          env=env, cwd=REPO)
+    assert done.returncode == 0, done.stderr[-2000:]
+    same_reserved, freed_mb, same_addresses, resident_again = done.stdout.split()
+    assert same_reserved == "True" and same_addresses == "True" and resident_again == "True"
+    assert 180 <= int(freed_mb) <= 200  # 3 of the 4 blocks (192 MiB) gave their pages back
+
+
 def test_out_of_memory_releases_the_cache_and_retries_first(npu):
     npu.empty_cache()
     capacity = npu.mem_get_info()[1]

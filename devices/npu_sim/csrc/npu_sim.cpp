@@ -159,7 +159,49 @@ struct Block {
   c10::DeviceIndex device;
   bool mapped;
   void* ptr;
+  bool resident = true;  // its pages are in host memory (false: given back with MADV_DONTNEED while cached)
 };
+
+// Host memory the cache may keep resident per device, in bytes, over blocks not in use (HAL_SIM_CACHE_RESIDENT_MB,
+// default 1024). On a device, cached blocks cost device memory only; here they cost the host's, and a
+// process that builds a model in fp32 and casts it (or trains, frees and re-allocates) would keep all of it
+// resident for nothing: the default job's rollouts held 4 GiB cached against 1 GiB in use. A freed mapped block
+// past the limit keeps its address and stays cached (reserved, as on a device) but gives its pages back;
+// taking it again makes it resident in bulk, as a fresh block is.
+int64_t cache_resident_limit() {
+  static const int64_t limit = [] {
+    const char* env = std::getenv("HAL_SIM_CACHE_RESIDENT_MB");
+    long mb = env != nullptr ? std::strtol(env, nullptr, 10) : 1024;
+    return static_cast<int64_t>(std::max<long>(mb, 0)) << 20;
+  }();
+  return limit;
+}
+int64_t g_cached_resident[kMaxDevices] = {0};  // bytes of resident blocks not in use, per device (under g_alloc_mutex)
+
+// A block goes out of use (into the cache): counted as resident cache, or its pages given back past the limit.
+void park_locked(Block* block) {
+  if (!block->resident) return;
+  auto& held = g_cached_resident[block->device];
+  if (block->mapped && held + static_cast<int64_t>(block->size) > cache_resident_limit()) {
+#ifndef MADV_DONTNEED
+#define MADV_DONTNEED 4
+#endif
+    madvise(block->ptr, block->size, MADV_DONTNEED);
+    block->resident = false;
+    return;
+  }
+  held += static_cast<int64_t>(block->size);
+}
+
+// A cached block comes back into use: resident again (in bulk) if its pages were given back.
+void unpark_locked(Block* block) {
+  if (block->resident) {
+    g_cached_resident[block->device] -= static_cast<int64_t>(block->size);
+    return;
+  }
+  populate(block->ptr, block->size);
+  block->resident = true;
+}
 
 std::mutex g_alloc_mutex;
 std::multimap<size_t, Block*> g_cache[kMaxDevices];  // cached (free) blocks by size
@@ -179,7 +221,7 @@ std::multimap<size_t, Block*> g_device_free[kMaxDevices];
 void release_cached_locked(c10::DeviceIndex device) {
   auto& cache = g_cache[device];
   auto& c = g_counters[device];
-  for (auto& [size, block] : cache) {
+  for (auto& [size, block] : cache) {  // still parked: cached and released blocks count alike
     c.reserved -= static_cast<int64_t>(block->size);
     c.release_count += 1;
     g_device_free[device].emplace(size, block);
@@ -194,6 +236,7 @@ Block* take_device_free_locked(c10::DeviceIndex device, size_t size) {
   if (it == pool.end() || it->first > size + size / 8) return nullptr;
   Block* block = it->second;
   pool.erase(it);
+  unpark_locked(block);
   return block;
 }
 
@@ -203,6 +246,7 @@ void free_block(void* ctx) {
   auto& c = g_counters[block->device];
   c.allocated -= static_cast<int64_t>(block->size);
   c.free_count += 1;
+  park_locked(block);
   g_cache[block->device].emplace(block->size, block);
 }
 
@@ -224,6 +268,7 @@ class SimAllocator final : public c10::Allocator {
       if (it != cache.end() && it->first <= size + size / 8) {
         block = it->second;
         cache.erase(it);
+        unpark_locked(block);
       } else {
         if (c.reserved.load() + static_cast<int64_t>(size) > c.capacity.load() && !cache.empty()) {
           c.retries += 1;
