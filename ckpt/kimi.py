@@ -47,7 +47,7 @@ def supported_kinds() -> list[str]:
     """Device kinds whose spec says Kimi's checkpoint-engine runs there."""
     from hal.registry import get_spec
 
-    return [k for k in hal.known_kinds() if getattr(get_spec(k), SPEC_FIELD, False)]
+    return [k for k in hal.known_kinds() if get_spec(k).kimi_checkpoint_engine]
 
 
 def _local_address_towards(addr: str) -> str:

@@ -114,7 +114,11 @@ class MooncakeCheckpointEngine(P2PCheckpointEngine):
     """
 
     extra_keywords = ("device_name",)
-    spec_field = "mooncake_protocol"
+
+    @staticmethod
+    def in_place_value(spec: hal.DeviceSpec) -> str | None:
+        """The kind's Mooncake protocol (``"tcp"``, ``"rdma"``, ``"ascend_direct"``), ``None``: stage via host memory."""
+        return spec.mooncake_protocol
 
     def __init__(self, *args: Any, device_name: str = "", **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)

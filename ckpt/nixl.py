@@ -138,7 +138,11 @@ class NixlCheckpointEngine(P2PCheckpointEngine):
     """
 
     extra_keywords = ("backends",)
-    spec_field = "nixl_memory_type"
+
+    @staticmethod
+    def in_place_value(spec: hal.DeviceSpec) -> str | None:
+        """The kind's NIXL memory type (``"DRAM"``, ``"VRAM"``), ``None``: stage through host memory."""
+        return spec.nixl_memory_type
 
     def __init__(self, *args: Any, backends: tuple[str, ...] | list[str] = ("UCX",), **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)

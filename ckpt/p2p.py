@@ -209,8 +209,8 @@ class P2PCheckpointEngine(OneToManyEngine):
     Args:
         bucket_size: bytes per bucket (per slot); tensors above it travel in chunks of it.
         device: kind name (``"cpu"``, ``"npu-sim"``, ...) or ``None`` for hal's resolution. The buffers live
-            on that device when the library moves its memory in place (the kind's device-spec field, see
-            :attr:`spec_field`: host memory on cpu, the simulated device's memory on npu-sim, VRAM where
+            on that device when the library moves its memory in place (the kind's device-spec fact, see
+            :meth:`in_place_value`: host memory on cpu, the simulated device's memory on npu-sim, VRAM where
             NIXL registers it), else in host memory (tensors are staged through it); a rollout receives
             tensors on the buffer device.
         timeout: seconds bounding every wait (connect, accept, credit, write, metadata).
@@ -239,8 +239,11 @@ class P2PCheckpointEngine(OneToManyEngine):
     raises tells the rollouts (``TransferAbortedError``) and stays usable.
     """
 
-    spec_field = ""
-    """The device-spec field naming what the library does with the kind's memory (set by subclasses)."""
+    @staticmethod
+    def in_place_value(spec: hal.DeviceSpec) -> str | None:
+        """The kind's fact naming what the library does with its memory in place (its NIXL memory type, its
+        Mooncake protocol), ``None`` where the library stages it through host memory (set by subclasses)."""
+        return None
 
     min_bucket_size = 1024
     min_world_size = 2
@@ -276,8 +279,7 @@ class P2PCheckpointEngine(OneToManyEngine):
 
     # ---- configuration ----------------------------------------------------------------------------
     def _kind_value(self) -> str | None:
-        spec = hal.resolve_device(self.device_kind)
-        return getattr(spec, self.spec_field, None)
+        return self.in_place_value(hal.resolve_device(self.device_kind))
 
     # ---- lifecycle --------------------------------------------------------------------------------
     def _host_rendezvous(self) -> None:

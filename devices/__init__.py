@@ -5,8 +5,9 @@ They are listed here by module path, in automatic-resolution order, and imported
 Third-party kinds come from the entry-point group ``hal.devices`` (see :mod:`hal.registry`).
 
 ``Availability`` and ``DeviceSpec`` are loaded on first access: torch imports this package inside every
-``import torch`` (the sim's autoload entry point, :mod:`devices.sim_autoload`), and unasked that must cost
-nothing, not even the dataclass construction of :mod:`devices.base`.
+``import torch`` (the sim's autoload entry point, :mod:`devices.npu_sim.autoload`), and unasked that must cost
+next to nothing: the sim package's top (its spec on :mod:`devices.base`, whose imports torch has already
+made) and nothing of the extension, ``torch.npu`` or ``hccl``.
 """
 
 # kind -> module holding SPEC. Order is the auto-resolution order (npu, cuda, then cpu last);
@@ -14,7 +15,7 @@ nothing, not even the dataclass construction of :mod:`devices.base`.
 BUILTIN_KINDS: dict[str, str] = {
     "npu": "devices.npu",
     "cuda": "devices.cuda",
-    "npu-sim": "devices.sim",
+    "npu-sim": "devices.npu_sim",
     "cpu": "devices.cpu",
 }
 

@@ -33,6 +33,17 @@ class Availability:
     def unavailable(cls, reason: str) -> "Availability":
         return cls(False, reason, 0)
 
+    def of_index(self, kind: str, device: int | None) -> "Availability":
+        """This result narrowed to device ``device`` of ``kind`` (``None``: unchanged): unavailable, naming
+        the index and the valid range, when the kind is available but the index is outside
+        ``[0, device_count)``."""
+        if device is None or not self.ok:
+            return self
+        if isinstance(device, bool) or not isinstance(device, int) or not 0 <= device < self.device_count:
+            return Availability.unavailable(f"{kind}: device index {device!r} is out of range, this process sees "
+                                            f"{self.device_count} device(s) (valid: 0..{self.device_count - 1})")
+        return self
+
 
 @dataclasses.dataclass(frozen=True)
 class DeviceSpec:
@@ -46,10 +57,16 @@ class DeviceSpec:
             ``"gloo"``), as in ``torch.distributed.Backend.default_device_backend_map``.
         visible_devices_env: the environment variable that restricts which devices a process sees
             (``CUDA_VISIBLE_DEVICES``, ``ASCEND_RT_VISIBLE_DEVICES``), ``None`` where there is none.
+        visible_devices_fixed: ``True`` when the kind reads :attr:`visible_devices_env` once, when it is set
+            up in a process (CUDA at its first initialisation, the simulated npu when registered), so that
+            changing the variable afterwards changes nothing; :meth:`is_set_up` says whether that happened.
         ray_resource: the custom resource name Ray schedules this kind by (``"GPU"``, ``"NPU"``), or ``None``.
         auto_probe: whether automatic resolution may pick this kind (a simulated kind must be asked for).
         host_memory: ``True`` when tensors of this kind live in ordinary host memory (the cpu kind), so that
             offloading to the host moves nothing.
+        supports_pin_memory: whether host memory can be page-locked for copies to and from this kind's
+            devices (``torch.empty(..., pin_memory=True)``); ``False`` for host-memory kinds, where nothing
+            is copied, and by default (unpinned host buffers work everywhere).
         vendor_package: the distribution that backs the kind (``"torch-npu"``), whose version ``hal info``
             reports; ``None`` when torch itself provides it.
         nixl_memory_type: the NIXL memory type this kind's tensors register as (``"DRAM"`` host memory,
@@ -61,17 +78,20 @@ class DeviceSpec:
         kimi_checkpoint_engine: whether Kimi's ``checkpoint-engine`` (``ParameterServer``) runs on this
             kind; it supports only the device types its ``DeviceManager`` knows.
 
-    Subclasses override :meth:`torch_module` and :meth:`availability`, and :meth:`create_backend` where
-    torch builds the kind's communicator itself rather than through a registered backend plugin.
+    Subclasses override :meth:`torch_module` and :meth:`availability`, :meth:`create_backend` where
+    torch builds the kind's communicator itself rather than through a registered backend plugin, and
+    :meth:`is_set_up` where :attr:`visible_devices_fixed` is ``True``.
     """
 
     kind: str
     name: str
     dist_backend: str
     visible_devices_env: str | None = None
+    visible_devices_fixed: bool = False
     ray_resource: str | None = None
     auto_probe: bool = True
     host_memory: bool = False
+    supports_pin_memory: bool = False
     vendor_package: str | None = None
     nixl_memory_type: str | None = None
     mooncake_protocol: str | None = None
@@ -86,9 +106,24 @@ class DeviceSpec:
         """
         raise NotImplementedError(f"device kind {self.kind!r} needs a torch_module() probe")
 
-    def availability(self) -> Availability:
-        """Whether this kind can be used in this process; never raises (failures become the reason)."""
+    def availability(self, device: int | None = None) -> Availability:
+        """Whether this kind (``device=None``), or its device of index ``device``, can be used in this
+        process; never raises (failures, and an index outside ``[0, device_count)``, become the reason).
+
+        Every kind takes this one signature; :meth:`Availability.of_index` narrows a kind's result to one
+        device.
+        """
         raise NotImplementedError(f"device kind {self.kind!r} needs an availability() probe")
+
+    def is_set_up(self) -> bool:
+        """Whether this process has already set the kind up (read its visible-devices variable); ``False``
+        by default. Only meaningful where :attr:`visible_devices_fixed` is ``True``; never raises."""
+        return False
+
+    def visible_devices_read(self) -> bool:
+        """Whether changing :attr:`visible_devices_env` in this process can no longer change which devices
+        it sees: the kind reads it once (:attr:`visible_devices_fixed`) and has done so (:meth:`is_set_up`)."""
+        return self.visible_devices_fixed and self.is_set_up()
 
     def create_backend(self, store, rank: int, world_size: int, timeout):
         """A c10d backend object for a standalone group of ``world_size`` ranks over ``store``, or ``None``

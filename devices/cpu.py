@@ -58,8 +58,9 @@ class CpuDevice(DeviceSpec):
             _CPU_MODULE = _make_cpu_module()
         return _CPU_MODULE
 
-    def availability(self) -> Availability:
-        return Availability.available(1)
+    def availability(self, device: int | None = None) -> Availability:
+        """Always available: one host device (index 0)."""
+        return Availability.available(1).of_index(self.kind, device)
 
 
 SPEC = CpuDevice()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import sys
 import types
 
 from devices.base import Availability, DeviceSpec, probe_safely
@@ -14,6 +15,8 @@ class CudaDevice(DeviceSpec):
     name: str = "cuda"
     dist_backend: str = "nccl"
     visible_devices_env: str | None = "CUDA_VISIBLE_DEVICES"
+    visible_devices_fixed: bool = True  # read by CUDA's first initialisation in the process
+    supports_pin_memory: bool = True
     ray_resource: str | None = "GPU"
     nixl_memory_type: str | None = "VRAM"
     mooncake_protocol: str | None = "rdma"
@@ -24,8 +27,14 @@ class CudaDevice(DeviceSpec):
 
         return torch.cuda
 
-    def availability(self) -> Availability:
-        return probe_safely(self.kind, self._probe)
+    def availability(self, device: int | None = None) -> Availability:
+        """Available when torch was built with CUDA and sees a GPU (and ``device``, if given, is one of them)."""
+        return probe_safely(self.kind, self._probe).of_index(self.kind, device)
+
+    def is_set_up(self) -> bool:
+        """Whether CUDA was initialised in this process (it read ``CUDA_VISIBLE_DEVICES`` then)."""
+        torch = sys.modules.get("torch")
+        return bool(torch is not None and torch.cuda.is_initialized())
 
     def _probe(self) -> Availability:
         import torch

@@ -18,6 +18,7 @@ class NpuDevice(DeviceSpec):
     name: str = "npu"
     dist_backend: str = "hccl"
     visible_devices_env: str | None = "ASCEND_RT_VISIBLE_DEVICES"
+    supports_pin_memory: bool = True
     ray_resource: str | None = "NPU"
     vendor_package: str | None = "torch-npu"
     mooncake_protocol: str | None = "ascend_direct"  # NIXL has no Ascend memory type: it stages via DRAM
@@ -33,15 +34,16 @@ class NpuDevice(DeviceSpec):
         import torch
         import torch_npu  # noqa: F401  - registers torch.npu and the hccl backend
 
-        from devices import sim_compat
+        from devices.npu_sim import compat
 
-        if sim_compat.is_compat(torch_npu):
+        if compat.is_compat(torch_npu):
             raise ImportError("torch_npu here is hal's npu-sim compatibility module, not the real package; "
                               "select the 'npu-sim' kind for it")
         return torch.npu
 
-    def availability(self) -> Availability:
-        return probe_safely(self.kind, self._probe)
+    def availability(self, device: int | None = None) -> Availability:
+        """Available when torch_npu imports and sees an Ascend device (and ``device``, if given, is one of them)."""
+        return probe_safely(self.kind, self._probe).of_index(self.kind, device)
 
     def _probe(self) -> Availability:
         try:

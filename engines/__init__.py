@@ -1,8 +1,8 @@
 """Trainer engines whose parameters, gradients and optimizer states move between device and host.
 
-Public names: :class:`BaseEngine` (``to``, ``placement``, ``get_per_tensor_param``, ``train_step``),
-:class:`TorchEngine`, :class:`FSDPEngine`, :class:`Placement`, :class:`OffloadError`,
-:class:`EngineStateError`, :class:`HostBufferPool`, :func:`pin_memory_supported`, :class:`Slot` (for
+Public names: :class:`BaseEngine` (``to``, ``tensor_home``, ``get_per_tensor_param``, ``train_step``),
+:class:`TorchEngine`, :class:`FSDPEngine`, :class:`TensorHome`, :class:`OffloadError`,
+:class:`EngineStateError`, :class:`HostBufferPool`, :func:`pin_memory_supported`, :class:`TensorHolder` (for
 engine authors).
 """
 
@@ -10,9 +10,9 @@ from engines.base import BaseEngine
 from engines.errors import EngineStateError, OffloadError
 from engines.fsdp_engine import FSDPEngine
 from engines.host_buffers import HostBufferPool, pin_memory_supported
-from engines.placement import Placement
-from engines.slots import Slot
+from engines.tensor_home import TensorHome
+from engines.tensor_holders import TensorHolder
 from engines.torch_engine import TorchEngine
 
-__all__ = ["BaseEngine", "TorchEngine", "FSDPEngine", "Placement", "OffloadError", "EngineStateError",
-           "HostBufferPool", "pin_memory_supported", "Slot"]
+__all__ = ["BaseEngine", "TorchEngine", "FSDPEngine", "TensorHome", "OffloadError", "EngineStateError",
+           "HostBufferPool", "pin_memory_supported", "TensorHolder"]

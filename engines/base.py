@@ -2,7 +2,7 @@
 
 The public method holds the logic (flag rule, target resolution, pinned reusable host buffers, non-blocking
 copies, one synchronize, releasing device memory); a subclass only says which tensors it has, through three
-small hooks that yield :class:`engines.slots.Slot` objects, as tinygrad backends fill in ``_alloc`` /
+small hooks that yield :class:`engines.tensor_holders.TensorHolder` objects, as tinygrad backends fill in ``_alloc`` /
 ``_copyout`` under a shared ``Allocator.alloc``.
 
 The signature ``to(device, model=True, optimizer=True, grad=True)`` and its one rule (gradient buffers move
@@ -18,11 +18,11 @@ import torch
 from torch import nn
 
 import hal
-from devices.base import DeviceSpec
+from hal import DeviceSpec
 from engines.errors import EngineStateError, OffloadError
 from engines.host_buffers import SLAB_BYTES, HostBufferPool, pin_memory_supported
-from engines.placement import Placement, device_type_of
-from engines.slots import Slot
+from engines.tensor_home import TensorHome, device_type_of
+from engines.tensor_holders import TensorHolder
 
 _PARTS = ("model", "grad", "optimizer")
 
@@ -30,13 +30,13 @@ _PARTS = ("model", "grad", "optimizer")
 class BaseEngine(abc.ABC):
     """A trainable module plus optimizer that can move its parts between its device and the host.
 
-    Subclasses implement :meth:`_model_slots`, :meth:`_grad_slots`, :meth:`_optimizer_slots` and
+    Subclasses implement :meth:`_model_holders`, :meth:`_grad_holders`, :meth:`_optimizer_holders` and
     :meth:`get_per_tensor_param`; instantiating one that lacks any of them raises ``TypeError``.
 
     Attributes:
         module: the ``nn.Module`` trained (possibly wrapped: DDP, FSDP2).
         optimizer: the ``torch.optim.Optimizer``, or ``None`` for a forward-only engine.
-        device: the :class:`devices.base.DeviceSpec` of the kind it trains on.
+        device: the :class:`hal.DeviceSpec` of the kind it trains on.
         torch_device: the kind-qualified ``torch.device`` it trains on (``npu:0``, ``cpu``): the index given
             in ``device`` (``"npu:1"``), else this process's local device (:func:`hal.local_device`:
             ``LOCAL_RANK``, else the current device).
@@ -59,16 +59,16 @@ class BaseEngine(abc.ABC):
 
     # ----------------------------------------------------------------- hooks for subclasses
     @abc.abstractmethod
-    def _model_slots(self) -> Iterator[Slot]:
-        """Slots of every parameter and buffer (local shards for sharded engines), tied weights once."""
+    def _model_holders(self) -> Iterator[TensorHolder]:
+        """Holders of every parameter and buffer (local shards for sharded engines), tied weights once."""
 
     @abc.abstractmethod
-    def _grad_slots(self) -> Iterator[Slot]:
-        """Slots of every parameter's gradient (empty slots for parameters without one)."""
+    def _grad_holders(self) -> Iterator[TensorHolder]:
+        """Holders of every parameter's gradient (empty holders for parameters without one)."""
 
     @abc.abstractmethod
-    def _optimizer_slots(self) -> Iterator[Slot]:
-        """Slots of every optimizer-state tensor; nothing when there is no optimizer or no state yet."""
+    def _optimizer_holders(self) -> Iterator[TensorHolder]:
+        """Holders of every optimizer-state tensor; nothing when there is no optimizer or no state yet."""
 
     @abc.abstractmethod
     def _per_tensor_params(self) -> Iterator[tuple[str, torch.Tensor]]:
@@ -130,16 +130,16 @@ class BaseEngine(abc.ABC):
             return
         offload = target.type == "cpu"
         self._before_move()
-        hooks = {"model": self._model_slots, "grad": self._grad_slots, "optimizer": self._optimizer_slots}
+        hooks = {"model": self._model_holders, "grad": self._grad_holders, "optimizer": self._optimizer_holders}
         wanted = {"model": model, "grad": grad, "optimizer": optimizer}
         moved = 0
-        slots = [(part, slot) for part in _PARTS if wanted[part] for slot in hooks[part]()]
+        holders = [(part, holder) for part in _PARTS if wanted[part] for holder in hooks[part]()]
         if offload:  # the host buffers a first offload needs come from a few slabs (HostBufferPool.reserve)
-            self.host_buffers.reserve(((slot.key, t) for _, slot in slots
-                                       if (t := slot.get()) is not None and t.device.type != "cpu"), SLAB_BYTES)
+            self.host_buffers.reserve(((holder.key, t) for _, holder in holders
+                                       if (t := holder.get()) is not None and t.device.type != "cpu"), SLAB_BYTES)
         with torch.no_grad():  # a DTensor's local shard may require grad; its copies must not join a graph
-            for part, slot in slots:
-                moved += self._move(part, slot, target, offload)
+            for part, holder in holders:
+                moved += self._move(part, holder, target, offload)
         if optimizer and self.optimizer is not None:
             self._optimizer_home = target.type
         if moved:  # on this engine's device, which need not be the current one
@@ -150,20 +150,20 @@ class BaseEngine(abc.ABC):
         self.last_moved_bytes = moved
         self._after_move()
 
-    def placement(self) -> Placement:
-        """Where parameters, optimizer states and gradients live now (see :class:`engines.Placement`)."""
-        model = device_type_of(t for t in (s.get() for s in self._model_slots()) if t is not None)
-        grad = device_type_of(t for t in (s.get() for s in self._grad_slots()) if t is not None)
+    def tensor_home(self) -> TensorHome:
+        """Where parameters, optimizer states and gradients live now (see :class:`engines.TensorHome`)."""
+        model = device_type_of(t for t in (s.get() for s in self._model_holders()) if t is not None)
+        grad = device_type_of(t for t in (s.get() for s in self._grad_holders()) if t is not None)
         optimizer = None
         if self.optimizer is not None:
             states = []
-            for slot in self._optimizer_slots():
-                t = slot.get()
+            for holder in self._optimizer_holders():
+                t = holder.get()
                 host_scalar = t.dim() == 0 and t.device.type == "cpu"
-                if not host_scalar or slot.key in self._offloaded["optimizer"]:
+                if not host_scalar or holder.key in self._offloaded["optimizer"]:
                     states.append(t)
             optimizer = device_type_of(states) or self._optimizer_home
-        return Placement(model=model, optimizer=optimizer, grad=grad)
+        return TensorHome(model=model, optimizer=optimizer, grad=grad)
 
     def train_step(self, loss_fn: Callable[[nn.Module], torch.Tensor]) -> float:
         """One optimizer step: ``zero_grad(set_to_none=True)``, ``loss_fn(module)``, backward, ``step()``.
@@ -235,25 +235,25 @@ class BaseEngine(abc.ABC):
             raise OffloadError(f"to(device={device!r}): the host has one device, index 0; got index {index}")
         return target
 
-    def _move(self, part: str, slot: Slot, target: torch.device, offload: bool) -> int:
-        """Move one slot's tensor; return the bytes copied (0 if it was empty or already there)."""
-        t = slot.get()
+    def _move(self, part: str, holder: TensorHolder, target: torch.device, offload: bool) -> int:
+        """Move one holder's tensor; return the bytes copied (0 if it was empty or already there)."""
+        t = holder.get()
         if t is None:
             return 0
         pin = self.host_buffers.pin
         if offload:
             if t.device.type == "cpu":
                 return 0
-            host = self.host_buffers.get(slot.key, t)
+            host = self.host_buffers.get(holder.key, t)
             host.copy_(t, non_blocking=pin)
-            slot.set(host)
-            self._offloaded[part].add(slot.key)
+            holder.set(host)
+            self._offloaded[part].add(holder.key)
         else:
-            if t.device.type != "cpu" or slot.key not in self._offloaded[part]:
+            if t.device.type != "cpu" or holder.key not in self._offloaded[part]:
                 return 0
-            if slot.load is not None:
-                slot.load(t, target, pin)
+            if holder.load is not None:
+                holder.load(t, target, pin)
             else:
-                slot.set(t.to(target, non_blocking=pin))
-            self._offloaded[part].discard(slot.key)
+                holder.set(t.to(target, non_blocking=pin))
+            self._offloaded[part].discard(holder.key)
         return t.numel() * t.element_size()

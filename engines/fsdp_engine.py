@@ -4,8 +4,8 @@ Each FSDP2 parameter is a ``DTensor`` whose bytes live in one padded flat tensor
 (``FSDPParam._sharded_param_data``) that the DTensor's local tensor views. Offload swaps that flat tensor for
 a host buffer and points the local tensor at it, which is what FSDP2's own ``reset_sharded_param`` expects
 after a move (torch 2.13, ``torch/distributed/fsdp/_fully_shard/_fsdp_param.py``); these internals are
-reached only through :mod:`devices.torch_compat`. Gradients and optimizer states are DTensors too; their
-local shards move (see :mod:`engines.slots`).
+reached only through :mod:`hal.torch_compat`. Gradients and optimizer states are DTensors too; their
+local shards move (see :mod:`engines.tensor_holders`).
 
 FSDP2 runs on gloo with a CPU device mesh in torch 2.13, so the cpu kind can train it (where offload moves
 nothing); on accelerators the mesh is of the kind's device type and the kind's backend is used.
@@ -23,10 +23,10 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
 import hal
-from devices import torch_compat
+from hal import torch_compat
 from engines.base import BaseEngine
 from engines.errors import EngineStateError
-from engines.slots import Slot, data_slot, module_grad_slots, optimizer_slots
+from engines.tensor_holders import TensorHolder, data_holder, module_grad_holders, optimizer_holders
 
 
 class FSDPEngine(BaseEngine):
@@ -72,21 +72,21 @@ class FSDPEngine(BaseEngine):
             if isinstance(sub, FSDPModule):
                 sub.reshard()
 
-    def _model_slots(self) -> Iterator[Slot]:
+    def _model_holders(self) -> Iterator[TensorHolder]:
         names = {id(p): n for n, p in self.module.named_parameters()}
         for fp in torch_compat.fsdp_params(self.module):
             name = names.get(id(torch_compat.fsdp_sharded_param(fp)), torch_compat.fsdp_param_name(fp))
-            yield Slot(("param", name),
+            yield TensorHolder(("param", name),
                        lambda fp=fp: torch_compat.fsdp_sharded_data(fp),
                        lambda new, fp=fp: torch_compat.set_fsdp_sharded_data(fp, new))
         for name, buf in self.module.named_buffers():
-            yield data_slot(("buffer", name), buf)
+            yield data_holder(("buffer", name), buf)
 
-    def _grad_slots(self) -> Iterator[Slot]:
-        return module_grad_slots(self.module)
+    def _grad_holders(self) -> Iterator[TensorHolder]:
+        return module_grad_holders(self.module)
 
-    def _optimizer_slots(self) -> Iterator[Slot]:
-        return optimizer_slots(self.optimizer) if self.optimizer is not None else iter(())
+    def _optimizer_holders(self) -> Iterator[TensorHolder]:
+        return optimizer_holders(self.optimizer) if self.optimizer is not None else iter(())
 
     def _per_tensor_params(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield ``(name, full tensor)`` in ``state_dict`` order, each all-gathered (``DTensor.full_tensor``).

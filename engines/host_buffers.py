@@ -18,9 +18,7 @@ from typing import Hashable, Iterable
 
 import torch
 
-from devices.base import DeviceSpec
-
-_PIN_SUPPORT: dict[str, bool] = {}
+from hal import DeviceSpec
 
 SLAB_ALIGNMENT = 64
 """Bytes each buffer's offset in a slab is rounded up to (a cache line; a multiple of every dtype's size)."""
@@ -33,30 +31,9 @@ does): a slab never asks for much more than it fills."""
 
 
 def pin_memory_supported(spec: DeviceSpec) -> bool:
-    """Whether host memory can be page-locked for copies to and from ``spec``'s devices.
-
-    ``False`` for host-memory kinds (nothing is copied). Otherwise the spec's own ``supports_pin_memory``
-    attribute if it has one, else a probe: allocate one pinned element through the current accelerator's
-    pinned allocator (how ``torch.empty(pin_memory=True)`` works in torch 2.13) and check ``is_pinned()``.
-    A ``RuntimeError`` (no pinned allocator registered, as on a CPU-only build) means unsupported. The
-    result is cached per kind; :func:`reset_pin_memory_cache` clears it.
-    """
-    if spec.host_memory:
-        return False
-    declared = getattr(spec, "supports_pin_memory", None)
-    if declared is not None:
-        return bool(declared() if callable(declared) else declared)
-    if spec.kind not in _PIN_SUPPORT:
-        try:
-            _PIN_SUPPORT[spec.kind] = bool(torch.empty(1, pin_memory=True).is_pinned())
-        except RuntimeError:
-            _PIN_SUPPORT[spec.kind] = False
-    return _PIN_SUPPORT[spec.kind]
-
-
-def reset_pin_memory_cache() -> None:
-    """Forget cached pinning probes (tests, or after a device kind was registered)."""
-    _PIN_SUPPORT.clear()
+    """Whether an engine on ``spec``'s devices pins its host buffers: the kind's ``supports_pin_memory``
+    fact, and never for host-memory kinds (nothing is copied there)."""
+    return spec.supports_pin_memory and not spec.host_memory
 
 
 class HostBufferPool:

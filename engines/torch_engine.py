@@ -10,8 +10,8 @@ from torch import nn
 import hal
 from engines.base import BaseEngine
 from engines.errors import EngineStateError
-from engines.slots import (Slot, StorageHolder, data_slot, module_grad_slots, module_slots, optimizer_slots,
-                           storage_slot)
+from engines.tensor_holders import (TensorHolder, FreedStorages, data_holder, module_grad_holders, module_holders, optimizer_holders,
+                           storage_holder)
 
 
 def _unwrap(module: nn.Module) -> nn.Module:
@@ -40,7 +40,7 @@ class TorchEngine(BaseEngine):
         hal.UnknownDeviceError, hal.DeviceUnavailableError: from resolving ``device``.
 
     With DDP, parameters are offloaded by freeing their device storage in place and keeping the bytes in
-    the host buffer (:func:`engines.slots.storage_slot`), because DDP's reducer hooks each parameter's
+    the host buffer (:func:`engines.tensor_holders.storage_holder`), because DDP's reducer hooks each parameter's
     gradient accumulator and autograd replaces that accumulator when a parameter changes device (DDP would
     then silently stop averaging gradients). ``placement().model`` still reports ``"cpu"`` (where the
     bytes are); the parameter objects must not be read while offloaded. DDP's own gradient buckets stay
@@ -50,35 +50,35 @@ class TorchEngine(BaseEngine):
     def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer | None = None,
                  device: hal.device.DeviceLike = None):
         super().__init__(module, optimizer, device)
-        self._storage = StorageHolder() if _unwrap(module) is not module else None
+        self._storage = FreedStorages() if _unwrap(module) is not module else None
         with torch.no_grad():
-            for slot in module_slots(_unwrap(module)):
-                t = slot.get()
+            for holder in module_holders(_unwrap(module)):
+                t = holder.get()
                 if t.device != self.torch_device:
-                    slot.set(t.to(self.torch_device))
-            for slot in self._optimizer_slots():  # state made at construction (Adagrad's ``sum``)
-                t = slot.get()
+                    holder.set(t.to(self.torch_device))
+            for holder in self._optimizer_holders():  # state made at construction (Adagrad's ``sum``)
+                t = holder.get()
                 host_scalar = t.dim() == 0 and t.device.type == "cpu"
                 if t.device != self.torch_device and not host_scalar:
-                    slot.set(t.to(self.torch_device))
+                    holder.set(t.to(self.torch_device))
 
-    def _model_slots(self) -> Iterator[Slot]:
+    def _model_holders(self) -> Iterator[TensorHolder]:
         if self._storage is None:
-            return module_slots(_unwrap(self.module))
-        return self._ddp_slots()
+            return module_holders(_unwrap(self.module))
+        return self._ddp_holders()
 
-    def _ddp_slots(self) -> Iterator[Slot]:
+    def _ddp_holders(self) -> Iterator[TensorHolder]:
         inner = _unwrap(self.module)
         for name, param in inner.named_parameters():
-            yield storage_slot(("param", name), param, self._storage)
+            yield storage_holder(("param", name), param, self._storage)
         for name, buf in inner.named_buffers():
-            yield data_slot(("buffer", name), buf)
+            yield data_holder(("buffer", name), buf)
 
-    def _grad_slots(self) -> Iterator[Slot]:
-        return module_grad_slots(_unwrap(self.module))
+    def _grad_holders(self) -> Iterator[TensorHolder]:
+        return module_grad_holders(_unwrap(self.module))
 
-    def _optimizer_slots(self) -> Iterator[Slot]:
-        return optimizer_slots(self.optimizer) if self.optimizer is not None else iter(())
+    def _optimizer_holders(self) -> Iterator[TensorHolder]:
+        return optimizer_holders(self.optimizer) if self.optimizer is not None else iter(())
 
     def _per_tensor_params(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield ``(name, tensor)`` in ``state_dict`` order (buffers included, tied weights under each name).

@@ -1,8 +1,11 @@
 """hal: one device API for cuda (NCCL), Ascend npu (HCCL) and cpu (gloo).
 
 Importing ``hal`` probes no hardware and imports no vendor package; the first call does, and caches.
+:class:`DeviceSpec` is the type of a device kind's facts (what :func:`resolve_device` returns);
+:mod:`hal.torch_compat` holds the accessors of torch's private names that trainer engines need.
 """
 
+from devices.base import DeviceSpec
 from hal.device import (
     ENV_VAR,
     Availability,
@@ -49,7 +52,7 @@ __all__ = [
     "get_visible_devices_keyword", "local_device", "bind_local_device", "split_device", "check_index",
     "synchronize", "empty_cache", "memory_stats", "manual_seed",
     "init_process_group", "new_group_from_store", "connect_store", "StoreGroup",
-    "Availability", "availability", "available_kinds", "known_kinds", "describe", "reset",
+    "DeviceSpec", "Availability", "availability", "available_kinds", "known_kinds", "describe", "reset",
     "register_device", "unregister_device", "plugin_errors",
     "HalError", "UnknownDeviceError", "DeviceUnavailableError", "DeviceIndexError", "DuplicateDeviceError", "DistributedTimeoutError",
 ]

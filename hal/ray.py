@@ -55,6 +55,10 @@ RAY_UNIT_INSTANCE_DEFAULT = ("neuron_cores", "TPU", "NPU", "HPU", "RBLN", "FURIO
 """Ray 2.60's default value of that setting (every entry must stay when one is added)."""
 NOSET_PREFIX = "RAY_EXPERIMENTAL_NOSET_"
 """``RAY_EXPERIMENTAL_NOSET_<VISIBLE_DEVICES_VARIABLE>=1``: Ray (and hal) leave that variable alone."""
+SCHEDULE_AS_ENV = "HAL_RAY_SCHEDULE_AS"
+"""``kind=RESOURCE[,kind=RESOURCE]``: on this node (and driver), schedule ``kind`` by ``RESOURCE`` instead of its
+spec's ``ray_resource`` (e.g. ``npu-sim=NPU``: the simulated npu stands in for Ascend NPUs; see
+:func:`node_environment`)."""
 DEFAULT_OBJECT_STORE_BYTES = 256 << 20
 """Object store of a :class:`LocalCluster` node (bytes): weights go through the checkpoint engine, not Ray."""
 
@@ -85,7 +89,25 @@ def resource_name(kind: str) -> str | None:
         UnknownDeviceError: ``kind`` is not a known kind.
     """
     spec = registry.get_spec(kind.partition(":")[0].strip().lower())
-    return None if spec.host_memory else spec.ray_resource
+    if spec.host_memory:
+        return None
+    return schedule_as().get(spec.kind, spec.ray_resource)
+
+
+def schedule_as(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The kinds this process schedules by another Ray resource than their spec's (``HAL_RAY_SCHEDULE_AS``).
+
+    Raises:
+        ValueError: an entry is not ``kind=RESOURCE``.
+    """
+    raw = (os.environ if environ is None else environ).get(SCHEDULE_AS_ENV, "")
+    out = {}
+    for item in filter(None, (part.strip() for part in raw.split(","))):
+        kind, sep, resource = item.partition("=")
+        if not sep or not kind.strip() or not resource.strip():
+            raise ValueError(f"{SCHEDULE_AS_ENV}: entry {item!r} is not 'kind=RESOURCE'")
+        out[kind.strip().lower()] = resource.strip()
+    return out
 
 
 def ray_sets_visible_devices(resource: str) -> bool:
@@ -98,24 +120,45 @@ def ray_sets_visible_devices(resource: str) -> bool:
     return resource in set(get_all_accelerator_resource_names())
 
 
-def node_environment(kinds: Sequence[str] = ()) -> dict[str, str]:
+def node_environment(kinds: Sequence[str] = (), schedule_as: Mapping[str, str] | None = None) -> dict[str, str]:
     """Environment a Ray node needs so that each of ``kinds`` gets per-device ids.
 
     Ray numbers the instances of its own accelerators; a custom resource (the simulated npu's
     ``NPU_SIM``) gets ids only when listed in ``RAY_custom_unit_instance_resources`` at ``ray start``.
 
+    Args:
+        schedule_as: kinds to schedule by another resource, e.g. ``{"npu-sim": "NPU"}``: a node declaring
+            ``NPU`` then runs the simulated npu where Ray (and verl's own worker groups, which ask for
+            ``NPU``) place Ascend workers. Ray sets each such actor's ``ASCEND_RT_VISIBLE_DEVICES`` to the ids
+            it assigned, and ``HAL_DEVICE=<kind>`` (set node-wide for a single such kind) registers the sim
+            inside the worker's ``import torch``, over exactly those devices; :func:`bind_assigned_device`
+            binds by that resource too. The driver needs the same ``HAL_RAY_SCHEDULE_AS`` to place hal's
+            workers (:meth:`LocalCluster.connect` sets it).
+
     Returns:
-        ``{}`` when every kind is one Ray knows, else ``{"RAY_custom_unit_instance_resources": "..."}``
-        (Ray's default list plus the custom resources).
+        ``{}`` when every kind is one Ray knows and nothing is rescheduled, else the variables:
+        ``RAY_custom_unit_instance_resources`` (Ray's default list plus the custom resources),
+        ``HAL_RAY_SCHEDULE_AS`` and ``HAL_DEVICE``.
+
+    Raises:
+        ValueError: ``schedule_as`` names more than one kind (a node has one ``HAL_DEVICE``).
+        UnknownDeviceError: a kind is not known.
     """
+    overrides = {registry.get_spec(k.strip().lower()).kind: r for k, r in (schedule_as or {}).items()}
+    env: dict[str, str] = {}
+    if overrides:
+        if len(overrides) != 1:
+            raise ValueError(f"schedule_as takes one kind (a node has one HAL_DEVICE), got {dict(schedule_as)}")
+        env[SCHEDULE_AS_ENV] = ",".join(f"{k}={r}" for k, r in overrides.items())
+        env[ENV_VAR] = next(iter(overrides))
     extra = []
-    for kind in kinds:
-        name = resource_name(kind)
+    for kind in [*kinds, *overrides]:
+        name = overrides.get(registry.get_spec(kind.partition(":")[0].strip().lower()).kind) or resource_name(kind)
         if name and name not in RAY_UNIT_INSTANCE_DEFAULT and name not in ("GPU", "CPU") and name not in extra:
             extra.append(name)
-    if not extra:
-        return {}
-    return {UNIT_INSTANCE_ENV: ",".join(RAY_UNIT_INSTANCE_DEFAULT + tuple(extra))}
+    if extra:
+        env[UNIT_INSTANCE_ENV] = ",".join(RAY_UNIT_INSTANCE_DEFAULT + tuple(extra))
+    return env
 
 
 def resource_request(kind: str, cpus: float = 1.0, devices: int = 1) -> dict[str, float]:
@@ -297,11 +340,6 @@ def _assigned_ids(ray, resource: str, visible_env: str | None) -> list[str]:
     return [listed[i] for i in slots]
 
 
-def _sim_already_registered() -> bool:
-    sim = sys.modules.get("devices.sim")
-    return sim is not None and getattr(sim, "_registered", None) is not None
-
-
 def bind_assigned_device(kind: str) -> DeviceBinding:
     """Bind the device Ray assigned to this actor as the local device of ``kind``; set ``HAL_DEVICE``.
 
@@ -311,7 +349,8 @@ def bind_assigned_device(kind: str) -> DeviceBinding:
     2. the visible-devices variable: Ray set it to those ids for its accelerators; for a custom resource hal
        sets it the same way; with ``RAY_EXPERIMENTAL_NOSET_<VARIABLE>=1`` nobody does;
     3. the local index: the bound id's position in the visible list, or the id itself when the variable is
-       unset (or the simulated npu had already read it);
+       unset (or the kind had already read it: :meth:`DeviceSpec.visible_devices_read`, the simulated npu
+       registered before the binding);
     4. ``HAL_DEVICE=<kind>`` and ``LOCAL_RANK=<local index>``, then ``hal.bind_local_device``.
 
     Raises:
@@ -348,14 +387,14 @@ def bind_assigned_device(kind: str) -> DeviceBinding:
         set_by = "noset"
     elif ray_sets_visible_devices(resource):
         set_by = "ray"
-    elif kind == "npu-sim" and _sim_already_registered():
-        set_by = "noset"  # the sim already counted its devices from the variable: changing it now means nothing
+    elif spec.visible_devices_read():
+        set_by = "noset"  # the kind already read the variable (the sim counted its devices): changing it means nothing
     else:
         os.environ[env] = ",".join(ids)
         set_by = "hal"
     visible = os.environ.get(env) if env else None
-    if set_by == "noset" and kind == "npu-sim" and _sim_already_registered():
-        visible_list = None  # the sim counts devices 0..n-1 by their node-wide ids
+    if set_by == "noset" and spec.visible_devices_read():
+        visible_list = None  # the kind counts devices 0..n-1 by their node-wide ids
     else:
         visible_list = [v.strip() for v in visible.split(",")] if visible else None
     if visible_list is None:
@@ -427,6 +466,9 @@ class LocalCluster:
         timeout: seconds :meth:`start` waits for the node to come up.
         node_env: more environment of the node's processes, e.g. ``{"ASCEND_RT_VISIBLE_DEVICES": "4,5"}``
             (which devices of the host the node's ``NPU`` / ``NPU_SIM`` are).
+        schedule_as: a kind the node runs under another resource, e.g. ``{"npu-sim": "NPU"}`` with
+            ``resources={"NPU": 2}``: verl's own worker groups (which ask Ray for ``NPU``) then place their
+            workers on the simulated npu (see :func:`node_environment`).
 
     Use :meth:`start`, then :meth:`connect` (the driver), and :meth:`stop`; or as a context manager.
     """
@@ -440,6 +482,7 @@ class LocalCluster:
     temp_dir: str | None = None
     timeout: float = 60.0
     node_env: dict[str, str] = dataclasses.field(default_factory=dict)
+    schedule_as: dict[str, str] = dataclasses.field(default_factory=dict)
     process: subprocess.Popen | None = dataclasses.field(default=None, init=False, repr=False)
     address: str | None = dataclasses.field(default=None, init=False)
     start_seconds: float | None = dataclasses.field(default=None, init=False)
@@ -453,7 +496,7 @@ class LocalCluster:
         """
         kinds = [k for k in registry.known_kinds() if resource_name(k) in self.resources]
         return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": self.token or "", "RAY_USAGE_STATS_ENABLED": "0",
-                "HAL_SIM_HOST": self.node_ip, **node_environment(kinds)}
+                "HAL_SIM_HOST": self.node_ip, **node_environment(kinds, self.schedule_as)}
 
     def start(self) -> str:
         """Start the node and wait until it serves (head) or joined (worker); returns the head's address.
@@ -530,9 +573,10 @@ class LocalCluster:
                              f"{self._log_tail()}")
 
     def connect(self, **init_kwargs: Any):
-        """``ray.init`` this driver to the cluster (with its token); returns Ray's context."""
+        """``ray.init`` this driver to the cluster (with its token, and the node's ``HAL_RAY_SCHEDULE_AS`` so that
+        hal places workers by the resource the node declares); returns Ray's context."""
         ray = require_ray()
-        os.environ.update({k: v for k, v in self.env().items() if k.startswith("RAY_AUTH")})
+        os.environ.update({k: v for k, v in self.env().items() if k.startswith("RAY_AUTH") or k == SCHEDULE_AS_ENV})
         _reload_ray_auth()
         return ray.init(address=self.address, log_to_driver=init_kwargs.pop("log_to_driver", False),
                         **init_kwargs)
@@ -590,7 +634,8 @@ class LocalCluster:
 
 
 __all__ = [
-    "STRATEGIES", "UNIT_INSTANCE_ENV", "RayLaunchError", "require_ray", "resource_name", "ray_sets_visible_devices",
+    "STRATEGIES", "UNIT_INSTANCE_ENV", "SCHEDULE_AS_ENV", "RayLaunchError", "require_ray", "resource_name",
+    "schedule_as", "ray_sets_visible_devices",
     "node_environment", "resource_request", "actor_resources", "WorkerPlacement", "place_workers",
     "DeviceBinding", "bind_assigned_device", "check_distinct_devices", "LocalCluster",
 ]

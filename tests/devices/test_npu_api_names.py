@@ -9,7 +9,8 @@ import zipfile
 import pytest
 
 import hal
-from devices import sim, sim_module
+from devices import npu_sim as sim
+from devices.npu_sim import module as sim_module
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 LIST = REPO / "devices" / "npu_api_names.txt"

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 import hal
 from hal.testing import free_port, run_multiprocess
-from tests.devices import _sim_workers
+from tests.devices import sim_workers
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 
@@ -149,6 +149,33 @@ def test_freed_blocks_are_cached_reused_in_place_and_returned_by_empty_cache(npu
     assert int(z[::4096].sum()) == (64 << 20) // 4096
 
 
+CACHE_RESIDENT = """
+import os, torch
+def rss(): return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+blocks = [torch.ones(64 << 20, dtype=torch.uint8, device="npu") for _ in range(4)]
+addresses = [b.data_ptr() for b in blocks]
+reserved, before = torch.npu.memory_reserved(), rss()
+del blocks  # 256 MiB into the cache; 64 MiB of it may stay resident
+freed, after_reserved = before - rss(), torch.npu.memory_reserved()
+again = [torch.empty(64 << 20, dtype=torch.uint8, device="npu") for _ in range(4)]
+print(after_reserved == reserved, freed >> 20, sorted(a.data_ptr() for a in again) == sorted(addresses),
+      rss() - before + freed >= (192 << 20))
+"""
+
+
+@pytest.mark.skipif(not pathlib.Path("/proc/self/statm").exists(), reason="needs Linux /proc/self/statm")
+def test_cached_blocks_past_the_resident_limit_give_their_host_pages_back():
+    # the cache keeps its blocks (reserved, same addresses, as on a device) but only HAL_SIM_CACHE_RESIDENT_MB
+    # of them resident: the default job's rollouts held 4 GiB of host memory in cached blocks
+    env = {**os.environ, "HAL_DEVICE": "npu-sim", "HAL_SIM_CACHE_RESIDENT_MB": "64"}
+    done = subprocess.run([sys.executable, "-c", CACHE_RESIDENT], capture_output=True, text=True, timeout=180,
+                          env=env, cwd=REPO)
+    assert done.returncode == 0, done.stderr[-2000:]
+    same_reserved, freed_mb, same_addresses, resident_again = done.stdout.split()
+    assert same_reserved == "True" and same_addresses == "True" and resident_again == "True"
+    assert 180 <= int(freed_mb) <= 200  # 3 of the 4 blocks (192 MiB) gave their pages back
+
+
 def test_out_of_memory_releases_the_cache_and_retries_first(npu):
     npu.empty_cache()
     capacity = npu.mem_get_info()[1]
@@ -248,7 +275,7 @@ def test_streams_and_events_are_no_op_correct(npu):
 
 @pytest.mark.multiprocess
 def test_hccl_broadcast_and_all_reduce_two_processes():
-    results = run_multiprocess(_sim_workers.store_group_collectives, 2, timeout=90)
+    results = run_multiprocess(sim_workers.store_group_collectives, 2, timeout=90)
     expected = torch.arange(6, dtype=torch.float32).reshape(2, 3) * 1.5
     for rank in (0, 1):
         assert results[rank]["broadcast"] == expected.tolist()
@@ -258,7 +285,7 @@ def test_hccl_broadcast_and_all_reduce_two_processes():
 
 @pytest.mark.multiprocess
 def test_hccl_default_group_gather_scatter_and_ddp():
-    results = run_multiprocess(_sim_workers.default_group_collectives, 2, timeout=90)
+    results = run_multiprocess(sim_workers.default_group_collectives, 2, timeout=90)
     for rank in (0, 1):
         r = results[rank]
         assert r["backend"] == "hccl" and r["backend_of_group"] == "hccl" and r["device"] == f"npu:{rank}"
@@ -273,17 +300,83 @@ def test_hccl_default_group_gather_scatter_and_ddp():
 
 @pytest.mark.multiprocess
 def test_fsdp2_on_npu_mesh_matches_unsharded():
-    results = run_multiprocess(_sim_workers.fsdp2_training, 2, 3, timeout=110)
+    results = run_multiprocess(sim_workers.fsdp2_training, 2, 3, timeout=110)
     for rank in (0, 1):
         assert results[rank]["local_device"] == f"npu:{rank}"
         assert results[rank]["max_abs_diff"] <= 1e-6  # reduce-scatter averages in another order
+
+
+@pytest.mark.multiprocess
+def test_fsdp1_over_two_ranks_matches_unsharded():
+    # FSDP1 shards by freeing the flat parameter's storage (resize_(0)) and set_() onto the shard: both must
+    # behave as on a device (they crashed the sim)
+    results = run_multiprocess(sim_workers.fsdp1_training, 2, 3, timeout=110)
+    for rank in (0, 1):
+        r = results[rank]
+        assert r["sharded_numel"] < r["total_numel"]  # each rank holds a shard, not the whole model
+        assert r["max_abs_diff"] <= 1e-6
+
+
+STORAGE_CALLS = """
+import torch
+x = torch.randn(1000, device="npu")
+x.untyped_storage().resize_(0)
+y = torch.randn(10, device="npu")
+x.set_(y)
+shares = x.untyped_storage().data_ptr() == y.untyped_storage().data_ptr()
+z = torch.randn(6, device="npu")
+z.untyped_storage().resize_(0)
+z.untyped_storage().resize_(24)  # FSDP2's re-fill of a freed parameter
+z.copy_(torch.arange(6.0))
+e = torch.randn(3, device="npu").set_()
+print(x.device, tuple(x.shape), shares, torch.equal(x.cpu(), y.cpu()), x.is_set_to(y),
+      z.untyped_storage().device, z.cpu().tolist(), e.device, e.numel())
+"""
+
+
+def test_storage_resize_to_zero_then_set_behaves_as_on_a_device():
+    # in a subprocess: the sim segfaulted here, which must fail this test rather than end pytest
+    env = {**os.environ, "HAL_DEVICE": "npu-sim"}
+    done = subprocess.run([sys.executable, "-c", STORAGE_CALLS], capture_output=True, text=True, timeout=180,
+                          env=env, cwd=REPO)
+    assert done.returncode == 0, f"exit status {done.returncode}: {done.stderr[-2000:]}"
+    assert done.stdout.split() == ["npu:0", "(10,)", "True", "True", "True", "npu:0",
+                                   "[0.0,", "1.0,", "2.0,", "3.0,", "4.0,", "5.0]", "npu:0", "0"]
+
+
+@pytest.mark.parametrize("call", ["current_stream", "default_stream", "synchronize", "set_device", "device",
+                                  "memory_allocated", "max_memory_allocated", "memory_reserved", "memory_stats",
+                                  "reset_peak_memory_stats", "mem_get_info", "get_device_name",
+                                  "get_device_properties", "get_device_capability", "Stream",
+                                  "set_per_process_memory_fraction", "get_per_process_memory_fraction"])
+def test_every_call_taking_an_index_refuses_one_past_the_devices(npu, call):
+    count = npu.device_count()
+    fn = getattr(npu, call)
+    args = (0.5, count) if call == "set_per_process_memory_fraction" else (count,)
+    with pytest.raises(RuntimeError, match=rf"Invalid device argument {count}: .*valid indices 0\.\.{count - 1}"):
+        fn(*args)
+    if call not in ("set_device", "device", "current_stream", "default_stream", "synchronize", "Stream"):
+        with pytest.raises(RuntimeError, match="Invalid device argument -2"):
+            fn(*args[:-1], -2)  # a negative index is refused where torch_npu refuses it
+
+
+def test_negative_index_means_no_change_or_the_current_device_where_torch_npu_says_so(npu):
+    current = npu.current_device()
+    npu.set_device(-1)
+    with npu.device(-1):
+        assert npu.current_device() == current
+    assert npu.current_stream(-1).device == torch.device("npu", current)
+    with pytest.raises(RuntimeError, match="Invalid device argument -2"):
+        npu.current_stream(-2)
+    with pytest.raises(RuntimeError, match=f"Invalid device argument {npu.device_count()}"):
+        torch.empty(2, device=f"npu:{npu.device_count()}")
 
 
 @pytest.fixture
 def strict_mode():
     """Strict mode for this test only: installed (as HAL_SIM_STRICT=1 does at registration), then put back
     as it was, so later tests in this process see the torch.cuda they started with."""
-    from devices import sim_strict
+    from devices.npu_sim import strict as sim_strict
 
     was = sim_strict.installed()
     sim_strict.install()
@@ -307,7 +400,7 @@ def test_strict_mode_names_the_stray_cuda_caller(npu, strict_mode):
 
 def test_strict_mode_uninstall_restores_torch_cuda():
     # a fresh process, so that the session's own strict mode (the plugin sets HAL_SIM_STRICT) is not involved
-    code = ("import torch\nfrom devices import sim_strict\noriginal = torch.cuda.synchronize\n"
+    code = ("import torch\nfrom devices.npu_sim import strict as sim_strict\noriginal = torch.cuda.synchronize\n"
             "sim_strict.install()\nwrapped = torch.cuda.synchronize is not original\n"
             "try:\n    torch.cuda.synchronize()\n    raised = False\nexcept sim_strict.StrictCudaCallError:\n"
             "    raised = True\nsim_strict.uninstall()\n"
@@ -327,7 +420,7 @@ def test_strict_mode_in_a_fresh_process():
 
 
 def test_refused_when_a_real_torch_npu_is_importable(monkeypatch):
-    from devices import sim
+    from devices import npu_sim as sim
 
     monkeypatch.setattr(sim, "_registered", None)
     monkeypatch.setattr(sim, "real_torch_npu_present", lambda: True)
@@ -348,7 +441,7 @@ def test_hal_info_reports_npu_hccl_ascend():
 
 @pytest.mark.multiprocess
 def test_hccl_collective_with_a_missing_peer_times_out():
-    results = run_multiprocess(_sim_workers.missing_peer, 2, 2.0, timeout=60)
+    results = run_multiprocess(sim_workers.missing_peer, 2, 2.0, timeout=60)
     assert results[0]["error"] == "DistributedTimeoutError", results[0]
     assert 1.5 <= results[0]["elapsed"] <= 10.0, results[0]
 
@@ -356,7 +449,7 @@ def test_hccl_collective_with_a_missing_peer_times_out():
 def test_registration_is_idempotent_and_mirrors_torch_npu(npu):
     import torch.distributed as dist
 
-    from devices import sim
+    from devices import npu_sim as sim
 
     assert sim.register() is sim.register() is torch.npu  # a second PrivateUse1 rename would raise
     assert torch._C._get_privateuse1_backend_name() == "npu"
@@ -369,15 +462,15 @@ def test_registration_is_idempotent_and_mirrors_torch_npu(npu):
 def test_a_build_lock_left_by_a_killed_build_is_cleared_and_a_fresh_one_kept(tmp_path):
     import time
 
-    from devices import sim_ext
+    from devices.npu_sim import ext as sim_ext
 
     lock = tmp_path / "lock"
     lock.write_text("")
-    sim_ext._clear_stale_lock(tmp_path, max_age_s=60)
+    sim_ext.clear_stale_lock(tmp_path, max_age_s=60)
     assert lock.exists()  # a build may be running: keep it
     old = time.time() - 120
     os.utime(lock, (old, old))
-    sim_ext._clear_stale_lock(tmp_path, max_age_s=60)
+    sim_ext.clear_stale_lock(tmp_path, max_age_s=60)
     assert not lock.exists()
 
 

@@ -1,6 +1,5 @@
 """The built-in device specs: the backend map and the vendor facts, checked without hardware."""
 
-import dataclasses
 import sys
 import types
 
@@ -9,39 +8,65 @@ import torch
 
 import hal
 from devices import BUILTIN_KINDS
-from devices.base import Availability, probe_safely
+from devices.base import Availability, DeviceSpec, probe_safely
 from devices.npu import NpuDevice
 
-EXPECTED = {
-    # kind: (torch.device type, dist backend, visible-devices variable, Ray resource)
-    "cuda": ("cuda", "nccl", "CUDA_VISIBLE_DEVICES", "GPU"),
-    "npu": ("npu", "hccl", "ASCEND_RT_VISIBLE_DEVICES", "NPU"),
-    "npu-sim": ("npu", "hccl", "ASCEND_RT_VISIBLE_DEVICES", "NPU_SIM"),  # its own Ray resource
-    "cpu": ("cpu", "gloo", None, None),
-}
+def _available_kinds():
+    return [k for k in sorted(BUILTIN_KINDS) if hal.availability(k)]
 
 
-@pytest.mark.parametrize("kind", sorted(EXPECTED))
-def test_every_kind_maps_to_its_backend_and_environment(kind):
+@pytest.mark.parametrize("kind", sorted(BUILTIN_KINDS))
+def test_each_builtin_module_holds_the_spec_of_its_kind(kind):
     spec = hal.registry.get_spec(kind)
-    assert (spec.name, spec.dist_backend, spec.visible_devices_env, spec.ray_resource) == EXPECTED[kind]
-    assert spec.kind == kind
+    assert spec.kind == kind and isinstance(spec, DeviceSpec)
 
 
-def test_builtin_list_is_exactly_the_expected_kinds():
-    assert set(BUILTIN_KINDS) == set(EXPECTED)
-
-
-def test_specs_are_immutable():
-    spec = hal.registry.get_spec("cuda")
-    with pytest.raises(dataclasses.FrozenInstanceError):
-        spec.dist_backend = "gloo"
+@pytest.mark.parametrize("kind", _available_kinds())
+def test_an_available_kind_makes_tensors_of_its_name_served_by_its_backend(kind):
+    # what the spec says is what torch does: tensors of spec.name, and torch's own backend table (filled in by
+    # the kind's registration for npu) maps that device type to spec.dist_backend
+    spec = hal.resolve_device(kind)
+    assert torch.ones(2, device=hal.get_device(kind)).device.type == spec.name
+    assert torch.distributed.Backend.default_device_backend_map[spec.name] == spec.dist_backend
 
 
 def test_cuda_and_nccl_agree_with_torch_default_backend_map():
     # torch's own table says which backend serves cuda tensors; the spec must not disagree with it.
     assert torch.distributed.Backend.default_device_backend_map["cuda"] == hal.registry.get_spec("cuda").dist_backend
-    assert torch.distributed.Backend.default_device_backend_map["cpu"] == hal.registry.get_spec("cpu").dist_backend
+
+
+@pytest.mark.parametrize("kind", _available_kinds())
+def test_availability_of_an_index_outside_the_devices_names_the_range(kind):
+    spec = hal.resolve_device(kind)
+    count = spec.availability().device_count
+    assert spec.availability(count - 1).ok and spec.availability(0).device_count == count
+    for bad in (count, -1):
+        state = spec.availability(bad)
+        assert not state and f"device index {bad}" in state.reason and f"0..{count - 1}" in state.reason
+
+
+@pytest.mark.parametrize("kind", _available_kinds())
+def test_pin_memory_is_declared_where_pinned_host_memory_works(kind):
+    spec = hal.resolve_device(kind)
+    hal.get_device(kind)
+    if spec.supports_pin_memory:
+        assert torch.empty(16, pin_memory=True).is_pinned()
+    else:
+        assert spec.host_memory  # the only built-in kind without it is the one that copies nothing
+
+
+def test_visible_devices_count_as_read_only_once_the_kind_is_set_up():
+    cpu, cuda = hal.registry.get_spec("cpu"), hal.registry.get_spec("cuda")
+    assert not cpu.visible_devices_read()  # no variable, nothing to read
+    if not hal.availability("cuda"):  # CUDA never initialised here, so its variable can still change
+        assert not cuda.visible_devices_read()
+    if hal.availability("npu-sim"):  # registered by the probe: it counted its devices then
+        assert hal.registry.get_spec("npu-sim").visible_devices_read()
+
+
+def test_a_simulated_worker_never_asks_ray_for_a_real_device():
+    resources = {k: hal.registry.get_spec(k).ray_resource for k in BUILTIN_KINDS}
+    assert resources["npu-sim"] not in (resources["npu"], resources["cuda"], None)
 
 
 def test_npu_unavailable_without_torch_npu_names_the_import_error(monkeypatch):

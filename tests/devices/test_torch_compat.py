@@ -155,7 +155,7 @@ def test_registered_backend_plugins():
 
 def test_backend_plugin():
     _sim()
-    from devices import sim_backend
+    from devices.npu_sim import backend as sim_backend
 
     plugin = torch_compat.backend_plugin("hccl")
     assert plugin == torch_compat.BackendPlugin(sim_backend.create, True)
@@ -255,7 +255,7 @@ def test_register_device_module():
 # -- guard: private torch names appear only in the compat module -----------------------------------------
 
 PACKAGES = ("hal", "engines", "ckpt", "devices")
-ALLOWED = {("devices/sim_strict.py", "_getframe"),  # CPython's sys._getframe, not torch
+ALLOWED = {("devices/npu_sim/strict.py", "_getframe"),  # CPython's sys._getframe, not torch
            ("hal/pytest_plugin.py", "_hal_prev_strict"),  # hal's own attribute on pytest's config
            ("hal/ray.py", "_private"),  # Ray's worker lookup, not torch (see hal.ray._assigned_ids)
            ("ckpt/kimi_library.py", "_BACKEND_INSTANCE"),  # checkpoint-engine's, not torch (see its doc)

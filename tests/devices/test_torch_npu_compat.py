@@ -65,7 +65,7 @@ def test_import_torch_npu_gives_the_sim_with_a_real_spec():
     assert torch_npu.__version__ == "2.14.0+hal.sim" and torch_npu.__hal_sim__ is True
     spec = importlib.util.find_spec("torch_npu")
     assert spec is torch_npu.__spec__ and spec.name == "torch_npu"
-    assert spec.origin == str(REPO / "devices" / "sim_torch_npu.py") and spec.submodule_search_locations == []
+    assert spec.origin == str(REPO / "devices" / "npu_sim" / "torch_npu.py") and spec.submodule_search_locations == []
     with pytest.raises(ModuleNotFoundError, match="torch_npu.profiler"):
         import torch_npu.profiler  # noqa: F401 - not implemented, so absent
     assert not hasattr(torch_npu, "npu_grouped_matmul") and not hasattr(torch_npu, "_C")
@@ -74,7 +74,8 @@ def test_import_torch_npu_gives_the_sim_with_a_real_spec():
 def test_compat_module_is_not_taken_for_the_real_package():
     import torch_npu
 
-    from devices import sim, sim_compat
+    from devices import npu_sim as sim
+    from devices.npu_sim import compat as sim_compat
 
     assert sim_compat.is_compat(torch_npu) and sim_compat.real_torch_npu_origin() is None
     assert not sim.real_torch_npu_present()
@@ -87,7 +88,7 @@ def test_empty_torch_npu_folder_on_pythonpath_is_not_a_real_torch_npu(tmp_path):
     (tmp_path / "torch_npu").mkdir()
     out = _run("""
         import importlib.util, hal
-        from devices import sim
+        from devices import npu_sim as sim
         print("REAL", sim.real_torch_npu_present())
         print("AVAIL", bool(hal.availability("npu-sim")))
         import torch, torch_npu
@@ -104,7 +105,7 @@ def test_a_package_shaped_like_the_wheel_is_taken_for_real(tmp_path):
     (pkg / "_C.cpython-311-x86_64-linux-gnu.so").write_bytes(b"")  # what the torch-npu wheel ships
     out = _run("""
         import hal
-        from devices import sim
+        from devices import npu_sim as sim
         print("REAL", sim.real_torch_npu_present())
         print("REASON", hal.availability("npu-sim").reason)
     """, pythonpath=f"{tmp_path}{os.pathsep}{REPO}")

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import hal
-from engines import BaseEngine, EngineStateError, OffloadError, Placement, TorchEngine
+from engines import BaseEngine, EngineStateError, OffloadError, TensorHome, TorchEngine
 from tests.engines.models import loss_for, make_model
 
 FLAGS = list(itertools.product([True, False], repeat=3))
@@ -16,7 +16,7 @@ FLAGS = list(itertools.product([True, False], repeat=3))
 
 def test_abstract_hooks_are_enforced():
     class Incomplete(BaseEngine):
-        def _model_slots(self):
+        def _model_holders(self):
             return iter(())
 
     with pytest.raises(TypeError, match="abstract"):
@@ -79,7 +79,7 @@ def test_target_can_be_the_kind_name_the_device_type_or_a_torch_device(hal_devic
     for target in (spec.kind, spec.name, hal.get_device(spec), spec):
         engine.to("cpu")
         engine.to(target)
-        assert engine.placement().model == spec.name
+        assert engine.tensor_home().model == spec.name
 
 
 def test_train_step_needs_an_optimizer():
@@ -89,10 +89,10 @@ def test_train_step_needs_an_optimizer():
 
 
 def test_placement_is_a_frozen_value():
-    p = Placement("npu", "cpu", None)
+    p = TensorHome("npu", "cpu", None)
     with pytest.raises(AttributeError):
         p.model = "cpu"
-    assert p == Placement(model="npu", optimizer="cpu", grad=None)
+    assert p == TensorHome(model="npu", optimizer="cpu", grad=None)
 
 
 def test_pin_memory_support_follows_the_kind(hal_device):
@@ -100,11 +100,9 @@ def test_pin_memory_support_follows_the_kind(hal_device):
 
     spec = hal.resolve_device(hal_device)
     supported = pin_memory_supported(spec)
-    if spec.host_memory:
-        assert supported is False
-    declared = getattr(spec, "supports_pin_memory", None)
-    if declared is not None and not spec.host_memory:
-        assert supported is bool(declared)
+    assert supported is (spec.supports_pin_memory and not spec.host_memory)
+    if supported:  # what the kind declares holds: its pinned host memory is pinned
+        assert torch.empty(8, pin_memory=True).is_pinned()
     engine = TorchEngine(make_model(), None, hal_device)
     assert engine.host_buffers.pin is supported
 

@@ -34,7 +34,7 @@ def _ddp_worker(rank, world_size, port, kind):
                     engine.to("cpu")
                     out["freed"].append(before - memory.memory_allocated())
                     out["moved"].append(engine.last_moved_bytes)
-                    out["placements"].append(engine.placement())
+                    out["placements"].append(engine.tensor_home())
                     engine.to(kind)
             out[offload] = {n: t.detach().cpu().numpy().copy() for n, t in engine.get_per_tensor_param()[0]}
         return out
@@ -44,7 +44,7 @@ def _ddp_worker(rank, world_size, port, kind):
 
 def test_ddp_offload_between_steps_keeps_replicas_equal_and_exact(hal_device):
     """DDP's reducer hooks each parameter's gradient accumulator; a plain ``param.data = cpu_tensor``
-    offload replaces it and DDP silently stops averaging (this test failed that way before storage slots)."""
+    offload replaces it and DDP silently stops averaging (this test failed that way before storage holders)."""
     results = run_multiprocess(_ddp_worker, 2, hal_device, timeout=100)
     names = list(make_model(0).state_dict())
     spec = hal.resolve_device(hal_device)

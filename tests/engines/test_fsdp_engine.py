@@ -47,7 +47,7 @@ def _fsdp_worker(rank, world_size, port, kind):
             engine.train_step(loss_for(step, engine.torch_device))
             before = memory.memory_allocated()
             engine.to("cpu", *flags)
-            out["steps"].append((flags, engine.placement(), engine.last_moved_bytes,
+            out["steps"].append((flags, engine.tensor_home(), engine.last_moved_bytes,
                                  before - memory.memory_allocated()))
             engine.to(kind, *flags)
         identity = all(a is b for a, b in zip(engine.module.parameters(), engine.optimizer.param_groups[0]["params"]))

@@ -54,19 +54,19 @@ def test_offload_between_steps_is_bit_identical_for_every_flag_combination(hal_d
         if grad and not model:
             with pytest.raises(OffloadError):
                 engine.to("cpu", model=model, optimizer=optimizer, grad=grad)
-            assert engine.placement() == reference.placement()
+            assert engine.tensor_home() == reference.tensor_home()
             continue
         engine.to("cpu", model=model, optimizer=optimizer, grad=grad)
-        where = engine.placement()
+        where = engine.tensor_home()
         if _moves(hal_device):
             assert where.model == ("cpu" if model else home)
             assert where.grad == ("cpu" if grad else home)
             assert where.optimizer == ("cpu" if optimizer else home)
             assert (engine.last_moved_bytes > 0) == (model or optimizer)
         else:
-            assert where == reference.placement() and engine.last_moved_bytes == 0
+            assert where == reference.tensor_home() and engine.last_moved_bytes == 0
         engine.to(hal_device, model=model, optimizer=optimizer, grad=grad)
-        assert engine.placement() == reference.placement() == type(where)(home, home, home)
+        assert engine.tensor_home() == reference.tensor_home() == type(where)(home, home, home)
     ref, got = host_copy(reference.get_per_tensor_param()[0]), host_copy(engine.get_per_tensor_param()[0])
     assert list(ref) == list(got)
     for name in ref:
@@ -94,7 +94,7 @@ def test_every_optimizer_state_tensor_moves_whatever_its_key(hal_device, optimiz
         host_scalar = home.type == "cpu" and t.dim() == 0  # Adam's step: the optimizer keeps it on the host
         assert t.device.type == "cpu" or host_scalar
         assert torch.equal(t.cpu(), value.cpu()), (i, k)
-    assert engine.placement().model == hal.resolve_device(hal_device).name  # params stayed resident
+    assert engine.tensor_home().model == hal.resolve_device(hal_device).name  # params stayed resident
     engine.to(hal_device, model=False, optimizer=True, grad=False)
     for i, k, t in _state_tensors(engine):
         assert t.device == before[(i, k)][0] and torch.equal(t.cpu(), before[(i, k)][1].cpu()), (i, k)
@@ -105,10 +105,10 @@ def test_optimizer_that_never_stepped_gains_no_state(hal_device):
     engine = _engine(hal_device)
     for _ in range(2):
         engine.to("cpu")
-        assert len(engine.optimizer.state) == 0 and engine.placement().optimizer == "cpu"
+        assert len(engine.optimizer.state) == 0 and engine.tensor_home().optimizer == "cpu"
         engine.to(hal_device)
         assert len(engine.optimizer.state) == 0
-    assert engine.placement().optimizer == hal.resolve_device(hal_device).name
+    assert engine.tensor_home().optimizer == hal.resolve_device(hal_device).name
     engine.train_step(loss_for(0, engine.torch_device))
     assert len(engine.optimizer.state) == len(list(engine.module.parameters()))
 
@@ -187,7 +187,7 @@ def test_forward_only_engine_offloads_parameters(hal_device):
     with torch.no_grad():
         expected = engine.module(tokens).cpu()
     engine.to("cpu")
-    where = engine.placement()
+    where = engine.tensor_home()
     assert where.optimizer is None and where.grad is None
     assert where.model == "cpu"
     distinct = list(engine.module.parameters()) + list(engine.module.buffers())  # tied weight counted once
@@ -237,7 +237,7 @@ def test_copies_are_synchronized_once_before_to_returns(hal_device, monkeypatch)
     engine.train_step(loss_for(0, engine.torch_device))
     calls = []
     real = hal.synchronize
-    monkeypatch.setattr(hal, "synchronize", lambda spec=None: (calls.append(engine.placement()), real(spec)))
+    monkeypatch.setattr(hal, "synchronize", lambda spec=None: (calls.append(engine.tensor_home()), real(spec)))
     engine.to("cpu")
     engine.to(hal_device)
     if not _moves(hal_device):

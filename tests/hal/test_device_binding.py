@@ -3,13 +3,13 @@
 import pytest
 
 from hal.testing import run_multiprocess
-from tests.hal import _binding_workers
+from tests.hal import binding_workers
 
 pytestmark = [pytest.mark.hal_device("npu-sim"), pytest.mark.multiprocess]
 
 
 def test_three_ranks_sit_on_three_devices(hal_device):
-    results = run_multiprocess(_binding_workers.sync_ranks_devices, 3, None, timeout=120,
+    results = run_multiprocess(binding_workers.sync_ranks_devices, 3, None, timeout=120,
                                env={"HAL_DEVICE": "npu-sim"})
     assert results[0]["trainer"] == "npu:0"
     for rank in range(3):
@@ -24,7 +24,7 @@ def test_three_ranks_sit_on_three_devices(hal_device):
 
 
 def test_the_checkpoint_group_refuses_ranks_that_share_a_device(hal_device):
-    results = run_multiprocess(_binding_workers.sync_ranks_devices, 3, "npu-sim:0", timeout=120,
+    results = run_multiprocess(binding_workers.sync_ranks_devices, 3, "npu-sim:0", timeout=120,
                                env={"HAL_DEVICE": "npu-sim"})
     for rank in range(3):
         assert results[rank]["bound"] == "npu:0"
@@ -33,7 +33,7 @@ def test_the_checkpoint_group_refuses_ranks_that_share_a_device(hal_device):
 
 
 def test_the_sim_hccl_refuses_two_ranks_on_one_device(hal_device):
-    results = run_multiprocess(_binding_workers.shared_device_group, 2, None, timeout=90,
+    results = run_multiprocess(binding_workers.shared_device_group, 2, None, timeout=90,
                                env={"HAL_DEVICE": "npu-sim"})
     for rank in (0, 1):
         assert results[rank].startswith("DistBackendError: npu-sim hccl: Duplicate NPU detected: rank 1 and rank 0")
@@ -43,13 +43,13 @@ def test_a_collective_that_cpp_starts_is_the_sims_too(hal_device):
     # DTensor's all-gather is a functional collective: C++ calls the group, which must land in the sim's
     # hccl (here: its device check refuses the shared device) and not in the gloo it wraps, which took
     # npu tensors without a check and, with the caller's GIL held, could deadlock with gloo's worker.
-    results = run_multiprocess(_binding_workers.shared_device_full_tensor, 2, timeout=90,
+    results = run_multiprocess(binding_workers.shared_device_full_tensor, 2, timeout=90,
                                env={"HAL_DEVICE": "npu-sim"})
     for rank in (0, 1):
         assert results[rank].startswith("DistBackendError: npu-sim hccl: Duplicate NPU detected"), results[rank]
 
 
 def test_one_local_index_on_two_visible_devices_is_two_devices(hal_device):
-    results = run_multiprocess(_binding_workers.shared_device_group, 2, ["4", "5"], timeout=90,
+    results = run_multiprocess(binding_workers.shared_device_group, 2, ["4", "5"], timeout=90,
                                env={"HAL_DEVICE": "npu-sim"})
     assert results == {0: "ok [3.0, 3.0]", 1: "ok [3.0, 3.0]"}

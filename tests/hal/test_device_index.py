@@ -105,7 +105,7 @@ def test_an_engine_without_an_index_takes_its_local_rank_device(sim, monkeypatch
 
 
 def test_placement_tells_two_indices_of_one_type_apart(sim):
-    from engines.placement import MIXED, device_type_of
+    from engines.tensor_home import MIXED, device_type_of
 
     one = [torch.zeros(2, device="npu:1"), torch.zeros(3, device="npu:1")]
     assert device_type_of(one) == "npu"

@@ -21,7 +21,8 @@ class Trained:
     loss: float
     train_s: float
     offload_s: float
-    placement: dict[str, Any]
+    tensor_home: dict[str, Any]
+    """Where the model, gradients and optimizer states live after the offload (engines.TensorHome as a dict)."""
     stage_s: float
 
 

@@ -85,7 +85,7 @@ class Trainer(Worker):
             self.torch_engine.to("cpu", **self.flags)
         offload_s = time.perf_counter() - start
         return Trained(global_steps=global_steps, loss=loss, train_s=train_s, offload_s=offload_s,
-                       placement=dataclasses.asdict(self.torch_engine.placement()), stage_s=self.stage())
+                       tensor_home=dataclasses.asdict(self.torch_engine.tensor_home()), stage_s=self.stage())
 
     def stage(self) -> float:
         """Cast the weights into a fresh published buffer (the trainer's bf16 model views it); seconds."""

@@ -26,7 +26,7 @@ def test_raw_figures_are_the_mean_of_two_broadcasts_against_the_publish():
 
 
 def test_a_step_row_from_known_parts():
-    trained = Trained(global_steps=3, loss=2.5, train_s=1.0, offload_s=0.25, placement={"model": "cpu"}, stage_s=0.5)
+    trained = Trained(global_steps=3, loss=2.5, train_s=1.0, offload_s=0.25, tensor_home={"model": "cpu"}, stage_s=0.5)
     concluded = Concluded(onload_s=0.125, peak_device_bytes=0, peak_host_bytes=1000,
                           memory={"bound_bytes": 1200, "within": True})
     row = step_row(trained, Sent(t0=10.0, send_s=0.75), [received(1, 10.0, 10.5), received(2, 10.25, 11.25, "boom")],

@@ -1,4 +1,4 @@
-"""Slots: why DDP needs storage slots (gradient-accumulator hooks), and their refusals."""
+"""Holders: why DDP needs storage holders (gradient-accumulator hooks), and their refusals."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import torch
 
 import hal
 from engines import EngineStateError
-from engines.slots import StorageHolder, data_slot, storage_slot
+from engines.tensor_holders import FreedStorages, data_holder, storage_holder
 
 
 def _accumulator(p: torch.Tensor):
@@ -24,17 +24,17 @@ def test_accumulator_hooks_survive_only_a_storage_round_trip(hal_device, kind_of
     fired = []
     accumulator = _accumulator(param)  # held, as DDP's reducer holds it (autograd keeps only a weak ref)
     accumulator.register_hook(lambda *args: fired.append(1))
-    holder = StorageHolder()
-    slot = data_slot("p", param) if kind_of_slot == "data" else storage_slot("p", param, holder)
+    holder = FreedStorages()
+    holder = data_holder("p", param) if kind_of_slot == "data" else storage_holder("p", param, holder)
     memory = spec.torch_module()
     before = memory.memory_allocated()
-    host = slot.get().to("cpu").clone()
-    slot.set(host)
-    assert slot.get().device.type == "cpu" and before - memory.memory_allocated() >= 1024
-    if slot.load is not None:
-        slot.load(host, target, False)
+    host = holder.get().to("cpu").clone()
+    holder.set(host)
+    assert holder.get().device.type == "cpu" and before - memory.memory_allocated() >= 1024
+    if holder.load is not None:
+        holder.load(host, target, False)
     else:
-        slot.set(host.to(target))
+        holder.set(host.to(target))
     assert torch.equal(param.detach().cpu(), torch.arange(256.0)) and param.device == target
     (param * 2).sum().backward()
     assert fired == ([1] if kind_of_slot == "storage" else [])  # a device change drops the old accumulator
@@ -47,6 +47,6 @@ def test_storage_slot_refuses_a_tensor_sharing_its_storage(hal_device):
         pytest.skip("on the cpu kind nothing is offloaded")
     flat = torch.zeros(8, device=hal.get_device(spec))
     half = torch.nn.Parameter(flat[4:])
-    slot = storage_slot("half", half, StorageHolder())
+    holder = storage_holder("half", half, FreedStorages())
     with pytest.raises(EngineStateError, match="shares its storage"):
-        slot.set(slot.get().to("cpu"))
+        holder.set(holder.get().to("cpu"))

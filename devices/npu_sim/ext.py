@@ -1,4 +1,4 @@
-"""Build (once) and load the npu-sim C++ extension, ``devices/csrc/npu_sim.cpp``.
+"""Build (once) and load the npu-sim C++ extension, ``devices/npu_sim/csrc/npu_sim.cpp``.
 
 The build is cached under ``$HAL_CACHE_DIR`` (default ``~/.cache/hal``) in a folder keyed by a hash of the
 source, the torch version and the Python version, so a process that finds the built library imports it
@@ -40,7 +40,7 @@ STALE_LOCK_S = 900.0
 """Age in seconds past which a build lock is taken as left by a killed build (a build takes 25-300 s)."""
 
 
-def _clear_stale_lock(build_dir: pathlib.Path, max_age_s: float = STALE_LOCK_S) -> None:
+def clear_stale_lock(build_dir: pathlib.Path, max_age_s: float = STALE_LOCK_S) -> None:
     """Remove ``build_dir/lock`` if it is older than ``max_age_s``.
 
     ``torch.utils.cpp_extension``'s lock (a ``FileBaton``) is a plain file that a killed build leaves
@@ -79,7 +79,7 @@ def load() -> types.ModuleType:
         from torch.utils import cpp_extension
 
         build_dir.mkdir(parents=True, exist_ok=True)
-        _clear_stale_lock(build_dir)
+        clear_stale_lock(build_dir)
         # cpp_extension.load takes a file lock in build_dir: one process builds, the others wait for it.
         module = cpp_extension.load(name=name, sources=[str(SOURCE)], build_directory=str(build_dir),
                                     extra_cflags=["-O2"], verbose=bool(os.environ.get("HAL_SIM_VERBOSE_BUILD")))

@@ -7,10 +7,10 @@
 //     every operator runs synchronously on the host);
 //   * a hooks object (device count, pinned host memory, storage resize, the default generator);
 //   * the factory / copy / view kernels, `_has_compatible_shallow_copy_type` (npu and cpu strided tensors
-//     are compatible, as torch_npu registers), and at::native::cpu_fallback as the boxed fallback for
-//     every other operator.
-// The Python side (devices/sim.py, whose docstring says why this route and not the pure-Python backend)
-// renames PrivateUse1 to "npu", registers torch.npu (devices/sim_module.py) and hccl (devices/sim_backend.py).
+//     are compatible, as torch_npu registers), and a boxed fallback for every other operator that runs its
+//     cpu kernel on cpu views of the npu bytes (see sim_fallback).
+// The Python side (devices/npu_sim/__init__.py, whose docstring says why this route and not the pure-Python backend)
+// renames PrivateUse1 to "npu", registers torch.npu (devices/npu_sim/module.py) and hccl (devices/npu_sim/backend.py).
 
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
@@ -61,10 +61,16 @@ struct DeviceCounters {
 };
 DeviceCounters g_counters[kMaxDevices];
 
+// A RuntimeError, as torch_npu's device checks raise, naming the index and the valid range.
 void check_index(int64_t index) {
-  TORCH_CHECK_INDEX(index >= 0 && index < g_device_count, "npu-sim: device index ", index,
-                    " is out of range, this process sees ", g_device_count,
-                    " simulated devices (HAL_SIM_NPU_COUNT / ASCEND_RT_VISIBLE_DEVICES)");
+  TORCH_CHECK(index >= 0 && index < g_device_count, "Invalid device argument ", index, ": npu-sim has ",
+              g_device_count, " devices in this process (valid indices 0..", g_device_count - 1,
+              "; HAL_SIM_NPU_COUNT / ASCEND_RT_VISIBLE_DEVICES)");
+}
+
+// The index of ``d`` for the noexcept stream calls: its own when in range, else the current device.
+c10::DeviceIndex stream_slot(c10::DeviceIndex d) noexcept {
+  return d >= 0 && d < g_device_count ? d : t_current_device;
 }
 
 void raise_peak(std::atomic<int64_t>& peak, int64_t now) {
@@ -153,7 +159,49 @@ struct Block {
   c10::DeviceIndex device;
   bool mapped;
   void* ptr;
+  bool resident = true;  // its pages are in host memory (false: given back with MADV_DONTNEED while cached)
 };
+
+// Host memory the cache may keep resident per device, in bytes, over blocks not in use (HAL_SIM_CACHE_RESIDENT_MB,
+// default 1024). On a device, cached blocks cost device memory only; here they cost the host's, and a
+// process that builds a model in fp32 and casts it (or trains, frees and re-allocates) would keep all of it
+// resident for nothing: the default job's rollouts held 4 GiB cached against 1 GiB in use. A freed mapped block
+// past the limit keeps its address and stays cached (reserved, as on a device) but gives its pages back;
+// taking it again makes it resident in bulk, as a fresh block is.
+int64_t cache_resident_limit() {
+  static const int64_t limit = [] {
+    const char* env = std::getenv("HAL_SIM_CACHE_RESIDENT_MB");
+    long mb = env != nullptr ? std::strtol(env, nullptr, 10) : 1024;
+    return static_cast<int64_t>(std::max<long>(mb, 0)) << 20;
+  }();
+  return limit;
+}
+int64_t g_cached_resident[kMaxDevices] = {0};  // bytes of resident blocks not in use, per device (under g_alloc_mutex)
+
+// A block goes out of use (into the cache): counted as resident cache, or its pages given back past the limit.
+void park_locked(Block* block) {
+  if (!block->resident) return;
+  auto& held = g_cached_resident[block->device];
+  if (block->mapped && held + static_cast<int64_t>(block->size) > cache_resident_limit()) {
+#ifndef MADV_DONTNEED
+#define MADV_DONTNEED 4
+#endif
+    madvise(block->ptr, block->size, MADV_DONTNEED);
+    block->resident = false;
+    return;
+  }
+  held += static_cast<int64_t>(block->size);
+}
+
+// A cached block comes back into use: resident again (in bulk) if its pages were given back.
+void unpark_locked(Block* block) {
+  if (block->resident) {
+    g_cached_resident[block->device] -= static_cast<int64_t>(block->size);
+    return;
+  }
+  populate(block->ptr, block->size);
+  block->resident = true;
+}
 
 std::mutex g_alloc_mutex;
 std::multimap<size_t, Block*> g_cache[kMaxDevices];  // cached (free) blocks by size
@@ -173,7 +221,7 @@ std::multimap<size_t, Block*> g_device_free[kMaxDevices];
 void release_cached_locked(c10::DeviceIndex device) {
   auto& cache = g_cache[device];
   auto& c = g_counters[device];
-  for (auto& [size, block] : cache) {
+  for (auto& [size, block] : cache) {  // still parked: cached and released blocks count alike
     c.reserved -= static_cast<int64_t>(block->size);
     c.release_count += 1;
     g_device_free[device].emplace(size, block);
@@ -188,6 +236,7 @@ Block* take_device_free_locked(c10::DeviceIndex device, size_t size) {
   if (it == pool.end() || it->first > size + size / 8) return nullptr;
   Block* block = it->second;
   pool.erase(it);
+  unpark_locked(block);
   return block;
 }
 
@@ -197,13 +246,18 @@ void free_block(void* ctx) {
   auto& c = g_counters[block->device];
   c.allocated -= static_cast<int64_t>(block->size);
   c.free_count += 1;
+  park_locked(block);
   g_cache[block->device].emplace(block->size, block);
 }
+
+void free_nothing(void*) {}
 
 class SimAllocator final : public c10::Allocator {
  public:
   c10::DataPtr allocate(size_t nbytes) override {
     c10::DeviceIndex device = t_current_device;
+    // No block for an empty storage (as the CUDA caching allocator): a null pointer that still names the device.
+    if (nbytes == 0) return {nullptr, nullptr, &free_nothing, c10::Device(c10::DeviceType::PrivateUse1, device)};
     auto& c = g_counters[device];
     const size_t size = round_size(nbytes);
     Block* block = nullptr;
@@ -214,6 +268,7 @@ class SimAllocator final : public c10::Allocator {
       if (it != cache.end() && it->first <= size + size / 8) {
         block = it->second;
         cache.erase(it);
+        unpark_locked(block);
       } else {
         if (c.reserved.load() + static_cast<int64_t>(size) > c.capacity.load() && !cache.empty()) {
           c.retries += 1;
@@ -252,6 +307,23 @@ class SimAllocator final : public c10::Allocator {
 
 SimAllocator g_allocator;
 REGISTER_ALLOCATOR(c10::DeviceType::PrivateUse1, &g_allocator);
+
+// Storage resize on the device (untyped_storage().resize_(n), what FSDP1 and FSDP2 do to free and re-fill a
+// parameter): a new block of the sim's allocator on the storage's device, the old bytes copied over, the old
+// block freed. ATen's resize_bytes_cpu is not used: for n == 0 it leaves a data pointer on the *cpu* device,
+// after which set_() refuses the storage and a copy reads a null pointer.
+void resize_storage_bytes(c10::StorageImpl* storage, size_t newsize) {
+  TORCH_CHECK(storage->resizable(), "Trying to resize storage that is not resizable");
+  const c10::Device device = storage->device().type() == c10::DeviceType::PrivateUse1
+                                 ? storage->device()
+                                 : c10::Device(c10::DeviceType::PrivateUse1, t_current_device);
+  c10::DeviceGuard guard(device);
+  c10::DataPtr fresh = g_allocator.allocate(newsize);
+  const size_t keep = std::min(storage->nbytes(), newsize);
+  if (keep > 0 && storage->data() != nullptr) std::memcpy(fresh.get(), storage->data(), keep);
+  c10::DataPtr old = storage->set_data_ptr(std::move(fresh));  // freed (back to the cache) on return
+  storage->set_nbytes(newsize);
+}
 
 // ---------------------------------------------------------------- pinned host memory
 std::mutex g_pinned_mutex;
@@ -319,7 +391,7 @@ struct SimGuardImpl final : public c10::impl::DeviceGuardImplInterface {
     if (d.index() >= 0 && d.index() < g_device_count) t_current_device = d.index();
   }
   c10::Stream getStream(c10::Device d) const noexcept override {
-    auto index = d.index() < 0 ? t_current_device : d.index();
+    auto index = stream_slot(d.index());
     return c10::Stream(c10::Stream::UNSAFE, c10::Device(kType, index), t_current_stream[index]);
   }
   c10::Stream getDefaultStream(c10::Device d) const override { return c10::Stream(c10::Stream::DEFAULT, d); }
@@ -329,7 +401,7 @@ struct SimGuardImpl final : public c10::impl::DeviceGuardImplInterface {
     return c10::Stream(c10::Stream::UNSAFE, d, next_id++);
   }
   c10::Stream exchangeStream(c10::Stream s) const noexcept override {
-    auto index = s.device_index() < 0 ? t_current_device : s.device_index();
+    auto index = stream_slot(s.device_index());
     auto old = c10::Stream(c10::Stream::UNSAFE, c10::Device(kType, index), t_current_stream[index]);
     t_current_stream[index] = s.id();
     return old;
@@ -384,8 +456,7 @@ struct SimHooks final : public at::PrivateUse1HooksInterface {
     return at::Device(c10::DeviceType::PrivateUse1, t_current_device);
   }
   void resizePrivateUse1Bytes(const c10::Storage& storage, size_t newsize) const override {
-    c10::DeviceGuard guard(storage.device());
-    at::native::resize_bytes_cpu(storage.unsafeGetStorageImpl(), newsize);
+    resize_storage_bytes(storage.unsafeGetStorageImpl(), newsize);
   }
 };
 
@@ -436,7 +507,9 @@ const at::Tensor& sim_resize_(const at::Tensor& self, c10::SymIntArrayRef size,
   auto sizes = C10_AS_INTARRAYREF_SLOW(size);
   impl->set_sizes_contiguous(sizes);
   auto nbytes = at::detail::computeStorageNbytesContiguous(sizes, impl->dtype().itemsize(), impl->storage_offset());
-  at::native::maybe_resize_storage_cpu(impl, nbytes);
+  if (impl->numel() > 0 && nbytes > impl->storage().nbytes()) {
+    resize_storage_bytes(impl->storage().unsafeGetStorageImpl(), nbytes);
+  }
   if (memory_format.has_value()) {
     auto fmt = *memory_format;
     TORCH_CHECK(fmt != at::MemoryFormat::Preserve, "npu-sim: resize_ does not take MemoryFormat::Preserve");
@@ -455,6 +528,21 @@ at::Tensor& sim_set_source_storage_offset(at::Tensor& self, c10::Storage storage
   return at::native::set_storage_cpu_(self, storage, offset.guard_int(__FILE__, __LINE__),
                                       C10_AS_INTARRAYREF_SLOW(size), C10_AS_INTARRAYREF_SLOW(stride));
 }
+
+// set_(source): ATen's own kernel, which re-points ``self`` at ``source``'s storage through set_.source_Storage_
+// storage_offset below. Without it the cpu fallback copied ``self`` to the host first, reading the bytes of a
+// storage FSDP had just resized to 0 (a segfault), and then copied the result back instead of sharing storage.
+at::Tensor& sim_set_source_tensor(at::Tensor& self, const at::Tensor& source) { return at::native::set_tensor_(self, source); }
+
+// set_(): an empty storage of the sim's own allocator on ``self``'s device (ATen's set_cpu_ would take the host's).
+at::Tensor& sim_set_empty(at::Tensor& self) {
+  c10::DeviceGuard guard(self.device());
+  c10::Storage storage(c10::Storage::use_byte_size_t(), 0, &g_allocator, /*resizable=*/true);
+  return self.set_(storage, 0, {0}, {});
+}
+
+// Whether both tensors view the same storage with the same offset, sizes and strides; never copies.
+bool sim_is_set_to(const at::Tensor& self, const at::Tensor& tensor) { return at::native::is_set_to(self, tensor); }
 
 at::Tensor sim_view(const at::Tensor& self, c10::SymIntArrayRef size) { return at::native::view(self, C10_AS_INTARRAYREF_SLOW(size)); }
 
@@ -478,7 +566,133 @@ bool sim_has_compatible_shallow_copy_type(const at::Tensor& self, const at::Tens
 
 void sim_record_stream(at::Tensor&, c10::Stream) {}
 
-void sim_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) { at::native::cpu_fallback(op, stack); }
+// ---------------------------------------------------------------- the fallback: cpu kernels on the same bytes
+// Every operator without an npu kernel runs its cpu kernel. npu memory is host memory, so the kernel runs on
+// cpu *views* of the npu tensors' own bytes: no host mirror of the inputs is made (at::native::cpu_fallback
+// copies every input to the host and every mutated argument back; for an optimizer step that is several
+// copies of the largest parameter at once, and of the embedding for every lookup), and in-place and out=
+// operators write the npu bytes directly. A view's storage is resizable through the cpu allocator: a kernel
+// that resizes an out= argument gets new host memory, which is then copied back into the npu tensor.
+// Fresh results are copied onto the device (counted by the allocator), as a device kernel would have
+// allocated them. HAL_SIM_COPY_FALLBACK=1 switches back to at::native::cpu_fallback.
+at::Tensor host_view(const at::Tensor& t) {
+  if (!t.defined() || !t.device().is_privateuseone()) return t;
+  const c10::Storage& src = t.storage();
+  c10::Storage storage(c10::Storage::use_byte_size_t(), src.nbytes(),
+                       c10::DataPtr(src.mutable_data(), nullptr, &free_nothing, c10::Device(c10::kCPU)),
+                       c10::GetCPUAllocator(), /*resizable=*/true);
+  at::Tensor view = at::empty({0}, t.options().device(c10::kCPU));
+  view.unsafeGetTensorImpl()->set_storage_keep_dtype(std::move(storage));
+  view.unsafeGetTensorImpl()->set_sizes_and_strides(t.sizes(), t.strides(), t.storage_offset());
+  return view;
+}
+
+struct Swapped {
+  at::Tensor original;  // the npu tensor
+  at::Tensor view;      // its host view, given to the cpu kernel
+  const void* data;     // the view's data pointer before the call
+};
+
+// Copy a mutated argument back unless the kernel wrote the npu bytes in place (same pointer and sizes).
+void write_back(const Swapped& s) {
+  if (s.view.data_ptr() == s.data && s.view.sizes() == s.original.sizes() && s.view.strides() == s.original.strides()) {
+    return;
+  }
+  at::native::resize_(s.original, s.view.sizes(), std::nullopt);
+  sim_copy_from(s.view, s.original, false);
+}
+
+at::Tensor to_device(const at::Tensor& t, c10::Device device) {
+  if (!t.defined() || !t.is_cpu()) return t;
+  c10::DeviceGuard guard(device);
+  at::Tensor out = at::detail::empty_strided_generic(t.sizes(), t.strides(), &g_allocator, sim_keys(),
+                                                     t.scalar_type());
+  sim_copy_from(t, out, false);
+  return out;
+}
+
+void sim_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  static const bool copy_fallback = std::getenv("HAL_SIM_COPY_FALLBACK") != nullptr;
+  if (copy_fallback) {
+    at::native::cpu_fallback(op, stack);
+    return;
+  }
+  const auto& schema = op.schema();
+  const size_t n = schema.arguments().size();
+  const size_t base = stack->size() - n;
+  c10::Device device(c10::DeviceType::PrivateUse1, t_current_device);
+  bool found_device = false;
+  std::vector<std::vector<Swapped>> swapped(n);  // per argument: its npu tensors (one, or a list's)
+  auto swap = [&](const at::Tensor& t, size_t arg) -> at::Tensor {
+    if (!t.defined() || !t.device().is_privateuseone()) return t;
+    if (!found_device) device = t.device(), found_device = true;
+    at::Tensor view = host_view(t);
+    swapped[arg].push_back({t, view, view.defined() && view.numel() > 0 ? view.data_ptr() : nullptr});
+    return view;
+  };
+  for (size_t i = 0; i < n; ++i) {
+    c10::IValue& iv = (*stack)[base + i];
+    if (iv.isTensor()) {
+      iv = swap(iv.toTensor(), i);
+    } else if (iv.isTensorList()) {
+      c10::List<at::Tensor> list = iv.toTensorList();
+      c10::List<at::Tensor> views;
+      views.reserve(list.size());
+      for (const at::Tensor& t : list) views.push_back(swap(t, i));
+      iv = views;
+    } else if (iv.isOptionalTensorList()) {
+      auto list = iv.toOptionalTensorList();
+      c10::List<std::optional<at::Tensor>> views;
+      views.reserve(list.size());
+      for (std::optional<at::Tensor> t : list) views.push_back(t.has_value() ? std::optional<at::Tensor>(swap(*t, i)) : t);
+      iv = views;
+    } else if (iv.isDevice() && iv.toDevice().is_privateuseone()) {
+      if (!found_device) device = iv.toDevice(), found_device = true;
+      iv = c10::Device(c10::kCPU);
+    }
+  }
+  op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::CPU), stack);
+  // Mutated arguments: written in place, or copied back if the kernel gave them new memory.
+  for (size_t i = 0; i < n; ++i) {
+    const auto* alias = schema.arguments()[i].alias_info();
+    if (alias != nullptr && alias->isWrite()) {
+      for (const Swapped& s : swapped[i]) write_back(s);
+    }
+  }
+  // Results: an alias of an argument is that (npu) argument or an npu view of it; anything else is fresh.
+  const size_t r = schema.returns().size();
+  const size_t rbase = stack->size() - r;
+  for (size_t j = 0; j < r; ++j) {
+    c10::IValue& iv = (*stack)[rbase + j];
+    const auto* ret_alias = schema.returns()[j].alias_info();
+    if (ret_alias != nullptr && iv.isTensor()) {
+      bool mapped = false;
+      for (size_t i = 0; i < n && !mapped; ++i) {
+        const auto* arg_alias = schema.arguments()[i].alias_info();
+        if (arg_alias == nullptr || arg_alias->beforeSets() != ret_alias->beforeSets() || swapped[i].size() != 1) continue;
+        const Swapped& s = swapped[i].front();
+        const at::Tensor& ret = iv.toTensor();
+        if (ret.is_same(s.view) || arg_alias->isWrite()) {
+          iv = s.original;
+        } else {  // a view of the argument: the same view of the npu tensor
+          const auto offset = ret.storage_offset();
+          iv = s.original.as_strided(ret.sizes(), ret.strides(), offset);
+        }
+        mapped = true;
+      }
+      if (mapped) continue;
+    }
+    if (iv.isTensor()) {
+      iv = to_device(iv.toTensor(), device);
+    } else if (iv.isTensorList()) {
+      c10::List<at::Tensor> list = iv.toTensorList();
+      c10::List<at::Tensor> out;
+      out.reserve(list.size());
+      for (const at::Tensor& t : list) out.push_back(to_device(t, device));
+      iv = out;
+    }
+  }
+}
 
 TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
   m.impl("empty.memory_format", sim_empty_memory_format);
@@ -488,6 +702,9 @@ TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
   m.impl("resize_", sim_resize_);
   m.impl("set_.source_Storage", sim_set_source_storage);
   m.impl("set_.source_Storage_storage_offset", sim_set_source_storage_offset);
+  m.impl("set_.source_Tensor", sim_set_source_tensor);
+  m.impl("set_", sim_set_empty);
+  m.impl("is_set_to", sim_is_set_to);
   m.impl("view", sim_view);
   m.impl("as_strided", sim_as_strided);
   m.impl("_reshape_alias", sim_reshape_alias);

@@ -3,9 +3,9 @@
 Consumers detect Ascend by importing ``torch_npu`` or asking ``importlib.util.find_spec("torch_npu")``
 (verl's ``PlatformNPU``, accelerate, transformers). Once the sim is registered, :func:`install_finder`
 puts a meta-path finder first on ``sys.meta_path`` that answers ``torch_npu`` with
-``devices/sim_torch_npu.py`` under that name: a real module with a ``__spec__`` (origin: that file), a
+``devices/npu_sim/torch_npu.py`` under that name: a real module with a ``__spec__`` (origin: that file), a
 ``__version__``, ``torch_npu.npu`` being the sim's ``torch.npu`` (also ``sys.modules["torch_npu.npu"]``),
-and the fused operators of :mod:`devices.sim_ops`. It carries ``__hal_sim__ = True``.
+and the fused operators of :mod:`devices.npu_sim.ops`. It carries ``__hal_sim__ = True``.
 
 The real package always wins: the sim never registers where :func:`real_torch_npu_origin` finds one, and
 the finder steps aside for it. "Real" means what the torch-npu wheel installs: a regular package whose
@@ -21,7 +21,7 @@ import pathlib
 import sys
 import types
 
-COMPAT_FILE = pathlib.Path(__file__).with_name("sim_torch_npu.py")
+COMPAT_FILE = pathlib.Path(__file__).with_name("torch_npu.py")
 VERSION = "2.14.0+hal.sim"
 """``torch_npu.__version__`` of the compatibility module: the torch_npu API level it mirrors (the committed
 ``devices/npu_api_names.txt``), with a local label that marks it as the simulation."""

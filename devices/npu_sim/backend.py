@@ -639,8 +639,8 @@ def create(opts: Any, backend_options: Any = None) -> SimHcclGroup:
 def register() -> None:
     """Register ``hccl`` with torch.distributed once per process (a second registration would raise)."""
     global _ext
-    from devices import sim_ext
+    from devices.npu_sim import ext as extension
 
-    _ext = sim_ext.load()
+    _ext = extension.load()
     if torch_compat.backend_plugin(BACKEND_NAME) is None:
         dist.Backend.register_backend(BACKEND_NAME, create, extended_api=True, devices=["npu"])

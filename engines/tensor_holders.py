@@ -1,6 +1,6 @@
-"""Slots: one named place that holds a tensor an engine may move (a parameter, a gradient, a state entry).
+"""Tensor holders: each one named place that holds a tensor an engine may move (a parameter, a gradient, a state entry).
 
-A slot reads the tensor that holds the bytes and writes a replacement into the same place, so that the
+A holder reads the tensor that holds the bytes and writes a replacement into the same place, so that the
 objects users hold keep their identity: a parameter's ``.data`` is swapped (as ``nn.Module._apply`` does
 for plain tensors, and as verl's offload helpers do), an optimizer-state entry is replaced in its dict, and
 a DTensor keeps its wrapper while its ``_local_tensor`` (this rank's shard) is swapped.
@@ -19,11 +19,11 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from devices import torch_compat
+from hal import torch_compat
 
 
 @dataclasses.dataclass(frozen=True)
-class Slot:
+class TensorHolder:
     """A place holding one tensor.
 
     Fields:
@@ -57,13 +57,13 @@ def set_local_tensor(t: torch.Tensor, new: torch.Tensor) -> None:
         t.data = new
 
 
-def data_slot(key: Hashable, tensor: torch.Tensor) -> Slot:
-    """A slot for a parameter or buffer object, moved by swapping its storage (identity kept)."""
-    return Slot(key, lambda: local_tensor(tensor), lambda new: set_local_tensor(tensor, new))
+def data_holder(key: Hashable, tensor: torch.Tensor) -> TensorHolder:
+    """A holder for a parameter or buffer object, moved by swapping its storage (identity kept)."""
+    return TensorHolder(key, lambda: local_tensor(tensor), lambda new: set_local_tensor(tensor, new))
 
 
-class StorageHolder:
-    """Host copies of tensors whose device storage was freed in place (see :func:`storage_slot`)."""
+class FreedStorages:
+    """Host copies of tensors whose device storage was freed in place (see :func:`storage_holder`)."""
 
     def __init__(self) -> None:
         self.host: dict[Hashable, torch.Tensor] = {}
@@ -74,11 +74,11 @@ def _owns_storage(t: torch.Tensor) -> bool:
     return t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.numel() * t.element_size()
 
 
-def _storage_set(key: Hashable, tensor: torch.Tensor, holder: StorageHolder, new: torch.Tensor) -> None:
+def _storage_set(key: Hashable, tensor: torch.Tensor, holder: FreedStorages, new: torch.Tensor) -> None:
     from engines.errors import EngineStateError
 
     if new.device.type != "cpu" or tensor.device.type == "cpu":
-        raise EngineStateError(f"{key}: a storage slot only offloads a device tensor to the host, got {new.device}")
+        raise EngineStateError(f"{key}: a storage holder only offloads a device tensor to the host, got {new.device}")
     if not _owns_storage(tensor.data):
         raise EngineStateError(
             f"{key}: cannot free a tensor that shares its storage (offset {tensor.storage_offset()}, storage "
@@ -88,7 +88,7 @@ def _storage_set(key: Hashable, tensor: torch.Tensor, holder: StorageHolder, new
     tensor.untyped_storage().resize_(0)
 
 
-def _storage_load(key: Hashable, tensor: torch.Tensor, holder: StorageHolder, host: torch.Tensor,
+def _storage_load(key: Hashable, tensor: torch.Tensor, holder: FreedStorages, host: torch.Tensor,
                   device: torch.device, non_blocking: bool) -> None:
     tensor.untyped_storage().resize_(holder.nbytes.pop(key))
     with torch.no_grad():
@@ -96,8 +96,8 @@ def _storage_load(key: Hashable, tensor: torch.Tensor, holder: StorageHolder, ho
     del holder.host[key]
 
 
-def storage_slot(key: Hashable, tensor: torch.Tensor, holder: StorageHolder) -> Slot:
-    """A slot that offloads by freeing ``tensor``'s device storage in place (``resize_(0)``).
+def storage_holder(key: Hashable, tensor: torch.Tensor, holder: FreedStorages) -> TensorHolder:
+    """A holder that offloads by freeing ``tensor``'s device storage in place (``resize_(0)``).
 
     The tensor keeps its device, its ``TensorImpl`` and so its gradient accumulator: hooks registered on
     that accumulator (DDP's reducer) keep firing after an onload. ``param.data = cpu_tensor`` would replace
@@ -105,7 +105,7 @@ def storage_slot(key: Hashable, tensor: torch.Tensor, holder: StorageHolder) -> 
     the host copy ``get()`` returns, and the tensor itself must not be read. FSDP1 frees its flat
     parameters the same way. Requires the tensor to own its whole storage.
     """
-    return Slot(key,
+    return TensorHolder(key,
                 lambda: holder.host.get(key, tensor.data),
                 lambda new: _storage_set(key, tensor, holder, new),
                 lambda host, device, nb: _storage_load(key, tensor, holder, host, device, nb))
@@ -121,26 +121,26 @@ def _grad_set(param: nn.Parameter, new: torch.Tensor) -> None:
     set_local_tensor(param.grad, new)
 
 
-def grad_slot(key: Hashable, param: nn.Parameter) -> Slot:
-    """A slot for ``param.grad``; empty while the parameter has no gradient."""
-    return Slot(key, lambda: _grad_get(param), lambda new: _grad_set(param, new))
+def grad_holder(key: Hashable, param: nn.Parameter) -> TensorHolder:
+    """A holder for ``param.grad``; empty while the parameter has no gradient."""
+    return TensorHolder(key, lambda: _grad_get(param), lambda new: _grad_set(param, new))
 
 
-def module_slots(module: nn.Module) -> Iterator[Slot]:
-    """One slot per distinct parameter, then per distinct buffer, in ``named_*`` order.
+def module_holders(module: nn.Module) -> Iterator[TensorHolder]:
+    """One holder per distinct parameter, then per distinct buffer, in ``named_*`` order.
 
-    Tied weights (one ``Parameter`` registered under two names) give one slot, so they stay one object.
+    Tied weights (one ``Parameter`` registered under two names) give one holder, so they stay one object.
     """
     for name, param in module.named_parameters():
-        yield data_slot(("param", name), param)
+        yield data_holder(("param", name), param)
     for name, buf in module.named_buffers():
-        yield data_slot(("buffer", name), buf)
+        yield data_holder(("buffer", name), buf)
 
 
-def module_grad_slots(module: nn.Module) -> Iterator[Slot]:
-    """One gradient slot per distinct parameter, in ``named_parameters`` order."""
+def module_grad_holders(module: nn.Module) -> Iterator[TensorHolder]:
+    """One gradient holder per distinct parameter, in ``named_parameters`` order."""
     for name, param in module.named_parameters():
-        yield grad_slot(("grad", name), param)
+        yield grad_holder(("grad", name), param)
 
 
 def _state_get(state: dict, k: Hashable) -> torch.Tensor:
@@ -155,12 +155,12 @@ def _state_set(state: dict, k: Hashable, new: torch.Tensor) -> None:
         state[k] = new
 
 
-def optimizer_slots(optimizer: torch.optim.Optimizer) -> Iterator[Slot]:
-    """One slot per tensor in the optimizer's per-parameter state, whatever its key.
+def optimizer_holders(optimizer: torch.optim.Optimizer) -> Iterator[TensorHolder]:
+    """One holder per tensor in the optimizer's per-parameter state, whatever its key.
 
     Keys are ``("optim", i, state_key)`` with ``i`` the parameter's position across ``param_groups``, so
     they are stable across steps. Non-tensor values (ints, floats) are left alone. An optimizer that has not
-    stepped has no state and gives no slot, so offloading it creates nothing.
+    stepped has no state and gives no holder, so offloading it creates nothing.
     """
     i = 0
     for group in optimizer.param_groups:
@@ -169,7 +169,7 @@ def optimizer_slots(optimizer: torch.optim.Optimizer) -> Iterator[Slot]:
             if state:
                 for k in list(state):
                     if isinstance(state[k], torch.Tensor):
-                        yield Slot(("optim", i, k),
+                        yield TensorHolder(("optim", i, k),
                                    lambda s=state, k=k: _state_get(s, k),
                                    lambda new, s=state, k=k: _state_set(s, k, new))
             i += 1

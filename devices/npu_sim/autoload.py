@@ -7,10 +7,11 @@ multiprocessing or Ray, where no code of the user's runs before verl's or vLLM's
 ``hccl`` and ``import torch_npu`` from its first ``import torch`` on.
 
 It does nothing unless asked: ``HAL_DEVICE=npu-sim`` (or ``npu-sim:<index>``), or ``HAL_NPU_SIM_AUTOLOAD=1``
-with any ``HAL_DEVICE``. ``HAL_NPU_SIM_AUTOLOAD=0`` turns it off even with ``HAL_DEVICE=npu-sim`` (hal then
+with any ``HAL_DEVICE``. It also gives the process what a CANN install answers (``npu-smi``, the toolkit's
+version file; :mod:`devices.npu_sim.cann`), written under hal's cache folder. ``HAL_NPU_SIM_AUTOLOAD=0`` turns it off even with ``HAL_DEVICE=npu-sim`` (hal then
 registers the sim on first use, as before), and torch's ``TORCH_DEVICE_BACKEND_AUTOLOAD=0`` turns off every
-backend autoload. Unasked, it reads two environment variables and imports nothing: this module imports only
-``os``. A failure (a compiler error on the first build, a real torch_npu present) becomes a
+backend autoload. Unasked, it reads two environment variables and registers nothing: this module imports
+only ``os``, and its package's top (:mod:`devices.npu_sim`) only the spec's dataclass base. A failure (a compiler error on the first build, a real torch_npu present) becomes a
 ``RuntimeWarning``, never an exception: ``import torch`` must keep working.
 """
 
@@ -41,9 +42,11 @@ def autoload() -> None:
     if not wanted():
         return
     try:
-        from devices import sim
+        from devices import npu_sim
+        from devices.npu_sim import cann, ext
 
-        sim.register()
+        npu_sim.register()
+        cann.activate(ext.cache_root(), npu_sim.capacity_bytes())  # npu-smi and the toolkit's version file
     except Exception as exc:  # noqa: BLE001 - import torch must survive any failure of the sim
         import warnings
 

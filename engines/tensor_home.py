@@ -8,11 +8,11 @@ from typing import Iterable
 import torch
 
 MIXED = "mixed"
-"""Placement value when the tensors of one part live on more than one device type."""
+"""The value of a :class:`TensorHome` field when the tensors of one part live on more than one device type."""
 
 
 @dataclasses.dataclass(frozen=True)
-class Placement:
+class TensorHome:
     """The ``torch.device`` type (``"npu"``, ``"cuda"``, ``"cpu"``) each part of an engine lives on.
 
     Fields:

@@ -6,10 +6,11 @@ schedules it by a resource of its own, ``NPU_SIM`` (a node declares it with ``--
 simulated workers never take a real NPU; ``hal.ray`` gives its actors the per-device
 ``ASCEND_RT_VISIBLE_DEVICES`` Ray gives ``NPU`` actors.
 
-Route, and why: a small C++ extension (``devices/csrc/npu_sim.cpp``), compiled on first use with
-``torch.utils.cpp_extension`` and cached (:mod:`devices.sim_ext`), registers PrivateUse1 with its own
+Route, and why: a small C++ extension (``devices/npu_sim/csrc/npu_sim.cpp``), compiled on first use with
+``torch.utils.cpp_extension`` and cached (:mod:`devices.npu_sim.ext`), registers PrivateUse1 with its own
 counting allocator, device guard, hooks object (pinned host memory, storage resize, device count) and
-factory/copy/view kernels, plus ``cpu_fallback`` for every other operator. PyTorch's experimental
+factory/copy/view kernels, plus a fallback that runs every other operator's cpu kernel on cpu views of the
+npu tensors' own bytes (no host mirror of the inputs, see the C++ source). PyTorch's experimental
 pure-Python PrivateUse1 backend was not used: its empty tensors have no storage of their own, so byte
 copies, allocation counts, out-of-memory and ``param.data`` swaps (what offload must prove) could not be
 real. Cost of the C++ route: one build of about 25-60 s per source/torch version (cached), and training
@@ -17,14 +18,14 @@ that matches cpu to about 3e-8 rather than bit for bit (the optimizer takes othe
 
 :func:`register` then does what ``import torch_npu`` does, once per process: rename PrivateUse1 to
 ``npu`` (a second rename raises, so it is guarded), ``torch._register_device_module("npu", ...)``, the
-``tensor.npu()`` / ``is_npu`` methods, and the ``hccl`` backend (:mod:`devices.sim_backend`); it adds the
-rest of torch_npu's device calls (:mod:`devices.sim_api`) and makes ``import torch_npu`` give the
-compatibility module (:mod:`devices.sim_compat`). With ``HAL_DEVICE=npu-sim`` all of this happens inside
-``import torch`` (:mod:`devices.sim_autoload`), before any consumer's first import.
+``tensor.npu()`` / ``is_npu`` methods, and the ``hccl`` backend (:mod:`devices.npu_sim.backend`); it adds the
+rest of torch_npu's device calls (:mod:`devices.npu_sim.api`) and makes ``import torch_npu`` give the
+compatibility module (:mod:`devices.npu_sim.compat`). With ``HAL_DEVICE=npu-sim`` all of this happens inside
+``import torch`` (:mod:`devices.npu_sim.autoload`), before any consumer's first import.
 
 Environment: ``HAL_SIM_NPU_COUNT`` (devices, default: entries of ``ASCEND_RT_VISIBLE_DEVICES``, else 8),
-``HAL_SIM_NPU_MEMORY`` (capacity per device in bytes, default 8 GiB), ``HAL_SIM_STRICT=1`` (any
-``torch.cuda`` call raises, see :mod:`devices.sim_strict`), ``HAL_CACHE_DIR`` (build cache).
+``HAL_SIM_NPU_MEMORY`` (capacity per device in bytes, default 16 GiB: the default `hal sync` preset trains with AdamW in fp32, 8 GiB of states plus its step's temporaries), ``HAL_SIM_STRICT=1`` (any
+``torch.cuda`` call raises, see :mod:`devices.npu_sim.strict`), ``HAL_CACHE_DIR`` (build cache).
 """
 
 from __future__ import annotations
@@ -34,11 +35,10 @@ import os
 import threading
 import types
 
-from devices import sim_compat
 from devices.base import Availability, DeviceSpec
 
 DEFAULT_DEVICE_COUNT = 8
-DEFAULT_CAPACITY_BYTES = 8 << 30
+DEFAULT_CAPACITY_BYTES = 16 << 30
 
 _lock = threading.Lock()
 _registered: types.ModuleType | None = None
@@ -48,9 +48,11 @@ def real_torch_npu_present() -> bool:
     """Whether a real ``torch_npu`` is importable here (then the sim refuses to register: both own ``npu``).
 
     The compatibility module the sim itself provides, an empty ``torch_npu/`` folder or a stray
-    ``torch_npu.py`` do not count (see :func:`devices.sim_compat.real_torch_npu_origin`).
+    ``torch_npu.py`` do not count (see :func:`devices.npu_sim.compat.real_torch_npu_origin`).
     """
-    return sim_compat.real_torch_npu_origin() is not None
+    from devices.npu_sim import compat
+
+    return compat.real_torch_npu_origin() is not None
 
 
 def _device_count() -> int:
@@ -63,6 +65,11 @@ def _device_count() -> int:
     if not 1 <= count <= 64:
         raise ValueError(f"HAL_SIM_NPU_COUNT must be in [1, 64], got {count}")
     return count
+
+
+def capacity_bytes() -> int:
+    """Each simulated device's memory in bytes: ``HAL_SIM_NPU_MEMORY``, default 16 GiB."""
+    return int(os.environ.get("HAL_SIM_NPU_MEMORY", DEFAULT_CAPACITY_BYTES))
 
 
 def register() -> types.ModuleType:
@@ -79,33 +86,37 @@ def register() -> types.ModuleType:
     with _lock:
         if _registered is not None:
             return _registered
+        from devices.npu_sim import compat
+
         if real_torch_npu_present():
-            raise RuntimeError(f"a real torch_npu is importable here ({sim_compat.real_torch_npu_origin()}); "
+            raise RuntimeError(f"a real torch_npu is importable here ({compat.real_torch_npu_origin()}); "
                                "use the 'npu' kind, not 'npu-sim' (both would register the 'npu' device)")
         import torch
 
-        from devices import sim_api, sim_backend, sim_ext, sim_module, sim_strict, torch_compat
+        from devices import torch_compat
+        from devices.npu_sim import api, backend, module, strict
+        from devices.npu_sim import ext as extension
 
         current = torch_compat.privateuse1_backend_name()
         if current not in ("privateuseone", "npu"):
             raise RuntimeError(f"PrivateUse1 is already registered as {current!r} in this process; "
                                "the npu-sim kind needs it as 'npu'")
-        ext = sim_ext.load()
+        ext = extension.load()
         ext.init(_device_count())
-        capacity = int(os.environ.get("HAL_SIM_NPU_MEMORY", DEFAULT_CAPACITY_BYTES))
+        capacity = capacity_bytes()
         for index in range(ext.device_count()):
             ext.set_capacity(index, capacity)
         if current != "npu":
             torch.utils.rename_privateuse1_backend("npu")
         if not hasattr(torch, "npu"):
-            torch_compat.register_device_module("npu", sim_api.extend(sim_module.build(ext), ext))
+            torch_compat.register_device_module("npu", api.extend(module.build(ext), ext))
         if not hasattr(torch.Tensor, "is_npu"):
             torch.utils.generate_methods_for_privateuse1_backend(
                 for_tensor=True, for_module=True, for_packed_sequence=True, for_storage=True)
-        sim_backend.register()
-        if sim_strict.enabled():
-            sim_strict.install()
-        sim_compat.install_finder()
+        backend.register()
+        if strict.enabled():
+            strict.install()
+        compat.install_finder()
         _registered = torch.npu
         return _registered
 
@@ -121,12 +132,13 @@ def _first_error(exc: BaseException) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class SimNpuDevice(DeviceSpec):
-    """The simulated Ascend kind (see the module doc). ``supports_pin_memory``: pinned host memory works."""
+    """The simulated Ascend kind (see the module doc); pinned host memory works, as on Ascend."""
 
     kind: str = "npu-sim"
     name: str = "npu"
     dist_backend: str = "hccl"
     visible_devices_env: str | None = "ASCEND_RT_VISIBLE_DEVICES"
+    visible_devices_fixed: bool = True  # counted once, by register()
     ray_resource: str | None = "NPU_SIM"  # its own, so simulated workers never take a real Ascend NPU
     auto_probe: bool = False
     supports_pin_memory: bool = True
@@ -143,15 +155,20 @@ class SimNpuDevice(DeviceSpec):
         """``torch.npu`` of the sim, registering it on first use (see :func:`register` for errors)."""
         return register()
 
-    def availability(self) -> Availability:
-        """Registers the sim on first call; unavailable (never raises) when torch_npu is present or the build fails."""
+    def is_set_up(self) -> bool:
+        """Whether :func:`register` ran in this process (it counted the devices from the variables then)."""
+        return _registered is not None
+
+    def availability(self, device: int | None = None) -> Availability:
+        """Registers the sim on first call; unavailable (never raises) when torch_npu is present or the build
+        fails, or when ``device`` is given and is not one of the simulated devices."""
         try:
             module = register()
         except BaseException as exc:  # noqa: BLE001 - compiler, loader, or a real torch_npu
             if isinstance(exc, (KeyboardInterrupt, SystemExit)):
                 raise
             return Availability.unavailable(f"npu-sim setup failed: {type(exc).__name__}: {_first_error(exc)}")
-        return Availability.available(module.device_count())
+        return Availability.available(module.device_count()).of_index(self.kind, device)
 
 
 SPEC = SimNpuDevice()

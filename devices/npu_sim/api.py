@@ -35,6 +35,8 @@ from typing import Any
 
 import torch
 
+from devices.npu_sim.module import resolve_index
+
 # Keys torch_npu's allocator configuration (PYTORCH_NPU_ALLOC_CONF) accepts; _set_allocator_settings
 # takes the same "key:value,key:value" string.
 ALLOCATOR_SETTING_KEYS = ("max_split_size_mb", "garbage_collection_threshold", "expandable_segments",
@@ -96,8 +98,9 @@ class Mstx:
 def extend(mod: types.ModuleType, ext: types.ModuleType) -> types.ModuleType:
     """Add the names of the module doc to ``mod`` (the sim's ``torch.npu``); returns ``mod``."""
     def index(device: Any = None) -> int:
-        """The device index ``device`` names, by the module's own rule (``torch.npu.device``); ValueError if not npu."""
-        return mod.device(device).index
+        """The device index ``device`` names, checked as every sim call checks it
+        (:func:`devices.npu_sim.module.resolve_index`: ``InvalidDeviceError`` out of range, ValueError if not npu)."""
+        return resolve_index(ext, device)
 
     totals: dict[int, int] = {}
     fractions: dict[int, float] = {}

@@ -5,7 +5,7 @@ torch-npu wheel), which in turn mirror ``torch.cuda``. Memory figures are the ex
 in bytes, of its caching allocator (as torch_npu's): ``memory_allocated()`` counts blocks in use,
 ``memory_reserved()`` those plus the cached free ones, and ``empty_cache()`` returns the cached ones. Every operator runs synchronously on the host, so streams and
 events are correct as no-ops (an event is complete once recorded); only collectives complete later (see
-``devices.sim_backend``), and ``synchronize`` runs those queued on the device.
+``devices.npu_sim.backend``), and ``synchronize`` runs those queued on the device.
 Random numbers come from the host generator (operators fall back to the cpu), so seeding npu seeds it.
 """
 
@@ -17,7 +17,8 @@ from typing import Any, Union
 
 import torch
 
-from devices import sim_backend
+from devices.errors import HalError
+from devices.npu_sim import backend
 
 DeviceArg = Union[int, str, torch.device, None]
 
@@ -27,27 +28,62 @@ SIM_EXTRAS = ("is_sim", "set_memory_capacity")
 """Names of the sim's ``torch.npu`` that real ``torch_npu.npu`` lacks: portable code must not use them."""
 
 
+class InvalidDeviceError(HalError, RuntimeError):
+    """A device index outside the simulated devices (``>= device_count()``, or negative where torch_npu
+    refuses it); a ``RuntimeError``, as torch_npu's device checks raise. The message names the index and
+    the valid range."""
+
+
+def resolve_index(ext: types.ModuleType, device: DeviceArg, current_if_minus_one: bool = False) -> int:
+    """The device index ``device`` names, checked against the devices of ``ext`` as torch_npu checks it.
+
+    ``None`` and an index-less ``"npu"`` / ``torch.device("npu")`` mean the current device; ``3``,
+    ``"npu:3"``, ``torch.device("npu", 3)`` mean 3. ``-1`` means the current device only where
+    ``current_if_minus_one`` (torch_npu's stream and synchronize calls); any other negative index, and any
+    index ``>= device_count()``, is refused (torch_npu's caching allocator: "Invalid device argument").
+
+    Raises:
+        InvalidDeviceError: the index is out of range. ValueError: a device of another type (``"cuda:0"``)
+            or not a device at all.
+    """
+    if device is None:
+        return ext.current_device()
+    if isinstance(device, str):
+        device = torch.device(device)
+    if isinstance(device, torch.device):
+        if device.type != "npu":
+            raise ValueError(f"expected an npu device, got {device}")
+        if device.index is None:
+            return ext.current_device()
+        device = device.index
+    if not isinstance(device, int) or isinstance(device, bool):
+        raise ValueError(f"device must be an int, 'npu:<index>' or torch.device, got {device!r}")
+    if device == -1 and current_if_minus_one:
+        return ext.current_device()
+    count = ext.device_count()
+    if not 0 <= device < count:
+        raise InvalidDeviceError(f"Invalid device argument {device}: npu-sim has {count} devices in this process "
+                                 f"(valid indices 0..{count - 1}; HAL_SIM_NPU_COUNT / ASCEND_RT_VISIBLE_DEVICES)")
+    return device
+
+
 def build(ext: types.ModuleType) -> types.ModuleType:
-    """A fresh module object exposing the sim's device calls, backed by the loaded extension ``ext``."""
+    """A fresh module object exposing the sim's device calls, backed by the loaded extension ``ext``.
+
+    Every call that takes a device checks it (:func:`resolve_index`): out of range it raises
+    :class:`InvalidDeviceError`, as torch_npu does; ``set_device`` and ``device`` take a negative index as
+    "no change", as torch_npu documents.
+    """
     mod = types.ModuleType("torch.npu", __doc__)
 
     def _index(device: DeviceArg = None) -> int:
-        """``None``/``-1`` -> current; ``3``, ``"npu:3"``, ``torch.device("npu", 3)`` -> 3.
+        return resolve_index(ext, device)
 
-        Raises:
-            ValueError: a device of another type (e.g. ``"cuda:0"``).
-        """
-        if device is None:
-            return ext.current_device()
-        if isinstance(device, str):
-            device = torch.device(device)
-        if isinstance(device, torch.device):
-            if device.type != "npu":
-                raise ValueError(f"expected an npu device, got {device}")
-            return ext.current_device() if device.index is None else device.index
-        if isinstance(device, int) and not isinstance(device, bool):
-            return ext.current_device() if device < 0 else device
-        raise ValueError(f"device must be an int, 'npu:<index>' or torch.device, got {device!r}")
+    def _stream_index(device: DeviceArg = None) -> int:
+        return resolve_index(ext, device, current_if_minus_one=True)
+
+    def _negative(device: DeviceArg) -> bool:
+        return isinstance(device, int) and not isinstance(device, bool) and device < 0
 
     def is_available() -> bool:
         """Always ``True`` once the sim is registered."""
@@ -68,19 +104,30 @@ def build(ext: types.ModuleType) -> types.ModuleType:
         return ext.current_device()
 
     def set_device(device: DeviceArg) -> None:
-        """Make ``device`` this thread's current device. Raises IndexError when out of range."""
-        ext.set_device(_index(device))
+        """Make ``device`` this thread's current device; a negative index changes nothing (torch_npu's rule).
+
+        Raises:
+            InvalidDeviceError: an index ``>= device_count()``.
+        """
+        if not _negative(device):
+            ext.set_device(_index(device))
 
     class device:  # noqa: N801 - torch.cuda.device's name
-        """Context manager that makes ``index`` the current device and restores the previous one."""
+        """Context manager that makes ``index`` the current device and restores the previous one; a negative
+        index (or ``None``) changes nothing, as in torch_npu.
+
+        Raises:
+            InvalidDeviceError: an index ``>= device_count()``.
+        """
 
         def __init__(self, index: DeviceArg) -> None:
-            self.index = _index(index)
+            self.index = -1 if index is None or _negative(index) else _index(index)
             self.prev = -1
 
         def __enter__(self) -> None:
             self.prev = ext.current_device()
-            ext.set_device(self.index)
+            if self.index >= 0:
+                ext.set_device(self.index)
 
         def __exit__(self, *exc: Any) -> None:
             ext.set_device(self.prev)
@@ -92,7 +139,7 @@ def build(ext: types.ModuleType) -> types.ModuleType:
         Raises:
             hal.DistributedTimeoutError: a queued collective did not complete within its group's timeout.
         """
-        sim_backend.synchronize(_index(device))
+        backend.synchronize(_stream_index(device))
 
     def empty_cache() -> None:
         """Return the cached (free) blocks of every device to the simulated device: :func:`memory_reserved`
@@ -123,7 +170,7 @@ def build(ext: types.ModuleType) -> types.ModuleType:
         ext.reset_peak_memory_stats(_index(device))
 
     def mem_get_info(device: DeviceArg = None) -> tuple[int, int]:
-        """``(free, total)`` bytes against the simulated capacity (``HAL_SIM_NPU_MEMORY``, default 8 GiB);
+        """``(free, total)`` bytes against the simulated capacity (``HAL_SIM_NPU_MEMORY``, default 16 GiB);
         cached blocks count as used, as the driver sees them."""
         index = _index(device)
         total = ext.capacity(index)
@@ -182,7 +229,7 @@ def build(ext: types.ModuleType) -> types.ModuleType:
         """An npu stream (``torch.Stream`` on the npu device): work on it is already complete."""
 
         def __new__(cls, device: DeviceArg = None, priority: int = 0, **kwargs: Any) -> "Stream":
-            return super().__new__(cls, device=torch.device("npu", _index(device)), priority=priority)
+            return super().__new__(cls, device=torch.device("npu", _stream_index(device)), priority=priority)
 
     class Event(torch.Event):
         """An npu event (``torch.Event`` on npu): complete as soon as it is recorded."""
@@ -192,7 +239,7 @@ def build(ext: types.ModuleType) -> types.ModuleType:
                                    enable_timing=enable_timing, blocking=blocking, interprocess=interprocess)
 
     def current_stream(device: DeviceArg = None) -> torch.Stream:
-        return torch.accelerator.current_stream(torch.device("npu", _index(device)))
+        return torch.accelerator.current_stream(torch.device("npu", _stream_index(device)))
 
     def default_stream(device: DeviceArg = None) -> torch.Stream:
         """The stream of id 0 on ``device`` (every stream is equivalent here)."""

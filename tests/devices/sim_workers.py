@@ -84,6 +84,38 @@ def fsdp2_training(rank: int, world_size: int, port: int, steps: int) -> dict:
     return {"max_abs_diff": diff, "local_device": local_device}
 
 
+def fsdp1_training(rank: int, world_size: int, port: int, steps: int) -> dict:
+    """FSDP1 (``FullyShardedDataParallel``, which frees its flat parameter's storage with ``resize_(0)`` and
+    re-points it with ``set_``) on npu over hccl vs the same model unsharded on cpu."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    hal.init_process_group("npu-sim", timeout=30)
+    device = hal.get_device("npu-sim")
+    torch.manual_seed(0)
+    reference = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    model.load_state_dict(reference.state_dict())
+    model = FullyShardedDataParallel(model, device_id=device, use_orig_params=True)
+    sharded_numel = sum(p.numel() for p in model.parameters())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    torch.manual_seed(1)
+    batches = torch.randn(steps, 2 * world_size, 8)
+    for batch in batches:
+        model(batch[2 * rank:2 * rank + 2].to(device)).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        reference(batch).pow(2).mean().backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    with FullyShardedDataParallel.summon_full_params(model):
+        full = {k: v.detach().cpu() for k, v in model.module.state_dict().items()}
+    diff = max((full[k] - v).abs().max().item() for k, v in reference.state_dict().items())
+    dist.destroy_process_group()
+    return {"max_abs_diff": diff, "sharded_numel": sharded_numel,
+            "total_numel": sum(v.numel() for v in reference.parameters())}
+
+
 def missing_peer(rank: int, world_size: int, port: int, timeout_s: float) -> dict:
     """Rank 1 never joins the all_reduce: rank 0 must get a DistributedTimeoutError after about timeout_s."""
     import time

@@ -1,0 +1,128 @@
+"""What a CANN install answers, for the simulated npu: an ``npu-smi`` and the toolkit's version file.
+
+verl (``verl.utils.device.get_npu_versions``, behind ``is_support_ipc()``) and other Ascend tooling run
+``npu-smi info -t board -i <card>`` and read ``$ASCEND_HOME_PATH/<arch>-linux/ascend_toolkit_install.info``
+to learn the driver and toolkit versions; without them they fail (``No such file or directory: 'npu-smi'``).
+:func:`prepare` writes both, under hal's cache folder only (``$HAL_CACHE_DIR/npu_sim/cann/<key>``), and
+:func:`activate` points this process's ``PATH`` and ``ASCEND_HOME_PATH`` at them; the sim's autoload does
+that in processes started with ``HAL_DEVICE=npu-sim`` (never where ``ASCEND_HOME_PATH`` is already set, nor
+where an ``npu-smi`` is already on ``PATH``: a real install wins).
+
+Versions: the driver reports :data:`DRIVER_VERSION` and the toolkit :data:`CANN_VERSION`, the last
+releases *before* the ones verl requires for CUDA-style IPC (25.3.rc1 and 8.3.RC1): the sim shares no
+device memory between processes, so ``is_support_ipc()`` must say ``False`` and verl takes its
+shared-memory path. ``npu-smi info`` lists the simulated devices (their ids as ``ASCEND_RT_VISIBLE_DEVICES``
+names them, else 0..n-1); ``npu-smi info -t board -i <id>`` for another id fails as npu-smi does (exit 1).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import pathlib
+import platform
+import shutil
+
+DRIVER_VERSION = "25.2.0"
+"""``Software Version`` of the simulated driver (``npu-smi info -t board``)."""
+CANN_VERSION = "8.2.RC1"
+"""``version=`` of the simulated toolkit's ``ascend_toolkit_install.info``."""
+
+_SCRIPT = """#!/bin/sh
+# npu-smi of hal's simulated npu (devices/npu_sim/cann.py): `info` and `info -t board -i <id>` only.
+IDS="{ids}"
+if [ "$1" != "info" ]; then echo "npu-smi (hal npu-sim): only 'info' is simulated" >&2; exit 1; fi
+if [ "$#" -eq 1 ]; then
+  echo "+------------------------------------------------------------------------------------------------+"
+  echo "| npu-smi {driver}                 Version: {driver}                                              |"
+  echo "+---------------------------+---------------+----------------------------------------------------+"
+  echo "| NPU   Name                | Health        | Power(W)    Temp(C)           Hugepages-Usage(page)|"
+  echo "| Chip                      | Bus-Id        | AICore(%)   Memory-Usage(MB)  HBM-Usage(MB)        |"
+  echo "+===========================+===============+====================================================+"
+  for i in $IDS; do
+    printf '| %-5s %-19s | OK            | 0.0         0                 0    / 0             |\\n' "$i" "{name}"
+    printf '| 0                         | NA            | 0           0    / 0          0    / {memory_mb}         |\\n'
+    echo "+===========================+===============+====================================================+"
+  done
+  exit 0
+fi
+if [ "$2" = "-t" ] && [ "$3" = "board" ] && [ "$4" = "-i" ]; then
+  for i in $IDS; do
+    if [ "$i" = "$5" ]; then
+      echo "        NPU ID                         : $i"
+      echo "        Product Name                   : {name}"
+      echo "        Manufacturer                   : hal (simulated)"
+      echo "        Software Version               : {driver}"
+      echo "        Firmware Version               : {driver}"
+      echo "        Compatibility                  : OK"
+      echo "        Chip Count                     : 1"
+      exit 0
+    fi
+  done
+  echo "The card id $5 is invalid: the simulated npu has cards $IDS" >&2
+  exit 1
+fi
+echo "npu-smi (hal npu-sim): unsupported arguments: $*" >&2
+exit 1
+"""
+
+
+def device_ids(environ=None) -> list[str]:
+    """The simulated devices' ids: the entries of ``ASCEND_RT_VISIBLE_DEVICES``, else ``0..n-1`` for the
+    sim's device count (``HAL_SIM_NPU_COUNT``, default 8)."""
+    environ = os.environ if environ is None else environ
+    listed = [v.strip() for v in environ.get("ASCEND_RT_VISIBLE_DEVICES", "").split(",") if v.strip()]
+    if listed:
+        return listed
+    count = int(environ.get("HAL_SIM_NPU_COUNT", "").strip() or 8)
+    return [str(i) for i in range(count)]
+
+
+def prepare(root: pathlib.Path, ids: list[str], memory_bytes: int, name: str = "Ascend-sim") -> dict[str, str]:
+    """Write ``root/bin/npu-smi`` and ``root/ascend-toolkit/latest/<arch>-linux/ascend_toolkit_install.info``
+    (idempotent: a folder already complete is left as it is) and return the variables that make a process
+    find them: ``{"PATH_PREPEND": root/bin, "ASCEND_HOME_PATH": root/ascend-toolkit/latest}``.
+
+    Args:
+        root: the folder to write under (nothing is written outside it).
+        ids: the device ids ``npu-smi`` reports. memory_bytes: each device's memory (shown in MB).
+
+    Raises:
+        OSError: the folder cannot be written.
+    """
+    home = root / "ascend-toolkit" / "latest"
+    info = home / f"{platform.machine()}-linux" / "ascend_toolkit_install.info"
+    smi = root / "bin" / "npu-smi"
+    if not (smi.exists() and info.exists()):
+        info.parent.mkdir(parents=True, exist_ok=True)
+        smi.parent.mkdir(parents=True, exist_ok=True)
+        info.write_text(f"package_name=Ascend-cann-toolkit\nversion={CANN_VERSION}\narch={platform.machine()}\n"
+                        "os=linux\n# written by hal for its simulated npu (devices/npu_sim/cann.py)\n")
+        tmp = smi.with_name(f"npu-smi.{os.getpid()}")
+        tmp.write_text(_SCRIPT.format(ids=" ".join(ids), driver=DRIVER_VERSION, name=name,
+                                      memory_mb=memory_bytes >> 20))
+        tmp.chmod(0o755)
+        os.replace(tmp, smi)  # last: a complete folder is one whose npu-smi exists
+    return {"PATH_PREPEND": str(smi.parent), "ASCEND_HOME_PATH": str(home)}
+
+
+def activate(cache_root: pathlib.Path, memory_bytes: int) -> dict[str, str]:
+    """Prepare the CANN answers for this process's simulated devices under ``cache_root/npu_sim/cann/<key>``
+    and put them on this process's ``PATH`` / ``ASCEND_HOME_PATH`` (children inherit them). Changes nothing
+    where ``ASCEND_HOME_PATH`` is set or an ``npu-smi`` is already on ``PATH``.
+
+    Returns:
+        the variables set (``{}`` when it changed nothing).
+
+    Raises:
+        OSError: the folder cannot be written.
+    """
+    if os.environ.get("ASCEND_HOME_PATH") or shutil.which("npu-smi"):
+        return {}
+    ids = device_ids()
+    key = hashlib.sha256(f"{ids} {memory_bytes} {DRIVER_VERSION} {CANN_VERSION} {_SCRIPT}".encode()).hexdigest()[:12]
+    found = prepare(cache_root / "npu_sim" / "cann" / key, ids, memory_bytes)
+    path = found.pop("PATH_PREPEND")
+    os.environ["PATH"] = path + os.pathsep + os.environ.get("PATH", "")
+    os.environ.update(found)
+    return {"PATH": path, **found}
