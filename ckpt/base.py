@@ -29,13 +29,13 @@ import abc
 import inspect
 import math
 import numbers
-from typing import Any, AsyncIterator, Iterable, Protocol, Tuple, runtime_checkable
+from typing import Any, AsyncIterator, Iterable, Protocol, runtime_checkable
 
 import torch
 
 from ckpt.errors import CheckpointConfigError, ContractError, VersionMismatchError
 
-NamedTensor = Tuple[str, torch.Tensor]
+NamedTensor = tuple[str, torch.Tensor]
 TopologyKwargs = dict[str, list]
 """``{keyword: [value for rank 0, value for rank 1, ...]}``: what ``build_topology`` returns per side."""
 

@@ -97,10 +97,10 @@ class ColocatedCheckpointEngine(CheckpointEngine):
     send_buffer_words = ""
     """What :meth:`send_buffer_bytes` counts, in words: nothing (the receiver reads the sender's own tensors)."""
 
-    _channels: "weakref.WeakValueDictionary[tuple[type, str], ColocatedCheckpointEngine]" = \
+    _channels: weakref.WeakValueDictionary[tuple[type, str], ColocatedCheckpointEngine] = \
         weakref.WeakValueDictionary()
 
-    def __new__(cls, *args: Any, channel: str | None = None, **kwargs: Any) -> "ColocatedCheckpointEngine":
+    def __new__(cls, *args: Any, channel: str | None = None, **kwargs: Any) -> ColocatedCheckpointEngine:
         if channel is not None and (cls, channel) in cls._channels:
             return cls._channels[(cls, channel)]
         engine = super().__new__(cls)

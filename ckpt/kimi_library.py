@@ -60,7 +60,7 @@ def library_problem() -> str:
     """Why checkpoint-engine cannot be used by this adapter, or ``""``."""
     try:
         import checkpoint_engine
-        import checkpoint_engine.ps  # noqa: F401
+        import checkpoint_engine.ps
     except Exception as exc:  # noqa: BLE001 - ImportError of it or its dependencies
         return (f"import checkpoint_engine.ps failed ({type(exc).__name__}: {exc}); install the 'kimi' extra "
                 "(pip install --no-deps checkpoint-engine==0.4.2, then its dependencies)")
@@ -284,7 +284,7 @@ def _make_parameter_server(spec, protocol: str, device_index: int, rank: int, wo
     class HalDeviceManager(DeviceManager):
         """The library's device facts from the hal device spec (its own detection knows cuda and npu only)."""
 
-        def __init__(self) -> None:  # noqa: D107 - no detection: the kind is hal's
+        def __init__(self) -> None:
             self.device_type = spec.name
             self.device_module = hal.get_torch_device(spec)
 
@@ -302,7 +302,7 @@ def _make_parameter_server(spec, protocol: str, device_index: int, rank: int, wo
     class HalP2PStore(P2PStore):
         """The library's Mooncake store, reachable at ``host``, its rank given rather than read from ``RANK``."""
 
-        def __init__(self, device_manager: DeviceManager) -> None:  # noqa: D107
+        def __init__(self, device_manager: DeviceManager) -> None:
             self.rank, self.ip = rank, host
             self.device = device_manager.rdma_device(device_index)
             self.engine = TransferEngine()
@@ -323,7 +323,7 @@ def _make_parameter_server(spec, protocol: str, device_index: int, rank: int, wo
     class HalParameterServer(ParameterServer):
         """``ParameterServer`` state as its 0.4.2 constructor sets it, for the methods hal calls."""
 
-        def __init__(self) -> None:  # noqa: D107
+        def __init__(self) -> None:
             from collections import defaultdict
 
             self._rank, self._world_size = rank, world_size

@@ -133,7 +133,7 @@ class WeightLayout:
         """Bytes of one bank."""
 
     @classmethod
-    def from_entries(cls, entries: Iterable[LayoutEntry]) -> "WeightLayout":
+    def from_entries(cls, entries: Iterable[LayoutEntry]) -> WeightLayout:
         """The layout another side built, from its entries (e.g. a rollout's ``layout.entries.values()``
         handed to its trainer), offsets kept as given.
 
@@ -222,7 +222,7 @@ class StagingPlacement:
     (see :meth:`ModelRolloutAdapter.update_weights`).
     """
 
-    def __init__(self, adapter: "ModelRolloutAdapter") -> None:
+    def __init__(self, adapter: ModelRolloutAdapter) -> None:
         self._adapter = adapter
 
     def target(self, name: str, dtype: torch.dtype, shape: Any) -> torch.Tensor | None:
@@ -428,7 +428,7 @@ class ModelRolloutAdapter:
                     error = WeightMismatchError(f"tensor {moved[0][0]!r} of the served module was moved out of "
                                                 "the adapter's bank while the update ran; the module does not "
                                                 "compute with the update")
-        except BaseException as exc:
+        except BaseException as exc:  # noqa: BLE001 - every failure (cancellation too) is settled below and re-raised
             error = exc
         finally:
             self._receiving = False

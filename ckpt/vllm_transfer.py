@@ -188,7 +188,8 @@ def load_checkpoint_format(worker: Any, weights: Iterable[NamedTensor]) -> None:
     for owner in (worker, getattr(worker, "model_runner", None)):
         reload = getattr(owner, "reload_weights", None)
         if reload is not None:
-            reload_checkpoint_format(model, lambda: reload(weights_iterator=iter(weights), is_checkpoint_format=True))
+            reload_checkpoint_format(model, lambda reload=reload: reload(weights_iterator=iter(weights),
+                                                                         is_checkpoint_format=True))
             return
     raise CheckpointConfigError(f"{type(worker).__name__} has no reload_weights(weights_iterator=..., "
                                 "is_checkpoint_format=True); hal's vLLM backend needs vLLM >= 0.32")
@@ -467,4 +468,4 @@ if "vllm" in sys.modules:  # imported by vLLM's worker (worker_extension_cls): m
 __all__ = ["BACKEND_NAME", "EXTENSION", "StagedUpdate", "stage_update", "verify_staged", "crc32_hex",
            "load_checkpoint_format", "reload_checkpoint_format", "shared_parameter_aliases", "retie",
            "HalTransferState", "HalInitInfo", "HalUpdateInfo", "UpdateFailedError",
-           "HalWeightTransferEngine", "register_vllm_backend", "HalWorkerExtension"]
+           "HalWeightTransferEngine", "register_vllm_backend", "HalWorkerExtension"]  # noqa: F822 - HalWeightTransferEngine comes from the module __getattr__ (built on first use: it needs vLLM)

@@ -26,14 +26,14 @@ class Availability:
         return self.ok
 
     @classmethod
-    def available(cls, device_count: int = 1) -> "Availability":
+    def available(cls, device_count: int = 1) -> Availability:
         return cls(True, "", device_count)
 
     @classmethod
-    def unavailable(cls, reason: str) -> "Availability":
+    def unavailable(cls, reason: str) -> Availability:
         return cls(False, reason, 0)
 
-    def of_index(self, kind: str, device: int | None) -> "Availability":
+    def of_index(self, kind: str, device: int | None) -> Availability:
         """This result narrowed to device ``device`` of ``kind`` (``None``: unchanged): unavailable, naming
         the index and the valid range, when the kind is available but the index is outside
         ``[0, device_count)``."""
@@ -146,7 +146,7 @@ def probe_safely(spec_kind: str, probe) -> Availability:
     """
     try:
         return probe()
-    except BaseException as exc:  # noqa: BLE001 - any failure of a vendor probe means "not available"
+    except BaseException as exc:
         if isinstance(exc, (KeyboardInterrupt, SystemExit)):
             raise
         return Availability.unavailable(f"{spec_kind} probe raised {type(exc).__name__}: {exc}")

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 import types
-from typing import Any, Union
+from typing import Any
 
 import torch
 
@@ -21,7 +21,7 @@ from hal.errors import DeviceIndexError, DeviceUnavailableError, HalError, Unkno
 
 ENV_VAR = "HAL_DEVICE"
 
-DeviceLike = Union[str, torch.device, DeviceSpec, None]
+DeviceLike = str | torch.device | DeviceSpec | None
 
 _availability: dict[str, Availability] = {}
 _auto_kind: str | None = None

@@ -17,7 +17,7 @@ import os
 import socket
 import threading
 import time
-from typing import Callable, Sequence, Union
+from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -29,7 +29,7 @@ from hal.errors import DistributedTimeoutError
 DEFAULT_TIMEOUT_S = 300.0
 """Default timeout of rendezvous and collectives, in seconds (torch's own default is 10-30 minutes)."""
 
-Timeout = Union[float, int, datetime.timedelta]
+Timeout = float | int | datetime.timedelta
 
 
 def as_timedelta(timeout: Timeout | None) -> datetime.timedelta:
@@ -163,7 +163,7 @@ class StoreGroup:
             raise DistributedTimeoutError(f"{what} on rank {self.rank} did not complete within "
                                           f"{self.timeout.total_seconds():g} s")
 
-    def broadcast(self, tensor: torch.Tensor, src: int, async_op: bool = False) -> "PendingWork | None":
+    def broadcast(self, tensor: torch.Tensor, src: int, async_op: bool = False) -> PendingWork | None:
         """In-place broadcast of ``tensor`` from rank ``src`` to every rank.
 
         With ``async_op=True`` the call only enqueues the broadcast and returns a :class:`PendingWork`
@@ -210,7 +210,7 @@ class StoreGroup:
         if shutdown is not None:
             try:
                 shutdown()
-            except Exception:  # a torn-down peer can make shutdown itself fail; nothing is left to free
+            except Exception:  # noqa: BLE001 - a torn-down peer can make shutdown itself fail; nothing is left to free
                 pass
         self.backend = None
 

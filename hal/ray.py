@@ -625,7 +625,7 @@ class LocalCluster:
             shutil.rmtree(self.temp_dir, ignore_errors=True)
             self.temp_dir, self._own_temp_dir = None, False
 
-    def __enter__(self) -> "LocalCluster":
+    def __enter__(self) -> LocalCluster:
         self.start()
         return self
 

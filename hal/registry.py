@@ -73,7 +73,7 @@ def _load_plugins() -> None:
             if spec.kind != ep.name:
                 raise ValueError(f"entry point {ep.name!r} provides a spec whose kind is {spec.kind!r}")
             register_device(spec)
-        except Exception as exc:  # a broken plugin must not break every other kind
+        except Exception as exc:  # noqa: BLE001 - a broken plugin must not break every other kind (its error is kept)
             _plugin_errors[ep.name] = f"{type(exc).__name__}: {exc}"
 
 

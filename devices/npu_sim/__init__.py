@@ -164,7 +164,7 @@ class SimNpuDevice(DeviceSpec):
         fails, or when ``device`` is given and is not one of the simulated devices."""
         try:
             module = register()
-        except BaseException as exc:  # noqa: BLE001 - compiler, loader, or a real torch_npu
+        except BaseException as exc:
             if isinstance(exc, (KeyboardInterrupt, SystemExit)):
                 raise
             return Availability.unavailable(f"npu-sim setup failed: {type(exc).__name__}: {_first_error(exc)}")

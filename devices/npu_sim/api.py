@@ -33,7 +33,6 @@ import sys
 import types
 from typing import Any
 
-import torch
 
 from devices.npu_sim.module import resolve_index
 
@@ -59,7 +58,7 @@ class DeviceProperties:
     total_memory: int
     cube_core_num: int = CUBE_CORE_NUM
     vector_core_num: int = VECTOR_CORE_NUM
-    L2_cache_size: int = L2_CACHE_SIZE  # noqa: N815 - torch_npu's field name
+    L2_cache_size: int = L2_CACHE_SIZE
 
 
 class Mstx:

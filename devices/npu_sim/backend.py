@@ -65,7 +65,7 @@ from devices.errors import DistributedTimeoutError
 BACKEND_NAME = "hccl"
 _ext = None
 
-_groups: "weakref.WeakValueDictionary[int, SimHcclGroup]" = weakref.WeakValueDictionary()
+_groups: weakref.WeakValueDictionary[int, SimHcclGroup] = weakref.WeakValueDictionary()
 """The live groups of this process by creation number (what :func:`synchronize` runs, oldest first)."""
 _group_ids = itertools.count()
 
@@ -78,7 +78,7 @@ class SimWork(torch_compat.Work):
     same and returns a completed future of the output tensors; ``is_completed()`` says whether it has run.
     """
 
-    def __init__(self, group: "SimHcclGroup", what: str, run: Callable[[], None],
+    def __init__(self, group: SimHcclGroup, what: str, run: Callable[[], None],
                  result: Sequence[torch.Tensor]) -> None:
         super().__init__()
         self._group, self._what, self._fn, self._result = group, what, run, list(result)
@@ -221,7 +221,7 @@ class SimHcclGroup(dist.ProcessGroup):
             torch_compat.register_group_backend(self, torch.device(device), self._gloo)
 
     # -- identity
-    def getBackendName(self) -> str:  # noqa: N802 - C++ name, overridden through pybind11
+    def getBackendName(self) -> str:
         return BACKEND_NAME
 
     def name(self) -> str:

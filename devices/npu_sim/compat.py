@@ -71,7 +71,7 @@ def real_torch_npu_origin() -> str | None:
 class CompatFinder(importlib.abc.MetaPathFinder):
     """Answers ``import torch_npu`` with the compatibility module while no real torch_npu exists."""
 
-    def find_spec(self, fullname, path=None, target=None):  # noqa: D102 - importlib's protocol
+    def find_spec(self, fullname, path=None, target=None):
         if fullname != "torch_npu" or real_torch_npu_origin() is not None:
             return None
         spec = importlib.machinery.ModuleSpec(

@@ -13,14 +13,14 @@ from __future__ import annotations
 
 import contextlib
 import types
-from typing import Any, Union
+from typing import Any
 
 import torch
 
 from devices.errors import HalError
 from devices.npu_sim import backend
 
-DeviceArg = Union[int, str, torch.device, None]
+DeviceArg = int | str | torch.device | None
 
 DEVICE_NAME = "Ascend-sim (npu-sim on host memory)"
 
@@ -112,7 +112,7 @@ def build(ext: types.ModuleType) -> types.ModuleType:
         if not _negative(device):
             ext.set_device(_index(device))
 
-    class device:  # noqa: N801 - torch.cuda.device's name
+    class device:
         """Context manager that makes ``index`` the current device and restores the previous one; a negative
         index (or ``None``) changes nothing, as in torch_npu.
 
@@ -228,13 +228,13 @@ def build(ext: types.ModuleType) -> types.ModuleType:
     class Stream(torch.Stream):
         """An npu stream (``torch.Stream`` on the npu device): work on it is already complete."""
 
-        def __new__(cls, device: DeviceArg = None, priority: int = 0, **kwargs: Any) -> "Stream":
+        def __new__(cls, device: DeviceArg = None, priority: int = 0, **kwargs: Any) -> Stream:
             return super().__new__(cls, device=torch.device("npu", _stream_index(device)), priority=priority)
 
     class Event(torch.Event):
         """An npu event (``torch.Event`` on npu): complete as soon as it is recorded."""
 
-        def __new__(cls, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False) -> "Event":
+        def __new__(cls, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False) -> Event:
             return super().__new__(cls, device=torch.device("npu", ext.current_device()),
                                    enable_timing=enable_timing, blocking=blocking, interprocess=interprocess)
 

@@ -90,7 +90,7 @@ def npu_rotary_mul(x: torch.Tensor, r1: torch.Tensor, r2: torch.Tensor,
     return x * r1 + rotated * r2
 
 
-def npu_cross_entropy_loss(input: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None = None,  # noqa: A002
+def npu_cross_entropy_loss(input: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None = None,
                            reduction: str = "mean", ignore_index: int = -100, label_smoothing: float = 0.0,
                            lse_square_scale_for_zloss: float = 0.0, return_zloss: bool = False):
     """Cross-entropy from logits, also returning the log-probabilities.

@@ -205,7 +205,7 @@ def _devices(options: list[str]) -> set[str]:
 def test_the_cuda_container_gets_the_gpus(jobs):
     cuda = [(lane, job) for lane, job in jobs.values() if lane["device"] == "cuda"]
     assert cuda
-    for lane, job in cuda:
+    for _lane, job in cuda:
         options = _options(job)
         assert "--gpus=all" in options or ("--gpus" in options and options[options.index("--gpus") + 1] == "all"), options
         assert any("nvidia-smi" in _runs(s) for s in job["steps"])
@@ -219,7 +219,7 @@ ASCEND_FILES = ("/usr/local/Ascend/driver", "/usr/local/bin/npu-smi", "/etc/asce
 def test_the_ascend_container_gets_device_nodes_and_driver_files(jobs):
     npu = [(lane, job) for lane, job in jobs.values() if lane["device"] == "npu"]
     assert npu
-    for lane, job in npu:
+    for _lane, job in npu:
         devices = _devices(_options(job))
         assert ASCEND_NODES <= devices, devices
         assert any(re.fullmatch(r"/dev/davinci\d+", d) for d in devices), devices
@@ -233,7 +233,7 @@ def test_the_ascend_container_gets_device_nodes_and_driver_files(jobs):
 
 def test_containers_give_multiprocess_tests_shared_memory(jobs):
     # docker's default /dev/shm is 64 MiB; torch.multiprocessing passes tensors through it
-    for name, (lane, job) in jobs.items():
+    for name, (_lane, job) in jobs.items():
         if "container" in job:
             options = _options(job)
             assert "--ipc=host" in options or any(o.startswith("--shm-size") for o in options), name

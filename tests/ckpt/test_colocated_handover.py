@@ -10,7 +10,6 @@ import pytest
 import torch
 
 import ckpt
-import hal
 from engines import TorchEngine
 
 

@@ -84,7 +84,7 @@ def test_kimi_is_refused_here_with_the_reason_and_the_alternatives():
 class _SyncSendEngine(ckpt.CheckpointEngine):
     """The upstream bug: send_weights is a plain def (awaiting its result raises TypeError)."""
 
-    def send_weights(self, weights, global_steps=None):  # noqa: D401 - deliberately not async
+    def send_weights(self, weights, global_steps=None):
         self.offer = (global_steps, list(weights))
 
     async def receive_weights(self, global_steps=None):

@@ -23,7 +23,7 @@ def collective_pair(bucket_size):
             ckpt.get_checkpoint_engine("collective", rank=1, **common))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _trainer_weights(step: int) -> dict[str, torch.Tensor]:
     """The tiny preset's bf16 weights after ``step`` deterministic changes (what a trainer publishes)."""
     module = models.causal_lm("qwen2.5-tiny", torch.float32, seed=0)

@@ -67,7 +67,7 @@ def test_import_torch_npu_gives_the_sim_with_a_real_spec():
     assert spec is torch_npu.__spec__ and spec.name == "torch_npu"
     assert spec.origin == str(REPO / "devices" / "npu_sim" / "torch_npu.py") and spec.submodule_search_locations == []
     with pytest.raises(ModuleNotFoundError, match="torch_npu.profiler"):
-        import torch_npu.profiler  # noqa: F401 - not implemented, so absent
+        import torch_npu.profiler
     assert not hasattr(torch_npu, "npu_grouped_matmul") and not hasattr(torch_npu, "_C")
 
 

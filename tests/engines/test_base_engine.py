@@ -161,7 +161,7 @@ def test_reserve_splits_slabs_at_slab_bytes_without_splitting_a_buffer():
     assert storages[0] == storages[1] and len(set(storages)) == 5
     assert [b.untyped_storage().nbytes() for b in bufs] == [192, 192, 192, 256, 320, 384]
     assert pool.allocations == len(pool) == 6 and pool.nbytes == 64 + 128 + 192 + 256 + 320 + 384
-    for (k, t), b in zip(likes, bufs):
+    for (k, _t), b in zip(likes, bufs):
         b.fill_(k)
     assert [int(b.sum()) for b in bufs] == [k * t.numel() for k, t in likes]
     assert pool.reserve(likes, slab_bytes=256) == 0 and pool.allocations == 6

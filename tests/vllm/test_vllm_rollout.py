@@ -14,12 +14,12 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed here: scripts/setup_vllm.sh builds .venv-vllm")
 
-import torch  # noqa: E402
+import torch
 
-from ckpt.collective import CollectiveCheckpointEngine  # noqa: E402
-from hal.apps.weightsync.vllm_rollout import VllmRollout  # noqa: E402
-from hal.testing import free_port  # noqa: E402
-from tests.vllm.trainer import Trainer  # noqa: E402
+from ckpt.collective import CollectiveCheckpointEngine
+from hal.apps.weightsync.vllm_rollout import VllmRollout
+from hal.testing import free_port
+from tests.vllm.trainer import Trainer
 
 pytestmark = pytest.mark.timeout(600)
 TIMEOUT_S = 120.0

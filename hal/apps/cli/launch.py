@@ -162,6 +162,7 @@ def run(args: Launch) -> int:
         torchrun(get_args_parser().parse_args(argv))
     except ChildFailedError as exc:
         rank, failure = exc.get_first_failure()
-        print(worker_failed(exc, lambda r: f"rank {r} of {exc.name}", "hal launch"), file=sys.stderr)
+        group = exc.name
+        print(worker_failed(exc, lambda r: f"rank {r} of {group}", "hal launch"), file=sys.stderr)
         return failure.exitcode if isinstance(failure.exitcode, int) and failure.exitcode > 0 else 1
     return 0

@@ -32,10 +32,10 @@ START_MARGIN_S = 150.0
 class StepHook(Protocol):
     """A measurement the job runs around each publish, on its workers (through ``job.manager``)."""
 
-    async def before_publish(self, job: "Job", global_steps: int) -> None:
+    async def before_publish(self, job: Job, global_steps: int) -> None:
         """Just before the update of ``global_steps`` (after the trainer staged it); not for step 0."""
 
-    async def after_publish(self, job: "Job", global_steps: int) -> None:
+    async def after_publish(self, job: Job, global_steps: int) -> None:
         """After every rollout verified ``global_steps`` (step 0: after the rollouts applied it)."""
 
     def figures(self, global_steps: int, nbytes: int, publish_s: float) -> dict[str, Any]:

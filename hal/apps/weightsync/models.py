@@ -190,7 +190,7 @@ def safetensors_files(path: pathlib.Path) -> list[pathlib.Path]:
         try:
             with safe_open(str(file), framework="pt"):
                 pass
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - safetensors raises several types for a bad header; all mean the same
             raise UsageError(f"--model {str(path)!r}: {file} is not a safetensors file ({exc})") from None
     return files
 

@@ -15,7 +15,7 @@ def _sharded(tmp_path, shards=3):
     """A checkpoint of 6 tensors in ``shards`` files with a Hugging Face index."""
     tensors = {f"layers.{i}.weight": torch.full((2, 3), float(i)) for i in range(6)}
     weight_map = {}
-    for i, (name, t) in enumerate(tensors.items()):
+    for i, (name, _t) in enumerate(tensors.items()):
         shard = f"model-{i % shards + 1:05d}-of-{shards:05d}.safetensors"
         weight_map[name] = shard
     for shard in sorted(set(weight_map.values())):

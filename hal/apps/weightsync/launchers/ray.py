@@ -186,7 +186,7 @@ class RayJob:
             self.group.close()
         self.loop.close()
 
-    def __enter__(self) -> "RayJob":
+    def __enter__(self) -> RayJob:
         return self
 
     def __exit__(self, *exc: Any) -> None:

@@ -144,7 +144,7 @@ def serve(worker: Any, store: Any, rank: int, timeout: float) -> None:
             key = f"call/{rank}/{seq}"
             try:
                 message = store.get(key)  # blocks at most the store's timeout
-            except Exception as exc:  # noqa: BLE001 - torch raises its own store errors; say which wait
+            except Exception as exc:
                 raise hal.DistributedTimeoutError(f"rank {rank}: no call from rank 0 within {timeout:g} s "
                                                   f"({type(exc).__name__}: {exc})") from exc
             call = pickle.loads(message)
