@@ -69,7 +69,7 @@ def library_problem() -> str:
         return (f"checkpoint-engine {version} is installed; hal's adapter was checked against "
                 f"{', '.join(CHECKED_VERSIONS)} only (pip install --no-deps checkpoint-engine==0.4.2)")
     try:
-        import mooncake.engine  # noqa: F401
+        import mooncake.engine  # noqa: F401 - imported to learn whether the library and libibverbs load
     except Exception as exc:  # noqa: BLE001 - ImportError, OSError (libibverbs.so.1 missing)
         return (f"import mooncake.engine failed ({type(exc).__name__}: {exc}); checkpoint-engine's p2p path "
                 "needs Mooncake (the 'mooncake' extra)")

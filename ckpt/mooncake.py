@@ -127,7 +127,7 @@ class MooncakeCheckpointEngine(P2PCheckpointEngine):
     @classmethod
     def availability(cls) -> hal.Availability:
         try:
-            import mooncake.engine  # noqa: F401
+            import mooncake.engine  # noqa: F401 - imported to learn whether the library and libibverbs load
         except Exception as exc:  # noqa: BLE001 - ImportError, OSError (libibverbs.so.1 missing)
             return hal.Availability.unavailable(
                 f"import mooncake.engine failed ({type(exc).__name__}: {exc}); install the 'mooncake' extra "

@@ -151,7 +151,7 @@ class NixlCheckpointEngine(P2PCheckpointEngine):
     @classmethod
     def availability(cls) -> hal.Availability:
         try:
-            import nixl._api  # noqa: F401
+            import nixl._api  # noqa: F401 - imported to learn whether the library and its shared objects load
         except Exception as exc:  # noqa: BLE001 - ImportError, OSError of a missing shared library
             return hal.Availability.unavailable(
                 f"import nixl failed ({type(exc).__name__}: {exc}); install the 'nixl' extra: "

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import pathlib
 import types
 import zipfile
 
@@ -12,8 +11,7 @@ import hal
 from devices import npu_sim as sim
 from devices.npu_sim import module as sim_module
 
-REPO = pathlib.Path(__file__).resolve().parents[2]
-LIST = REPO / "devices" / "npu_api_names.txt"
+from tests.devices.npu_api_names import LIST, REPO, real_names
 
 # Private names that torch itself requires of a device module and torch_npu.npu defines
 # (``def _is_in_bad_fork()`` in torch_npu/npu/__init__.py of the 2.14.0 wheel; torch.manual_seed calls it).
@@ -30,10 +28,6 @@ def _load_extract():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
-
-
-def real_names() -> set[str]:
-    return {line.strip() for line in LIST.read_text().splitlines() if line.strip() and not line.startswith("#")}
 
 
 def test_committed_list_records_the_wheel_version():

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 import hal
-from tests.devices.test_npu_api_names import real_names
+from tests.devices.npu_api_names import real_names
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 
