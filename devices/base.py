@@ -96,6 +96,9 @@ class DeviceSpec:
     nixl_memory_type: str | None = None
     mooncake_protocol: str | None = None
     kimi_checkpoint_engine: bool = False
+    device_memory_in_host: bool = False
+    """The kind's device allocations live in this process's host memory (a simulated device): a host peak
+    then counts device bytes too, and what the device's caching allocator keeps (:meth:`host_cached_bytes`)."""
 
     def torch_module(self) -> types.ModuleType:
         """The torch module with this kind's runtime calls (``torch.cuda``, ``torch.npu``, ...).
@@ -114,6 +117,11 @@ class DeviceSpec:
         device.
         """
         raise NotImplementedError(f"device kind {self.kind!r} needs an availability() probe")
+
+    def host_cached_bytes(self) -> int:
+        """Bytes of freed blocks the kind's caching allocator may keep resident in host memory, per device, at
+        most (0 unless :attr:`device_memory_in_host`): what a memory bound adds for that cache."""
+        return 0
 
     def is_set_up(self) -> bool:
         """Whether this process has already set the kind up (read its visible-devices variable); ``False``

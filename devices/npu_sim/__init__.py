@@ -150,6 +150,16 @@ class SimNpuDevice(DeviceSpec):
     nixl_memory_type: str | None = "DRAM"
     mooncake_protocol: str | None = "tcp"
     kimi_checkpoint_engine: bool = True
+    device_memory_in_host: bool = True
+
+    def host_cached_bytes(self) -> int:
+        """The extension's limit on resident cached blocks per device: ``HAL_SIM_CACHE_RESIDENT_MB`` MiB
+        (default 1024; read as the C++ side reads it: ``csrc/npu_sim.cpp``'s ``cache_resident_limit``)."""
+        text = os.environ.get("HAL_SIM_CACHE_RESIDENT_MB", "1024")
+        try:
+            return max(int(text), 0) << 20
+        except ValueError:
+            return 0  # strtol reads a non-number as 0: no cached block stays resident
 
     def torch_module(self) -> types.ModuleType:
         """``torch.npu`` of the sim, registering it on first use (see :func:`register` for errors)."""

@@ -58,7 +58,8 @@ def send_buffer(engine_cls: Any, bucket_bytes: int, published_bytes: int) -> tup
 
 
 def trainer_memory_bound(peak_bytes: int, param_bytes: int, grad_bytes: int, optimizer_bytes: int, engine_cls: Any,
-                         bucket_bytes: int, published_bytes: int) -> dict[str, Any]:
+                         bucket_bytes: int, published_bytes: int, device_words: str = "",
+                         device_terms: dict[str, int] | None = None) -> dict[str, Any]:
     """The trainer's peak against model + optimizer + what its engine holds to send + constant
     (:func:`memory_bound`; the engine's term is :func:`send_buffer`'s).
 
@@ -66,14 +67,35 @@ def trainer_memory_bound(peak_bytes: int, param_bytes: int, grad_bytes: int, opt
     (``param_bytes + grad_bytes``); the optimizer term is AdamW's states (``optimizer_bytes``). The peak is
     reached in the backward pass, when every gradient exists beside the parameters and the optimizer states;
     the published buffer (``published_bytes``: bf16 for presets) exists only after the gradients are freed.
+    ``device_words``/``device_terms`` (:func:`host_device_terms`) are what a host-backed device adds.
     """
     words, sending = send_buffer(engine_cls, bucket_bytes, published_bytes)
-    form = "model (parameters + gradients) + optimizer + " + (f"{words} + " if words else "") + "constant"
+    form = ("model (parameters + gradients) + optimizer + " + (f"{words} + " if words else "")
+            + (f"{device_words} + " if device_words else "") + "constant")
     return memory_bound(peak_bytes, form, {"model_bytes": param_bytes + grad_bytes, "optimizer_bytes": optimizer_bytes,
-                                           **sending, "constant_bytes": RUNTIME_BYTES})
+                                           **sending, **(device_terms or {}), "constant_bytes": RUNTIME_BYTES})
 
 
-def rollout_memory_bounds(peak_bytes: int, model_bytes: int, banks: int, bucket_bytes: int) -> dict[str, Any]:
+def host_device_terms(kind: str, step_temporaries_bytes: int = 0) -> tuple[str, dict[str, int]]:
+    """What a kind whose device memory is host memory (the simulated npu: ``DeviceSpec.device_memory_in_host``)
+    adds to a host bound: ``(words, {term: bytes})``; ``("", {})`` for every other kind.
+
+    The terms: the device allocator's resident cache (``device_cache_bytes``: freed blocks it may keep
+    resident, ``DeviceSpec.host_cached_bytes()``) and, when given, the optimizer step's temporaries
+    (``optimizer_step_bytes``: on a device they are device memory, here they are the host's).
+    """
+    spec = hal.resolve_device(kind)
+    if not spec.device_memory_in_host:
+        return "", {}
+    words, terms = "the device allocator's resident cache", {"device_cache_bytes": spec.host_cached_bytes()}
+    if step_temporaries_bytes:
+        words += " + the optimizer step's temporaries"
+        terms["optimizer_step_bytes"] = step_temporaries_bytes
+    return words, terms
+
+
+def rollout_memory_bounds(peak_bytes: int, model_bytes: int, banks: int, bucket_bytes: int,
+                          device_words: str = "", device_terms: dict[str, int] | None = None) -> dict[str, Any]:
     """A rollout's peak against the bound of its apply mode, and against the single-bank form.
 
     Returns:
@@ -81,12 +103,14 @@ def rollout_memory_bounds(peak_bytes: int, model_bytes: int, banks: int, bucket_
         ``judged_by`` is the bound the rollout is held to: ``model + 2 buckets + constant`` in place (one
         bank), ``2 x model + 2 buckets + constant`` atomic (a second bank receives the update, so a failed
         one leaves the previous weights in service); ``model_plus_2_buckets`` is the single-bank form,
-        reported for both modes (an atomic rollout exceeds it by design).
+        reported for both modes (an atomic rollout exceeds it by design). ``device_words``/``device_terms``
+        (:func:`host_device_terms`) are added to both forms.
     """
-    buckets = {"buckets_bytes": ROLLOUT_BUCKETS * bucket_bytes, "constant_bytes": RUNTIME_BYTES}
-    single = memory_bound(peak_bytes, f"model + {ROLLOUT_BUCKETS} buckets + constant", {"model_bytes": model_bytes, **buckets})
+    buckets = {"buckets_bytes": ROLLOUT_BUCKETS * bucket_bytes, **(device_terms or {}), "constant_bytes": RUNTIME_BYTES}
+    tail = f" + {ROLLOUT_BUCKETS} buckets + " + (f"{device_words} + " if device_words else "") + "constant"
+    single = memory_bound(peak_bytes, "model" + tail, {"model_bytes": model_bytes, **buckets})
     judged = single if banks == 1 else memory_bound(
-        peak_bytes, f"{banks} x model + {ROLLOUT_BUCKETS} buckets + constant", {"model_bytes": banks * model_bytes, **buckets})
+        peak_bytes, f"{banks} x model" + tail, {"model_bytes": banks * model_bytes, **buckets})
     return {"mode": "in-place" if banks == 1 else "atomic", "judged_by": judged, "model_plus_2_buckets": single}
 
 

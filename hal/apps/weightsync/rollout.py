@@ -74,7 +74,7 @@ class Rollout(Worker):
             out.peak_host_bytes = memory.peak_host_bytes()
             out.peak_device_bytes = memory.peak_device_bytes(self.kind)
             out.memory = memory.rollout_memory_bounds(out.peak_host_bytes, held.model_bytes, held.banks,
-                                                      self.options.bucket_bytes)
+                                                      self.options.bucket_bytes, *memory.host_device_terms(self.kind))
             out.memory_bound_bytes = out.memory["judged_by"]["bound_bytes"]
         return out
 

@@ -50,6 +50,7 @@ class Trainer(Worker):
         params = [p for p in module.parameters() if p.requires_grad]
         fused = self.kind == "cpu" and all(p.dtype == torch.float32 for p in params)  # one pass over the states
         optimizer = torch.optim.AdamW(params, lr=options.lr, **({"fused": True} if fused else {}))
+        self.fused = fused
         self.torch_engine = TorchEngine(module, optimizer, device=self.kind)  # moves parameters in place
         self.flags = options.offload_flags
         self.layout = ckpt.WeightLayout(module, dtype=torch.bfloat16 if self.preset else None)
@@ -132,9 +133,13 @@ class Trainer(Worker):
         """The step's peak against model (parameters + gradients) + optimizer + what the engine holds to send
         + constant (:func:`hal.apps.weightsync.memory.trainer_memory_bound`), plus ``extra`` terms described
         by ``words`` (colocated: the rollouts' banks, in this process)."""
+        # a fused AdamW (cpu) updates in one pass; the foreach one keeps about one fp32 model of temporaries
+        temporaries = 0 if self.fused else self.state_bytes["param_bytes"]
+        device_words, device_terms = memory.host_device_terms(self.kind, temporaries)
         bound = memory.trainer_memory_bound(peak_bytes, engine_cls=type(self.engine),
                                             bucket_bytes=self.options.bucket_bytes,
-                                            published_bytes=self.layout.nbytes, **self.state_bytes)
+                                            published_bytes=self.layout.nbytes, device_words=device_words,
+                                            device_terms=device_terms, **self.state_bytes)
         if not extra:
             return bound
         return memory.memory_bound(peak_bytes, f"{bound['form']} + {words}", {**bound["terms"], **extra})

@@ -70,3 +70,17 @@ def test_a_model_adapter_reports_its_banks():
     assert (held.model_bytes, held.banks, held.bank_bytes) == (256, 2, 256)
     held = ckpt.ModelRolloutAdapter(torch.nn.Linear(16, 4, bias=False), atomic=False).memory()
     assert (held.model_bytes, held.banks, held.bank_bytes) == (256, 1, 256)
+
+
+def test_a_host_backed_device_adds_its_cache_and_the_step_temporaries(monkeypatch):
+    from hal.apps.weightsync.memory import host_device_terms
+
+    assert host_device_terms("cpu", 123) == ("", {})  # cpu tensors are the host's: nothing more to count
+    monkeypatch.setenv("HAL_SIM_CACHE_RESIDENT_MB", "64")
+    words, terms = host_device_terms("npu-sim", 1000)
+    assert terms == {"device_cache_bytes": 64 << 20, "optimizer_step_bytes": 1000}
+    assert words == "the device allocator's resident cache + the optimizer step's temporaries"
+    bound = rollout_memory_bounds(0, MODEL, 2, BUCKET, *host_device_terms("npu-sim"))
+    assert bound["judged_by"]["terms"]["device_cache_bytes"] == 64 << 20
+    assert bound["judged_by"]["bound_bytes"] == 2 * MODEL + 2 * BUCKET + (64 << 20) + RUNTIME_BYTES
+    assert "resident cache" in bound["model_plus_2_buckets"]["form"]
