@@ -9,8 +9,8 @@ import torch
 
 import ckpt
 from ckpt.testing import same_bytes
-from hal.apps.weightsync import models
 from hal.testing import free_port
+from tests.ckpt import tiny_lm
 
 pytest.importorskip("transformers")
 
@@ -26,7 +26,7 @@ def collective_pair(bucket_size):
 @functools.cache
 def _trainer_weights(step: int) -> dict[str, torch.Tensor]:
     """The tiny preset's bf16 weights after ``step`` deterministic changes (what a trainer publishes)."""
-    module = models.causal_lm("qwen2.5-tiny", torch.float32, seed=0)
+    module = tiny_lm.causal_lm(torch.float32, seed=0)
     with torch.no_grad():
         for i, p in enumerate(module.parameters()):
             p.add_(0.01 * step * (i + 1))
@@ -41,11 +41,11 @@ async def _stream(weights, fail_after: int | None = None):
 
 
 def _decode(module):
-    return models.greedy_decode(module, models.prompt_ids("qwen2.5-tiny"), 4)
+    return tiny_lm.greedy_decode(module)
 
 
 def _reference(weights):
-    module = models.causal_lm("qwen2.5-tiny", torch.bfloat16, seed=None)
+    module = tiny_lm.causal_lm(torch.bfloat16, seed=None)
     with torch.no_grad():
         for name, t in ckpt.serving.named_weights(module):
             t.copy_(weights[name])
@@ -53,7 +53,7 @@ def _reference(weights):
 
 
 def test_updates_load_into_the_served_parameters_and_decode_as_the_trainer():
-    module = models.serving_model("qwen2.5-tiny")
+    module = tiny_lm.causal_lm(torch.bfloat16, seed=None)
     params_before = {n: p for n, p in module.named_parameters()}
     adapter = ckpt.ModelRolloutAdapter(module)
     for step in (1, 2):
@@ -71,7 +71,7 @@ def test_updates_load_into_the_served_parameters_and_decode_as_the_trainer():
 
 @pytest.mark.parametrize("fail_after", [0, 5, 25])
 def test_a_rollout_failing_mid_apply_serves_and_decodes_the_previous_step(fail_after):
-    module = models.serving_model("qwen2.5-tiny")
+    module = tiny_lm.causal_lm(torch.bfloat16, seed=None)
     adapter = ckpt.ModelRolloutAdapter(module)
     asyncio.run(adapter.update_weights(_stream(_trainer_weights(1)), 1))
     tokens_1, logits_1 = _decode(module)
@@ -87,7 +87,7 @@ def test_a_rollout_failing_mid_apply_serves_and_decodes_the_previous_step(fail_a
 
 
 def test_an_update_lacking_a_tensor_or_carrying_a_stranger_applies_nothing():
-    adapter = ckpt.ModelRolloutAdapter(models.serving_model("qwen2.5-tiny"))
+    adapter = ckpt.ModelRolloutAdapter(tiny_lm.causal_lm(torch.bfloat16, seed=None))
     asyncio.run(adapter.update_weights(_stream(_trainer_weights(1)), 1))
     short = dict(list(_trainer_weights(2).items())[:-1])
     with pytest.raises(ckpt.WeightMismatchError, match="lacks tensor 'model.norm.weight'"):
@@ -100,7 +100,7 @@ def test_an_update_lacking_a_tensor_or_carrying_a_stranger_applies_nothing():
 
 
 def test_in_place_mode_holds_one_bank_and_serves_no_step_after_a_partial_update():
-    adapter = ckpt.ModelRolloutAdapter(models.serving_model("qwen2.5-tiny"), atomic=False)
+    adapter = ckpt.ModelRolloutAdapter(tiny_lm.causal_lm(torch.bfloat16, seed=None), atomic=False)
     assert len(adapter.banks) == 1
     asyncio.run(adapter.update_weights(_stream(_trainer_weights(1)), 1))
     with pytest.raises(ckpt.TransferError):
@@ -111,7 +111,7 @@ def test_in_place_mode_holds_one_bank_and_serves_no_step_after_a_partial_update(
 
 
 def test_staging_banks_keep_their_addresses_across_updates():
-    module = models.serving_model("qwen2.5-tiny")
+    module = tiny_lm.causal_lm(torch.bfloat16, seed=None)
     adapter = ckpt.ModelRolloutAdapter(module)
     addresses = {b.data_ptr() for b in adapter.banks}
     staged = []
@@ -127,7 +127,7 @@ def test_staging_banks_keep_their_addresses_across_updates():
 
 def test_the_collective_engine_receives_straight_into_the_staging_bank():
     sender, receiver = collective_pair(64 << 10)
-    module = models.serving_model("qwen2.5-tiny")
+    module = tiny_lm.causal_lm(torch.bfloat16, seed=None)
     adapter = ckpt.ModelRolloutAdapter(module)
     trainer_layout = ckpt.WeightLayout.from_entries(adapter.layout.entries.values())  # the rollout's own layout
     worker = ckpt.CheckpointEngineWorker(receiver, adapter)
