@@ -50,6 +50,22 @@ def default_group_collectives(rank: int, world_size: int, port: int) -> dict:
     return out
 
 
+def train_side_by_side(model, reference, rank: int, world_size: int, steps: int, device) -> None:
+    """``steps`` AdamW steps of the sharded ``model`` on this rank's part of each batch and of the unsharded
+    ``reference`` on the whole batch (same seeds: equal results up to the reduction order)."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    torch.manual_seed(1)
+    batches = torch.randn(steps, 2 * world_size, 8)
+    for batch in batches:
+        model(batch[2 * rank:2 * rank + 2].to(device)).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        reference(batch).pow(2).mean().backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+
+
 def fsdp2_training(rank: int, world_size: int, port: int, steps: int) -> dict:
     """FSDP2 (``fully_shard``) on an npu device mesh over hccl vs the same model unsharded on cpu."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -66,17 +82,7 @@ def fsdp2_training(rank: int, world_size: int, port: int, steps: int) -> dict:
         if isinstance(layer, torch.nn.Linear):
             fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
-    torch.manual_seed(1)
-    batches = torch.randn(steps, 2 * world_size, 8)
-    for batch in batches:
-        model(batch[2 * rank:2 * rank + 2].to(device)).pow(2).mean().backward()
-        opt.step()
-        opt.zero_grad()
-        reference(batch).pow(2).mean().backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
+    train_side_by_side(model, reference, rank, world_size, steps, device)
     local_device = str(next(iter(model.parameters())).to_local().device)
     full = {k: v.full_tensor().cpu() for k, v in model.state_dict().items()}
     diff = max((full[k] - v).abs().max().item() for k, v in reference.state_dict().items())
@@ -97,17 +103,7 @@ def fsdp1_training(rank: int, world_size: int, port: int, steps: int) -> dict:
     model.load_state_dict(reference.state_dict())
     model = FullyShardedDataParallel(model, device_id=device, use_orig_params=True)
     sharded_numel = sum(p.numel() for p in model.parameters())
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
-    torch.manual_seed(1)
-    batches = torch.randn(steps, 2 * world_size, 8)
-    for batch in batches:
-        model(batch[2 * rank:2 * rank + 2].to(device)).pow(2).mean().backward()
-        opt.step()
-        opt.zero_grad()
-        reference(batch).pow(2).mean().backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
+    train_side_by_side(model, reference, rank, world_size, steps, device)
     with FullyShardedDataParallel.summon_full_params(model):
         full = {k: v.detach().cpu() for k, v in model.module.state_dict().items()}
     diff = max((full[k] - v).abs().max().item() for k, v in reference.state_dict().items())

@@ -17,12 +17,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import pathlib
 import threading
 import time
 from typing import Any
 
 from ckpt.vllm_transfer import BACKEND_NAME, EXTENSION, register_vllm_backend
+from hal.apps.weightsync.memory import peak_host_bytes
 
 IN_PROCESS_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
 """vLLM's switch for its engine core in a separate process; ``"0"`` keeps it in this one."""
@@ -31,17 +31,6 @@ DEFAULT_LLM_KWARGS: dict[str, Any] = dict(enforce_eager=True, max_model_len=256,
                                           skip_tokenizer_init=True, seed=0)
 """``vllm.LLM`` keywords for a small rollout: no CUDA graphs / compilation, 256 tokens, a 64 MiB KV cache
 (without it vLLM reserves 0.9 of the memory), token ids in and out (no tokenizer needed)."""
-
-
-def peak_host_bytes() -> int:
-    """Peak resident memory of this process (Linux VmHWM, else ``ru_maxrss``), in bytes."""
-    with contextlib.suppress(OSError):
-        for line in pathlib.Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 class VllmRollout:
