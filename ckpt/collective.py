@@ -175,20 +175,31 @@ class CollectiveCheckpointEngine(OneToManyEngine):
         n = 2 if self.is_sender else 1
         self._metas = [torch.zeros(self.meta_capacity, dtype=torch.uint8, device=self.device) for _ in range(n)]
 
+    @property
+    def buffer_bytes(self) -> int:
+        """Bytes of the buffers this engine holds now (buckets, metadata records, the assembly buffer)."""
+        held = [*self._buffers, *self._metas] + ([self._large] if self._large is not None else [])
+        return sum(t.numel() * t.element_size() for t in held)
+
     def _free_buffers(self) -> None:
         self._buffers, self._metas, self._large, self._pending_meta = [], [], None, None
 
     def finalize(self) -> None:
-        """End of one update: free the buffers; keep the group for the next update.
+        """End of one update: free the assembly buffer of tensors larger than a bucket; keep the group and
+        the bucket buffers for the next update while the topology is unchanged, as the transfer-library
+        engines keep their registered slots (verl's manager finalizes every update: refilling two buckets
+        of zeros each time cost more than the transfer on a host; :meth:`close` or another topology frees
+        them).
 
         A group that failed (a dead peer, a timeout) is released too, so the next :meth:`init_process_group`
         (or send / receive) forms a new one: the other ranks drop their connection to the rendezvous store
         as well (its host may have been replaced), while the rank hosting it keeps serving at the same
         address (a peer's failure does not break it, and the old server would still hold the port).
         """
-        self._free_buffers()
+        self._large, self._pending_meta = None, None
         if self._broken:
             self._release_group(keep_store=self._store_server)
+            self._free_buffers()
             self._broken = None
 
     def close(self) -> None:

@@ -78,7 +78,7 @@ def test_verl_lifecycle_keeps_the_communicator_while_the_topology_is_unchanged()
     rollouts = [CollectiveCheckpointEngine(**kw) for _ in range(2)]
     everyone = trainers + rollouts
     try:
-        groups, generations = [], []
+        groups, generations, held = [], [], []
         for step in (1, 2, 3, 4):
             tkw, rkw = _lifecycle(trainers, rollouts)
             assert tkw["rank"] == [0, -1] and rkw["rank"] == [1, 2] and rkw["world_size"] == [3, 3]
@@ -87,15 +87,21 @@ def test_verl_lifecycle_keeps_the_communicator_while_the_topology_is_unchanged()
             groups.append(tuple(e._group for e in everyone))
             for e in everyone:
                 e.finalize()
-                assert e._buffers == []  # per-update buffers are released
+            # the buckets stay for the next update (refilling them every update cost more than the transfer)
+            held.append([e.buffer_bytes for e in everyone])
         assert len(set(map(lambda g: tuple(map(id, g)), groups))) == 1 and groups[0][1] is None  # one communicator; trainer 1 is outside
         assert generations == [1, 1, 1, 1]
+        assert held[0][0] >= 2 * (64 << 10) and held[0][2] >= 2 * (64 << 10) and held[0][1] == 0, held
+        assert all(h == held[0] for h in held), held  # kept, not regrown, while the topology is unchanged
         # a changed topology (one rollout leaves) forms a new generation, and transfers still work
         tkw, rkw = _lifecycle(trainers, rollouts[:1])
         assert tkw["generation"] == [2, 2] and rkw == {"rank": [1], "world_size": [2], "master_addr": tkw["master_addr"][:1],
                                                       "master_port": tkw["master_port"][:1], "generation": [2]}
         assert trainers[0]._group is not groups[0][0] and groups[0][0].backend is None  # the old one is closed
         asyncio.run(_update(trainers, rollouts[:1], 5))
+        for e in everyone:
+            e.close()
+        assert [e.buffer_bytes for e in everyone] == [0, 0, 0, 0]  # close() frees them
     finally:
         for e in everyone:
             e.close()
