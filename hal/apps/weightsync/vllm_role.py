@@ -13,6 +13,7 @@ greedy tokens against the trainer's transformers model on the same weights (exac
 from __future__ import annotations
 
 import dataclasses
+import os
 import pathlib
 import tempfile
 import time
@@ -22,6 +23,9 @@ from hal.apps.weightsync.messages import Checked, Received, Reference
 from hal.apps.weightsync.options import JobOptions
 from hal.apps.weightsync.verify import first_mismatch
 from hal.apps.weightsync.worker import Where, Worker
+
+LOGGING_STREAM_ENV = "VLLM_LOGGING_STREAM"
+"""vLLM's log stream (default stdout); the role sends it to stderr."""
 
 FAULT_TENSOR = "hal.fault-injection"
 """The name a fault-injected update announces (``JobOptions.vllm_fail_steps``): never sent, so the update is
@@ -90,6 +94,7 @@ class VllmRolloutRole(Worker):
         if options.vllm_model_dir is None:
             raise ValueError("VllmRolloutRole needs options.vllm_model_dir (save_initial_model writes it), got None")
         super().__init__(options, rank, None, where)
+        os.environ.setdefault(LOGGING_STREAM_ENV, "ext://sys.stderr")  # stdout is hal sync --json's
         engine_kwargs = dict(bucket_size=options.bucket_bytes, is_master=False, timeout=options.timeout)
         self.vllm = VllmRollout(options.vllm_model_dir, engine_kwargs, device=options.device,
                                 dtype=options.published_dtype, engine=options.engine, in_process=True)
