@@ -23,7 +23,7 @@ import torch
 
 from ckpt.collective import CollectiveCheckpointEngine
 from ckpt.serving import ModelRolloutAdapter
-from hal.apps.cli.models import causal_lm, greedy_decode
+from hal.apps.weightsync.models import causal_lm, greedy_decode
 from hal.apps.weightsync.vllm_rollout import VllmRollout
 from hal.testing import free_port
 from tests.vllm.trainer import PRESET, Trainer

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from ckpt.vllm_transfer import crc32_hex
-from hal.apps.cli.models import causal_lm, greedy_decode, prompt_ids
+from hal.apps.weightsync.models import causal_lm, greedy_decode, prompt_ids
 
 PRESET = "qwen2.5-tiny"
 """hidden 128, 4 heads: head_dim 32, a head size vLLM's cpu attention backend accepts."""

@@ -89,6 +89,16 @@ class Sync:
     """With --launcher ray: the cluster, 'auto' or HOST:PORT; default: start a one-node cluster for the run."""
     placement: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
     """With --launcher ray: how the trainer's and rollouts' bundles are placed across nodes."""
+    rollout: Literal["hal", "vllm"] = "hal"
+    """Who serves each rollout: hal (hal's own server stand-in, a transformers model) or vllm (a vLLM engine
+    in the rollout's process, fed by hal's collective engine inside vLLM's worker; needs vLLM, see
+    scripts/setup_vllm.sh; a preset, --engine collective, --launcher torchrun)."""
+    publish_dtype: Literal["bfloat16", "float32"] | None = None
+    """The dtype presets are published and served in; default float32 with --rollout vllm (vLLM's greedy
+    tokens then equal the trainer's transformers model's exactly), else bfloat16."""
+    compare_hal: bool = True
+    """With --rollout vllm: run the same job with --rollout hal right after (same bytes, same dtype) and
+    report the update's time inside vLLM (receive + load) against hal's adapter's (receive + apply)."""
 
 
 def validate(args: Sync) -> None:
@@ -119,11 +129,34 @@ def validate(args: Sync) -> None:
             raise UsageError(f"--engine {args.engine} is unavailable here: {reason}")
     if args.launcher == "ray" and args.engine != "collective":
         raise UsageError(f"--launcher ray runs the collective engine across nodes, got --engine {args.engine}")
+    if args.rollout == "vllm":
+        validate_vllm(args)
     spec = hal.resolve_device(args.device)
     if args.engine != "colocated" and args.launcher != "ray":  # one local process, and device, per rank
         from hal.apps.cli.launch import require_devices
 
         require_devices(spec, 1 + args.rollouts, what=f"1 trainer + --rollouts {args.rollouts} processes")
+
+
+def validate_vllm(args: Sync) -> None:
+    """``--rollout vllm``'s own checks.
+
+    Raises:
+        UsageError: vLLM is not installed, ``--launcher`` is not torchrun, ``--engine`` not collective, or
+            ``--model`` not a preset (names the flag and value).
+    """
+    import importlib.util
+
+    from hal.apps.weightsync.models import PRESETS, resolve_model
+
+    if args.launcher != "torchrun":
+        raise UsageError(f"--rollout vllm runs under --launcher torchrun, got --launcher {args.launcher}")
+    if args.engine != "collective":
+        raise UsageError(f"--rollout vllm receives through --engine collective, got --engine {args.engine}")
+    if resolve_model(args.model) not in PRESETS:
+        raise UsageError(f"--rollout vllm serves a preset ({', '.join(sorted(PRESETS))}), got --model {args.model}")
+    if importlib.util.find_spec("vllm") is None:
+        raise UsageError("--rollout vllm needs vLLM in this environment (scripts/setup_vllm.sh builds .venv-vllm)")
 
 
 def job_options(args: Sync) -> JobOptions:
@@ -153,10 +186,20 @@ def execute(args: Sync) -> dict[str, Any]:
     validate(args)
     options = job_options(args)
     start = time.perf_counter()
-    result = launch(options, [] if options.colocated else [RawReference()])
-    return {"device": options.device, "engine": options.engine, "model": options.model, "offload": options.offload,
-            "rollout_apply": options.rollout_apply, "launcher": options.launcher, **result.report(options.steps),
-            "wall_s": time.perf_counter() - start}
+    vllm = options.rollout == "vllm"
+    # the raw broadcast lands in a rollout's staging buffer: hal's adapter has one, vLLM's worker does not
+    result = launch(options, [] if options.colocated or vllm else [RawReference()])
+    out = {"device": options.device, "engine": options.engine, "model": options.model, "offload": options.offload,
+           "rollout_apply": options.rollout_apply, "launcher": options.launcher, "rollout": options.rollout,
+           "publish_dtype": options.published_dtype, **result.report(options.steps),
+           "wall_s": time.perf_counter() - start}
+    if vllm and args.compare_hal:
+        from hal.apps.weightsync.vllm_role import update_time_comparison
+
+        hal_result = launch(dataclasses.replace(options, rollout="hal", publish_dtype=options.published_dtype))
+        out["compare_hal"] = {**update_time_comparison(result.rows, hal_result.rows),
+                              "hal_verified": hal_result.report(options.steps)["verified"]}
+    return out
 
 
 def print_table(result: dict[str, Any]) -> None:
@@ -168,6 +211,7 @@ def print_table(result: dict[str, Any]) -> None:
     tensors = rows[0]["tensors"] if rows else 0
     model = result["model"]  # a preset name or the path as the user gave it
     table = Table(title=f"hal sync: {model} ({tensors} tensors) on {result['device']}, engine {result['engine']}, "
+                        f"rollout {result.get('rollout', 'hal')}, "
                         f"offload {result['offload']}, rollouts {result['rollout_apply']}",
                   caption="publish s: trainer's send until every rollout serves the step; x raw: a raw broadcast "
                           "of the same bytes to the same rollouts (mean of one before and one after the publish), "
@@ -195,11 +239,41 @@ def print_table(result: dict[str, Any]) -> None:
     if not console.is_terminal:  # piped or logged: do not squeeze the table into 80 columns
         console = Console(width=140)
     console.print(table)
+    if result.get("rollout") == "vllm":
+        print_vllm(result, console)
     for error in result["errors"]:
         console.print(f"[red]mismatch:[/red] {error}")
     how = "tokens, logits and checksums" if rows and rows[0].get("tokens") else "checksums"
     console.print(f"[green]every step verified ({how}), {result['wall_s']:.1f} s[/green]" if result["verified"]
                   else "[red]verification failed[/red]")
+
+
+def print_vllm(result: dict[str, Any], console: Any) -> None:
+    """With --rollout vllm: per rollout, vLLM's start-up seconds and peak resident memory; per step, the update's
+    time inside vLLM (receive, load) and, with --compare-hal, hal's adapter's on the same bytes."""
+    from rich.table import Table
+
+    rows = result["rows"]
+    first = {r["rank"]: r for r in rows[0]["rollouts"]} if rows else {}
+    peaks = {rank: max(row_r.get("peak_host_bytes") or 0 for row in rows for row_r in row["rollouts"]
+                       if row_r["rank"] == rank) for rank in first}
+    console.print("vLLM rollouts (in-process, published " + str(result.get("publish_dtype")) + "): " + "; ".join(
+        f"rank {rank}: start-up {r['vllm']['startup_s']:.1f} s, peak {peaks[rank] / 1e9:.2f} GB"
+        for rank, r in first.items() if r.get("vllm")))
+    compare = {s["global_steps"]: s for s in (result.get("compare_hal") or {}).get("steps", [])}
+    table = Table(title="the update inside vLLM (mean over rollouts) against hal's adapter, same bytes",
+                  caption="vLLM: receive into its worker + CRC-32, then reload_weights; hal: receive + apply")
+    for col in ("step", "MB", "vLLM receive s", "vLLM load s", "vLLM s", "hal s", "vLLM / hal"):
+        table.add_column(col, justify="right")
+    for row in rows:
+        got = [r["vllm"] for r in row["rollouts"] if r.get("vllm")]
+        c = compare.get(row["global_steps"])
+        table.add_row(str(row["global_steps"]), f"{row['bytes'] / 1e6:.1f}",
+                      f"{sum(g['receive_s'] for g in got) / len(got):.4f}",
+                      f"{sum(g['load_s'] for g in got) / len(got):.4f}",
+                      f"{sum(g['receive_s'] + g['load_s'] for g in got) / len(got):.4f}",
+                      "-" if c is None else f"{c['hal_update_s']:.4f}", "-" if c is None else f"{c['ratio']:.2f}")
+    console.print(table)
 
 
 def run(args: Sync) -> int:

@@ -65,6 +65,9 @@ class Received:
     memory_bound_bytes: int | None = None
     node_ip: str | None = None
     device_id: str | None = None
+    vllm: dict[str, Any] | None = None
+    """A vLLM rollout's own figures (:class:`~hal.apps.weightsync.vllm_role.VllmRolloutRole`): ``startup_s``,
+    ``receive_s`` and ``load_s`` measured inside vLLM's worker, ``bytes``; ``None`` for hal's rollout."""
 
 
 @dataclasses.dataclass

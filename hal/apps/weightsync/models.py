@@ -285,11 +285,11 @@ def build(model: str, seed: int = 0) -> tuple[nn.Module, Callable[[nn.Module], t
     return module, regression_loss
 
 
-def serving_model(model: str, device: torch.device | str = "cpu") -> nn.Module:
-    """A rollout's model before its first update: a preset's bf16 ``Qwen2ForCausalLM`` (zeros), or for a
+def serving_model(model: str, device: torch.device | str = "cpu", dtype: torch.dtype = torch.bfloat16) -> nn.Module:
+    """A rollout's model before its first update: a preset's ``Qwen2ForCausalLM`` in ``dtype`` (zeros), or for a
     checkpoint path a :class:`TensorModel` of its names, shapes and dtypes (zeros; no tensor data read)."""
     if model in PRESETS:
-        return causal_lm(model, torch.bfloat16, device=device, seed=None)
+        return causal_lm(model, dtype, device=device, seed=None)
     from safetensors import safe_open
 
     path = pathlib.Path(model)

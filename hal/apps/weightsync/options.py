@@ -37,6 +37,17 @@ class JobOptions:
     launcher: str = "torchrun"
     address: str | None = None
     placement: str = "PACK"
+    rollout: str = "hal"
+    """``"hal"``: hal's own server stand-in (:class:`~hal.apps.weightsync.rollout.Rollout`); ``"vllm"``: a vLLM
+    engine per rollout (:class:`~hal.apps.weightsync.vllm_role.VllmRolloutRole`)."""
+    publish_dtype: str | None = None
+    """The dtype the trainer publishes presets in (``"bfloat16"``, ``"float32"``); ``None``: float32 with
+    ``rollout="vllm"`` (vLLM's tokens then equal transformers' exactly), else bfloat16 (verl's choice)."""
+    vllm_model_dir: str | None = None
+    """With ``rollout="vllm"``: the Hugging Face directory vLLM starts from (the launcher writes it)."""
+    vllm_fail_steps: tuple[int, ...] = ()
+    """With ``rollout="vllm"``, for tests: steps whose update every vLLM rollout refuses after receiving it
+    (the announced checksums are corrupted), so the previous step keeps serving."""
 
     @property
     def colocated(self) -> bool:
@@ -47,6 +58,13 @@ class JobOptions:
     def offload_flags(self) -> dict[str, bool]:
         """What ``to("cpu", ...)`` moves for :attr:`offload` (``{}``: nothing)."""
         return OFFLOAD_FLAGS[self.offload]
+
+    @property
+    def published_dtype(self) -> str:
+        """The dtype a preset is published in (:attr:`publish_dtype`, resolved): ``"bfloat16"`` or ``"float32"``."""
+        if self.publish_dtype is not None:
+            return self.publish_dtype
+        return "float32" if self.rollout == "vllm" else "bfloat16"
 
 
 __all__ = ["JobOptions", "OFFLOAD_FLAGS"]

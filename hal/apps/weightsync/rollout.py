@@ -21,7 +21,9 @@ def rollout_model(options: JobOptions, adapter_cls: Any = None):
     :class:`ckpt.ModelRolloutAdapter`) and its greedy decode (``None`` for a model that is not a preset)."""
     import ckpt
 
-    module = models.serving_model(options.model, hal.get_device(options.device))
+    import torch
+
+    module = models.serving_model(options.model, hal.get_device(options.device), getattr(torch, options.published_dtype))
     adapter = (adapter_cls or ckpt.ModelRolloutAdapter)(module, atomic=options.rollout_apply == "atomic")
     decode = None
     if options.model in models.PRESETS:

@@ -53,12 +53,13 @@ class Trainer(Worker):
         self.fused = fused
         self.torch_engine = TorchEngine(module, optimizer, device=self.kind)  # moves parameters in place
         self.flags = options.offload_flags
-        self.layout = ckpt.WeightLayout(module, dtype=torch.bfloat16 if self.preset else None)
+        published = getattr(torch, options.published_dtype)
+        self.layout = ckpt.WeightLayout(module, dtype=published if self.preset else None)
         self.model_bytes = sum(p.numel() * p.element_size() for p in module.parameters())
         self.state_bytes = {"param_bytes": self.model_bytes, "grad_bytes": self.model_bytes, "optimizer_bytes": 0}
         self.skeleton = None
-        if self.preset:  # the trainer's own bf16 model, bound to each step's published buffer for its decode
-            self.skeleton = models.causal_lm(options.model, torch.bfloat16, device=self.device, seed=None)
+        if self.preset:  # the trainer's own model in the published dtype, bound to each step's buffer for its decode
+            self.skeleton = models.causal_lm(options.model, published, device=self.device, seed=None)
             self.layout.bind(self.skeleton, None)
             self.prompt = models.prompt_ids(options.model)
         self.bank: torch.Tensor | None = None

@@ -150,21 +150,26 @@ class VllmRollout:
         self.served_step = result["served_step"]
         return result
 
-    def generate_greedy(self, prompt_token_ids: list[int], max_tokens: int) -> list[int]:
+    def generate_greedy(self, prompt_token_ids: list[int], max_tokens: int, logprobs: bool = False):
         """Greedy decode (temperature 0, EOS ignored) of ``max_tokens`` tokens after ``prompt_token_ids``.
 
         Returns:
-            the generated token ids (``max_tokens`` ints), from the step in service.
+            the generated token ids (``max_tokens`` ints), from the step in service; with ``logprobs``,
+            ``(token ids, their log-probabilities)`` (floats, vLLM's raw log-softmax of the step's logits).
         """
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
         if self._closed:
             raise RuntimeError("VllmRollout.generate_greedy after close()")
-        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
+                                logprobs=0 if logprobs else None)
         with self._lock:
             out = self.llm.generate([TokensPrompt(prompt_token_ids=list(prompt_token_ids))], params, use_tqdm=False)
-        return list(out[0].outputs[0].token_ids)
+        tokens = list(out[0].outputs[0].token_ids)
+        if not logprobs:
+            return tokens
+        return tokens, [float(step[t].logprob) for step, t in zip(out[0].outputs[0].logprobs, tokens)]
 
     def close(self) -> None:
         """Release hal's engine in the workers and shut vLLM's engine down (safe to call twice)."""

@@ -16,7 +16,14 @@ from hal.apps.weightsync.options import JobOptions
 
 def launch(options: JobOptions, hooks: Sequence[StepHook] = ()) -> JobResult:
     """Run the job with the launcher ``options`` asks for: Ray (``launcher="ray"``), in this process (the
-    colocated engine), else torchrun; ``hooks`` run around each publish."""
+    colocated engine), else torchrun; ``hooks`` run around each publish.
+
+    Raises:
+        ValueError: ``rollout="vllm"`` with a launcher other than torchrun or an engine other than collective.
+    """
+    if options.rollout == "vllm" and (options.launcher != "torchrun" or options.engine != "collective"):
+        raise ValueError(f"the vLLM rollout runs under the torchrun launcher with the collective engine, got "
+                         f"launcher {options.launcher!r}, engine {options.engine!r}")
     if options.launcher == "ray":
         from hal.apps.weightsync.launchers import ray
 

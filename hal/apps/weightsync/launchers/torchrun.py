@@ -167,6 +167,11 @@ def rank_main(options: JobOptions, ctl_port: int, hooks: Sequence[StepHook]) -> 
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     hal.bind_local_device(options.device)  # one device per rank: LOCAL_RANK's
     store = hal.connect_store(LOOPBACK, ctl_port, rank, world_size, timeout=options.timeout)
+    if rank != 0 and options.rollout == "vllm":  # hal's engine is built inside vLLM's worker
+        from hal.apps.weightsync.vllm_role import VllmRolloutRole
+
+        serve(VllmRolloutRole(options, rank), store, rank, options.timeout)
+        return None
     engine = make_engine(options, rank, LOOPBACK)
     if rank != 0:
         serve(Rollout(options, engine, rank), store, rank, options.timeout)
@@ -199,6 +204,10 @@ def launch(options: JobOptions, hooks: Sequence[StepHook] = ()) -> JobResult:
     from hal.distributed import pick_port
 
     os.environ[hal.ENV_VAR] = options.device
+    if options.rollout == "vllm" and options.vllm_model_dir is None:
+        from hal.apps.weightsync.vllm_role import save_initial_model
+
+        options = save_initial_model(options)  # the directory vLLM starts from
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=1 + options.rollouts,
                           run_id=f"hal-sync-{uuid.uuid4().hex[:8]}", rdzv_backend="c10d",
                           rdzv_endpoint=f"{LOOPBACK}:0", max_restarts=0, monitor_interval=0.1, start_method="spawn")

@@ -1,0 +1,178 @@
+"""A rollout's role backed by vLLM (``hal sync --rollout vllm``): the same calls the step loop makes on
+:class:`~hal.apps.weightsync.rollout.Rollout` (``update_weights``, ``check``, the engine's lifecycle), served by
+a :class:`~hal.apps.weightsync.vllm_rollout.VllmRollout` running in this process (vLLM's in-process mode:
+``VLLM_ENABLE_V1_MULTIPROCESSING=0``, the ``uni`` executor, eager mode, a 64 MiB KV cache).
+
+hal's checkpoint engine lives inside vLLM's worker (built there by hal's weight-transfer backend); the step
+loop's manager runs its lifecycle (``prepare``, ``init_process_group``, ``finalize``, ``close``) on that very
+object, so the vLLM rollout joins the trainer's group as hal's own rollout does. What it proves per step:
+the step it serves, the CRC-32 of every tensor as vLLM's worker received it against the trainer's, and vLLM's
+greedy tokens against the trainer's transformers model on the same weights (exact in float32).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import pathlib
+import tempfile
+import time
+from typing import Any
+
+from hal.apps.weightsync.messages import Checked, Received, Reference
+from hal.apps.weightsync.options import JobOptions
+from hal.apps.weightsync.verify import first_mismatch
+from hal.apps.weightsync.worker import Where, Worker
+
+LOGGING_STREAM_ENV = "VLLM_LOGGING_STREAM"
+"""vLLM's log stream (default stdout); the role sends it to stderr."""
+
+FAULT_TENSOR = "hal.fault-injection"
+"""The name a fault-injected update announces (``JobOptions.vllm_fail_steps``): never sent, so the update is
+refused after it was received whole, before anything is loaded."""
+
+
+def save_initial_model(options: JobOptions, root: str | None = None) -> JobOptions:
+    """Write the trainer's initial model (the preset built as the trainer builds it: same configuration, same
+    seed) with ``save_pretrained`` into a new temporary directory, in the published dtype, for vLLM to start
+    from; returns ``options`` with ``vllm_model_dir`` set.
+
+    Raises:
+        ValueError: ``options.model`` is not a preset (vLLM needs a Hugging Face configuration).
+    """
+    import torch
+
+    from hal.apps.weightsync import models
+
+    if options.model not in models.PRESETS:
+        raise ValueError(f"the vLLM rollout serves a preset ({sorted(models.PRESETS)}), got {options.model!r}")
+    module, _ = models.build(options.model)
+    path = pathlib.Path(tempfile.mkdtemp(prefix="hal-sync-vllm-", dir=root)) / options.model
+    module.to(getattr(torch, options.published_dtype)).save_pretrained(path)
+    return dataclasses.replace(options, vllm_model_dir=str(path))
+
+
+def worker_engine(worker: Any) -> Any:
+    """hal's checkpoint engine inside a vLLM worker (the ``"hal"`` backend's, else the extension's); runs in
+    the worker through ``collective_rpc`` (in-process: the object itself comes back)."""
+    state = getattr(getattr(worker, "weight_transfer_engine", None), "state", None)
+    state = state if state is not None else getattr(worker, "_hal_transfer", None)
+    if state is None:
+        raise RuntimeError("this vLLM worker holds no hal checkpoint engine (init_weight_transfer_engine not run)")
+    return state.engine
+
+
+def reference_logprobs(reference: Reference) -> tuple[list[int], list[float]] | None:
+    """The trainer's greedy tokens and their log-probabilities (log-softmax of its float32 step logits);
+    ``None`` without a decode."""
+    import torch
+
+    if reference.tokens is None or reference.logits is None:
+        return None
+    logprobs = torch.log_softmax(reference.logits.float(), dim=-1)
+    return list(reference.tokens), [float(logprobs[i, t]) for i, t in enumerate(reference.tokens)]
+
+
+class VllmRolloutRole(Worker):
+    """A rollout rank served by vLLM (see the module docstring).
+
+    Args:
+        options: the job's options (``vllm_model_dir`` set: :func:`save_initial_model`).
+        rank: the rollout's rank (1..R).
+
+    Attributes:
+        vllm: the :class:`~hal.apps.weightsync.vllm_rollout.VllmRollout`.
+
+    Raises:
+        ValueError: ``options.vllm_model_dir`` is not set. ImportError: vLLM is not installed.
+    """
+
+    def __init__(self, options: JobOptions, rank: int, where: Where | None = None) -> None:
+        from hal.apps.weightsync import models
+        from hal.apps.weightsync.vllm_rollout import VllmRollout
+
+        if options.vllm_model_dir is None:
+            raise ValueError("VllmRolloutRole needs options.vllm_model_dir (save_initial_model writes it), got None")
+        super().__init__(options, rank, None, where)
+        os.environ.setdefault(LOGGING_STREAM_ENV, "ext://sys.stderr")  # stdout is hal sync --json's
+        engine_kwargs = dict(bucket_size=options.bucket_bytes, is_master=False, timeout=options.timeout)
+        self.vllm = VllmRollout(options.vllm_model_dir, engine_kwargs, device=options.device,
+                                dtype=options.published_dtype, engine=options.engine, in_process=True)
+        [self.engine] = self.vllm.llm.collective_rpc(worker_engine)  # the manager drives its lifecycle
+        self.prompt = models.prompt_ids(options.model)[0].tolist()
+        self.received: dict[str, str] = {}
+        self.references: dict[int, list[int] | None] = {}
+
+    async def update_weights(self, global_steps: int) -> Received:
+        """Receive ``global_steps`` into vLLM's worker, checksum it there and load it (a failed update is
+        reported in the result, the previous step serving); vLLM's own times in ``Received.vllm``."""
+        started_at = time.time()
+        start = time.perf_counter()
+        expected = {FAULT_TENSOR: "00000000"} if global_steps in self.options.vllm_fail_steps else None
+        try:
+            result = await self.vllm.receive(global_steps, expected)
+        except Exception as exc:  # noqa: BLE001 - reported as this step's error; the previous step serves
+            result = {"error": f"{type(exc).__name__}: {exc}", "bytes": 0, "receive_s": 0.0, "load_s": 0.0,
+                      "checksums": {}}
+        self.received = result["checksums"]
+        return Received(rank=self.index, served_step=self.vllm.served_step, error=result["error"],
+                        receive_s=time.perf_counter() - start, copied_bytes=result["bytes"], started_at=started_at,
+                        applied_at=time.time(), held_bytes=0, peak_host_bytes=self.vllm.peak_host_bytes,
+                        vllm={"startup_s": self.vllm.startup_seconds, "receive_s": result["receive_s"],
+                              "load_s": result["load_s"], "bytes": result["bytes"]})
+
+    def check(self, global_steps: int, reference: Reference) -> Checked:
+        """What this rollout proves after ``global_steps``: it serves that step, vLLM's checksums of what it
+        received equal the trainer's, and vLLM's greedy tokens equal the trainer's, their log-probabilities
+        within ``logits_atol`` of the trainer's (``logits_max_diff``: the largest difference of the chosen
+        tokens' log-probabilities). Serving an earlier step (a refused update), its decode is compared with
+        that step's reference instead, and the error says the step was not served."""
+        start = time.perf_counter()
+        self.references[global_steps] = reference_logprobs(reference)
+        served = self.vllm.served_step
+        if served != global_steps:
+            error = f"step {global_steps} not served: vLLM serves step {served}"
+        else:
+            error = first_mismatch(reference.sums, self.received)
+        out = Checked(error=error)
+        expected = self.references.get(served) if served is not None else None
+        if expected is not None:
+            tokens, logprobs = expected
+            out.tokens, got = self.vllm.generate_greedy(self.prompt, len(tokens), logprobs=True)
+            out.tokens_equal = out.tokens == tokens
+            out.logits_max_diff = max(abs(a - b) for a, b in zip(got, logprobs))
+            if not out.tokens_equal and out.error is None:
+                out.error = f"vLLM's greedy decode gave tokens {out.tokens}, the trainer's model {tokens}"
+            elif not out.logits_max_diff <= self.options.logits_atol and out.error is None:
+                out.error = (f"vLLM's log-probabilities differ from the trainer's by {out.logits_max_diff:.3g} "
+                             f"(> --logits-atol {self.options.logits_atol:g})")
+        out.verify_s = time.perf_counter() - start
+        return out
+
+    def execute_checkpoint_engine(self, method: str, **kwargs: Any) -> Any:
+        """The engine's lifecycle (:meth:`Worker.execute_checkpoint_engine`); ``close`` also shuts vLLM down."""
+        out = super().execute_checkpoint_engine(method, **kwargs)
+        if method == "close":
+            self.vllm.close()
+        return out
+
+
+def update_time_comparison(vllm_rows: list[dict[str, Any]], hal_rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per step, the update's time inside vLLM (receive + load in its worker, the mean over rollouts) against
+    the same bytes through hal's own adapter (``receive_s``: receive + apply, mean over rollouts), and their
+    ratio (``vllm_s / hal_s``: above 1, vLLM's update is slower); seconds."""
+    steps = []
+    for v, h in zip(vllm_rows, hal_rows):
+        vllm_s = [r["vllm"]["receive_s"] + r["vllm"]["load_s"] for r in v["rollouts"] if r.get("vllm")]
+        hal_s = [r["receive_s"] for r in h["rollouts"]]
+        if not vllm_s or not hal_s:
+            continue
+        vs, hs = sum(vllm_s) / len(vllm_s), sum(hal_s) / len(hal_s)
+        steps.append({"global_steps": v["global_steps"], "bytes": v["bytes"], "vllm_update_s": vs,
+                      "vllm_receive_s": sum(r["vllm"]["receive_s"] for r in v["rollouts"]) / len(vllm_s),
+                      "vllm_load_s": sum(r["vllm"]["load_s"] for r in v["rollouts"]) / len(vllm_s),
+                      "hal_update_s": hs, "ratio": vs / hs})
+    return {"steps": steps, "ratio_mean": sum(s["ratio"] for s in steps) / len(steps) if steps else None}
+
+
+__all__ = ["FAULT_TENSOR", "VllmRolloutRole", "save_initial_model", "update_time_comparison", "worker_engine"]
