@@ -258,8 +258,9 @@ def plan_messages(weights: Iterable[tuple[str, torch.Tensor]], step: int | None,
         part = parts.get(name) if parts else None
         if nbytes > bucket_size:
             if planner.entries:
+                closed = planner.close()  # close first: it may copy a pending short run into this bucket's buffer
                 planner.yielded += 1
-                yield planner.close()
+                yield closed
             for msg in _chunk_messages(name, tensor, nbytes, step, bucket_size, device, stable,
                                        lambda: buffer_for(planner.yielded), part):
                 planner.yielded += 1
@@ -271,8 +272,9 @@ def plan_messages(weights: Iterable[tuple[str, torch.Tensor]], step: int | None,
             yield closed
             planner.copy_deferred()
     if planner.entries:
+        closed = planner.close()  # close first: a pending short run is copied into buffer_for(this bucket's index)
         planner.yielded += 1
-        yield planner.close()
+        yield closed
     yield Message(meta=WireMessage(step, bucket_size, end=True))
 
 

@@ -128,3 +128,36 @@ def test_the_single_sender_default_is_unchanged_in_process():
     drained = []
     asyncio.run(engine.send_weights((drained.append(i) or ("w", torch.ones(1)) for i in range(3)), 1))
     assert drained == [0, 1, 2]
+
+
+def test_a_short_run_closing_the_last_bucket_is_copied_into_that_buckets_buffer():
+    """Regression (found by bench_senders' byte check): a short run pending when the input ends (or when a
+    tensor larger than a bucket follows) was packed into buffer_for(k + 1), the buffer of a message still in
+    flight with three buffers in rotation, instead of buffer_for(k)."""
+    from ckpt.bucket import plan_messages
+
+    bucket = 1 << 16
+    asked: list[int] = []
+    buffers: dict[int, torch.Tensor] = {}
+
+    def buffer_for(k: int) -> torch.Tensor:
+        asked.append(k)
+        return buffers.setdefault(k, torch.zeros(bucket, dtype=torch.uint8))
+
+    # two buckets, each a 40 KB run (sent from its own storage) then a short run (packed: copied into the
+    # bucket's buffer when the bucket closes)
+    weights = [("a", torch.full((10000,), 1.0)), ("s", torch.full((100,), 7.0)),
+               ("b", torch.full((10000,), 2.0)), ("t", torch.full((100,), 8.0))]
+    for end in ("input ends", "a larger tensor follows"):
+        asked.clear()
+        buffers.clear()
+        items = weights + ([("huge", torch.zeros(bucket))] if end != "input ends" else [])
+        msgs = [m for m in plan_messages(items, 1, bucket, 8 << 10, torch.device("cpu"), 1 << 12,
+                                         buffer_for=buffer_for) if m.meta.entries]
+        assert len(msgs) == 2, end
+        for k, msg in enumerate(msgs):
+            for e in msg.meta.entries:
+                if e.name in ("s", "t"):
+                    assert msg.buffer is buffers[k], (end, e.name, k, asked)
+                    got = msg.buffer[e.offset:e.offset + e.nbytes].view(torch.float32)
+                    assert torch.equal(got, dict(weights)[e.name]), (end, e.name)

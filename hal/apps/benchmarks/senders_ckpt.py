@@ -78,7 +78,8 @@ class CkptMultiSenderPath:
         """Publish this sender's dim-0 shards as :class:`ckpt.RowShard` values on group ``senders``."""
         from ckpt import RowShard, dim0_rows
 
-        weights = [(f"w{i}", RowShard(part, dim0_rows(self.shapes[i][0], senders, self.rank)[0], self.shapes[i]))
+        weights = [(f"w{i}", RowShard(part.view((-1,) + self.shapes[i][1:]),  # the benchmark's parts are flat
+                                      dim0_rows(self.shapes[i][0], senders, self.rank)[0], self.shapes[i]))
                    for i, part in parts]
         if senders == 1:  # the one-sender topology takes whole tensors
             weights = [(name, shard.local) for name, shard in weights]
