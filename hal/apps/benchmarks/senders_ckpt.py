@@ -122,18 +122,27 @@ def ckpt_multi_sender_path(group: Any, rank: int, trainers: int, rollout_ranks: 
     return CkptMultiSenderPath(group, rank, trainers, rollout_ranks, shapes, timeout_s)
 
 
+ROTATING_PATH = "hal.apps.benchmarks.senders_ckpt:rotating_broadcast_path"
+"""The one-group, rotating-source alternative (:class:`RotatingBroadcastPath`)."""
+
+
 def compare(size_mb: int = 32, rate_mbit: float = 100.0, rounds: int = 2, rollouts: int = 2,
-            senders: Sequence[int] = (1, 2, 4)) -> dict[str, dict]:
-    """Run :func:`~hal.apps.benchmarks.bench_senders.bench_senders` with the raw gloo path and then with the
-    engine's path, same sizes and links, one after the other in this process.
+            senders: Sequence[int] = (1, 2, 4), rotating: bool = False) -> dict[str, dict]:
+    """Run :func:`~hal.apps.benchmarks.bench_senders.bench_senders` with the raw gloo path, then the engine's
+    path (and, with ``rotating``, the one-group rotating-source layout), same sizes and links, one after the
+    other in this process (32 MiB, 2 rounds: about 80 s for the two, 40 s more for the third).
 
     Returns:
-        ``{"gloo-p2p": result, "ckpt-multi-sender": result}`` (each as ``bench_senders`` returns it).
+        ``{"gloo-p2p": result, "ckpt-multi-sender": result[, "rotating-broadcast": result]}`` (each as
+        ``bench_senders`` returns it).
     """
     from hal.apps.benchmarks.bench_senders import CKPT_PATH, DEFAULT_PATH, bench_senders
 
+    paths = [("gloo-p2p", DEFAULT_PATH), ("ckpt-multi-sender", CKPT_PATH)]
+    if rotating:
+        paths.append(("rotating-broadcast", ROTATING_PATH))
     return {label: bench_senders(size_mb, rate_mbit, rollouts=rollouts, senders=senders, rounds=rounds, path=path)
-            for label, path in (("gloo-p2p", DEFAULT_PATH), ("ckpt-multi-sender", CKPT_PATH))}
+            for label, path in paths}
 
 
 if __name__ == "__main__":
@@ -142,9 +151,105 @@ if __name__ == "__main__":
 
     from hal.apps.benchmarks.bench_senders import print_table
 
-    out = compare(*(int(a) for a in sys.argv[1:2]))
+    out = compare(*(int(a) for a in sys.argv[1:] if a.isdigit()), rotating="--rotating" in sys.argv)
     for label, result in out.items():
         print(label)
         print_table(result)
     print(json.dumps({label: [{k: r[k] for k in ("what", "s", "gbps", "ratio", "vs")} for r in res["rows"]]
                       for label, res in out.items()}))
+
+
+class RotatingBroadcastPath:
+    """The alternative to one lane per sender, for comparison: **one** gloo group per sender count holding the
+    ``S`` senders and every rollout, the source rotating per bucket (bucket ``j`` from sender ``j mod S``, each
+    sender's shards cut into ``BUCKET_SIZE`` pieces), two broadcasts in flight. Every member takes part in
+    every broadcast, so a sender also receives the other senders' buckets (into a scratch buffer): what this
+    layout costs is what the measurement shows.
+    """
+
+    def __init__(self, group: Any, rank: int, trainers: int, rollout_ranks: Sequence[int],
+                 shapes: Sequence[tuple[int, ...]], timeout_s: float) -> None:
+        import hal
+        from hal.apps.benchmarks.bench_senders import STORE_PORT
+
+        self.rank, self.shapes, self.rollouts = rank, [tuple(s) for s in shapes], list(rollout_ranks)
+        addr = os.environ["MASTER_ADDR"]
+        self.groups: dict[int, Any] = {}
+        self.stores: list[Any] = []
+        is_rollout = rank in self.rollouts
+        for s in range(1, trainers + 1):
+            if not (is_rollout or rank < s):
+                continue
+            world = s + len(self.rollouts)
+            me = self.rollouts.index(rank) + s if is_rollout else rank
+            store = hal.connect_store(addr, STORE_PORT + 20 + s, me, world, timeout_s)
+            self.stores.append(store)
+            self.groups[s] = (hal.new_group_from_store(store, me, world, "cpu", timeout_s, f"rotating{s}"), me)
+
+    def _schedule(self, senders: int) -> list[tuple[int, int]]:
+        """``(source, bytes)`` of every broadcast, in the order every member issues them."""
+        from hal.apps.benchmarks.bench_senders import shard_ranges
+
+        pieces = []
+        for s in range(senders):
+            total = 2 * sum(b - a for _, a, b in shard_ranges(self.shapes, senders, s))
+            pieces.append([min(BUCKET_SIZE, total - o) for o in range(0, total, BUCKET_SIZE)])
+        out, j = [], 0
+        while any(pieces):
+            s = j % senders
+            if pieces[s]:
+                out.append((s, pieces[s].pop(0)))
+            j += 1
+        return out
+
+    def _run(self, senders: int, mine: torch.Tensor | None, land: torch.Tensor | None) -> None:
+        group, me = self.groups[senders]
+        scratch = [torch.empty(BUCKET_SIZE, dtype=torch.uint8) for _ in range(2)]
+        offsets = [0] * senders
+        pending: list[Any] = []
+        for j, (src, nbytes) in enumerate(self._schedule(senders)):
+            if len(pending) == 2:
+                work, after = pending.pop(0)
+                work.wait()
+                after()
+            start = offsets[src]
+            offsets[src] += nbytes
+            if src == me:
+                buf = mine[start:start + nbytes]
+                after = lambda: None  # noqa: E731
+            else:
+                buf = scratch[j % 2][:nbytes]
+                if land is not None:
+                    dest = land[src][start:start + nbytes]
+                    after = lambda dest=dest, buf=buf: dest.copy_(buf)  # noqa: E731
+                else:
+                    after = lambda: None  # noqa: E731
+            pending.append((group.broadcast(buf, src, async_op=True), after))
+        for work, after in pending:
+            work.wait()
+            after()
+
+    def send(self, parts: Sequence[tuple[int, torch.Tensor]], senders: int) -> None:
+        mine = torch.cat([p.reshape(-1) for _, p in parts]).view(torch.uint8) if parts else torch.empty(0, dtype=torch.uint8)
+        self._run(senders, mine, None)
+
+    def receive(self, views: Sequence[tuple[int, int, torch.Tensor]], senders: int) -> None:
+        staged = {s: torch.cat([v.reshape(-1) for src, _, v in views if src == s]).view(torch.uint8)
+                  for s in range(senders)}
+        self._run(senders, None, staged)
+        for s in range(senders):  # back into the views, in the same order they were concatenated
+            flat, at = staged[s], 0
+            for src, _, v in views:
+                if src == s:
+                    v.reshape(-1).view(torch.uint8).copy_(flat[at:at + v.numel() * 2])
+                    at += v.numel() * 2
+
+    def close(self) -> None:
+        for group, _ in self.groups.values():
+            group.close()
+
+
+def rotating_broadcast_path(group: Any, rank: int, trainers: int, rollout_ranks: Sequence[int],
+                            shapes: Sequence[tuple[int, ...]], timeout_s: float) -> RotatingBroadcastPath:
+    """The ``SenderPath`` factory of :class:`RotatingBroadcastPath` (the measured alternative)."""
+    return RotatingBroadcastPath(group, rank, trainers, rollout_ranks, shapes, timeout_s)
