@@ -497,3 +497,31 @@ def multi_sender(rank, world_size, port, device, trainers, updates, kill=None):
     if rank == 0:
         store.wait([f"left/{r}" for r in range(world_size) if not (kill and r == kill[1])])
     return reports
+
+
+def dtensor_rows(rank, world_size, port):
+    """FSDP2's parameters as they are (``DTensor`` placed ``Shard(0)`` / ``Replicate()`` on a 1-D mesh) made
+    into what a sender publishes (:func:`ckpt.shards.as_row_shard`); per row count: ``(rows, row_start,
+    local shape, local equals those rows of the full tensor)``, then whether a replicated one is left to rank 0."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from ckpt.shards import as_row_shard
+
+    hal.init_process_group(device="cpu", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+                           timeout=60)
+    try:
+        mesh = init_device_mesh("cpu", (world_size,))
+        out = []
+        for rows in (7, 1):
+            full = torch.arange(rows * 3, dtype=torch.float32).reshape(rows, 3)
+            shard = as_row_shard("w", distribute_tensor(full, mesh, [Shard(0)]))
+            n = shard.local.shape[0]
+            out.append((rows, shard.row_start, tuple(shard.local.shape), shard.full_shape,
+                        torch.equal(shard.local, full[shard.row_start:shard.row_start + n])))
+        replicated = as_row_shard("r", distribute_tensor(torch.ones(3), mesh, [Replicate()]))
+        out.append(None if replicated is None else tuple(replicated.shape))
+        return out
+    finally:
+        dist.destroy_process_group()

@@ -161,3 +161,10 @@ def test_a_short_run_closing_the_last_bucket_is_copied_into_that_buckets_buffer(
                     assert msg.buffer is buffers[k], (end, e.name, k, asked)
                     got = msg.buffer[e.offset:e.offset + e.nbytes].view(torch.float32)
                     assert torch.equal(got, dict(weights)[e.name]), (end, e.name)
+
+
+@pytest.mark.multiprocess
+def test_fsdp2_dtensors_become_the_row_shards_torch_chunk_gives():
+    results = run_multiprocess(mp_workers.dtensor_rows, 2, timeout=60)
+    assert results[0] == [(7, 0, (4, 3), (7, 3), True), (1, 0, (1, 3), (1, 3), True), (3,)]
+    assert results[1] == [(7, 4, (3, 3), (7, 3), True), (1, 1, (0, 3), (1, 3), True), None]
