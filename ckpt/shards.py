@@ -16,7 +16,7 @@ row range of the full tensor. A sender in a multi-sender group (:mod:`ckpt.multi
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Iterable, Iterator
 
 import torch
 
@@ -107,3 +107,39 @@ def as_row_shard(name: str, value: Any) -> RowShard | torch.Tensor:
         raise CheckpointConfigError(f"DTensor {name!r}: rank {coordinate[0]} of {mesh.size()} holds "
                                     f"{local.shape[0]} rows, Shard(0) of {full[0]} rows gives {stop - start}")
     return RowShard(local, start, full).checked(name)
+
+
+def local_parts(named: Iterable[tuple[str, Any]], rank: int, dtype: torch.dtype | None = None
+                ) -> Iterator[tuple[str, RowShard | torch.Tensor]]:
+    """What trainer rank ``rank`` of a sharded trainer publishes from its ``state_dict().items()`` (FSDP2:
+    ``DTensor`` parameters, plain-tensor buffers): each ``DTensor``'s own rows (:func:`as_row_shard`), and the
+    plain tensors (every rank holds them whole) from rank 0 only, so each byte is sent once. Nothing is
+    gathered; no rank touches another's shard.
+
+    Args:
+        named: ``(name, tensor)`` pairs, e.g. ``fsdp_module.state_dict().items()``.
+        rank: this rank's index among the trainer's ranks (the mesh coordinate of FSDP2's 1-D mesh).
+        dtype: cast floating-point values to it (e.g. ``torch.bfloat16``, what a rollout serves); ``None``:
+            as they are. Only this rank's rows are cast (a private copy of its shard, not of the model).
+
+    Raises:
+        CheckpointConfigError: as :func:`as_row_shard`.
+    """
+    for name, value in named:
+        part = as_row_shard(name, value)
+        if part is None or (not isinstance(part, RowShard) and not _is_dtensor(value) and rank != 0):
+            continue
+        if dtype is not None:
+            local = part.local if isinstance(part, RowShard) else part
+            if local.is_floating_point() and local.dtype != dtype:
+                local = local.to(dtype)
+                part = RowShard(local, part.row_start, part.full_shape) if isinstance(part, RowShard) else local
+        yield name, part
+
+
+def _is_dtensor(value: Any) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:
+        return False
+    return isinstance(value, DTensor)

@@ -507,6 +507,7 @@ def dtensor_rows(rank, world_size, port):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
+    import ckpt.shards
     from ckpt.shards import as_row_shard
 
     hal.init_process_group(device="cpu", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
@@ -522,6 +523,11 @@ def dtensor_rows(rank, world_size, port):
                         torch.equal(shard.local, full[shard.row_start:shard.row_start + n])))
         replicated = as_row_shard("r", distribute_tensor(torch.ones(3), mesh, [Replicate()]))
         out.append(None if replicated is None else tuple(replicated.shape))
+        # a state dict as FSDP2 gives it: a sharded parameter and a plain buffer every rank holds
+        state = {"w": distribute_tensor(torch.arange(10.0).reshape(5, 2), mesh, [Shard(0)]),
+                 "buf": torch.arange(4)}
+        parts = list(ckpt.shards.local_parts(state.items(), rank, dtype=torch.bfloat16))
+        out.append([(n, type(v).__name__, (v.local if isinstance(v, ckpt.RowShard) else v).dtype) for n, v in parts])
         return out
     finally:
         dist.destroy_process_group()

@@ -166,5 +166,7 @@ def test_a_short_run_closing_the_last_bucket_is_copied_into_that_buckets_buffer(
 @pytest.mark.multiprocess
 def test_fsdp2_dtensors_become_the_row_shards_torch_chunk_gives():
     results = run_multiprocess(mp_workers.dtensor_rows, 2, timeout=60)
-    assert results[0] == [(7, 0, (4, 3), (7, 3), True), (1, 0, (1, 3), (1, 3), True), (3,)]
-    assert results[1] == [(7, 4, (3, 3), (7, 3), True), (1, 1, (0, 3), (1, 3), True), None]
+    assert results[0] == [(7, 0, (4, 3), (7, 3), True), (1, 0, (1, 3), (1, 3), True), (3,),
+                          [("w", "RowShard", torch.bfloat16), ("buf", "Tensor", torch.int64)]]
+    assert results[1] == [(7, 4, (3, 3), (7, 3), True), (1, 1, (0, 3), (1, 3), True), None,
+                          [("w", "RowShard", torch.bfloat16)]]  # the plain buffer: rank 0 sends it
