@@ -30,6 +30,7 @@ from ckpt.registry import (
     unregister_checkpoint_engine,
 )
 from ckpt.serving import ModelRolloutAdapter, WeightLayout
+from ckpt.shards import RowShard, dim0_rows, local_parts
 from ckpt.workers import CheckpointEngineWorker, InMemoryRolloutAdapter, TrainerWorker
 
 
@@ -55,5 +56,5 @@ __all__ = [
     "TrainerWorker", "CheckpointEngineWorker", "InMemoryRolloutAdapter", "ModelRolloutAdapter", "WeightLayout",
     "CheckpointEngineError", "CheckpointConfigError", "CheckpointEngineUnavailableError", "VersionMismatchError", "WeightMismatchError",
     "TransferError", "TransferAbortedError", "TransferTimeoutError", "DuplicateCheckpointEngineError", "UnknownCheckpointEngineError",
-    "ContractError",
+    "ContractError", "RowShard", "dim0_rows", "local_parts",
 ]

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import collections.abc
 import dataclasses
-from typing import Callable, Iterable, Iterator
+from typing import Callable, Iterable, Iterator, Mapping
 
 import torch
 
@@ -171,9 +171,13 @@ class _Planner:
         self._reset()
         return done
 
-    def add(self, name: str, tensor: torch.Tensor, nbytes: int) -> Message | None:
-        """Add one tensor (at most a bucket); returns the bucket it closed, if it did not fit."""
+    def add(self, name: str, tensor: torch.Tensor, nbytes: int,
+            part: tuple[list[int], int] | None = None) -> Message | None:
+        """Add one tensor (at most a bucket); returns the bucket it closed, if it did not fit. ``part``:
+        ``(full_shape, row_start)`` when the tensor is a row part of a larger one (:class:`TensorEntry`)."""
         entry = TensorEntry(name, dtype_name(tensor.dtype), list(tensor.shape), 0, nbytes)
+        if part is not None:
+            entry.full_shape, entry.row_start = list(part[0]), int(part[1])
         esize = entry.encoded_size()
         if esize > self.budget:
             raise CheckpointConfigError(f"metadata of tensor {name!r} takes {esize} bytes, more than the "
@@ -207,7 +211,8 @@ class _Planner:
 
 def plan_messages(weights: Iterable[tuple[str, torch.Tensor]], step: int | None, bucket_size: int,
                   meta_capacity: int, device: torch.device, direct_threshold: int,
-                  buffer_for: Callable[[int], torch.Tensor] | None = None) -> Iterator[Message]:
+                  buffer_for: Callable[[int], torch.Tensor] | None = None,
+                  parts: Mapping[str, tuple[list[int], int]] | None = None) -> Iterator[Message]:
     """Group ``weights`` into messages, lazily (one bucket of lookahead, never the whole model).
 
     **Each tensor's bytes are taken when it is yielded**: a sender whose iterator reuses one staging buffer
@@ -250,28 +255,32 @@ def plan_messages(weights: Iterable[tuple[str, torch.Tensor]], step: int | None,
             raise CheckpointConfigError(f"weights must yield (str, torch.Tensor) pairs, got ({name!r}, {type(tensor).__name__})")
         tensor = tensor.detach()
         nbytes = tensor.numel() * tensor.element_size()
+        part = parts.get(name) if parts else None
         if nbytes > bucket_size:
             if planner.entries:
+                closed = planner.close()  # close first: it may copy a pending short run into this bucket's buffer
                 planner.yielded += 1
-                yield planner.close()
+                yield closed
             for msg in _chunk_messages(name, tensor, nbytes, step, bucket_size, device, stable,
-                                       lambda: buffer_for(planner.yielded)):
+                                       lambda: buffer_for(planner.yielded), part):
                 planner.yielded += 1
                 yield msg
             continue
-        closed = planner.add(name, tensor, nbytes)
+        closed = planner.add(name, tensor, nbytes, part)
         if closed is not None:
             planner.yielded += 1
             yield closed
             planner.copy_deferred()
     if planner.entries:
+        closed = planner.close()  # close first: a pending short run is copied into buffer_for(this bucket's index)
         planner.yielded += 1
-        yield planner.close()
+        yield closed
     yield Message(meta=WireMessage(step, bucket_size, end=True))
 
 
 def _chunk_messages(name: str, tensor: torch.Tensor, nbytes: int, step: int | None, bucket_size: int,
-                    device: torch.device, stable: bool, next_buffer: Callable[[], torch.Tensor]) -> Iterator[Message]:
+                    device: torch.device, stable: bool, next_buffer: Callable[[], torch.Tensor],
+                    part: tuple[list[int], int] | None = None) -> Iterator[Message]:
     """Chunk messages for one tensor larger than a bucket.
 
     A contiguous tensor on ``device`` of a ``stable`` collection is sent from its own storage in byte
@@ -281,6 +290,8 @@ def _chunk_messages(name: str, tensor: torch.Tensor, nbytes: int, step: int | No
     made contiguous first (that private copy is then sent from its own memory).
     """
     head = dict(name=name, dtype=dtype_name(tensor.dtype), shape=list(tensor.shape), nbytes=nbytes)
+    if part is not None:
+        head.update(full_shape=list(part[0]), row_start=int(part[1]))
     row_bytes = nbytes // tensor.shape[0] if tensor.dim() else nbytes
     direct = stable and tensor.is_contiguous() and tensor.device == device
     if not direct and not tensor.is_contiguous() and row_bytes > bucket_size:

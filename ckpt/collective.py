@@ -17,8 +17,9 @@ import hal
 from ckpt.base import NamedTensor, ReceivePlacement, as_placement, check_global_steps, check_step
 from ckpt.bucket import ALIGN, as_bytes, byte_view, plan_messages
 from ckpt.errors import CheckpointConfigError, TransferAbortedError, TransferError, TransferTimeoutError
-from ckpt.wire import Segment, TensorEntry, WireMessage
+from ckpt.wire import Chunk, Segment, TensorEntry, WireMessage
 from ckpt.one_to_many import DEFAULT_BUCKET_SIZE, Membership, OneToManyEngine, check_int, host_address
+from ckpt import multi_sender
 
 POLL_S = 0.25
 """Seconds between a waiting receiver's looks in the store for word that the sender closed its engine."""
@@ -57,6 +58,9 @@ class CollectiveCheckpointEngine(OneToManyEngine):
             tensors lying back to back in one storage (default ``bucket_size // 8``; 0 packs everything; else an
             int >= 0, or :class:`CheckpointConfigError`).
         is_master: this is verl's trainer rank 0 (hosts the store, sends).
+        multi_sender: every trainer rank sends its own shards (one lane per sender, :mod:`ckpt.multi_sender`:
+            ``send_weights`` takes whole tensors, :class:`ckpt.RowShard` or FSDP2 ``DTensor`` values, and a
+            rollout yields full tensors assembled from every sender's rows); default ``False``, one sender.
 
     Order: tensors arrive in the order the sender's iterable produced them.
 
@@ -89,12 +93,13 @@ class CollectiveCheckpointEngine(OneToManyEngine):
                  master_port: int | None = None, store_addr: str | None = None, src_rank: int = 0,
                  bucket_size: int = DEFAULT_BUCKET_SIZE, device: str | None = None,
                  timeout: float = hal.DEFAULT_TIMEOUT_S, meta_capacity: int = 64 << 10,
-                 direct_threshold: int | None = None, is_master: bool = False, **extra: Any) -> None:
+                 direct_threshold: int | None = None, is_master: bool = False, multi_sender: bool = False,
+                 **extra: Any) -> None:
         self._check_extra(extra, CollectiveCheckpointEngine.__init__, "__init__")
         check_int(meta_capacity, "meta_capacity", 1024)
         super().__init__(bucket_size=bucket_size, is_master=is_master, rank=rank, world_size=world_size,
                          master_addr=master_addr, master_port=master_port, store_addr=store_addr, src_rank=src_rank,
-                         device=device, timeout=timeout, direct_threshold=direct_threshold)
+                         device=device, timeout=timeout, direct_threshold=direct_threshold, multi_sender=multi_sender)
         if self._membership is not None and (self.master_addr is None or self.master_port is None):
             raise CheckpointConfigError("the collective engine needs master_addr and master_port "
                                         f"(or store_addr='host:port'), got {self.master_addr!r}, {self.master_port!r}")
@@ -109,6 +114,11 @@ class CollectiveCheckpointEngine(OneToManyEngine):
         self._store_server = False  # self._store is the server (this rank hosts the rendezvous)
         self._group: hal.StoreGroup | None = None
         self._broken: str | None = None
+        self._lane = ""  # a lane of a multi-sender group: its suffix of the store keys ("/s<sender>")
+        self._lanes: list[CollectiveCheckpointEngine] = []  # multi-sender: this rank's lanes (one on a sender)
+        self._parts: dict[str, tuple[list[int], int]] = {}  # receiver: the row parts of the current update
+
+    supports_multi_sender = True
 
     # ---- lifecycle (verl's CheckpointEngine ABC: all synchronous; the sequence is the base's) --------
     def _host_rendezvous(self) -> None:
@@ -128,14 +138,59 @@ class CollectiveCheckpointEngine(OneToManyEngine):
             self._allocate()
 
     def _healthy(self) -> bool:
+        if self._lanes:
+            return all(lane._healthy() for lane in self._lanes)
         return self._group is not None and not self._broken
 
     def _enter(self, membership: Membership) -> None:
-        self._join(membership)
+        if membership.senders > 1:
+            self._join_lanes(membership)
+        else:
+            self._close_lanes()
+            self._join(membership)
 
     def _leave(self) -> None:
+        self._close_lanes()
         self._release_group(keep_store=self.is_master)
         self._free_buffers()
+
+    def _close_lanes(self) -> None:
+        lanes, self._lanes = self._lanes, []
+        for lane in lanes:
+            lane.close()
+
+    def _join_lanes(self, m: Membership) -> None:
+        """Form this rank's lanes of a multi-sender group: on sender ``s`` its own lane (rank 0 of it), on a
+        rollout one lane per sender (rank ``1 + rollout index`` in each), all on the store trainer rank 0
+        hosts, joined in sender order (every rollout in the same order, so no two wait on each other)."""
+        self._bind()
+        self._close_lanes()
+        self._release_group(keep_store=self._store_at == (m.master_addr, m.master_port) and self._store_server)
+        receivers = m.world_size - m.senders
+        mine = [m.rank] if m.rank < m.senders else list(range(m.senders))
+        lane_rank = 0 if m.rank < m.senders else 1 + m.rank - m.senders
+        try:
+            for s in mine:
+                lane = type(self)(bucket_size=self.bucket_size, device=self.device_kind, timeout=self.timeout,
+                                  meta_capacity=self.meta_capacity, direct_threshold=self.direct_threshold)
+                lane._lane = f"/s{s}"
+                if self._store_server and self._store is not None:  # trainer rank 0 hosts the one store
+                    lane._store, lane._store_server = self._store, True
+                else:
+                    lane._store = hal.connect_store(m.master_addr, m.master_port, 1, receivers + 1, self.timeout)
+                lane._store_at = (m.master_addr, m.master_port)
+                membership = Membership(lane_rank, receivers + 1, m.master_addr, m.master_port, m.generation, 0)
+                lane._set_membership(membership)
+                self._lanes.append(lane)
+                lane._join(membership)
+        except hal.DistributedTimeoutError as exc:
+            self._close_lanes()
+            raise TransferTimeoutError(f"rank {m.rank} could not reach the checkpoint store at "
+                                       f"{m.master_addr}:{m.master_port}: {exc}") from exc
+        except BaseException:
+            self._close_lanes()
+            raise
+        self._joined_now(m)
 
     def _join(self, m: Membership) -> None:
         self._bind()  # it may run in a worker thread (asyncio.to_thread): the group forms on this rank's device
@@ -146,9 +201,9 @@ class CollectiveCheckpointEngine(OneToManyEngine):
                 self._store = hal.connect_store(m.master_addr, m.master_port, m.rank, m.world_size, self.timeout)
                 self._store_at, self._store_server = (m.master_addr, m.master_port), m.rank == 0
             if m.rank == m.src_rank:  # a sender forming this generation again is not closed
-                self._store.delete_key(_closed_key(m.generation))
+                self._store.delete_key(_closed_key(m.generation, self._lane))
             self._group = hal.new_group_from_store(self._store, m.rank, m.world_size, self.device_kind,
-                                                   self.timeout, f"ckpt/{m.generation}")
+                                                   self.timeout, f"ckpt/{m.generation}{self._lane}")
         except hal.DistributedTimeoutError as exc:
             raise TransferTimeoutError(f"rank {m.rank} could not form the checkpoint group at "
                                        f"{m.master_addr}:{m.master_port}: {exc}") from exc
@@ -177,9 +232,10 @@ class CollectiveCheckpointEngine(OneToManyEngine):
 
     @property
     def buffer_bytes(self) -> int:
-        """Bytes of the buffers this engine holds now (buckets, metadata records, the assembly buffer)."""
+        """Bytes of the buffers this engine holds now (buckets, metadata records, the assembly buffer; with
+        several senders, every lane's)."""
         held = [*self._buffers, *self._metas] + ([self._large] if self._large is not None else [])
-        return sum(t.numel() * t.element_size() for t in held)
+        return sum(t.numel() * t.element_size() for t in held) + sum(lane.buffer_bytes for lane in self._lanes)
 
     def _free_buffers(self) -> None:
         self._buffers, self._metas, self._large, self._pending_meta = [], [], None, None
@@ -197,6 +253,11 @@ class CollectiveCheckpointEngine(OneToManyEngine):
         address (a peer's failure does not break it, and the old server would still hold the port).
         """
         self._large, self._pending_meta = None, None
+        for lane in self._lanes:
+            lane.finalize()
+        if self._lanes and not all(lane._group is not None for lane in self._lanes):
+            self._close_lanes()  # a lane failed: the next init_process_group forms the group again
+            self._joined = None
         if self._broken:
             self._release_group(keep_store=self._store_server)
             self._free_buffers()
@@ -213,11 +274,12 @@ class CollectiveCheckpointEngine(OneToManyEngine):
             when = (f"in the middle of step {self._sending}" if self._sending is not None else
                     f"after step {self._sent}" if self._sent is not None else "before sending any update")
             try:
-                self._store.set(_closed_key(self._joined.generation),
+                self._store.set(_closed_key(self._joined.generation, self._lane),
                                 f"the sender (rank {self.rank}) closed its engine {when}")
             except Exception:  # noqa: BLE001 - an unreachable store: the receivers find it gone instead
                 pass
         self._sending = None
+        self._close_lanes()
         self._free_buffers()
         self._release_group(keep_store=False)
         self._broken = None
@@ -226,6 +288,11 @@ class CollectiveCheckpointEngine(OneToManyEngine):
         if self._broken:
             raise TransferError(f"the checkpoint group of rank {self.rank} is unusable after an earlier "
                                 f"failure ({self._broken}); call finalize() and set it up again")
+        if self._membership is not None and self._membership.senders > 1:
+            if not self._lanes or self._joined != self._membership:
+                await asyncio.to_thread(self._join_lanes, self._membership)
+            self._bind()
+            return None
         if self._group is None:
             if self._membership is None:
                 raise CheckpointConfigError("this collective engine is in no group: call init_process_group(...) "
@@ -241,7 +308,7 @@ class CollectiveCheckpointEngine(OneToManyEngine):
         or the store itself unreachable (its host closed or died); ``None`` on the sender or while neither."""
         if self.is_sender or self._store is None or self._joined is None:
             return None
-        key = _closed_key(self._joined.generation)
+        key = _closed_key(self._joined.generation, self._lane)
         try:
             return self._store.get(key).decode() if self._store.check([key]) else None
         except Exception as exc:  # noqa: BLE001 - the store's host went away
@@ -298,6 +365,22 @@ class CollectiveCheckpointEngine(OneToManyEngine):
         if self._outside(weights):  # a trainer rank outside the group: its iterator may need it (FSDP gathers)
             return
         self._check_sender()
+        await self._ensure_ready()
+        if self._lanes:
+            self._sending = global_steps
+            try:
+                await multi_sender.send_parts(self._lanes[0], weights, global_steps)
+            finally:
+                self._sending = None
+            self._sent = global_steps
+            return
+        await self._send(weights, global_steps, None)
+
+    async def _send(self, weights: Iterable[NamedTensor], global_steps: int | None,
+                    parts: dict[str, tuple[list[int], int]] | None) -> None:
+        """:meth:`send_weights` on a joined one-sender group; ``parts``: the row parts among ``weights``
+        (name -> ``(full_shape, row_start)``, see :func:`ckpt.bucket.plan_messages`)."""
+        self._check_sender()
         group = await self._ensure_ready()
         self._sending = global_steps
         in_flight: list[list] = [[], []]
@@ -307,7 +390,7 @@ class CollectiveCheckpointEngine(OneToManyEngine):
             # three send buffers in rotation: the planner copies message k's tensors into buffer k % 3 once
             # message k-1 is posted, and by then message k-3 (which used it) has been waited for
             plan = plan_messages(weights, global_steps, self.bucket_size, self.meta_capacity, self.device,
-                                 self.direct_threshold, buffer_for=lambda k: self._slot(k % 3))
+                                 self.direct_threshold, buffer_for=lambda k: self._slot(k % 3), parts=parts)
             for count, msg in enumerate(plan):
                 slot = count % 2
                 await self._wait(in_flight[slot], f"message {count - 2} of step {global_steps}")
@@ -356,11 +439,18 @@ class CollectiveCheckpointEngine(OneToManyEngine):
                          "metadata broadcast of " + ("the next update" if step is None else f"step {step}"))
         return WireMessage.read(self._metas[0])
 
-    def _placed(self, placement, name: str, dtype: torch.dtype, shape: list[int], nbytes: int) -> torch.Tensor | None:
-        """The consumer's destination for one tensor, if it is one the engine can write into directly."""
+    def _placed(self, placement, name: str, dtype: torch.dtype, shape: list[int], nbytes: int,
+                item: TensorEntry | Chunk | None = None) -> torch.Tensor | None:
+        """The consumer's destination for one tensor (for a row part ``item``: its rows of the consumer's
+        full tensor, through :class:`ckpt.multi_sender.PartPlacement`), if the engine can write there."""
         if placement is None or nbytes == 0:
             return None
-        dest = placement.target(name, dtype, torch.Size(shape))
+        if item is not None and item.full_shape is not None:
+            if not hasattr(placement, "part_target"):
+                return None
+            dest = placement.part_target(name, dtype, shape, item.full_shape, item.row_start)
+        else:
+            dest = placement.target(name, dtype, torch.Size(shape))
         if (not isinstance(dest, torch.Tensor) or dest.dtype != dtype or list(dest.shape) != list(shape)
                 or not dest.is_contiguous() or dest.device != self.device or dest.data_ptr() % ALIGN):
             return None
@@ -383,7 +473,7 @@ class CollectiveCheckpointEngine(OneToManyEngine):
         placed, delta, storage, prev_end = {}, None, None, None
         for e in inside:
             name, at, size = e.name, e.offset, e.nbytes
-            dest = self._placed(placement, name, e.torch_dtype, e.shape, size)
+            dest = self._placed(placement, name, e.torch_dtype, e.shape, size, e)
             if dest is None:
                 return None, None
             if storage is None:
@@ -408,11 +498,15 @@ class CollectiveCheckpointEngine(OneToManyEngine):
         """
         works, items = [], []
         chunk = meta.chunk
+        for item in ([chunk] if chunk is not None else meta.entries):
+            if item.full_shape is not None:
+                self._parts[item.name] = (item.full_shape, item.row_start)
         if chunk is not None:
             dtype = chunk.torch_dtype
             if chunk.start == 0 or "bytes" not in big:  # a tensor larger than a bucket: into its placement,
                 big.clear()                                 # else a reused buffer
-                dest = None if chunk.start else self._placed(placement, chunk.name, dtype, chunk.shape, chunk.nbytes)
+                dest = None if chunk.start else self._placed(placement, chunk.name, dtype, chunk.shape, chunk.nbytes,
+                                                             chunk)
                 if dest is None:
                     if self._large is None or self._large.numel() < chunk.nbytes:
                         self._large = None
@@ -465,7 +559,7 @@ class CollectiveCheckpointEngine(OneToManyEngine):
     def _uses_large(self, meta: WireMessage, placement) -> bool:
         chunk = meta.chunk
         return chunk is not None and self._placed(placement, chunk.name, chunk.torch_dtype, chunk.shape,
-                                                  chunk.nbytes) is None
+                                                  chunk.nbytes, chunk) is None
 
     async def receive_weights(self, global_steps: int | None = None, *,
                               placement: ReceivePlacement | None = None) -> AsyncIterator[NamedTensor]:
@@ -496,6 +590,20 @@ class CollectiveCheckpointEngine(OneToManyEngine):
         placement = as_placement(placement)
         self._check_receiver()
         group = await self._ensure_ready()
+        if self._lanes:
+            def agreed(step: int | None) -> None:
+                self.received_global_steps = step
+
+            stream = multi_sender.receive_parts(self._lanes, global_steps, placement, self.device or
+                                                hal.bind_local_device(self.device_kind),
+                                                lambda lane, name: lane._parts.get(name), agreed)
+            try:
+                async for item in stream:
+                    yield item
+            finally:
+                await stream.aclose()
+            return
+        self._parts = {}
         big: dict[str, Any] = {}
         meta: WireMessage | None = None
         works: list = []
@@ -546,6 +654,7 @@ class CollectiveCheckpointEngine(OneToManyEngine):
             raise
 
 
-def _closed_key(generation: int) -> str:
-    """The store key where the sender of group ``generation`` says that it closed its engine."""
-    return f"ckpt-closed/{generation}"
+def _closed_key(generation: int, lane: str = "") -> str:
+    """The store key where the sender of group ``generation`` (of its ``lane`` in a multi-sender group) says
+    that it closed its engine."""
+    return f"ckpt-closed/{generation}{lane}"

@@ -13,6 +13,8 @@ What every such engine shares lives here; each engine keeps only its transport:
   their shard), the step of the update in progress and of the last one sent.
 
 Ranks: 0 is the trainer that sends (``src_rank``), 1..N the rollouts, -1 a trainer rank outside the group.
+With the topology option ``multi_sender`` (an engine that takes it, on a trainer of several ranks): trainer
+ranks 0..S-1 all send (``num_senders=S``), rollouts are S..S+N-1 (:mod:`ckpt.multi_sender`).
 """
 
 from __future__ import annotations
@@ -103,7 +105,8 @@ class Membership:
         master_addr, master_port: where rank 0 is reached (its rendezvous store or listener); the address
             may be ``None`` on the sending rank until it picks one (:meth:`OneToManyEngine.prepare`).
         generation: the group's number; a changed topology forms a new generation (fresh keys, no stale reads).
-        src_rank: the sending rank.
+        src_rank: the sending rank (one sender).
+        senders: how many trainer ranks send (ranks ``0..senders-1``; > 1 only with ``multi_sender``).
     """
 
     rank: int
@@ -112,10 +115,11 @@ class Membership:
     master_port: int | None
     generation: int = 0
     src_rank: int = 0
+    senders: int = 1
 
     @classmethod
     def checked(cls, rank: Any, world_size: Any, master_addr: Any, master_port: Any, generation: Any = 0,
-                src_rank: Any = 0, min_world_size: int = 1) -> "Membership":
+                src_rank: Any = 0, min_world_size: int = 1, senders: Any = 1) -> Membership:
         """A :class:`Membership` from arguments as given.
 
         Raises:
@@ -129,7 +133,8 @@ class Membership:
         if master_port is not None:
             check_int(master_port, "master_port", 1, 65536)
         check_int(generation, "generation", 0)
-        return cls(rank, world_size, master_addr, master_port, generation, src_rank)
+        check_int(senders, "num_senders", 1, world_size)
+        return cls(rank, world_size, master_addr, master_port, generation, src_rank, senders)
 
 
 class OneToManyEngine(CheckpointEngine):
@@ -151,6 +156,10 @@ class OneToManyEngine(CheckpointEngine):
         direct_threshold: bytes from which tensors are sent from their own memory (``None``:
             ``bucket_size // 8``; 0 packs everything).
         host: the address peers reach this process at (``None``: the engine's default).
+        multi_sender: the topology option (verl's name): every trainer rank sends its own shards
+            (:mod:`ckpt.multi_sender`); ``False`` (default): trainer rank 0 alone sends. Only the master's
+            value counts (its :meth:`prepare` reports it to :meth:`build_topology`). Only engines whose
+            ``supports_multi_sender`` is true take it.
 
     Raises:
         CheckpointConfigError: any argument out of range, or an unknown keyword.
@@ -163,6 +172,9 @@ class OneToManyEngine(CheckpointEngine):
 
     send_buffer_words = "three buckets (two send buffers and the one in flight)"
 
+    supports_multi_sender = False
+    """Whether the engine runs the multi-sender topology (``multi_sender=True``)."""
+
     @classmethod
     def send_buffer_bytes(cls, bucket_size: int, published_bytes: int) -> dict[str, int]:
         """What the sending rank holds for one update: up to three buckets (bytes)."""
@@ -172,7 +184,7 @@ class OneToManyEngine(CheckpointEngine):
                  rank: int | None = None, world_size: int | None = None, master_addr: str | None = None,
                  master_port: int | None = None, store_addr: str | None = None, src_rank: int = 0,
                  device: str | None = None, timeout: float = hal.DEFAULT_TIMEOUT_S,
-                 direct_threshold: int | None = None, host: str | None = None) -> None:
+                 direct_threshold: int | None = None, host: str | None = None, multi_sender: bool = False) -> None:
         if store_addr is not None:
             master_addr, master_port = parse_store_addr(store_addr)
         lowest = self.min_bucket_size
@@ -181,6 +193,12 @@ class OneToManyEngine(CheckpointEngine):
                                         f"{' bytes' if lowest > 1 else ''}, got {bucket_size!r}")
         if master_port is not None:
             check_int(master_port, "master_port", 0, 65536)
+        if not isinstance(multi_sender, bool) or (multi_sender and not self.supports_multi_sender):
+            raise CheckpointConfigError(f"multi_sender must be True or False"
+                                        f"{'' if self.supports_multi_sender else ' (False: ' + type(self).__name__ + ' has one sender)'}"
+                                        f", got {multi_sender!r}")
+        self.multi_sender = multi_sender
+        self.senders = 1
         self.bucket_size, self.is_master = bucket_size, bool(is_master)
         self.timeout = check_seconds(timeout)
         self.direct_threshold = check_direct_threshold(direct_threshold, bucket_size)
@@ -232,9 +250,10 @@ class OneToManyEngine(CheckpointEngine):
     def _set_membership(self, membership: Membership | None) -> None:
         self._membership = membership
         if membership is None:  # a trainer rank outside the group (verl gives it rank -1)
-            self.rank, self.src_rank = -1, 0
+            self.rank, self.src_rank, self.senders = -1, 0, 1
             return
         self.rank, self.world_size, self.src_rank = membership.rank, membership.world_size, membership.src_rank
+        self.senders = membership.senders
         if membership.master_addr is not None:
             self.master_addr = membership.master_addr
         if membership.master_port is not None:
@@ -245,16 +264,23 @@ class OneToManyEngine(CheckpointEngine):
         """Whether this rank sends (``src_rank``; before a rank is known: ``is_master``)."""
         if self.rank is None:
             return self.is_master
+        if self.senders > 1:
+            return 0 <= self.rank < self.senders
         return self.rank >= 0 and self.rank == self.src_rank
 
     @property
     def topology(self) -> dict[str, Any] | None:
-        """This rank's place: ``{"rank", "world_size", "src_rank", "role", "receivers"}``; ``None`` before
-        the group is known; ``role`` is ``"sender"``, ``"receiver"`` or ``"outside"`` (rank -1)."""
+        """This rank's place: ``{"rank", "world_size", "src_rank", "role", "receivers"}`` (and ``"senders"``,
+        the sending ranks, when there are several); ``None`` before the group is known; ``role`` is
+        ``"sender"``, ``"receiver"`` or ``"outside"`` (rank -1)."""
         if self.rank is None:
             return None
         if self.rank < 0:
             return {"rank": -1, "world_size": None, "src_rank": self.src_rank, "role": "outside", "receivers": []}
+        if self.senders > 1:
+            return {"rank": self.rank, "world_size": self.world_size, "src_rank": self.src_rank,
+                    "role": "sender" if self.is_sender else "receiver", "senders": list(range(self.senders)),
+                    "receivers": list(range(self.senders, self.world_size))}
         return {"rank": self.rank, "world_size": self.world_size, "src_rank": self.src_rank,
                 "role": "sender" if self.is_sender else "receiver",
                 "receivers": [r for r in range(self.world_size) if r != self.src_rank]}
@@ -273,7 +299,8 @@ class OneToManyEngine(CheckpointEngine):
 
         Returns:
             ``{"is_master", "master_addr", "master_port", "generation", "joined"}``; ``joined`` is the
-            membership (as a dict) of the group this engine holds set up, ``None`` when none.
+            membership (as a dict) of the group this engine holds set up, ``None`` when none. With
+            ``multi_sender``, also ``"multi_sender": True``.
         """
         self._bind()
         master = self.is_master or (self._membership is not None and self._membership.rank == self.src_rank)
@@ -281,8 +308,11 @@ class OneToManyEngine(CheckpointEngine):
             self._host_rendezvous()
         self._prepare_buffers()
         joined = self._joined if self._joined is not None and self._healthy() else None
-        return {"is_master": master, "master_addr": self.master_addr, "master_port": self.master_port,
-                "generation": self._generation, "joined": dataclasses.asdict(joined) if joined else None}
+        out = {"is_master": master, "master_addr": self.master_addr, "master_port": self.master_port,
+               "generation": self._generation, "joined": dataclasses.asdict(joined) if joined else None}
+        if self.multi_sender:
+            out["multi_sender"] = True
+        return out
 
     def _host_rendezvous(self) -> None:
         """On the master: make rank 0 reachable at ``master_addr:master_port`` (picking them if unset)."""
@@ -299,6 +329,11 @@ class OneToManyEngine(CheckpointEngine):
                        metadata: list) -> tuple[dict[str, list], dict[str, list]]:
         """One sender (trainer rank 0) and every rollout rank (1..N); other trainer ranks stay outside (-1).
 
+        With the master's ``multi_sender`` (its :meth:`prepare` says so) and more than one trainer rank,
+        every trainer rank sends: trainer ranks get 0..T-1, rollouts T..T+N-1, and every entry list also has
+        ``num_senders`` (T), as verl's ``NCCLCheckpointEngine`` names it. One trainer rank: the one-sender
+        topology, whatever the option (as verl's multi-sender degrades to one sender).
+
         The group is kept when every member already holds exactly it (same ranks, world size, address and
         generation: ``joined`` in its :meth:`prepare` result); otherwise a new generation is formed.
 
@@ -308,7 +343,7 @@ class OneToManyEngine(CheckpointEngine):
 
         Returns:
             ``(trainer_kwargs, rollout_kwargs)`` with per-rank lists for ``rank``, ``world_size``,
-            ``master_addr``, ``master_port`` and ``generation``.
+            ``master_addr``, ``master_port`` and ``generation`` (and ``num_senders`` with several senders).
 
         Raises:
             CheckpointConfigError: bad sizes, or ``metadata[0]`` is not the master's.
@@ -322,12 +357,16 @@ class OneToManyEngine(CheckpointEngine):
         if not isinstance(master, dict) or not master.get("is_master") or not master.get("master_port"):
             raise CheckpointConfigError("metadata[0] must be the prepare() result of the master (trainer rank 0, "
                                         f"built with is_master=True), got {master!r}")
-        world_size = 1 + rollout_world_size
-        ranks = [0] + [-1] * (trainer_world_size - 1) + list(range(1, world_size))
+        senders = trainer_world_size if master.get("multi_sender") else 1
+        world_size = senders + rollout_world_size
+        if senders > 1:
+            ranks = list(range(world_size))
+        else:
+            ranks = [0] + [-1] * (trainer_world_size - 1) + list(range(1, world_size))
         addr, port, generation = master["master_addr"], master["master_port"], master.get("generation", 0)
 
         def wanted(rank: int, gen: int) -> dict[str, Any]:
-            return dataclasses.asdict(Membership(rank, world_size, addr, port, gen, 0))
+            return dataclasses.asdict(Membership(rank, world_size, addr, port, gen, 0, senders))
 
         keep = all(isinstance(m, dict) and m.get("joined") == wanted(r, generation)
                    for r, m in zip(ranks, metadata) if r >= 0)
@@ -338,14 +377,17 @@ class OneToManyEngine(CheckpointEngine):
             n = len(side)
             sides.append({"rank": side, "world_size": [world_size] * n, "master_addr": [addr] * n,
                           "master_port": [port] * n, "generation": [generation] * n})
+            if senders > 1:
+                sides[-1]["num_senders"] = [senders] * n
         return sides[0], sides[1]
 
     def init_process_group(self, rank: int | None = None, world_size: int | None = None,
                            master_addr: str | None = None, master_port: int | None = None,
-                           generation: int = 0, **extra: Any) -> None:
+                           generation: int = 0, num_senders: int = 1, **extra: Any) -> None:
         """Be rank ``rank`` of the group :meth:`build_topology` described; keep what is set up if it is
         that group.
 
+        ``num_senders`` > 1: the multi-sender group (ranks below it send; see :mod:`ckpt.multi_sender`).
         Without arguments: the group given at construction (hal's standalone use). ``rank=-1``: this worker
         is outside the group (it releases what it held). Otherwise the engine's :meth:`_enter` sets up the
         new group (some engines do that lazily, on the first send or receive).
@@ -370,7 +412,9 @@ class OneToManyEngine(CheckpointEngine):
         else:
             membership = Membership.checked(rank, world_size, master_addr or self.master_addr,
                                             self.master_port if master_port is None else master_port,
-                                            generation, 0, self.min_world_size)
+                                            generation, 0, self.min_world_size, num_senders)
+            if membership.senders > 1 and not self.supports_multi_sender:
+                raise CheckpointConfigError(f"num_senders={num_senders}: {type(self).__name__} has one sender")
         self._set_membership(membership)
         if self._joined is not None and self._joined == membership and self._healthy():
             return  # the same group: keep what is set up (rebuilding a communicator per update exhausts HCCL)

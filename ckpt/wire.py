@@ -8,6 +8,12 @@ A transfer is a sequence of messages, each one :class:`WireMessage` followed by 
 * a **chunk** message: a slice of the bytes of one tensor larger than a bucket (:class:`Chunk`);
 * an **end** message closing the update, or an **abort** message when the sender failed mid-update.
 
+A tensor entry or chunk may be a **row part** (:attr:`TensorEntry.full_shape` set): rows
+``[row_start, row_start + shape[0])`` of dim 0 of a tensor of ``full_shape``, as one rank of a sharded trainer
+holds it (FSDP2's dim-0 shard is a contiguous row range of the full tensor). Its ``shape`` is the part's own
+(``full_shape`` with ``shape[0]`` rows), so a part lands contiguously in the full tensor at byte
+``row_start * row_bytes``. Whole tensors leave both fields out of the encoding.
+
 Every message carries the sender's ``step`` (``global_steps``) and ``bucket_size``, so a receiver knows the
 sender's layout before any byte moves (it adopts it, or refuses a mismatch with
 :class:`~ckpt.errors.CheckpointConfigError` naming both sizes).
@@ -54,6 +60,9 @@ class TensorEntry:
         shape: its shape.
         offset: bytes from the start of the receive buffer (aligned for ``dtype``).
         nbytes: ``numel * itemsize``.
+        full_shape: for a row part (see the module docstring), the whole tensor's shape; ``None``: the entry
+            is the whole tensor.
+        row_start: for a row part, its first row in the whole tensor (dim 0); 0 otherwise.
     """
 
     name: str
@@ -61,6 +70,8 @@ class TensorEntry:
     shape: list[int]
     offset: int
     nbytes: int
+    full_shape: list[int] | None = None
+    row_start: int = 0
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -68,7 +79,24 @@ class TensorEntry:
 
     def encoded_size(self) -> int:
         """Bytes this entry adds to an encoded message (its JSON and a separator)."""
-        return len(json.dumps(dataclasses.asdict(self), separators=(",", ":"))) + 1
+        return len(json.dumps(_record(self), separators=(",", ":"))) + 1
+
+
+def _record(item: Any) -> dict[str, Any]:
+    """An entry's or chunk's fields as a dict, without the row-part fields when it is a whole tensor."""
+    record = dataclasses.asdict(item)
+    if record.get("full_shape") is None:
+        record.pop("full_shape", None)
+        record.pop("row_start", None)
+    return record
+
+
+def row_bytes(shape: list[int], itemsize: int) -> int:
+    """Bytes of one dim-0 row of a tensor of ``shape`` (the whole tensor for a 0-d one)."""
+    n = itemsize
+    for d in shape[1:]:
+        n *= d
+    return n
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,6 +117,10 @@ class Chunk:
     nbytes: int
     start: int
     length: int
+    full_shape: list[int] | None = None
+    """For a row part: the whole tensor's shape (``shape`` is the part's); ``None``: a whole tensor."""
+    row_start: int = 0
+    """For a row part: its first row in the whole tensor."""
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -126,14 +158,18 @@ class WireMessage:
     slot: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        record = dataclasses.asdict(self)
+        record["entries"] = [_record(e) for e in self.entries]
+        if self.chunk is not None:
+            record["chunk"] = _record(self.chunk)
+        return record
 
     def to_bytes(self) -> bytes:
         """The message as compact JSON (named fields)."""
         return json.dumps(self.to_dict(), separators=(",", ":")).encode()
 
     @classmethod
-    def from_dict(cls, record: Any) -> "WireMessage":
+    def from_dict(cls, record: Any) -> WireMessage:
         """Rebuild a message from :meth:`to_dict`'s form.
 
         Raises:
@@ -151,7 +187,7 @@ class WireMessage:
                                 f"{str(record)[:300]}") from exc
 
     @classmethod
-    def from_bytes(cls, raw: bytes) -> "WireMessage":
+    def from_bytes(cls, raw: bytes) -> WireMessage:
         """Parse :meth:`to_bytes`' output.
 
         Raises:
@@ -178,7 +214,7 @@ class WireMessage:
         out[:host.numel()].copy_(host)
 
     @classmethod
-    def read(cls, buf: torch.Tensor) -> "WireMessage":
+    def read(cls, buf: torch.Tensor) -> WireMessage:
         """Read a message written by :meth:`write`.
 
         Raises:

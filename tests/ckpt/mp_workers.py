@@ -336,3 +336,198 @@ def bucket_size_mismatch(rank, world_size, port, engine_name, device, sizes):
     finally:
         engine.close()
     return ("ok", [(n, sorted(set(t.tolist()))) for n, t in got])
+
+
+# ---- several senders (issue 22): every trainer rank publishes its own dim-0 shards ------------------------
+
+MULTI_BUCKET = 256 << 10
+"""Bucket of the multi-sender tests: 'big.weight' parts exceed it with 2 senders (chunk messages)."""
+
+
+def sharded_weights(step: int) -> dict[str, torch.Tensor]:
+    """A trainer's full tensors at ``step``: odd row counts, fewer rows than senders, an empty one, a 1-d
+    vector sharded by elements, a 1-d and a 0-d tensor each owned whole by one sender, one above a bucket."""
+    g = torch.Generator().manual_seed(2200 + step)
+    return {"embed.weight": torch.randn(7, 5, generator=g),
+            "proj.weight": torch.randn(3, 8, generator=g).to(torch.bfloat16),
+            "big.weight": torch.randn(301, 512, generator=g),
+            "vec": torch.randn(10, generator=g).to(torch.float16),
+            "empty": torch.zeros(0, 4),
+            "norm.weight": torch.randn(33, generator=g).to(torch.bfloat16),
+            "step": torch.tensor(step, dtype=torch.int64)}
+
+
+WHOLE = {"norm.weight": 1, "step": 0}
+"""Tensors one sender owns whole: name -> its trainer rank (modulo the sender count)."""
+
+
+def sender_part(step: int, sender: int, senders: int, device: torch.device) -> list[tuple[str, object]]:
+    """What trainer rank ``sender`` of ``senders`` publishes: its FSDP2 rows of every sharded tensor (as
+    :class:`ckpt.RowShard`, a private copy as FSDP2 holds it) and the whole tensors it owns."""
+    out: list[tuple[str, object]] = []
+    for name, full in sharded_weights(step).items():
+        if name in WHOLE:
+            if WHOLE[name] % senders == sender:
+                out.append((name, full.to(device)))
+            continue
+        a, b = ckpt.dim0_rows(full.shape[0], senders, sender)
+        out.append((name, ckpt.RowShard(full[a:b].clone().to(device), a, tuple(full.shape))))
+    return out
+
+
+def lifecycle(engine, store, key: str, rank: int, trainers: int, rollouts: int) -> dict:
+    """verl's manager sequence across processes: every worker's ``prepare()`` (exchanged through ``store``),
+    ``build_topology`` on rank 0, each rank's ``init_process_group(**its entries)``; returns those entries."""
+    import pickle
+
+    world = trainers + rollouts
+    store.set(f"{key}/prepare/{rank}", pickle.dumps(engine.prepare()))
+    if rank == 0:
+        metadata = [pickle.loads(store.get(f"{key}/prepare/{r}")) for r in range(world)]
+        tkw, rkw = type(engine).build_topology(trainers, rollouts, metadata)
+        per_rank = ([{k: v[i] for k, v in tkw.items()} for i in range(trainers)]
+                    + [{k: v[i] for k, v in rkw.items()} for i in range(rollouts)])
+        store.set(f"{key}/topology", pickle.dumps(per_rank))
+    kwargs = pickle.loads(store.get(f"{key}/topology"))[rank]
+    engine.init_process_group(**kwargs)
+    return kwargs
+
+
+def _served_module(step: int, device: torch.device) -> torch.nn.Module:
+    module = torch.nn.Module()
+    for name, t in sharded_weights(step).items():
+        module.register_buffer(name.replace(".", "_"), t.clone().to(device))
+    return module
+
+
+class _Renamed:
+    """ModelRolloutAdapter over a flat module whose buffer names have '_' for '.'; the stream's names mapped."""
+
+    def __init__(self, adapter) -> None:
+        self.adapter = adapter
+        self.receive_placement = _RenamedPlacement(adapter.receive_placement)
+
+    async def update_weights(self, weights, global_steps=None, **kwargs):
+        async def renamed():
+            async for name, t in weights:
+                yield name.replace(".", "_"), t
+        renamed_stream = renamed()
+        try:
+            return await self.adapter.update_weights(renamed_stream, global_steps=global_steps, **kwargs)
+        finally:
+            await renamed_stream.aclose()
+
+
+class _RenamedPlacement:
+    def __init__(self, placement) -> None:
+        self.placement = placement
+
+    def target(self, name, dtype, shape):
+        return self.placement.target(name.replace(".", "_"), dtype, shape)
+
+
+def multi_sender(rank, world_size, port, device, trainers, updates, kill=None):
+    """``trainers`` senders (``multi_sender=True``) and ``world_size - trainers`` rollouts over the verl
+    lifecycle; rollout ``trainers`` serves through an atomic :class:`ckpt.ModelRolloutAdapter` (parts received in
+    place), the others through :class:`ckpt.InMemoryRolloutAdapter` (no placement: parts assembled).
+
+    ``kill=(update, trainer rank)``: that rank exits abruptly in the middle of that update (after half its
+    tensors were handed to the engine). Returns per-update reports: the trainer's topology, and on a rollout
+    ``(update, error, served_step, exact tensors, total)``."""
+    import sys
+
+    dev = hal.get_device(device)
+    rollouts = world_size - trainers
+    store = hal.connect_store("127.0.0.1", port, rank, world_size, timeout=60)
+    engine = ckpt.CollectiveCheckpointEngine(is_master=rank == 0, master_addr="127.0.0.1", device=device,
+                                            timeout=8 if kill else 30, bucket_size=MULTI_BUCKET,
+                                            multi_sender=True)
+    if rank >= trainers:
+        if rank == trainers:
+            model = ckpt.ModelRolloutAdapter(_served_module(0, dev), atomic=True)
+            adapter = _Renamed(model)
+        else:
+            adapter = model = ckpt.InMemoryRolloutAdapter({n: t.to(dev) for n, t in sharded_weights(0).items()})
+        worker = ckpt.CheckpointEngineWorker(engine, adapter)
+
+    def served() -> dict[str, torch.Tensor]:
+        if isinstance(model, ckpt.InMemoryRolloutAdapter):
+            return model.state_dict()
+        names = {n.replace(".", "_"): n for n in sharded_weights(0)}
+        return {names[n]: t for n, t in model.module.state_dict().items()}
+
+    reports = []
+    for update in range(1, updates + 1):
+        kwargs = lifecycle(engine, store, f"u{update}", rank, trainers, rollouts)
+        error = None
+        try:
+            if rank < trainers:
+                items = sender_part(update, rank, trainers, dev)
+                if kill and kill == (update, rank):
+                    def dying(items=items):
+                        for i, item in enumerate(items):
+                            if i == len(items) // 2:
+                                sys.stdout.flush()
+                                os._exit(0)  # exit code 0: run_multiprocess keeps waiting for the others
+                            yield item
+                    weights = dying()
+                else:
+                    weights = items if update % 2 else iter(items)  # a list (zero-copy runs) or a generator
+                asyncio.run(engine.send_weights(weights, update))
+            else:
+                asyncio.run(worker.update_weights(update))
+        except Exception as exc:  # noqa: BLE001 - reported to the test
+            error = f"{type(exc).__name__}: {exc}"
+        engine.finalize()
+        if rank < trainers:
+            reports.append({"update": update, "topology": engine.topology, "kwargs": kwargs, "error": error})
+        else:
+            step = model.served_step
+            expected = sharded_weights(step or 0)
+            got = served()
+            exact = sum(same_bytes(got[n].cpu(), t) for n, t in expected.items())
+            reports.append({"update": update, "error": error, "served_step": step, "exact": exact,
+                            "total": len(expected), "kwargs": kwargs,
+                            "devices": sorted({t.device.type for t in got.values()})})
+        store.set(f"done/{update}/{rank}", b"1")
+        survivors = [r for r in range(world_size) if not (kill and kill[0] <= update and r == kill[1])]
+        store.wait([f"done/{update}/{r}" for r in survivors])
+    engine.close()
+    store.set(f"left/{rank}", b"1")
+    if rank == 0:
+        store.wait([f"left/{r}" for r in range(world_size) if not (kill and r == kill[1])])
+    return reports
+
+
+def dtensor_rows(rank, world_size, port):
+    """FSDP2's parameters as they are (``DTensor`` placed ``Shard(0)`` / ``Replicate()`` on a 1-D mesh) made
+    into what a sender publishes (:func:`ckpt.shards.as_row_shard`); per row count: ``(rows, row_start,
+    local shape, local equals those rows of the full tensor)``, then whether a replicated one is left to rank 0."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    import ckpt.shards
+    from ckpt.shards import as_row_shard
+
+    hal.init_process_group(device="cpu", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+                           timeout=60)
+    try:
+        mesh = init_device_mesh("cpu", (world_size,))
+        out = []
+        for rows in (7, 1):
+            full = torch.arange(rows * 3, dtype=torch.float32).reshape(rows, 3)
+            shard = as_row_shard("w", distribute_tensor(full, mesh, [Shard(0)]))
+            n = shard.local.shape[0]
+            out.append((rows, shard.row_start, tuple(shard.local.shape), shard.full_shape,
+                        torch.equal(shard.local, full[shard.row_start:shard.row_start + n])))
+        replicated = as_row_shard("r", distribute_tensor(torch.ones(3), mesh, [Replicate()]))
+        out.append(None if replicated is None else tuple(replicated.shape))
+        # a state dict as FSDP2 gives it: a sharded parameter and a plain buffer every rank holds
+        state = {"w": distribute_tensor(torch.arange(10.0).reshape(5, 2), mesh, [Shard(0)]),
+                 "buf": torch.arange(4)}
+        parts = list(ckpt.shards.local_parts(state.items(), rank, dtype=torch.bfloat16))
+        out.append([(n, type(v).__name__, (v.local if isinstance(v, ckpt.RowShard) else v).dtype) for n, v in parts])
+        return out
+    finally:
+        dist.destroy_process_group()

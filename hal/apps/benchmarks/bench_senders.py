@@ -21,7 +21,8 @@ to a barrier after the last receive.
 Needs root and iproute2 (see :func:`hal.apps.benchmarks.links.links_available`).
 
 What moves the bytes is a :class:`SenderPath`, named by ``path`` (``"module:factory"``, imported in each
-rank): the default, :class:`GlooP2PPath`, is the gloo point-to-point sends above. An engine's multi-sender
+rank, with ``MASTER_ADDR`` set to trainer rank 0's address): the default, :class:`GlooP2PPath`, is the gloo
+point-to-point sends above; :data:`CKPT_PATH` is the collective checkpoint engine's. An engine's multi-sender
 path plugs in as another factory whose ``send`` publishes a sender's shards (e.g. through the engine's
 ``send_weights`` after ``build_topology`` gave every trainer rank a sender role) and whose ``receive``
 lands every sender's part in the given views (the engine's ``receive_weights(placement=...)``); the layout,
@@ -45,6 +46,8 @@ STORE_PORT = 29531
 """The rendezvous store's port on trainer rank 0's emulated address (the namespaces are private: no clash)."""
 DEFAULT_PATH = "hal.apps.benchmarks.bench_senders:GlooP2PPath"
 """The :class:`SenderPath` factory measured unless another is named: gloo point-to-point sends."""
+CKPT_PATH = "hal.apps.benchmarks.senders_ckpt:ckpt_multi_sender_path"
+"""The collective checkpoint engine's multi-sender path (:mod:`hal.apps.benchmarks.senders_ckpt`)."""
 
 
 @dataclasses.dataclass
@@ -218,6 +221,7 @@ def _rank(rank: int, world_size: int, _port: int, net: Any, endpoints: list[str]
 
     enter_namespace(net.namespace(endpoints[rank]))  # before any socket or thread of this process
     os.environ["GLOO_SOCKET_IFNAME"] = net.ifname
+    os.environ["MASTER_ADDR"] = net.address(endpoints[0])  # where a path's own rendezvous (trainer rank 0) is
     trainers, rollouts = plan["trainers"], list(range(plan["trainers"], world_size))
     timeout_s = plan["timeout_s"]
     store = hal.connect_store(net.address(endpoints[0]), STORE_PORT, rank, world_size, timeout=timeout_s)
