@@ -154,6 +154,11 @@ class CollectiveCheckpointEngine(OneToManyEngine):
         self._release_group(keep_store=self.is_master)
         self._free_buffers()
 
+    def _attach_as_lane(self, suffix: str, store: Any, hosted: bool, store_at: tuple[str, int]) -> None:
+        """Make this engine one lane of a multi-sender rank: its keys under ``suffix``, on ``store`` (hosted
+        by this process when ``hosted``) at ``store_at``."""
+        self._lane, self._store, self._store_server, self._store_at = suffix, store, hosted, store_at
+
     def _close_lanes(self) -> None:
         lanes, self._lanes = self._lanes, []
         for lane in lanes:
@@ -173,12 +178,12 @@ class CollectiveCheckpointEngine(OneToManyEngine):
             for s in mine:
                 lane = type(self)(bucket_size=self.bucket_size, device=self.device_kind, timeout=self.timeout,
                                   meta_capacity=self.meta_capacity, direct_threshold=self.direct_threshold)
-                lane._lane = f"/s{s}"
                 if self._store_server and self._store is not None:  # trainer rank 0 hosts the one store
-                    lane._store, lane._store_server = self._store, True
+                    store, hosted = self._store, True
                 else:
-                    lane._store = hal.connect_store(m.master_addr, m.master_port, 1, receivers + 1, self.timeout)
-                lane._store_at = (m.master_addr, m.master_port)
+                    store = hal.connect_store(m.master_addr, m.master_port, 1, receivers + 1, self.timeout)
+                    hosted = False
+                lane._attach_as_lane(f"/s{s}", store, hosted, (m.master_addr, m.master_port))
                 membership = Membership(lane_rank, receivers + 1, m.master_addr, m.master_port, m.generation, 0)
                 lane._set_membership(membership)
                 self._lanes.append(lane)
