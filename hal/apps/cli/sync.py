@@ -89,6 +89,15 @@ class Sync:
     """With --launcher ray: the cluster, 'auto' or HOST:PORT; default: start a one-node cluster for the run."""
     placement: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
     """With --launcher ray: how the trainer's and rollouts' bundles are placed across nodes."""
+    wire_format: Literal["full", "delta"] = "full"
+    """full: every tensor each step. delta: only the bf16 values that changed (verl's delta_flush: int32
+    positions + values, a full seed first and after a refused or failed update), diffed against the
+    trainer's host snapshot and applied by each rollout per --rollout-apply; --json adds dense_bytes,
+    sent_bytes, changed_fraction and seed per step."""
+    compare_full: bool = False
+    """Also publish each step's weights in full through the same engine, once before and once after the
+    step's own publish, and report delta_vs_full (publish_s / the full publishes' mean) per step (engines
+    collective and colocated)."""
 
 
 def validate(args: Sync) -> None:
@@ -117,6 +126,11 @@ def validate(args: Sync) -> None:
         ok, reason = ckpt.checkpoint_engine_availability(args.engine, args.device)
         if not ok:
             raise UsageError(f"--engine {args.engine} is unavailable here: {reason}")
+    if args.compare_full:
+        from hal.apps.weightsync.full_reference import ENGINES
+
+        if args.engine not in ENGINES:
+            raise UsageError(f"--compare-full runs over engines {', '.join(ENGINES)}, got --engine {args.engine}")
     if args.launcher == "ray" and args.engine != "collective":
         raise UsageError(f"--launcher ray runs the collective engine across nodes, got --engine {args.engine}")
     spec = hal.resolve_device(args.device)
@@ -153,9 +167,15 @@ def execute(args: Sync) -> dict[str, Any]:
     validate(args)
     options = job_options(args)
     start = time.perf_counter()
-    result = launch(options, [] if options.colocated else [RawReference()])
+    hooks: list[Any] = [] if options.colocated else [RawReference()]
+    if options.compare_full:
+        from hal.apps.weightsync.full_reference import FullReference
+
+        hooks.append(FullReference())
+    result = launch(options, hooks)
     return {"device": options.device, "engine": options.engine, "model": options.model, "offload": options.offload,
-            "rollout_apply": options.rollout_apply, "launcher": options.launcher, **result.report(options.steps),
+            "rollout_apply": options.rollout_apply, "launcher": options.launcher, "wire_format": options.wire_format,
+            **result.report(options.steps),
             "wall_s": time.perf_counter() - start}
 
 

@@ -32,6 +32,8 @@ class Sent:
 
     t0: float
     send_s: float
+    delta: dict[str, Any] | None = None
+    """``--wire-format delta``: the update's ``ckpt.delta.UpdateStats`` as a dict (``None``: a full update)."""
 
 
 @dataclasses.dataclass
@@ -65,6 +67,8 @@ class Received:
     memory_bound_bytes: int | None = None
     node_ip: str | None = None
     device_id: str | None = None
+    needs_seed: bool | None = None
+    """``--wire-format delta``: the receiver takes only a full seed next (``None``: full updates)."""
 
 
 @dataclasses.dataclass

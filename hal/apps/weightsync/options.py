@@ -37,6 +37,10 @@ class JobOptions:
     launcher: str = "torchrun"
     address: str | None = None
     placement: str = "PACK"
+    wire_format: str = "full"
+    """``full``: every tensor each step; ``delta``: verl's ``delta_flush`` (:mod:`hal.apps.weightsync.delta`)."""
+    compare_full: bool = False
+    """Also time a full publish of the same weights around each step's (:mod:`hal.apps.weightsync.full_reference`)."""
 
     @property
     def colocated(self) -> bool:
@@ -47,6 +51,11 @@ class JobOptions:
     def offload_flags(self) -> dict[str, bool]:
         """What ``to("cpu", ...)`` moves for :attr:`offload` (``{}``: nothing)."""
         return OFFLOAD_FLAGS[self.offload]
+
+    @property
+    def delta(self) -> bool:
+        """The update travels as deltas (``wire_format == "delta"``)."""
+        return self.wire_format == "delta"
 
 
 __all__ = ["JobOptions", "OFFLOAD_FLAGS"]
