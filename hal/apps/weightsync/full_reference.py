@@ -21,7 +21,6 @@ from typing import Any
 import torch
 
 import hal
-from ckpt.manager import UpdateError
 
 ENGINES = ("collective", "colocated")
 """Engines the reference runs over: a second update tagged with the same step is taken by them (the file
