@@ -215,6 +215,12 @@ def print_table(result: dict[str, Any]) -> None:
     if not console.is_terminal:  # piped or logged: do not squeeze the table into 80 columns
         console = Console(width=140)
     console.print(table)
+    if result.get("wire_format") == "delta":  # what each delta update put on the wire
+        for row in rows:
+            ratio = row.get("delta_vs_full")
+            console.print(f"step {row['global_steps']}: sent {row['sent_bytes'] / 1e6:.2f} of {row['dense_bytes'] / 1e6:.2f} MB"
+                          f" ({100 * row['changed_fraction']:.2f}% of values changed){', a full seed' if row['seed'] else ''}"
+                          + ("" if ratio is None else f"; publish {ratio:.2f}x a full publish of the same weights"))
     for error in result["errors"]:
         console.print(f"[red]mismatch:[/red] {error}")
     how = "tokens, logits and checksums" if rows and rows[0].get("tokens") else "checksums"
