@@ -19,6 +19,10 @@ One trainer rank and ``--rollouts`` rollout ranks on one device kind. Each of ``
    command attaches; none with the colocated engine);
 6. the trainer onloads what it offloaded.
 
+With ``--wire-format delta`` step 2 sends only the bf16 values that changed since the last update (verl's
+``delta_flush``: a full seed at step 0 and after a refused or failed update, :mod:`hal.apps.weightsync.delta`),
+and ``--compare-full`` times a full publish of the same weights around each step's.
+
 The job is the library :mod:`hal.apps.weightsync` (roles, messages, one step loop, launchers); this module
 is its options and a call. Per step, ``--json`` reports the publish-to-all-applied time and throughput, its
 ratio to the raw broadcast, the peak resident (host) memory of every rank against its stated bound, and each

@@ -16,7 +16,7 @@ import torch
 
 from hal.apps.weightsync.full_reference import FullReference
 from hal.apps.weightsync.launchers.colocated import local_group
-from hal.apps.weightsync.loop import run
+from hal.apps.weightsync.loop import Job, run
 from hal.apps.weightsync.options import JobOptions
 from hal.apps.weightsync.rollout import Rollout
 
@@ -125,3 +125,23 @@ def test_torchrun_runs_the_delta_job_verified():
         for r in row["rollouts"]:  # each rollout's own process: its receiver's staging in its bound
             assert r["memory"]["judged_by"]["terms"]["delta_staged_bytes"] == 2 * TINY_BYTES
             assert r["memory"]["judged_by"]["within"] is True
+
+
+def test_a_replaced_rollout_gets_a_seed_then_deltas_again():
+    options = JobOptions(**{**OPTIONS.__dict__, "steps": 3})
+    job = Job(options, local_group(options))
+
+    async def scenario():
+        await job.start()
+        await job.warmup()
+        rows = [await job.step(1)]
+        await job.replace_rollout(2)  # a new process: its receiver holds no base
+        rows += [await job.step(2), await job.step(3)]
+        await job.close()
+        return rows
+
+    first, second, third = asyncio.run(scenario())
+    check_delta_row(first, 1)
+    assert second["seed"] is True and "rollout 2 was replaced" in second["seed_reason"]
+    assert [(r["served_step"], r["error"]) for r in second["rollouts"]] == [(2, None), (2, None)]
+    check_delta_row(third, 3)
