@@ -30,3 +30,8 @@ def test_the_job_options_have_the_kind_resolved_the_preset_key_and_the_bucket_in
     given = job_options(Sync(device="cpu", model="qwen2.5-tiny", engine="file", file_root=str(tmp_path), offload="all"))
     assert given.file_root == str(tmp_path) and given.offload_flags == {"model": True, "optimizer": True, "grad": True}
     assert job_options(Sync(device="cpu", model="qwen2.5-tiny")).file_root is None  # only the file engine needs one
+
+
+def test_vllm_rollouts_take_full_updates_only():
+    with pytest.raises(UsageError, match="--rollout vllm takes --wire-format full, got --wire-format delta"):
+        validate(Sync(device="cpu", model="qwen2.5-tiny", rollout="vllm", wire_format="delta"))

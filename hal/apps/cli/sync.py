@@ -19,6 +19,10 @@ One trainer rank and ``--rollouts`` rollout ranks on one device kind. Each of ``
    command attaches; none with the colocated engine);
 6. the trainer onloads what it offloaded.
 
+With ``--wire-format delta`` step 2 sends only the bf16 values that changed since the last update (verl's
+``delta_flush``: a full seed at step 0 and after a refused or failed update, :mod:`hal.apps.weightsync.delta`),
+and ``--compare-full`` times a full publish of the same weights around each step's.
+
 The job is the library :mod:`hal.apps.weightsync` (roles, messages, one step loop, launchers); this module
 is its options and a call. Per step, ``--json`` reports the publish-to-all-applied time and throughput, its
 ratio to the raw broadcast, the peak resident (host) memory of every rank against its stated bound, and each
@@ -99,6 +103,15 @@ class Sync:
     compare_hal: bool = True
     """With --rollout vllm: run the same job with --rollout hal right after (same bytes, same dtype) and
     report the update's time inside vLLM (receive + load) against hal's adapter's (receive + apply)."""
+    wire_format: Literal["full", "delta"] = "full"
+    """full: every tensor each step. delta: only the bf16 values that changed (verl's delta_flush: int32
+    positions + values, a full seed first and after a refused or failed update), diffed against the
+    trainer's host snapshot and applied by each rollout per --rollout-apply; --json adds dense_bytes,
+    sent_bytes, changed_fraction and seed per step."""
+    compare_full: bool = False
+    """Also publish each step's weights in full through the same engine, once before and once after the
+    step's own publish, and report delta_vs_full (publish_s / the full publishes' mean) per step (engines
+    collective and colocated)."""
 
 
 def validate(args: Sync) -> None:
@@ -127,9 +140,16 @@ def validate(args: Sync) -> None:
         ok, reason = ckpt.checkpoint_engine_availability(args.engine, args.device)
         if not ok:
             raise UsageError(f"--engine {args.engine} is unavailable here: {reason}")
+    if args.compare_full:
+        from hal.apps.weightsync.full_reference import ENGINES
+
+        if args.engine not in ENGINES:
+            raise UsageError(f"--compare-full runs over engines {', '.join(ENGINES)}, got --engine {args.engine}")
     if args.launcher == "ray" and args.engine != "collective":
         raise UsageError(f"--launcher ray runs the collective engine across nodes, got --engine {args.engine}")
     if args.rollout == "vllm":
+        if args.wire_format != "full":  # the vLLM role loads whole tensors (reload_weights), not delta flushes
+            raise UsageError(f"--rollout vllm takes --wire-format full, got --wire-format {args.wire_format}")
         validate_vllm(args)
     spec = hal.resolve_device(args.device)
     if args.engine != "colocated" and args.launcher != "ray":  # one local process, and device, per rank
@@ -188,11 +208,16 @@ def execute(args: Sync) -> dict[str, Any]:
     start = time.perf_counter()
     vllm = options.rollout == "vllm"
     # the raw broadcast lands in a rollout's staging buffer: hal's adapter has one, vLLM's worker does not
-    result = launch(options, [] if options.colocated or vllm else [RawReference()])
+    hooks: list[Any] = [] if options.colocated or vllm else [RawReference()]
+    if options.compare_full:
+        from hal.apps.weightsync.full_reference import FullReference
+
+        hooks.append(FullReference())
+    result = launch(options, hooks)
     out = {"device": options.device, "engine": options.engine, "model": options.model, "offload": options.offload,
            "rollout_apply": options.rollout_apply, "launcher": options.launcher, "rollout": options.rollout,
-           "publish_dtype": options.published_dtype, **result.report(options.steps),
-           "wall_s": time.perf_counter() - start}
+           "publish_dtype": options.published_dtype, "wire_format": options.wire_format,
+           **result.report(options.steps), "wall_s": time.perf_counter() - start}
     if vllm and args.compare_hal:
         from hal.apps.weightsync.vllm_role import update_time_comparison
 
@@ -241,6 +266,12 @@ def print_table(result: dict[str, Any]) -> None:
     console.print(table)
     if result.get("rollout") == "vllm":
         print_vllm(result, console)
+    if result.get("wire_format") == "delta":  # what each delta update put on the wire
+        for row in rows:
+            ratio = row.get("delta_vs_full")
+            console.print(f"step {row['global_steps']}: sent {row['sent_bytes'] / 1e6:.2f} of {row['dense_bytes'] / 1e6:.2f} MB"
+                          f" ({100 * row['changed_fraction']:.2f}% of values changed){', a full seed' if row['seed'] else ''}"
+                          + ("" if ratio is None else f"; publish {ratio:.2f}x a full publish of the same weights"))
     for error in result["errors"]:
         console.print(f"[red]mismatch:[/red] {error}")
     how = "tokens, logits and checksums" if rows and rows[0].get("tokens") else "checksums"

@@ -31,6 +31,21 @@ def raw_figures(nbytes: int, publish_s: float, raw_s_each: Sequence[float] | Non
             "ratio_vs_raw": raw_s / publish_s}
 
 
+def wire_figures(sent: Sent, nbytes: int) -> dict[str, Any]:
+    """What the update put on the wire: ``wire_format``, ``dense_bytes`` (the published tensors' bytes),
+    ``sent_bytes`` (the bytes actually sent: positions + values + specs for a delta), ``changed_fraction`` (of
+    the values; ``None`` for a full update) and ``seed`` (a delta update that was a full seed; ``None`` for a
+    full update), from ``sent.delta`` (``ckpt.delta.UpdateStats`` as a dict)."""
+    if sent.delta is None:
+        return {"wire_format": "full", "dense_bytes": nbytes, "sent_bytes": nbytes, "changed_fraction": None,
+                "seed": None}
+    stats = sent.delta
+    total = stats["total"]
+    return {"wire_format": "delta", "dense_bytes": stats["dense_bytes"], "sent_bytes": stats["sent_bytes"],
+            "changed_fraction": stats["changed"] / total if total else 0.0, "seed": stats["seed"],
+            "seed_reason": stats["reason"] if stats["seed"] else None}
+
+
 def step_row(trained: Trained, sent: Sent, received: Sequence[Received], checked: Sequence[Checked],
              concluded: Concluded, nbytes: int, tensors: int, tokens: list[int] | None) -> dict[str, Any]:
     """One step's row of ``--json`` (without the raw reference, which its add-on adds: :func:`raw_figures`).
@@ -41,7 +56,7 @@ def step_row(trained: Trained, sent: Sent, received: Sequence[Received], checked
     """
     publish_s = publish_seconds(sent, received)
     row = {**dataclasses.asdict(trained), "send_s": sent.send_s, **throughput(nbytes, publish_s),
-           "tensors": tensors, **raw_figures(nbytes, publish_s, None),
+           "tensors": tensors, **wire_figures(sent, nbytes), **raw_figures(nbytes, publish_s, None),
            "rollouts": [rollout_row(r, c) for r, c in zip(received, checked)], **dataclasses.asdict(concluded)}
     row["memory_bound_bytes"] = concluded.memory["bound_bytes"]
     if tokens is not None:
@@ -58,4 +73,4 @@ def summary(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
     return {"ratio_vs_raw_min": min(ratios) if ratios else None, "memory_within": all(judged) if judged else None}
 
 
-__all__ = ["publish_seconds", "raw_figures", "step_row", "summary", "throughput"]
+__all__ = ["publish_seconds", "raw_figures", "step_row", "summary", "throughput", "wire_figures"]

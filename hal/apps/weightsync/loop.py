@@ -12,6 +12,10 @@ Hooks (:class:`StepHook`) add a measurement around each publish (the raw-broadca
 is one: :class:`hal.apps.weightsync.raw.RawReference`). A failed call raises :class:`ckpt.manager.UpdateError`
 naming the worker; the trainer then drops its published buffer and onloads, and the next step starts clean
 (the calls still running are settled first).
+
+With ``--wire-format delta`` the loop keeps the delta fault policy (:mod:`hal.apps.weightsync.delta`): a rollout
+whose receiver needs a seed after an update (it refused it, its transfer failed), a failed step and a replaced
+rollout make the trainer re-seed the next update (:meth:`Job.reseed_if_needed`, :meth:`Job.settle`).
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import time
 from typing import Any, Protocol, Sequence
 
 from ckpt.manager import CheckpointEngineManager, UpdateError, WorkerGroup
-from hal.apps.weightsync.figures import publish_seconds, step_row, summary
+from hal.apps.weightsync.figures import publish_seconds, step_row, summary, wire_figures
 from hal.apps.weightsync.options import JobOptions
 
 START_MARGIN_S = 150.0
@@ -91,6 +95,8 @@ class Job:
         """``{global_steps: {name: checksum}}`` of the last step every rollout verified."""
         self.shape: tuple[int, int] = (0, 0)
         self.abandon_pending = False
+        self.reseed_pending: str | None = None
+        """Why the next update must be a full seed (``--wire-format delta``), sent to the trainer by :meth:`settle`."""
 
     @property
     def everyone(self) -> list[int]:
@@ -106,6 +112,9 @@ class Job:
     async def settle(self) -> None:
         """Settle what a failed step left running; then, if that step could not yet, the trainer onloads."""
         await self.manager.settle_leftovers()
+        if self.reseed_pending is not None and self.options.delta:
+            await self.manager.call([0], "reseed", [(self.reseed_pending,)], what="reseed")
+        self.reseed_pending = None
         if self.abandon_pending:
             self.abandon_pending = False
             await self.manager.call([0], "abandon", what="onload")
@@ -113,11 +122,23 @@ class Job:
     async def abandon(self) -> None:
         """After a failed step: the trainer drops its published buffer and onloads, now or once its own call
         of the failed phase ended (:meth:`settle`)."""
+        self.reseed_pending = "the last update failed"  # a rollout may hold part of it
         if 0 in self.manager.unsettled:
             self.abandon_pending = True
             return
         with contextlib.suppress(UpdateError):  # the trainer itself failed: the step's error says so
             await self.manager.call([0], "abandon", what="onload")
+
+    async def reseed_if_needed(self, received: Sequence[Any]) -> None:
+        """The delta fault policy (:func:`hal.apps.weightsync.delta.reseed_reason`): a rollout whose receiver
+        needs a seed (it refused the update, its transfer failed) makes the trainer re-seed the next update."""
+        if not self.options.delta:
+            return
+        from hal.apps.weightsync.delta import reseed_reason
+
+        reason = reseed_reason(received)
+        if reason is not None:
+            await self.manager.call([0], "reseed", [(reason,)], what="reseed")
 
     async def warmup(self) -> dict[str, Any]:
         """Step 0, untimed: returns ``{"publish_s", "errors": [one sentence per rollout that failed], "wall_s"}``
@@ -127,7 +148,8 @@ class Job:
         await self.manager.call([0], "stage")
         try:
             sent, *received = await self.manager.update_weights(0)
-            out = {"publish_s": publish_seconds(sent, received),
+            await self.reseed_if_needed(received)
+            out = {"publish_s": publish_seconds(sent, received), **wire_figures(sent, self.shape[0]),
                    "errors": [f"rollout rank {r.rank}: {r.error}" for r in received if r.error]}
             for hook in self.hooks:
                 await hook.after_publish(self, 0)
@@ -152,6 +174,7 @@ class Job:
             for hook in self.hooks:
                 await hook.before_publish(self, global_steps)
             sent, *received = await self.manager.update_weights(global_steps)
+            await self.reseed_if_needed(received)
             [reference] = await self.manager.call([0], "reference")
             checked = await self.manager.call(rollouts, "check", [(global_steps, reference)] * len(rollouts),
                                               what="verify")
@@ -161,7 +184,8 @@ class Job:
             await self.abandon()
             raise
         # colocated: the rollouts' banks are in the trainer's process, so in its peak
-        extra = ({"rollout_banks_bytes": sum(r.held_bytes for r in received)}, "the rollouts' banks") \
+        extra = ({"rollout_banks_bytes": sum(r.held_bytes for r in received)},
+                 "the rollouts' banks" + (" and delta receivers" if self.options.delta else "")) \
             if self.options.colocated else (None, "")
         [concluded] = await self.manager.call([0], "conclude", [extra], what="onload")
         row = step_row(trained, sent, received, checked, concluded, *self.shape, reference.tokens)
@@ -173,6 +197,7 @@ class Job:
     async def replace_rollout(self, index: int) -> None:
         """Start a new rollout in place of ``index``; it joins at the next step."""
         await self.manager.replace_rollout(index)
+        self.reseed_pending = f"rollout {index} was replaced (a new member: the topology changed)"
         for hook in self.hooks:
             hook.members_changed(index)
 

@@ -32,6 +32,8 @@ class Sent:
 
     t0: float
     send_s: float
+    delta: dict[str, Any] | None = None
+    """``--wire-format delta``: the update's ``ckpt.delta.UpdateStats`` as a dict (``None``: a full update)."""
 
 
 @dataclasses.dataclass
@@ -68,6 +70,8 @@ class Received:
     vllm: dict[str, Any] | None = None
     """A vLLM rollout's own figures (:class:`~hal.apps.weightsync.vllm_role.VllmRolloutRole`): ``startup_s``,
     ``receive_s`` and ``load_s`` measured inside vLLM's worker, ``bytes``; ``None`` for hal's rollout."""
+    needs_seed: bool | None = None
+    """``--wire-format delta``: the receiver takes only a full seed next (``None``: full updates)."""
 
 
 @dataclasses.dataclass

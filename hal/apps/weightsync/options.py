@@ -48,6 +48,10 @@ class JobOptions:
     vllm_fail_steps: tuple[int, ...] = ()
     """With ``rollout="vllm"``, for tests: steps whose update every vLLM rollout refuses after receiving it
     (the announced checksums are corrupted), so the previous step keeps serving."""
+    wire_format: str = "full"
+    """``full``: every tensor each step; ``delta``: verl's ``delta_flush`` (:mod:`hal.apps.weightsync.delta`)."""
+    compare_full: bool = False
+    """Also time a full publish of the same weights around each step's (:mod:`hal.apps.weightsync.full_reference`)."""
 
     @property
     def colocated(self) -> bool:
@@ -65,6 +69,11 @@ class JobOptions:
         if self.publish_dtype is not None:
             return self.publish_dtype
         return "float32" if self.rollout == "vllm" else "bfloat16"
+
+    @property
+    def delta(self) -> bool:
+        """The update travels as deltas (``wire_format == "delta"``)."""
+        return self.wire_format == "delta"
 
 
 __all__ = ["JobOptions", "OFFLOAD_FLAGS"]

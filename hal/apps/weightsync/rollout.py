@@ -50,6 +50,12 @@ class Rollout(Worker):
         import ckpt
 
         super().__init__(options, rank, engine, where)
+        if options.delta:  # the served model takes deltas through a DeltaReceiver (hal.apps.weightsync.delta)
+            from hal.apps.weightsync.delta import DeltaServing, single_bank
+
+            bank, self.decode = rollout_model(options, adapter_cls or single_bank)
+            self.adapter = self.receiver = DeltaServing(bank, engine, options.rollout_apply == "atomic")
+            return
         self.adapter, self.decode = rollout_model(options, adapter_cls)
         self.receiver = ckpt.CheckpointEngineWorker(engine, self.adapter)
 
@@ -69,16 +75,32 @@ class Rollout(Worker):
         held = self.adapter.memory()
         out = Received(rank=self.index, served_step=self.adapter.served_step, error=error,
                        receive_s=time.perf_counter() - start, copied_bytes=held.last_copied_bytes,
-                       started_at=started_at, applied_at=applied_at, held_bytes=held.banks * held.bank_bytes)
+                       started_at=started_at, applied_at=applied_at, held_bytes=held.banks * held.bank_bytes,
+                       needs_seed=getattr(self.receiver, "needs_seed", None))
+        delta_words, delta_terms = self.delta_memory(held)
+        out.held_bytes += sum(delta_terms.values())
         if self.whereabouts.resource is not None:
             out.node_ip, out.device_id = self.whereabouts.node_ip, self.whereabouts.device_id
         if not self.options.colocated:  # colocated: the process's peak is the trainer's, judged there
             out.peak_host_bytes = memory.peak_host_bytes()
             out.peak_device_bytes = memory.peak_device_bytes(self.kind)
+            device_words, device_terms = memory.host_device_terms(self.kind)
+            if delta_terms:
+                device_words = " + ".join(w for w in (delta_words, device_words) if w)
             out.memory = memory.rollout_memory_bounds(out.peak_host_bytes, held.model_bytes, held.banks,
-                                                      self.options.bucket_bytes, *memory.host_device_terms(self.kind))
+                                                      self.options.bucket_bytes, device_words,
+                                                      {**delta_terms, **device_terms})
             out.memory_bound_bytes = out.memory["judged_by"]["bound_bytes"]
         return out
+
+    def delta_memory(self, held: Any) -> tuple[str, dict[str, int]]:
+        """What the delta receiver holds besides the bank (``("", {})`` for full updates)."""
+        if not self.options.delta:
+            return "", {}
+        from hal.apps.weightsync.delta import flush_bytes, receiver_memory
+
+        largest = max(e.nbytes for e in self.adapter.layout.entries.values())
+        return receiver_memory(self.receiver.atomic, held.model_bytes, largest, flush_bytes(self.options.bucket_bytes))
 
     def check(self, global_steps: int, reference: Reference) -> Checked:
         """What this rollout proves after receiving ``global_steps`` (:func:`verify_rollout`)."""

@@ -13,7 +13,7 @@ from typing import Any, Iterator
 import torch
 
 import hal
-from hal.apps.weightsync import memory, models
+from hal.apps.weightsync import delta, memory, models
 from hal.apps.weightsync.messages import Concluded, Reference, Sent, Trained
 from hal.apps.weightsync.options import JobOptions
 from hal.apps.weightsync.verify import checksums
@@ -63,6 +63,11 @@ class Trainer(Worker):
             self.layout.bind(self.skeleton, None)
             self.prompt = models.prompt_ids(options.model)
         self.bank: torch.Tensor | None = None
+        self.sender = None  # --wire-format delta: the snapshot of the last published step, kept across steps
+        if options.delta:
+            from ckpt.delta import DeltaSender
+
+            self.sender = DeltaSender(flush_bytes=delta.flush_bytes(options.bucket_bytes), device=self.kind)
 
     def published_shape(self) -> tuple[int, int]:
         """``(bytes, tensors)`` of one published update."""
@@ -112,8 +117,18 @@ class Trainer(Worker):
     async def update_weights(self, global_steps: int) -> Sent:
         """Send the published buffer as ``global_steps`` through the engine (verl's trainer worker method)."""
         t0 = time.time()
-        await self.engine.send_weights(self.published(), global_steps)
-        return Sent(t0=t0, send_s=time.time() - t0)
+        if self.sender is None:
+            await self.engine.send_weights(self.published(), global_steps)
+            return Sent(t0=t0, send_s=time.time() - t0)
+        from ckpt.delta import delta_send
+
+        stats = await delta_send(self.engine, self.published(), global_steps, self.sender)
+        return Sent(t0=t0, send_s=time.time() - t0, delta=dataclasses.asdict(stats))
+
+    def reseed(self, reason: str) -> None:
+        """Make the next update a full seed (the job's fault policy, :mod:`hal.apps.weightsync.delta`)."""
+        if self.sender is not None:
+            self.sender.reseed(reason)
 
     def reference(self) -> Reference:
         """Checksums of the published buffer and the trainer's own greedy decode of it (presets)."""
@@ -141,6 +156,10 @@ class Trainer(Worker):
                                             bucket_bytes=self.options.bucket_bytes,
                                             published_bytes=self.layout.nbytes, device_words=device_words,
                                             device_terms=device_terms, **self.state_bytes)
+        if self.sender is not None:  # the snapshot is counted from the first update on (the seed builds it)
+            largest = max(e.nbytes for e in self.layout.entries.values())
+            delta_words, delta_terms = delta.sender_memory(self.layout.nbytes, largest, self.sender.flush_bytes)
+            bound = memory.memory_bound(peak_bytes, f"{bound['form']} + {delta_words}", {**bound["terms"], **delta_terms})
         if not extra:
             return bound
         return memory.memory_bound(peak_bytes, f"{bound['form']} + {words}", {**bound["terms"], **extra})
