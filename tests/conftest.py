@@ -17,6 +17,16 @@ def _fresh_hal_resolution(monkeypatch):
     hal.device._auto_kind = None
 
 
+@pytest.fixture(autouse=True)
+def _sim_current_device_restored():
+    """A test that builds engines for ``npu-sim:1`` in this process leaves npu:1 current (an engine binds its
+    device on the calling thread); later tests in the same worker expect torch's default, device 0."""
+    yield
+    spec = hal.registry.get_spec("npu-sim")
+    if spec.is_set_up():
+        spec.torch_module().set_device(0)
+
+
 # -- pytest-xdist: the longest tests start first, and tests sharing an expensive fixture share a worker -------
 
 def _declared_cost(item: pytest.Item) -> tuple[float, int]:

@@ -216,14 +216,14 @@ class RotatingBroadcastPath:
             offsets[src] += nbytes
             if src == me:
                 buf = mine[start:start + nbytes]
-                after = lambda: None  # noqa: E731
+                after = lambda: None  # noqa: E731 - a no-op callback, chosen per message beside the others
             else:
                 buf = scratch[j % 2][:nbytes]
                 if land is not None:
                     dest = land[src][start:start + nbytes]
-                    after = lambda dest=dest, buf=buf: dest.copy_(buf)  # noqa: E731
+                    after = lambda dest=dest, buf=buf: dest.copy_(buf)  # noqa: E731 - binds this message's buffers now
                 else:
-                    after = lambda: None  # noqa: E731
+                    after = lambda: None  # noqa: E731 - a no-op callback, chosen per message beside the others
             pending.append((group.broadcast(buf, src, async_op=True), after))
         for work, after in pending:
             work.wait()
