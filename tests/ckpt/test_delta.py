@@ -119,15 +119,19 @@ def test_a_flipped_byte_is_refused_and_a_delta_onto_the_wrong_step_too(key, atom
 
 
 @pytest.mark.parametrize("atomic", [True, False], ids=["atomic", "in-place"])
-def test_a_tensor_whose_result_disagrees_is_refused_by_name(atomic):
+@pytest.mark.parametrize("drift_at,full_verify", [(0, False), (40, True)], ids=["changed-position", "full-verify"])
+def test_a_tensor_whose_result_disagrees_is_refused_by_name(atomic, drift_at, full_verify):
     """The rollout's copy of "b" drifted from what the sender diffed against: the flush is intact, the
-    result is not. Atomic: nothing written, previous step served; in place: "a" written, degraded."""
+    result is not. Atomic: nothing written, previous step served; in place: "a" written, degraded.
+
+    The running checksum reads the old values where a flush writes, so a drift there is caught; a drift
+    elsewhere only by ``full_verify`` (which reads every tensor it writes)."""
     weights = {"a": torch.arange(64, dtype=torch.bfloat16), "b": torch.arange(64, dtype=torch.bfloat16)}
     sender, served = DeltaSender(device="cpu"), {n: torch.zeros_like(t) for n, t in weights.items()}
-    receiver = DeltaReceiver(served, atomic=atomic)
+    receiver = DeltaReceiver(served, atomic=atomic, full_verify=full_verify)
     for named, last in one_update(sender, weights, 1)[0]:
         receiver.apply_flush(named, last)
-    served["b"][40] = 1000  # drift
+    served["b"][drift_at] = 1000  # drift
     weights["a"][0] = 7
     weights["b"][0] = 7
     drifted = {n: t.clone() for n, t in served.items()}
