@@ -105,14 +105,14 @@ def word_parts(words: torch.Tensor) -> tuple[int, int]:
 
 
 _LANE_MASK = {1: 0xFF, 2: 0xFFFF, 4: 0xFFFFFFFF}
+_LANE_SCALE: dict[tuple[str, int], torch.Tensor] = {}
 
 
 def element_delta(positions: torch.Tensor, old: torch.Tensor, new: torch.Tensor, element_size: int
                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-element contributions ``(dW, dS)`` (int64, one per element) to a tensor's checksum parts when its
-    elements at flat ``positions`` (int64) change from the raw bits ``old`` to ``new`` (integer tensors of
-    ``element_size`` bytes, e.g. :func:`ckpt.delta.sender.bits` views). Their sums (mod ``2**64``) are what
-    ``W`` and ``S`` change by, each position counted once.
+    """What a tensor's checksum parts ``(W, S)`` change by (two 0-dim int64 tensors, mod ``2**64``) when its
+    elements at flat ``positions`` (int64, each once) change from the raw bits ``old`` to ``new`` (integer
+    tensors of ``element_size`` bytes, e.g. :func:`ckpt.delta.diff.bits` views).
 
     Element ``p`` is lane ``p % per`` of word ``p // per`` (``per = 8 // element_size``, little endian), so
     the word changes by ``(new - old) << (8 * element_size * lane)``, lane values taken unsigned.
@@ -123,12 +123,16 @@ def element_delta(positions: torch.Tensor, old: torch.Tensor, new: torch.Tensor,
         word = positions
     else:
         mask = _LANE_MASK[element_size]
-        d = (new.to(torch.int64) & mask) - (old.to(torch.int64) & mask)
-        shift = per.bit_length() - 1
-        lane = positions & (per - 1)
-        d = d * torch.bitwise_left_shift(torch.ones_like(lane), lane * (8 * element_size))
-        word = positions >> shift
-    return d * (word * 2 + 1), d
+        d = new.to(torch.int64).bitwise_and_(mask).sub_(old.to(torch.int64).bitwise_and_(mask))
+        key = (str(positions.device), element_size)
+        scale = _LANE_SCALE.get(key)
+        if scale is None or scale.device != positions.device:
+            scale = _LANE_SCALE[key] = torch.tensor([1 << (8 * element_size * lane) for lane in range(per)],
+                                                    dtype=torch.int64, device=positions.device)
+        d.mul_(scale.index_select(0, positions & (per - 1)))
+        word = positions >> (per.bit_length() - 1)
+    ds = d.sum()
+    return (d * word).sum() * 2 + ds, ds
 
 
 def add_parts(parts: tuple[int, int], dw: int, ds: int) -> tuple[int, int]:

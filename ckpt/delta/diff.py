@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ckpt.delta.checksum import add_parts, element_delta, parts_and_copy, raw_words
+from ckpt.delta.checksum import add_parts, parts_and_copy, raw_words
 from ckpt.delta.wire import POS_WIDTH
 from ckpt.errors import CheckpointConfigError
 
@@ -173,7 +173,7 @@ def diff_segment(seg: Segment, snapshot: torch.Tensor, old_parts: list[tuple[int
     new = seg.words
     dev = new.device
     old = snapshot if snapshot.device == dev else snapshot.to(dev, non_blocking=pin)
-    ne = torch.ne(new, old)
+    differs = ne(new, old)
     es = seg.tensors[0].element_size()
     per = 8 // es
     nt = len(seg.tensors)
@@ -185,7 +185,7 @@ def diff_segment(seg: Segment, snapshot: torch.Tensor, old_parts: list[tuple[int
     big = [i for i in range(nt) if w1s[i] - w0s[i] >= COUNT_WORDS]
     dense_now: list[int] = []
     if big:
-        counts = torch.stack([torch.count_nonzero(ne[w0s[i]:w1s[i]]) for i in big]).tolist()
+        counts = torch.stack([torch.count_nonzero(differs[w0s[i]:w1s[i]]) for i in big]).tolist()
         for i, k in zip(big, counts):
             if k == 0 or not goes_dense(per * k, nbytes[i], es):
                 continue  # surely sparse (at most per values in each changed word) or unchanged
@@ -194,53 +194,81 @@ def diff_segment(seg: Segment, snapshot: torch.Tensor, old_parts: list[tuple[int
                 dense_now.append(i)
                 result[i] = TensorDiff(changed, True, (0, 0))
     for i in dense_now:
-        ne[w0s[i]:w1s[i]] = False
+        differs[w0s[i]:w1s[i]] = False
         host = snapshot if snapshot.device == dev else None
         if host is not None:
             result[i].parts = _tensor_parts_and_copy(new, snapshot, w0s[i], nbytes[i])
         else:
             result[i].parts = _tensor_parts_and_copy(new, old, w0s[i], nbytes[i])
             snapshot[w0s[i]:w1s[i]].copy_(old[w0s[i]:w1s[i]])
-    widx = ne.nonzero().reshape(-1)
-    del ne
+    widx = nonzero(differs)
+    del differs
     if widx.numel() == 0:
         return result
-    new_ws, old_ws = new.index_select(0, widx), old.index_select(0, widx)
+    new_ws, old_ws = take(new, widx), take(old, widx)
     snapshot.index_copy_(0, widx.to(snapshot.device), new_ws.to(snapshot.device))
+    i64 = dict(dtype=torch.int64, device=dev)
+    w0_t, w1_t = torch.tensor(w0s, **i64), torch.tensor(w1s, **i64)
+    dw_t, ds_t = _word_sums(widx, new_ws, old_ws, w0_t, w1_t, nbytes)
+    # the changed values: within the changed words, value by value
     dtype = seg.tensors[0].dtype
-    nb, ob = bits(new_ws.view(dtype)), bits(old_ws.view(dtype))
-    j = torch.ne(nb, ob).nonzero().reshape(-1)
-    shift = per.bit_length() - 1
-    epos = (widx.index_select(0, j >> shift) << shift) | (j & (per - 1))  # element index in the region
-    starts = torch.tensor([off // es for off in seg.offsets], dtype=torch.int64, device=dev)
-    ends = starts + torch.tensor([t.numel() for t in seg.tensors], dtype=torch.int64, device=dev)
-    tid = torch.searchsorted(starts, epos, right=True) - 1
-    inside = epos < ends.index_select(0, tid)  # alignment padding between views is no tensor's
-    if not bool(inside.all()):
-        epos, j, tid = epos[inside], j[inside], tid[inside]
-    local = epos - starts.index_select(0, tid)
-    new_e, old_e = nb.index_select(0, j), ob.index_select(0, j)
-    dw, ds = element_delta(local, old_e, new_e, es)
-    zeros = torch.zeros(nt, dtype=torch.int64, device=dev)
-    count = torch.bincount(tid, minlength=nt)
-    values = new_e.view(dtype)
-    nan = zeros.clone()
-    if values.is_floating_point():
-        nan.index_add_(0, tid, torch.isnan(values).to(torch.int64))
-    summary = torch.stack([count, nan, zeros.clone().index_add_(0, tid, dw), zeros.index_add_(0, tid, ds)]).tolist()
-    local32 = local.to(torch.int32)
-    at = 0
+    nb = bits(new_ws.view(dtype))
+    if per == 1:
+        epos = widx
+    else:
+        j = nonzero(ne(nb, bits(old_ws.view(dtype))))
+        shift = per.bit_length() - 1
+        epos = (take(widx, j >> shift) << shift) | (j & (per - 1))  # value index in the region
+        nb = take(nb, j)
+    values = nb.view(dtype)
+    starts = torch.tensor([off // es for off in seg.offsets], **i64)
+    ends = starts + torch.tensor([t.numel() for t in seg.tensors], **i64)
+    lo, hi = torch.searchsorted(epos, starts), torch.searchsorted(epos, ends)  # padding between views: no one's
+    rows = [lo, hi - lo, dw_t, ds_t]
+    if values.is_floating_point():  # NaN cannot travel sparse (verl's SGLang loader reads NaN as "unchanged")
+        nan = torch.cat([torch.zeros(1, **i64), torch.isnan(values).cumsum(0)])
+        rows.append(nan.index_select(0, hi) - nan.index_select(0, lo))
+    summary = torch.stack(rows).tolist()
     for i in range(nt):
-        c = summary[0][i]
+        start, c = summary[0][i], summary[1][i]
         if result[i] is not None or c == 0:
             continue
         parts = add_parts(old_parts[i], summary[2][i], summary[3][i])
-        if goes_dense(c, nbytes[i], es) or summary[1][i]:  # NaN cannot travel sparse (verl: NaN = unchanged)
+        if goes_dense(c, nbytes[i], es) or (len(summary) > 4 and summary[4][i]):
             result[i] = TensorDiff(c, True, parts)
         else:
-            result[i] = TensorDiff(c, False, parts, local32[at:at + c], values[at:at + c])
-        at += c
+            local = (epos[start:start + c] - seg.offsets[i] // es).to(torch.int32)
+            result[i] = TensorDiff(c, False, parts, local, values[start:start + c])
     return result
+
+
+def _word_sums(widx: torch.Tensor, new_ws: torch.Tensor, old_ws: torch.Tensor, w0_t: torch.Tensor,
+               w1_t: torch.Tensor, nbytes: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each tensor's checksum change ``(dW, dS)`` (int64, one per tensor) from the region's changed words
+    ``widx`` (sorted) going from ``old_ws`` to ``new_ws``; tensor ``t`` holds words ``[w0_t, w1_t)``, its last
+    word only up to its ``nbytes`` (the bytes past it are not its own)."""
+    dev = widx.device
+    d = new_ws - old_ws
+    cd = torch.zeros(d.numel() + 1, dtype=torch.int64, device=dev)  # running sums with a leading 0
+    ca = torch.zeros(d.numel() + 1, dtype=torch.int64, device=dev)
+    torch.cumsum(d, 0, out=cd[1:])
+    torch.cumsum(d * widx, 0, out=ca[1:])
+    lo, hi = torch.searchsorted(widx, w0_t), torch.searchsorted(widx, w1_t)
+    ds = cd.index_select(0, hi) - cd.index_select(0, lo)
+    # sum d (2 (w - w0) + 1) = 2 (sum d w - w0 sum d) + sum d
+    dw = (ca.index_select(0, hi) - ca.index_select(0, lo) - w0_t * ds) * 2 + ds
+    tails = [i for i, nb in enumerate(nbytes) if nb % 8]
+    if tails:  # a last word that ends mid-word: count the change of the tensor's own bytes only
+        ti = torch.tensor(tails, dtype=torch.int64, device=dev)
+        last = w1_t.index_select(0, ti) - 1
+        at = (hi.index_select(0, ti) - 1).clamp(min=0)
+        hit = (hi.index_select(0, ti) > lo.index_select(0, ti)) & (widx.index_select(0, at) == last)
+        mask = torch.tensor([(1 << (8 * (nbytes[i] % 8))) - 1 for i in tails], dtype=torch.int64, device=dev)
+        nw, ow = new_ws.index_select(0, at), old_ws.index_select(0, at)
+        fix = (((nw & mask) - (ow & mask)) - (nw - ow)) * hit
+        ds = ds.index_add(0, ti, fix)
+        dw = dw.index_add(0, ti, fix * ((last - w0_t.index_select(0, ti)) * 2 + 1))
+    return dw, ds
 
 
 def _count_if_dense(t: torch.Tensor, old: torch.Tensor, w0: int, words: int, per: int) -> int | None:
@@ -251,6 +279,34 @@ def _count_if_dense(t: torch.Tensor, old: torch.Tensor, w0: int, words: int, per
     nbytes = t.numel() * es
     changed = words if per == 1 else count_ne(bits(t), bits(old.view(torch.uint8)[w0 * 8:w0 * 8 + nbytes].view(t.dtype)))
     return changed if goes_dense(changed, nbytes, es) else None
+
+
+def ne(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a != b`` (bool) of integer tensors; on host memory through numpy (vectorized for every width)."""
+    if a.device.type == "cpu":
+        import numpy as np
+
+        return torch.from_numpy(np.not_equal(a.numpy(), b.numpy()))
+    return torch.ne(a, b)
+
+
+def nonzero(mask: torch.Tensor) -> torch.Tensor:
+    """The flat indices (int64, ascending) where the 1-D bool ``mask`` is set; on host memory through numpy
+    (several times faster than torch's ``nonzero`` there when many are set). One host sync on a device."""
+    if mask.device.type == "cpu":
+        import numpy as np
+
+        return torch.from_numpy(np.flatnonzero(mask.numpy()))
+    return mask.nonzero().reshape(-1)
+
+
+def take(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``x.index_select(0, index)`` for 1-D integer ``x``; on host memory through numpy."""
+    if x.device.type == "cpu":
+        import numpy as np
+
+        return torch.from_numpy(np.take(x.numpy(), index.numpy()))
+    return x.index_select(0, index)
 
 
 def count_ne(a: torch.Tensor, b: torch.Tensor) -> int:

@@ -211,7 +211,7 @@ class DeltaReceiver:
             else:
                 checks.append((name, expected, tensor_parts(target), None))
             return
-        checks.append((name, expected, old_parts, torch.stack([dw.sum(), ds.sum()])))
+        checks.append((name, expected, old_parts, torch.stack([dw, ds])))
 
     def _verify(self, checks: list, step: int | None) -> None:
         """Compare each tensor's checksum after the flush (running parts plus the change, or a dense
