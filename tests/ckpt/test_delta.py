@@ -341,3 +341,38 @@ def test_delta_engine_over_the_file_engine_speaks_verls_delta_flush(tmp_path):
     inner.topology = {"world_size": 4}  # a rollout joined: the next update is a seed
     asyncio.run(engine.send_weights(iter(weights.items()), 3))
     assert engine.last_stats.seed and "topology changed" in engine.last_stats.reason
+
+
+def test_views_of_one_flat_buffer_are_diffed_as_one_region_and_its_padding_is_no_ones():
+    """64-byte aligned views of odd lengths in one buffer (as hal sync publishes): one region, one snapshot;
+    bytes of the alignment padding changing (in a view's last word, and whole padding words) change no
+    tensor's values, positions or checksum."""
+    from ckpt.delta.diff import segments
+
+    sizes, offsets, end = [3, 1000, 37, 4096], [], 0
+    for n in sizes:
+        offsets.append(end)
+        end = (end + 2 * n + 63) // 64 * 64
+    flat = torch.zeros(end, dtype=torch.uint8)
+    views = {f"v{i}": flat[o:o + 2 * n].view(torch.bfloat16) for i, (o, n) in enumerate(zip(offsets, sizes))}
+    gen = torch.Generator().manual_seed(5)
+    for t in views.values():
+        t.copy_(torch.randn(t.numel(), generator=gen))
+    assert [len(s.names) for s in segments(list(views.items()))] == [4]
+    sender = DeltaSender(device="cpu")
+    served = {n: torch.zeros_like(t) for n, t in views.items()}
+    receiver = DeltaReceiver(served, atomic=False)
+    padding = torch.ones(end, dtype=torch.bool)
+    for o, n in zip(offsets, sizes):
+        padding[o:o + 2 * n] = False
+    for step in range(1, 5):
+        if step > 1:
+            flat[padding] ^= 0x5A  # the padding changes every step, including the bytes after v0, v2's ends
+            for t in views.values():
+                t.view(torch.int16)[torch.randint(0, t.numel(), (2,), generator=gen)] ^= 1
+        flushes, stats = one_update(sender, views, step)
+        for named, last in flushes:
+            receiver.apply_flush(named, last)
+        assert receiver.served_step == step and bits_equal(served, views)
+        assert stats.changed <= 8 or step == 1
+    assert sender.snapshot_bytes == end
