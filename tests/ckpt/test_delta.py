@@ -376,3 +376,20 @@ def test_views_of_one_flat_buffer_are_diffed_as_one_region_and_its_padding_is_no
         assert receiver.served_step == step and bits_equal(served, views)
         assert stats.changed <= 8 or step == 1
     assert sender.snapshot_bytes == end
+
+
+@pytest.mark.parametrize("atomic", [True, False], ids=["atomic", "in-place"])
+def test_a_flipped_byte_in_a_dense_flush_is_refused_by_the_tensors_checksum(atomic):
+    """A dense flush's values are checked by each tensor's checksum (computed while written or staged), not by
+    verl's flush hash: a flipped byte is still refused, naming the tensor; atomic writes nothing."""
+    weights = {"a": torch.randn(512).to(torch.bfloat16), "b": torch.randn(512).to(torch.bfloat16)}
+    sender, served = DeltaSender(device="cpu"), {n: torch.zeros_like(t) for n, t in weights.items()}
+    receiver = DeltaReceiver(served, atomic=atomic)
+    (named, last), = one_update(sender, weights, 1)[0]
+    assert decode_spec(dict(named)["__delta_spec__"])["encoding"] == "dense"
+    corrupted = [(k, t.clone()) for k, t in named]
+    corrupted[-1][1].view(torch.uint8)[1500] ^= 0x10  # a byte of "b"'s values
+    with pytest.raises(DeltaChecksumError, match="tensor 'b'"):
+        receiver.apply_flush(corrupted, last)
+    assert receiver.needs_seed and receiver.degraded == (not atomic)
+    assert bits_equal(served, {n: torch.zeros_like(t) for n, t in weights.items()}) == atomic
