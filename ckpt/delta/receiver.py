@@ -1,16 +1,21 @@
 """The rollout side of delta weight sync: apply verl ``delta_flush`` flushes onto a model's own parameters.
 
 :class:`DeltaReceiver` applies an update's flushes in place into the served tensors, verifying verl's
-per-flush checksum and hal's per-tensor checksum of the result (:mod:`ckpt.delta.wire`), in one of two
-modes, as hal's rollout adapter does for full updates:
+per-flush checksum (on ``indices`` flushes) and hal's per-tensor checksum of the result
+(:mod:`ckpt.delta.wire`), in one of two modes, as hal's rollout adapter does for full updates:
 
-* ``atomic=True``: every tensor's result is computed beside the served one and checked; what it takes to
-  write it (positions and values, or the dense values) is staged, and written into the served tensors only
+* ``atomic=True``: every tensor's result checksum is computed before anything is written, and what it takes
+  to write it (positions and values, or the dense values) is staged, written into the served tensors only
   when the last flush has arrived and every checksum matched. A refused update leaves the previous step
-  served, untouched. Memory: the staged update (the wire bytes of the update, the whole model for a seed)
-  plus one tensor's scratch copy.
+  served, untouched. Memory: the staged update (the wire bytes of the update, the whole model for a seed).
 * ``atomic=False`` (in place): each tensor is written into the served one as its flush arrives, then
   checked. A refused update leaves the rollout ``degraded`` (part of the step written). Memory: one flush.
+
+The receiver never re-reads the model: it keeps each tensor's running checksum (computed once, from a seed's
+values while they are written, or from the tensor at the first delta) and updates it from the old and new
+bits at the positions a delta writes (:func:`ckpt.delta.checksum.element_delta`). A receiver whose tensors
+differ from the sender's base where a delta writes computes another result and refuses it; bytes changed
+behind its back elsewhere are not read, unless ``full_verify=True`` (every written tensor re-read whole).
 
 Either way a refused update raises a :class:`DeltaRefusedError` naming the tensor, and the receiver then
 takes nothing but a full seed (its sender must :meth:`~ckpt.delta.DeltaSender.reseed`).
@@ -39,6 +44,8 @@ class DeltaReceiver:
         atomic: see the module docstring.
         served_step: the step ``target_params`` already hold, if the caller knows they equal the sender's
             snapshot; ``None`` (default): unknown, so only a seed is taken.
+        full_verify: re-read every tensor a flush writes to check its checksum (the default updates a
+            running checksum from the written positions only: one read of the model less per update).
 
     Attributes:
         served_step: the step served (``None`` before the first seed).

@@ -70,23 +70,28 @@ class DeltaSender:
 
     State: ``snapshot``, one host tensor per published name (same dtype and shape; pinned where the
     device kind supports pinned host memory and is not host memory itself), holding the values the
-    receivers were last sent. Each tensor of an update is diffed on its own device against its snapshot
-    (copied over, compared as raw integer bits via :func:`bits`); the snapshot is then brought up to date
-    with the changed values. The update counts as published only when :meth:`commit` is called after the
-    transport returned: if the caller does not commit (the send raised, a receiver refused), the snapshot
-    is no longer a valid base and the next update is a full seed, which is what any receiver in an unknown
-    state needs. (Keeping the previous values until the commit instead would double the memory bound.)
+    receivers were last sent: views into one host buffer per *segment* (views of one flat buffer, each
+    8-byte aligned, as ``hal sync`` publishes, are one segment; other tensors one each; see
+    :mod:`ckpt.delta.diff`). Each segment is diffed on its device against its snapshot in one pass over
+    64-bit words (the snapshot copied over first where the device is not host memory), and the snapshot
+    brought up to date from the changed words; each tensor's checksum is updated from them too. The update
+    counts as published only when :meth:`commit` is called after the transport returned: if the caller does
+    not commit (the send raised, a receiver refused), the snapshot is no longer a valid base and the next
+    update is a full seed, which is what any receiver in an unknown state needs. (Keeping the previous
+    values until the commit instead would double the memory bound.)
 
     A full seed is sent: on the first update, after :meth:`reseed` (the caller's word that a receiver
     joined late, failed its last update or restarted, or that the topology changed), and after an update
-    that was not committed. A tensor whose name, shape or dtype is new goes dense.
+    that was not committed. A segment whose layout (names, shapes, dtype, offsets) is new goes dense.
 
-    Memory: :attr:`snapshot_bytes` of host memory, plus on the device per tensor one copy of its snapshot
-    and a bool mask while it is diffed, plus the flushes: the one being filled and the one held back to
-    learn which flush is last, each at most ``max(flush_bytes, the largest tensor's bytes)`` (a tensor's
-    entry is never split), plus what the engine holds. Positions cost 4 bytes per changed value; a tensor
-    goes dense when ``changed * (4 + element size) >= numel * element size``, so an update never sends
-    more than its dense bytes plus the JSON specs (a few hundred bytes per tensor).
+    Memory: :attr:`snapshot_bytes` of host memory (the published bytes plus the alignment padding between
+    views of one buffer), plus while a segment is diffed one bool per 64-bit word and the changed words
+    (on a device also a copy of its snapshot), plus the flushes: the one being filled and the one held back
+    to learn which flush is last, each at most ``max(flush_bytes, the largest tensor's bytes)`` (a dense
+    tensor of at least ``flush_bytes / 2`` is a flush of its own whose values are the tensor itself, not a
+    copy), plus what the engine holds. Positions cost 4 bytes per changed value; a tensor goes dense when
+    ``changed * (4 + element size) >= numel * element size``, so an update never sends more than its dense
+    bytes plus the JSON specs (a few hundred bytes per tensor).
 
     Args:
         flush_bytes: close a flush once its positions + values reach this many bytes (int >= 1).
