@@ -24,6 +24,9 @@ from ckpt.errors import CheckpointConfigError
 _INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 MAX_GAP = 64
 """Bytes allowed between two views of one segment (the alignment padding of a flat buffer)."""
+SEGMENT_BYTES = 16 << 20
+"""A segment closes once it holds this many bytes (a larger tensor is a segment of its own): the diff's
+temporaries (a bool per word, the changed words and values) are bounded by a segment, not the model."""
 COUNT_WORDS = 8192
 """Tensors of at least this many words get their changed words counted before the positions are found:
 one that may go dense is decided on counts (no positions for it)."""
@@ -92,7 +95,7 @@ def segments(items: list[tuple[str, torch.Tensor]]) -> list[Segment]:
             out.append(_single(name, t))
             continue
         if run and (ptr != run_ptr or t.dtype != run[0][1].dtype or t.device != run[0][1].device
-                    or not 0 <= off - run_end < MAX_GAP):
+                    or not 0 <= off - run_end < MAX_GAP or run_end - run[0][2] >= SEGMENT_BYTES):
             close()
         run.append((name, t, off))
         run_ptr, run_end = ptr, off + t.numel() * t.element_size()

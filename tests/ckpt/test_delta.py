@@ -359,6 +359,13 @@ def test_views_of_one_flat_buffer_are_diffed_as_one_region_and_its_padding_is_no
     for t in views.values():
         t.copy_(torch.randn(t.numel(), generator=gen))
     assert [len(s.names) for s in segments(list(views.items()))] == [4]
+    import ckpt.delta.diff as diff_module
+
+    old_cap, diff_module.SEGMENT_BYTES = diff_module.SEGMENT_BYTES, 2048  # a segment closes past 2 KiB
+    try:
+        assert [len(s.names) for s in segments(list(views.items()))] == [2, 2]
+    finally:
+        diff_module.SEGMENT_BYTES = old_cap
     sender = DeltaSender(device="cpu")
     served = {n: torch.zeros_like(t) for n, t in views.items()}
     receiver = DeltaReceiver(served, atomic=False)
