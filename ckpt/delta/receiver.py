@@ -1,16 +1,21 @@
 """The rollout side of delta weight sync: apply verl ``delta_flush`` flushes onto a model's own parameters.
 
 :class:`DeltaReceiver` applies an update's flushes in place into the served tensors, verifying verl's
-per-flush checksum and hal's per-tensor checksum of the result (:mod:`ckpt.delta.wire`), in one of two
-modes, as hal's rollout adapter does for full updates:
+per-flush checksum (on ``indices`` flushes) and hal's per-tensor checksum of the result
+(:mod:`ckpt.delta.wire`), in one of two modes, as hal's rollout adapter does for full updates:
 
-* ``atomic=True``: every tensor's result is computed beside the served one and checked; what it takes to
-  write it (positions and values, or the dense values) is staged, and written into the served tensors only
+* ``atomic=True``: every tensor's result checksum is computed before anything is written, and what it takes
+  to write it (positions and values, or the dense values) is staged, written into the served tensors only
   when the last flush has arrived and every checksum matched. A refused update leaves the previous step
-  served, untouched. Memory: the staged update (the wire bytes of the update, the whole model for a seed)
-  plus one tensor's scratch copy.
+  served, untouched. Memory: the staged update (the wire bytes of the update, the whole model for a seed).
 * ``atomic=False`` (in place): each tensor is written into the served one as its flush arrives, then
   checked. A refused update leaves the rollout ``degraded`` (part of the step written). Memory: one flush.
+
+The receiver never re-reads the model: it keeps each tensor's running checksum (computed once, from a seed's
+values while they are written, or from the tensor at the first delta) and updates it from the old and new
+bits at the positions a delta writes (:func:`ckpt.delta.checksum.element_delta`). A receiver whose tensors
+differ from the sender's base where a delta writes computes another result and refuses it; bytes changed
+behind its back elsewhere are not read, unless ``full_verify=True`` (every written tensor re-read whole).
 
 Either way a refused update raises a :class:`DeltaRefusedError` naming the tensor, and the receiver then
 takes nothing but a full seed (its sender must :meth:`~ckpt.delta.DeltaSender.reseed`).
@@ -23,9 +28,9 @@ from typing import Any
 
 import torch
 
-from ckpt.delta.checksum import tensor_checksum
+from ckpt.delta.checksum import add_parts, combine, element_delta, parts_and_copy, tensor_parts
+from ckpt.delta.diff import bits
 from ckpt.delta.errors import DeltaBaseError, DeltaChecksumError, DeltaRefusedError
-from ckpt.delta.sender import bits
 from ckpt.delta.wire import POS_WIDTH, POSITIONS, SPEC, VALUES, decode_spec, flush_checksum
 
 
@@ -39,6 +44,8 @@ class DeltaReceiver:
         atomic: see the module docstring.
         served_step: the step ``target_params`` already hold, if the caller knows they equal the sender's
             snapshot; ``None`` (default): unknown, so only a seed is taken.
+        full_verify: re-read every tensor a flush writes to check its checksum (the default updates a
+            running checksum from the written positions only: one read of the model less per update).
 
     Attributes:
         served_step: the step served (``None`` before the first seed).
@@ -48,7 +55,7 @@ class DeltaReceiver:
     """
 
     def __init__(self, target_params: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
-                 atomic: bool = True, served_step: int | None = None) -> None:
+                 atomic: bool = True, served_step: int | None = None, full_verify: bool = False) -> None:
         self.targets = dict(target_params)
         self.atomic = bool(atomic)
         self.served_step = served_step
@@ -59,6 +66,9 @@ class DeltaReceiver:
         self._in_update = False
         self._staged: list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]] = []
         self._changed = 0
+        self.full_verify = bool(full_verify)
+        self._parts: dict[str, tuple[int, int]] = {}  # each served tensor's running checksum parts
+        self._pending_parts: dict[str, tuple[int, int]] = {}  # the update's, until it completes
 
     # ---- one flush -----------------------------------------------------------------------------------
     def apply_flush(self, named_tensors: Iterable[tuple[str, torch.Tensor]], is_last: bool | None = None
@@ -95,6 +105,7 @@ class DeltaReceiver:
         if not self.atomic and self._changed:
             self.degraded = True
         self._staged, self._changed, self._in_update, self._step = [], 0, False, None
+        self._pending_parts, self._parts = {}, {}  # recomputed from the tensors when next needed
         self.needs_seed = True
 
     def _apply(self, tensors: dict[str, torch.Tensor], is_last: bool | None) -> int | None:
@@ -110,7 +121,10 @@ class DeltaReceiver:
             raise DeltaRefusedError("this delta flush carries no per-tensor checksums (spec key 'hal'): it was "
                                     "not made by ckpt.delta.DeltaSender; apply it with verl's delta_loader")
         step, base = hal_meta.get("step"), hal_meta.get("base_step")
-        got = flush_checksum(positions, values)
+        # verl's flush checksum (torch.hash_tensor upcasts every value to 64 bits: ~2 ns a value on a core)
+        # guards positions before any is written; a dense flush's values are checked by the per-tensor
+        # checksums instead, computed while they are written (or staged)
+        got = flush_checksum(positions, values) if spec.get("encoding") != "dense" else spec.get("checksum")
         if got != spec.get("checksum"):
             raise DeltaChecksumError(f"refused step {step}: flush {hal_meta.get('flush')} (tensors "
                                      f"{[p.get('name') for p in spec.get('params', [])][:8]}) has checksum {got}, "
@@ -129,20 +143,24 @@ class DeltaReceiver:
             raise DeltaChecksumError(f"refused step {step}: unknown encoding {encoding!r}", step=step)
         if encoding == "indices" and positions is None:
             raise DeltaChecksumError(f"refused step {step}: an 'indices' flush without {POSITIONS}", step=step)
+        checks: list = []
         for param in spec.get("params", []):
-            self._apply_param(param, encoding, positions, values, hal_meta["checksums"], step)
+            self._apply_param(param, encoding, positions, values, hal_meta["checksums"], step, checks)
+        self._verify(checks, step)
         last = bool(hal_meta.get("is_last")) if is_last is None else bool(is_last)
         if not last:
             return None
         for target, index, vals in self._staged:
             _write(target, index, vals)
+        self._parts.update(self._pending_parts)
+        self._pending_parts = {}
         self.last_changed = self._changed
         self._staged, self._changed, self._in_update = [], 0, False
         self.served_step, self.needs_seed, self.degraded = step, False, False
         return step
 
     def _apply_param(self, param: dict[str, Any], encoding: str, positions: torch.Tensor | None,
-                     values: torch.Tensor, checksums: dict[str, int], step: int | None) -> None:
+                     values: torch.Tensor, checksums: dict[str, int], step: int | None, checks: list) -> None:
         name = param.get("name")
         target = self.targets.get(name)
         if target is None:
@@ -167,31 +185,77 @@ class DeltaReceiver:
             raise DeltaChecksumError(f"refused step {step}: tensor {name!r} has an inconsistent {encoding} layout "
                                      f"in its flush ({param})", tensor=name, step=step)
         vals = values[v0:v1]
-        index = None
-        if encoding == "indices":
-            index = positions[p0:p1].view(torch.int32).to(torch.int64)
-            if index.numel() and (int(index.min()) < 0 or int(index.max()) >= numel):
-                raise DeltaChecksumError(f"refused step {step}: tensor {name!r} has positions outside its "
-                                         f"{numel} values", tensor=name, step=step)
         expected = checksums.get(name)
+        if encoding == "dense":
+            if self.atomic:
+                parts = tensor_parts(vals)
+                self._staged.append((target, None, vals))
+            else:
+                parts = _copy_with_parts(target, vals)
+            checks.append((name, expected, parts, None))
+            self._changed += numel
+            return
+        index = positions[p0:p1].view(torch.int32).to(device=target.device, dtype=torch.int64)
+        old_parts = self._parts.get(name)
+        if old_parts is None:  # first delta onto tensors it was built with: their checksum, once
+            old_parts = self._parts[name] = tensor_parts(target)
+        dst = bits(target)
+        try:
+            old = dst.index_select(0, index)
+        except (IndexError, RuntimeError) as exc:
+            raise DeltaChecksumError(f"refused step {step}: tensor {name!r} has positions outside its {numel} "
+                                     f"values ({exc})", tensor=name, step=step) from None
+        new = bits(vals.to(target.device))
+        here = vals.device  # the checksum change is computed where the values arrived
+        dw, ds = element_delta(index.to(here), old.to(here), bits(vals), target.element_size())
         if self.atomic:
-            result = vals if index is None else _written(target, index, vals)
-            got = tensor_checksum(result)
-            if got != expected:
-                raise DeltaChecksumError(f"refused step {step}: tensor {name!r} would hold checksum {got:#x}, the "
-                                         f"sender's is {expected}; still serving step {self.served_step}",
-                                         tensor=name, step=step)
             self._staged.append((target, index, vals))
         else:
-            _write(target, index, vals)
-            self._changed += vals.numel()
-            got = tensor_checksum(target)
-            if got != expected:
-                raise DeltaChecksumError(f"refused step {step}: tensor {name!r} holds checksum {got:#x} after the "
-                                         f"in-place write, the sender's is {expected}; the rollout is degraded",
-                                         tensor=name, step=step)
-            return
+            dst.index_copy_(0, index, new)
         self._changed += vals.numel()
+        if self.full_verify:  # read the whole result: catches bytes changed behind the receiver's back too
+            if self.atomic:
+                scratch = target.clone()
+                bits(scratch).index_copy_(0, index, new)
+                checks.append((name, expected, tensor_parts(scratch), None))
+            else:
+                checks.append((name, expected, tensor_parts(target), None))
+            return
+        checks.append((name, expected, old_parts, torch.stack([dw, ds])))
+
+    def _verify(self, checks: list, step: int | None) -> None:
+        """Compare each tensor's checksum after the flush (running parts plus the change, or a dense
+        tensor's parts) with the sender's; one host sync for the flush. Raises DeltaChecksumError."""
+        deltas = [c[3] for c in checks if c[3] is not None]
+        sums = torch.stack(deltas).tolist() if deltas else []
+        at = 0
+        for name, expected, parts, delta in checks:
+            if delta is not None:
+                parts = add_parts(parts, *sums[at])
+                at += 1
+            got = combine(parts)
+            if got != expected:
+                where = ("would hold" if self.atomic else "holds")
+                raise DeltaChecksumError(f"refused step {step}: tensor {name!r} {where} checksum {got:#x}, the "
+                                         f"sender's is {expected}; "
+                                         + (f"still serving step {self.served_step}" if self.atomic
+                                            else "the rollout is degraded"), tensor=name, step=step)
+            self._pending_parts[name] = parts
+
+
+def _copy_with_parts(target: torch.Tensor, vals: torch.Tensor) -> tuple[int, int]:
+    """Write ``vals`` into ``target`` bit for bit and return the checksum parts of what ``target`` now holds:
+    block by block in one read when both are word-aligned on one device, else a copy, then a read."""
+    if vals.device != target.device:  # checksum where the bytes arrived, then one copy over
+        bits(target).copy_(bits(vals.to(target.device)))
+        return tensor_parts(vals)
+    src = vals
+    nbytes = target.numel() * target.element_size()
+    if nbytes % 8 == 0 and src.storage_offset() * src.element_size() % 8 == 0 \
+            and target.storage_offset() * target.element_size() % 8 == 0:
+        return parts_and_copy(bits(src).view(torch.int64), bits(target).view(torch.int64))
+    bits(target).copy_(bits(src))
+    return tensor_parts(target)
 
 
 def _write(target: torch.Tensor, index: torch.Tensor | None, vals: torch.Tensor) -> None:
@@ -202,13 +266,6 @@ def _write(target: torch.Tensor, index: torch.Tensor | None, vals: torch.Tensor)
         dst.copy_(src)
     else:
         dst.index_copy_(0, index.to(target.device), src)
-
-
-def _written(target: torch.Tensor, index: torch.Tensor, vals: torch.Tensor) -> torch.Tensor:
-    """A copy of ``target`` with ``vals`` written at ``index`` (the atomic mode's scratch result)."""
-    scratch = target.clone()
-    _write(scratch, index, vals)
-    return scratch
 
 
 def apply_delta_flush(named_tensors: Iterable[tuple[str, torch.Tensor]],

@@ -16,32 +16,13 @@ from typing import Any
 import torch
 
 import hal
-from ckpt.delta.checksum import combine, raw_words, updated_parts, word_parts
+from ckpt.delta.checksum import combine
+from ckpt.delta.diff import Segment, TensorDiff, bits, diff_segment, seed_segment, segments
 from ckpt.delta.wire import POS_WIDTH, POSITIONS, SPEC, VALUES, encode_spec, flush_checksum
 from ckpt.errors import CheckpointConfigError
 
 Flush = tuple[list[tuple[str, torch.Tensor]], bool]
 DEFAULT_FLUSH_BYTES = 64 << 20
-
-_INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def bits(tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor`` (contiguous) flattened and viewed as the signed integer type of its element size, so
-    ``==`` compares raw bits (NaN equals itself, ``-0.0`` differs from ``0.0``).
-
-    Raises:
-        CheckpointConfigError: an element size with no integer type (complex128 and the like).
-    """
-    flat = tensor.reshape(-1)
-    if flat.dtype == torch.bool:
-        return flat.view(torch.uint8)
-    try:
-        return flat.view(_INT_VIEW[flat.element_size()])
-    except KeyError:
-        raise CheckpointConfigError(f"cannot diff dtype {flat.dtype} bit-wise (element size "
-                                    f"{flat.element_size()}; accepted sizes: {sorted(_INT_VIEW)})") from None
-
 
 @dataclass
 class UpdateStats:
@@ -89,23 +70,28 @@ class DeltaSender:
 
     State: ``snapshot``, one host tensor per published name (same dtype and shape; pinned where the
     device kind supports pinned host memory and is not host memory itself), holding the values the
-    receivers were last sent. Each tensor of an update is diffed on its own device against its snapshot
-    (copied over, compared as raw integer bits via :func:`bits`); the snapshot is then brought up to date
-    with the changed values. The update counts as published only when :meth:`commit` is called after the
-    transport returned: if the caller does not commit (the send raised, a receiver refused), the snapshot
-    is no longer a valid base and the next update is a full seed, which is what any receiver in an unknown
-    state needs. (Keeping the previous values until the commit instead would double the memory bound.)
+    receivers were last sent: views into one host buffer per *segment* (views of one flat buffer, each
+    8-byte aligned, as ``hal sync`` publishes, are one segment; other tensors one each; see
+    :mod:`ckpt.delta.diff`). Each segment is diffed on its device against its snapshot in one pass over
+    64-bit words (the snapshot copied over first where the device is not host memory), and the snapshot
+    brought up to date from the changed words; each tensor's checksum is updated from them too. The update
+    counts as published only when :meth:`commit` is called after the transport returned: if the caller does
+    not commit (the send raised, a receiver refused), the snapshot is no longer a valid base and the next
+    update is a full seed, which is what any receiver in an unknown state needs. (Keeping the previous
+    values until the commit instead would double the memory bound.)
 
     A full seed is sent: on the first update, after :meth:`reseed` (the caller's word that a receiver
     joined late, failed its last update or restarted, or that the topology changed), and after an update
-    that was not committed. A tensor whose name, shape or dtype is new goes dense.
+    that was not committed. A segment whose layout (names, shapes, dtype, offsets) is new goes dense.
 
-    Memory: :attr:`snapshot_bytes` of host memory, plus on the device per tensor one copy of its snapshot
-    and a bool mask while it is diffed, plus the flushes: the one being filled and the one held back to
-    learn which flush is last, each at most ``max(flush_bytes, the largest tensor's bytes)`` (a tensor's
-    entry is never split), plus what the engine holds. Positions cost 4 bytes per changed value; a tensor
-    goes dense when ``changed * (4 + element size) >= numel * element size``, so an update never sends
-    more than its dense bytes plus the JSON specs (a few hundred bytes per tensor).
+    Memory: :attr:`snapshot_bytes` of host memory (the published bytes plus the alignment padding between
+    views of one buffer), plus while a segment is diffed one bool per 64-bit word and the changed words
+    (on a device also a copy of its snapshot), plus the flushes: the one being filled and the one held back
+    to learn which flush is last, each at most ``max(flush_bytes, the largest tensor's bytes)`` (a dense
+    tensor of at least ``flush_bytes / 2`` is a flush of its own whose values are the tensor itself, not a
+    copy), plus what the engine holds. Positions cost 4 bytes per changed value; a tensor goes dense when
+    ``changed * (4 + element size) >= numel * element size``, so an update never sends more than its dense
+    bytes plus the JSON specs (a few hundred bytes per tensor).
 
     Args:
         flush_bytes: close a flush once its positions + values reach this many bytes (int >= 1).
@@ -126,7 +112,8 @@ class DeltaSender:
         self.flush_bytes, self.dtype = flush_bytes, dtype
         spec = hal.resolve_device(device)
         self.pin = bool(getattr(spec, "supports_pin_memory", False)) and not getattr(spec, "host_memory", False)
-        self.snapshot: dict[str, torch.Tensor] = {}
+        self.snapshot: dict[str, torch.Tensor] = {}  # name -> a view of its segment's host words
+        self._segments: dict[tuple, torch.Tensor] = {}  # segment key -> its host snapshot words (int64)
         self._parts: dict[str, tuple[int, int]] = {}  # each snapshot tensor's checksum parts
         self.published_step: int | None = None  # the step the snapshot holds, once committed
         self._valid = False  # the snapshot is a base the receivers hold (committed and not reseeded)
@@ -137,7 +124,7 @@ class DeltaSender:
     @property
     def snapshot_bytes(self) -> int:
         """Bytes of host memory the snapshot holds (the published tensors' bytes once seeded)."""
-        return sum(t.numel() * t.element_size() for t in self.snapshot.values())
+        return sum(s.numel() * s.element_size() for s in self._segments.values())
 
     @property
     def seeded(self) -> bool:
@@ -176,13 +163,16 @@ class DeltaSender:
 
         Args:
             weights: ``(name, tensor)`` pairs of the update (any device; floating tensors in the published
-                dtype, or cast to ``dtype``). Names must be unique.
+                dtype, or cast to ``dtype``). Names must be unique. Views into one flat buffer (each on an
+                8-byte boundary, as ``hal sync`` publishes) are diffed as one region (see
+                :mod:`ckpt.delta.diff`).
             global_steps: the step this update publishes (carried in each spec's ``hal.step``).
 
         Yields:
             ``([("__delta_spec__", uint8), ("__positions__", uint8)?, ("__values__", dtype)], is_last)``,
             on the weights' device; exactly one item has ``is_last=True`` (an update with nothing changed
-            is one empty ``dense`` flush). The tensors are the sender's own (not views of ``weights``).
+            is one empty ``dense`` flush). A dense tensor of at least half ``flush_bytes`` is a flush of its
+            own whose values are the tensor itself (no copy): send each flush before changing the weights.
 
         Raises:
             CheckpointConfigError: a name appears twice, or a pair is not ``(str, Tensor)``.
@@ -192,11 +182,11 @@ class DeltaSender:
         base = None if seed else self.published_step
         self._pending, self._valid = None, False  # not a valid base until committed
         if seed:
-            self.snapshot, self._parts = {}, {}  # the old one is no base any more; free it before the new one fills
+            self._segments, self.snapshot, self._parts = {}, {}, {}  # free the old base before the new one fills
+        items = self._items(weights)
         buckets: dict[tuple[str, torch.dtype], _Bucket] = {}
         held: list[tuple[dict[str, Any], torch.Tensor | None, torch.Tensor]] = []  # the flush held back
-        seen: set[str] = set()
-        device = torch.device("cpu")  # of the last tensor seen (an empty update's flush lives on the host)
+        device = items[-1][1].device if items else torch.device("cpu")
         count = 0
 
         def close(bucket: _Bucket) -> Iterator[Flush]:
@@ -208,6 +198,31 @@ class DeltaSender:
                 yield self._named(*held.pop(), is_last=False, stats=stats)
             held.append(parts)
 
+        old_segments, self._segments = self._segments, {}
+        for seg in segments(items):
+            for name, tensor, entry in self._diff(seg, old_segments.pop(seg.key, None), stats):
+                if entry is None:
+                    continue
+                encoding, positions, values, checksum = entry
+                key = (encoding, values.dtype)
+                if encoding == "dense" and values.numel() * values.element_size() >= self.flush_bytes // 2:
+                    alone = _Bucket(encoding, values.dtype)  # a flush of its own: its values are the tensor
+                    self._add(alone, name, tensor, positions, values, checksum)
+                    yield from close(alone)
+                    continue
+                bucket = buckets.setdefault(key, _Bucket(encoding, values.dtype))
+                self._add(bucket, name, tensor, positions, values, checksum)
+                if bucket.nbytes >= self.flush_bytes:
+                    yield from close(buckets.pop(key))
+        for key in list(buckets):
+            yield from close(buckets.pop(key))
+        if not held:  # nothing changed: one empty flush still carries the step (and is_last)
+            yield from close(_Bucket("dense", self.dtype or torch.bfloat16))
+        self._pending = stats
+        yield self._named(*held.pop(), is_last=True, stats=stats)
+
+    def _items(self, weights: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+        items, seen = [], set()
         for name, tensor in weights:
             if not isinstance(name, str) or not isinstance(tensor, torch.Tensor):
                 raise CheckpointConfigError(f"weights must yield (str, torch.Tensor) pairs, got "
@@ -218,114 +233,38 @@ class DeltaSender:
             tensor = tensor.detach()
             if self.dtype is not None and tensor.is_floating_point() and tensor.dtype != self.dtype:
                 tensor = tensor.to(self.dtype)
-            device = tensor.device
-            entry = self._diff(name, tensor.contiguous(), stats)
-            if entry is None:
-                continue
-            encoding, positions, values, checksum = entry
-            bucket = buckets.setdefault((encoding, values.dtype), _Bucket(encoding, values.dtype))
-            self._add(bucket, name, tensor, positions, values, checksum)
-            if bucket.nbytes >= self.flush_bytes:
-                yield from close(buckets.pop((encoding, values.dtype)))
-        for key in list(buckets):
-            yield from close(buckets.pop(key))
-        if not held:  # nothing changed: one empty flush still carries the step (and is_last)
-            yield from close(_Bucket("dense", self.dtype or torch.bfloat16))
-        self._pending = stats
-        yield self._named(*held.pop(), is_last=True, stats=stats)
+            bits(tensor.reshape(-1)[:0])  # a dtype that cannot be diffed bit-wise fails here, naming it
+            items.append((name, tensor.contiguous()))
+        return items
 
-    def _diff(self, name: str, tensor: torch.Tensor, stats: UpdateStats):
-        """``(encoding, positions int32 | None, values, checksum)`` for one tensor, or ``None`` if unchanged;
-        updates the snapshot, its checksum parts and ``stats``.
-
-        The comparison runs on 64-bit words (a quarter of the bf16 elements to scan for changes), then on
-        the elements of the changed words only; the new checksum is the old one updated by those words.
-        """
-        flat = tensor.reshape(-1)
-        es = flat.element_size()
-        nbytes = flat.numel() * es
-        stats.total += flat.numel()
-        stats.dense_bytes += nbytes
-        old = self.snapshot.get(name)
-        if old is None or old.shape != tensor.shape or old.dtype != tensor.dtype:
-            self.snapshot[name] = host = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu",
-                                                     pin_memory=self.pin)
-            host.copy_(tensor)
-            return self._dense(name, flat, stats)
-        old_flat = old.reshape(-1)
-        old_dev = old_flat.to(flat.device, non_blocking=self.pin)
-        per = 8 // es
-        head = flat.numel() - flat.numel() % per  # elements in whole 64-bit words
-        if flat.storage_offset() % per or old_dev.storage_offset() % per:
-            head = 0  # not word-aligned in its storage: compare element by element
-        word_changed = None
-        if head == flat.numel():  # all in words: count changed words first (changed values lie in [k, per k])
-            word_changed = (flat.view(torch.uint8).view(torch.int64) != old_dev.view(torch.uint8).view(torch.int64))
-            k = int(torch.count_nonzero(word_changed))
-            if k == 0:
-                return None
-            surely_sparse = k * per * (POS_WIDTH + es) < nbytes
+    def _diff(self, seg: Segment, snapshot: torch.Tensor | None, stats: UpdateStats):
+        """``(name, tensor, entry)`` for each tensor of ``seg``: ``entry`` is ``(encoding, positions int32 |
+        None, values, checksum)``, or ``None`` when unchanged. Updates the snapshot, its checksum parts and
+        ``stats``. A segment whose layout is new (no snapshot of the same key) goes dense."""
+        for t in seg.tensors:
+            stats.total += t.numel()
+            stats.dense_bytes += t.numel() * t.element_size()
+        if snapshot is None:
+            snapshot = torch.empty(seg.words.numel(), dtype=torch.int64, device="cpu", pin_memory=self.pin)
+            diffs = [TensorDiff(t.numel(), True, parts) for t, parts in zip(seg.tensors, seed_segment(seg, snapshot))]
         else:
-            surely_sparse = False
-        changed = None if surely_sparse else int(torch.count_nonzero(bits(flat) != bits(old_dev)))
-        if changed == 0:
-            return None
-        if changed is not None and changed * (POS_WIDTH + es) >= nbytes:  # dense: no positions to find
-            old_flat.copy_(flat)
-            return self._dense(name, flat, stats, changed=changed)
-        pos_parts, val_parts = [], []
-        parts = self._parts[name]
-        if head:
-            new_w = flat[:head].view(torch.uint8).view(torch.int64)
-            old_w = old_dev[:head].view(torch.uint8).view(torch.int64)
-            words = (word_changed if word_changed is not None else new_w != old_w).nonzero().reshape(-1)
-            del word_changed
-            new_ws, old_ws = new_w.index_select(0, words), old_w.index_select(0, words)
-            new_elems = new_ws.view(flat.dtype)
-            j = (bits(new_elems) != bits(old_ws.view(flat.dtype))).nonzero().reshape(-1)  # in the changed words
-            shift = per.bit_length() - 1  # per is 1, 2, 4 or 8
-            pos_parts.append((words.index_select(0, j >> shift) << shift) | (j & (per - 1)))
-            val_parts.append(new_elems.index_select(0, j))
-            parts = updated_parts(parts, words, old_ws, new_ws)
-            old_flat[:head].view(torch.uint8).view(torch.int64).index_copy_(0, words.to("cpu"), new_ws.to("cpu"))
-        if head < flat.numel():
-            rest = (bits(flat[head:]) != bits(old_dev[head:])).nonzero().reshape(-1) + head
-            pos_parts.append(rest)
-            val_parts.append(flat.index_select(0, rest))
-            if head:  # the last, zero-padded word of the checksum
-                last = torch.tensor([head // per], dtype=torch.int64, device=flat.device)
-                parts = updated_parts(parts, last, raw_words(old_dev[head:]), raw_words(flat[head:]))
+            diffs = diff_segment(seg, snapshot, [self._parts[n] for n in seg.names], self.pin)
+        self._segments[seg.key] = snapshot
+        raw = snapshot.view(torch.uint8)
+        for name, t, off, d in zip(seg.names, seg.tensors, seg.offsets, diffs):
+            nb = t.numel() * t.element_size()
+            self.snapshot[name] = raw[off:off + nb].view(t.dtype).view(t.shape)
+            if d is None:
+                yield name, t, None
+                continue
+            self._parts[name] = d.parts
+            stats.changed += d.changed
+            if d.dense:
+                stats.dense_tensors += 1
+                yield name, t, ("dense", None, t.reshape(-1), combine(d.parts))
             else:
-                parts = word_parts(raw_words(flat))
-            old_flat[head:].copy_(flat[head:])
-        positions = torch.cat(pos_parts) if len(pos_parts) > 1 else pos_parts[0]
-        values = torch.cat(val_parts) if len(val_parts) > 1 else val_parts[0]
-        self._parts[name] = parts
-        changed = positions.numel()
-        if self._goes_dense(values, changed, nbytes, es):
-            return self._dense(name, flat, stats, changed=changed, parts=parts)
-        return self._sparse(positions, values, parts, stats)
-
-    @staticmethod
-    def _goes_dense(values: torch.Tensor, changed: int, nbytes: int, es: int) -> bool:
-        """A delta at least as large as the tensor, or a NaN among the changed values (verl's SGLang loader
-        reads NaN in a sparse flush as "unchanged")."""
-        if changed * (POS_WIDTH + es) >= nbytes:
-            return True
-        return values.is_floating_point() and bool(torch.isnan(values).any())
-
-    def _dense(self, name: str, flat: torch.Tensor, stats: UpdateStats, changed: int | None = None,
-               parts: tuple[int, int] | None = None):
-        self._parts[name] = parts if parts is not None else word_parts(raw_words(flat))
-        stats.changed += flat.numel() if changed is None else changed
-        stats.dense_tensors += 1
-        return "dense", None, flat, combine(self._parts[name])
-
-    @staticmethod
-    def _sparse(positions: torch.Tensor, values: torch.Tensor, parts: tuple[int, int], stats: UpdateStats):
-        stats.changed += positions.numel()
-        stats.sparse_tensors += 1
-        return "indices", positions.to(torch.int32), values, combine(parts)
+                stats.sparse_tensors += 1
+                yield name, t, ("indices", d.positions, d.values, combine(d.parts))
 
     @staticmethod
     def _add(bucket: _Bucket, name: str, tensor: torch.Tensor, positions, values, checksum: int) -> None:
@@ -347,11 +286,12 @@ class DeltaSender:
     def _assemble(bucket: _Bucket, index: int, step: int | None, base: int | None,
                   device: torch.device) -> tuple[dict[str, Any], torch.Tensor | None, torch.Tensor]:
         device = bucket.values[0].device if bucket.values else device
-        values = (torch.cat(bucket.values) if len(bucket.values) > 1 else bucket.values[0].clone()) \
+        values = (torch.cat(bucket.values) if len(bucket.values) > 1 else bucket.values[0]) \
             if bucket.values else torch.empty(0, dtype=bucket.dtype, device=device)
         positions = None
         if bucket.encoding == "indices":
-            positions = torch.cat(bucket.positions).view(torch.uint8)
+            positions = (torch.cat(bucket.positions) if len(bucket.positions) > 1 else bucket.positions[0]
+                         ).view(torch.uint8)
         spec = {"encoding": bucket.encoding, "params": bucket.params,
                 "checksum": flush_checksum(positions, values),
                 "hal": {"step": step, "base_step": base, "flush": index, "checksums": bucket.checksums}}

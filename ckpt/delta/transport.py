@@ -49,13 +49,16 @@ async def delta_send(engine: Any, weights: Iterable[tuple[str, torch.Tensor]], g
     return sender.commit()
 
 
-async def receive_delta_flushes(engine: Any, global_steps: int | None = None, **receive_kwargs: Any
-                                ) -> AsyncIterator[Flush]:
+async def receive_delta_flushes(engine: Any, global_steps: int | None = None, *, own_values: bool = True,
+                                **receive_kwargs: Any) -> AsyncIterator[Flush]:
     """Group ``engine.receive_weights(global_steps, **receive_kwargs)`` back into ``(named_tensors, is_last)``
     flushes with verl's names (``__delta_spec__``, ``__positions__``, ``__values__``).
 
     Each flush's tensors are copies owned by the consumer (engines may yield views of their buffers, valid
-    only until the next item): memory is one flush. Stops after the flush whose spec says ``is_last``.
+    only until the next item): memory is one flush. With ``own_values=False`` a flush's ``__values__`` (its
+    last tensor) is the engine's own item, valid only until the next flush is asked for: for a consumer
+    that applies each flush at once (an in-place :class:`DeltaReceiver`), saving a copy of every value.
+    Stops after the flush whose spec says ``is_last``.
 
     Raises:
         DeltaChecksumError: a tensor name of another format, or the stream ends before ``is_last``.
@@ -73,7 +76,7 @@ async def receive_delta_flushes(engine: Any, global_steps: int | None = None, **
             if index is not None and flush != index:
                 raise DeltaChecksumError(f"flush {index} ended without {VALUES}; got {name!r}")
             index = flush
-            current.append((key, tensor.clone()))
+            current.append((key, tensor if key == VALUES and not own_values else tensor.clone()))
             if key == VALUES:
                 named, current, index = current, [], None
                 spec = dict(named).get(SPEC)
@@ -106,7 +109,8 @@ async def receive_delta(engine: Any, receiver: DeltaReceiver, global_steps: int 
     refused: DeltaRefusedError | None = None
     served = None
     try:
-        async for named, is_last in receive_delta_flushes(engine, global_steps, **receive_kwargs):
+        async for named, is_last in receive_delta_flushes(engine, global_steps, own_values=receiver.atomic,
+                                                          **receive_kwargs):
             if refused is not None:
                 continue
             try:

@@ -119,15 +119,19 @@ def test_a_flipped_byte_is_refused_and_a_delta_onto_the_wrong_step_too(key, atom
 
 
 @pytest.mark.parametrize("atomic", [True, False], ids=["atomic", "in-place"])
-def test_a_tensor_whose_result_disagrees_is_refused_by_name(atomic):
+@pytest.mark.parametrize("drift_at,full_verify", [(0, False), (40, True)], ids=["changed-position", "full-verify"])
+def test_a_tensor_whose_result_disagrees_is_refused_by_name(atomic, drift_at, full_verify):
     """The rollout's copy of "b" drifted from what the sender diffed against: the flush is intact, the
-    result is not. Atomic: nothing written, previous step served; in place: "a" written, degraded."""
+    result is not. Atomic: nothing written, previous step served; in place: "a" written, degraded.
+
+    The running checksum reads the old values where a flush writes, so a drift there is caught; a drift
+    elsewhere only by ``full_verify`` (which reads every tensor it writes)."""
     weights = {"a": torch.arange(64, dtype=torch.bfloat16), "b": torch.arange(64, dtype=torch.bfloat16)}
     sender, served = DeltaSender(device="cpu"), {n: torch.zeros_like(t) for n, t in weights.items()}
-    receiver = DeltaReceiver(served, atomic=atomic)
+    receiver = DeltaReceiver(served, atomic=atomic, full_verify=full_verify)
     for named, last in one_update(sender, weights, 1)[0]:
         receiver.apply_flush(named, last)
-    served["b"][40] = 1000  # drift
+    served["b"][drift_at] = 1000  # drift
     weights["a"][0] = 7
     weights["b"][0] = 7
     drifted = {n: t.clone() for n, t in served.items()}
@@ -288,15 +292,17 @@ def bits_view(t: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.multiprocess
 def test_bench_delta_reports_delta_and_full_side_by_side():
-    from hal.apps.benchmarks.bench_delta import bench_delta
+    from hal.apps.benchmarks.bench_delta import run
 
-    rows = bench_delta(size_mb=4, fractions=[0.02, 0.5], device="cpu", rounds=1, bucket_mb=1)
+    rows = run(size_mb=4, device="cpu", rounds=1, bucket_mb=1, fractions=[0.02, 0.5])
     assert [r["fraction"] for r in rows] == [0.02, 0.5]
     small, half = rows
     assert small["changed"] == pytest.approx(0.02, rel=0.05) and half["changed"] == pytest.approx(0.5, rel=0.05)
     assert 0.05 < small["bytes_ratio"] < 0.07  # 6 bytes per changed bf16 value, plus the specs
     assert 0.99 < half["bytes_ratio"] <= 1.05  # dense: never more than 1.05x the dense bytes
-    assert all(r["full_s"] > 0 and r["delta_s"] > 0 and r["snapshot_bytes"] == r["dense_bytes"] for r in rows)
+    # the snapshot: the published bytes plus the 64-byte alignment padding between the views
+    assert all(r["full_s"] > 0 and r["delta_s"] > 0 and r["read_s"] > 0 for r in rows)
+    assert all(r["dense_bytes"] <= r["snapshot_bytes"] < r["dense_bytes"] + 64 * r["n_tensors"] for r in rows)
 
 
 def test_delta_engine_over_the_file_engine_speaks_verls_delta_flush(tmp_path):
@@ -335,3 +341,62 @@ def test_delta_engine_over_the_file_engine_speaks_verls_delta_flush(tmp_path):
     inner.topology = {"world_size": 4}  # a rollout joined: the next update is a seed
     asyncio.run(engine.send_weights(iter(weights.items()), 3))
     assert engine.last_stats.seed and "topology changed" in engine.last_stats.reason
+
+
+def test_views_of_one_flat_buffer_are_diffed_as_one_region_and_its_padding_is_no_ones():
+    """64-byte aligned views of odd lengths in one buffer (as hal sync publishes): one region, one snapshot;
+    bytes of the alignment padding changing (in a view's last word, and whole padding words) change no
+    tensor's values, positions or checksum."""
+    from ckpt.delta.diff import segments
+
+    sizes, offsets, end = [3, 1000, 37, 4096], [], 0
+    for n in sizes:
+        offsets.append(end)
+        end = (end + 2 * n + 63) // 64 * 64
+    flat = torch.zeros(end, dtype=torch.uint8)
+    views = {f"v{i}": flat[o:o + 2 * n].view(torch.bfloat16) for i, (o, n) in enumerate(zip(offsets, sizes))}
+    gen = torch.Generator().manual_seed(5)
+    for t in views.values():
+        t.copy_(torch.randn(t.numel(), generator=gen))
+    assert [len(s.names) for s in segments(list(views.items()))] == [4]
+    import ckpt.delta.diff as diff_module
+
+    old_cap, diff_module.SEGMENT_BYTES = diff_module.SEGMENT_BYTES, 2048  # a segment closes past 2 KiB
+    try:
+        assert [len(s.names) for s in segments(list(views.items()))] == [2, 2]
+    finally:
+        diff_module.SEGMENT_BYTES = old_cap
+    sender = DeltaSender(device="cpu")
+    served = {n: torch.zeros_like(t) for n, t in views.items()}
+    receiver = DeltaReceiver(served, atomic=False)
+    padding = torch.ones(end, dtype=torch.bool)
+    for o, n in zip(offsets, sizes):
+        padding[o:o + 2 * n] = False
+    for step in range(1, 5):
+        if step > 1:
+            flat[padding] ^= 0x5A  # the padding changes every step, including the bytes after v0, v2's ends
+            for t in views.values():
+                t.view(torch.int16)[torch.randint(0, t.numel(), (2,), generator=gen)] ^= 1
+        flushes, stats = one_update(sender, views, step)
+        for named, last in flushes:
+            receiver.apply_flush(named, last)
+        assert receiver.served_step == step and bits_equal(served, views)
+        assert stats.changed <= 8 or step == 1
+    assert sender.snapshot_bytes == end
+
+
+@pytest.mark.parametrize("atomic", [True, False], ids=["atomic", "in-place"])
+def test_a_flipped_byte_in_a_dense_flush_is_refused_by_the_tensors_checksum(atomic):
+    """A dense flush's values are checked by each tensor's checksum (computed while written or staged), not by
+    verl's flush hash: a flipped byte is still refused, naming the tensor; atomic writes nothing."""
+    weights = {"a": torch.randn(512).to(torch.bfloat16), "b": torch.randn(512).to(torch.bfloat16)}
+    sender, served = DeltaSender(device="cpu"), {n: torch.zeros_like(t) for n, t in weights.items()}
+    receiver = DeltaReceiver(served, atomic=atomic)
+    (named, last), = one_update(sender, weights, 1)[0]
+    assert decode_spec(dict(named)["__delta_spec__"])["encoding"] == "dense"
+    corrupted = [(k, t.clone()) for k, t in named]
+    corrupted[-1][1].view(torch.uint8)[1500] ^= 0x10  # a byte of "b"'s values
+    with pytest.raises(DeltaChecksumError, match="tensor 'b'"):
+        receiver.apply_flush(corrupted, last)
+    assert receiver.needs_seed and receiver.degraded == (not atomic)
+    assert bits_equal(served, {n: torch.zeros_like(t) for n, t in weights.items()}) == atomic

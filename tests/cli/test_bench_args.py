@@ -29,7 +29,8 @@ def test_bucket_flags_are_fractional_mib_like_hal_sync():
     (("--bucket-mb", "64", "0"), "--bucket-mb must be positive, got 0.0"),
     (("--bucket-mb", "-4"), "--bucket-mb must be positive, got -4.0"),
     (("--main-bucket-mb", "0"), "--main-bucket-mb must be positive, got 0.0"),
-    (("--only", "mian"), "--only takes offload, sync, main, ray, import (default: offload sync), got ['mian']"),
+    (("--only", "mian"), "--only takes offload, sync, delta, main, ray, import, senders (default: offload sync), "
+                          "got ['mian']"),
     (("--rounds", "0"), "--rounds must be >= 1, got 0"),
     (("--apply", "both"), "--apply takes atomic and/or in-place, got ['both']"),
 ])
@@ -72,3 +73,25 @@ def test_quick_changes_only_the_defaults_of_flags_not_given(argv, expected, monk
     execute(dataclasses.replace(parse("--only", "offload", "sync", "main", *argv), device="cpu"))
     size, buckets, rounds, main_bucket = expected
     assert seen == {"offload": (size, rounds), "sync": (size, buckets, rounds), "main": (size, rounds, main_bucket)}
+
+
+def test_delta_runs_only_when_named_with_the_smallest_bucket(monkeypatch):
+    from hal.apps.benchmarks import bench_delta
+
+    calls = []
+    monkeypatch.setattr(bench_delta, "run", lambda *a, **k: calls.append(a) or [])
+    assert "delta" not in selection(parse())
+    out = execute(dataclasses.replace(parse("--only", "delta", "--quick"), device="cpu"))
+    assert calls == [(64, "cpu", 2, 4.0)] and out == {"delta": []}
+
+
+def test_senders_without_emulated_links_is_skipped_with_the_reason(monkeypatch, capsys):
+    from hal.apps.benchmarks import links
+    from hal.apps.cli.bench import print_tables
+
+    monkeypatch.setattr(links, "links_available", lambda: (False, "emulated links need root"))
+    assert "senders" not in selection(parse())
+    out = execute(dataclasses.replace(parse("--only", "senders"), device="cpu"))
+    assert out == {"senders": {"skipped": "emulated links need root"}}
+    print_tables(out)
+    assert "senders: skipped: emulated links need root" in capsys.readouterr().out

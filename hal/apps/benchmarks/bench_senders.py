@@ -40,7 +40,6 @@ from typing import Any, Protocol, Sequence
 import torch
 import tyro
 
-from hal.apps.benchmarks import emit
 
 STORE_PORT = 29531
 """The rendezvous store's port on trainer rank 0's emulated address (the namespaces are private: no clash)."""
@@ -370,7 +369,13 @@ def main(args: Args | None = None) -> dict:
     args = args or tyro.cli(Args)
     result = bench_senders(args.size_mb, args.rate_mbit, args.rollout_factor, args.rollouts, args.senders,
                            args.rounds, path=args.path)
-    return emit(result, args.json, print_table)
+    if args.json:
+        import json
+
+        print(json.dumps(result, indent=2))
+    else:
+        print_table(result)
+    return result
 
 
 if __name__ == "__main__":

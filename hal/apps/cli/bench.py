@@ -10,8 +10,10 @@ whose rollouts pull, a Mooncake read) (``hal/apps/benchmarks/bench_p2p.py``), an
 (three processes, minutes), the main job: ``hal sync`` itself, 1 trainer and ``--rollouts`` rollouts applying
 every update into their models, each step against a raw broadcast of the same bytes to the same rollouts
 (``hal/apps/benchmarks/bench_sync.py``). Also only when named: ``--only ray`` (the same job over Ray actors
-against torchrun, ``bench_ray.py``) and ``--only import`` (what ``import hal`` adds to ``import torch``,
-``bench_import.py``). Every bucket size is in MiB, as ``hal sync --bucket-mb`` takes it. ``--quick`` means
+against torchrun, ``bench_ray.py``), ``--only import`` (what ``import hal`` adds to ``import torch``,
+``bench_import.py``), ``--only delta`` (delta weight sync against full updates of the same tensors at 0.5%,
+2%, 10% and 50% changed, ``bench_delta.py``) and ``--only senders`` (1, 2 and 4 senders over emulated
+per-rank links, ``bench_senders.py``; needs root and ip netns, else skipped with the reason). Every bucket size is in MiB, as ``hal sync --bucket-mb`` takes it. ``--quick`` means
 one thing for all of them: the small defaults of :data:`QUICK_DEFAULTS`.
 """
 
@@ -30,12 +32,13 @@ from hal.apps.cli.helptext import flowing_help
 from hal.apps.errors import UsageError, mib_to_bytes
 
 
-BENCHMARKS = ("offload", "sync", "main", "ray", "import")
+BENCHMARKS = ("offload", "sync", "delta", "main", "ray", "import", "senders")
 """Every benchmark ``--only`` names, in the order they run."""
 DEFAULT_SELECTION = ("offload", "sync")
 """What a plain ``hal bench`` runs: the two-process ratio benchmarks. ``main`` (hal sync's loop on 1 GiB, three
 processes), ``ray`` (that loop over Ray actors and under torchrun, several runs) and ``import`` run only when
-named: ``--only main``."""
+named: ``--only main``, and so do ``delta`` (delta against full updates at four changed fractions, about a
+minute at 64 MiB on a loaded host) and ``senders`` (1, 2 and 4 senders over emulated links: root and ip netns)."""
 RAY_STEPS = 3
 """ray: steps per run (the first a warm-up)."""
 
@@ -67,8 +70,11 @@ class Bench:
     is used as given."""
     only: tuple[str, ...] = DEFAULT_SELECTION
     """Which benchmarks to run: offload, sync (engine against broadcasts, 1 receiver) and, only when named,
-    main (hal sync's whole loop: 1 trainer and --rollouts rollout processes, minutes on a host), ray (that
-    loop over Ray actors against torchrun; needs the ray extra) and import (import hal's cost)."""
+    delta (delta weight sync against full updates of the same tensors at 0.5%, 2%, 10% and 50% changed,
+    bucket: the smallest --bucket-mb), main (hal sync's whole loop: 1 trainer and --rollouts rollout processes,
+    minutes on a host), ray (that loop over Ray actors against torchrun; needs the ray extra), import (import
+    hal's cost) and senders (an update's bandwidth with 1, 2 and 4 senders over emulated per-rank links, 32 MiB;
+    needs root and ip netns, else it says why and is skipped)."""
     rollouts: int = 2
     """main, ray: rollout ranks, each applying every update into its model."""
     main_bucket_mb: Annotated[float | None, _quick_default("FLOAT", "256", "4")] = None
@@ -159,6 +165,10 @@ def _execute(chosen: list[str], args: Bench) -> dict[str, Any]:
         engines = [e for e in bench_p2p.ENGINES if ckpt.checkpoint_engine_availability(e, kind)[0]]
         if engines:  # the transfer-library engines, each against its own library's raw transfer
             out["sync_p2p"] = bench_p2p.run(size, min(buckets), kind, rounds, engines)
+    if "delta" in chosen:
+        from hal.apps.benchmarks import bench_delta
+
+        out["delta"] = bench_delta.run(size, kind, rounds, min(buckets))
     if "main" in chosen:
         from hal.apps.benchmarks import bench_sync
 
@@ -172,6 +182,16 @@ def _execute(chosen: list[str], args: Bench) -> dict[str, Any]:
         from hal.apps.benchmarks import bench_import
 
         out["import"] = bench_import.run(rounds)
+    if "senders" in chosen:
+        from hal.apps.benchmarks.links import links_available
+
+        ok, reason = links_available()
+        if ok:
+            from hal.apps.benchmarks import bench_senders
+
+            out["senders"] = bench_senders.bench_senders(rounds=rounds)
+        else:
+            out["senders"] = {"skipped": reason}
     return out
 
 
@@ -220,11 +240,19 @@ def print_tables(result: dict[str, Any]) -> None:
     """Each benchmark's table (its module's ``print_table``), in :data:`BENCHMARKS` order."""
     from hal.apps.benchmarks import bench_ckpt, bench_import, bench_offload, bench_p2p, bench_ray, bench_sync
 
-    tables = (("offload", bench_offload), ("sync", bench_ckpt), ("sync_p2p", bench_p2p), ("main", bench_sync),
-              ("ray", bench_ray), ("import", bench_import))
+    tables = (("offload", bench_offload), ("sync", bench_ckpt), ("sync_p2p", bench_p2p), ("delta", None),
+              ("main", bench_sync), ("ray", bench_ray), ("import", bench_import), ("senders", None))
     for key, module in tables:
-        if key in result:
-            module.print_table(result[key])
+        if key not in result:
+            continue
+        if key == "senders" and "skipped" in result[key]:
+            print(f"senders: skipped: {result[key]['skipped']}")
+            continue
+        if module is None:  # imported only when chosen (bench_senders needs the links module's tools)
+            from importlib import import_module
+
+            module = import_module(f"hal.apps.benchmarks.bench_{key}")
+        module.print_table(result[key])
 
 
 def run(args: Bench) -> int:
