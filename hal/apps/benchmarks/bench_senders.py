@@ -15,8 +15,7 @@ links are then the limit, and each rollout should receive at close to ``R``. Thr
 bytes (what each rollout receives: the whole model) over the seconds from a barrier before the first send
 to a barrier after the last receive.
 
-    python -m hal.apps.benchmarks.bench_senders                    # 32 MiB, R = 100 Mbit/s, 2 rollouts
-    python -m hal.apps.benchmarks.bench_senders --size-mb 16 --rate-mbit 200 --rounds 3 --json
+    hal bench --only senders                                       # 32 MiB, R = 100 Mbit/s, 2 rollouts
 
 Needs root and iproute2 (see :func:`hal.apps.benchmarks.links.links_available`).
 
@@ -31,14 +30,12 @@ the timing, the links and the byte-for-byte check stay the benchmark's.
 
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import statistics
 import time
 from typing import Any, Protocol, Sequence
 
 import torch
-import tyro
 
 
 STORE_PORT = 29531
@@ -47,26 +44,6 @@ DEFAULT_PATH = "hal.apps.benchmarks.bench_senders:GlooP2PPath"
 """The :class:`SenderPath` factory measured unless another is named: gloo point-to-point sends."""
 CKPT_PATH = "hal.apps.benchmarks.senders_ckpt:ckpt_multi_sender_path"
 """The collective checkpoint engine's multi-sender path (:mod:`hal.apps.benchmarks.senders_ckpt`)."""
-
-
-@dataclasses.dataclass
-class Args:
-    size_mb: int = 32
-    """Model size in MiB (bf16, a mix of 2-D weights with uneven row counts and 1-D vectors)."""
-    rate_mbit: float = 100.0
-    """R: each trainer rank's link rate, in Mbit/s (each direction)."""
-    rollout_factor: float = 4.0
-    """Rollout links run at this times R in the scaling runs (the issue asks for at least 4)."""
-    rollouts: int = 2
-    """Rollout processes, each in its own namespace."""
-    senders: list[int] = dataclasses.field(default_factory=lambda: [1, 2, 4])
-    """Sender counts measured side by side; the largest is also the trainer's world size."""
-    rounds: int = 2
-    """Timed rounds per figure (medians reported; the order of the sender counts alternates)."""
-    path: str = DEFAULT_PATH
-    """What moves the bytes: a SenderPath factory as 'module:factory' (default: gloo point-to-point)."""
-    json: bool = False
-    """Print the result as JSON instead of a table."""
 
 
 # -- layout ---------------------------------------------------------------------------------------------------
@@ -363,20 +340,3 @@ def print_table(result: dict) -> None:
         table.add_row(row["what"], str(row["bytes"]), f"{row['s']:.2f}", f"{row['gbps']:.4f}",
                       f"{row['gbps'] * 8e3:.0f}", f"{row['ratio']:.2f}", row["vs"])
     Console(width=150).print(table)
-
-
-def main(args: Args | None = None) -> dict:
-    args = args or tyro.cli(Args)
-    result = bench_senders(args.size_mb, args.rate_mbit, args.rollout_factor, args.rollouts, args.senders,
-                           args.rounds, path=args.path)
-    if args.json:
-        import json
-
-        print(json.dumps(result, indent=2))
-    else:
-        print_table(result)
-    return result
-
-
-if __name__ == "__main__":
-    main()
