@@ -56,14 +56,13 @@ RENDEZVOUS_ERRORS: tuple[type[BaseException], ...] = (TimeoutError, dist.DistErr
 def peer_failure(exc: BaseException) -> bool:
     """Whether ``exc``, raised by waiting on a collective, means a peer is dead, stuck or gone.
 
-    Classified by type only: torch's own errors (``torch.distributed.DistError``), ``TimeoutError``, and
-    the plain ``RuntimeError`` that gloo raises for both a timeout and a connection closed by its peer
-    (torch 2.13 gives those no finer type). ``NotImplementedError`` (a ``RuntimeError`` subclass: a
-    backend lacking the collective) is not a peer failure.
+    Classified by type only: ``TimeoutError``, torch's store and network errors (``DistStoreError``,
+    ``DistNetworkError``), and a plain ``RuntimeError`` (exactly that type), which is what gloo raises for
+    both a timeout and a connection closed by its peer (torch 2.13 gives those no finer type). A backend's
+    own typed error (``DistBackendError``, e.g. the sim's "Duplicate NPU detected") and ``RuntimeError``
+    subclasses such as ``NotImplementedError`` pass through unchanged: they say what is wrong themselves.
     """
-    if isinstance(exc, NotImplementedError):
-        return False
-    return isinstance(exc, (TimeoutError, RuntimeError))
+    return isinstance(exc, (TimeoutError, dist.DistStoreError, dist.DistNetworkError)) or type(exc) is RuntimeError
 
 
 def init_process_group(

@@ -319,14 +319,15 @@ class SimHcclGroup(dist.ProcessGroup):
 
         Raises:
             DistributedTimeoutError: the op did not complete within the group's timeout, or a peer died
-                (gloo reports both as errors naming a timeout or a closed connection).
+                (gloo reports both as a plain ``RuntimeError``).
         """
         try:
             work = start()
             ok = work.wait(self._timeout)
         except Exception as exc:
-            text = str(exc).lower()
-            if isinstance(exc, TimeoutError) or any(k in text for k in ("timed out", "timeout", "connection", "closed")):
+            # by type, as hal.distributed.peer_failure: gloo raises a plain RuntimeError for a timeout and for
+            # a connection its peer closed (no finer type in torch 2.13)
+            if isinstance(exc, (TimeoutError, dist.DistStoreError, dist.DistNetworkError)) or type(exc) is RuntimeError:
                 raise DistributedTimeoutError(
                     f"npu-sim hccl {what} on rank {self._rank}/{self._size} failed within "
                     f"{self._timeout.total_seconds():g} s, a peer is missing or dead: {exc}") from exc

@@ -13,7 +13,8 @@ from hal.distributed import RENDEZVOUS_ERRORS, PendingWork, peer_failure, pick_p
     (RuntimeError("[gloo/transport/tcp/pair.cc] Connection closed by peer"), True),  # gloo's own type
     (RuntimeError("anything at all"), True),  # the type decides, not the words
     (TimeoutError(), True),
-    (dist.DistBackendError("x"), True),
+    (dist.DistBackendError("Duplicate NPU detected"), False),  # a backend's typed error says what is wrong
+    (dist.DistStoreError("x"), True),
     (NotImplementedError("all_to_all"), False),  # a RuntimeError subclass, but no peer failed
     (ValueError("timed out"), False),  # the words say timeout; the type does not
     (TypeError("connection closed"), False),
