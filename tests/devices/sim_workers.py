@@ -50,6 +50,15 @@ def default_group_collectives(rank: int, world_size: int, port: int) -> dict:
     return out
 
 
+def twin_models() -> tuple[torch.nn.Module, torch.nn.Module]:
+    """``(reference, model)``: two equal small MLPs on the host (seed 0), one to shard, one to compare with."""
+    torch.manual_seed(0)
+    reference = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    model.load_state_dict(reference.state_dict())
+    return reference, model
+
+
 def train_side_by_side(model, reference, rank: int, world_size: int, steps: int, device) -> None:
     """``steps`` AdamW steps of the sharded ``model`` on this rank's part of each batch and of the unsharded
     ``reference`` on the whole batch (same seeds: equal results up to the reduction order)."""
@@ -73,10 +82,7 @@ def fsdp2_training(rank: int, world_size: int, port: int, steps: int) -> dict:
 
     hal.init_process_group("npu-sim", timeout=30)
     device = hal.get_device("npu-sim")
-    torch.manual_seed(0)
-    reference = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
-    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
-    model.load_state_dict(reference.state_dict())
+    reference, model = twin_models()
     mesh = init_device_mesh("npu", (world_size,))
     for layer in model:
         if isinstance(layer, torch.nn.Linear):
@@ -97,10 +103,7 @@ def fsdp1_training(rank: int, world_size: int, port: int, steps: int) -> dict:
 
     hal.init_process_group("npu-sim", timeout=30)
     device = hal.get_device("npu-sim")
-    torch.manual_seed(0)
-    reference = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
-    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
-    model.load_state_dict(reference.state_dict())
+    reference, model = twin_models()
     model = FullyShardedDataParallel(model, device_id=device, use_orig_params=True)
     sharded_numel = sum(p.numel() for p in model.parameters())
     train_side_by_side(model, reference, rank, world_size, steps, device)

@@ -224,7 +224,10 @@ class _Group:
         return [w.update_weights(**kwargs) for w in self.workers]
 
 
-class _Replica:
+class Replica:
+    """A rollout replica as verl's CheckpointEngineManager drives it, minus the server: the pause/resume calls
+    around an update are no-ops; ``workers`` are the replica's CheckpointEngineWorkers."""
+
     def __init__(self, workers):
         self.workers = workers
 
@@ -268,7 +271,7 @@ def manager_colocated(rank: int, world_size: int, port: int, device: str, update
     ce, _ = _configs(backend, device)
     trainer = _trainer(backend, device, True)
     rollouts = [_rollout(backend, device, weights(0)) for _ in range(2)]
-    manager = CheckpointEngineManager(ce, _Group([trainer]), [_Replica([w]) for w in rollouts])
+    manager = CheckpointEngineManager(ce, _Group([trainer]), [Replica([w]) for w in rollouts])
     reports = []
     for step in range(1, updates + 1):
         _set_weights(trainer, step)

@@ -19,6 +19,8 @@ import types
 
 import torch
 
+from tests.interop.verl_ckpt_workers import Replica
+
 BUCKET_MB = 1
 TRAINERS = 2
 
@@ -106,23 +108,6 @@ class Group:
 
     def update_weights(self, **kwargs):
         return [w.update_weights(**kwargs) for w in self.workers]
-
-
-class Replica:
-    def __init__(self, workers) -> None:
-        self.workers = workers
-
-    async def abort_all_requests(self, reject_request=False):
-        pass
-
-    async def release_kv_cache(self):
-        pass
-
-    async def resume_kv_cache(self):
-        pass
-
-    async def resume_generation(self):
-        pass
 
 
 def ray_get(items):

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 import hal
+from hal.apps.weightsync.loop import attach_everywhere
 
 ENGINES = ("collective", "colocated")
 """Engines the reference runs over: a second update tagged with the same step is taken by them (the file
@@ -89,11 +90,7 @@ class FullReference:
         """One full publish of step ``global_steps``'s weights; seconds from when every worker was in it
         until the last rollout had it."""
         manager = job.manager
-        everyone = list(range(manager.world_size))
-        missing = [i for i in everyone if i not in self.attached]
-        if missing:
-            await manager.call(missing, "attach", [("full", FullMember)] * len(missing), what="full reference")
-            self.attached.update(missing)
+        everyone = await attach_everywhere(manager, self.attached, "full", FullMember, "full reference")
         await manager.settle_leftovers()
         try:
             await manager.build_process_group()

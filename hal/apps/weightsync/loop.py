@@ -33,6 +33,22 @@ START_MARGIN_S = 150.0
 """Seconds a worker may take to start (import torch and transformers, build its model) besides the timeout."""
 
 
+async def attach_everywhere(manager: CheckpointEngineManager, attached: set[int], name: str, addon_cls: type,
+                            what: str) -> list[int]:
+    """Attach add-on ``name`` (``addon_cls``, see ``Worker.attach``) on every worker of ``manager`` not yet in
+    ``attached``, and record them there; returns every worker's index (the hooks' measurements span all).
+
+    Raises:
+        UpdateError: a worker failed or died in the call (names it; ``what`` names the phase).
+    """
+    everyone = list(range(manager.world_size))
+    missing = [i for i in everyone if i not in attached]
+    if missing:
+        await manager.call(missing, "attach", [(name, addon_cls)] * len(missing), what=what)
+        attached.update(missing)
+    return everyone
+
+
 class StepHook(Protocol):
     """A measurement the job runs around each publish, on its workers (through ``job.manager``)."""
 

@@ -15,6 +15,7 @@ import time
 from typing import Any
 
 import hal
+from hal.apps.weightsync.loop import attach_everywhere
 from ckpt.manager import UpdateError
 from hal.apps.weightsync.figures import raw_figures
 
@@ -72,11 +73,7 @@ class RawReference:
     async def ensure_group(self, job: Any) -> None:
         """Attach the raw add-on where it is missing and form the wanted generation of the group."""
         manager = job.manager
-        everyone = list(range(manager.world_size))
-        missing = [i for i in everyone if i not in self.attached]
-        if missing:
-            await manager.call(missing, "attach", [("raw", RawMember)] * len(missing), what="raw group")
-            self.attached.update(missing)
+        everyone = await attach_everywhere(manager, self.attached, "raw", RawMember, "raw group")
         if self.generation == self.wanted:
             return
         [(addr, port)] = await manager.call([0], "raw.host", what="raw group")
