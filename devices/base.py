@@ -77,6 +77,9 @@ class DeviceSpec:
             ``TransferEngine.initialize``); ``None``: stage through host memory over ``"tcp"``.
         kimi_checkpoint_engine: whether Kimi's ``checkpoint-engine`` (``ParameterServer``) runs on this
             kind; it supports only the device types its ``DeviceManager`` knows.
+        fused_adamw: whether torch's fused AdamW (``torch.optim.AdamW(..., fused=True)``: one pass over the
+            states, no step temporaries) runs on this kind as hal has checked it; ``False`` by default (the
+            foreach implementation, torch's default, keeps about one fp32 copy of the parameters while it steps).
 
     Subclasses override :meth:`torch_module` and :meth:`availability`, :meth:`create_backend` where
     torch builds the kind's communicator itself rather than through a registered backend plugin, and
@@ -96,6 +99,7 @@ class DeviceSpec:
     nixl_memory_type: str | None = None
     mooncake_protocol: str | None = None
     kimi_checkpoint_engine: bool = False
+    fused_adamw: bool = False
     device_memory_in_host: bool = False
     """The kind's device allocations live in this process's host memory (a simulated device): a host peak
     then counts device bytes too, and what the device's caching allocator keeps (:meth:`host_cached_bytes`)."""

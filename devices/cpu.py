@@ -49,6 +49,7 @@ class CpuDevice(DeviceSpec):
     name: str = "cpu"
     dist_backend: str = "gloo"
     host_memory: bool = True
+    fused_adamw: bool = True
     nixl_memory_type: str | None = "DRAM"
     mooncake_protocol: str | None = "tcp"
 

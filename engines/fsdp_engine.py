@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 import hal
@@ -41,6 +41,14 @@ class FSDPEngine(BaseEngine):
             process group's ``world_size`` ranks.
         shard: submodule classes to wrap with their own ``fully_shard`` (e.g. transformer blocks) before the
             root; default none (the root alone, one all-gather per step).
+        mp_policy: FSDP2's ``MixedPrecisionPolicy`` for every unit (e.g. verl's default for its FSDP actor:
+            ``param_dtype=torch.bfloat16, reduce_dtype=torch.float32``: bf16 all-gathers and compute, fp32
+            master shards and gradient reduction); ``None``: compute in the parameters' dtype.
+
+    A module on the meta device (built under ``torch.device("meta")``) is sharded first and then materialised
+    on the device with ``to_empty``, so each rank allocates only its own shards (FSDP2's meta-device
+    initialisation, as in torch's ``fully_shard`` documentation): its values are uninitialised, and
+    non-persistent buffers must be recomputed by the caller.
 
     Raises:
         EngineStateError: the default process group is not initialized (``hal.init_process_group()``).
@@ -51,26 +59,61 @@ class FSDPEngine(BaseEngine):
 
     def __init__(self, module: nn.Module, optimizer_factory: Callable[[Iterable[nn.Parameter]],
                  torch.optim.Optimizer] | None = None, device: hal.device.DeviceLike = None,
-                 mesh: DeviceMesh | None = None, shard: tuple[type[nn.Module], ...] = ()):
+                 mesh: DeviceMesh | None = None, shard: tuple[type[nn.Module], ...] = (),
+                 mp_policy: MixedPrecisionPolicy | None = None):
         if not dist.is_initialized():
             raise EngineStateError("FSDPEngine needs an initialized default process group; call "
                                    "hal.init_process_group() first")
         spec = hal.resolve_device(device)
-        module.to(hal.local_device(device))
+        on_meta = any(t.is_meta for t in module.parameters())
+        if not on_meta:
+            module.to(hal.local_device(device))
         if mesh is None:
             mesh = init_device_mesh(spec.name, (dist.get_world_size(),))
+        policy = {"mp_policy": mp_policy} if mp_policy is not None else {}
         for sub in list(module.modules()):
             if sub is not module and isinstance(sub, shard):
-                fully_shard(sub, mesh=mesh)
-        fully_shard(module, mesh=mesh)
+                fully_shard(sub, mesh=mesh, **policy)
+        fully_shard(module, mesh=mesh, **policy)
+        if on_meta:  # the shards only: FSDP2 resets its sharded parameters after the move
+            module.to_empty(device=hal.local_device(device))
         self.mesh = mesh
+        self._freed_shards: list[tuple[object, torch.device]] = []
         optimizer = optimizer_factory(module.parameters()) if optimizer_factory is not None else None
         super().__init__(module, optimizer, device)
 
-    def _before_move(self) -> None:
+    def reshard(self) -> None:
+        """Free every unit's unsharded parameters (FSDP2's ``reshard``), leaving each rank its shards: FSDP2
+        keeps the root unit unsharded after a forward, for the backward that a forward-only pass never runs."""
         for sub in self.module.modules():
             if isinstance(sub, FSDPModule):
                 sub.reshard()
+
+    def _before_move(self) -> None:
+        self.reshard()
+
+    def free_shards(self) -> int:
+        """Release the memory of this rank's parameter shards; their values are lost, and the module must not
+        be used until :meth:`alloc_shards` (for a copy refilled before each use, e.g. a published bf16 copy of
+        another engine's shards). Each shard's flat tensor is swapped for a meta tensor of its size, as
+        :meth:`to` swaps it for a host one (a storage resize is not possible for every storage).
+        Returns the bytes released. Local to this rank."""
+        freed = 0
+        for fp in torch_compat.fsdp_params(self.module):
+            data = torch_compat.fsdp_sharded_data(fp)
+            if not data.is_meta:
+                self._freed_shards.append((fp, data.device))
+                freed += data.numel() * data.element_size()
+                torch_compat.set_fsdp_sharded_data(fp, torch.empty_like(data, device="meta"))
+        return freed
+
+    def alloc_shards(self) -> None:
+        """Give the shards :meth:`free_shards` released new memory on their device (uninitialised values); the
+        parameters' DTensors are the same objects, each viewing its new local shard."""
+        for fp, device in self._freed_shards:
+            data = torch_compat.fsdp_sharded_data(fp)
+            torch_compat.set_fsdp_sharded_data(fp, torch.empty_like(data, device=device))
+        self._freed_shards = []
 
     def _model_holders(self) -> Iterator[TensorHolder]:
         names = {id(p): n for n, p in self.module.named_parameters()}

@@ -74,6 +74,7 @@ def init_process_group(
     rank: int | None = None,
     world_size: int | None = None,
     with_host: bool = False,
+    store: dist.Store | None = None,
 ) -> str:
     """Initialise the default ``torch.distributed`` group on the resolved kind.
 
@@ -86,6 +87,10 @@ def init_process_group(
         init_method, rank, world_size: as in ``torch.distributed.init_process_group``; by default read
             from the ``MASTER_ADDR``/``MASTER_PORT``/``RANK``/``WORLD_SIZE`` variables that
             ``torch.distributed.run`` sets.
+        store: a store to rendezvous over instead of ``init_method`` (with ``rank`` and ``world_size``), e.g.
+            a ``torch.distributed.PrefixStore`` over :func:`connect_store`'s, for a group of some of the
+            launched processes (under ``torch.distributed.run`` a ``tcp://`` ``init_method`` would join the
+            agent's store, not the one it names).
 
     Returns:
         The backend string used.
@@ -106,7 +111,7 @@ def init_process_group(
         kwargs["device_id"] = local_device
     try:
         dist.init_process_group(
-            backend=backend, init_method=init_method, timeout=td,
+            backend=backend, init_method=init_method, timeout=td, store=store,
             rank=-1 if rank is None else rank, world_size=-1 if world_size is None else world_size, **kwargs)
     except RENDEZVOUS_ERRORS as exc:
         raise DistributedTimeoutError(

@@ -150,6 +150,7 @@ class SimNpuDevice(DeviceSpec):
     nixl_memory_type: str | None = "DRAM"
     mooncake_protocol: str | None = "tcp"
     kimi_checkpoint_engine: bool = True
+    fused_adamw: bool = True  # the fallback runs torch's cpu kernel on the same memory (bit-equal to cpu)
     device_memory_in_host: bool = True
 
     def host_cached_bytes(self) -> int:

@@ -1,6 +1,7 @@
 """``hal sync``: the RL weight-sync job a user runs first, shaped like an RL job's trainer and rollouts.
 
-One trainer rank and ``--rollouts`` rollout ranks on one device kind. Each of ``--steps`` steps:
+One trainer rank (``--trainer-ranks N``: hal's FSDP2 engine over N ranks, every rank publishing its own shards)
+and ``--rollouts`` rollout ranks on one device kind. Each of ``--steps`` steps:
 
 1. the trainer takes a real AdamW step on its fp32 master weights (a transformers ``Qwen2ForCausalLM``
    built from the published Qwen2.5-0.5B configuration for the default preset) and offloads per
@@ -61,6 +62,12 @@ class Sync:
     .safetensors file or a directory of them (model.safetensors.index.json honoured)."""
     rollouts: int = 2
     """Rollout ranks receiving each step."""
+    trainer_ranks: int = 1
+    """Trainer ranks. 1: one process holds the whole model. N > 1: hal's FSDP2 engine shards the model over N
+    processes (one device each, offload as with one), and every rank publishes the bf16 values of its own shards
+    straight into the rollouts' rows (the engine's multi_sender topology; no rank gathers the model); --json
+    reports each rank's peak against its bound (trainer_ranks). A preset, --engine collective, --launcher
+    torchrun, --rollout hal, --wire-format full; no raw-broadcast reference (x raw is -)."""
     steps: int = 3
     """Training steps, each published as global_steps 1..steps."""
     offload: Literal["none", "optimizer", "model", "all"] = "none"
@@ -126,7 +133,8 @@ def validate(args: Sync) -> None:
     """
     from hal.apps.weightsync.models import resolve_model
 
-    for flag, value in (("--rollouts", args.rollouts), ("--steps", args.steps), ("--timeout", args.timeout),
+    for flag, value in (("--rollouts", args.rollouts), ("--trainer-ranks", args.trainer_ranks),
+                        ("--steps", args.steps), ("--timeout", args.timeout),
                         ("--lr", args.lr), ("--decode-tokens", args.decode_tokens)):
         if not value > 0:
             raise UsageError(f"{flag} must be positive, got {value}")
@@ -151,11 +159,38 @@ def validate(args: Sync) -> None:
         if args.wire_format != "full":  # the vLLM role loads whole tensors (reload_weights), not delta flushes
             raise UsageError(f"--rollout vllm takes --wire-format full, got --wire-format {args.wire_format}")
         validate_vllm(args)
+    if args.trainer_ranks > 1:
+        validate_sharded(args)
     spec = hal.resolve_device(args.device)
     if args.engine != "colocated" and args.launcher != "ray":  # one local process, and device, per rank
         from hal.apps.cli.launch import require_devices
 
-        require_devices(spec, 1 + args.rollouts, what=f"1 trainer + --rollouts {args.rollouts} processes")
+        require_devices(spec, args.trainer_ranks + args.rollouts,
+                        what=f"{args.trainer_ranks} trainer + --rollouts {args.rollouts} processes")
+
+
+def validate_sharded(args: Sync) -> None:
+    """``--trainer-ranks N > 1``'s own checks.
+
+    Raises:
+        UsageError: an engine without the multi-sender topology (its class's ``supports_multi_sender``), a
+            launcher other than torchrun, a rollout other than hal's, a delta or compared publish, or a model
+            that is not a preset (names the flag and value).
+    """
+    import ckpt
+    from hal.apps.weightsync.models import PRESETS, resolve_model
+
+    flag = f"--trainer-ranks {args.trainer_ranks}"
+    if not getattr(ckpt.checkpoint_engine_factory(args.engine), "supports_multi_sender", False):
+        raise UsageError(f"{flag} needs an engine whose every trainer rank sends (collective), got --engine {args.engine}")
+    for name, value, accepted in (("--launcher", args.launcher, "torchrun"), ("--rollout", args.rollout, "hal"),
+                                  ("--wire-format", args.wire_format, "full")):
+        if value != accepted:
+            raise UsageError(f"{flag} runs with {name} {accepted}, got {name} {value}")
+    if args.compare_full:
+        raise UsageError(f"{flag} does not take --compare-full (it compares one trainer's publishes)")
+    if resolve_model(args.model) not in PRESETS:
+        raise UsageError(f"{flag} trains a preset ({', '.join(sorted(PRESETS))}), got --model {args.model}")
 
 
 def validate_vllm(args: Sync) -> None:
@@ -208,13 +243,15 @@ def execute(args: Sync) -> dict[str, Any]:
     start = time.perf_counter()
     vllm = options.rollout == "vllm"
     # the raw broadcast lands in a rollout's staging buffer: hal's adapter has one, vLLM's worker does not
-    hooks: list[Any] = [] if options.colocated or vllm else [RawReference()]
+    # (a sharded trainer has no one buffer to broadcast)
+    hooks: list[Any] = [] if options.colocated or vllm or options.sharded else [RawReference()]
     if options.compare_full:
         from hal.apps.weightsync.full_reference import FullReference
 
         hooks.append(FullReference())
     result = launch(options, hooks)
     out = {"device": options.device, "engine": options.engine, "model": options.model, "offload": options.offload,
+           "trainer_ranks": options.trainer_ranks,
            "rollout_apply": options.rollout_apply, "launcher": options.launcher, "rollout": options.rollout,
            "publish_dtype": options.published_dtype, "wire_format": options.wire_format,
            **result.report(options.steps), "wall_s": time.perf_counter() - start}
@@ -237,13 +274,14 @@ def print_table(result: dict[str, Any]) -> None:
     model = result["model"]  # a preset name or the path as the user gave it
     table = Table(title=f"hal sync: {model} ({tensors} tensors) on {result['device']}, engine {result['engine']}, "
                         f"rollout {result.get('rollout', 'hal')}, "
-                        f"offload {result['offload']}, rollouts {result['rollout_apply']}",
+                        f"offload {result['offload']}, rollouts {result['rollout_apply']}"
+                        + (f", {result['trainer_ranks']} trainer ranks" if result.get("trainer_ranks", 1) > 1 else ""),
                   caption="publish s: trainer's send until every rollout serves the step; x raw: a raw broadcast "
                           "of the same bytes to the same rollouts (mean of one before and one after the publish), "
                           "its time / publish s (above 1: faster than raw); "
                           "MB = 10^6 bytes; GB: peak resident / stated bound")
     # publish = send until every rollout serves the step; raw = a broadcast of the same bytes (mean of 2);
-    # peak = max resident memory of the trainer / the largest rollout, against its stated bound
+    # peak = max resident memory of the trainer (sharded: the rank nearest its bound) / the largest rollout, against its stated bound
     for col in ("step", "loss", "MB", "publish s", "GB/s", "x raw", "offload s", "onload s", "trainer GB",
                 "rollout GB", "tokens", "served", "ok"):
         table.add_column(col, justify="right")
@@ -266,6 +304,11 @@ def print_table(result: dict[str, Any]) -> None:
     console.print(table)
     if result.get("rollout") == "vllm":
         print_vllm(result, console)
+    if rows and rows[-1].get("trainer_ranks"):  # each rank's share of the publish and its peak, last step
+        console.print(f"trainer ranks at step {rows[-1]['global_steps']}: " + "; ".join(
+            f"rank {t['rank']} published {t['memory']['terms']['published_shard_bytes'] / 1e6:.0f} of "
+            f"{rows[-1]['bytes'] / 1e6:.0f} MB, peak {t['peak_host_bytes'] / 1e9:.2f}/{t['memory']['bound_bytes'] / 1e9:.2f} GB"
+            for t in rows[-1]["trainer_ranks"]))
     if result.get("wire_format") == "delta":  # what each delta update put on the wire
         for row in rows:
             ratio = row.get("delta_vs_full")

@@ -47,18 +47,26 @@ def wire_figures(sent: Sent, nbytes: int) -> dict[str, Any]:
 
 
 def step_row(trained: Trained, sent: Sent, received: Sequence[Received], checked: Sequence[Checked],
-             concluded: Concluded, nbytes: int, tensors: int, tokens: list[int] | None) -> dict[str, Any]:
+             concluded: Sequence[Concluded], nbytes: int, tensors: int, tokens: list[int] | None) -> dict[str, Any]:
     """One step's row of ``--json`` (without the raw reference, which its add-on adds: :func:`raw_figures`).
 
     Args:
+        trained: trainer rank 0's step.
+        concluded: every trainer rank's end of the step; the row's ``peak_*_bytes`` and ``memory`` are the rank
+            closest to (or furthest over) its bound, and with several ranks ``trainer_ranks`` lists each
+            (``rank``, its peaks and bound).
         nbytes, tensors: the bytes and tensors published.
         tokens: the trainer's decode (``None``: not a preset).
     """
     publish_s = publish_seconds(sent, received)
+    tightest = concluded[0] if len(concluded) == 1 else max(
+        concluded, key=lambda c: c.memory["peak_bytes"] / max(1, c.memory["bound_bytes"]))
     row = {**dataclasses.asdict(trained), "send_s": sent.send_s, **throughput(nbytes, publish_s),
            "tensors": tensors, **wire_figures(sent, nbytes), **raw_figures(nbytes, publish_s, None),
-           "rollouts": [rollout_row(r, c) for r, c in zip(received, checked)], **dataclasses.asdict(concluded)}
-    row["memory_bound_bytes"] = concluded.memory["bound_bytes"]
+           "rollouts": [rollout_row(r, c) for r, c in zip(received, checked)], **dataclasses.asdict(tightest)}
+    row["memory_bound_bytes"] = tightest.memory["bound_bytes"]
+    if len(concluded) > 1:
+        row["trainer_ranks"] = [{"rank": rank, **dataclasses.asdict(c)} for rank, c in enumerate(concluded)]
     if tokens is not None:
         row["tokens"] = tokens
     return row
@@ -69,6 +77,7 @@ def summary(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
     rank's peak stayed within the bound it is judged by (``None`` where no step reported one)."""
     ratios = [row["ratio_vs_raw"] for row in rows if row.get("ratio_vs_raw") is not None]
     judged = [row["memory"]["within"] for row in rows if "memory" in row]
+    judged += [t["memory"]["within"] for row in rows for t in row.get("trainer_ranks", ())]
     judged += [r["memory"]["judged_by"]["within"] for row in rows for r in row["rollouts"] if r.get("memory")]
     return {"ratio_vs_raw_min": min(ratios) if ratios else None, "memory_within": all(judged) if judged else None}
 

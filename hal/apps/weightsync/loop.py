@@ -27,6 +27,7 @@ from typing import Any, Protocol, Sequence
 
 from ckpt.manager import CheckpointEngineManager, UpdateError, WorkerGroup
 from hal.apps.weightsync.figures import publish_seconds, step_row, summary, wire_figures
+from hal.apps.weightsync.messages import Sent, merge_references, merge_sent
 from hal.apps.weightsync.options import JobOptions
 
 START_MARGIN_S = 150.0
@@ -118,32 +119,42 @@ class Job:
     def everyone(self) -> list[int]:
         return list(range(self.manager.world_size))
 
+    @property
+    def trainers(self) -> list[int]:
+        """The trainer ranks' indices (``[0]`` unless the trainer is sharded)."""
+        return list(range(self.group.trainer_world_size))
+
+    async def on_trainers(self, method: str, args: tuple = (), what: str | None = None) -> list[Any]:
+        """``method(*args)`` on every trainer rank at once (a sharded trainer's calls are collectives)."""
+        return await self.manager.call(self.trainers, method, [args] * len(self.trainers), what=what)
+
     async def start(self) -> list[Any]:
         """Wait until every worker is up; returns where each runs (``Worker.where``)."""
         where = await self.manager.call(self.everyone, "where", what="start",
                                         limit=self.options.timeout + START_MARGIN_S)
-        [self.shape] = await self.manager.call([0], "published_shape")
+        shapes = await self.on_trainers("published_shape")
+        self.shape = (sum(nbytes for nbytes, _ in shapes), max(tensors for _, tensors in shapes))
         return where
 
     async def settle(self) -> None:
         """Settle what a failed step left running; then, if that step could not yet, the trainer onloads."""
         await self.manager.settle_leftovers()
         if self.reseed_pending is not None and self.options.delta:
-            await self.manager.call([0], "reseed", [(self.reseed_pending,)], what="reseed")
+            await self.on_trainers("reseed", (self.reseed_pending,))
         self.reseed_pending = None
         if self.abandon_pending:
             self.abandon_pending = False
-            await self.manager.call([0], "abandon", what="onload")
+            await self.on_trainers("abandon", what="onload")
 
     async def abandon(self) -> None:
         """After a failed step: the trainer drops its published buffer and onloads, now or once its own call
         of the failed phase ended (:meth:`settle`)."""
         self.reseed_pending = "the last update failed"  # a rollout may hold part of it
-        if 0 in self.manager.unsettled:
+        if any(i in self.manager.unsettled for i in self.trainers):
             self.abandon_pending = True
             return
         with contextlib.suppress(UpdateError):  # the trainer itself failed: the step's error says so
-            await self.manager.call([0], "abandon", what="onload")
+            await self.on_trainers("abandon", what="onload")
 
     async def reseed_if_needed(self, received: Sequence[Any]) -> None:
         """The delta fault policy (:func:`hal.apps.weightsync.delta.reseed_reason`): a rollout whose receiver
@@ -154,16 +165,16 @@ class Job:
 
         reason = reseed_reason(received)
         if reason is not None:
-            await self.manager.call([0], "reseed", [(reason,)], what="reseed")
+            await self.on_trainers("reseed", (reason,))
 
     async def warmup(self) -> dict[str, Any]:
         """Step 0, untimed: returns ``{"publish_s", "errors": [one sentence per rollout that failed], "wall_s"}``
         and the hooks' fields."""
         start = time.perf_counter()
         await self.settle()
-        await self.manager.call([0], "stage")
+        await self.on_trainers("stage")
         try:
-            sent, *received = await self.manager.update_weights(0)
+            sent, received = self.split(await self.manager.update_weights(0))
             await self.reseed_if_needed(received)
             out = {"publish_s": publish_seconds(sent, received), **wire_figures(sent, self.shape[0]),
                    "errors": [f"rollout rank {r.rank}: {r.error}" for r in received if r.error]}
@@ -173,7 +184,7 @@ class Job:
         except UpdateError:
             await self.abandon()
             raise
-        await self.manager.call([0], "release")
+        await self.on_trainers("release")
         out["wall_s"] = time.perf_counter() - start
         return out
 
@@ -184,14 +195,14 @@ class Job:
             UpdateError: a worker failed or died (named); the trainer onloads (now or before the next step).
         """
         await self.settle()
-        [trained] = await self.manager.call([0], "train", [(global_steps,)])
+        trained, *_ = await self.on_trainers("train", (global_steps,))
         rollouts = self.manager.rollouts
         try:
             for hook in self.hooks:
                 await hook.before_publish(self, global_steps)
-            sent, *received = await self.manager.update_weights(global_steps)
+            sent, received = self.split(await self.manager.update_weights(global_steps))
             await self.reseed_if_needed(received)
-            [reference] = await self.manager.call([0], "reference")
+            reference = merge_references(await self.on_trainers("reference"))
             checked = await self.manager.call(rollouts, "check", [(global_steps, reference)] * len(rollouts),
                                               what="verify")
             for hook in self.hooks:
@@ -203,12 +214,18 @@ class Job:
         extra = ({"rollout_banks_bytes": sum(r.held_bytes for r in received)},
                  "the rollouts' banks" + (" and delta receivers" if self.options.delta else "")) \
             if self.options.colocated else (None, "")
-        [concluded] = await self.manager.call([0], "conclude", [extra], what="onload")
+        concluded = await self.on_trainers("conclude", extra, what="onload")
         row = step_row(trained, sent, received, checked, concluded, *self.shape, reference.tokens)
         for hook in self.hooks:
             row.update(hook.figures(global_steps, row["bytes"], row["publish_s"]))
         self.checksums = {global_steps: reference.sums}
         return row
+
+    def split(self, results: Sequence[Any]) -> tuple[Sent, list[Any]]:
+        """An update's results as ``(the trainer's send, [each rollout's receive])`` (several trainer ranks'
+        sends merged: :func:`~hal.apps.weightsync.messages.merge_sent`)."""
+        trainers = len(self.trainers)
+        return merge_sent(results[:trainers]), list(results[trainers:])
 
     async def replace_rollout(self, index: int) -> None:
         """Start a new rollout in place of ``index``; it joins at the next step."""

@@ -27,6 +27,12 @@ ROLLOUT_BUCKETS = 2
 """Buckets in a rollout's bound: banks + 2 buckets + constant (the engine's two receive buffers)."""
 
 
+def local_nbytes(tensor: Any) -> int:
+    """Bytes ``tensor`` holds on this rank: a ``DTensor``'s local shard (FSDP2), else the whole tensor."""
+    local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+    return local.numel() * local.element_size()
+
+
 def memory_bound(peak_bytes: int, form: str, terms: dict[str, int]) -> dict[str, Any]:
     """A peak judged against a stated bound: ``{"form", "terms", "bound_bytes", "peak_bytes", "within"}``.
 
@@ -95,7 +101,8 @@ def host_device_terms(kind: str, step_temporaries_bytes: int = 0) -> tuple[str, 
 
 
 def rollout_memory_bounds(peak_bytes: int, model_bytes: int, banks: int, bucket_bytes: int,
-                          device_words: str = "", device_terms: dict[str, int] | None = None) -> dict[str, Any]:
+                          device_words: str = "", device_terms: dict[str, int] | None = None,
+                          senders: int = 1) -> dict[str, Any]:
     """A rollout's peak against the bound of its apply mode, and against the single-bank form.
 
     Returns:
@@ -104,10 +111,12 @@ def rollout_memory_bounds(peak_bytes: int, model_bytes: int, banks: int, bucket_
         bank), ``2 x model + 2 buckets + constant`` atomic (a second bank receives the update, so a failed
         one leaves the previous weights in service); ``model_plus_2_buckets`` is the single-bank form,
         reported for both modes (an atomic rollout exceeds it by design). ``device_words``/``device_terms``
-        (:func:`host_device_terms`) are added to both forms.
+        (:func:`host_device_terms`) are added to both forms. With ``senders`` trainer ranks sending (a sharded
+        trainer), the engine receives every sender's lane at once: 2 buckets per sender (``ckpt.multi_sender``).
     """
-    buckets = {"buckets_bytes": ROLLOUT_BUCKETS * bucket_bytes, **(device_terms or {}), "constant_bytes": RUNTIME_BYTES}
-    tail = f" + {ROLLOUT_BUCKETS} buckets + " + (f"{device_words} + " if device_words else "") + "constant"
+    count = ROLLOUT_BUCKETS * senders
+    buckets = {"buckets_bytes": count * bucket_bytes, **(device_terms or {}), "constant_bytes": RUNTIME_BYTES}
+    tail = f" + {count} buckets + " + (f"{device_words} + " if device_words else "") + "constant"
     single = memory_bound(peak_bytes, "model" + tail, {"model_bytes": model_bytes, **buckets})
     judged = single if banks == 1 else memory_bound(
         peak_bytes, f"{banks} x model" + tail, {"model_bytes": banks * model_bytes, **buckets})
@@ -146,6 +155,6 @@ def trim_host_heap() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
-__all__ = ["ROLLOUT_BUCKETS", "RUNTIME_BYTES", "TRAINER_BUCKETS", "memory_bound",
+__all__ = ["ROLLOUT_BUCKETS", "RUNTIME_BYTES", "TRAINER_BUCKETS", "local_nbytes", "memory_bound",
            "peak_device_bytes", "peak_host_bytes", "reset_peak", "rollout_memory_bounds", "send_buffer",
            "trainer_memory_bound", "trim_host_heap"]

@@ -95,6 +95,26 @@ class Concluded:
     memory: dict[str, Any]
 
 
+def merge_sent(sent: list[Sent]) -> Sent:
+    """The trainer's send of an update from each trainer rank's: the update is in flight once the last sender
+    started (``t0``: the latest), and sent when the slowest finished (``send_s``: the longest)."""
+    if len(sent) == 1:
+        return sent[0]
+    return Sent(t0=max(s.t0 for s in sent), send_s=max(s.send_s for s in sent), delta=sent[0].delta)
+
+
+def merge_references(references: list[Reference]) -> Reference:
+    """The trainer's reference from each trainer rank's: every rank's checksums (their keys are disjoint: each
+    names a rank's rows), rank 0's decode (every rank decodes the same published module)."""
+    if len(references) == 1:
+        return references[0]
+    sums: dict[str, str] = {}
+    for reference in references:
+        sums.update(reference.sums)
+    first = references[0]
+    return Reference(sums, first.tokens, first.logits)
+
+
 WHEN_FIELDS = ("started_at", "applied_at", "held_bytes")
 """Fields of :class:`Received` that serve the timing and the colocated bound, not the row."""
 
@@ -110,4 +130,5 @@ def rollout_row(received: Received, checked: Checked) -> dict[str, Any]:
     return row
 
 
-__all__ = ["Checked", "Concluded", "Received", "Reference", "Sent", "Trained", "rollout_row"]
+__all__ = ["Checked", "Concluded", "Received", "Reference", "Sent", "Trained", "merge_references", "merge_sent",
+           "rollout_row"]

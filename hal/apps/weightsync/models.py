@@ -60,6 +60,21 @@ def qwen2_config(preset: str):
     return _transformers().Qwen2Config(**PRESETS[preset], attn_implementation="eager")
 
 
+def meta_causal_lm(preset: str, dtype: torch.dtype) -> nn.Module:
+    """A ``Qwen2ForCausalLM`` of ``preset`` with parameters of ``dtype`` on the meta device: no memory until it
+    is materialised (:func:`causal_lm`; a sharded engine materialises only its own shards), then
+    :func:`rebuild_rotary`."""
+    with torch.device("meta"):
+        module = _transformers().Qwen2ForCausalLM(qwen2_config(preset))
+    return module.to(dtype)
+
+
+def rebuild_rotary(module: nn.Module, device: torch.device | str) -> None:
+    """Compute a materialised Qwen2 model's rotary frequencies (non-persistent buffers, computed at construction:
+    garbage after ``to_empty``) on ``device``."""
+    module.model.rotary_emb = type(module.model.rotary_emb)(config=module.config).to(device)
+
+
 def causal_lm(preset: str, dtype: torch.dtype, device: torch.device | str = "cpu", seed: int | None = 0) -> nn.Module:
     """A ``Qwen2ForCausalLM`` of ``preset`` with parameters of ``dtype`` on ``device``.
 
@@ -68,15 +83,11 @@ def causal_lm(preset: str, dtype: torch.dtype, device: torch.device | str = "cpu
     ``_init_weights`` does, deterministically; with ``None`` they are zeros (a rollout before its first
     update). Tied embeddings stay one tensor (``lm_head.weight is model.embed_tokens.weight``).
     """
-    transformers = _transformers()
     config = qwen2_config(preset)
-    with torch.device("meta"):
-        module = transformers.Qwen2ForCausalLM(config)
-    module = module.to_empty(device=device).to(dtype)
+    module = meta_causal_lm(preset, dtype).to_empty(device=device)
     if config.tie_word_embeddings:  # to_empty materialises the two names separately: tie them again
         module.lm_head.weight = module.model.embed_tokens.weight
-    # non-persistent buffers (rotary frequencies) are computed at construction: rebuild them for real
-    module.model.rotary_emb = type(module.model.rotary_emb)(config=config).to(device)
+    rebuild_rotary(module, device)
     g = torch.Generator().manual_seed(seed if seed is not None else 0)
     with torch.no_grad():
         for name, p in module.named_parameters():
@@ -242,11 +253,24 @@ def load_checkpoint(path: pathlib.Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
+class TransposedHead(nn.Linear):
+    """A bias-free ``nn.Linear`` head computing its logits as ``(W @ x^T)^T``: the same values as ``F.linear``,
+    but autograd then hands a tied embedding a gradient that is summed in place with the embedding's own,
+    where ``F.linear``'s gradient is summed out of place (measured with torch 2.13 on cpu: one more vocab x
+    hidden fp32 tensor at the trainer's peak, 0.55 GB for Qwen2.5-0.5B)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        return torch.mm(self.weight, flat.t()).t().reshape(*x.shape[:-1], self.weight.shape[0])
+
+
 def build(model: str, seed: int = 0) -> tuple[nn.Module, Callable[[nn.Module], torch.Tensor]]:
     """The trainer's (module on the host, loss_fn(module) -> scalar) for a preset name or a safetensors path.
 
     Presets are fp32 master weights (published as bf16) training on a fixed synthetic batch of 2 x 16
-    tokens; checkpoints keep their own dtypes and regress toward fixed random targets.
+    tokens, through the module's own forward (FSDP2's root unshards the embedding, final norm and head in its
+    forward hook) with a :class:`TransposedHead`; checkpoints keep their own dtypes and regress toward fixed
+    random targets.
 
     Raises:
         MissingFileError, UsageError: from :func:`safetensors_files` for a bad path.
@@ -254,17 +278,13 @@ def build(model: str, seed: int = 0) -> tuple[nn.Module, Callable[[nn.Module], t
     torch.manual_seed(seed)
     if model in PRESETS:
         module = causal_lm(model, torch.float32, seed=seed).train()
+        module.lm_head.__class__ = TransposedHead  # same parameter, same name: only its forward changes
         vocab = PRESETS[model]["vocab_size"]
         tokens = torch.randint(0, vocab, (2, 17), generator=torch.Generator().manual_seed(seed))
 
         def lm_loss(m: nn.Module) -> torch.Tensor:
             batch = tokens.to(next(m.parameters()).device)
-            hidden = m.model(input_ids=batch[:, :-1], use_cache=False).last_hidden_state.flatten(0, 1)
-            # the logits m.lm_head gives, computed as (W @ hidden^T)^T: autograd then hands the tied
-            # embedding a gradient that is summed in place with the embedding's own, where lm_head's
-            # F.linear gradient is summed out of place (measured with torch 2.13 on cpu: one more
-            # vocab x hidden fp32 tensor at the trainer's peak, 0.55 GB for Qwen2.5-0.5B)
-            logits = torch.mm(m.lm_head.weight, hidden.t()).t()
+            logits = m(input_ids=batch[:, :-1], use_cache=False).logits.flatten(0, 1)
             return F.cross_entropy(logits.float(), batch[:, 1:].flatten())
 
         return module, lm_loss
@@ -330,6 +350,6 @@ def num_bytes(module: nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in module.state_dict().values())
 
 
-__all__ = ["PRESETS", "INDEX_NAME", "TensorModel", "build", "causal_lm", "greedy_decode", "load_checkpoint",
-           "num_bytes", "prompt_ids", "published", "qwen2_config", "resolve_model", "safetensors_files",
+__all__ = ["PRESETS", "INDEX_NAME", "TensorModel", "TransposedHead", "build", "causal_lm", "greedy_decode", "load_checkpoint", "meta_causal_lm",
+           "num_bytes", "prompt_ids", "published", "qwen2_config", "rebuild_rotary", "resolve_model", "safetensors_files",
            "serving_model"]

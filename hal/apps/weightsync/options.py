@@ -52,11 +52,25 @@ class JobOptions:
     """``full``: every tensor each step; ``delta``: verl's ``delta_flush`` (:mod:`hal.apps.weightsync.delta`)."""
     compare_full: bool = False
     """Also time a full publish of the same weights around each step's (:mod:`hal.apps.weightsync.full_reference`)."""
+    trainer_ranks: int = 1
+    """Trainer ranks: 1, one process with the whole model (:class:`~hal.apps.weightsync.trainer.Trainer`); more,
+    hal's FSDP2 engine over that many processes, every rank publishing its own shards
+    (:class:`~hal.apps.weightsync.sharded_trainer.ShardedTrainer`, the engine's ``multi_sender`` topology)."""
 
     @property
     def colocated(self) -> bool:
         """Trainer and rollouts share one process (the colocated engine)."""
         return self.engine == "colocated"
+
+    @property
+    def sharded(self) -> bool:
+        """The trainer is sharded over several ranks (``trainer_ranks > 1``)."""
+        return self.trainer_ranks > 1
+
+    @property
+    def world_size(self) -> int:
+        """Workers of the job: the trainer ranks, then the rollouts."""
+        return self.trainer_ranks + self.rollouts
 
     @property
     def offload_flags(self) -> dict[str, bool]:

@@ -89,7 +89,7 @@ class Rollout(Worker):
                 device_words = " + ".join(w for w in (delta_words, device_words) if w)
             out.memory = memory.rollout_memory_bounds(out.peak_host_bytes, held.model_bytes, held.banks,
                                                       self.options.bucket_bytes, device_words,
-                                                      {**delta_terms, **device_terms})
+                                                      {**delta_terms, **device_terms}, self.options.trainer_ranks)
             out.memory_bound_bytes = out.memory["judged_by"]["bound_bytes"]
         return out
 

@@ -48,7 +48,8 @@ class Trainer(Worker):
         self.preset = options.model in models.PRESETS
         module, self.loss_fn = models.build(options.model)
         params = [p for p in module.parameters() if p.requires_grad]
-        fused = self.kind == "cpu" and all(p.dtype == torch.float32 for p in params)  # one pass over the states
+        # one pass over the states where the kind runs it (DeviceSpec.fused_adamw)
+        fused = hal.resolve_device(self.kind).fused_adamw and all(p.dtype == torch.float32 for p in params)
         optimizer = torch.optim.AdamW(params, lr=options.lr, **({"fused": True} if fused else {}))
         self.fused = fused
         self.torch_engine = TorchEngine(module, optimizer, device=self.kind)  # moves parameters in place
@@ -81,8 +82,8 @@ class Trainer(Worker):
         with intra_op_threads(os.cpu_count() or 1):  # the rollouts wait meanwhile: the trainer may use every core
             loss = self.torch_engine.train_step(self.loss_fn)
         train_s = time.perf_counter() - start
-        self.state_bytes["optimizer_bytes"] = sum(
-            t.numel() * t.element_size() for s in self.torch_engine.optimizer.state.values()
+        self.state_bytes["optimizer_bytes"] = sum(  # a sharded trainer's: its shards'
+            memory.local_nbytes(t) for s in self.torch_engine.optimizer.state.values()
             for t in s.values() if isinstance(t, torch.Tensor))
         if not self.flags:
             self.torch_engine.optimizer.zero_grad(set_to_none=True)  # not needed until the next step
@@ -149,7 +150,7 @@ class Trainer(Worker):
         """The step's peak against model (parameters + gradients) + optimizer + what the engine holds to send
         + constant (:func:`hal.apps.weightsync.memory.trainer_memory_bound`), plus ``extra`` terms described
         by ``words`` (colocated: the rollouts' banks, in this process)."""
-        # a fused AdamW (cpu) updates in one pass; the foreach one keeps about one fp32 model of temporaries
+        # a fused AdamW updates in one pass; the foreach one keeps about one fp32 model of temporaries
         temporaries = 0 if self.fused else self.state_bytes["param_bytes"]
         device_words, device_terms = memory.host_device_terms(self.kind, temporaries)
         bound = memory.trainer_memory_bound(peak_bytes, engine_cls=type(self.engine),

@@ -3,6 +3,7 @@ and a greedy decode equal to the trainer's own bf16 model's."""
 
 from __future__ import annotations
 
+import re
 import time
 import zlib
 from typing import Any, Callable, Iterable
@@ -12,12 +13,42 @@ import torch
 from hal.apps.weightsync.messages import Checked, Reference
 
 
-def checksums(weights: Iterable[tuple[str, torch.Tensor]]) -> dict[str, str]:
-    """``{name: CRC-32 (8 hex digits) of the tensor's bytes}``, in iteration order (host copies as needed)."""
+ROWS_KEY = re.compile(r"^(?P<name>.+)\[(?P<start>\d+):(?P<stop>\d+)\]$")
+"""A checksum key of rows ``[start:stop)`` (dim 0) of a tensor: ``"name[start:stop]"`` (a sharded trainer's part)."""
+
+
+def crc32(tensor: torch.Tensor) -> str:
+    """CRC-32 of a tensor's bytes, 8 hex digits (a host copy as needed)."""
+    data = tensor.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy()
+    return f"{zlib.crc32(data) & 0xFFFFFFFF:08x}"
+
+
+def checksums(weights: Iterable[tuple[str, Any]]) -> dict[str, str]:
+    """``{key: CRC-32 of the bytes}``, in iteration order: ``key`` is the name of a whole tensor, and
+    ``"name[start:stop]"`` (:data:`ROWS_KEY`) for a ``ckpt.RowShard`` (rows of the tensor a sharded trainer
+    rank publishes)."""
     out = {}
-    for name, tensor in weights:
-        data = tensor.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy()
-        out[name] = f"{zlib.crc32(data) & 0xFFFFFFFF:08x}"
+    for name, value in weights:
+        if isinstance(value, torch.Tensor):
+            out[name] = crc32(value)
+        else:  # a RowShard: rows [row_start, row_start + rows) of the full tensor
+            out[f"{name}[{value.row_start}:{value.row_start + value.local.shape[0]}]"] = crc32(value.local)
+    return out
+
+
+def served_checksums(expected: dict[str, str], served: dict[str, torch.Tensor]) -> dict[str, str]:
+    """The checksums of what a rollout serves, keyed as ``expected`` (whole tensors, or the rows
+    ``"name[start:stop]"`` names), plus every served tensor no key covers (under its name, so that it shows as
+    received but not sent). A key whose tensor is not served is left out."""
+    out, covered = {}, set()
+    for key in expected:
+        match = ROWS_KEY.match(key)
+        name = match["name"] if match and match["name"] in served and key not in served else key
+        covered.add(name)
+        if name in served:
+            tensor = served[name]
+            out[key] = crc32(tensor[int(match["start"]):int(match["stop"])] if name != key else tensor)
+    out.update({name: crc32(t) for name, t in served.items() if name not in covered})
     return out
 
 
@@ -38,7 +69,7 @@ def verify(adapter: Any, step: int, expected: dict[str, str]) -> str | None:
     byte-exact."""
     if adapter.served_step != step:
         return f"rollout serves step {adapter.served_step}, expected {step}"
-    return first_mismatch(expected, checksums(adapter.state_dict().items()))
+    return first_mismatch(expected, served_checksums(expected, adapter.state_dict()))
 
 
 def compare_decode(tokens: list[int], logits: torch.Tensor, reference: Reference, atol: float) -> tuple[bool, float, str | None]:
@@ -81,4 +112,4 @@ def verify_rollout(adapter: Any, step: int, reference: Reference,
     return out
 
 
-__all__ = ["checksums", "compare_decode", "first_mismatch", "verify", "verify_rollout"]
+__all__ = ["ROWS_KEY", "checksums", "crc32", "served_checksums", "compare_decode", "first_mismatch", "verify", "verify_rollout"]

@@ -28,9 +28,10 @@ class Where:
     device_id: str | None = None
 
 
-def describe_worker(index: int, where: Where | None) -> str:
-    """A worker in words: ``"trainer"`` / ``"rollout rank 2"``, then where it runs when known."""
-    role = "trainer" if index == 0 else f"rollout rank {index}"
+def describe_worker(index: int, where: Where | None, trainers: int = 1) -> str:
+    """A worker in words: ``"trainer"`` (``"trainer rank 1"`` among ``trainers`` > 1) / ``"rollout rank 2"``
+    (workers are numbered trainer ranks first, as the job's processes), then where it runs when known."""
+    role = ("trainer" if trainers == 1 else f"trainer rank {index}") if index < trainers else f"rollout rank {index}"
     if where is None:
         return role
     device = f"{where.resource} {where.device_id}" if where.resource else where.device
@@ -39,7 +40,8 @@ def describe_worker(index: int, where: Where | None) -> str:
 
 def make_engine(options: JobOptions, index: int, node_ip: str) -> Any:
     """Worker ``index``'s checkpoint engine, built as verl's registry builds one (the manager then runs its
-    lifecycle): the bucketed engines with ``is_master`` on the trainer (hosting at ``node_ip``), the file
+    lifecycle): the bucketed engines with ``is_master`` on the trainer (hosting at ``node_ip``; with a sharded
+    trainer, on trainer rank 0, and ``multi_sender`` on every trainer rank, verl's topology option), the file
     engine on ``options.file_root`` (which must be set), the colocated engine (share one per process).
 
     Raises:
@@ -48,9 +50,10 @@ def make_engine(options: JobOptions, index: int, node_ip: str) -> Any:
     import ckpt
 
     if options.engine in BUCKETED_ENGINES:
+        senders = {"multi_sender": True} if options.sharded and index < options.trainer_ranks else {}
         return ckpt.get_checkpoint_engine(options.engine, bucket_size=options.bucket_bytes, is_master=index == 0,
                                           master_addr=node_ip if index == 0 else None, device=options.device,
-                                          timeout=options.timeout)
+                                          timeout=options.timeout, **senders)
     if options.engine == "file":
         if options.file_root is None:
             raise ValueError("the file engine needs options.file_root (a directory), got None")

@@ -30,7 +30,7 @@ def test_a_step_row_from_known_parts():
     concluded = Concluded(onload_s=0.125, peak_device_bytes=0, peak_host_bytes=1000,
                           memory={"bound_bytes": 1200, "within": True})
     row = step_row(trained, Sent(t0=10.0, send_s=0.75), [received(1, 10.0, 10.5), received(2, 10.25, 11.25, "boom")],
-                   [Checked(tokens=[1, 2]), Checked(error="decode differs")], concluded, 4_000_000_000, 26, [1, 2])
+                   [Checked(tokens=[1, 2]), Checked(error="decode differs")], [concluded], 4_000_000_000, 26, [1, 2])
     assert (row["global_steps"], row["loss"], row["send_s"], row["publish_s"], row["gbps"]) == (3, 2.5, 0.75, 1.0, 4.0)
     assert (row["bytes"], row["tensors"], row["tokens"], row["memory_bound_bytes"]) == (4_000_000_000, 26, [1, 2], 1200)
     assert row["ratio_vs_raw"] is None and row["onload_s"] == 0.125
@@ -38,6 +38,21 @@ def test_a_step_row_from_known_parts():
     assert first["error"] is None and first["tokens"] == [1, 2] and "started_at" not in first
     assert second["error"] == "boom"  # the transfer's error stays the one reported
     assert "node_ip" not in first and first["peak_host_bytes"] == 700
+    assert "trainer_ranks" not in row
+
+
+def test_a_sharded_trainers_row_reports_every_rank_and_the_tightest_at_the_top():
+    trained = Trained(global_steps=1, loss=2.5, train_s=1.0, offload_s=0.0, tensor_home={}, stage_s=0.5)
+    ranks = [Concluded(onload_s=0.0, peak_device_bytes=0, peak_host_bytes=peak,
+                       memory={"peak_bytes": peak, "bound_bytes": bound, "within": peak <= bound})
+             for peak, bound in ((900, 1000), (1100, 1000), (500, 1000))]
+    row = step_row(trained, Sent(t0=10.0, send_s=0.75), [received(3, 10.0, 10.5)], [Checked()], ranks, 100, 2, None)
+    assert [t["rank"] for t in row["trainer_ranks"]] == [0, 1, 2]
+    assert [t["peak_host_bytes"] for t in row["trainer_ranks"]] == [900, 1100, 500]
+    assert row["peak_host_bytes"] == 1100 and row["memory"]["within"] is False  # rank 1, over its bound
+    assert summary([row])["memory_within"] is False
+    row["memory"]["within"] = True  # the rank list is judged too, not only the row's top
+    assert summary([row])["memory_within"] is False
 
 
 def test_summary_takes_the_smallest_ratio_and_every_bound():

@@ -34,3 +34,24 @@ def test_decode_compare_names_tokens_then_logits_over_the_tolerance():
     assert (equal, diff, error) == (True, 0.5, "decode logits differ from the trainer's by 0.5 (> --logits-atol 0.25)")
     assert compare_decode([5, 7], torch.zeros(2, 3), ref, 0.01)[2] == \
         "greedy decode gave tokens [5, 7], the trainer's model [5, 6]"
+
+
+def test_a_sharded_trainers_checksums_name_row_ranges_and_a_rollout_checks_those_rows():
+    from ckpt import RowShard
+
+    from hal.apps.weightsync.verify import served_checksums
+
+    full = torch.arange(12, dtype=torch.float32).reshape(4, 3)
+    rank0 = checksums([("w", RowShard(full[:2], 0, (4, 3))), ("b", torch.ones(3))])
+    rank1 = checksums([("w", RowShard(full[2:], 2, (4, 3)))])
+    expected = {**rank0, **rank1}
+    assert list(expected) == ["w[0:2]", "b", "w[2:4]"]
+    assert expected["w[2:4]"] == checksums([("x", full[2:])])["x"]  # the rows' own bytes
+    served = {"w": full.clone(), "b": torch.ones(3)}
+    assert first_mismatch(expected, served_checksums(expected, served)) is None
+    served["w"][3, 1] = -1.0  # one value in rank 1's rows
+    assert first_mismatch(expected, served_checksums(expected, served)).startswith("tensor 'w[2:4]': checksum ")
+    del served["b"]
+    assert first_mismatch(expected, served_checksums(expected, served)) == "tensor 'b' was not received"
+    served = {"w": full.clone(), "b": torch.ones(3), "c": torch.zeros(1)}
+    assert first_mismatch(expected, served_checksums(expected, served)) == "tensor 'c' was received but not sent"

@@ -1,8 +1,10 @@
 """The torchrun launcher: one process per worker, started by torch.distributed's elastic launcher (the
 library behind ``torchrun``) on this machine, one device each.
 
-Rank 0 runs the step loop and the trainer; every other rank runs :func:`serve`, executing the typed calls
-rank 0 sends it over a ``torch.distributed`` TCPStore (a pickled :class:`Call` under ``call/{rank}/{seq}``,
+Ranks ``0..T-1`` are the trainer (``--trainer-ranks T``; with T > 1 a sharded trainer whose ranks form their own
+default process group for FSDP2, :class:`~hal.apps.weightsync.sharded_trainer.ShardedTrainer`), ranks ``T..``
+the rollouts. Rank 0 runs the step loop and trainer rank 0; every other rank runs :func:`serve`, executing the
+typed calls rank 0 sends it over a ``torch.distributed`` TCPStore (a pickled :class:`Call` under ``call/{rank}/{seq}``,
 its :class:`Reply` under ``reply/{rank}/{seq}``). Every wait is bounded by the job's timeout; a rank that
 raises is named in the error of the call, and a rank that dies takes the run down with it (the elastic
 agent stops the others), reported by role and cause.
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import os
 import pickle
 import time
@@ -62,11 +65,12 @@ class TorchrunGroup:
         store: a TCPStore every rank is connected to.
         world_size: the number of ranks.
         timeout: the job's timeout; a reply may take ``timeout + REPLY_MARGIN_S`` seconds.
+        trainers: the trainer ranks (``0..trainers-1``); the rest are rollouts.
     """
 
-    def __init__(self, local: Any, store: Any, world_size: int, timeout: float) -> None:
+    def __init__(self, local: Any, store: Any, world_size: int, timeout: float, trainers: int = 1) -> None:
         self.local, self.store, self.timeout = local, store, timeout
-        self.trainer_world_size, self.rollout_world_size = 1, world_size - 1
+        self.trainer_world_size, self.rollout_world_size = trainers, world_size - trainers
         self.seq = [0] * world_size
 
     def submit(self, index: int, method: str, *args: Any, **kwargs: Any):
@@ -107,7 +111,7 @@ class TorchrunGroup:
             TimeoutError: ``wait`` and a serving rank did not answer within the timeout.
         """
         keys = []
-        for index in range(1, 1 + self.rollout_world_size):
+        for index in range(1, self.trainer_world_size + self.rollout_world_size):
             seq = self.seq[index]
             self.seq[index] += 1
             self.store.set(f"call/{index}/{seq}", pickle.dumps(Call("stop")))
@@ -119,7 +123,7 @@ class TorchrunGroup:
             time.sleep(POLL_S)
 
     def describe(self, index: int) -> str:
-        return f"{describe_worker(index, None)} (rank {index})"
+        return f"{describe_worker(index, None, self.trainer_world_size)} (rank {index})"
 
     def is_dead(self, error: BaseException) -> bool:
         return False  # a dead rank ends the run through the elastic agent, which names it
@@ -162,21 +166,39 @@ def serve(worker: Any, store: Any, rank: int, timeout: float) -> None:
         loop.close()
 
 
+def trainer_rank(options: JobOptions, engine: Any, rank: int, store: Any) -> Trainer:
+    """Trainer rank ``rank``'s role: the whole model (one trainer rank), or its shards, after joining the trainer
+    ranks' own default process group (FSDP2's) over the job's ``store`` (under a prefix of its own)."""
+    if not options.sharded:
+        return Trainer(options, engine)
+    import torch.distributed as dist
+
+    from hal.apps.weightsync.sharded_trainer import ShardedTrainer
+
+    hal.init_process_group(options.device, store=dist.PrefixStore("trainer-ranks", store), rank=rank,
+                           world_size=options.trainer_ranks, timeout=options.timeout)
+    return ShardedTrainer(options, engine, rank)
+
+
 def rank_main(options: JobOptions, ctl_port: int, hooks: Sequence[StepHook]) -> dict[str, Any] | None:
     """One process: rank 0 runs the job (with ``hooks``) and returns its result (as a dict); the others serve."""
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     hal.bind_local_device(options.device)  # one device per rank: LOCAL_RANK's
     store = hal.connect_store(LOOPBACK, ctl_port, rank, world_size, timeout=options.timeout)
-    if rank != 0 and options.rollout == "vllm":  # hal's engine is built inside vLLM's worker
+    if rank >= options.trainer_ranks and options.rollout == "vllm":  # hal's engine is built inside vLLM's worker
         from hal.apps.weightsync.vllm_role import VllmRolloutRole
 
         serve(VllmRolloutRole(options, rank), store, rank, options.timeout)
         return None
     engine = make_engine(options, rank, LOOPBACK)
-    if rank != 0:
+    if rank >= options.trainer_ranks:
         serve(Rollout(options, engine, rank), store, rank, options.timeout)
         return None
-    group = TorchrunGroup(Trainer(options, engine), store, world_size, options.timeout)
+    trainer = trainer_rank(options, engine, rank, store)
+    if rank != 0:
+        serve(trainer, store, rank, options.timeout)
+        return None
+    group = TorchrunGroup(trainer, store, world_size, options.timeout, options.trainer_ranks)
     try:
         result = asyncio.run(run(options, group, hooks))
     except BaseException:
@@ -186,9 +208,11 @@ def rank_main(options: JobOptions, ctl_port: int, hooks: Sequence[StepHook]) -> 
     return dataclasses.asdict(result)
 
 
-def role(rank: int) -> str:
-    """What a global rank is: rank 0 trains, the rest serve."""
-    return "trainer (rank 0)" if rank == 0 else f"rollout {rank} (rank {rank})"
+def role(rank: int, trainers: int = 1) -> str:
+    """What a global rank is: ranks ``0..trainers-1`` train, the rest serve."""
+    if rank < trainers:
+        return "trainer (rank 0)" if trainers == 1 else f"trainer rank {rank} (rank {rank})"
+    return f"rollout {rank} (rank {rank})"
 
 
 def launch(options: JobOptions, hooks: Sequence[StepHook] = ()) -> JobResult:
@@ -208,14 +232,14 @@ def launch(options: JobOptions, hooks: Sequence[StepHook] = ()) -> JobResult:
         from hal.apps.weightsync.vllm_role import save_initial_model
 
         options = save_initial_model(options)  # the directory vLLM starts from
-    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=1 + options.rollouts,
+    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=options.world_size,
                           run_id=f"hal-sync-{uuid.uuid4().hex[:8]}", rdzv_backend="c10d",
                           rdzv_endpoint=f"{LOOPBACK}:0", max_restarts=0, monitor_interval=0.1, start_method="spawn")
     try:
         per_rank = elastic_launch(config, rank_main)(options, pick_port(), list(hooks))
     except ChildFailedError as exc:
-        raise worker_failed(exc, role, "hal sync") from None
+        raise worker_failed(exc, functools.partial(role, trainers=options.trainer_ranks), "hal sync") from None
     return JobResult(**per_rank[0])
 
 
-__all__ = ["Call", "RemoteCallError", "Reply", "TorchrunGroup", "launch", "rank_main", "role", "serve"]
+__all__ = ["Call", "RemoteCallError", "Reply", "TorchrunGroup", "launch", "rank_main", "role", "serve", "trainer_rank"]
