@@ -26,7 +26,6 @@ torch, which must stay the build you have) and Mooncake (the ``mooncake`` extra)
 from __future__ import annotations
 
 import asyncio
-import socket
 from typing import Any, AsyncIterator, Iterable
 
 import torch
@@ -37,7 +36,7 @@ from ckpt.errors import (CheckpointConfigError, CheckpointEngineUnavailableError
                          TransferError, TransferTimeoutError)
 from ckpt.kimi_library import (CHECKED_VERSIONS, HOST_PROTOCOL, LOGS_ENV, ParameterServerAdapter, World,
                                library_problem, mooncake_protocol)
-from ckpt.one_to_many import DEFAULT_BUCKET_SIZE, OneToManyEngine, host_address
+from ckpt.one_to_many import DEFAULT_BUCKET_SIZE, OneToManyEngine, host_address, local_address_towards
 
 SPEC_FIELD = "kimi_checkpoint_engine"
 _MARK = "~hal/"  # names of the marker entries; every weight's name is "<8-digit ordinal>/<name>"
@@ -48,16 +47,6 @@ def supported_kinds() -> list[str]:
     from hal.registry import get_spec
 
     return [k for k in hal.known_kinds() if get_spec(k).kimi_checkpoint_engine]
-
-
-def _local_address_towards(addr: str) -> str:
-    """The local address this host uses to reach ``addr`` (no packet is sent)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        try:
-            s.connect((addr, 9))
-            return s.getsockname()[0]
-        except OSError:
-            return addr
 
 
 class KimiCheckpointEngine(OneToManyEngine):
@@ -196,7 +185,7 @@ class KimiCheckpointEngine(OneToManyEngine):
         device = hal.bind_local_device(self.device_kind)
         self._device = device
         store = hal.connect_store(self.master_addr, int(self.master_port), self.rank, self.world_size, self.timeout)
-        host = self.host or (self.master_addr if self.rank == 0 else _local_address_towards(self.master_addr))
+        host = self.host or (self.master_addr if self.rank == 0 else local_address_towards(self.master_addr))
         self._protocol, self._in_place = mooncake_protocol(spec)
         world = World(store, self.rank, self.world_size, self.timeout, self._label)
         ps = ParameterServerAdapter(spec, self._protocol, device.index or 0, self.rank, self.world_size, host, world)
