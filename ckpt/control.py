@@ -134,7 +134,8 @@ class ControlChannel:
 
     Args:
         store: a ``TCPStore`` (the host's own server object, or a client). The channel uses clones of it for
-            its waits and its heartbeat; the caller keeps ``store`` and closes it after :meth:`close`.
+            its blocking waits (made on the first) and its heartbeat; the caller keeps ``store`` and drops it
+            after :meth:`close`.
         rank: this rank in the group (its heartbeat counter).
         namespace: prefix of every key, e.g. ``"ckpt-p2p/3"`` (engine and generation).
         timeout: seconds bounding every wait unless a call says otherwise (a number > 0).
@@ -152,7 +153,7 @@ class ControlChannel:
             raise CheckpointConfigError(f"timeout must be a number of seconds > 0, got {timeout!r}")
         self.store, self.rank, self.namespace = store, rank, namespace
         self.timeout, self.label, self.host_rank = float(timeout), label, host_rank
-        self._waiter = store.clone()  # blocking waits run in worker threads on their own connection
+        self._waiter: dist.Store | None = None  # blocking waits run in worker threads on their own connection
         self._lock = threading.Lock()
         self._waits: dict[int, tuple[str, int]] = {}  # wait token -> (queue key, peer) of receives in progress
         self._tokens = itertools.count(1)
@@ -256,6 +257,8 @@ class ControlChannel:
                 if left <= 0:
                     who = "no rank" if peer is None else self.label(peer)
                     raise PeerFailure(who, f"{who} sent no {what} within {timeout:g} s (store key {key!r})", True)
+                if self._waiter is None:
+                    self._waiter = self.store.clone()
                 self._waiter.set_timeout(datetime.timedelta(seconds=left))
                 try:
                     raw = self._waiter.queue_pop(key)
