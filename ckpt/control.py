@@ -8,8 +8,9 @@ One idea: typed messages between the ranks of a group, every wait bounded, a dea
 * **keys**: a :class:`ControlChannel` works under one namespace (the engine and the group's generation, e.g.
   ``"ckpt-p2p/3"``), so a new generation never reads an old one's keys. Messages travel in the store's FIFO
   queues (``queue_push`` / ``queue_pop``), one queue per direction and peer, named by the caller
-  (``"msg/2/1"``: rank 2's messages of its first connection); single values (``post`` / ``peek``) and
-  counters (``add``) sit under plain keys.
+  (``"msg/2/1"``: rank 2's messages of its first connection); single values (``post`` / ``peek``, or raw
+  bytes with ``post_bytes`` / ``get_bytes``, waited for per rank with ``wait_posted``) and counters (``add``)
+  sit under plain keys.
 * **messages**: dataclasses (:class:`~ckpt.wire.WireMessage`, :class:`Ack`, an engine's own) sent as JSON with
   their type's name; a receiver names the type it expects and gets an instance of it, or a
   :class:`~ckpt.errors.TransferError` naming what came instead.
@@ -18,8 +19,8 @@ One idea: typed messages between the ranks of a group, every wait bounded, a dea
   awaited, the key and the seconds (:class:`PeerFailure` with ``timed_out``).
 * **liveness**: each channel runs a daemon thread that bumps its rank's counter (``store.add``) every
   :data:`HEARTBEAT_S` and reads the counters of the peers it was told to :meth:`~ControlChannel.watch`. A peer
-  whose counter stood still for :data:`HEARTBEAT_DEAD_S` is dead: a receive waiting on it is woken at once and
-  raises :class:`PeerFailure` naming it, and :meth:`~ControlChannel.check_alive` raises the same. The store's
+  whose counter stood still for :data:`HEARTBEAT_DEAD_S` is dead: a wait on it is woken at once (a queue gets
+  a wake-up item, an unset key a wake-up value) and raises :class:`PeerFailure` naming it, and :meth:`~ControlChannel.check_alive` raises the same. The store's
   host gone (its process exited) fails every wait at once, naming the host.
 
 The store keeps what is not taken: receivers pop their queues, and an engine drains the queues of a connection
@@ -48,6 +49,7 @@ HEARTBEAT_DEAD_S = 3.0
 """Seconds a watched peer's counter may stand still before the peer counts as dead."""
 
 M = TypeVar("M")
+_WAKE_VALUE = b"\x00hal-ckpt-control-wake"  # what a key waited on is set to when its rank was found dead
 
 
 class PeerFailure(TransferError):
@@ -155,7 +157,8 @@ class ControlChannel:
         self.timeout, self.label, self.host_rank = float(timeout), label, host_rank
         self._waiter: dist.Store | None = None  # blocking waits run in worker threads on their own connection
         self._lock = threading.Lock()
-        self._waits: dict[int, tuple[str, int]] = {}  # wait token -> (queue key, peer) of receives in progress
+        self._waits: dict[int, tuple[str, int]] = {}  # wait token -> (key, peer) of waits in progress
+        self._queue_keys: set[str] = set()  # the keys of those that are queues
         self._tokens = itertools.count(1)
         self._watched: dict[int, tuple[int, float]] = {}  # peer -> (last counter seen, when it last changed)
         self._dead: dict[int, str] = {}  # peer -> why it counts as dead
@@ -191,6 +194,55 @@ class ControlChannel:
         except dist.DistError as exc:
             raise self._host_gone(f"the key {key!r}", exc) from None
         return decode(raw, expect, f"{self.label(self.rank)} reading {key!r}")
+
+    def post_bytes(self, name: str, data: bytes) -> None:
+        """Set key ``name`` to ``data`` as is (a pickled object, a library's record).
+
+        Raises:
+            PeerFailure: the store's host is gone.
+        """
+        try:
+            self.store.set(self.key(name), data)
+        except dist.DistError as exc:
+            raise self._host_gone(f"setting {self.key(name)!r}", exc) from None
+
+    def get_bytes(self, name: str) -> bytes:
+        """The bytes under key ``name`` (set by :meth:`post_bytes`; wait for it with :meth:`wait_posted`)."""
+        return self.store.get(self.key(name))
+
+    def wait_posted(self, names: dict[int, str], what: str, timeout: float | None = None) -> None:
+        """Block the calling thread until every rank ``r`` of ``names`` (``{rank: key name}``) has set its key,
+        at most ``timeout`` seconds in all (default: the channel's); a watched rank found dead meanwhile
+        fails the wait at once.
+
+        Raises:
+            PeerFailure: ``timed_out``: the ranks that did not set theirs in time, named (``peer``) with the
+                seconds; else a rank is dead (named) or the store's host is gone.
+        """
+        timeout = self.timeout if timeout is None else timeout
+        deadline = time.monotonic() + timeout
+        for rank, name in names.items():
+            key = self.key(name)
+            token = next(self._tokens)
+            with self._lock:
+                self._waits[token] = (key, rank)
+            try:
+                self.check_alive(rank, what)
+                if self._waiter is None:
+                    self._waiter = self.store.clone()
+                self._waiter.wait([key], datetime.timedelta(seconds=max(0.01, deadline - time.monotonic())))
+                if self._waiter.get(key) == _WAKE_VALUE:
+                    self.check_alive(rank, what)
+            except dist.DistError as exc:
+                if not _store_timeout(exc):
+                    raise self._host_gone(what, exc) from None
+                missing = [self.label(r) for r, n in names.items() if not self._waiter.check([self.key(n)])]
+                who = ", ".join(missing)
+                raise PeerFailure(who, f"{who} did not answer {what} within {timeout:g} s (store keys under "
+                                       f"{self.namespace!r})", True) from None
+            finally:
+                with self._lock:
+                    self._waits.pop(token, None)
 
     def unset(self, name: str) -> None:
         """Delete key ``name`` (nothing happens if it is not there)."""
@@ -249,6 +301,7 @@ class ControlChannel:
         deadline = time.monotonic() + timeout
         with self._lock:
             self._waits[token] = (key, peer)
+            self._queue_keys.add(key)
         try:
             while True:
                 if peer is not None:
@@ -356,8 +409,11 @@ class ControlChannel:
             waits = [(token, key) for token, (key, p) in self._waits.items() if p == peer]
         if beat is None:
             return
-        for token, key in waits:  # wake each receive waiting on the dead peer
-            beat.queue_push(key, encode(_Wake(token)))
+        for token, key in waits:  # wake each wait on the dead peer: a queue gets an item, a key its value
+            if key in self._queue_keys:
+                beat.queue_push(key, encode(_Wake(token)))
+            else:
+                beat.compare_set(key, "", _WAKE_VALUE)
 
     def close(self) -> None:
         """Stop the heartbeat thread (waits for it at most ``2 * HEARTBEAT_S``); idempotent. The store is the

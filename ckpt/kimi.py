@@ -32,6 +32,7 @@ import torch
 
 import hal
 from ckpt.base import NamedTensor, ReceivePlacement, check_global_steps, check_step
+from ckpt.control import ControlChannel
 from ckpt.errors import (CheckpointConfigError, CheckpointEngineUnavailableError, TransferAbortedError,
                          TransferError, TransferTimeoutError)
 from ckpt.kimi_library import (CHECKED_VERSIONS, HOST_PROTOCOL, LOGS_ENV, ParameterServerAdapter, World,
@@ -47,6 +48,10 @@ def supported_kinds() -> list[str]:
     from hal.registry import get_spec
 
     return [k for k in hal.known_kinds() if get_spec(k).kimi_checkpoint_engine]
+
+
+NAMESPACE = "kimi"
+"""Prefix of the engine's control keys (:mod:`ckpt.control`): ``kimi/<generation>/...``."""
 
 
 class KimiCheckpointEngine(OneToManyEngine):
@@ -160,6 +165,8 @@ class KimiCheckpointEngine(OneToManyEngine):
         self._release_buffers()
         if self._group is not None:
             self._group.close()
+        if self._world is not None:
+            self._world.channel.close()
         self._group = self._ps = self._world = None
         self._joined = None
 
@@ -187,7 +194,10 @@ class KimiCheckpointEngine(OneToManyEngine):
         store = hal.connect_store(self.master_addr, int(self.master_port), self.rank, self.world_size, self.timeout)
         host = self.host or (self.master_addr if self.rank == 0 else local_address_towards(self.master_addr))
         self._protocol, self._in_place = mooncake_protocol(spec)
-        world = World(store, self.rank, self.world_size, self.timeout, self._label)
+        channel = ControlChannel(store, rank=self.rank, namespace=f"{NAMESPACE}/{self._membership.generation if self._membership else 0}",
+                                 timeout=self.timeout, label=self._label)
+        channel.watch([r for r in range(self.world_size) if r != self.rank])
+        world = World(channel, self.world_size)
         ps = ParameterServerAdapter(spec, self._protocol, device.index or 0, self.rank, self.world_size, host, world)
         self._world = world
         if self.rank > 0 and self.world_size > 2:
@@ -206,7 +216,7 @@ class KimiCheckpointEngine(OneToManyEngine):
 
     def _done(self, step: int | None) -> None:
         """Tell the trainer this rollout is done with the update (it then unregisters the host buffers)."""
-        self._world.store.set(f"kimi/{self._world.calls}/done/{self.rank}", str(step).encode())
+        self._world.channel.post_bytes(f"done/{self._world.calls}/{self.rank}", str(step).encode())
 
     # ---- trainer --------------------------------------------------------------------------------------
     async def send_weights(self, weights: Iterable[NamedTensor], global_steps: int | None = None) -> None:
@@ -259,7 +269,7 @@ class KimiCheckpointEngine(OneToManyEngine):
         except TransferError as exc:
             raise type(exc)(f"step {step}: {exc}") from None
         n = self._world.calls
-        self._world.wait({r: f"kimi/{n}/done/{r}" for r in range(1, self.world_size)},
+        self._world.wait({r: f"done/{n}/{r}" for r in range(1, self.world_size)},
                           f"step {step} on the trainer, waiting for the rollouts to pull it")
 
     # ---- rollouts -------------------------------------------------------------------------------------

@@ -89,16 +89,22 @@ def test_a_wait_times_out_naming_the_peer_the_key_and_the_seconds():
         with pytest.raises(PeerFailure) as info:
             asyncio.run(host.recv("ack/1/1", Ack, 1, "the acknowledgement of message 0", timeout=0.6))
         elapsed = time.monotonic() - start
+        host.post_bytes("done/2", b"3")
+        with pytest.raises(PeerFailure) as keys:  # key waits name the ranks that did not set theirs
+            host.wait_posted({1: "done/1", 2: "done/2", 3: "done/3"}, "the end of step 3", 0.6)
     finally:
         host.close()
+    assert keys.value.timed_out and keys.value.peer == "peer rank 1, rank 3", keys.value
+    assert "did not answer the end of step 3 within 0.6 s" in str(keys.value), keys.value
     assert info.value.timed_out and info.value.peer == "peer rank 1"
     text = str(info.value)
     assert "peer rank 1" in text and "'t/0/ack/1/1'" in text and "0.6 s" in text and "acknowledgement" in text, text
     assert 0.5 < elapsed < 3, elapsed
 
 
+@pytest.mark.parametrize("wait", ["queue", "key"])
 @pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "stopped"])
-def test_a_peer_that_stops_heartbeating_is_named_within_the_deadline(how):
+def test_a_peer_that_stops_heartbeating_is_named_within_the_deadline(how, wait):
     store, host = _host()
     ready = multiprocessing.get_context("spawn").Event()
     proc = _spawn(_peer_body, store.port, ready)
@@ -112,7 +118,10 @@ def test_a_peer_that_stops_heartbeating_is_named_within_the_deadline(how):
             loop.call_later(0.3, os.kill, proc.pid, how)
             killed = time.monotonic() + 0.3
             with pytest.raises(PeerFailure) as info:
-                await host.recv("msg/1", Ack, 1, "a message of peer 1", timeout=30)
+                if wait == "queue":  # a receive from the peer's queue
+                    await host.recv("msg/1", Ack, 1, "a message of peer 1", timeout=30)
+                else:  # a wait for a key the peer is to set (as kimi's gather waits)
+                    await asyncio.to_thread(host.wait_posted, {1: "done/1"}, "a message of peer 1", 30)
             return info.value, time.monotonic() - killed
         failure, elapsed = asyncio.run(wait_for_it())
     finally:
