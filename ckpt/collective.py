@@ -9,6 +9,7 @@ updates (rebuilding a communicator per update exhausts HCCL resources). Wire for
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from typing import Any, AsyncIterator, Iterable
 
 import torch
@@ -18,11 +19,21 @@ from ckpt.base import NamedTensor, ReceivePlacement, as_placement, check_global_
 from ckpt.bucket import ALIGN, as_bytes, byte_view, plan_messages
 from ckpt.errors import CheckpointConfigError, TransferAbortedError, TransferError, TransferTimeoutError
 from ckpt.wire import Chunk, Segment, TensorEntry, WireMessage
-from ckpt.one_to_many import DEFAULT_BUCKET_SIZE, Membership, OneToManyEngine, check_int, host_address
+from ckpt.one_to_many import DEFAULT_BUCKET_SIZE, Membership, OneToManyEngine, check_int
+from ckpt.control import ControlChannel, PeerFailure
 from ckpt import multi_sender
 
 POLL_S = 0.25
 """Seconds between a waiting receiver's looks in the store for word that the sender closed its engine."""
+NAMESPACE = "ckpt-ctl"
+"""Prefix of the engine's control keys (:mod:`ckpt.control`): ``ckpt-ctl/<generation>[/s<sender>]/...``."""
+
+
+@dataclasses.dataclass(frozen=True)
+class SenderClosed:
+    """The sender's word, under the control key ``"closed"``, that it closed its engine (``reason`` says when)."""
+
+    reason: str
 
 
 class CollectiveCheckpointEngine(OneToManyEngine):
@@ -112,6 +123,7 @@ class CollectiveCheckpointEngine(OneToManyEngine):
         self._store = None
         self._store_at: tuple[str, int] | None = None  # where self._store points
         self._store_server = False  # self._store is the server (this rank hosts the rendezvous)
+        self._control: ControlChannel | None = None  # the control keys of the joined group (no heartbeat)
         self._group: hal.StoreGroup | None = None
         self._broken: str | None = None
         self._lane = ""  # a lane of a multi-sender group: its suffix of the store keys ("/s<sender>")
@@ -125,13 +137,8 @@ class CollectiveCheckpointEngine(OneToManyEngine):
         """The master hosts the rendezvous store, once, at ``master_port`` (``None``: a free port)."""
         if self._membership is not None or self._store is not None:
             return
-        addr = self.master_addr or host_address()
-        try:
-            self._store = hal.connect_store(addr, self.master_port or 0, 0, 1, self.timeout)
-        except hal.DistributedTimeoutError as exc:
-            raise TransferTimeoutError(f"the master could not host the checkpoint store: {exc}") from exc
-        self.master_addr, self.master_port = addr, int(self._store.port)
-        self._store_at, self._store_server = (addr, self.master_port), True
+        self._store = self._host_store()
+        self._store_at, self._store_server = (self.master_addr, self.master_port), True
 
     def _prepare_buffers(self) -> None:
         if self.rank is not None and self.rank >= 0:
@@ -205,8 +212,10 @@ class CollectiveCheckpointEngine(OneToManyEngine):
             if self._store is None:
                 self._store = hal.connect_store(m.master_addr, m.master_port, m.rank, m.world_size, self.timeout)
                 self._store_at, self._store_server = (m.master_addr, m.master_port), m.rank == 0
+            self._control = ControlChannel(self._store, rank=m.rank, namespace=f"{NAMESPACE}/{m.generation}{self._lane}",
+                                           timeout=self.timeout, label=self._label, heartbeat=False)
             if m.rank == m.src_rank:  # a sender forming this generation again is not closed
-                self._store.delete_key(_closed_key(m.generation, self._lane))
+                self._control.unset("closed")
             self._group = hal.new_group_from_store(self._store, m.rank, m.world_size, self.device_kind,
                                                    self.timeout, f"ckpt/{m.generation}{self._lane}")
         except hal.DistributedTimeoutError as exc:
@@ -217,7 +226,9 @@ class CollectiveCheckpointEngine(OneToManyEngine):
     def _release_group(self, keep_store: bool) -> None:
         if self._group is not None:
             self._group.close()
-        self._group = self._joined = None
+        if self._control is not None:
+            self._control.close()
+        self._group = self._joined = self._control = None
         self._pending_meta = None
         if not keep_store:
             self._store = self._store_at = None
@@ -275,12 +286,11 @@ class CollectiveCheckpointEngine(OneToManyEngine):
         waiting on it in :meth:`receive_weights` fails at once with :class:`TransferError` instead of after
         ``timeout``; a receiver whose store was hosted by the sender finds the store gone, likewise.
         """
-        if self._group is not None and self._joined is not None and self.is_sender and self._store is not None:
+        if self._group is not None and self._joined is not None and self.is_sender and self._control is not None:
             when = (f"in the middle of step {self._sending}" if self._sending is not None else
                     f"after step {self._sent}" if self._sent is not None else "before sending any update")
             try:
-                self._store.set(_closed_key(self._joined.generation, self._lane),
-                                f"the sender (rank {self.rank}) closed its engine {when}")
+                self._control.post("closed", SenderClosed(f"the sender (rank {self.rank}) closed its engine {when}"))
             except Exception:  # noqa: BLE001 - an unreachable store: the receivers find it gone instead
                 pass
         self._sending = None
@@ -311,17 +321,16 @@ class CollectiveCheckpointEngine(OneToManyEngine):
     def _sender_closed(self) -> str | None:
         """Why the sender is gone, if a receiver can tell from the store: the sender's word that it closed,
         or the store itself unreachable (its host closed or died); ``None`` on the sender or while neither."""
-        if self.is_sender or self._store is None or self._joined is None:
+        if self.is_sender or self._control is None or self._joined is None:
             return None
-        key = _closed_key(self._joined.generation, self._lane)
         try:
-            return self._store.get(key).decode() if self._store.check([key]) else None
-        except Exception as exc:  # noqa: BLE001 - the store's host went away
+            closed = self._control.peek("closed", SenderClosed)
+        except PeerFailure as exc:  # the store's host went away
             if self._store_server:
                 return None
             return (f"the sender (rank {self.src_rank}) closed its engine or died: the rendezvous store at "
-                    f"{self._store_at[0]}:{self._store_at[1]} (hosted by rank 0) is gone "
-                    f"({type(exc).__name__}: {str(exc)[:200]})")
+                    f"{self._store_at[0]}:{self._store_at[1]} (hosted by rank 0) is gone ({exc})")
+        return None if closed is None else closed.reason
 
     async def _wait(self, works: list, what: str) -> None:
         def poll() -> None:
@@ -658,8 +667,3 @@ class CollectiveCheckpointEngine(OneToManyEngine):
                 self._broken = self._broken or str(exc)
             raise
 
-
-def _closed_key(generation: int, lane: str = "") -> str:
-    """The store key where the sender of group ``generation`` (of its ``lane`` in a multi-sender group) says
-    that it closed its engine."""
-    return f"ckpt-closed/{generation}{lane}"

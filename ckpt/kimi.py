@@ -26,18 +26,18 @@ torch, which must stay the build you have) and Mooncake (the ``mooncake`` extra)
 from __future__ import annotations
 
 import asyncio
-import socket
 from typing import Any, AsyncIterator, Iterable
 
 import torch
 
 import hal
 from ckpt.base import NamedTensor, ReceivePlacement, check_global_steps, check_step
+from ckpt.control import ControlChannel
 from ckpt.errors import (CheckpointConfigError, CheckpointEngineUnavailableError, TransferAbortedError,
                          TransferError, TransferTimeoutError)
 from ckpt.kimi_library import (CHECKED_VERSIONS, HOST_PROTOCOL, LOGS_ENV, ParameterServerAdapter, World,
                                library_problem, mooncake_protocol)
-from ckpt.one_to_many import DEFAULT_BUCKET_SIZE, OneToManyEngine, host_address
+from ckpt.one_to_many import DEFAULT_BUCKET_SIZE, OneToManyEngine, host_address, local_address_towards
 
 SPEC_FIELD = "kimi_checkpoint_engine"
 _MARK = "~hal/"  # names of the marker entries; every weight's name is "<8-digit ordinal>/<name>"
@@ -50,14 +50,8 @@ def supported_kinds() -> list[str]:
     return [k for k in hal.known_kinds() if get_spec(k).kimi_checkpoint_engine]
 
 
-def _local_address_towards(addr: str) -> str:
-    """The local address this host uses to reach ``addr`` (no packet is sent)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        try:
-            s.connect((addr, 9))
-            return s.getsockname()[0]
-        except OSError:
-            return addr
+NAMESPACE = "kimi"
+"""Prefix of the engine's control keys (:mod:`ckpt.control`): ``kimi/<generation>/...``."""
 
 
 class KimiCheckpointEngine(OneToManyEngine):
@@ -171,6 +165,8 @@ class KimiCheckpointEngine(OneToManyEngine):
         self._release_buffers()
         if self._group is not None:
             self._group.close()
+        if self._world is not None:
+            self._world.channel.close()
         self._group = self._ps = self._world = None
         self._joined = None
 
@@ -196,9 +192,12 @@ class KimiCheckpointEngine(OneToManyEngine):
         device = hal.bind_local_device(self.device_kind)
         self._device = device
         store = hal.connect_store(self.master_addr, int(self.master_port), self.rank, self.world_size, self.timeout)
-        host = self.host or (self.master_addr if self.rank == 0 else _local_address_towards(self.master_addr))
+        host = self.host or (self.master_addr if self.rank == 0 else local_address_towards(self.master_addr))
         self._protocol, self._in_place = mooncake_protocol(spec)
-        world = World(store, self.rank, self.world_size, self.timeout, self._label)
+        channel = ControlChannel(store, rank=self.rank, namespace=f"{NAMESPACE}/{self._membership.generation if self._membership else 0}",
+                                 timeout=self.timeout, label=self._label)
+        channel.watch([r for r in range(self.world_size) if r != self.rank])
+        world = World(channel, self.world_size)
         ps = ParameterServerAdapter(spec, self._protocol, device.index or 0, self.rank, self.world_size, host, world)
         self._world = world
         if self.rank > 0 and self.world_size > 2:
@@ -217,7 +216,7 @@ class KimiCheckpointEngine(OneToManyEngine):
 
     def _done(self, step: int | None) -> None:
         """Tell the trainer this rollout is done with the update (it then unregisters the host buffers)."""
-        self._world.store.set(f"kimi/{self._world.calls}/done/{self.rank}", str(step).encode())
+        self._world.channel.post_bytes(f"done/{self._world.calls}/{self.rank}", str(step).encode())
 
     # ---- trainer --------------------------------------------------------------------------------------
     async def send_weights(self, weights: Iterable[NamedTensor], global_steps: int | None = None) -> None:
@@ -270,7 +269,7 @@ class KimiCheckpointEngine(OneToManyEngine):
         except TransferError as exc:
             raise type(exc)(f"step {step}: {exc}") from None
         n = self._world.calls
-        self._world.wait({r: f"kimi/{n}/done/{r}" for r in range(1, self.world_size)},
+        self._world.wait({r: f"done/{n}/{r}" for r in range(1, self.world_size)},
                           f"step {step} on the trainer, waiting for the rollouts to pull it")
 
     # ---- rollouts -------------------------------------------------------------------------------------

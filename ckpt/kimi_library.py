@@ -16,7 +16,8 @@ What :mod:`ckpt.kimi`'s engine needs from the library, and every piece of hal th
   each bucket is copied host-to-device (the library's "h2d buffer").
 * The library's collectives (``checkpoint_engine.distributed``) go to torch's default process group; hal keeps
   that group for the training job and gives the library a ``Distributed`` backend of its own (the library's
-  ABC) that answers ``all_gather_object`` over hal's rendezvous store (:class:`World`), bounded by the engine's
+  ABC) that answers ``all_gather_object`` over the engine's control channel (:class:`World`, on
+  :mod:`ckpt.control`), bounded by the engine's
   timeout and naming the ranks that did not answer. checkpoint-engine selects its backend through the module
   global ``checkpoint_engine.distributed.base._BACKEND_INSTANCE`` (its ``use_backend`` knows only
   ``vllm_nccl``/``vllm_hccl``), so :func:`install_backend` installs hal's there once per process; it routes
@@ -38,13 +39,12 @@ import contextlib
 import contextvars
 import os
 import pickle
-import time
-from datetime import timedelta
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 import torch
 
 import hal
+from ckpt.control import ControlChannel, PeerFailure
 from ckpt.errors import CheckpointConfigError, TransferError, TransferTimeoutError
 
 CHECKED_VERSIONS = ("0.4.2",)
@@ -78,41 +78,32 @@ def library_problem() -> str:
 
 # ---- the library's collectives over hal's store ---------------------------------------------------------
 class World:
-    """One engine's world for the library's collectives: the rendezvous store, this rank, the labels.
+    """One engine's world for the library's collectives, on its control channel (:mod:`ckpt.control`).
 
     Args:
-        store: the engine's ``torch.distributed.Store`` (rank 0 hosts it).
-        rank, world_size: this process's rank and the number of ranks.
-        timeout: seconds bounding each wait.
-        label: ``label(rank) -> str``, how errors name a rank.
+        channel: the engine's :class:`ckpt.control.ControlChannel` (over the store rank 0 hosts; its rank is
+            this process's, its labels name the ranks, its heartbeat finds a dead rank).
+        world_size: the number of ranks.
 
     ``calls`` counts the collectives made, so each one's keys are its own.
     """
 
-    def __init__(self, store: Any, rank: int, world_size: int, timeout: float, label: Callable[[int], str]) -> None:
-        self.store, self.rank, self.world_size, self.timeout, self.label = store, rank, world_size, timeout, label
+    def __init__(self, channel: ControlChannel, world_size: int) -> None:
+        self.channel, self.rank, self.world_size = channel, channel.rank, world_size
         self.calls = 0
 
     def wait(self, keys: dict[int, str], what: str) -> None:
-        """Wait for every key of ``keys`` (``{rank: key}``) until ``timeout``; name the ranks that did not set theirs.
+        """Wait for every key of ``keys`` (``{rank: key name}``) until the channel's timeout; name the ranks that
+        did not set theirs, or the one found dead.
 
         Raises:
-            TransferTimeoutError: a rank did not answer in time; TransferError: the store's host, the
-                trainer, is gone.
+            TransferTimeoutError: a rank did not answer in time; TransferError: a rank is dead (no heartbeat),
+                or the store's host, the trainer, is gone.
         """
-        deadline = time.monotonic() + self.timeout
-        for key in keys.values():
-            try:
-                self.store.wait([key], timedelta(seconds=max(0.01, deadline - time.monotonic())))
-            except Exception as exc:  # noqa: BLE001 - a timeout, or the store's host (the trainer) is gone
-                first = (str(exc).splitlines() or [""])[0]
-                try:
-                    missing = [self.label(r) for r, k in keys.items() if not self.store.check([k])]
-                except Exception:  # noqa: BLE001 - the store itself is unreachable
-                    raise TransferError(f"{what}: {self.label(0)}, which hosts the rendezvous store, is "
-                                        f"unreachable ({type(exc).__name__}: {first})") from None
-                raise TransferTimeoutError(f"{what}: {', '.join(missing)} did not answer within {self.timeout:g} s "
-                                           f"({type(exc).__name__}: {first})") from None
+        try:
+            self.channel.wait_posted(keys, what)
+        except PeerFailure as exc:
+            raise (TransferTimeoutError if exc.timed_out else TransferError)(f"{what}: {exc}") from None
 
     def all_gather_object(self, object_list: list, obj: Any) -> None:
         """``torch.distributed.all_gather_object`` over the store: ``object_list[r]`` becomes rank r's ``obj``.
@@ -121,16 +112,15 @@ class World:
             TransferTimeoutError, TransferError: as :meth:`wait`.
         """
         self.calls += 1
-        prefix = f"kimi/{self.calls}/gather/"
+        prefix = f"gather/{self.calls}/"
+        what = f"checkpoint-engine gather_metas on {self.channel.label(self.rank)}"
         try:
-            self.store.set(prefix + str(self.rank), pickle.dumps(obj))
-        except Exception as exc:  # noqa: BLE001 - the store's host (the trainer) is gone
-            raise TransferError(f"checkpoint-engine gather_metas on {self.label(self.rank)}: {self.label(0)}, which "
-                                f"hosts the rendezvous store, is unreachable ({type(exc).__name__}: {exc})") from None
-        self.wait({r: prefix + str(r) for r in range(self.world_size) if r != self.rank},
-                  f"checkpoint-engine gather_metas on {self.label(self.rank)}")
+            self.channel.post_bytes(prefix + str(self.rank), pickle.dumps(obj))
+        except PeerFailure as exc:
+            raise TransferError(f"{what}: {exc}") from None
+        self.wait({r: prefix + str(r) for r in range(self.world_size) if r != self.rank}, what)
         for r in range(self.world_size):
-            object_list[r] = obj if r == self.rank else pickle.loads(self.store.get(prefix + str(r)))
+            object_list[r] = obj if r == self.rank else pickle.loads(self.channel.get_bytes(prefix + str(r)))
 
 
 _CURRENT: contextvars.ContextVar[World | None] = contextvars.ContextVar("hal_kimi_world", default=None)

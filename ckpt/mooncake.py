@@ -2,7 +2,7 @@
 
 On :mod:`ckpt.p2p`'s shape: ``transfer_submit_write`` (one per piece) from the trainer's send slots into
 each rollout's two receive slots, polled with ``transfer_check_status`` from the event loop (so it and the
-packing of the next bucket go on), metadata (with ``global_steps``) over the control connection once a write returned. Each process runs a
+packing of the next bucket go on), metadata (with ``global_steps``) over the control channel (:mod:`ckpt.control`) once a write returned. Each process runs a
 ``TransferEngine`` in ``P2PHANDSHAKE`` mode (no metadata server); its protocol is the device kind's
 ``mooncake_protocol`` (``"rdma"``, ``"ascend_direct"``: buffers on the device); kinds without one stage
 through host memory over ``"tcp"``. Install: ``pip install mooncake-transfer-engine-non-cuda==0.3.13.post1``

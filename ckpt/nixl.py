@@ -2,7 +2,7 @@
 
 The NIXL counterpart of verl's NIXL checkpoint engine, on :mod:`ckpt.p2p`'s shape: one-sided ``WRITE``
 transfers from the trainer's two send slots into each rollout's two receive slots, metadata (with
-``global_steps``) over the control connection once a write is ``DONE``. Memory type: the device kind's
+``global_steps``) over the control channel (:mod:`ckpt.control`) once a write is ``DONE``. Memory type: the device kind's
 ``nixl_memory_type`` (``"VRAM"`` where NIXL registers device memory); kinds without one stage through host
 memory (``"DRAM"``). Install: ``pip install --no-deps nixl==1.5.1 nixl-cu12==1.5.1`` (the ``nixl`` extra).
 """

@@ -26,6 +26,7 @@ import socket
 from typing import Any, Iterable
 
 import hal
+from ckpt import control
 from ckpt.base import CheckpointEngine, NamedTensor, check_direct_threshold, check_seconds
 from ckpt.errors import CheckpointConfigError
 
@@ -85,6 +86,16 @@ def check_int(value: Any, name: str, low: int, high: int | None = None) -> int:
         accepted = f"an int >= {low}" if high is None else f"an int in [{low}, {high})"
         raise CheckpointConfigError(f"{name} must be {accepted}, got {value!r}")
     return value
+
+
+def local_address_towards(addr: str) -> str:
+    """The local address this host uses to reach ``addr`` (no packet is sent); ``addr`` itself if none."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect((addr, 9))
+            return s.getsockname()[0]
+        except OSError:
+            return addr
 
 
 def host_address() -> str:
@@ -316,6 +327,18 @@ class OneToManyEngine(CheckpointEngine):
 
     def _host_rendezvous(self) -> None:
         """On the master: make rank 0 reachable at ``master_addr:master_port`` (picking them if unset)."""
+
+    def _host_store(self) -> Any:
+        """Host the group's store (:func:`ckpt.control.host_store`) at ``master_addr`` (else ``host``, else this
+        host's address) and ``master_port`` (else a free port), and record where it is.
+
+        Raises:
+            CheckpointConfigError: the address cannot be bound.
+        """
+        addr = self.master_addr or self.host or host_address()
+        store = control.host_store(addr, self.master_port, self.timeout)
+        self.master_addr, self.master_port = addr, int(store.port)
+        return store
 
     def _prepare_buffers(self) -> None:
         """Allocate this update's buffers, where the engine does so in ``prepare()`` (nothing here)."""

@@ -7,16 +7,18 @@ into a peer's buffer, wait for that write):
 * **data plane**: the trainer (rank 0) packs bucket *k* into one of its two registered send slots while the
   library writes bucket *k-1* from the other; it writes each bucket straight into slot ``k % 2`` of every
   rollout's registered receive region (one write per rollout, issued together);
-* **control plane**: one TCP connection per rollout to the trainer (non-blocking sockets driven by the
-  running event loop, so an engine survives several ``asyncio.run`` calls). A rollout says hello (its rank
-  and what its transport needs: agent metadata, session, buffer address); the trainer sends each
-  message's metadata (:mod:`ckpt.bucket`: entries, chunk, ``step``, end or abort) only after that
-  message's write completed, and a rollout acknowledges every message once it is done with its slot, which
-  is the trainer's credit to write slot ``k % 2`` again.
+* **control plane**: :mod:`ckpt.control` over the ``TCPStore`` the trainer hosts at ``master_addr`` (no
+  socket code of hal's; nothing bound to an event loop, so an engine survives several ``asyncio.run``
+  calls). A rollout says :class:`Hello` (its rank, its connection's epoch, bucket size and what its transport
+  needs: agent metadata, session, buffer address); the trainer sends each message's metadata
+  (:class:`ckpt.wire.WireMessage`: entries, chunk, ``step``, end or abort) only after that message's write
+  completed, and a rollout acknowledges every message (:class:`ckpt.control.Ack`) once it is done with its
+  slot, which is the trainer's credit to write slot ``k % 2`` again.
 
-Every wait (accept, connect, credit, write, metadata) is bounded by ``timeout``; a closed connection is
-seen at once, so a dead rollout fails the trainer's send naming that rollout, and a dead trainer fails a
-rollout's receive naming the trainer. Nothing a receiver yields is applied by the engine: a rollout that
+Every wait (the store, hello, credit, write, metadata) is bounded by ``timeout``. Every rank heartbeats
+through the store: a dead or hung rollout fails the trainer's send naming that rollout within
+:data:`ckpt.control.HEARTBEAT_DEAD_S` (plus a heartbeat), and a dead trainer (the store's host) fails a
+rollout's receive naming the trainer at once. Nothing a receiver yields is applied by the engine: a rollout that
 gets an error keeps serving its previous step (``ckpt.workers`` applies updates all-or-nothing).
 """
 
@@ -26,11 +28,9 @@ import abc
 import asyncio
 import collections
 import dataclasses
-import json
-import socket
-import struct
+import functools
 import time
-from typing import Any, AsyncIterator, Iterable
+from typing import Any, AsyncIterator, Callable, Iterable
 
 import torch
 
@@ -40,11 +40,13 @@ from ckpt.bucket import Message, byte_view, plan_messages
 from ckpt.wire import WireMessage, check_bucket_size
 from ckpt.errors import (CheckpointConfigError, TransferAbortedError, TransferError, TransferTimeoutError,
                          VersionMismatchError)
-from ckpt.one_to_many import DEFAULT_BUCKET_SIZE, OneToManyEngine, host_address
+from ckpt.one_to_many import DEFAULT_BUCKET_SIZE, OneToManyEngine, local_address_towards
+from ckpt.control import Ack, ControlChannel, PeerFailure, connect_store
 
 META_BUDGET = 1 << 20
 """Bytes of JSON metadata per bucket at most (a bucket of many small tensors closes early)."""
-_HEADER = struct.Struct("<Q")
+NAMESPACE = "ckpt-p2p"
+"""Prefix of the engine's store keys; the group's generation follows (``ckpt-p2p/<generation>/...``)."""
 
 
 class Transport(abc.ABC):
@@ -90,16 +92,20 @@ class Transport(abc.ABC):
             TransferError: the library reports a failure.
         """
 
-    async def wait(self, handle: Any, timeout: float) -> None:
+    async def wait(self, handle: Any, timeout: float, alive: Callable[[], None] | None = None) -> None:
         """Wait until the write completed at the target: :meth:`poll` with a backoff from 20 us to 1 ms,
-        yielding to the event loop between polls.
+        yielding to the event loop between polls; ``alive()`` (if given) is called between polls and raises
+        when the target is known dead.
 
         Raises:
-            TransferError: the library reports a failure; TransferTimeoutError: not done in ``timeout`` s.
+            TransferError: the library reports a failure; TransferTimeoutError: not done in ``timeout`` s;
+            whatever ``alive`` raises.
         """
         deadline = time.monotonic() + timeout
         delay = 0.0
         while not self.poll(handle):
+            if alive is not None:
+                alive()
             if time.monotonic() > deadline:
                 raise TransferTimeoutError(f"{self.library} write not done within {timeout:g} s")
             await asyncio.sleep(delay)
@@ -110,70 +116,30 @@ class Transport(abc.ABC):
         """Deregister memory and release the library's resources; idempotent."""
 
 
-class _PeerFailure(Exception):
-    """A peer's connection or write failed; ``peer`` names it (turned into a TransferError by the engine)."""
+@dataclasses.dataclass(frozen=True)
+class Hello:
+    """A rollout's first message on a connection (control queue ``"hello"``): who it is and what its transport
+    needs.
 
-    def __init__(self, peer: str, text: str, timed_out: bool = False) -> None:
-        super().__init__(text)
-        self.peer, self.timed_out = peer, timed_out
+    Attributes:
+        rank: its rank (1..N).
+        epoch: the number of this connection of that rank (1, 2, ... in the group's generation): the trainer
+            keeps the newest, and the connection's queues are named by it, so nothing of an older one is read.
+        bucket_size: the bytes its receive slots are laid out for.
+        transport: :meth:`Transport.register`'s description of its receive region.
+        host: the address its transport is reached at (for messages).
+    """
+
+    rank: int
+    epoch: int
+    bucket_size: int
+    transport: dict[str, Any]
+    host: str
 
 
-class _Channel:
-    """Length-prefixed JSON records over one non-blocking TCP socket, every wait bounded."""
-
-    def __init__(self, sock: socket.socket, label: str) -> None:
-        sock.setblocking(False)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self.sock, self.label = sock, label
-        self._pending = bytearray()
-
-    async def send(self, record: dict[str, Any], timeout: float) -> None:
-        raw = json.dumps(record, separators=(",", ":")).encode()
-        try:
-            await asyncio.wait_for(asyncio.get_running_loop().sock_sendall(self.sock, _HEADER.pack(len(raw)) + raw),
-                                   timeout)
-        except asyncio.TimeoutError as exc:
-            raise _PeerFailure(self.label, f"{self.label} did not take a message within {timeout:g} s",
-                               True) from exc
-        except OSError as exc:
-            raise _PeerFailure(self.label, f"the connection to {self.label} broke: {exc}") from exc
-
-    async def _read(self, n: int, deadline: float, what: str, timeout: float) -> bytes:
-        loop = asyncio.get_running_loop()
-        while len(self._pending) < n:
-            left = deadline - time.monotonic()
-            try:
-                if left <= 0:
-                    raise asyncio.TimeoutError
-                chunk = await asyncio.wait_for(loop.sock_recv(self.sock, max(1 << 16, n - len(self._pending))), left)
-            except asyncio.TimeoutError as exc:
-                raise _PeerFailure(self.label, f"{self.label} sent no {what} within {timeout:g} s",
-                                   True) from exc
-            except OSError as exc:
-                raise _PeerFailure(self.label, f"the connection to {self.label} broke while waiting for "
-                                               f"{what}: {exc}") from exc
-            if not chunk:
-                raise _PeerFailure(self.label, f"{self.label} closed the connection (it exited or died) while "
-                                               f"this side waited for {what}")
-            self._pending += chunk
-        out = bytes(self._pending[:n])
-        del self._pending[:n]
-        return out
-
-    async def recv(self, timeout: float, what: str) -> dict[str, Any]:
-        deadline = time.monotonic() + timeout
-        (length,) = _HEADER.unpack(await self._read(_HEADER.size, deadline, what, timeout))
-        raw = await self._read(length, deadline, what, timeout)
-        try:
-            return json.loads(raw)
-        except ValueError as exc:
-            raise _PeerFailure(self.label, f"{self.label} sent a corrupt record: {exc}") from exc
-
-    def close(self) -> None:
-        try:
-            self.sock.close()
-        except OSError:
-            pass
+def _queues(rank: int, epoch: int) -> tuple[str, str]:
+    """The control queues of rollout ``rank``'s connection ``epoch``: the trainer's messages, its acks."""
+    return f"msg/{rank}/{epoch}", f"ack/{rank}/{epoch}"
 
 
 @dataclasses.dataclass
@@ -188,23 +154,30 @@ class Registered:
 @dataclasses.dataclass
 class _Peer:
     rank: int
-    channel: _Channel
+    label: str
+    epoch: int  # its connection's number (names its queues)
     sent: int = 0  # messages announced to it in this update
     acked: int = 0  # of those, acknowledged
+
+    @property
+    def queues(self) -> tuple[str, str]:
+        return _queues(self.rank, self.epoch)
 
 
 class P2PCheckpointEngine(OneToManyEngine):
     """Base of the transfer-library engines: bucketed one-sided writes, 1 trainer to N rollouts.
 
     Construction, standalone (hal's): ``rank`` (0: the trainer; 1..N: rollouts), ``world_size`` (N + 1) and
-    the trainer's control address ``master_addr`` / ``master_port`` (or ``store_addr="host:port"``) up
+    the address of the control store the trainer hosts, ``master_addr`` / ``master_port`` (or
+    ``store_addr="host:port"``; port ``None`` on the trainer: a free one), up
     front; the lifecycle then runs lazily on the first send or receive. Driven by verl's
     ``CheckpointEngineManager``: construct with ``bucket_size`` and ``is_master``; ``prepare()`` returns the
     trainer master's address, :meth:`build_topology` hands it to every rank, ``init_process_group(rank=,
     world_size=, master_addr=, master_port=)`` sets each rank's place (trainer ranks other than the master
     get ``rank=-1``: their ``send_weights`` consumes the iterator and returns). The library's agent, the
-    registered slots and the connections outlive ``finalize()`` (which verl calls after every update) while
-    the topology stays the same; a new topology or :meth:`close` releases them.
+    registered slots and the connections (control channels over the store) outlive ``finalize()`` (which verl
+    calls after every update) while the topology stays the same; a new topology or :meth:`close` releases
+    them. The trainer's store keeps its port across topologies until :meth:`close`.
 
     Args:
         bucket_size: bytes per bucket (per slot); tensors above it travel in chunks of it.
@@ -213,9 +186,9 @@ class P2PCheckpointEngine(OneToManyEngine):
             :meth:`in_place_value`: host memory on cpu, the simulated device's memory on npu-sim, VRAM where
             NIXL registers it), else in host memory (tensors are staged through it); a rollout receives
             tensors on the buffer device.
-        timeout: seconds bounding every wait (connect, accept, credit, write, metadata).
-        host: the address peers reach this process at (default: ``master_addr`` on the trainer; the local
-            address of the connection to the trainer on a rollout).
+        timeout: seconds bounding every wait (the store, hello, credit, write, metadata).
+        host: the address peers reach this process at (default: ``master_addr`` on the trainer; on a rollout
+            the local address it reaches the trainer from).
         direct_threshold: tensors on the buffer device of at least this many bytes (and runs of tensors
             lying back to back in one storage) are registered with the library for the update and written
             from their own memory, without a copy into a slot (default ``bucket_size // 8``; 0 packs all; else an
@@ -232,8 +205,9 @@ class P2PCheckpointEngine(OneToManyEngine):
     or free its tensors). A tensor yielded by ``receive_weights`` is a view into an engine-owned slot,
     valid until the next item is requested: copy it before advancing if it must outlive that.
 
-    Failures: a dead or stuck rollout fails the trainer's send with :class:`TransferError` naming it (its
-    rank and address) within ``timeout``; the other rollouts are told (they raise
+    Failures: a dead or hung rollout fails the trainer's send with :class:`TransferError` naming it (its
+    rank and address) within :data:`ckpt.control.HEARTBEAT_DEAD_S` plus a heartbeat or two (its heartbeat
+    stopped), one that does not answer while alive within ``timeout``; the other rollouts are told (they raise
     :class:`TransferAbortedError`) and every connection is dropped, so the next update reconnects whoever
     is alive. A dead trainer fails each rollout's receive naming it. A sender whose ``weights`` iterator
     raises tells the rollouts (``TransferAbortedError``) and stays usable.
@@ -256,10 +230,11 @@ class P2PCheckpointEngine(OneToManyEngine):
         super().__init__(bucket_size=bucket_size, is_master=is_master, rank=rank, world_size=world_size,
                          master_addr=master_addr, master_port=master_port, store_addr=store_addr, device=device,
                          timeout=timeout, direct_threshold=direct_threshold, host=host)
-        self._listener: socket.socket | None = None
+        self._store = None  # the control store: the trainer hosts it (kept until close()), a rollout's client
+        self._control: ControlChannel | None = None  # this rank's control channel in the current generation
+        self._epoch = 0  # rollout: the number of its connection (names its queues)
         self._sources: dict[tuple[int, int], Registered] = {}  # storages registered for direct writes
         self._peers: dict[int, _Peer] = {}
-        self._channel: _Channel | None = None  # rollout: to the trainer
         self._transport: Transport | None = None
         self._region: torch.Tensor | None = None
         self._large: torch.Tensor | None = None
@@ -283,24 +258,21 @@ class P2PCheckpointEngine(OneToManyEngine):
 
     # ---- lifecycle --------------------------------------------------------------------------------
     def _host_rendezvous(self) -> None:
-        """On the trainer: listen for the rollouts (once) at ``master_addr:master_port`` (a free port when unset).
+        """On the trainer: host the control store (once) at ``master_addr:master_port`` (a free port when unset).
 
         Raises:
             CheckpointConfigError: the trainer's address cannot be bound.
         """
-        if self._listener is None:
-            addr = self.master_addr or self.host or host_address()
-            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            try:
-                sock.bind((addr, int(self.master_port or 0)))
-            except OSError as exc:
-                sock.close()
-                raise CheckpointConfigError(f"the trainer cannot listen at {addr}:{self.master_port}: {exc}") from exc
-            sock.listen(64)
-            sock.setblocking(False)
-            self._listener = sock
-            self.master_addr, self.master_port = addr, sock.getsockname()[1]
+        if self._store is None:
+            self._store = self._host_store()
+
+    def _namespace(self) -> str:
+        return f"{NAMESPACE}/{self._membership.generation if self._membership is not None else 0}"
+
+    def _peer_label(self, rank: int) -> str:
+        """How messages name ``rank``: the trainer with its address, a rollout with its transport's host."""
+        peer = self._peers.get(rank)
+        return peer.label if peer is not None and rank != self.src_rank else self._label(rank)
 
     def _healthy(self) -> bool:
         return self._transport is not None
@@ -319,16 +291,18 @@ class P2PCheckpointEngine(OneToManyEngine):
         self._large = None
 
     def close(self) -> None:
-        """Close every connection and the listener, deregister and free the buffers; idempotent (the engine
-        can be set up again by a later send / receive)."""
+        """Drop every connection, stop the control store the trainer hosts, deregister and free the buffers;
+        idempotent (the engine can be set up again by a later send / receive)."""
         self._release()
-        if self._listener is not None:
-            self._listener.close()
-            self._listener = None
+        self._store = None
 
     def _release(self) -> None:
-        """Drop the connections, the library's agent and the buffers (the listener stays)."""
+        """Drop the connections and the control channel, the library's agent and the buffers (the trainer's
+        store stays: its port does not change across generations)."""
         self._drop_connections()
+        if self._control is not None:
+            self._control.close()
+            self._control = None
         if self._transport is not None:
             self._transport.close()
             self._transport = None
@@ -337,12 +311,21 @@ class P2PCheckpointEngine(OneToManyEngine):
         self._joined = None
 
     def _drop_connections(self) -> None:
-        for peer in self._peers.values():
-            peer.channel.close()
-        self._peers = {}
-        if self._channel is not None:
-            self._channel.close()
-            self._channel = None
+        """Forget every rollout's connection (its queues drained; it connects again with a new epoch), or, on
+        a rollout, the connection to the trainer."""
+        if self.is_sender:
+            for peer in self._peers.values():
+                self._forget(peer)
+            self._peers = {}
+        elif self._control is not None:
+            self._control.close()
+            self._control = self._store = None
+
+    def _forget(self, peer: _Peer) -> None:
+        if self._control is not None:
+            for queue in peer.queues:
+                self._control.drain(queue)
+            self._control.unwatch([peer.rank])
 
     def _setup_buffers(self, host: str) -> None:
         if self._transport is not None:
@@ -404,42 +387,48 @@ class P2PCheckpointEngine(OneToManyEngine):
             hal.synchronize(self.device_kind)
 
     # ---- trainer ----------------------------------------------------------------------------------
+    def _trainer_control(self) -> ControlChannel:
+        """The trainer's control channel of the current generation (made on first need)."""
+        namespace = self._namespace()
+        if self._control is None or self._control.namespace != namespace:
+            self._drop_connections()
+            if self._control is not None:
+                self._control.close()
+            self._control = ControlChannel(self._store, rank=self.src_rank, namespace=namespace,
+                                           timeout=self.timeout, label=self._peer_label)
+        return self._control
+
     async def _accept_all(self) -> list[_Peer]:
+        """Every rollout's connection: those kept from earlier updates, replaced by a newer one where a rollout
+        connected again, and the missing ones waited for (their :class:`Hello`) until ``timeout``."""
         self._host_rendezvous()
         self._setup_buffers(self.master_addr)
+        ctl = self._trainer_control()
         want = set(range(1, self.world_size))
-        if set(self._peers) == want:
-            return [self._peers[r] for r in sorted(want)]
-        loop = asyncio.get_running_loop()
         deadline = time.monotonic() + self.timeout
         bucket_sizes: dict[int, Any] = {}
-        while set(self._peers) != want:
-            left = deadline - time.monotonic()
+        while set(self._peers) != want or ctl.pending("hello"):
             try:
-                if left <= 0:
-                    raise asyncio.TimeoutError
-                sock, addr = await asyncio.wait_for(loop.sock_accept(self._listener), left)
-            except asyncio.TimeoutError:
+                hello = await ctl.recv("hello", Hello, None, "hello", max(0.01, deadline - time.monotonic()))
+            except PeerFailure as exc:
+                if not exc.timed_out:
+                    raise
                 missing = sorted(want - set(self._peers))
                 raise TransferTimeoutError(
                     f"the trainer (rank 0 at {self.master_addr}:{self.master_port}) waited {self.timeout:g} s for "
                     f"rollout rank(s) {missing} to connect; they are dead, missing or misconfigured") from None
-            channel = _Channel(sock, f"a rollout connecting from {addr[0]}:{addr[1]}")
+            old = self._peers.get(hello.rank)
+            if hello.rank not in want or (old is not None and hello.epoch <= old.epoch):
+                continue  # a stray hello, or one of a connection already replaced
             try:
-                hello = await channel.recv(max(0.1, deadline - time.monotonic()), "hello")
-                rank = hello.get("rank")
-                if rank not in want:
-                    raise _PeerFailure(channel.label, f"said it is rank {rank!r}; expected one of {sorted(want)}")
-                channel.label = f"rollout rank {rank} (at {addr[0]}:{addr[1]})"
-                self._transport.add_peer(rank, hello["transport"])
-                bucket_sizes[rank] = hello.get("bucket_size")
-            except _PeerFailure:
-                channel.close()  # a stray or broken connection: wait for the real one until the deadline
-                continue
-            old = self._peers.pop(rank, None)
+                self._transport.add_peer(hello.rank, hello.transport)
+            except (KeyError, TypeError, ValueError, TransferError):
+                continue  # a broken hello: wait for a good one until the deadline
             if old is not None:
-                old.channel.close()
-            self._peers[rank] = _Peer(rank, channel)
+                self._forget(old)
+            self._peers[hello.rank] = _Peer(hello.rank, f"rollout rank {hello.rank} (at {hello.host})", hello.epoch)
+            ctl.watch([hello.rank])
+            bucket_sizes[hello.rank] = hello.bucket_size
         wrong = {r: n for r, n in bucket_sizes.items() if n != self.bucket_size}
         if wrong:  # the rollouts' slots are laid out for another bucket size: refuse before any byte moves
             text = ", ".join(f"{self._label(r)} has bucket_size={n}" for r, n in sorted(wrong.items()))
@@ -465,7 +454,7 @@ class P2PCheckpointEngine(OneToManyEngine):
         try:
             peers = await self._accept_all()
             await self._send(peers, weights, global_steps)
-        except _PeerFailure as exc:
+        except PeerFailure as exc:
             await self._abort_all(global_steps, f"{exc.peer} failed: {exc}", fatal=True)
             error = TransferTimeoutError if exc.timed_out else TransferError
             raise error(f"step {global_steps} failed on the trainer: {exc}") from None
@@ -511,14 +500,14 @@ class P2PCheckpointEngine(OneToManyEngine):
                 await self._complete(peers, *pending.popleft())
             for peer in peers:
                 await self._credit(peer, peer.sent)
-        except _PeerFailure:
+        except PeerFailure:
             raise
         except Exception as exc:  # the weights iterator or a pair failed here: tell the rollouts, stay usable
             while pending:
                 await self._complete(peers, *pending.popleft())
             for peer in peers:
-                await peer.channel.send(WireMessage(step, self.bucket_size,
-                                                    abort=f"{type(exc).__name__}: {exc}"[:2000]).to_dict(), self.timeout)
+                self._control.send(peer.queues[0], WireMessage(step, self.bucket_size,
+                                                               abort=f"{type(exc).__name__}: {exc}"[:2000]))
                 peer.sent += 1
             for peer in peers:
                 await self._credit(peer, peer.sent)
@@ -538,86 +527,94 @@ class P2PCheckpointEngine(OneToManyEngine):
         try:
             return self._transport.start_write(peer.rank, pieces)
         except TransferError as exc:
-            raise _PeerFailure(peer.channel.label, f"the {self._transport.library} write to {peer.channel.label} "
-                                                   f"could not start: {exc}") from exc
+            raise PeerFailure(peer.label, f"the {self._transport.library} write to {peer.label} could not start: "
+                                          f"{exc}") from exc
 
     async def _complete(self, peers: list[_Peer], handles: list, record: WireMessage, sources: list) -> None:
         """Wait for a message's writes, release the storage registered for them, then announce the message
         to every rollout."""
+        ctl = self._control
         try:
             for peer, handle in handles:
+                what = f"the {self._transport.library} write of message {peer.sent}"
                 try:
-                    await self._transport.wait(handle, self.timeout)
+                    await self._transport.wait(handle, self.timeout, functools.partial(ctl.check_alive, peer.rank, what))
+                except PeerFailure:
+                    raise
                 except TransferError as exc:
-                    raise _PeerFailure(peer.channel.label, f"the {self._transport.library} write to "
-                                       f"{peer.channel.label} failed: {exc}",
-                                       isinstance(exc, TransferTimeoutError)) from exc
+                    raise PeerFailure(peer.label, f"the {self._transport.library} write to {peer.label} failed: {exc}",
+                                      isinstance(exc, TransferTimeoutError)) from exc
         finally:
             for source in sources:
                 self._release_source(source)
-        raw = record.to_dict()
         for peer in peers:
-            await peer.channel.send(raw, self.timeout)
+            ctl.send(peer.queues[0], record)
             peer.sent += 1
 
     async def _credit(self, peer: _Peer, count: int) -> None:
         """Read acknowledgements from ``peer`` until it acknowledged ``count`` messages."""
         while peer.acked < count:
-            record = await peer.channel.recv(self.timeout, f"the acknowledgement of message {peer.acked}")
-            if record.get("ack") != peer.acked:
-                raise _PeerFailure(peer.channel.label, f"{peer.channel.label} acknowledged {record!r}, "
-                                                       f"expected message {peer.acked}")
+            ack = await self._control.recv(peer.queues[1], Ack, peer.rank,
+                                           f"the acknowledgement of message {peer.acked}")
+            if ack.index != peer.acked:
+                raise PeerFailure(peer.label, f"{peer.label} acknowledged message {ack.index}, expected message "
+                                              f"{peer.acked}")
             peer.acked += 1
 
     async def _abort_all(self, step: int | None, reason: str, fatal: bool) -> None:
-        """Tell every rollout still reachable that this update is off, then drop every connection."""
-        grace = min(self.timeout, 5.0)
-        for peer in list(self._peers.values()):
-            try:
-                await peer.channel.send(WireMessage(step, self.bucket_size, abort=reason[:2000],
-                                                    fatal=fatal).to_dict(), grace)
-                # close gracefully: a close() with unread acknowledgements pending would reset the connection
-                # and could destroy the abort record before the rollout reads it
-                peer.channel.sock.shutdown(socket.SHUT_WR)
-                while True:
-                    await peer.channel.recv(grace, "the end of the connection")
-            except (_PeerFailure, OSError):
-                pass
+        """Tell every rollout still reachable that this update is off, wait (a few seconds at most) until each
+        live one took the word (so that a trainer closing next does not take it away with its store), then
+        drop every connection."""
+        ctl = self._control
+        if ctl is None:
+            return
+        peers = list(self._peers.values())
+        for peer in peers:
+            ctl.send(peer.queues[0], WireMessage(step, self.bucket_size, abort=reason[:2000], fatal=fatal))
+        deadline = time.monotonic() + min(self.timeout, 5.0)
+        for peer in peers:
+            while time.monotonic() < deadline:
+                try:
+                    ctl.check_alive(peer.rank)
+                    if not ctl.pending(peer.queues[0]):
+                        break
+                except PeerFailure:
+                    break
+                await asyncio.sleep(0.01)
         self._drop_connections()
 
     # ---- rollout ----------------------------------------------------------------------------------
-    async def _connect(self) -> _Channel:
-        if self._channel is not None:
-            return self._channel
+    async def _connect(self) -> ControlChannel:
+        """The rollout's connection to the trainer: its control channel (the store reached, the buffers
+        registered, :class:`Hello` sent), made on first need and after a dropped one.
+
+        Raises:
+            CheckpointConfigError: no trainer address; TransferTimeoutError: the trainer's store did not
+            answer within ``timeout``.
+        """
+        if self._control is not None:
+            return self._control
         if self.master_addr is None or self.master_port is None:
             raise CheckpointConfigError("a rollout needs master_addr and master_port (the trainer's control "
                                         f"address), got {self.master_addr!r}, {self.master_port!r}")
-        loop = asyncio.get_running_loop()
-        deadline = time.monotonic() + self.timeout
-        label = self._label(0)
-        while True:
-            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            sock.setblocking(False)
-            try:
-                await asyncio.wait_for(loop.sock_connect(sock, (self.master_addr, int(self.master_port))),
-                                       max(0.01, deadline - time.monotonic()))
-                break
-            except (OSError, asyncio.TimeoutError) as exc:
-                sock.close()
-                if time.monotonic() >= deadline:
-                    raise TransferTimeoutError(f"rollout rank {self.rank} could not reach {label} within "
-                                               f"{self.timeout:g} s: {exc or 'timed out'}") from None
-                await asyncio.sleep(0.05)
-        channel = _Channel(sock, label)
+        try:  # in a thread: the store may be hosted by a trainer on this very event loop, not up yet
+            store = await asyncio.to_thread(connect_store, self.master_addr, int(self.master_port), self.timeout,
+                                            self._label(0))
+        except TransferTimeoutError as exc:
+            raise TransferTimeoutError(f"rollout rank {self.rank}: {exc}") from None
+        ctl = ControlChannel(store, rank=self.rank, namespace=self._namespace(), timeout=self.timeout,
+                             label=self._peer_label)
         try:
-            self._setup_buffers(self.host or sock.getsockname()[0])
-            await channel.send({"rank": self.rank, "transport": self._region_info, "bucket_size": self.bucket_size},
-                               self.timeout)
+            host = self.host or local_address_towards(self.master_addr)
+            self._setup_buffers(host)
+            epoch = ctl.add(f"join/{self.rank}", 1)
+            ctl.watch([self.src_rank])
+            ctl.send("hello", Hello(self.rank, epoch, self.bucket_size, self._region_info, host))
         except BaseException:
-            channel.close()
+            ctl.close()
             raise
-        self._channel = channel
-        return channel
+        self._control, self._store, self._epoch = ctl, store, epoch
+        return ctl
 
     async def receive_weights(self, global_steps: int | None = None, *,
                               placement: ReceivePlacement | None = None) -> AsyncIterator[NamedTensor]:
@@ -638,16 +635,17 @@ class P2PCheckpointEngine(OneToManyEngine):
         k = 0
         done = False
         try:
-            channel = await self._connect()
+            ctl = await self._connect()
+            messages, acks = _queues(self.rank, self._epoch)
 
             async def next_record() -> WireMessage:
-                record = WireMessage.from_dict(
-                    await channel.recv(self.timeout, f"the metadata of message {k} of the next update"))
+                record = await ctl.recv(messages, WireMessage, self.src_rank,
+                                        f"the metadata of message {k} of the next update")
                 if record.bucket_size != self.bucket_size:  # its slots are laid out for another size
                     self._drop_connections()
                     check_bucket_size(record.bucket_size, self.bucket_size, f"rollout rank {self.rank}")
                 if record.abort is not None:
-                    await channel.send({"ack": k}, self.timeout)
+                    ctl.send(acks, Ack(k))
                     if record.fatal:
                         self._drop_connections()
                     raise TransferAbortedError(f"the trainer gave up step {record.step} (rollout rank "
@@ -659,10 +657,10 @@ class P2PCheckpointEngine(OneToManyEngine):
                 check_step(asked, record.step, f"{type(self).__name__} receive on rollout rank {self.rank}")
             except VersionMismatchError:
                 while not record.end:
-                    await channel.send({"ack": k}, self.timeout)
+                    ctl.send(acks, Ack(k))
                     k += 1
                     record = await next_record()
-                await channel.send({"ack": k}, self.timeout)
+                ctl.send(acks, Ack(k))
                 done = True
                 raise
             self.received_global_steps = record.step
@@ -682,31 +680,31 @@ class P2PCheckpointEngine(OneToManyEngine):
                     self._large[chunk.start:chunk.start + chunk.length].copy_(slot[:chunk.length])
                     if chunk.last:
                         self._sync()
-                        await channel.send({"ack": k}, self.timeout)
+                        ctl.send(acks, Ack(k))
                         k += 1
                         record = await next_record()
                         yield chunk.name, big
                         continue
                 self._sync()
-                await channel.send({"ack": k}, self.timeout)
+                ctl.send(acks, Ack(k))
                 k += 1
                 record = await next_record()
-            await channel.send({"ack": k}, self.timeout)
+            ctl.send(acks, Ack(k))
             done = True
         except GeneratorExit:  # the consumer stopped early: acknowledge the rest so the trainer finishes
-            if not done and self._channel is not None:
+            if not done and self._control is not None:
                 try:
                     while not record.end:
-                        await self._channel.send({"ack": k}, self.timeout)
+                        ctl.send(acks, Ack(k))
                         k += 1
-                        record = WireMessage.from_dict(await self._channel.recv(self.timeout, f"message {k}"))
+                        record = await ctl.recv(messages, WireMessage, self.src_rank, f"message {k}")
                         if record.abort is not None:
                             break
-                    await self._channel.send({"ack": k}, self.timeout)
-                except _PeerFailure:
+                    ctl.send(acks, Ack(k))
+                except PeerFailure:
                     self._drop_connections()
             raise
-        except _PeerFailure as exc:
+        except PeerFailure as exc:
             self._drop_connections()
             error = TransferTimeoutError if exc.timed_out else TransferError
             raise error(f"rollout rank {self.rank}: {exc}") from None

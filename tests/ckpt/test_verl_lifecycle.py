@@ -142,11 +142,11 @@ def test_transfer_library_engine_keeps_agent_buffers_and_connections_across_verl
                 ckpt.get_checkpoint_engine(name, **kw)]
     rollouts = [ckpt.get_checkpoint_engine(name, **kw) for _ in range(2)]
 
-    def held():  # what each update would otherwise set up again: the library's agent, sockets, buffers
+    def held():  # what each update would otherwise set up again: the library's agent, control channels, buffers
         sender = trainers[0]
-        return ([sender._transport, sender._listener, sender._region.data_ptr()]
-                + [sender._peers[r].channel.sock for r in (1, 2)]
-                + [x for e in rollouts for x in (e._transport, e._channel.sock, e._region.data_ptr())])
+        return ([sender._transport, sender._store, sender._control, sender._region.data_ptr()]
+                + [sender._peers[r] for r in (1, 2)]
+                + [x for e in rollouts for x in (e._transport, e._control, e._region.data_ptr())])
     try:
         kept, fds = [], []
         for step in (1, 2, 3, 4):
@@ -164,11 +164,11 @@ def test_transfer_library_engine_keeps_agent_buffers_and_connections_across_verl
         _lifecycle(trainers, rollouts[:1])
         asyncio.run(_update(trainers, rollouts[:1], 5))
         assert trainers[0]._transport is not kept[0][0] and list(trainers[0]._peers) == [1]
-        assert rollouts[0]._transport is not kept[0][5]
+        assert rollouts[0]._transport is not kept[0][6]
     finally:
         for e in trainers + rollouts:
             e.close()
-    assert all(e._transport is None and e._peers == {} and e._channel is None for e in trainers + rollouts)
+    assert all(e._transport is None and e._peers == {} and e._control is None for e in trainers + rollouts)
 
 
 class _Decorated(ckpt.ColocatedCheckpointEngine):

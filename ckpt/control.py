@@ -1,0 +1,432 @@
+"""The control channel of one one-to-many engine group, over torch.distributed's ``TCPStore``.
+
+One idea: typed messages between the ranks of a group, every wait bounded, a dead peer seen within seconds.
+
+* **the store**: the trainer (rank 0, the master) hosts a ``TCPStore`` at its ``master_addr`` (:func:`host_store`,
+  once per engine: its port does not change across generations); every other rank connects to it
+  (:func:`connect_store`).
+* **keys**: a :class:`ControlChannel` works under one namespace (the engine and the group's generation, e.g.
+  ``"ckpt-p2p/3"``), so a new generation never reads an old one's keys. Messages travel in the store's FIFO
+  queues (``queue_push`` / ``queue_pop``), one queue per direction and peer, named by the caller
+  (``"msg/2/1"``: rank 2's messages of its first connection); single values (``post`` / ``peek``, or raw
+  bytes with ``post_bytes`` / ``get_bytes``, waited for per rank with ``wait_posted``) and counters (``add``)
+  sit under plain keys.
+* **messages**: dataclasses (:class:`~ckpt.wire.WireMessage`, :class:`Ack`, an engine's own) sent as JSON with
+  their type's name; a receiver names the type it expects and gets an instance of it, or a
+  :class:`~ckpt.errors.TransferError` naming what came instead.
+* **waits**: a receive blocks in a worker thread (``asyncio.to_thread``) on its own store connection, so the
+  event loop keeps running; it is bounded by the engine's timeout and a timeout names the peer, what was
+  awaited, the key and the seconds (:class:`PeerFailure` with ``timed_out``).
+* **liveness**: each channel runs a daemon thread that bumps its rank's counter (``store.add``) every
+  :data:`HEARTBEAT_S` and reads the counters of the peers it was told to :meth:`~ControlChannel.watch`. A peer
+  whose counter stood still for :data:`HEARTBEAT_DEAD_S` is dead: a wait on it is woken at once (a queue gets
+  a wake-up item, an unset key a wake-up value) and raises :class:`PeerFailure` naming it, and :meth:`~ControlChannel.check_alive` raises the same. The store's
+  host gone (its process exited) fails every wait at once, naming the host.
+
+The store keeps what is not taken: receivers pop their queues, and an engine drains the queues of a connection
+it drops (:meth:`~ControlChannel.drain`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import datetime
+import itertools
+import json
+import threading
+import time
+from typing import Any, Callable, TypeVar
+
+import torch.distributed as dist
+
+import hal
+from ckpt.errors import CheckpointConfigError, TransferError, TransferTimeoutError
+
+HEARTBEAT_S = 0.5
+"""Seconds between two bumps of a rank's heartbeat counter (and two looks at its peers' counters)."""
+HEARTBEAT_DEAD_S = 3.0
+"""Seconds a watched peer's counter may stand still before the peer counts as dead."""
+
+M = TypeVar("M")
+_WAKE_VALUE = b"\x00hal-ckpt-control-wake"  # what a key waited on is set to when its rank was found dead
+
+
+class PeerFailure(TransferError):
+    """A peer died, hangs, or did not answer in time.
+
+    Attributes:
+        peer: how the peer is named in messages (``"rollout rank 2 (at 10.0.0.3)"``).
+        timed_out: ``True`` when the wait ran out of time (the engine raises :class:`TransferTimeoutError`),
+            ``False`` when the peer is known dead or gone.
+    """
+
+    def __init__(self, peer: str, text: str, timed_out: bool = False) -> None:
+        super().__init__(text)
+        self.peer, self.timed_out = peer, timed_out
+
+
+@dataclasses.dataclass(frozen=True)
+class Ack:
+    """A receiver is done with message ``index`` (counted from 0 in one update) and its buffer."""
+
+    index: int
+
+
+def host_store(addr: str, port: int | None, timeout: float) -> dist.TCPStore:
+    """Host the group's store at ``addr:port`` (``port`` ``None`` or 0: a free port; read it from ``.port``).
+
+    Raises:
+        CheckpointConfigError: the address cannot be bound (named).
+    """
+    try:
+        return hal.connect_store(addr, port or 0, 0, 1, timeout)
+    except hal.DistributedTimeoutError as exc:
+        raise CheckpointConfigError(f"cannot host the checkpoint engine's store at {addr}:{port or 0}: {exc}") from exc
+
+
+def connect_store(addr: str, port: int, timeout: float, who: str) -> dist.TCPStore:
+    """Connect to the store hosted at ``addr:port``, waiting at most ``timeout`` seconds for it; ``who`` names
+    the host in the error.
+
+    Raises:
+        TransferTimeoutError: the store did not answer within ``timeout``.
+    """
+    try:
+        return hal.connect_store(addr, port, 1, 2, timeout)
+    except hal.DistributedTimeoutError as exc:
+        raise TransferTimeoutError(f"could not reach {who} (its store at {addr}:{port}) within {timeout:g} s: "
+                                   f"{exc}") from None
+
+
+def encode(message: Any) -> bytes:
+    """A dataclass instance as JSON bytes with its type's name (``to_dict()`` when it has one)."""
+    body = message.to_dict() if hasattr(message, "to_dict") else dataclasses.asdict(message)
+    return json.dumps({"type": type(message).__name__, "body": body}, separators=(",", ":")).encode()
+
+
+def decode(raw: bytes, expect: type[M], where: str) -> M:
+    """Rebuild a message of type ``expect`` from :func:`encode`'s bytes (``expect.from_dict`` when it has one).
+
+    Raises:
+        TransferError: the bytes are not a message of that type (``where`` says whose and what).
+    """
+    try:
+        item = json.loads(raw)
+        kind, body = item["type"], item["body"]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise TransferError(f"{where}: corrupt control message ({type(exc).__name__}: {exc}): {raw[:200]!r}") from None
+    if kind != expect.__name__:
+        raise TransferError(f"{where}: expected a {expect.__name__} message, got {kind!r}: {raw[:200]!r}")
+    if hasattr(expect, "from_dict"):
+        return expect.from_dict(body)
+    try:
+        return expect(**body)
+    except TypeError as exc:
+        raise TransferError(f"{where}: corrupt {kind} message ({exc}): {raw[:200]!r}") from None
+
+
+def _store_timeout(exc: BaseException) -> bool:
+    """A store wait that ran out of time (the store is fine), as against the store's host gone."""
+    return isinstance(exc, dist.DistStoreError)
+
+
+class ControlChannel:
+    """One rank's control channel of one engine group (see the module docstring).
+
+    Args:
+        store: a ``TCPStore`` (the host's own server object, or a client). The channel uses clones of it for
+            its blocking waits (made on the first) and its heartbeat; the caller keeps ``store`` and drops it
+            after :meth:`close`.
+        rank: this rank in the group (its heartbeat counter).
+        namespace: prefix of every key, e.g. ``"ckpt-p2p/3"`` (engine and generation).
+        timeout: seconds bounding every wait unless a call says otherwise (a number > 0).
+        label: ``label(rank) -> str``, how errors name a rank.
+        host_rank: the rank whose process hosts the store (named when the store is gone).
+        heartbeat: run the heartbeat thread (``False``: :meth:`watch` and dead-peer detection do nothing).
+
+    Raises:
+        CheckpointConfigError: ``timeout`` is not a number > 0.
+    """
+
+    def __init__(self, store: dist.Store, *, rank: int, namespace: str, timeout: float,
+                 label: Callable[[int], str], host_rank: int = 0, heartbeat: bool = True) -> None:
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+            raise CheckpointConfigError(f"timeout must be a number of seconds > 0, got {timeout!r}")
+        self.store, self.rank, self.namespace = store, rank, namespace
+        self.timeout, self.label, self.host_rank = float(timeout), label, host_rank
+        self._waiter: dist.Store | None = None  # blocking waits run in worker threads on their own connection
+        self._lock = threading.Lock()
+        self._waits: dict[int, tuple[str, int]] = {}  # wait token -> (key, peer) of waits in progress
+        self._queue_keys: set[str] = set()  # the keys of those that are queues
+        self._tokens = itertools.count(1)
+        self._watched: dict[int, tuple[int, float]] = {}  # peer -> (last counter seen, when it last changed)
+        self._dead: dict[int, str] = {}  # peer -> why it counts as dead
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        if heartbeat:
+            beat = store.clone()
+            beat.add(self.key("hb", str(rank)), 1)  # alive before anyone can watch it
+            self._thread = threading.Thread(target=self._beat, args=(beat,), daemon=True,
+                                            name=f"hal-ckpt-heartbeat-{namespace}-{rank}")
+            self._thread.start()
+
+    # ---- keys, values, counters ------------------------------------------------------------------------
+    def key(self, *parts: str) -> str:
+        """The store key of ``parts`` under this channel's namespace."""
+        return "/".join((self.namespace, *parts))
+
+    def post(self, name: str, message: Any) -> None:
+        """Set key ``name`` to ``message`` (a dataclass), replacing what was there."""
+        self.store.set(self.key(name), encode(message))
+
+    def peek(self, name: str, expect: type[M]) -> M | None:
+        """The message under key ``name`` without waiting, ``None`` if there is none.
+
+        Raises:
+            TransferError: the store's host is gone, or the value is not an ``expect`` message.
+        """
+        key = self.key(name)
+        try:
+            if not self.store.check([key]):
+                return None
+            raw = self.store.get(key)
+        except dist.DistError as exc:
+            raise self._host_gone(f"the key {key!r}", exc) from None
+        return decode(raw, expect, f"{self.label(self.rank)} reading {key!r}")
+
+    def post_bytes(self, name: str, data: bytes) -> None:
+        """Set key ``name`` to ``data`` as is (a pickled object, a library's record).
+
+        Raises:
+            PeerFailure: the store's host is gone.
+        """
+        try:
+            self.store.set(self.key(name), data)
+        except dist.DistError as exc:
+            raise self._host_gone(f"setting {self.key(name)!r}", exc) from None
+
+    def get_bytes(self, name: str) -> bytes:
+        """The bytes under key ``name`` (set by :meth:`post_bytes`; wait for it with :meth:`wait_posted`)."""
+        return self.store.get(self.key(name))
+
+    def wait_posted(self, names: dict[int, str], what: str, timeout: float | None = None) -> None:
+        """Block the calling thread until every rank ``r`` of ``names`` (``{rank: key name}``) has set its key,
+        at most ``timeout`` seconds in all (default: the channel's); a watched rank found dead meanwhile
+        fails the wait at once.
+
+        Raises:
+            PeerFailure: ``timed_out``: the ranks that did not set theirs in time, named (``peer``) with the
+                seconds; else a rank is dead (named) or the store's host is gone.
+        """
+        timeout = self.timeout if timeout is None else timeout
+        deadline = time.monotonic() + timeout
+        for rank, name in names.items():
+            key = self.key(name)
+            token = next(self._tokens)
+            with self._lock:
+                self._waits[token] = (key, rank)
+            try:
+                self.check_alive(rank, what)
+                if self._waiter is None:
+                    self._waiter = self.store.clone()
+                self._waiter.wait([key], datetime.timedelta(seconds=max(0.01, deadline - time.monotonic())))
+                if self._waiter.get(key) == _WAKE_VALUE:
+                    self.check_alive(rank, what)
+            except dist.DistError as exc:
+                if not _store_timeout(exc):
+                    raise self._host_gone(what, exc) from None
+                missing = [self.label(r) for r, n in names.items() if not self._waiter.check([self.key(n)])]
+                who = ", ".join(missing)
+                raise PeerFailure(who, f"{who} did not answer {what} within {timeout:g} s (store keys under "
+                                       f"{self.namespace!r})", True) from None
+            finally:
+                with self._lock:
+                    self._waits.pop(token, None)
+
+    def unset(self, name: str) -> None:
+        """Delete key ``name`` (nothing happens if it is not there)."""
+        self.store.delete_key(self.key(name))
+
+    def add(self, name: str, amount: int) -> int:
+        """Add ``amount`` to the counter ``name`` (created at 0); returns the new value."""
+        return int(self.store.add(self.key(name), amount))
+
+    # ---- queues ----------------------------------------------------------------------------------------
+    def send(self, queue: str, message: Any) -> None:
+        """Append ``message`` (a dataclass) to ``queue``; does not wait for a receiver.
+
+        Raises:
+            PeerFailure: the store's host is gone.
+        """
+        try:
+            self.store.queue_push(self.key(queue), encode(message))
+        except dist.DistError as exc:
+            raise self._host_gone(f"sending on {self.key(queue)!r}", exc) from None
+
+    def pending(self, queue: str) -> int:
+        """How many messages wait in ``queue`` (the wake-up items of :meth:`recv` count too)."""
+        return int(self.store.queue_len(self.key(queue)))
+
+    def drain(self, queue: str) -> None:
+        """Drop whatever waits in ``queue`` (a connection given up); quiet if the store is gone."""
+        key = self.key(queue)
+        try:
+            while self.store.queue_len(key):
+                self.store.queue_pop(key, False)
+        except dist.DistError:
+            pass
+
+    async def recv(self, queue: str, expect: type[M], peer: int | None, what: str,
+                   timeout: float | None = None) -> M:
+        """The next message of ``queue``, an ``expect``, sent by ``peer`` (``None``: any rank, no liveness
+        watch); waits at most ``timeout`` seconds (default: the channel's) in a worker thread.
+
+        Raises:
+            PeerFailure: ``timed_out`` after ``timeout`` (naming the peer, ``what``, the key and the seconds);
+                else ``peer`` is dead (no heartbeat for :data:`HEARTBEAT_DEAD_S`) or the store's host is gone.
+            TransferError: what came is not an ``expect`` message.
+        """
+        timeout = self.timeout if timeout is None else timeout
+        raw = self._pop_ready(self.key(queue), peer, what)
+        if raw is None:
+            raw = await asyncio.to_thread(self.pop, queue, peer, what, timeout)
+        return decode(raw, expect, f"{self.label(self.rank)} receiving {what}")
+
+    def pop(self, queue: str, peer: int | None, what: str, timeout: float) -> bytes:
+        """The next raw item of ``queue``, blocking the calling thread at most ``timeout`` seconds (see
+        :meth:`recv`, which decodes it; this is its blocking half, for a thread)."""
+        key = self.key(queue)
+        token = next(self._tokens)
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            self._waits[token] = (key, peer)
+            self._queue_keys.add(key)
+        try:
+            while True:
+                if peer is not None:
+                    self.check_alive(peer, what)
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    who = "no rank" if peer is None else self.label(peer)
+                    raise PeerFailure(who, f"{who} sent no {what} within {timeout:g} s (store key {key!r})", True)
+                if self._waiter is None:
+                    self._waiter = self.store.clone()
+                self._waiter.set_timeout(datetime.timedelta(seconds=left))
+                try:
+                    raw = self._waiter.queue_pop(key)
+                except dist.DistError as exc:
+                    if _store_timeout(exc):
+                        continue
+                    raise self._host_gone(what, exc) from None
+                if not self._is_wake(raw, token, peer, what):
+                    return raw
+        finally:
+            with self._lock:
+                self._waits.pop(token, None)
+
+    def _pop_ready(self, key: str, peer: int | None, what: str) -> bytes | None:
+        """An item already in the queue ``key`` (stale wake-ups skipped), else ``None``; no thread hop."""
+        if peer is not None:
+            self.check_alive(peer, what)
+        while True:
+            try:
+                raw = self.store.queue_pop(key, False)
+            except dist.QueueEmptyError:
+                return None
+            except dist.DistError as exc:
+                raise self._host_gone(what, exc) from None
+            if not self._is_wake(raw, 0, peer, what):
+                return raw
+
+    def _is_wake(self, raw: bytes, token: int, peer: int | None, what: str) -> bool:
+        """Whether ``raw`` is a wake-up item; raise if it is the one for this wait (``token``)."""
+        if not raw.startswith(b'{"type":"_Wake"'):
+            return False
+        if json.loads(raw)["body"].get("token") == token and peer is not None:
+            self.check_alive(peer, what)
+        return True  # a wake-up for a wait that has ended: skip it
+
+    def _host_gone(self, what: str, exc: BaseException) -> PeerFailure:
+        who = self.label(self.host_rank)
+        first = (str(exc).splitlines() or [""])[0][:200]
+        return PeerFailure(who, f"{who}, which hosts the control store, is gone (it exited or died) while "
+                                f"{self.label(self.rank)} waited for {what} ({type(exc).__name__}: {first})")
+
+    # ---- liveness --------------------------------------------------------------------------------------
+    def watch(self, peers: list[int]) -> None:
+        """Watch the heartbeats of ``peers`` from now on (in addition to those watched already)."""
+        with self._lock:
+            for peer in peers:
+                self._watched.setdefault(peer, (-1, time.monotonic()))
+                self._dead.pop(peer, None)
+
+    def unwatch(self, peers: list[int]) -> None:
+        """Stop watching ``peers`` (they left, or a new connection of theirs is to be watched afresh)."""
+        with self._lock:
+            for peer in peers:
+                self._watched.pop(peer, None)
+                self._dead.pop(peer, None)
+
+    def check_alive(self, peer: int, what: str = "a message") -> None:
+        """Raise :class:`PeerFailure` if ``peer`` counts as dead (a dictionary look-up: no store round trip).
+
+        Raises:
+            PeerFailure: its heartbeat stood still for :data:`HEARTBEAT_DEAD_S`, or the store's host is gone.
+        """
+        reason = self._dead.get(peer)
+        if reason is not None:
+            raise PeerFailure(self.label(peer), f"{reason}, while {self.label(self.rank)} waited for {what}")
+
+    def _beat(self, beat: dist.Store) -> None:
+        """The heartbeat thread: bump this rank's counter, judge the watched peers, wake waits on the dead."""
+        mine = self.key("hb", str(self.rank))
+        while not self._stop.wait(HEARTBEAT_S):
+            try:
+                beat.add(mine, 1)
+                with self._lock:
+                    watched = list(self._watched.items())
+                now = time.monotonic()
+                for peer, (seen, since) in watched:
+                    count = int(beat.add(self.key("hb", str(peer)), 0))
+                    if count != seen or count == 0:  # alive, or not started yet (0: never beat)
+                        with self._lock:
+                            if peer in self._watched:
+                                self._watched[peer] = (count, now)
+                        continue
+                    if now - since >= HEARTBEAT_DEAD_S and peer not in self._dead:
+                        self._mark_dead(beat, peer, f"{self.label(peer)} is dead or hangs: its heartbeat stood "
+                                                    f"still for {now - since:.1f} s (HEARTBEAT_DEAD_S="
+                                                    f"{HEARTBEAT_DEAD_S:g})")
+            except dist.DistError as exc:  # the store's host is gone: every wait fails by itself
+                if self.host_rank in self._watched and self.host_rank != self.rank:
+                    self._mark_dead(None, self.host_rank, str(self._host_gone("its heartbeat", exc)))
+                return
+
+    def _mark_dead(self, beat: dist.Store | None, peer: int, reason: str) -> None:
+        with self._lock:
+            self._dead[peer] = reason
+            waits = [(token, key) for token, (key, p) in self._waits.items() if p == peer]
+        if beat is None:
+            return
+        for token, key in waits:  # wake each wait on the dead peer: a queue gets an item, a key its value
+            if key in self._queue_keys:
+                beat.queue_push(key, encode(_Wake(token)))
+            else:
+                beat.compare_set(key, "", _WAKE_VALUE)
+
+    def close(self) -> None:
+        """Stop the heartbeat thread (waits for it at most ``2 * HEARTBEAT_S``); idempotent. The store is the
+        caller's."""
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(2 * HEARTBEAT_S)
+        self._thread = None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Wake:
+    """The item that wakes receive ``token`` (its peer was found dead)."""
+
+    token: int
+

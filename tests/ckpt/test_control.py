@@ -1,0 +1,157 @@
+"""ckpt.control: typed messages over the store, bounded waits, a dead peer named within seconds."""
+
+import asyncio
+import multiprocessing
+import os
+import signal
+import time
+
+import pytest
+
+from ckpt import control
+from ckpt.control import HEARTBEAT_DEAD_S, Ack, ControlChannel, PeerFailure
+from ckpt.errors import TransferError
+from ckpt.wire import Chunk, Segment, TensorEntry, WireMessage
+
+NAMES = {0: "the host (rank 0)", 1: "peer rank 1"}
+
+
+def _label(rank):
+    return NAMES.get(rank, f"rank {rank}")
+
+
+def _host():
+    store = control.host_store("127.0.0.1", None, 10)
+    return store, ControlChannel(store, rank=0, namespace="t/0", timeout=10, label=_label)
+
+
+def _peer_body(port, ready):
+    """A peer (rank 1): connects, says it is up, then idles until it is killed or stopped."""
+    store = control.connect_store("127.0.0.1", port, 10, "the host")
+    channel = ControlChannel(store, rank=1, namespace="t/0", timeout=10, label=_label)
+    channel.send("up", Ack(1))
+    ready.wait(60)
+    time.sleep(60)
+
+
+def _host_body(port_out, ready):
+    """The host (rank 0) in its own process: hosts the store and idles until it is killed."""
+    store, channel = _host()
+    port_out.put(store.port)
+    ready.wait(60)
+    time.sleep(60)
+
+
+def _spawn(target, *args):
+    ctx = multiprocessing.get_context("spawn")
+    proc = ctx.Process(target=target, args=args, daemon=True)
+    proc.start()
+    return proc
+
+
+def _reap(proc):
+    if proc.is_alive():
+        os.kill(proc.pid, signal.SIGKILL)
+    proc.join(10)
+
+
+def test_typed_messages_round_trip_in_order_and_a_wrong_type_is_named():
+    store, host = _host()
+    peer = ControlChannel(control.connect_store("127.0.0.1", store.port, 10, "the host"), rank=1, namespace="t/0",
+                          timeout=10, label=_label)
+    sent = [WireMessage(3, 4096, entries=[TensorEntry("w", "bfloat16", [2, 3], 0, 12)], segments=[Segment(0, 12)],
+                        slot=1),
+            WireMessage(3, 4096, chunk=Chunk("big", "float32", [4096], 16384, 4096, 4096, [8192], 4096)),
+            WireMessage(3, 4096, end=True),
+            WireMessage(None, 4096, abort="ValueError: boom", fatal=True)]
+    try:
+        for message in sent:
+            host.send("msg/1", message)
+        host.send("msg/1", Ack(7))
+
+        async def receive():
+            got = [await peer.recv("msg/1", WireMessage, 0, "metadata") for _ in sent]
+            with pytest.raises(TransferError, match="expected a WireMessage message, got 'Ack'"):
+                await peer.recv("msg/1", WireMessage, 0, "metadata")
+            return got
+        assert asyncio.run(receive()) == sent
+        host.post("closed", Ack(2))
+        assert peer.peek("closed", Ack) == Ack(2) and peer.peek("other", Ack) is None
+    finally:
+        peer.close()
+        host.close()
+
+
+def test_a_wait_times_out_naming_the_peer_the_key_and_the_seconds():
+    store, host = _host()
+    try:
+        start = time.monotonic()
+        with pytest.raises(PeerFailure) as info:
+            asyncio.run(host.recv("ack/1/1", Ack, 1, "the acknowledgement of message 0", timeout=0.6))
+        elapsed = time.monotonic() - start
+        host.post_bytes("done/2", b"3")
+        with pytest.raises(PeerFailure) as keys:  # key waits name the ranks that did not set theirs
+            host.wait_posted({1: "done/1", 2: "done/2", 3: "done/3"}, "the end of step 3", 0.6)
+    finally:
+        host.close()
+    assert keys.value.timed_out and keys.value.peer == "peer rank 1, rank 3", keys.value
+    assert "did not answer the end of step 3 within 0.6 s" in str(keys.value), keys.value
+    assert info.value.timed_out and info.value.peer == "peer rank 1"
+    text = str(info.value)
+    assert "peer rank 1" in text and "'t/0/ack/1/1'" in text and "0.6 s" in text and "acknowledgement" in text, text
+    assert 0.5 < elapsed < 3, elapsed
+
+
+@pytest.mark.parametrize("wait", ["queue", "key"])
+@pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "stopped"])
+def test_a_peer_that_stops_heartbeating_is_named_within_the_deadline(how, wait):
+    store, host = _host()
+    ready = multiprocessing.get_context("spawn").Event()
+    proc = _spawn(_peer_body, store.port, ready)
+    try:
+        assert asyncio.run(host.recv("up", Ack, None, "the peer's start", timeout=60)) == Ack(1)
+        host.watch([1])
+        time.sleep(2 * control.HEARTBEAT_S)  # the host has seen its counter move
+
+        async def wait_for_it():
+            loop = asyncio.get_running_loop()
+            loop.call_later(0.3, os.kill, proc.pid, how)
+            killed = time.monotonic() + 0.3
+            with pytest.raises(PeerFailure) as info:
+                if wait == "queue":  # a receive from the peer's queue
+                    await host.recv("msg/1", Ack, 1, "a message of peer 1", timeout=30)
+                else:  # a wait for a key the peer is to set (as kimi's gather waits)
+                    await asyncio.to_thread(host.wait_posted, {1: "done/1"}, "a message of peer 1", 30)
+            return info.value, time.monotonic() - killed
+        failure, elapsed = asyncio.run(wait_for_it())
+    finally:
+        _reap(proc)
+        host.close()
+    assert not failure.timed_out and failure.peer == "peer rank 1"
+    assert "peer rank 1 is dead or hangs" in str(failure) and "a message of peer 1" in str(failure), failure
+    assert elapsed < HEARTBEAT_DEAD_S + 2 * control.HEARTBEAT_S + 1.0, elapsed
+    with pytest.raises(PeerFailure, match="peer rank 1 is dead"):
+        host.check_alive(1)
+
+
+def test_the_store_host_dying_fails_a_wait_at_once_naming_the_host():
+    ctx = multiprocessing.get_context("spawn")
+    port_out, ready = ctx.Queue(), ctx.Event()
+    proc = _spawn(_host_body, port_out, ready)
+    try:
+        port = port_out.get(timeout=60)
+        peer = ControlChannel(control.connect_store("127.0.0.1", port, 10, "the host"), rank=1, namespace="t/0",
+                              timeout=30, label=_label)
+
+        async def wait_for_it():
+            asyncio.get_running_loop().call_later(0.3, os.kill, proc.pid, signal.SIGKILL)
+            killed = time.monotonic() + 0.3
+            with pytest.raises(PeerFailure) as info:
+                await peer.recv("msg/1", Ack, 0, "the metadata of message 0")
+            return info.value, time.monotonic() - killed
+        failure, elapsed = asyncio.run(wait_for_it())
+        peer.close()
+    finally:
+        _reap(proc)
+    assert not failure.timed_out and "the host (rank 0), which hosts the control store, is gone" in str(failure)
+    assert elapsed < 2, elapsed
