@@ -45,8 +45,9 @@ from ckpt.errors import CheckpointConfigError, TransferError, TransferTimeoutErr
 
 HEARTBEAT_S = 0.5
 """Seconds between two bumps of a rank's heartbeat counter (and two looks at its peers' counters)."""
-HEARTBEAT_DEAD_S = 3.0
-"""Seconds a watched peer's counter may stand still before the peer counts as dead."""
+HEARTBEAT_DEAD_S = 5.0
+"""Seconds a watched peer's counter may stand still before the peer counts as dead: ten missed beats, so that a
+live process starved of its CPU or its GIL for a while (a loaded 2-core CI machine) is not taken for dead."""
 
 M = TypeVar("M")
 _WAKE_VALUE = b"\x00hal-ckpt-control-wake"  # what a key waited on is set to when its rank was found dead
