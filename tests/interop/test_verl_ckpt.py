@@ -92,8 +92,22 @@ def test_verl_workers_drive_hal_collective_1_trainer_2_rollouts_and_keep_groups_
                 assert r["error"] is None and r["served_step"] == r["update"] and r["exact"] == N_TENSORS
 
 
-def test_verl_workers_drive_hal_colocated_1_trainer_2_rollouts(hal_device):
-    reports = run_multiprocess(verl_ckpt_workers.colocated, 1, hal_device, 3, timeout=180)[0]
+@pytest.fixture(scope="module")
+def colocated_runs():
+    """Per lane, one process running verl's worker sequence and then verl's manager over hal-colocated
+    (verl is imported once for both tests of the lane): ``colocated_runs(kind)`` gives both reports."""
+    runs = {}
+
+    def get(kind: str) -> dict:
+        if kind not in runs:
+            runs[kind] = run_multiprocess(verl_ckpt_workers.colocated_then_manager, 1, kind, 3, timeout=110)[0]
+        return runs[kind]
+    return get
+
+
+def test_verl_workers_drive_hal_colocated_1_trainer_2_rollouts(hal_device, colocated_runs):
+    reports = colocated_runs(hal_device)["colocated"]
+    assert [r["update"] for r in reports] == [1, 2, 3]
     for r in reports:
         assert r["same_engine"]
         if r["update"] == 2:
@@ -103,7 +117,7 @@ def test_verl_workers_drive_hal_colocated_1_trainer_2_rollouts(hal_device):
         assert r["exact"] == [N_TENSORS, N_TENSORS]
 
 
-def test_verls_checkpoint_engine_manager_drives_hal_colocated(hal_device):
-    reports = run_multiprocess(verl_ckpt_workers.manager_colocated, 1, hal_device, 3, timeout=180)[0]
+def test_verls_checkpoint_engine_manager_drives_hal_colocated(hal_device, colocated_runs):
+    reports = colocated_runs(hal_device)["manager"]
     assert [r["served"] for r in reports] == [[1, 1], [2, 2], [3, 3]]
     assert all(r["exact"] == [N_TENSORS, N_TENSORS] for r in reports)
