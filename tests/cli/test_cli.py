@@ -59,8 +59,8 @@ def test_info_on_the_simulated_npu_reports_npu_hccl_ascend_env(hal_device):
     out = hal_cmd("info", "--json", env={"HAL_DEVICE": "npu-sim"})
     assert out.returncode == 0, out.stderr
     info = json.loads(out.stdout)
-    assert (info["device_name"], info["dist_backend"], info["visible_devices_env"]) == \
-        ("npu", "hccl", "ASCEND_RT_VISIBLE_DEVICES")
+    assert (info["device"], info["device_name"], info["dist_backend"], info["visible_devices_env"]) == \
+        ("npu-sim", "npu", "hccl", "ASCEND_RT_VISIBLE_DEVICES")
 
 
 def hal_main(capsys, *args: str) -> tuple[int, str]:
