@@ -5,7 +5,7 @@ import pytest
 
 import hal
 
-pytest_plugins = ["hal.pytest_plugin"]
+pytest_plugins = ["hal.pytest_plugin", "pytester"]  # pytester: tests/hal/test_pytest_plugin.py runs pytest in-process
 
 
 @pytest.fixture(autouse=True)

@@ -9,7 +9,10 @@ import textwrap
 import pytest
 
 import hal
+from devices.npu_sim.ext import cache_root
 from hal.testing import free_port
+
+CACHE_ROOT = str(cache_root())  # read before pytester points HOME at a fresh folder
 
 INNER = textwrap.dedent('''
     import pytest
@@ -53,12 +56,25 @@ def _clean_env(extra=None):
 
 
 def _pytest(tmp_path, source, *args, env=None):
+    """A fresh interpreter running pytest on ``source``: what a suite that installed hal but never enabled the
+    plugin sees (entry-point plugins autoloaded, this suite's environment variables gone)."""
     (tmp_path / "test_inner.py").write_text(source)
-    if source is INNER:  # the opt-in, as a suite does it: in its root conftest.py
-        (tmp_path / "conftest.py").write_text('pytest_plugins = ["hal.pytest_plugin"]\n')
     return subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-rs", "-v",
                            str(tmp_path / "test_inner.py"), *args],
                           capture_output=True, text=True, timeout=120, env=_clean_env(env), cwd=tmp_path)
+
+
+def _inner(pytester, monkeypatch, *args, env=None):
+    """pytest on :data:`INNER` in this process (pytester isolates its modules and working directory), the
+    plugin enabled as a suite does it: in its root conftest.py. No interpreter to start: these tests are
+    about the plugin's collection and configuration, not about a fresh process."""
+    for key in ("HAL_DEVICE", "HAL_TEST_DEVICES", "HAL_SIM_STRICT"):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in {"HAL_CACHE_DIR": CACHE_ROOT, **(env or {})}.items():  # the sim's built extension
+        monkeypatch.setenv(key, value)
+    pytester.makeconftest('pytest_plugins = ["hal.pytest_plugin"]\n')
+    pytester.makepyfile(test_inner=INNER)
+    return pytester.runpytest_inprocess("-p", "no:cacheprovider", "-rs", "-v", *args)
 
 
 def test_foreign_suite_with_its_own_device_fixture_is_untouched_by_an_installed_hal(tmp_path):
@@ -78,36 +94,44 @@ def test_the_installed_distribution_registers_no_pytest_plugin():
     assert [ep for ep in entry_points if ep.group == "pytest11"] == []
 
 
-def test_unavailable_lane_asked_for_by_name_fails_the_run(tmp_path):
+def test_unavailable_lane_asked_for_by_name_fails_the_run(pytester, monkeypatch):
     if hal.availability("cuda"):
         pytest.skip("cuda is present here")
-    out = _pytest(tmp_path, INNER, "--hal-device", "cuda,cpu")
-    assert out.returncode == 4, out.stdout + out.stderr  # pytest's usage-error exit code
-    assert "'cuda'" in out.stderr and "CUDA" in out.stderr and "cannot be tested here" in out.stderr
+    out = _inner(pytester, monkeypatch, "--hal-device", "cuda,cpu")
+    err = out.stderr.str()
+    assert out.ret == pytest.ExitCode.USAGE_ERROR, out.stdout.str() + err
+    assert "'cuda'" in err and "CUDA" in err and "cannot be tested here" in err
 
 
-def test_unknown_lane_in_the_environment_variable_fails_naming_the_known_kinds(tmp_path):
-    out = _pytest(tmp_path, INNER, env={"HAL_TEST_DEVICES": "tpu"})
-    assert out.returncode == 4, out.stdout + out.stderr
-    assert "unknown device kind 'tpu'" in out.stderr
+def test_unknown_lane_in_the_environment_variable_fails_naming_the_known_kinds(pytester, monkeypatch):
+    out = _inner(pytester, monkeypatch, env={"HAL_TEST_DEVICES": "tpu"})
+    assert out.ret == pytest.ExitCode.USAGE_ERROR, out.stdout.str() + out.stderr.str()
+    assert "unknown device kind 'tpu'" in out.stderr.str()
 
 
-def test_lanes_from_environment_variable(tmp_path):
-    out = _pytest(tmp_path, INNER, env={"HAL_TEST_DEVICES": "cpu"})
-    assert out.returncode == 0, out.stdout + out.stderr
-    assert "test_lane[cpu] PASSED" in out.stdout and "test_lane[npu-sim]" not in out.stdout
-    assert "test_cpu_only[cpu] PASSED" in out.stdout
+def test_lanes_from_environment_variable(pytester, monkeypatch):
+    out = _inner(pytester, monkeypatch, env={"HAL_TEST_DEVICES": "cpu"})
+    out.assert_outcomes(passed=2)
+    out.stdout.fnmatch_lines(["*test_lane[[]cpu[]] PASSED*", "*test_cpu_only[[]cpu[]] PASSED*"])
+    assert "test_lane[npu-sim]" not in out.stdout.str()
 
 
-def test_marker_restricts_the_lanes(tmp_path):
-    out = _pytest(tmp_path, INNER, "--hal-device", "npu-sim,cpu")
-    assert out.returncode == 0, out.stdout + out.stderr
-    assert "test_lane[npu-sim] PASSED" in out.stdout and "test_lane[cpu] PASSED" in out.stdout
-    assert "test_cpu_only[cpu] PASSED" in out.stdout and "test_cpu_only[npu-sim]" not in out.stdout
+def test_marker_restricts_the_lanes(pytester, monkeypatch):
+    out = _inner(pytester, monkeypatch, "--hal-device", "npu-sim,cpu")
+    out.assert_outcomes(passed=3)
+    for line in ("test_lane[npu-sim] PASSED", "test_lane[cpu] PASSED", "test_cpu_only[cpu] PASSED"):
+        assert line in out.stdout.str()
+    assert "test_cpu_only[npu-sim]" not in out.stdout.str()
 
 
-def test_strict_mode_is_set_only_while_the_plugin_is_enabled():
+def test_strict_mode_is_set_only_while_the_plugin_is_enabled(pytester, monkeypatch):
     assert os.environ.get("HAL_SIM_STRICT") == "1"  # this suite enables the plugin in tests/conftest.py
+    # a nested run enabling it sets it for that run only, and puts back what was there (here: nothing)
+    pytester.makepyfile(test_inner='import os\n\ndef test_strict():\n    assert os.environ["HAL_SIM_STRICT"] == "1"\n')
+    monkeypatch.delenv("HAL_SIM_STRICT")
+    monkeypatch.setenv("HAL_CACHE_DIR", CACHE_ROOT)
+    pytester.runpytest_inprocess("-p", "no:cacheprovider", "-p", "hal.pytest_plugin").assert_outcomes(passed=1)
+    assert "HAL_SIM_STRICT" not in os.environ
 
 
 def test_free_ports_differ_across_calls_and_xdist_workers(monkeypatch):

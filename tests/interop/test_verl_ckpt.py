@@ -68,14 +68,21 @@ def test_verls_colocated_engine_is_flagged_with_the_exact_violation():
     assert "NotImplementedError" in failures["verl_lifecycle"]  # its prepare() raises
 
 
+UPDATES = 8  # enough for a leak of one descriptor or group per update to show from the third update on
+
+
 @pytest.mark.multiprocess
-def test_verl_workers_drive_hal_collective_1_trainer_2_rollouts(hal_device):
+def test_verl_workers_drive_hal_collective_1_trainer_2_rollouts_and_keep_groups_and_fds_flat(hal_device):
     import hal
 
-    results = run_multiprocess(verl_ckpt_workers.collective, 3, hal_device, 3, 2, timeout=240)
-    for rank in (1, 2):
-        reports = results[rank]
-        assert [r["update"] for r in reports] == [1, 2, 3]
+    results = run_multiprocess(verl_ckpt_workers.collective, 3, hal_device, UPDATES, 2, timeout=240)
+    for rank, reports in results.items():
+        assert [r["update"] for r in reports] == list(range(1, UPDATES + 1)), rank
+        # one communicator over every update, and no descriptor left behind by one (a refused update included)
+        assert [r["groups"] for r in reports] == [1] * UPDATES, rank
+        assert reports[-1]["fds"] == reports[2]["fds"], (rank, [r["fds"] for r in reports])
+        if rank == 0:
+            continue
         for r in reports:
             assert r["devices"] == [hal.get_device(hal_device).type]  # served where the engine received
             if rank == 2 and r["update"] == 2:  # asked for step 102 while 2 was sent
@@ -83,21 +90,24 @@ def test_verl_workers_drive_hal_collective_1_trainer_2_rollouts(hal_device):
                 assert r["served_step"] == 1 and r["exact"] == N_TENSORS  # previous step kept, byte-exact
             else:
                 assert r["error"] is None and r["served_step"] == r["update"] and r["exact"] == N_TENSORS
-    assert all(r["groups"] == 1 for rank in results for r in results[rank])  # one communicator, 3 updates
 
 
-@pytest.mark.multiprocess
-def test_thirty_verl_updates_keep_process_groups_and_fds_flat():
-    results = run_multiprocess(verl_ckpt_workers.collective, 3, "cpu", 30, None, timeout=400)
-    for rank, reports in results.items():
-        assert [r["groups"] for r in reports] == [1] * 30, rank
-        assert reports[-1]["fds"] == reports[2]["fds"], (rank, [r["fds"] for r in reports])
-        if rank:
-            assert reports[-1]["served_step"] == 30 and reports[-1]["exact"] == N_TENSORS
+@pytest.fixture(scope="module")
+def colocated_runs():
+    """Per lane, one process running verl's worker sequence and then verl's manager over hal-colocated
+    (verl is imported once for both tests of the lane): ``colocated_runs(kind)`` gives both reports."""
+    runs = {}
+
+    def get(kind: str) -> dict:
+        if kind not in runs:
+            runs[kind] = run_multiprocess(verl_ckpt_workers.colocated_then_manager, 1, kind, 3, timeout=110)[0]
+        return runs[kind]
+    return get
 
 
-def test_verl_workers_drive_hal_colocated_1_trainer_2_rollouts(hal_device):
-    reports = run_multiprocess(verl_ckpt_workers.colocated, 1, hal_device, 3, timeout=180)[0]
+def test_verl_workers_drive_hal_colocated_1_trainer_2_rollouts(hal_device, colocated_runs):
+    reports = colocated_runs(hal_device)["colocated"]
+    assert [r["update"] for r in reports] == [1, 2, 3]
     for r in reports:
         assert r["same_engine"]
         if r["update"] == 2:
@@ -107,7 +117,7 @@ def test_verl_workers_drive_hal_colocated_1_trainer_2_rollouts(hal_device):
         assert r["exact"] == [N_TENSORS, N_TENSORS]
 
 
-def test_verls_checkpoint_engine_manager_drives_hal_colocated(hal_device):
-    reports = run_multiprocess(verl_ckpt_workers.manager_colocated, 1, hal_device, 3, timeout=180)[0]
+def test_verls_checkpoint_engine_manager_drives_hal_colocated(hal_device, colocated_runs):
+    reports = colocated_runs(hal_device)["manager"]
     assert [r["served"] for r in reports] == [[1, 1], [2, 2], [3, 3]]
     assert all(r["exact"] == [N_TENSORS, N_TENSORS] for r in reports)

@@ -281,3 +281,10 @@ def manager_colocated(rank: int, world_size: int, port: int, device: str, update
                                       for n, t in weights(w.server_adapter.served_step or 0).items())
                                   for w in rollouts]})
     return reports
+
+
+def colocated_then_manager(rank: int, world_size: int, port: int, device: str, updates: int) -> dict:
+    """:func:`colocated`, then :func:`manager_colocated`, in one process (one import of verl for both):
+    ``{"colocated": its reports, "manager": its reports}``."""
+    return {"colocated": colocated(rank, world_size, port, device, updates),
+            "manager": manager_colocated(rank, world_size, port, device, updates)}

@@ -1,8 +1,8 @@
 """Run in a fresh process: what verl 0.9.1's ``verl.utils.device`` reports, imported before or after hal.
 
-``python -m tests.interop.verl_device_probe verl-first|hal-first [spawn]`` prints ``RESULT <json>``; with
-``spawn`` it also starts a ``multiprocessing`` spawn child that imports verl first, and reports the child's
-answer under ``"child"``. Nothing here registers the sim: with ``HAL_DEVICE=npu-sim`` in the environment,
+``python -m tests.interop.verl_device_probe verl-first|hal-first [verl-first|hal-first]`` prints
+``RESULT <json>``; with a second order it also starts a ``multiprocessing`` spawn child that imports in that
+order, and reports the child's answer under ``"child"``. Nothing here registers the sim: with ``HAL_DEVICE=npu-sim`` in the environment,
 ``import torch`` does (torch's backend autoload).
 """
 
@@ -33,16 +33,16 @@ def report(order: str) -> dict:
             "hal": hal_kind, "hal_backend": hal.get_dist_backend()}
 
 
-def _child(queue) -> None:
-    queue.put(report("verl-first"))
+def _child(queue, order: str) -> None:
+    queue.put(report(order))
 
 
 if __name__ == "__main__":
     result = report(sys.argv[1])
-    if "spawn" in sys.argv[2:]:
+    if sys.argv[2:]:
         ctx = multiprocessing.get_context("spawn")
         queue = ctx.Queue()
-        proc = ctx.Process(target=_child, args=(queue,))
+        proc = ctx.Process(target=_child, args=(queue, sys.argv[2]))
         proc.start()
         result["child"] = queue.get(timeout=300)
         proc.join(timeout=60)

@@ -1,5 +1,5 @@
 """The Ray clusters of these tests: one ``LocalCluster`` head shared by every test that needs a one-node cluster
-(own ports, temp dir, token; started once per test process), this process its driver.
+(own ports, temp dir, token; started once per test process, stopped when its folder's tests are done), this process its driver.
 
 Ray tests are skipped when ray is not installed (it is an optional extra that setup.sh installs).
 """
@@ -46,7 +46,7 @@ def ray_cluster(**kwargs):
         assert cluster.pids() == []
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")  # stopped after this folder's tests: an idle cluster still costs CPU
 def _one_node():
     # 4 CPUs, 3 simulated npus, 2 declared Ascend NPUs and 2 GPUs (no hardware: only Ray's bookkeeping and env)
     with ray_cluster(num_cpus=4, resources={"NPU_SIM": 3, "NPU": 2, "GPU": 2}) as c:
