@@ -224,7 +224,11 @@ def test_bench_quick_prints_ratios(tmp_path):
             assert r["send_peak_bytes"] <= result["sync_p2p"]["size_bytes"] + (12 << 20)
             assert r["recv_peak_bytes"] <= 2 * max(4 << 20, max(tensor_sizes(64 << 20))) + (12 << 20) + 2 * (2 << 20)
             continue
-        assert r["send_peak_bytes"] <= 2 * (4 << 20) + (12 << 20)
+        # 12 MiB of the interpreter's own growth in a first update, plus 4 MiB for the control channel
+        # (ckpt.control: a heartbeat thread, a second store connection and the waits' worker threads, each
+        # thread's stack and allocator arena; measured 2.3 MiB more than over the old sockets): less than the
+        # bucket a third send slot would add on top of them
+        assert r["send_peak_bytes"] <= 2 * (4 << 20) + (16 << 20)
         # on npu-sim the rollout receives into device memory (host memory underneath, so it is counted), whose
         # allocator rounds each block up to 2 MiB as CUDA's does: the slots and the two large-tensor buffers
         assert r["recv_peak_bytes"] <= 2 * (4 << 20) + largest + (12 << 20) + 3 * (2 << 20)

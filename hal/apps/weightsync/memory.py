@@ -82,13 +82,16 @@ def trainer_memory_bound(peak_bytes: int, param_bytes: int, grad_bytes: int, opt
                                            **sending, **(device_terms or {}), "constant_bytes": RUNTIME_BYTES})
 
 
-def host_device_terms(kind: str, step_temporaries_bytes: int = 0) -> tuple[str, dict[str, int]]:
+def host_device_terms(kind: str, step_temporaries_bytes: int = 0,
+                      offloaded_bytes: int = 0) -> tuple[str, dict[str, int]]:
     """What a kind whose device memory is host memory (the simulated npu: ``DeviceSpec.device_memory_in_host``)
     adds to a host bound: ``(words, {term: bytes})``; ``("", {})`` for every other kind.
 
     The terms: the device allocator's resident cache (``device_cache_bytes``: freed blocks it may keep
-    resident, ``DeviceSpec.host_cached_bytes()``) and, when given, the optimizer step's temporaries
-    (``optimizer_step_bytes``: on a device they are device memory, here they are the host's).
+    resident, ``DeviceSpec.host_cached_bytes()``); when given, the optimizer step's temporaries
+    (``optimizer_step_bytes``: on a device they are device memory, here they are the host's); and the host
+    buffers an engine offloads into (``offload_buffers_bytes``: the bytes it offloads; it keeps them for the
+    next offload, ``engines.host_buffers``, so here they stand beside the onloaded tensors).
     """
     spec = hal.resolve_device(kind)
     if not spec.device_memory_in_host:
@@ -97,6 +100,9 @@ def host_device_terms(kind: str, step_temporaries_bytes: int = 0) -> tuple[str, 
     if step_temporaries_bytes:
         words += " + the optimizer step's temporaries"
         terms["optimizer_step_bytes"] = step_temporaries_bytes
+    if offloaded_bytes:
+        words += " + the offload's host buffers"
+        terms["offload_buffers_bytes"] = offloaded_bytes
     return words, terms
 
 

@@ -165,7 +165,7 @@ class ShardedTrainer(Trainer):
         gathered at once (:func:`gathered_bytes`) + constant; for a host-backed device, also what :func:`hal.apps.weightsync.memory.host_device_terms` adds
         (with the foreach AdamW, its temporaries: one fp32 copy of the shards)."""
         temporaries = 0 if self.fused else self.state_bytes["param_bytes"]  # the foreach step's: one fp32 shard copy
-        device_words, device_terms = memory.host_device_terms(self.kind, temporaries)
+        device_words, device_terms = memory.host_device_terms(self.kind, temporaries, self.offloaded_bytes())
         bound = memory.trainer_memory_bound(peak_bytes, engine_cls=type(self.engine),
                                             bucket_bytes=self.options.bucket_bytes,
                                             published_bytes=self.published_bytes, device_words=device_words,

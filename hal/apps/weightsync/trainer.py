@@ -146,13 +146,19 @@ class Trainer(Worker):
             self.layout.bind(self.skeleton, None)
         self.bank = None
 
+    def offloaded_bytes(self) -> int:
+        """Bytes ``--offload`` moves to the host each step (parameters and gradients with the model, the
+        optimizer's states): what the engine's host buffers hold."""
+        moved = self.state_bytes["param_bytes"] + self.state_bytes["grad_bytes"] if self.flags.get("model") else 0
+        return moved + (self.state_bytes["optimizer_bytes"] if self.flags.get("optimizer") else 0)
+
     def memory_bound(self, peak_bytes: int, extra: dict[str, int] | None = None, words: str = "") -> dict[str, Any]:
         """The step's peak against model (parameters + gradients) + optimizer + what the engine holds to send
         + constant (:func:`hal.apps.weightsync.memory.trainer_memory_bound`), plus ``extra`` terms described
         by ``words`` (colocated: the rollouts' banks, in this process)."""
         # a fused AdamW updates in one pass; the foreach one keeps about one fp32 model of temporaries
         temporaries = 0 if self.fused else self.state_bytes["param_bytes"]
-        device_words, device_terms = memory.host_device_terms(self.kind, temporaries)
+        device_words, device_terms = memory.host_device_terms(self.kind, temporaries, self.offloaded_bytes())
         bound = memory.trainer_memory_bound(peak_bytes, engine_cls=type(self.engine),
                                             bucket_bytes=self.options.bucket_bytes,
                                             published_bytes=self.layout.nbytes, device_words=device_words,

@@ -28,14 +28,14 @@ OPTIONS = JobOptions(device="cpu", model="qwen2.5-tiny", rollouts=2, steps=3, en
                      bucket_bytes=1 << 20, lr=1e-6, wire_format="delta")
 
 
-def check_delta_row(row: dict, step: int) -> None:
+def check_delta_row(row: dict, step: int, rollouts: int = 2) -> None:
     """A steady delta step at lr 1e-6: a few percent of the values change, a sixth of the bytes or less go."""
     assert row["wire_format"] == "delta" and row["seed"] is False and row["seed_reason"] is None
     assert row["dense_bytes"] == TINY_BYTES == row["bytes"]
     assert 0.005 < row["changed_fraction"] < 0.15
     assert 0 < row["sent_bytes"] < 0.3 * row["dense_bytes"]
     assert [(r["rank"], r["served_step"], r["error"], r["needs_seed"]) for r in row["rollouts"]] == \
-        [(1, step, None, False), (2, step, None, False)]
+        [(rank, step, None, False) for rank in range(1, rollouts + 1)]
     assert all(r["tokens"] == row["tokens"] and r["logits_max_diff"] == 0.0 for r in row["rollouts"])
 
 
@@ -112,15 +112,15 @@ def test_a_flush_corrupted_in_transit_is_refused_and_the_next_update_reseeds(app
 def test_torchrun_runs_the_delta_job_verified():
     env = {k: v for k, v in os.environ.items() if k != "HAL_DEVICE"}
     out = subprocess.run([sys.executable, "-m", "hal.apps.cli.main", "sync", "--device", "cpu", "--model",
-                          "qwen2.5-tiny", "--steps", "2", "--timeout", "120", "--json", "--bucket-mb", "1",
-                          "--wire-format", "delta", "--lr", "1e-6"],
+                          "qwen2.5-tiny", "--steps", "2", "--rollouts", "1", "--timeout", "120", "--json",
+                          "--bucket-mb", "1", "--wire-format", "delta", "--lr", "1e-6"],  # 2 rollouts: in-process above
                          capture_output=True, text=True, timeout=290, env=env, cwd=ROOT)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     result = json.loads(out.stdout)
     assert result["verified"] is True and result["errors"] == [] and result["memory_within"] is True
     assert result["wire_format"] == "delta" and result["warmup"]["seed"] is True
     for step, row in enumerate(result["rows"], start=1):
-        check_delta_row(row, step)
+        check_delta_row(row, step, rollouts=1)
         assert row["memory"]["terms"]["delta_snapshot_bytes"] == TINY_BYTES
         for r in row["rollouts"]:  # each rollout's own process: its receiver's staging in its bound
             assert r["memory"]["judged_by"]["terms"]["delta_staged_bytes"] == 2 * TINY_BYTES

@@ -80,6 +80,10 @@ def test_a_host_backed_device_adds_its_cache_and_the_step_temporaries(monkeypatc
     words, terms = host_device_terms("npu-sim", 1000)
     assert terms == {"device_cache_bytes": 64 << 20, "optimizer_step_bytes": 1000}
     assert words == "the device allocator's resident cache + the optimizer step's temporaries"
+    words, terms = host_device_terms("npu-sim", 0, 4000)  # --offload: the engine's host buffers, in the same memory
+    assert terms == {"device_cache_bytes": 64 << 20, "offload_buffers_bytes": 4000}
+    assert words == "the device allocator's resident cache + the offload's host buffers"
+    assert host_device_terms("cpu", 0, 4000) == ("", {})
     bound = rollout_memory_bounds(0, MODEL, 2, BUCKET, *host_device_terms("npu-sim"))
     assert bound["judged_by"]["terms"]["device_cache_bytes"] == 64 << 20
     assert bound["judged_by"]["bound_bytes"] == 2 * MODEL + 2 * BUCKET + (64 << 20) + RUNTIME_BYTES
