@@ -77,6 +77,10 @@ class Trainer(Worker):
     def train(self, global_steps: int) -> Trained:
         """Start step ``global_steps``: a new peak-memory window, one optimizer step, the offload, the cast into
         a fresh published buffer (:meth:`stage`)."""
+        # the last step's gradients (kept for the offload to move): freed now, as train_step would, and the heap
+        # trimmed, so this backward's gradients reuse their memory instead of growing the heap beside it
+        self.torch_engine.optimizer.zero_grad(set_to_none=True)
+        memory.trim_host_heap()
         memory.reset_peak(self.kind)
         start = time.perf_counter()
         with intra_op_threads(os.cpu_count() or 1):  # the rollouts wait meanwhile: the trainer may use every core
