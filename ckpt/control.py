@@ -156,7 +156,9 @@ class ControlChannel:
             raise CheckpointConfigError(f"timeout must be a number of seconds > 0, got {timeout!r}")
         self.store, self.rank, self.namespace = store, rank, namespace
         self.timeout, self.label, self.host_rank = float(timeout), label, host_rank
-        self._waiter: dist.Store | None = None  # blocking waits run in worker threads on their own connection
+        # blocking waits run in worker threads on a connection of their own, opened now: a channel holds the
+        # same connections from its first update on (verl's lifecycle tests count open files per update)
+        self._waiter: dist.Store | None = store.clone()
         self._lock = threading.Lock()
         self._waits: dict[int, tuple[str, int]] = {}  # wait token -> (key, peer) of waits in progress
         self._queue_keys: set[str] = set()  # the keys of those that are queues
