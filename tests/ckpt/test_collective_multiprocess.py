@@ -25,8 +25,10 @@ def test_mixed_dtypes_byte_exact_across_processes(hal_device):
             assert (received, same_order, exact) == (step, True, total), (rank, step)
 
 
-@pytest.mark.parametrize("victim", [0, 2], ids=["trainer-dies", "rollout-dies"])
-def test_peer_dying_mid_transfer_fails_the_others_within_the_timeout(hal_device, victim):
+def test_peer_dying_mid_transfer_fails_the_others_within_the_timeout(hal_device):
+    # the trainer dies on the npu-sim lane (hccl), a rollout on the cpu lane (gloo): each death and each
+    # backend once, two process groups instead of four
+    victim = 0 if hal_device == "npu-sim" else 2
     results = run_multiprocess(mp_workers.dies_mid_transfer, 3, hal_device, victim, timeout=60, expect_failure=True)
     survivors = [r for r in range(3) if r != victim]
     for rank in survivors:
