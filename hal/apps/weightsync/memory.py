@@ -65,7 +65,7 @@ def send_buffer(engine_cls: Any, bucket_bytes: int, published_bytes: int) -> tup
 
 def trainer_memory_bound(peak_bytes: int, param_bytes: int, grad_bytes: int, optimizer_bytes: int, engine_cls: Any,
                          bucket_bytes: int, published_bytes: int, device_words: str = "",
-                         device_terms: dict[str, int] | None = None) -> dict[str, Any]:
+                         device_terms: dict[str, int] | None = None, state_words: str = "model") -> dict[str, Any]:
     """The trainer's peak against model + optimizer + what its engine holds to send + constant
     (:func:`memory_bound`; the engine's term is :func:`send_buffer`'s).
 
@@ -73,10 +73,11 @@ def trainer_memory_bound(peak_bytes: int, param_bytes: int, grad_bytes: int, opt
     (``param_bytes + grad_bytes``); the optimizer term is AdamW's states (``optimizer_bytes``). The peak is
     reached in the backward pass, when every gradient exists beside the parameters and the optimizer states;
     the published buffer (``published_bytes``: bf16 for presets) exists only after the gradients are freed.
-    ``device_words``/``device_terms`` (:func:`host_device_terms`) are what a host-backed device adds.
+    ``device_words``/``device_terms`` (:func:`host_device_terms`) are what a host-backed device adds;
+    ``state_words`` names the model state in the form (a sharded trainer's rank: ``"shards"``).
     """
     words, sending = send_buffer(engine_cls, bucket_bytes, published_bytes)
-    form = ("model (parameters + gradients) + optimizer + " + (f"{words} + " if words else "")
+    form = (f"{state_words} (parameters + gradients) + optimizer + " + (f"{words} + " if words else "")
             + (f"{device_words} + " if device_words else "") + "constant")
     return memory_bound(peak_bytes, form, {"model_bytes": param_bytes + grad_bytes, "optimizer_bytes": optimizer_bytes,
                                            **sending, **(device_terms or {}), "constant_bytes": RUNTIME_BYTES})

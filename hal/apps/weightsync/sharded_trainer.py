@@ -23,6 +23,7 @@ step, and the constant (:meth:`ShardedTrainer.memory_bound`).
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
@@ -116,7 +117,6 @@ class ShardedTrainer(Trainer):
         shard_bytes = sum(memory.local_nbytes(p) for p in self.torch_engine.module.parameters())
         self.state_bytes = {"param_bytes": shard_bytes, "grad_bytes": shard_bytes, "optimizer_bytes": 0}
         self.published_bytes = sum(memory.local_nbytes(value) for _, _, value in self.pairs)
-        self.model_bytes = shard_bytes
         self.published_engine.free_shards()  # filled by each step's stage, freed after its reference
 
     def published_shape(self) -> tuple[int, int]:
@@ -124,9 +124,7 @@ class ShardedTrainer(Trainer):
         return self.published_bytes, len(self.pairs)
 
     def stage(self) -> float:
-        """Cast the master shards into the published module's shards (in place: nothing is allocated); seconds."""
-        import time
-
+        """Give the published module's shards their memory back and cast the master shards into them; seconds."""
         start = time.perf_counter()
         self.published_engine.alloc_shards()
         with torch.no_grad():
@@ -159,22 +157,13 @@ class ShardedTrainer(Trainer):
         """Drop the published copy of the shards (refilled by the next :meth:`stage`)."""
         self.published_engine.free_shards()
 
-    def memory_bound(self, peak_bytes: int, extra: dict[str, int] | None = None, words: str = "") -> dict[str, Any]:
-        """The step's peak against this rank's shards (fp32 parameters and gradients, AdamW's states) + what the
-        engine holds to send + the published copy of its shards (from the stage to the reference) + the FSDP units
-        gathered at once (:func:`gathered_bytes`) + constant; for a host-backed device, also what :func:`hal.apps.weightsync.memory.host_device_terms` adds
-        (with the foreach AdamW, its temporaries: one fp32 copy of the shards)."""
-        temporaries = 0 if self.fused else self.state_bytes["param_bytes"]  # the foreach step's: one fp32 shard copy
-        device_words, device_terms = memory.host_device_terms(self.kind, temporaries, self.offloaded_bytes())
-        bound = memory.trainer_memory_bound(peak_bytes, engine_cls=type(self.engine),
-                                            bucket_bytes=self.options.bucket_bytes,
-                                            published_bytes=self.published_bytes, device_words=device_words,
-                                            device_terms=device_terms, **self.state_bytes)
-        form = bound["form"].replace("model (parameters + gradients)", "shards (parameters + gradients)", 1)
-        return memory.memory_bound(
-            peak_bytes, f"{form} + the published copy of the shards + the FSDP units gathered at once",
-            {**bound["terms"], "published_shard_bytes": self.published_bytes,
-             "gathered_units_bytes": self.gathered_bytes})
+    state_words = "shards"
 
+    def role_terms(self) -> tuple[str, dict[str, int]]:
+        """The published copy of this rank's shards (from the stage to the reference) and the FSDP units gathered
+        at once (:func:`gathered_bytes`), besides its shards (fp32 parameters and gradients, AdamW's states), the
+        engine's buffers and the constant (:meth:`Trainer.memory_bound`)."""
+        return ("the published copy of the shards + the FSDP units gathered at once",
+                {"published_shard_bytes": self.published_bytes, "gathered_units_bytes": self.gathered_bytes})
 
 __all__ = ["LAYER_COMPUTE_COPIES", "ROOT_COMPUTE_COPIES", "ShardedTrainer", "gathered_bytes", "unit_numels"]

@@ -156,24 +156,33 @@ class Trainer(Worker):
         moved = self.state_bytes["param_bytes"] + self.state_bytes["grad_bytes"] if self.flags.get("model") else 0
         return moved + (self.state_bytes["optimizer_bytes"] if self.flags.get("optimizer") else 0)
 
+    state_words = "model"
+    """What the model state is called in the bound's form."""
+
+    def role_terms(self) -> tuple[str, dict[str, int]]:
+        """What this role holds besides the model state, the optimizer and the engine: ``(words, {term: bytes})``
+        (``--wire-format delta``: the sender's snapshot, counted from the first update on, which the seed builds)."""
+        if self.sender is None:
+            return "", {}
+        largest = max(e.nbytes for e in self.layout.entries.values())
+        return delta.sender_memory(self.layout.nbytes, largest, self.sender.flush_bytes)
+
     def memory_bound(self, peak_bytes: int, extra: dict[str, int] | None = None, words: str = "") -> dict[str, Any]:
         """The step's peak against model (parameters + gradients) + optimizer + what the engine holds to send
-        + constant (:func:`hal.apps.weightsync.memory.trainer_memory_bound`), plus ``extra`` terms described
-        by ``words`` (colocated: the rollouts' banks, in this process)."""
+        + constant (:func:`hal.apps.weightsync.memory.trainer_memory_bound`), plus :meth:`role_terms` and
+        ``extra`` terms described by ``words`` (colocated: the rollouts' banks, in this process)."""
         # a fused AdamW updates in one pass; the foreach one keeps about one fp32 model of temporaries
         temporaries = 0 if self.fused else self.state_bytes["param_bytes"]
         device_words, device_terms = memory.host_device_terms(self.kind, temporaries, self.offloaded_bytes())
         bound = memory.trainer_memory_bound(peak_bytes, engine_cls=type(self.engine),
                                             bucket_bytes=self.options.bucket_bytes,
-                                            published_bytes=self.layout.nbytes, device_words=device_words,
-                                            device_terms=device_terms, **self.state_bytes)
-        if self.sender is not None:  # the snapshot is counted from the first update on (the seed builds it)
-            largest = max(e.nbytes for e in self.layout.entries.values())
-            delta_words, delta_terms = delta.sender_memory(self.layout.nbytes, largest, self.sender.flush_bytes)
-            bound = memory.memory_bound(peak_bytes, f"{bound['form']} + {delta_words}", {**bound["terms"], **delta_terms})
-        if not extra:
-            return bound
-        return memory.memory_bound(peak_bytes, f"{bound['form']} + {words}", {**bound["terms"], **extra})
+                                            published_bytes=self.published_shape()[0], device_words=device_words,
+                                            device_terms=device_terms, state_words=self.state_words,
+                                            **self.state_bytes)
+        for more_words, more in (self.role_terms(), (words, extra or {})):
+            if more:
+                bound = memory.memory_bound(peak_bytes, f"{bound['form']} + {more_words}", {**bound["terms"], **more})
+        return bound
 
     def conclude(self, extra: dict[str, int] | None = None, words: str = "") -> Concluded:
         """End a step: drop the published buffer, onload what the step offloaded, and judge the step's peak
