@@ -127,6 +127,18 @@ def decode(raw: bytes, expect: type[M], where: str) -> M:
         raise TransferError(f"{where}: corrupt {kind} message ({exc}): {raw[:200]!r}") from None
 
 
+def check_heartbeat_timeout(value: Any) -> float:
+    """``value`` as seconds a peer's heartbeat may stand still (see :class:`ControlChannel`).
+
+    Raises:
+        CheckpointConfigError: not a number >= ``2 * HEARTBEAT_S`` (a peer must miss two beats at least).
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 2 * HEARTBEAT_S:
+        raise CheckpointConfigError(f"heartbeat_timeout must be a number of seconds >= {2 * HEARTBEAT_S:g} "
+                                    f"(two heartbeats), got {value!r}")
+    return float(value)
+
+
 def _store_timeout(exc: BaseException) -> bool:
     """A store wait that ran out of time (the store is fine), as against the store's host gone."""
     return isinstance(exc, dist.DistStoreError)
@@ -145,15 +157,22 @@ class ControlChannel:
         label: ``label(rank) -> str``, how errors name a rank.
         host_rank: the rank whose process hosts the store (named when the store is gone).
         heartbeat: run the heartbeat thread (``False``: :meth:`watch` and dead-peer detection do nothing).
+        heartbeat_timeout: seconds a watched peer's counter may stand still before the peer counts as dead
+            (:data:`HEARTBEAT_DEAD_S` by default; at least two beats, ``2 * HEARTBEAT_S``). Longer where a
+            rank may hold the GIL that long (a long C call that does not release it); shorter to find a dead
+            peer sooner.
 
     Raises:
-        CheckpointConfigError: ``timeout`` is not a number > 0.
+        CheckpointConfigError: ``timeout`` is not a number > 0, or ``heartbeat_timeout`` is not a number
+            >= ``2 * HEARTBEAT_S``.
     """
 
     def __init__(self, store: dist.Store, *, rank: int, namespace: str, timeout: float,
-                 label: Callable[[int], str], host_rank: int = 0, heartbeat: bool = True) -> None:
+                 label: Callable[[int], str], host_rank: int = 0, heartbeat: bool = True,
+                 heartbeat_timeout: float = HEARTBEAT_DEAD_S) -> None:
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
             raise CheckpointConfigError(f"timeout must be a number of seconds > 0, got {timeout!r}")
+        self.heartbeat_timeout = check_heartbeat_timeout(heartbeat_timeout)
         self.store, self.rank, self.namespace = store, rank, namespace
         self.timeout, self.label, self.host_rank = float(timeout), label, host_rank
         # blocking waits run in worker threads on a connection of their own, opened now: a channel holds the
@@ -397,10 +416,10 @@ class ControlChannel:
                             if peer in self._watched:
                                 self._watched[peer] = (count, now)
                         continue
-                    if now - since >= HEARTBEAT_DEAD_S and peer not in self._dead:
+                    if now - since >= self.heartbeat_timeout and peer not in self._dead:
                         self._mark_dead(beat, peer, f"{self.label(peer)} is dead or hangs: its heartbeat stood "
-                                                    f"still for {now - since:.1f} s (HEARTBEAT_DEAD_S="
-                                                    f"{HEARTBEAT_DEAD_S:g})")
+                                                    f"still for {now - since:.1f} s (heartbeat_timeout="
+                                                    f"{self.heartbeat_timeout:g} s)")
             except dist.DistError as exc:  # the store's host is gone: every wait fails by itself
                 if self.host_rank in self._watched and self.host_rank != self.rank:
                     self._mark_dead(None, self.host_rank, str(self._host_gone("its heartbeat", exc)))

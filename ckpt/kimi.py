@@ -32,7 +32,7 @@ import torch
 
 import hal
 from ckpt.base import NamedTensor, ReceivePlacement, check_global_steps, check_step
-from ckpt.control import ControlChannel
+from ckpt.control import HEARTBEAT_DEAD_S, ControlChannel, check_heartbeat_timeout
 from ckpt.errors import (CheckpointConfigError, CheckpointEngineUnavailableError, TransferAbortedError,
                          TransferError, TransferTimeoutError)
 from ckpt.kimi_library import (CHECKED_VERSIONS, HOST_PROTOCOL, LOGS_ENV, ParameterServerAdapter, World,
@@ -69,6 +69,8 @@ class KimiCheckpointEngine(OneToManyEngine):
         timeout: seconds bounding every wait (store, gather, pull, broadcast, the trainer's wait for the rollouts).
         host: the address peers reach this process's Mooncake store at (default: ``master_addr`` on the
             trainer, the local address towards it elsewhere).
+        heartbeat_timeout: seconds a rank's heartbeat may stand still before it counts as dead
+            (:data:`ckpt.control.HEARTBEAT_DEAD_S` by default; see :class:`ckpt.control.ControlChannel`).
 
     Memory: the trainer holds the whole update in pinned host memory (the library's design), in the
     library's shared pool, kept between updates and reused while the tensor sizes stay the same (a new
@@ -90,8 +92,9 @@ class KimiCheckpointEngine(OneToManyEngine):
     def __init__(self, bucket_size: int = DEFAULT_BUCKET_SIZE, is_master: bool = False, *, rank: int | None = None,
                  world_size: int | None = None, master_addr: str | None = None, master_port: int | None = None,
                  store_addr: str | None = None, device: str | None = None, timeout: float = hal.DEFAULT_TIMEOUT_S,
-                 host: str | None = None, **extra: Any) -> None:
+                 host: str | None = None, heartbeat_timeout: float = HEARTBEAT_DEAD_S, **extra: Any) -> None:
         self._check_extra(extra, KimiCheckpointEngine.__init__, "__init__")
+        self.heartbeat_timeout = check_heartbeat_timeout(heartbeat_timeout)
         super().__init__(bucket_size=bucket_size, is_master=is_master, rank=rank, world_size=world_size,
                          master_addr=master_addr, master_port=master_port, store_addr=store_addr, device=device,
                          timeout=timeout, host=host)
@@ -195,7 +198,7 @@ class KimiCheckpointEngine(OneToManyEngine):
         host = self.host or (self.master_addr if self.rank == 0 else local_address_towards(self.master_addr))
         self._protocol, self._in_place = mooncake_protocol(spec)
         channel = ControlChannel(store, rank=self.rank, namespace=f"{NAMESPACE}/{self._membership.generation if self._membership else 0}",
-                                 timeout=self.timeout, label=self._label)
+                                 timeout=self.timeout, label=self._label, heartbeat_timeout=self.heartbeat_timeout)
         channel.watch([r for r in range(self.world_size) if r != self.rank])
         world = World(channel, self.world_size)
         ps = ParameterServerAdapter(spec, self._protocol, device.index or 0, self.rank, self.world_size, host, world)

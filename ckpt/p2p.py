@@ -17,7 +17,7 @@ into a peer's buffer, wait for that write):
 
 Every wait (the store, hello, credit, write, metadata) is bounded by ``timeout``. Every rank heartbeats
 through the store: a dead or hung rollout fails the trainer's send naming that rollout within
-:data:`ckpt.control.HEARTBEAT_DEAD_S` (plus a heartbeat), and a dead trainer (the store's host) fails a
+:data:`ckpt.control.HEARTBEAT_DEAD_S` by default (``heartbeat_timeout``; plus a heartbeat), and a dead trainer (the store's host) fails a
 rollout's receive naming the trainer at once. Nothing a receiver yields is applied by the engine: a rollout that
 gets an error keeps serving its previous step (``ckpt.workers`` applies updates all-or-nothing).
 """
@@ -41,7 +41,7 @@ from ckpt.wire import WireMessage, check_bucket_size
 from ckpt.errors import (CheckpointConfigError, TransferAbortedError, TransferError, TransferTimeoutError,
                          VersionMismatchError)
 from ckpt.one_to_many import DEFAULT_BUCKET_SIZE, OneToManyEngine, local_address_towards
-from ckpt.control import Ack, ControlChannel, PeerFailure, connect_store
+from ckpt.control import HEARTBEAT_DEAD_S, Ack, ControlChannel, PeerFailure, check_heartbeat_timeout, connect_store
 
 META_BUDGET = 1 << 20
 """Bytes of JSON metadata per bucket at most (a bucket of many small tensors closes early)."""
@@ -193,6 +193,8 @@ class P2PCheckpointEngine(OneToManyEngine):
             lying back to back in one storage) are registered with the library for the update and written
             from their own memory, without a copy into a slot (default ``bucket_size // 8``; 0 packs all; else an
             int >= 0, or :class:`CheckpointConfigError`).
+        heartbeat_timeout: seconds a peer's heartbeat may stand still before it counts as dead
+            (:data:`ckpt.control.HEARTBEAT_DEAD_S` by default; see :class:`ckpt.control.ControlChannel`).
 
     Memory: the trainer holds three registered slots of ``bucket_size`` (each tensor is copied into bucket k's
     slot when it is yielded while k-1 and k-2 may still be written; only tensors of a collection are
@@ -206,8 +208,8 @@ class P2PCheckpointEngine(OneToManyEngine):
     valid until the next item is requested: copy it before advancing if it must outlive that.
 
     Failures: a dead or hung rollout fails the trainer's send with :class:`TransferError` naming it (its
-    rank and address) within :data:`ckpt.control.HEARTBEAT_DEAD_S` plus a heartbeat or two (its heartbeat
-    stopped), one that does not answer while alive within ``timeout``; the other rollouts are told (they raise
+    rank and address) within ``heartbeat_timeout`` (:data:`ckpt.control.HEARTBEAT_DEAD_S` by default) plus a
+    heartbeat or two (its heartbeat stopped), one that does not answer while alive within ``timeout``; the other rollouts are told (they raise
     :class:`TransferAbortedError`) and every connection is dropped, so the next update reconnects whoever
     is alive. A dead trainer fails each rollout's receive naming it. A sender whose ``weights`` iterator
     raises tells the rollouts (``TransferAbortedError``) and stays usable.
@@ -225,8 +227,10 @@ class P2PCheckpointEngine(OneToManyEngine):
     def __init__(self, bucket_size: int = DEFAULT_BUCKET_SIZE, is_master: bool = False, *, rank: int | None = None,
                  world_size: int | None = None, master_addr: str | None = None, master_port: int | None = None,
                  store_addr: str | None = None, device: str | None = None, timeout: float = hal.DEFAULT_TIMEOUT_S,
-                 host: str | None = None, direct_threshold: int | None = None, **extra: Any) -> None:
+                 host: str | None = None, direct_threshold: int | None = None,
+                 heartbeat_timeout: float = HEARTBEAT_DEAD_S, **extra: Any) -> None:
         self._check_extra(extra, P2PCheckpointEngine.__init__, "__init__")
+        self.heartbeat_timeout = check_heartbeat_timeout(heartbeat_timeout)
         super().__init__(bucket_size=bucket_size, is_master=is_master, rank=rank, world_size=world_size,
                          master_addr=master_addr, master_port=master_port, store_addr=store_addr, device=device,
                          timeout=timeout, direct_threshold=direct_threshold, host=host)
@@ -395,7 +399,8 @@ class P2PCheckpointEngine(OneToManyEngine):
             if self._control is not None:
                 self._control.close()
             self._control = ControlChannel(self._store, rank=self.src_rank, namespace=namespace,
-                                           timeout=self.timeout, label=self._peer_label)
+                                           timeout=self.timeout, label=self._peer_label,
+                                           heartbeat_timeout=self.heartbeat_timeout)
         return self._control
 
     async def _accept_all(self) -> list[_Peer]:
@@ -603,7 +608,7 @@ class P2PCheckpointEngine(OneToManyEngine):
         except TransferTimeoutError as exc:
             raise TransferTimeoutError(f"rollout rank {self.rank}: {exc}") from None
         ctl = ControlChannel(store, rank=self.rank, namespace=self._namespace(), timeout=self.timeout,
-                             label=self._peer_label)
+                             label=self._peer_label, heartbeat_timeout=self.heartbeat_timeout)
         try:
             host = self.host or local_address_towards(self.master_addr)
             self._setup_buffers(host)

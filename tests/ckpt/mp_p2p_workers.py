@@ -34,12 +34,19 @@ class _DyingAdapter(ckpt.InMemoryRolloutAdapter):
                 os._exit(0)  # exit code 0: run_multiprocess keeps waiting for the survivors
 
 
+HEARTBEAT_TIMEOUT = 2.0
+"""The death tests' ``heartbeat_timeout`` (seconds): a dead rank is found by its heartbeat well before the
+engine's ``timeout``, and the tests wait 3 s less than with the default (2 s: four heartbeats, so a rank starved
+of CPU on a loaded machine for a moment is not taken for dead)."""
+
+
 def death_mid_transfer(rank, world_size, port, engine_name, device, victim, timeout):
     """Step 1 completes; in step 2 rank ``victim`` dies mid-transfer. Each survivor reports
     ``(outcome of step 2, seconds it took, error text, step served, weights served equal step 1's)``."""
     dev = hal.get_device(device)
     engine = ckpt.get_checkpoint_engine(engine_name, rank=rank, world_size=world_size, master_addr="127.0.0.1",
-                                        master_port=port, device=device, timeout=timeout, bucket_size=1 << 20)
+                                        master_port=port, device=device, timeout=timeout, bucket_size=1 << 20,
+                                        heartbeat_timeout=HEARTBEAT_TIMEOUT)
 
     async def main():
         if rank == 0:
@@ -87,7 +94,8 @@ def steps_mismatch_then_death(rank, world_size, port, engine_name, device, timeo
     from ckpt.testing import sample_weights, same_bytes
 
     engine = ckpt.get_checkpoint_engine(engine_name, rank=rank, world_size=world_size, master_addr="127.0.0.1",
-                                        master_port=port, device=device, timeout=timeout, bucket_size=64 << 10)
+                                        master_port=port, device=device, timeout=timeout, bucket_size=64 << 10,
+                                        heartbeat_timeout=HEARTBEAT_TIMEOUT)
 
     async def main():
         rows = []

@@ -9,8 +9,8 @@ import time
 import pytest
 
 from ckpt import control
-from ckpt.control import HEARTBEAT_DEAD_S, Ack, ControlChannel, PeerFailure
-from ckpt.errors import TransferError
+from ckpt.control import Ack, ControlChannel, PeerFailure
+from ckpt.errors import CheckpointConfigError, TransferError
 from ckpt.wire import Chunk, Segment, TensorEntry, WireMessage
 
 NAMES = {0: "the host (rank 0)", 1: "peer rank 1"}
@@ -20,9 +20,13 @@ def _label(rank):
     return NAMES.get(rank, f"rank {rank}")
 
 
+HEARTBEAT_TIMEOUT = 2.0  # seconds: the host's heartbeat_timeout, shorter than the default to wait less
+
+
 def _host():
     store = control.host_store("127.0.0.1", None, 10)
-    return store, ControlChannel(store, rank=0, namespace="t/0", timeout=10, label=_label)
+    return store, ControlChannel(store, rank=0, namespace="t/0", timeout=10, label=_label,
+                                 heartbeat_timeout=HEARTBEAT_TIMEOUT)
 
 
 def _peer_body(port, ready):
@@ -131,7 +135,8 @@ def test_a_peer_that_stops_heartbeating_is_named_within_the_deadline(how, wait):
         host.close()
     assert not failure.timed_out and failure.peer == "peer rank 1"
     assert "peer rank 1 is dead or hangs" in str(failure) and "a message of peer 1" in str(failure), failure
-    assert elapsed < HEARTBEAT_DEAD_S + 2 * control.HEARTBEAT_S + 1.0, elapsed
+    assert "heartbeat_timeout=2 s" in str(failure), failure  # the channel's own figure, not the default
+    assert elapsed < HEARTBEAT_TIMEOUT + 2 * control.HEARTBEAT_S + 1.0, elapsed
     with pytest.raises(PeerFailure, match="peer rank 1 is dead"):
         host.check_alive(1)
 
@@ -157,3 +162,10 @@ def test_the_store_host_dying_fails_a_wait_at_once_naming_the_host():
         _reap(proc)
     assert not failure.timed_out and "the host (rank 0), which hosts the control store, is gone" in str(failure)
     assert elapsed < 2, elapsed
+
+
+@pytest.mark.parametrize("bad", [0.5, 0, -1, True, "5", None])
+def test_a_heartbeat_timeout_below_two_beats_or_not_a_number_is_refused_naming_it(bad):
+    store = control.host_store("127.0.0.1", None, 10)
+    with pytest.raises(CheckpointConfigError, match=rf"heartbeat_timeout must be a number of seconds >= 1 .*got {bad!r}"):
+        ControlChannel(store, rank=0, namespace="t/0", timeout=10, label=_label, heartbeat_timeout=bad)

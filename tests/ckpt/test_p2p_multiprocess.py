@@ -43,8 +43,9 @@ def test_peer_killed_mid_transfer_is_named_and_survivors_keep_their_step(engine,
     for rank in (r for r in range(3) if r != victim):
         outcome, elapsed, message, served, same = results[rank]
         assert elapsed < timeout + 2, (rank, elapsed)
-        if rank == 0:  # the trainer's send fails naming the dead rollout and the step
+        if rank == 0:  # the trainer's send fails naming the dead rollout and the step, found by its heartbeat
             assert outcome in ("TransferError", "TransferTimeoutError"), (outcome, message)
+            assert elapsed < mp_p2p_workers.HEARTBEAT_TIMEOUT + 2, elapsed
             assert f"rollout rank {victim}" in message and "step 2" in message, message
             continue
         if victim == 0:  # the rollout's receive fails naming the trainer
