@@ -151,6 +151,12 @@ Work = dist._Work
 """The base class of a Python-implemented collective's work object (``torch.distributed._Work``)."""
 
 
+def use_count(t: torch.Tensor) -> int:
+    """How many C++ references hold ``t``'s ``TensorImpl`` (``Tensor._use_count()``): 1 for a tensor only
+    Python holds, more while a C++ object (a collective's work, a view's base pointer) keeps it."""
+    return t._use_count()
+
+
 def register_group_backend(group: dist.ProcessGroup, device: torch.device, backend: Any) -> None:
     """Tell a Python ``ProcessGroup`` subclass which backend object serves ``device``'s tensors, as a custom
     backend (``ProcessGroup._register_backend(device, BackendType.CUSTOM, backend)``); C++ callers look a
@@ -177,6 +183,6 @@ def register_device_module(name: str, module: Any) -> None:
 __all__ = [
     "CHECKED_ON", "dtensor_local", "set_dtensor_local", "fsdp_params", "fsdp_param_name", "fsdp_sharded_param",
     "fsdp_sharded_data", "set_fsdp_sharded_data", "BackendPlugin", "registered_backend_plugins",
-    "backend_plugin", "extended_backend_options", "nccl_options", "Work", "register_group_backend",
+    "backend_plugin", "extended_backend_options", "nccl_options", "Work", "use_count", "register_group_backend",
     "privateuse1_backend_name", "register_device_module",
 ]

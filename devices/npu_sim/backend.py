@@ -52,6 +52,7 @@ import itertools
 import os
 import socket
 import threading
+import time
 import weakref
 import zlib
 from typing import Any, Callable, Sequence
@@ -165,9 +166,10 @@ def _check_tensors(tensors: Sequence[torch.Tensor]) -> None:
 
 
 def _host(t: torch.Tensor) -> torch.Tensor:
-    """A contiguous cpu tensor over ``t``'s bytes (a copy only when ``t`` is not contiguous)."""
+    """A new contiguous cpu tensor over ``t``'s bytes (a copy only when ``t`` is not contiguous): only the
+    caller and the gloo op it is handed to hold it, so :meth:`SimHcclGroup._run` can tell when gloo let go."""
     _check_tensors((t,))
-    alias = _ext.host_alias(t)
+    alias = t.detach() if t.device.type == "cpu" else _ext.host_alias(t)
     return alias if alias.is_contiguous() else alias.contiguous()
 
 
@@ -314,17 +316,34 @@ class SimHcclGroup(dist.ProcessGroup):
         last.wait()
 
     # -- plumbing
-    def _run(self, what: str, start: Callable[[], Any]) -> None:
-        """Start a gloo op and wait for it within the timeout.
+    def _run(self, what: str, start: Callable[[], Any], tensors: Sequence[torch.Tensor] = ()) -> None:
+        """Start a gloo op on ``tensors`` (every tensor ``start`` hands to gloo, its outputs among them) and
+        wait within the timeout, first for the op, then for gloo to let go of ``tensors``.
+
+        The second wait keeps the group destructible. gloo's worker thread frees an op's work object after
+        the op completed (its ``wait`` may have returned), holding gloo's queue lock; that frees the op's
+        tensors and the thread-local state captured when the op was issued, and either can hold Python
+        objects (a tensor Python has seen; a mode or hook object of the issuing thread), whose release
+        takes the GIL. ``ProcessGroupGloo``'s destructor takes that lock and joins that thread, with the
+        GIL held when the group's last reference goes in Python (a DDP module freed after
+        ``destroy_process_group``: its reducer holds the group): a worker still freeing a work object
+        then deadlocks the process (seen in a DDP rank under load, at the end of its function). The work
+        object frees its outputs last, after its thread-local state, so once gloo holds none of
+        ``tensors`` it is gone; waiting for that gives up the GIL.
 
         Raises:
             DistributedTimeoutError: the op did not complete within the group's timeout, or a peer died
-                (gloo reports both as a plain ``RuntimeError``).
+                (gloo reports both as a plain ``RuntimeError``); or gloo still held ``tensors`` a timeout
+                after the op completed.
         """
+        held = [torch_compat.use_count(t) for t in tensors]  # before gloo takes its own references
+        work = None
         try:
             work = start()
             ok = work.wait(self._timeout)
         except Exception as exc:
+            work = None  # gloo's work holds the tensors: let it go before waiting for them
+            self._until_released(tensors, held)  # on the way to the error: not raising a second one
             # by type, as hal.distributed.peer_failure: gloo raises a plain RuntimeError for a timeout and for
             # a connection its peer closed (no finer type in torch 2.13)
             if isinstance(exc, (TimeoutError, dist.DistStoreError, dist.DistNetworkError)) or type(exc) is RuntimeError:
@@ -332,9 +351,27 @@ class SimHcclGroup(dist.ProcessGroup):
                     f"npu-sim hccl {what} on rank {self._rank}/{self._size} failed within "
                     f"{self._timeout.total_seconds():g} s, a peer is missing or dead: {exc}") from exc
             raise
+        work = None  # gloo's work holds the tensors: let it go before waiting for them
+        released = self._until_released(tensors, held)
         if ok is False:
             raise DistributedTimeoutError(f"npu-sim hccl {what} on rank {self._rank}/{self._size} did not "
                                           f"complete within {self._timeout.total_seconds():g} s")
+        if not released:
+            raise DistributedTimeoutError(
+                f"npu-sim hccl {what} on rank {self._rank}/{self._size}: gloo still held the op's tensors "
+                f"{self._timeout.total_seconds():g} s after it completed (its worker thread is stuck)")
+
+    def _until_released(self, tensors: Sequence[torch.Tensor], held: Sequence[int]) -> bool:
+        """Sleep (so without the GIL) until each of ``tensors`` is back to ``held`` C++ references, at most
+        the group's timeout; whether they are. See :meth:`_run` for why."""
+        deadline = time.monotonic() + self._timeout.total_seconds()
+        pause = 5e-5
+        while any(torch_compat.use_count(t) > n for t, n in zip(tensors, held)):
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(pause)
+            pause = min(2 * pause, 5e-3)
+        return True
 
     def _reduce_op(self, op: Any) -> tuple[dist.ReduceOp, bool]:
         """(the gloo op, whether to divide by the group size afterwards) for a ReduceOp or RedOpType."""
@@ -360,7 +397,7 @@ class SimHcclGroup(dist.ProcessGroup):
         self._device_checked = True
         mine = torch.tensor([_host_id(), physical_device(index), index], dtype=torch.int64)
         everyone = [torch.empty_like(mine) for _ in range(self._size)]
-        self._run("device check", lambda: self._gloo.allgather([everyone], [mine]))
+        self._run("device check", lambda: self._gloo.allgather([everyone], [mine]), [*everyone, mine])
         seen: dict[tuple[int, int], int] = {}
         for rank, (host, physical, local) in enumerate(t.tolist() for t in everyone):
             if (host, physical) in seen:
@@ -377,7 +414,7 @@ class SimHcclGroup(dist.ProcessGroup):
         hosts = [_host(t) for t in tensors]
         o = dist.AllreduceOptions()
         o.reduceOp, o.timeout = op, self._timeout
-        self._run("allreduce", lambda: self._gloo.allreduce(hosts, o))
+        self._run("allreduce", lambda: self._gloo.allreduce(hosts, o), hosts)
         for t, h in zip(tensors, hosts):
             if divide:
                 h.div_(self._size)
@@ -386,7 +423,8 @@ class SimHcclGroup(dist.ProcessGroup):
     def _allgather_now(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor]) -> None:
         host_outs = [[_host(t) for t in outs] for outs in output_lists]
         host_ins = [_host(t) for t in inputs]
-        self._run("allgather", lambda: self._gloo.allgather(host_outs, host_ins))
+        self._run("allgather", lambda: self._gloo.allgather(host_outs, host_ins),
+                  [*(h for outs in host_outs for h in outs), *host_ins])
         for outs, houts in zip(output_lists, host_outs):
             for t, h in zip(outs, houts):
                 _write_back(t, h)
@@ -422,7 +460,7 @@ class SimHcclGroup(dist.ProcessGroup):
             hosts = [_host(t) for t in tensors]
             o = dist.BroadcastOptions()
             o.rootRank, o.rootTensor, o.timeout = root, root_tensor, self._timeout
-            self._run("broadcast", lambda: self._gloo.broadcast(hosts, o))
+            self._run("broadcast", lambda: self._gloo.broadcast(hosts, o), hosts)
             for t, h in zip(tensors, hosts):
                 _write_back(t, h)
         return self._issue(f"broadcast from rank {root}", tensors, run, tensors)
@@ -524,7 +562,7 @@ class SimHcclGroup(dist.ProcessGroup):
             o = dist.AllToAllOptions()
             o.timeout = self._timeout
             self._run("all_to_all_single", lambda: self._gloo.alltoall_base(host_out, host_in, out_splits,
-                                                                             in_splits, o))
+                                                                             in_splits, o), [host_out, host_in])
             _write_back(output, host_out)
         return self._issue("all_to_all_single", [input], run, [output])
 
@@ -539,7 +577,7 @@ class SimHcclGroup(dist.ProcessGroup):
             hosts = [_host(t) for t in tensors]
             o = dist.ReduceOptions()
             o.reduceOp, o.rootRank, o.rootTensor, o.timeout = op, root, root_tensor, self._timeout
-            self._run("reduce", lambda: self._gloo.reduce(hosts, o))
+            self._run("reduce", lambda: self._gloo.reduce(hosts, o), hosts)
             if self._rank == root:
                 for t, h in zip(tensors, hosts):
                     if divide:
@@ -558,7 +596,8 @@ class SimHcclGroup(dist.ProcessGroup):
             host_ins = [_host(t) for t in inputs]
             o = dist.GatherOptions()
             o.rootRank, o.timeout = root, self._timeout
-            self._run("gather", lambda: self._gloo.gather(host_outs, host_ins, o))
+            self._run("gather", lambda: self._gloo.gather(host_outs, host_ins, o),
+                      [*(h for outs in host_outs for h in outs), *host_ins])
             for outs, houts in zip(output_lists, host_outs):
                 for t, h in zip(outs, houts):
                     _write_back(t, h)
@@ -575,28 +614,32 @@ class SimHcclGroup(dist.ProcessGroup):
             host_ins = [[_host(t) for t in ins] for ins in input_lists]
             o = dist.ScatterOptions()
             o.rootRank, o.timeout = root, self._timeout
-            self._run("scatter", lambda: self._gloo.scatter(host_outs, host_ins, o))
+            self._run("scatter", lambda: self._gloo.scatter(host_outs, host_ins, o),
+                      [*host_outs, *(h for ins in host_ins for h in ins)])
             for t, h in zip(outputs, host_outs):
                 _write_back(t, h)
         return self._issue(f"scatter from rank {root}", outputs, run, outputs)
 
     def barrier(self, opts=None) -> SimWork:
         def run() -> None:
-            o = dist.BarrierOptions()
+            # an allreduce of one element, as StoreGroup.barrier: gloo's own barrier has no output tensor
+            # by which _run could tell that gloo has freed it
+            one = torch.zeros(1)
+            o = dist.AllreduceOptions()
             o.timeout = self._timeout
-            self._run("barrier", lambda: self._gloo.barrier(o))
+            self._run("barrier", lambda: self._gloo.allreduce([one], o), [one])
         return self._issue("barrier", (), run, [])
 
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> SimWork:
         def run() -> None:
             hosts = [_host(t) for t in tensors]
-            self._run(f"send to {dst}", lambda: self._gloo.send(hosts, dst, tag))
+            self._run(f"send to {dst}", lambda: self._gloo.send(hosts, dst, tag), hosts)
         return self._issue(f"send to {dst}", tensors, run, tensors, check=False)
 
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> SimWork:
         def run() -> None:
             hosts = [_host(t) for t in tensors]
-            self._run(f"recv from {src}", lambda: self._gloo.recv(hosts, src, tag))
+            self._run(f"recv from {src}", lambda: self._gloo.recv(hosts, src, tag), hosts)
             for t, h in zip(tensors, hosts):
                 _write_back(t, h)
         return self._issue(f"recv from {src}", tensors, run, tensors, check=False)

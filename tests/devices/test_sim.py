@@ -8,6 +8,7 @@ import os
 import pathlib
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -541,3 +542,58 @@ def test_hccl_async_collective_without_its_peer_times_out_and_fails_those_behind
         assert behind.is_completed() and not behind.is_success()
         with pytest.raises(hal.DistributedTimeoutError, match="allreduce, issued before it on this group, failed"):
             behind.wait()
+
+
+class _LateGloo:
+    """A group's gloo whose allreduce keeps C++ references to the op's tensors (views, which point to their
+    base, as gloo's work object does) after the op completed: for ``hold_s`` seconds, or until
+    :meth:`release` when ``hold_s`` is ``None``. So gloo's worker thread does when it is descheduled between
+    completing an op (its ``wait`` returns) and dropping it."""
+
+    def __init__(self, gloo, hold_s: float | None) -> None:
+        self.gloo, self.hold_s, self.views = gloo, hold_s, []
+        self.released = threading.Event()
+
+    def __getattr__(self, name):
+        return getattr(self.gloo, name)
+
+    def allreduce(self, tensors, opts):
+        work = self.gloo.allreduce(tensors, opts)
+        work.wait()
+        self.released.clear()
+        self.views = [t.view(t.shape) for t in tensors]
+        if self.hold_s is not None:
+            threading.Timer(self.hold_s, self.release).start()
+        return work
+
+    def release(self) -> None:
+        self.views = []
+        self.released.set()
+
+
+def test_hccl_collective_returns_only_once_gloo_has_let_go_of_its_tensors(npu):
+    """gloo's worker thread drops a finished op's tensors holding its queue lock, and dropping a tensor that
+    Python has seen takes the GIL; ``ProcessGroupGloo``'s destructor takes that lock (and joins the thread)
+    with the GIL held when a group's last reference goes in Python. A rank of test_ddp_offload hung so
+    under load, at the end of its function (DDP freed after ``destroy_process_group``) while the worker still
+    held its last allreduce. So a collective returns only once gloo has let go of the op's tensors, and
+    raises within the group's timeout, naming the op, if it never does."""
+    group = hal.new_group_from_store(dist.HashStore(), 0, 1, device="npu-sim", timeout=1.5)
+    sim = group.backend
+    try:
+        t = torch.full((4,), 2.0, device="npu:0")
+        group.all_reduce(t)  # the first collective (it checks the devices) on gloo as it is
+        late = sim._gloo = _LateGloo(sim._gloo, hold_s=0.3)
+        start = time.monotonic()
+        group.all_reduce(t)
+        assert late.released.is_set(), "the collective returned while gloo still held its tensors"
+        assert time.monotonic() - start >= 0.3 and t.cpu().tolist() == [2.0] * 4
+        late.hold_s = None  # never let go
+        start = time.monotonic()
+        with pytest.raises(hal.DistributedTimeoutError, match=r"allreduce on rank 0/1: gloo still held"):
+            group.all_reduce(t)
+        assert 1.0 <= time.monotonic() - start <= 10.0
+        late.release()
+        sim._gloo = late.gloo
+    finally:
+        group.close()

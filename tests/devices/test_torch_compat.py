@@ -227,6 +227,15 @@ def test_register_group_backend():
 
 # -- PrivateUse1 -----------------------------------------------------------------------------------------
 
+def test_use_count():
+    t = torch.ones(3)
+    assert torch_compat.use_count(t) == 1  # Python's own reference
+    view = t.view(3)  # a view keeps a C++ pointer to its base
+    assert torch_compat.use_count(t) == 2
+    del view
+    assert torch_compat.use_count(t) == 1
+
+
 def test_privateuse1_backend_name():
     _sim()
     assert torch_compat.privateuse1_backend_name() == "npu"
