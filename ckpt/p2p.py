@@ -17,9 +17,10 @@ into a peer's buffer, wait for that write):
 
 Every wait (the store, hello, credit, write, metadata) is bounded by ``timeout``. Every rank heartbeats
 through the store: a dead or hung rollout fails the trainer's send naming that rollout within
-:data:`ckpt.control.HEARTBEAT_DEAD_S` by default (``heartbeat_timeout``; plus a heartbeat), and a dead trainer (the store's host) fails a
-rollout's receive naming the trainer at once. Nothing a receiver yields is applied by the engine: a rollout that
-gets an error keeps serving its previous step (``ckpt.workers`` applies updates all-or-nothing).
+``heartbeat_timeout`` (:data:`ckpt.control.HEARTBEAT_DEAD_S` by default) plus a heartbeat, and a dead trainer
+(the store's host) fails a rollout's receive naming the trainer at once. Nothing a receiver yields is
+applied by the engine: a rollout that gets an error keeps serving its previous step (``ckpt.workers``
+applies updates all-or-nothing).
 """
 
 from __future__ import annotations
@@ -209,10 +210,10 @@ class P2PCheckpointEngine(OneToManyEngine):
 
     Failures: a dead or hung rollout fails the trainer's send with :class:`TransferError` naming it (its
     rank and address) within ``heartbeat_timeout`` (:data:`ckpt.control.HEARTBEAT_DEAD_S` by default) plus a
-    heartbeat or two (its heartbeat stopped), one that does not answer while alive within ``timeout``; the other rollouts are told (they raise
-    :class:`TransferAbortedError`) and every connection is dropped, so the next update reconnects whoever
-    is alive. A dead trainer fails each rollout's receive naming it. A sender whose ``weights`` iterator
-    raises tells the rollouts (``TransferAbortedError``) and stays usable.
+    heartbeat or two (its heartbeat stopped), one that does not answer while alive within ``timeout``; the
+    other rollouts are told (they raise :class:`TransferAbortedError`) and every connection is dropped, so
+    the next update reconnects whoever is alive. A dead trainer fails each rollout's receive naming it. A
+    sender whose ``weights`` iterator raises tells the rollouts (``TransferAbortedError``) and stays usable.
     """
 
     @staticmethod
