@@ -201,6 +201,26 @@ def bounded_memory(rank, world_size, port, bucket_size, model_mib, engine_name="
 
 bounded_memory.start_method = "spawn"  # hal.testing: it measures its own process's memory
 
+MEMORY_BUCKET = 32 << 20
+"""The memory tests' ``bucket_size`` in bytes: above :data:`FIRST_UPDATE_SLACK`."""
+MEMORY_MODEL_MIB = 320
+"""The memory tests' model for :func:`bounded_memory`, in MiB (plus one tensor of 3 buckets: 416 MiB)."""
+
+
+def check_bounded_memory(results: dict[int, Any], engine_name: str, receiver_bytes: int) -> None:
+    """Assert what :func:`bounded_memory` reported for ``engine_name`` (1 trainer, 1 rollout, buckets of
+    :data:`MEMORY_BUCKET`): every tensor arrived byte-exact; the sender peaked within what the engine's class
+    states it holds to send (3 buckets: the two in flight and the one being filled; the figure hal sync's
+    memory bound uses) plus :data:`FIRST_UPDATE_SLACK`; the rollout within ``receiver_bytes`` plus that slack;
+    and the sender's bound does not follow the model."""
+    (send_peak, total, sent), (recv_peak, _, received) = results[0], results[1]
+    assert total >= MEMORY_MODEL_MIB << 20 and len(sent) > 15 and received == sent, (total, len(sent))
+    held = sum(ckpt.checkpoint_engine_factory(engine_name).send_buffer_bytes(MEMORY_BUCKET, total).values())
+    assert held == 3 * MEMORY_BUCKET, held
+    assert send_peak <= held + FIRST_UPDATE_SLACK, f"sender peak {send_peak / 2**20:.1f} MiB"
+    assert recv_peak <= receiver_bytes + FIRST_UPDATE_SLACK, f"receiver peak {recv_peak / 2**20:.1f} MiB"
+    assert held + FIRST_UPDATE_SLACK < total / 3, (held, total)
+
 
 def mixed_dtypes(rank, world_size, port, device):
     """The contract's mixed-dtype sample on the device kind, steps 1..3, small buckets (chunks, runs, packs)."""

@@ -223,7 +223,8 @@ def test_bench_quick_prints_ratios(tmp_path):
         if r["engine"] == "kimi":  # checkpoint-engine's design: the trainer pins the whole update in host memory,
             # a rollout pulls buckets never smaller than the largest tensor into two device slots
             assert r["send_peak_bytes"] <= result["sync_p2p"]["size_bytes"] + FIRST_UPDATE_SLACK
-            assert r["recv_peak_bytes"] <= 2 * max(4 << 20, max(tensor_sizes(64 << 20))) + FIRST_UPDATE_SLACK + 2 * (2 << 20)
+            assert r["recv_peak_bytes"] <= \
+                2 * max(4 << 20, max(tensor_sizes(64 << 20))) + FIRST_UPDATE_SLACK + 2 * (2 << 20)
             continue
         # the two slots and a first update's own growth, well below the 64 MiB sent (with 4 MiB buckets that
         # growth is larger than a bucket: tests/ckpt's memory tests count the slots with 32 MiB buckets)
