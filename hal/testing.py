@@ -129,12 +129,18 @@ def _dump_stacks(processes: list, wait_s: float = 2.0) -> None:
 # a forkserver started under other values would hand its ranks a torch imported differently.
 _IMPORT_ENV_PREFIXES = ("HAL_", "TORCH", "PYTORCH", "OMP_", "MKL_", "KMP_", "OPENBLAS", "ASCEND_", "CUDA_",
                         "PYTHON", "LD_")
+# Not about how torch was imported: this module's own switch, and variables torch sets itself while it runs in
+# the caller's process (the elastic agent's signal list on any in-process torchrun launch, inductor's cache
+# directory). Counted, the first in-process launch sent every later group of that pytest worker to spawn
+# (measured: 194 spawned ranks in a full run instead of the dozen that ask for it, each importing torch afresh).
+_NOT_IMPORT_ENV = ("HAL_TEST_START_METHOD", "TORCHELASTIC_SIGNALS_TO_HANDLE", "TORCHINDUCTOR_CACHE_DIR")
 _forkserver_lock = threading.Lock()
 _forkserver_env: dict[str, str] | None = None
 
 
 def _import_env() -> dict[str, str]:
-    return {k: v for k, v in os.environ.items() if k.startswith(_IMPORT_ENV_PREFIXES) and k != "HAL_TEST_START_METHOD"}
+    return {k: v for k, v in os.environ.items()
+            if k.startswith(_IMPORT_ENV_PREFIXES) and k not in _NOT_IMPORT_ENV}
 
 
 def _start_method() -> str:

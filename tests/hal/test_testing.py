@@ -38,6 +38,11 @@ def test_forkserver_ranks_get_the_callers_current_environment_directory_path_and
                                                                                        forkserver_env):
     testing.run_multiprocess(_report, 1, timeout=120)
     assert testing._start_method() == "forkserver"
+    # what torch itself sets in this process while it runs (an in-process torchrun launch, inductor's cache)
+    # says nothing about how torch was imported: the forkserver still serves
+    monkeypatch.setenv("TORCHELASTIC_SIGNALS_TO_HANDLE", "SIGTERM,SIGINT")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    assert testing._start_method() == "forkserver"
     monkeypatch.setenv("OTHER_PROBE", "changed")  # not read by import torch: the forkserver still serves
     monkeypatch.chdir(tmp_path)
     monkeypatch.syspath_prepend(str(tmp_path))
