@@ -62,10 +62,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     and put tests that share a module/session fixture (a Ray cluster, an FSDP run) in one ``xdist_group``,
     so the fixture is built once rather than on each worker."""
     cost: dict[str, tuple[float, int]] = {}
+    xdist = config.pluginmanager.hasplugin("xdist")  # without it (-p no:xdist) the mark is unknown: a warning
     for item in items:
         module = item.nodeid.split("::")[0]
         cost[module] = max(cost.get(module, (0.0, 0)), _declared_cost(item))
-        group = _shared_scope(item)
+        group = _shared_scope(item) if xdist else None
         if group is not None:
             item.add_marker(pytest.mark.xdist_group(group))
     first_seen = {module: i for i, module in reversed(list(enumerate(i.nodeid.split("::")[0] for i in items)))}
