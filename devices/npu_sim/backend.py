@@ -337,7 +337,6 @@ class SimHcclGroup(dist.ProcessGroup):
                 after the op completed.
         """
         held = [torch_compat.use_count(t) for t in tensors]  # before gloo takes its own references
-        work = None
         try:
             work = start()
             ok = work.wait(self._timeout)
