@@ -13,7 +13,9 @@ Two ways in:
 from __future__ import annotations
 
 import datetime
+import errno
 import os
+import random
 import socket
 import threading
 import time
@@ -287,16 +289,48 @@ def new_group_from_store(
     return StoreGroup(backend, rank, world_size, td, spec)
 
 
+EPHEMERAL_RANGE_FILE = "/proc/sys/net/ipv4/ip_local_port_range"
+"""Where Linux keeps the range it draws the local port of every outgoing connection from (``ip-sysctl``)."""
+
+_LOWEST_PICKED_PORT = 10_000  # well above the registered ports services are commonly configured on
+
+
+def _ephemeral_range() -> tuple[int, int] | None:
+    """The kernel's ``(low, high)`` ephemeral port range, inclusive; ``None`` where it cannot be read."""
+    try:
+        with open(EPHEMERAL_RANGE_FILE) as f:
+            low, high = (int(x) for x in f.read().split())
+    except (OSError, ValueError):
+        return None
+    return low, high
+
+
 def pick_port(host: str = "127.0.0.1") -> int:
-    """A TCP port on ``host`` that the operating system reported free a moment ago (bind to port 0).
+    """A TCP port on ``host`` that was free a moment ago, chosen below the kernel's ephemeral range.
 
     For a rendezvous whose address must be known before its server starts (a store hosted by rank 0 of
-    processes not started yet). Another process may take the port before it is bound again; the
+    processes not started yet). Binding port 0 would return a port from the ephemeral range, which the
+    kernel also hands out as the local port of every outgoing connection on the machine: one of those can
+    take the port before its server binds it (it failed a CI run). So the port is drawn at random from
+    ``[10000, low)``, where ``low`` starts the range in :data:`EPHEMERAL_RANGE_FILE`, and tried by binding it;
+    only where that range cannot be read or offers no free port does the operating system choose (port 0).
+    Another process that picks ports explicitly may still take it before it is bound again; the
     rendezvous then fails with an error naming the address, never a hang.
 
     Raises:
         OSError: ``host`` is not a local address.
     """
+    span = _ephemeral_range()
+    if span is not None and span[0] > _LOWEST_PICKED_PORT:
+        for port in random.sample(range(_LOWEST_PICKED_PORT, span[0]), k=min(64, span[0] - _LOWEST_PICKED_PORT)):
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                try:
+                    s.bind((host, port))
+                except OSError as exc:
+                    if exc.errno == errno.EADDRINUSE:
+                        continue
+                    raise
+                return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])

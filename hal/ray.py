@@ -433,10 +433,14 @@ def check_distinct_devices(bindings: Sequence[DeviceBinding]) -> None:
 
 
 # ---- a Ray node as a child process ---------------------------------------------------------------------
-def _free_port() -> int:
-    from hal.distributed import pick_port
-
-    return pick_port()
+# Every port is 0 (and so is the head's --port): each Ray process binds port 0 itself and publishes the port
+# it got; Ray 2.60, which the `ray` extra pins, documents `--port=0` as "we will allocate an available port".
+# A port picked here and bound later by Ray could be taken in between by any outgoing connection on this
+# machine (the kernel hands those out from the same ephemeral range): that failed a CI run with "Address
+# already in use". 0 also keeps nodes started side by side (pytest-xdist workers) apart, which Ray's fixed
+# default ports would not.
+_RAY_PORT_OPTIONS = ("node-manager-port", "object-manager-port", "dashboard-agent-listen-port",
+                     "dashboard-agent-grpc-port", "runtime-env-agent-port", "metrics-export-port")
 
 
 def _reload_ray_auth() -> None:
@@ -451,8 +455,8 @@ def _reload_ray_auth() -> None:
 class LocalCluster:
     """A Ray node run by ``ray start --block`` as a child process of this one, stopped by its process id.
 
-    Every port is a free one (none of Ray's defaults), the temporary directory is its own, the dashboard is
-    off, the object store small, and token authentication is on with a token made for this cluster
+    Every port is one its process got by binding port 0 (none of Ray's defaults), the temporary directory is
+    its own, the dashboard is off, the object store small, and token authentication is on with a token made for this cluster
     (passed through ``RAY_AUTH_TOKEN``, never written under the home directory).
 
     Args:
@@ -513,9 +517,6 @@ class LocalCluster:
             self.temp_dir = tempfile.mkdtemp(prefix="hal-ray-")
             self._own_temp_dir = True
         # Unix socket paths under temp_dir are limited to 107 bytes: keep it short.
-        ports = {"node-manager-port": _free_port(), "object-manager-port": _free_port(),
-                 "dashboard-agent-listen-port": _free_port(), "dashboard-agent-grpc-port": _free_port(),
-                 "runtime-env-agent-port": _free_port(), "metrics-export-port": _free_port()}
         cmd = [os.path.join(os.path.dirname(sys.executable), "ray"), "start", "--block",
                f"--node-ip-address={self.node_ip}", f"--num-cpus={self.num_cpus}",
                f"--num-gpus={int(self.resources.get('GPU', 0))}",
@@ -523,10 +524,9 @@ class LocalCluster:
                f"--object-store-memory={self.object_store_bytes}",
                f"--temp-dir={self.temp_dir}", "--min-worker-port=0", "--max-worker-port=0",
                "--disable-usage-stats", "--include-log-monitor=false",
-               *[f"--{name}={port}" for name, port in ports.items()]]
+               *[f"--{name}=0" for name in _RAY_PORT_OPTIONS]]
         if self.head is None:
-            port = _free_port()
-            cmd += ["--head", f"--port={port}", "--include-dashboard=false"]
+            cmd += ["--head", "--port=0", "--include-dashboard=false"]
         else:
             cmd += [f"--address={self.head}"]
         self.log_path = os.path.join(self.temp_dir, "ray-start.log")
@@ -539,7 +539,7 @@ class LocalCluster:
             self.process = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
                                             stdin=subprocess.DEVNULL, start_new_session=True)
         try:
-            self._wait_up(port if self.head is None else None)
+            self._wait_up()
         except BaseException:
             self.stop()
             raise
@@ -553,7 +553,7 @@ class LocalCluster:
         except OSError as exc:
             return f"(no log: {exc})"
 
-    def _wait_up(self, head_port: int | None) -> None:
+    def _wait_up(self) -> None:
         deadline = time.monotonic() + self.timeout
         pattern = re.compile(r"ray start --address='([^']+)'")
         while time.monotonic() < deadline:
