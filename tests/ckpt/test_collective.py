@@ -1,6 +1,7 @@
 """CollectiveCheckpointEngine in one process (two ranks on threads of one event loop) and its bucket plan."""
 
 import asyncio
+import socket
 
 import pytest
 import torch
@@ -235,3 +236,18 @@ def test_the_bank_layout_and_a_buckets_packed_layout_agree():
     (bucket, _end) = list(plan_messages(weights, 1, 1 << 16, 64 << 10, torch.device("cpu"), direct_threshold=0))
     assert {e.name: e.offset for e in bucket.meta.entries} == {n: s.offset for n, s in layout.slots.items()}
     assert [s.offset for s in layout.slots.values()] == [0, 64, 128]
+
+
+def test_a_master_whose_port_is_taken_names_it_and_can_prepare_once_it_is_free():
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        engine = ckpt.get_checkpoint_engine("collective", is_master=True, master_addr="127.0.0.1",
+                                            master_port=port, timeout=2, device="cpu")
+        with pytest.raises(ckpt.CheckpointConfigError, match=f"cannot host .* store at 127.0.0.1:{port}"):
+            engine.prepare()
+    try:
+        assert engine.prepare()["master_port"] == port  # nothing half-made stands in the way of a retry
+    finally:
+        engine.close()

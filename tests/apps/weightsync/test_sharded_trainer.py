@@ -53,6 +53,15 @@ def test_a_sharded_trainer_refuses_what_it_cannot_run_naming_the_flag(flags, mes
         validate(Sync(device="cpu", model="qwen2.5-tiny", trainer_ranks=2, **flags))
 
 
+def test_a_sharded_trainer_refuses_the_vllm_rollout(monkeypatch):
+    from hal.apps.cli import sync
+
+    # vLLM's own checks come first and need vLLM installed (its lane has it): pass them here
+    monkeypatch.setattr(sync, "validate_vllm", lambda args: None)
+    with pytest.raises(UsageError, match="--trainer-ranks 2 runs with --rollout hal, got --rollout vllm"):
+        sync.validate(sync.Sync(device="cpu", model="qwen2.5-tiny", trainer_ranks=2, rollout="vllm"))
+
+
 def test_trainer_ranks_must_be_positive_and_a_checkpoint_path_is_refused(tmp_path):
     import torch
     from safetensors.torch import save_file
