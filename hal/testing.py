@@ -15,9 +15,11 @@ from __future__ import annotations
 import importlib
 import multiprocessing
 import os
+import shutil
 import signal
 import socket
 import sys
+import tempfile
 import threading
 import time
 import traceback
@@ -73,7 +75,7 @@ def _restore_fd(dup) -> int:
 
 
 def _entry(rank: int, fn: Callable | tuple[str, str], world_size: int, port: int, env: dict, results,
-           args: tuple, timeout: float, parent: dict | None = None) -> None:
+           args: tuple, timeout: float, stacks_dir: str, parent: dict | None = None) -> None:
     import faulthandler
 
     import torch
@@ -97,8 +99,12 @@ def _entry(rank: int, fn: Callable | tuple[str, str], world_size: int, port: int
     # ranks with two threads each on two cores make gloo's busy waits crawl (a test once passed 100 s).
     torch.set_num_threads(1)
     # Should the group pass its deadline, the parent asks each rank for its Python stacks (every thread)
-    # before it kills it: a timer here would run from this rank's start, late when spawning was slow.
-    faulthandler.register(STACKS_SIGNAL, all_threads=True)
+    # before it kills it: a timer here would run from this rank's start, late when spawning was slow. They go
+    # to a file the parent reads into its error, so they reach the test's report (a rerun's too), not only a
+    # captured stderr that a passing rerun discards.
+    global _stacks_file
+    _stacks_file = open(_stacks_path(stacks_dir, rank), "w")  # kept open: faulthandler writes to its fd
+    faulthandler.register(STACKS_SIGNAL, file=_stacks_file, all_threads=True)
     os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
                        "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": str(world_size),
                        "OMP_NUM_THREADS": "1"})
@@ -111,18 +117,39 @@ def _entry(rank: int, fn: Callable | tuple[str, str], world_size: int, port: int
 
 STACKS_SIGNAL = signal.SIGUSR1
 """The signal on which a rank started by :func:`run_multiprocess` writes every thread's Python stack to
-its stderr (``faulthandler.register``)."""
+its stacks file (``faulthandler.register``), which the parent puts into its :class:`MultiprocessError`."""
+
+_stacks_file = None  # in a rank: the file its stacks go to (open for as long as the rank runs)
+STACKS_CHARS = 6000
+"""At most this many characters of each rank's stacks (the end, where the innermost frames are) go into the
+error message."""
 
 
-def _dump_stacks(processes: list, wait_s: float = 2.0) -> None:
-    """Ask each live process for its stacks (:data:`STACKS_SIGNAL`) and give them ``wait_s`` seconds to
-    write them, so a hang's report shows where each rank was when the deadline passed."""
-    for p in processes:
+def _stacks_path(stacks_dir: str, rank: int) -> str:
+    return os.path.join(stacks_dir, f"rank{rank}.txt")
+
+
+def _dump_stacks(ranks: dict[int, Any], stacks_dir: str, wait_s: float = 2.0) -> str:
+    """Ask each live rank (``{rank: process}``) for its stacks (:data:`STACKS_SIGNAL`), give them ``wait_s``
+    seconds to write them, and return them as text, so a hang's report shows where each rank was when the
+    deadline passed. They are also written to this process's stderr."""
+    for p in ranks.values():
         try:
             os.kill(p.pid, STACKS_SIGNAL)
         except OSError:  # exited meanwhile
             pass
     time.sleep(wait_s)
+    parts = []
+    for rank in ranks:
+        try:
+            with open(_stacks_path(stacks_dir, rank), errors="replace") as f:
+                text = f.read()[-STACKS_CHARS:]
+        except OSError as exc:
+            text = f"(no stacks: {exc})"
+        parts.append(f"--- rank {rank} (pid {ranks[rank].pid}) ---\n{text.rstrip() or '(it wrote none)'}")
+    report = "\n".join(parts)
+    print(report, file=sys.stderr, flush=True)
+    return report
 
 
 # Variables read while torch imports (its backend autoload, hal's sim entry point, thread pools, the loader):
@@ -185,7 +212,8 @@ def run_multiprocess(fn: Callable[..., Any], world_size: int, *args: Any, timeou
 
     Raises:
         MultiprocessError: a rank raised (unless ``expect_failure``), exited without a result, or the
-            deadline passed. The message carries each failing rank's traceback.
+            deadline passed. The message carries each failing rank's traceback; past the deadline, which
+            ranks had returned a result and the Python stacks (every thread) of each rank still running.
     """
     port = free_port()
     # a function of the __main__ script is found again only by spawn, which re-runs that script
@@ -199,8 +227,9 @@ def run_multiprocess(fn: Callable[..., Any], world_size: int, *args: Any, timeou
         target = (fn.__module__, fn.__qualname__)
         parent = {"stdout": _ParentFd(1), "stderr": _ParentFd(2), "cwd": os.getcwd(), "sys_path": list(sys.path),
                   "environ": dict(os.environ)}
+    stacks_dir = tempfile.mkdtemp(prefix="hal-stacks-")
     context = tmp.start_processes(_entry, args=(target, world_size, port, dict(env or {}), results, args, timeout,
-                                                parent),
+                                                stacks_dir, parent),
                                   nprocs=world_size, join=False, start_method=method)
     deadline = time.monotonic() + timeout
     try:
@@ -210,9 +239,10 @@ def run_multiprocess(fn: Callable[..., Any], world_size: int, *args: Any, timeou
                 while not results.empty():
                     done.append(results.get()[0])
                 alive = [r for r, p in enumerate(context.processes) if p.is_alive()]
-                _dump_stacks([context.processes[r] for r in alive])
-                raise MultiprocessError(f"{world_size} processes did not finish within {timeout} s (ranks done: "
-                                        f"{sorted(done)}, still running: {alive}; their stacks are on stderr)")
+                stacks = _dump_stacks({r: context.processes[r] for r in alive}, stacks_dir)
+                raise MultiprocessError(f"{world_size} processes did not finish within {timeout} s (ranks done "
+                                        f"with a result: {sorted(done)}, still running: {alive}); their stacks:\n"
+                                        f"{stacks}")
     except tmp.ProcessRaisedException as exc:
         raise MultiprocessError(str(exc)) from exc
     except tmp.ProcessExitedException as exc:
@@ -223,6 +253,7 @@ def run_multiprocess(fn: Callable[..., Any], world_size: int, *args: Any, timeou
             if p.is_alive():
                 p.kill()
                 p.join(5)
+        shutil.rmtree(stacks_dir, ignore_errors=True)
     out: dict[int, Any] = {}
     failures: dict[int, str] = {}
     while not results.empty():

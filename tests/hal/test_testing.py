@@ -3,6 +3,7 @@
 import multiprocessing
 import os
 import sys
+import time
 
 import pytest
 
@@ -82,3 +83,28 @@ _parent_spawned.start_method = "spawn"  # as a rank measuring its own memory dec
 def test_a_rank_function_can_ask_to_be_spawned(forkserver_env):
     assert testing.run_multiprocess(_parent_spawned, 1, timeout=120) == {0: os.getpid()}  # this process's child
     assert testing.run_multiprocess(_parent, 1, timeout=120) != {0: os.getpid()}  # the forkserver's
+
+
+def _rank_1_hangs(rank, world_size, port):
+    if rank == 1:
+        _waits_for_a_peer_that_never_comes()
+    return rank
+
+
+def _waits_for_a_peer_that_never_comes():
+    import time
+
+    time.sleep(600)
+
+
+def test_a_group_past_its_deadline_raises_with_every_running_ranks_stacks():
+    start = time.monotonic()
+    with pytest.raises(testing.MultiprocessError) as info:
+        testing.run_multiprocess(_rank_1_hangs, 2, timeout=5)
+    message = str(info.value)
+    assert "did not finish within 5 s (ranks done with a result: [0], still running: [1])" in message, message
+    stacks = message.split("their stacks:\n", 1)[1]
+    assert stacks.startswith("--- rank 1 (pid ") and "--- rank 0" not in stacks, stacks
+    # the innermost frames of the hung rank, by function name (faulthandler's format)
+    assert "_waits_for_a_peer_that_never_comes" in stacks and "_rank_1_hangs" in stacks, stacks
+    assert time.monotonic() - start < 30  # the deadline, the stacks' grace and the kill; never a hang
