@@ -295,8 +295,9 @@ EPHEMERAL_RANGE_FILE = "/proc/sys/net/ipv4/ip_local_port_range"
 _LOWEST_PICKED_PORT = 10_000  # well above the registered ports services are commonly configured on
 
 
-def _ephemeral_range() -> tuple[int, int] | None:
-    """The kernel's ``(low, high)`` ephemeral port range, inclusive; ``None`` where it cannot be read."""
+def ephemeral_port_range() -> tuple[int, int] | None:
+    """The kernel's ``(low, high)`` ephemeral port range (inclusive), from which it picks the local port of
+    every outgoing TCP connection; ``None`` where :data:`EPHEMERAL_RANGE_FILE` cannot be read (not Linux)."""
     try:
         with open(EPHEMERAL_RANGE_FILE) as f:
             low, high = (int(x) for x in f.read().split())
@@ -320,7 +321,7 @@ def pick_port(host: str = "127.0.0.1") -> int:
     Raises:
         OSError: ``host`` is not a local address.
     """
-    span = _ephemeral_range()
+    span = ephemeral_port_range()
     if span is not None and span[0] > _LOWEST_PICKED_PORT:
         for port in random.sample(range(_LOWEST_PICKED_PORT, span[0]), k=min(64, span[0] - _LOWEST_PICKED_PORT)):
             with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -354,5 +355,5 @@ def connect_store(host: str, port: int, rank: int, world_size: int, timeout: Tim
 
 __all__: Sequence[str] = [
     "DEFAULT_TIMEOUT_S", "as_timedelta", "bind_local_device", "init_process_group", "StoreGroup", "PendingWork",
-    "new_group_from_store", "connect_store", "pick_port",
+    "new_group_from_store", "connect_store", "pick_port", "ephemeral_port_range",
 ]

@@ -28,7 +28,7 @@ from typing import Any, Callable
 
 import torch.multiprocessing as tmp
 
-from hal.distributed import pick_port
+from hal.distributed import ephemeral_port_range, pick_port
 
 
 _calls = 0
@@ -37,13 +37,17 @@ _calls = 0
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago.
 
-    Under pytest-xdist each worker draws from its own range (by ``PYTEST_XDIST_WORKER``), so two workers
-    never pick the same port; within the range the OS is asked whether the port is free.
+    Under pytest-xdist each worker draws from its own range of 500 ports from 21000 up (by
+    ``PYTEST_XDIST_WORKER``), so two workers never pick the same port; within the range the OS is asked
+    whether the port is free. The ranges stay below the kernel's ephemeral range where it leaves room
+    (see :func:`hal.distributed.pick_port`: no outgoing connection can take such a port meanwhile).
     """
     global _calls
     worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
     index = int(worker[2:]) if worker[2:].isdigit() else 0
-    base = 21000 + 500 * (index % 60)
+    span = ephemeral_port_range()
+    ranges = max(1, (span[0] - 21000) // 500) if span is not None else 60  # 23 below Linux's default 32768
+    base = 21000 + 500 * (index % ranges)
     start = (os.getpid() * 7 + 13 * _calls) % 500  # successive calls (and processes) start elsewhere
     _calls += 1
     for port in [base + (start + i) % 500 for i in range(500)]:

@@ -18,7 +18,7 @@ def _bindable(port: int) -> bool:
 
 
 def test_the_port_is_free_and_below_the_kernels_ephemeral_range():
-    low, high = hal.distributed._ephemeral_range()
+    low, high = hal.distributed.ephemeral_port_range()
     ports = {pick_port() for _ in range(20)}
     assert all(10_000 <= p < low and _bindable(p) for p in ports), (ports, low)
     assert len(ports) > 1  # drawn at random, not one fixed port
@@ -31,13 +31,13 @@ def test_a_busy_port_is_never_returned(monkeypatch):
         taken = busy.getsockname()[1]
         # a range of one port to draw from, and that one taken: the operating system chooses instead
         monkeypatch.setattr(hal.distributed, "_LOWEST_PICKED_PORT", taken)
-        monkeypatch.setattr(hal.distributed, "_ephemeral_range", lambda: (taken + 1, 65535))
+        monkeypatch.setattr(hal.distributed, "ephemeral_port_range", lambda: (taken + 1, 65535))
         port = pick_port()
     assert port != taken and _bindable(port)
 
 
 def test_without_a_range_to_draw_from_the_operating_system_chooses(tmp_path, monkeypatch):
-    low, high = hal.distributed._ephemeral_range()
+    low, high = hal.distributed.ephemeral_port_range()
     wide = tmp_path / "ip_local_port_range"
     wide.write_text("1024\t65535\n")  # no room below the range
     monkeypatch.setattr(hal.distributed, "EPHEMERAL_RANGE_FILE", str(wide))

@@ -10,6 +10,7 @@ import pytest
 
 import hal
 from devices.npu_sim.ext import cache_root
+from hal.distributed import ephemeral_port_range
 from hal.testing import free_port
 
 CACHE_ROOT = str(cache_root())  # read before pytester points HOME at a fresh folder
@@ -142,3 +143,6 @@ def test_free_ports_differ_across_calls_and_xdist_workers(monkeypatch):
     monkeypatch.setenv("PYTEST_XDIST_WORKER", "gw1")
     gw1 = free_port()
     assert 21000 <= gw0 < 21500 and 21500 <= gw1 < 22000  # disjoint ranges per worker
+    low, _ = ephemeral_port_range()
+    monkeypatch.setenv("PYTEST_XDIST_WORKER", "gw40")  # past the ranges that fit: wraps, still below the range
+    assert 21000 <= free_port() < low
