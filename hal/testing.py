@@ -1,7 +1,8 @@
 """Helpers for tests of multi-process code: free ports and spawned process groups that cannot hang.
 
 ``torch.multiprocessing.start_processes`` does the spawning; what it lacks is an overall deadline and a way
-to hand back each rank's return value, which :func:`run_multiprocess` adds.
+to hand back each rank's return value (read while the ranks run, so a result of any size comes back), which
+:func:`run_multiprocess` adds.
 
 Where the platform offers it, ranks start from Python's ``forkserver`` with torch preloaded
 (``multiprocessing.set_forkserver_preload``): a rank then costs a fork instead of a fresh interpreter
@@ -192,6 +193,19 @@ def _start_method() -> str:
         return "forkserver" if _import_env() == _forkserver_env else "spawn"
 
 
+def _read_results(results, received: list) -> None:
+    """Append each ``(rank, ok, value)`` the ranks put on ``results`` to ``received``, until ``None``; a
+    result that cannot be unpickled here becomes a failure of rank -1 saying why."""
+    while True:
+        try:
+            item = results.get()
+        except Exception as exc:  # noqa: BLE001 - the message was read whole; the next one is intact
+            item = (-1, False, f"a rank's result could not be read in the calling process: {type(exc).__name__}: {exc}")
+        if item is None:
+            return
+        received.append(item)
+
+
 class MultiprocessError(RuntimeError):
     """A spawned rank raised, died, or the group passed its deadline."""
 
@@ -235,13 +249,18 @@ def run_multiprocess(fn: Callable[..., Any], world_size: int, *args: Any, timeou
     context = tmp.start_processes(_entry, args=(target, world_size, port, dict(env or {}), results, args, timeout,
                                                 stacks_dir, parent),
                                   nprocs=world_size, join=False, start_method=method)
+    # Results are read while the ranks run: a rank's put() blocks once the pipe holds 64 KiB (Linux's pipe
+    # buffer) until someone reads. A daemon thread, so that a rank killed halfway through a put cannot
+    # block this process.
+    received: list[tuple[int, bool, Any]] = []
+    reader = threading.Thread(target=_read_results, args=(results, received), daemon=True,
+                              name="hal-testing-results")
+    reader.start()
     deadline = time.monotonic() + timeout
     try:
         while not context.join(timeout=0.2):
             if time.monotonic() > deadline:
-                done = []
-                while not results.empty():
-                    done.append(results.get()[0])
+                done = [rank for rank, _, _ in received]
                 alive = [r for r, p in enumerate(context.processes) if p.is_alive()]
                 stacks = _dump_stacks({r: context.processes[r] for r in alive}, stacks_dir)
                 raise MultiprocessError(f"{world_size} processes did not finish within {timeout} s (ranks done "
@@ -258,10 +277,11 @@ def run_multiprocess(fn: Callable[..., Any], world_size: int, *args: Any, timeou
                 p.kill()
                 p.join(5)
         shutil.rmtree(stacks_dir, ignore_errors=True)
+        results.put(None)  # every rank is gone: the reader stops after what they wrote
+        reader.join(5.0)
     out: dict[int, Any] = {}
     failures: dict[int, str] = {}
-    while not results.empty():
-        rank, ok, value = results.get()
+    for rank, ok, value in list(received):
         (out if ok else failures)[rank] = value
     if failures and not expect_failure:
         raise MultiprocessError("\n".join(f"rank {r} failed: {t}" for r, t in sorted(failures.items())))

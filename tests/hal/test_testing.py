@@ -108,3 +108,13 @@ def test_a_group_past_its_deadline_raises_with_every_running_ranks_stacks():
     # the innermost frames of the hung rank, by function name (faulthandler's format)
     assert "_waits_for_a_peer_that_never_comes" in stacks and "_rank_1_hangs" in stacks, stacks
     assert time.monotonic() - start < 30  # the deadline, the stacks' grace and the kill; never a hang
+
+
+def _returns_a_megabyte(rank, world_size, port):
+    return bytes([rank]) * (1 << 20)
+
+
+def test_results_larger_than_a_pipe_buffer_come_back():
+    # a rank's put() blocks once the pipe holds 64 KiB until the caller reads: it must read while they run
+    out = testing.run_multiprocess(_returns_a_megabyte, 2, timeout=30)
+    assert out == {0: b"\x00" * (1 << 20), 1: b"\x01" * (1 << 20)}
