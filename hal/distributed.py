@@ -293,6 +293,9 @@ EPHEMERAL_RANGE_FILE = "/proc/sys/net/ipv4/ip_local_port_range"
 """Where Linux keeps the range it draws the local port of every outgoing connection from (``ip-sysctl``)."""
 
 _LOWEST_PICKED_PORT = 10_000  # well above the registered ports services are commonly configured on
+# its own generator, seeded by the OS: processes that seeded `random` alike must not draw the same ports, and
+# picking a port must not move the caller's `random` stream (ranks seeded alike would drift apart)
+_port_random = random.SystemRandom()
 
 
 def ephemeral_port_range() -> tuple[int, int] | None:
@@ -307,7 +310,8 @@ def ephemeral_port_range() -> tuple[int, int] | None:
 
 
 def pick_port(host: str = "127.0.0.1") -> int:
-    """A TCP port on ``host`` that was free a moment ago, chosen below the kernel's ephemeral range.
+    """A TCP port on ``host`` (an IPv4 address) that was free a moment ago, chosen below the kernel's
+    ephemeral range.
 
     For a rendezvous whose address must be known before its server starts (a store hosted by rank 0 of
     processes not started yet). Binding port 0 would return a port from the ephemeral range, which the
@@ -319,11 +323,12 @@ def pick_port(host: str = "127.0.0.1") -> int:
     rendezvous then fails with an error naming the address, never a hang.
 
     Raises:
-        OSError: ``host`` is not a local address.
+        OSError: ``host`` is not a local IPv4 address.
     """
     span = ephemeral_port_range()
     if span is not None and span[0] > _LOWEST_PICKED_PORT:
-        for port in random.sample(range(_LOWEST_PICKED_PORT, span[0]), k=min(64, span[0] - _LOWEST_PICKED_PORT)):
+        candidates = range(_LOWEST_PICKED_PORT, span[0])
+        for port in _port_random.sample(candidates, k=min(64, len(candidates))):
             with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
                 try:
                     s.bind((host, port))

@@ -39,15 +39,18 @@ def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago.
 
     Under pytest-xdist each worker draws from its own range of 500 ports from 21000 up (by
-    ``PYTEST_XDIST_WORKER``), so two workers never pick the same port; within the range the OS is asked
-    whether the port is free. The ranges stay below the kernel's ephemeral range where it leaves room
-    (see :func:`hal.distributed.pick_port`: no outgoing connection can take such a port meanwhile).
+    ``PYTEST_XDIST_WORKER``), so two workers never pick the same port here (ports from
+    :func:`hal.distributed.pick_port` may fall in these ranges: each is tried by binding it); within the
+    range the OS is asked whether the port is free. The ranges stay below the kernel's ephemeral range where
+    it leaves room for at least 8 of them (no outgoing connection can take such a port meanwhile), and
+    workers past the last range share from the first again.
     """
     global _calls
     worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
     index = int(worker[2:]) if worker[2:].isdigit() else 0
     span = ephemeral_port_range()
-    ranges = max(1, (span[0] - 21000) // 500) if span is not None else 60  # 23 below Linux's default 32768
+    ranges = (span[0] - 21000) // 500 if span is not None else 0  # 23 below Linux's default 32768
+    ranges = ranges if ranges >= 8 else 60  # too little room below it: the ranges go into it
     base = 21000 + 500 * (index % ranges)
     start = (os.getpid() * 7 + 13 * _calls) % 500  # successive calls (and processes) start elsewhere
     _calls += 1
@@ -79,12 +82,24 @@ def _restore_fd(dup) -> int:
     return dup.detach()
 
 
-def _entry(rank: int, fn: Callable | tuple[str, str], world_size: int, port: int, env: dict, results,
+def _entry(rank: int, fn: Callable | tuple[str, str], world_size: int, port: int, env: dict, writers: list,
            args: tuple, timeout: float, stacks_dir: str, parent: dict | None = None) -> None:
     import faulthandler
 
     import torch
 
+    # Should the group pass its deadline, the parent asks each rank for its Python stacks (every thread)
+    # before it kills it: a timer here would run from this rank's start, late when spawning was slow. They go
+    # to a file the parent reads into its error, so they reach the test's report (a rerun's too), not only a
+    # captured stderr that a passing rerun discards. Registered first: until then the signal would kill.
+    global _stacks_file
+    _stacks_file = open(_stacks_path(stacks_dir, rank), "w")  # kept open: faulthandler writes to its fd
+    faulthandler.register(STACKS_SIGNAL, file=_stacks_file, all_threads=True)
+    global _result_pipe
+    writer = _result_pipe = writers[rank]
+    for other in writers:  # each rank holds only its own end, so the parent sees EOF when that rank is gone
+        if other is not writer:
+            other.close()
     if parent is not None:  # started from the forkserver: take the caller's state, as spawn would have
         for target, fd in ((1, parent["stdout"]), (2, parent["stderr"])):
             if fd != target:
@@ -103,21 +118,19 @@ def _entry(rank: int, fn: Callable | tuple[str, str], world_size: int, port: int
     # torch is already imported here, so OMP_NUM_THREADS below comes too late for this process: several
     # ranks with two threads each on two cores make gloo's busy waits crawl (a test once passed 100 s).
     torch.set_num_threads(1)
-    # Should the group pass its deadline, the parent asks each rank for its Python stacks (every thread)
-    # before it kills it: a timer here would run from this rank's start, late when spawning was slow. They go
-    # to a file the parent reads into its error, so they reach the test's report (a rerun's too), not only a
-    # captured stderr that a passing rerun discards.
-    global _stacks_file
-    _stacks_file = open(_stacks_path(stacks_dir, rank), "w")  # kept open: faulthandler writes to its fd
-    faulthandler.register(STACKS_SIGNAL, file=_stacks_file, all_threads=True)
     os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
                        "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": str(world_size),
                        "OMP_NUM_THREADS": "1"})
     os.environ.update(env)
     try:
-        results.put((rank, True, fn(rank, world_size, port, *args)))
+        outcome = (True, fn(rank, world_size, port, *args))
     except BaseException as exc:  # noqa: BLE001 - reported to the parent, which re-raises
-        results.put((rank, False, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+        outcome = (False, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")
+    try:
+        writer.send(outcome)  # pickled whole before a byte is written: a failure here sends nothing
+    except Exception as exc:  # noqa: BLE001 - an unpicklable result is this rank's failure
+        writer.send((False, f"rank {rank}'s result could not be sent: {type(exc).__name__}: {exc}"))
+    writer.close()
 
 
 STACKS_SIGNAL = signal.SIGUSR1
@@ -125,6 +138,7 @@ STACKS_SIGNAL = signal.SIGUSR1
 its stacks file (``faulthandler.register``), which the parent puts into its :class:`MultiprocessError`."""
 
 _stacks_file = None  # in a rank: the file its stacks go to (open for as long as the rank runs)
+_result_pipe = None  # in a rank: the write end of the pipe its result goes back through
 STACKS_CHARS = 6000
 """At most this many characters of each rank's stacks (the end, where the innermost frames are) go into the
 error message."""
@@ -193,17 +207,29 @@ def _start_method() -> str:
         return "forkserver" if _import_env() == _forkserver_env else "spawn"
 
 
-def _read_results(results, received: list) -> None:
-    """Append each ``(rank, ok, value)`` the ranks put on ``results`` to ``received``, until ``None``; a
-    result that cannot be unpickled here becomes a failure of rank -1 saying why."""
-    while True:
+def _receive(pending: dict[int, Any], received: dict[int, tuple[bool, Any]], wait_s: float) -> None:
+    """Move each result that ``pending``'s pipes (``{rank: read end}``) offer within ``wait_s`` seconds into
+    ``received`` (``{rank: (ok, value)}``); a pipe at its end without a message (the rank exited without a
+    result, or died halfway through sending it) is dropped from ``pending`` with nothing received.
+
+    ``recv`` blocks only while a rank is still writing its message; once the rank is gone its end is closed
+    and an unfinished message reads as end of file.
+    """
+    from multiprocessing.connection import wait
+
+    rank_of = {id(conn): rank for rank, conn in pending.items()}
+    for conn in wait(list(pending.values()), timeout=wait_s):
+        rank = rank_of[id(conn)]
+        del pending[rank]
         try:
-            item = results.get()
-        except Exception as exc:  # noqa: BLE001 - the message was read whole; the next one is intact
-            item = (-1, False, f"a rank's result could not be read in the calling process: {type(exc).__name__}: {exc}")
-        if item is None:
-            return
-        received.append(item)
+            received[rank] = conn.recv()
+        except (EOFError, OSError):  # nothing sent, or a message cut short ("got end of file during message")
+            pass
+        except Exception as exc:  # noqa: BLE001 - the message was read whole; it does not unpickle here
+            received[rank] = (False, f"rank {rank}'s result could not be read in the calling process: "
+                                     f"{type(exc).__name__}: {exc}")
+        finally:
+            conn.close()
 
 
 class MultiprocessError(RuntimeError):
@@ -226,10 +252,11 @@ def run_multiprocess(fn: Callable[..., Any], world_size: int, *args: Any, timeou
 
     Args:
         timeout: seconds for the whole group; past it every process is killed.
-        expect_failure: return ``{rank: error text}`` for ranks that raised instead of raising.
+        expect_failure: return ``{rank: error text}`` for ranks that raised instead of raising, and leave
+            out the ranks that died or exited without a result.
 
     Raises:
-        MultiprocessError: a rank raised (unless ``expect_failure``), exited without a result, or the
+        MultiprocessError: a rank raised or exited without a result (unless ``expect_failure``), or the
             deadline passed. The message carries each failing rank's traceback; past the deadline, which
             ranks had returned a result and the Python stacks (every thread) of each rank still running.
     """
@@ -238,53 +265,69 @@ def run_multiprocess(fn: Callable[..., Any], world_size: int, *args: Any, timeou
     spawn = fn.__module__ == "__main__" or getattr(fn, "start_method", None) == "spawn"
     method = "spawn" if spawn else _start_method()
     ctx = tmp.get_context(method)
-    results = ctx.SimpleQueue()
     target: Callable | tuple[str, str] = fn
     parent = None
     if method == "forkserver":
         target = (fn.__module__, fn.__qualname__)
         parent = {"stdout": _ParentFd(1), "stderr": _ParentFd(2), "cwd": os.getcwd(), "sys_path": list(sys.path),
                   "environ": dict(os.environ)}
-    stacks_dir = tempfile.mkdtemp(prefix="hal-stacks-")
-    context = tmp.start_processes(_entry, args=(target, world_size, port, dict(env or {}), results, args, timeout,
-                                                stacks_dir, parent),
-                                  nprocs=world_size, join=False, start_method=method)
-    # Results are read while the ranks run: a rank's put() blocks once the pipe holds 64 KiB (Linux's pipe
-    # buffer) until someone reads. A daemon thread, so that a rank killed halfway through a put cannot
-    # block this process.
-    received: list[tuple[int, bool, Any]] = []
-    reader = threading.Thread(target=_read_results, args=(results, received), daemon=True,
-                              name="hal-testing-results")
-    reader.start()
-    deadline = time.monotonic() + timeout
+    # One pipe per rank, read while the ranks run: a rank's send blocks once its pipe holds 64 KiB (Linux's
+    # pipe buffer) until someone reads, and no lock is shared, so a rank killed mid-send blocks nobody.
+    pipes = [ctx.Pipe(duplex=False) for _ in range(world_size)]
+    pending = {rank: reader for rank, (reader, _) in enumerate(pipes)}
+    received: dict[int, tuple[bool, Any]] = {}
+    stacks_dir, context = None, None
     try:
-        while not context.join(timeout=0.2):
+        stacks_dir = tempfile.mkdtemp(prefix="hal-stacks-")
+        context = tmp.start_processes(_entry, args=(target, world_size, port, dict(env or {}),
+                                                    [writer for _, writer in pipes], args, timeout, stacks_dir,
+                                                    parent),
+                                      nprocs=world_size, join=False, start_method=method)
+        for _, writer in pipes:  # the ranks hold their own copies now
+            writer.close()
+        deadline = time.monotonic() + timeout
+        while True:
+            _receive(pending, received, 0.2)
+            if context.join(timeout=0):
+                break
             if time.monotonic() > deadline:
-                done = [rank for rank, _, _ in received]
-                alive = [r for r, p in enumerate(context.processes) if p.is_alive()]
+                alive = [r for r, p in enumerate(context.processes) if p.is_alive() and r not in received]
                 stacks = _dump_stacks({r: context.processes[r] for r in alive}, stacks_dir)
                 raise MultiprocessError(f"{world_size} processes did not finish within {timeout} s (ranks done "
-                                        f"with a result: {sorted(done)}, still running: {alive}); their stacks:\n"
-                                        f"{stacks}")
+                                        f"with a result: {sorted(received)}, still running: {alive}); their "
+                                        f"stacks:\n{stacks}")
     except tmp.ProcessRaisedException as exc:
         raise MultiprocessError(str(exc)) from exc
     except tmp.ProcessExitedException as exc:
         if not expect_failure:
             raise MultiprocessError(str(exc)) from exc
     finally:
-        for p in context.processes:
+        for p in context.processes if context is not None else []:
             if p.is_alive():
                 p.kill()
                 p.join(5)
-        shutil.rmtree(stacks_dir, ignore_errors=True)
-        results.put(None)  # every rank is gone: the reader stops after what they wrote
-        reader.join(5.0)
+        if stacks_dir is not None:
+            shutil.rmtree(stacks_dir, ignore_errors=True)
+        for _, writer in pipes:
+            writer.close()
+        while pending:  # what the ranks sent before they ended: every end is closed now, so nothing blocks
+            left = len(pending)
+            _receive(pending, received, 0)
+            if len(pending) == left:
+                break
+        for reader in pending.values():
+            reader.close()
     out: dict[int, Any] = {}
     failures: dict[int, str] = {}
-    for rank, ok, value in list(received):
+    for rank, (ok, value) in sorted(received.items()):
         (out if ok else failures)[rank] = value
     if failures and not expect_failure:
         raise MultiprocessError("\n".join(f"rank {r} failed: {t}" for r, t in sorted(failures.items())))
+    missing = [rank for rank in range(world_size) if rank not in received]
+    if missing and not expect_failure:
+        codes = [context.processes[r].exitcode for r in missing]
+        raise MultiprocessError(f"ranks {missing} exited (exit codes {codes}) without a result (or with part "
+                                f"of one)")
     if expect_failure:
         out.update(failures)
     return out

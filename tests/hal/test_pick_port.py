@@ -46,6 +46,25 @@ def test_without_a_range_to_draw_from_the_operating_system_chooses(tmp_path, mon
     assert low <= pick_port() <= high
 
 
+def _nonlocal_bind() -> bool:
+    try:
+        with open("/proc/sys/net/ipv4/ip_nonlocal_bind") as f:
+            return f.read().strip() == "1"
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(_nonlocal_bind(), reason="this host lets a socket bind any address (ip_nonlocal_bind=1)")
 def test_a_host_that_is_not_local_raises():
     with pytest.raises(OSError):
         pick_port("192.0.2.1")  # TEST-NET-1 (RFC 5737): never an address of this machine
+
+
+def test_picking_leaves_the_callers_random_stream_alone():
+    import random
+
+    random.seed(0)
+    expected = random.random()
+    random.seed(0)
+    pick_port()
+    assert random.random() == expected  # ranks seeded alike stay alike whichever of them picked a port

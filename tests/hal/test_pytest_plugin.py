@@ -146,3 +146,16 @@ def test_free_ports_differ_across_calls_and_xdist_workers(monkeypatch):
     low, _ = ephemeral_port_range()
     monkeypatch.setenv("PYTEST_XDIST_WORKER", "gw40")  # past the ranges that fit: wraps, still below the range
     assert 21000 <= free_port() < low
+
+
+def test_free_port_ranges_stay_apart_where_the_ephemeral_range_leaves_no_room(tmp_path, monkeypatch):
+    import hal.distributed
+
+    wide = tmp_path / "ip_local_port_range"
+    wide.write_text("1024 65535\n")
+    monkeypatch.setattr(hal.distributed, "EPHEMERAL_RANGE_FILE", str(wide))
+    picked = {}
+    for worker in ("gw0", "gw1", "gw7"):
+        monkeypatch.setenv("PYTEST_XDIST_WORKER", worker)
+        picked[worker] = free_port() // 500
+    assert len(set(picked.values())) == 3, picked  # each worker still in a range of its own
