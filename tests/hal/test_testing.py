@@ -153,7 +153,7 @@ def _odd_endings(rank, world_size, port, how):
     ("unreadable", r"rank 1 failed: rank 1's result could not be read in the calling process: "
                    r"RuntimeError: this result does not load here"),
     ("unpicklable", r"rank 1 failed: rank 1's result could not be sent: .*pickle"),
-])
+], ids=["exits", "dies-mid-send", "unreadable", "unpicklable"])
 def test_a_rank_without_a_usable_result_is_named_and_nothing_blocks(how, message):
     with pytest.raises(testing.MultiprocessError, match=message):
         testing.run_multiprocess(_odd_endings, 2, how, timeout=30)
