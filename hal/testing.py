@@ -1,8 +1,9 @@
 """Helpers for tests of multi-process code: free ports and spawned process groups that cannot hang.
 
 ``torch.multiprocessing.start_processes`` does the spawning; what it lacks is an overall deadline and a way
-to hand back each rank's return value (read while the ranks run, so a result of any size comes back), which
-:func:`run_multiprocess` adds.
+to hand back each rank's return value (pickled to a file the caller reads once the ranks are gone, so a
+result of any size comes back and neither side ever waits on the other), which :func:`run_multiprocess`
+adds.
 
 Where the platform offers it, ranks start from Python's ``forkserver`` with torch preloaded
 (``multiprocessing.set_forkserver_preload``): a rank then costs a fork instead of a fresh interpreter
@@ -16,6 +17,7 @@ from __future__ import annotations
 import importlib
 import multiprocessing
 import os
+import pickle
 import shutil
 import signal
 import socket
@@ -82,8 +84,8 @@ def _restore_fd(dup) -> int:
     return dup.detach()
 
 
-def _entry(rank: int, fn: Callable | tuple[str, str], world_size: int, port: int, env: dict, writers: list,
-           args: tuple, timeout: float, stacks_dir: str, parent: dict | None = None) -> None:
+def _entry(rank: int, fn: Callable | tuple[str, str], world_size: int, port: int, env: dict, args: tuple,
+           timeout: float, group_dir: str, parent: dict | None = None) -> None:
     import faulthandler
 
     import torch
@@ -93,13 +95,8 @@ def _entry(rank: int, fn: Callable | tuple[str, str], world_size: int, port: int
     # to a file the parent reads into its error, so they reach the test's report (a rerun's too), not only a
     # captured stderr that a passing rerun discards. Registered first: until then the signal would kill.
     global _stacks_file
-    _stacks_file = open(_stacks_path(stacks_dir, rank), "w")  # kept open: faulthandler writes to its fd
+    _stacks_file = open(_stacks_path(group_dir, rank), "w")  # kept open: faulthandler writes to its fd
     faulthandler.register(STACKS_SIGNAL, file=_stacks_file, all_threads=True)
-    global _result_pipe
-    writer = _result_pipe = writers[rank]
-    for other in writers:  # each rank holds only its own end, so the parent sees EOF when that rank is gone
-        if other is not writer:
-            other.close()
     if parent is not None:  # started from the forkserver: take the caller's state, as spawn would have
         for target, fd in ((1, parent["stdout"]), (2, parent["stderr"])):
             if fd != target:
@@ -127,10 +124,13 @@ def _entry(rank: int, fn: Callable | tuple[str, str], world_size: int, port: int
     except BaseException as exc:  # noqa: BLE001 - reported to the parent, which re-raises
         outcome = (False, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")
     try:
-        writer.send(outcome)  # pickled whole before a byte is written: a failure here sends nothing
+        data = pickle.dumps(outcome, protocol=pickle.HIGHEST_PROTOCOL)
     except Exception as exc:  # noqa: BLE001 - an unpicklable result is this rank's failure
-        writer.send((False, f"rank {rank}'s result could not be sent: {type(exc).__name__}: {exc}"))
-    writer.close()
+        data = pickle.dumps((False, f"rank {rank}'s result could not be sent: {type(exc).__name__}: {exc}"))
+    path = _result_path(group_dir, rank)
+    with open(path + ".partial", "wb") as f:
+        f.write(data)
+    os.replace(path + ".partial", path)  # whole or absent: a rank killed while writing leaves no result
 
 
 STACKS_SIGNAL = signal.SIGUSR1
@@ -138,17 +138,35 @@ STACKS_SIGNAL = signal.SIGUSR1
 its stacks file (``faulthandler.register``), which the parent puts into its :class:`MultiprocessError`."""
 
 _stacks_file = None  # in a rank: the file its stacks go to (open for as long as the rank runs)
-_result_pipe = None  # in a rank: the write end of the pipe its result goes back through
 STACKS_CHARS = 6000
 """At most this many characters of each rank's stacks (the end, where the innermost frames are) go into the
 error message."""
 
 
-def _stacks_path(stacks_dir: str, rank: int) -> str:
-    return os.path.join(stacks_dir, f"rank{rank}.txt")
+def _stacks_path(group_dir: str, rank: int) -> str:
+    return os.path.join(group_dir, f"rank{rank}.stacks")
 
 
-def _dump_stacks(ranks: dict[int, Any], stacks_dir: str, wait_s: float = 2.0) -> str:
+def _result_path(group_dir: str, rank: int) -> str:
+    """Where rank ``rank`` leaves its pickled ``(ok, value)``: a file, not a pipe, so no rank can block on a
+    reader and the caller never reads a message a dead or stopped rank left half-written."""
+    return os.path.join(group_dir, f"rank{rank}.result")
+
+
+def _read_result(group_dir: str, rank: int) -> tuple[bool, Any] | None:
+    """Rank ``rank``'s ``(ok, value)``, ``None`` if it left none; one that does not unpickle here is its failure."""
+    try:
+        with open(_result_path(group_dir, rank), "rb") as f:
+            data = f.read()
+    except FileNotFoundError:
+        return None
+    try:
+        return pickle.loads(data)
+    except Exception as exc:  # noqa: BLE001 - reported as that rank's failure
+        return False, f"rank {rank}'s result could not be read in the calling process: {type(exc).__name__}: {exc}"
+
+
+def _dump_stacks(ranks: dict[int, Any], group_dir: str, wait_s: float = 2.0) -> str:
     """Ask each live rank (``{rank: process}``) for its stacks (:data:`STACKS_SIGNAL`), give them ``wait_s``
     seconds to write them, and return them as text, so a hang's report shows where each rank was when the
     deadline passed. They are also written to this process's stderr."""
@@ -161,7 +179,7 @@ def _dump_stacks(ranks: dict[int, Any], stacks_dir: str, wait_s: float = 2.0) ->
     parts = []
     for rank in ranks:
         try:
-            with open(_stacks_path(stacks_dir, rank), errors="replace") as f:
+            with open(_stacks_path(group_dir, rank), errors="replace") as f:
                 text = f.read()[-STACKS_CHARS:]
         except OSError as exc:
             text = f"(no stacks: {exc})"
@@ -207,31 +225,6 @@ def _start_method() -> str:
         return "forkserver" if _import_env() == _forkserver_env else "spawn"
 
 
-def _receive(pending: dict[int, Any], received: dict[int, tuple[bool, Any]], wait_s: float) -> None:
-    """Move each result that ``pending``'s pipes (``{rank: read end}``) offer within ``wait_s`` seconds into
-    ``received`` (``{rank: (ok, value)}``); a pipe at its end without a message (the rank exited without a
-    result, or died halfway through sending it) is dropped from ``pending`` with nothing received.
-
-    ``recv`` blocks only while a rank is still writing its message; once the rank is gone its end is closed
-    and an unfinished message reads as end of file.
-    """
-    from multiprocessing.connection import wait
-
-    rank_of = {id(conn): rank for rank, conn in pending.items()}
-    for conn in wait(list(pending.values()), timeout=wait_s):
-        rank = rank_of[id(conn)]
-        del pending[rank]
-        try:
-            received[rank] = conn.recv()
-        except (EOFError, OSError):  # nothing sent, or a message cut short ("got end of file during message")
-            pass
-        except Exception as exc:  # noqa: BLE001 - the message was read whole; it does not unpickle here
-            received[rank] = (False, f"rank {rank}'s result could not be read in the calling process: "
-                                     f"{type(exc).__name__}: {exc}")
-        finally:
-            conn.close()
-
-
 class MultiprocessError(RuntimeError):
     """A spawned rank raised, died, or the group passed its deadline."""
 
@@ -251,7 +244,8 @@ def run_multiprocess(fn: Callable[..., Any], world_size: int, *args: Any, timeou
     ``RANK``/``LOCAL_RANK``/``WORLD_SIZE`` set as ``torch.distributed.run`` would, plus ``env``.
 
     Args:
-        timeout: seconds for the whole group; past it every process is killed.
+        timeout: seconds for the whole group, counted from when its processes are started (their imports
+            count); past it every rank's stacks are taken and every process is killed.
         expect_failure: return ``{rank: error text}`` for ranks that raised instead of raising, and leave
             out the ranks that died or exited without a result.
 
@@ -264,70 +258,53 @@ def run_multiprocess(fn: Callable[..., Any], world_size: int, *args: Any, timeou
     # a function of the __main__ script is found again only by spawn, which re-runs that script
     spawn = fn.__module__ == "__main__" or getattr(fn, "start_method", None) == "spawn"
     method = "spawn" if spawn else _start_method()
-    ctx = tmp.get_context(method)
     target: Callable | tuple[str, str] = fn
     parent = None
     if method == "forkserver":
         target = (fn.__module__, fn.__qualname__)
         parent = {"stdout": _ParentFd(1), "stderr": _ParentFd(2), "cwd": os.getcwd(), "sys_path": list(sys.path),
                   "environ": dict(os.environ)}
-    # One pipe per rank, read while the ranks run: a rank's send blocks once its pipe holds 64 KiB (Linux's
-    # pipe buffer) until someone reads, and no lock is shared, so a rank killed mid-send blocks nobody.
-    pipes = [ctx.Pipe(duplex=False) for _ in range(world_size)]
-    pending = {rank: reader for rank, (reader, _) in enumerate(pipes)}
-    received: dict[int, tuple[bool, Any]] = {}
-    stacks_dir, context = None, None
+    group_dir, context, exited = None, None, None
     try:
-        stacks_dir = tempfile.mkdtemp(prefix="hal-stacks-")
-        context = tmp.start_processes(_entry, args=(target, world_size, port, dict(env or {}),
-                                                    [writer for _, writer in pipes], args, timeout, stacks_dir,
-                                                    parent),
+        group_dir = tempfile.mkdtemp(prefix="hal-ranks-")  # each rank's result and, past the deadline, stacks
+        context = tmp.start_processes(_entry, args=(target, world_size, port, dict(env or {}), args, timeout,
+                                                    group_dir, parent),
                                       nprocs=world_size, join=False, start_method=method)
-        for _, writer in pipes:  # the ranks hold their own copies now
-            writer.close()
         deadline = time.monotonic() + timeout
-        while True:
-            _receive(pending, received, 0.2)
-            if context.join(timeout=0):
-                break
+        # a rank that exits non-zero: torch SIGTERMs the others, and SIGKILLs them 1 s later (not its 30 s)
+        while not context.join(timeout=0.2, grace_period=1.0):
             if time.monotonic() > deadline:
-                alive = [r for r, p in enumerate(context.processes) if p.is_alive() and r not in received]
-                stacks = _dump_stacks({r: context.processes[r] for r in alive}, stacks_dir)
-                raise MultiprocessError(f"{world_size} processes did not finish within {timeout} s (ranks done "
-                                        f"with a result: {sorted(received)}, still running: {alive}); their "
-                                        f"stacks:\n{stacks}")
+                done = [r for r in range(world_size) if os.path.exists(_result_path(group_dir, r))]
+                alive = {r: p for r, p in enumerate(context.processes) if p.is_alive()}
+                stacks = _dump_stacks(alive, group_dir)
+                raise MultiprocessError(
+                    f"{world_size} processes did not finish within {timeout} s (ranks done with a result: {done}, "
+                    f"still running: {[r for r in alive if r not in done]}, alive after their result: "
+                    f"{[r for r in alive if r in done]}); their stacks:\n{stacks}")
     except tmp.ProcessRaisedException as exc:
         raise MultiprocessError(str(exc)) from exc
     except tmp.ProcessExitedException as exc:
-        if not expect_failure:
-            raise MultiprocessError(str(exc)) from exc
+        exited = str(exc)  # what the other ranks had sent still counts (and names the cause, if one raised)
     finally:
         for p in context.processes if context is not None else []:
             if p.is_alive():
                 p.kill()
                 p.join(5)
-        if stacks_dir is not None:
-            shutil.rmtree(stacks_dir, ignore_errors=True)
-        for _, writer in pipes:
-            writer.close()
-        while pending:  # what the ranks sent before they ended: every end is closed now, so nothing blocks
-            left = len(pending)
-            _receive(pending, received, 0)
-            if len(pending) == left:
-                break
-        for reader in pending.values():
-            reader.close()
+        received = {} if group_dir is None else {r: _read_result(group_dir, r) for r in range(world_size)}
+        if group_dir is not None:
+            shutil.rmtree(group_dir, ignore_errors=True)
+    received = {r: outcome for r, outcome in received.items() if outcome is not None}
     out: dict[int, Any] = {}
     failures: dict[int, str] = {}
     for rank, (ok, value) in sorted(received.items()):
         (out if ok else failures)[rank] = value
-    if failures and not expect_failure:
-        raise MultiprocessError("\n".join(f"rank {r} failed: {t}" for r, t in sorted(failures.items())))
+    if (failures or exited) and not expect_failure:
+        raise MultiprocessError("\n".join(([exited] if exited else [])
+                                          + [f"rank {r} failed: {t}" for r, t in sorted(failures.items())]))
     missing = [rank for rank in range(world_size) if rank not in received]
     if missing and not expect_failure:
         codes = [context.processes[r].exitcode for r in missing]
-        raise MultiprocessError(f"ranks {missing} exited (exit codes {codes}) without a result (or with part "
-                                f"of one)")
+        raise MultiprocessError(f"ranks {missing} exited (exit codes {codes}) without a result")
     if expect_failure:
         out.update(failures)
     return out

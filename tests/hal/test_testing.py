@@ -2,6 +2,7 @@
 
 import multiprocessing
 import os
+import signal
 import sys
 import time
 
@@ -102,7 +103,8 @@ def test_a_group_past_its_deadline_raises_with_every_running_ranks_stacks():
     with pytest.raises(testing.MultiprocessError) as info:
         testing.run_multiprocess(_rank_1_hangs, 2, timeout=10)  # time for both to start under load
     message = str(info.value)
-    assert "did not finish within 10 s (ranks done with a result: [0], still running: [1])" in message, message
+    assert ("did not finish within 10 s (ranks done with a result: [0], still running: [1], alive after their "
+            "result: [])") in message, message
     stacks = message.split("their stacks:\n", 1)[1]
     assert stacks.startswith("--- rank 1 (pid ") and "--- rank 0" not in stacks, stacks
     # the innermost frames of the hung rank, by function name (faulthandler's format)
@@ -120,6 +122,14 @@ def test_results_larger_than_a_pipe_buffer_come_back():
     assert out == {0: b"\x00" * (1 << 20), 1: b"\x01" * (1 << 20)}
 
 
+class _Frozen:
+    """Pickling it stops the rank for good (SIGSTOP), in the middle of handing its result back."""
+
+    def __reduce__(self):
+        os.kill(os.getpid(), signal.SIGSTOP)
+        return int, ()
+
+
 class _Unreadable:
     """Pickles in the rank; unpickling it (in the caller) raises."""
 
@@ -132,14 +142,11 @@ def _refuse_to_load():
 
 
 def _odd_endings(rank, world_size, port, how):
-    import struct
-
     if rank == 1:
         if how == "exits":
             os._exit(0)  # no result, exit code 0
-        if how == "dies mid-send":  # a message header promising 1 MiB, 10 bytes of it, then death
-            os.write(testing._result_pipe.fileno(), struct.pack("!i", 1 << 20) + b"0123456789")
-            os._exit(0)
+        if how == "stops while sending":  # as a rank frozen (SIGSTOP) halfway through handing its result back
+            return _Frozen()
         if how == "unreadable":
             return _Unreadable()
         if how == "unpicklable":
@@ -149,17 +156,33 @@ def _odd_endings(rank, world_size, port, how):
 
 @pytest.mark.parametrize("how, message", [
     ("exits", r"ranks \[1\] exited \(exit codes \[0\]\) without a result"),
-    ("dies mid-send", r"ranks \[1\] exited \(exit codes \[0\]\) without a result"),
+    ("stops while sending", r"did not finish within 10 s \(ranks done with a result: \[0\], still running: \[1\]"),
     ("unreadable", r"rank 1 failed: rank 1's result could not be read in the calling process: "
                    r"RuntimeError: this result does not load here"),
     ("unpicklable", r"rank 1 failed: rank 1's result could not be sent: .*pickle"),
-], ids=["exits", "dies-mid-send", "unreadable", "unpicklable"])
+], ids=["exits", "stops-while-sending", "unreadable", "unpicklable"])
 def test_a_rank_without_a_usable_result_is_named_and_nothing_blocks(how, message):
     with pytest.raises(testing.MultiprocessError, match=message):
-        testing.run_multiprocess(_odd_endings, 2, how, timeout=30)
+        testing.run_multiprocess(_odd_endings, 2, how, timeout=10)
+    if how == "stops while sending":
+        return  # the deadline, within its time: there is nothing to return
     out = testing.run_multiprocess(_odd_endings, 2, how, timeout=30, expect_failure=True)
     assert out[0] == 0
-    if how in ("exits", "dies mid-send"):
+    if how == "exits":
         assert 1 not in out  # left out, as the callers that kill a rank on purpose expect
     else:
         assert "rank 1's result could not be" in out[1]
+
+
+def _raises_then_peer_exits_non_zero(rank, world_size, port):
+    if rank == 0:
+        raise ValueError("the root cause")
+    time.sleep(1.0)  # rank 0 has written its failure by now
+    os._exit(3)
+
+
+def test_a_non_zero_exit_still_reports_what_the_other_ranks_raised():
+    with pytest.raises(testing.MultiprocessError) as info:
+        testing.run_multiprocess(_raises_then_peer_exits_non_zero, 2, timeout=30)
+    message = str(info.value)
+    assert "exit code 3" in message and "rank 0 failed: ValueError: the root cause" in message, message
