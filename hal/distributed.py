@@ -19,7 +19,7 @@ import random
 import socket
 import threading
 import time
-from typing import Callable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -309,6 +309,25 @@ def ephemeral_port_range() -> tuple[int, int] | None:
     return low, high
 
 
+def first_bindable_port(host: str, candidates: Iterable[int]) -> int | None:
+    """The first of ``candidates`` that a TCP socket on ``host`` (IPv4) can bind right now, ``None`` if none
+    can. A port in use is skipped; any other failure is raised.
+
+    Raises:
+        OSError: ``host`` is not a local IPv4 address.
+    """
+    for port in candidates:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, port))
+            except OSError as exc:
+                if exc.errno == errno.EADDRINUSE:
+                    continue
+                raise
+            return port
+    return None
+
+
 def pick_port(host: str = "127.0.0.1") -> int:
     """A TCP port on ``host`` (an IPv4 address) that was free a moment ago, chosen below the kernel's
     ephemeral range.
@@ -328,15 +347,9 @@ def pick_port(host: str = "127.0.0.1") -> int:
     span = ephemeral_port_range()
     if span is not None and span[0] > _LOWEST_PICKED_PORT:
         candidates = range(_LOWEST_PICKED_PORT, span[0])
-        for port in _port_random.sample(candidates, k=min(64, len(candidates))):
-            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-                try:
-                    s.bind((host, port))
-                except OSError as exc:
-                    if exc.errno == errno.EADDRINUSE:
-                        continue
-                    raise
-                return port
+        port = first_bindable_port(host, _port_random.sample(candidates, k=min(64, len(candidates))))
+        if port is not None:
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
@@ -360,5 +373,5 @@ def connect_store(host: str, port: int, rank: int, world_size: int, timeout: Tim
 
 __all__: Sequence[str] = [
     "DEFAULT_TIMEOUT_S", "as_timedelta", "bind_local_device", "init_process_group", "StoreGroup", "PendingWork",
-    "new_group_from_store", "connect_store", "pick_port", "ephemeral_port_range",
+    "new_group_from_store", "connect_store", "pick_port", "first_bindable_port", "ephemeral_port_range",
 ]

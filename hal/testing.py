@@ -20,7 +20,6 @@ import os
 import pickle
 import shutil
 import signal
-import socket
 import sys
 import tempfile
 import threading
@@ -31,7 +30,7 @@ from typing import Any, Callable
 
 import torch.multiprocessing as tmp
 
-from hal.distributed import ephemeral_port_range, pick_port
+from hal.distributed import ephemeral_port_range, first_bindable_port, pick_port
 
 
 _calls = 0
@@ -56,14 +55,8 @@ def free_port() -> int:
     base = 21000 + 500 * (index % ranges)
     start = (os.getpid() * 7 + 13 * _calls) % 500  # successive calls (and processes) start elsewhere
     _calls += 1
-    for port in [base + (start + i) % 500 for i in range(500)]:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    return pick_port("127.0.0.1")  # range exhausted: let the OS choose
+    port = first_bindable_port("127.0.0.1", (base + (start + i) % 500 for i in range(500)))
+    return port if port is not None else pick_port("127.0.0.1")  # range exhausted: let the OS choose
 
 
 class _ParentFd:
