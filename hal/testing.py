@@ -14,19 +14,21 @@ environment, working directory, ``sys.path`` and stdout/stderr, as a spawned one
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import multiprocessing
 import os
 import pickle
 import shutil
 import signal
+import socket
 import sys
 import tempfile
 import threading
 import time
 import traceback
 from multiprocessing import reduction
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch.multiprocessing as tmp
 
@@ -59,6 +61,19 @@ def free_port() -> int:
     return port if port is not None else pick_port("127.0.0.1")  # range exhausted: let the OS choose
 
 
+@contextlib.contextmanager
+def held_port(host: str = "127.0.0.1") -> Iterator[int]:
+    """A TCP port on ``host`` kept in use (a socket listening on it) for the ``with`` block; yields its number.
+
+    For tests of what happens when a port is taken: a server that must bind it fails with "Address already
+    in use", and a picker must pass it by.
+    """
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as busy:
+        busy.bind((host, 0))
+        busy.listen()
+        yield busy.getsockname()[1]
+
+
 class _ParentFd:
     """One of the caller's file descriptors, handed to a rank as ``reduction.DupFd`` hands a socket over.
 
@@ -78,7 +93,7 @@ def _restore_fd(dup) -> int:
 
 
 def _entry(rank: int, fn: Callable | tuple[str, str], world_size: int, port: int, env: dict, args: tuple,
-           timeout: float, group_dir: str, parent: dict | None = None) -> None:
+           group_dir: str, parent: dict | None = None) -> None:
     import faulthandler
 
     import torch
@@ -162,7 +177,7 @@ def _read_result(group_dir: str, rank: int) -> tuple[bool, Any] | None:
 def _dump_stacks(ranks: dict[int, Any], group_dir: str, wait_s: float = 2.0) -> str:
     """Ask each live rank (``{rank: process}``) for its stacks (:data:`STACKS_SIGNAL`), give them ``wait_s``
     seconds to write them, and return them as text, so a hang's report shows where each rank was when the
-    deadline passed. They are also written to this process's stderr."""
+    deadline passed."""
     for p in ranks.values():
         try:
             os.kill(p.pid, STACKS_SIGNAL)
@@ -177,9 +192,7 @@ def _dump_stacks(ranks: dict[int, Any], group_dir: str, wait_s: float = 2.0) -> 
         except OSError as exc:
             text = f"(no stacks: {exc})"
         parts.append(f"--- rank {rank} (pid {ranks[rank].pid}) ---\n{text.rstrip() or '(it wrote none)'}")
-    report = "\n".join(parts)
-    print(report, file=sys.stderr, flush=True)
-    return report
+    return "\n".join(parts)
 
 
 # Variables read while torch imports (its backend autoload, hal's sim entry point, thread pools, the loader):
@@ -260,8 +273,8 @@ def run_multiprocess(fn: Callable[..., Any], world_size: int, *args: Any, timeou
     group_dir, context, exited = None, None, None
     try:
         group_dir = tempfile.mkdtemp(prefix="hal-ranks-")  # each rank's result and, past the deadline, stacks
-        context = tmp.start_processes(_entry, args=(target, world_size, port, dict(env or {}), args, timeout,
-                                                    group_dir, parent),
+        context = tmp.start_processes(_entry, args=(target, world_size, port, dict(env or {}), args, group_dir,
+                                                    parent),
                                       nprocs=world_size, join=False, start_method=method)
         deadline = time.monotonic() + timeout
         # a rank that exits non-zero: torch SIGTERMs the others, and SIGKILLs them 1 s later (not its 30 s)
@@ -283,10 +296,10 @@ def run_multiprocess(fn: Callable[..., Any], world_size: int, *args: Any, timeou
             if p.is_alive():
                 p.kill()
                 p.join(5)
-        received = {} if group_dir is None else {r: _read_result(group_dir, r) for r in range(world_size)}
+        received = {}
         if group_dir is not None:
+            received = {r: outcome for r in range(world_size) if (outcome := _read_result(group_dir, r)) is not None}
             shutil.rmtree(group_dir, ignore_errors=True)
-    received = {r: outcome for r, outcome in received.items() if outcome is not None}
     out: dict[int, Any] = {}
     failures: dict[int, str] = {}
     for rank, (ok, value) in sorted(received.items()):

@@ -1,7 +1,6 @@
 """CollectiveCheckpointEngine in one process (two ranks on threads of one event loop) and its bucket plan."""
 
 import asyncio
-import socket
 
 import pytest
 import torch
@@ -10,7 +9,7 @@ import ckpt
 from ckpt.bucket import plan_messages
 from ckpt.wire import Segment, WireMessage
 from ckpt.testing import compare, sample_weights, transfer
-from hal.testing import free_port
+from hal.testing import free_port, held_port
 
 
 def _pair(bucket_size, direct_threshold=None, **extra):
@@ -239,10 +238,7 @@ def test_the_bank_layout_and_a_buckets_packed_layout_agree():
 
 
 def test_a_master_whose_port_is_taken_names_it_and_can_prepare_once_it_is_free():
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as busy:
-        busy.bind(("127.0.0.1", 0))
-        busy.listen()
-        port = busy.getsockname()[1]
+    with held_port() as port:
         engine = ckpt.get_checkpoint_engine("collective", is_master=True, master_addr="127.0.0.1",
                                             master_port=port, timeout=2, device="cpu")
         with pytest.raises(ckpt.CheckpointConfigError, match=f"cannot host .* store at 127.0.0.1:{port}"):

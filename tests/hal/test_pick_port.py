@@ -6,6 +6,7 @@ import pytest
 
 import hal.distributed
 from hal.distributed import pick_port
+from hal.testing import held_port
 
 
 def _bindable(port: int) -> bool:
@@ -25,10 +26,7 @@ def test_the_port_is_free_and_below_the_kernels_ephemeral_range():
 
 
 def test_a_busy_port_is_never_returned(monkeypatch):
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as busy:
-        busy.bind(("127.0.0.1", 0))
-        busy.listen()
-        taken = busy.getsockname()[1]
+    with held_port() as taken:
         # a range of one port to draw from, and that one taken: the operating system chooses instead
         monkeypatch.setattr(hal.distributed, "_LOWEST_PICKED_PORT", taken)
         monkeypatch.setattr(hal.distributed, "ephemeral_port_range", lambda: (taken + 1, 65535))
