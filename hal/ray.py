@@ -456,8 +456,8 @@ class LocalCluster:
     """A Ray node run by ``ray start --block`` as a child process of this one, stopped by its process id.
 
     Every port is one its process got by binding port 0 (none of Ray's defaults), the temporary directory is
-    its own, the dashboard is off, the object store small, and token authentication is on with a token made for this cluster
-    (passed through ``RAY_AUTH_TOKEN``, never written under the home directory).
+    its own, the dashboard is off, the object store small, and token authentication is on with a token made
+    for this cluster (passed through ``RAY_AUTH_TOKEN``, never written under the home directory).
 
     Args:
         resources: resources the node declares, e.g. ``{"NPU_SIM": 3}``, ``{"NPU": 8}`` or ``{"GPU": 8}``.
