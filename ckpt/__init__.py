@@ -38,7 +38,8 @@ def __getattr__(name: str):
     """The engine classes, imported on first use (the collective one imports torch.distributed)."""
     lazy = {"ColocatedCheckpointEngine": "ckpt.colocated", "CollectiveCheckpointEngine": "ckpt.collective",
             "FileCheckpointEngine": "ckpt.file", "NixlCheckpointEngine": "ckpt.nixl",
-            "MooncakeCheckpointEngine": "ckpt.mooncake", "KimiCheckpointEngine": "ckpt.kimi"}
+            "MooncakeCheckpointEngine": "ckpt.mooncake", "KimiCheckpointEngine": "ckpt.kimi",
+            "IpcCheckpointEngine": "ckpt.ipc"}
     if name in lazy:
         import importlib
 
@@ -52,7 +53,7 @@ __all__ = [
     "known_checkpoint_engines", "checkpoint_engine_import_errors", "checkpoint_engine_factory",
     "checkpoint_engine_availability", "checkpoint_engine_status",
     "ColocatedCheckpointEngine", "CollectiveCheckpointEngine", "FileCheckpointEngine",
-    "NixlCheckpointEngine", "MooncakeCheckpointEngine", "KimiCheckpointEngine",
+    "NixlCheckpointEngine", "MooncakeCheckpointEngine", "KimiCheckpointEngine", "IpcCheckpointEngine",
     "TrainerWorker", "CheckpointEngineWorker", "InMemoryRolloutAdapter", "ModelRolloutAdapter", "WeightLayout",
     "CheckpointEngineError", "CheckpointConfigError", "CheckpointEngineUnavailableError", "VersionMismatchError", "WeightMismatchError",
     "TransferError", "TransferAbortedError", "TransferTimeoutError", "DuplicateCheckpointEngineError", "UnknownCheckpointEngineError",

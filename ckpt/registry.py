@@ -26,6 +26,7 @@ _BUILTINS = {
     "nixl": "ckpt.nixl:NixlCheckpointEngine",
     "mooncake": "ckpt.mooncake:MooncakeCheckpointEngine",
     "kimi": "ckpt.kimi:KimiCheckpointEngine",
+    "ipc": "ckpt.ipc:IpcCheckpointEngine",
 }
 
 _engines: dict[str, Callable[..., Any]] = {}

@@ -122,6 +122,23 @@ class DeviceSpec:
         """
         raise NotImplementedError(f"device kind {self.kind!r} needs an availability() probe")
 
+    def ipc_transport(self) -> str:
+        """How this kind shares a bucket with another process of the same host (:mod:`devices.ipc`): ``"device"``
+        (a device buffer exported as an IPC handle, opened in place) or ``"shm"`` (a shared host segment, copied
+        to the receiver's device). ``"shm"`` here; a kind whose runtime exports device memory says so. Never raises.
+        """
+        return "shm"
+
+    def share_device_buffer(self, nbytes: int, device):
+        """A flat ``uint8`` buffer of ``nbytes`` on ``device`` (a ``torch.device`` of this kind) that another
+        process opens from its handle (:class:`devices.ipc.SharedDeviceBuffer`); only where :meth:`ipc_transport`
+        is ``"device"``.
+
+        Raises:
+            NotImplementedError: the kind cannot export device memory (its transport is ``"shm"``).
+        """
+        raise NotImplementedError(f"device kind {self.kind!r} shares buckets through shared memory, not device IPC")
+
     def host_cached_bytes(self) -> int:
         """Bytes of freed blocks the kind's caching allocator may keep resident in host memory, per device, at
         most (0 unless :attr:`device_memory_in_host`): what a memory bound adds for that cache."""

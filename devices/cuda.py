@@ -46,6 +46,16 @@ class CudaDevice(DeviceSpec):
             return Availability.unavailable("torch.cuda.is_available() is False (no driver or no GPU visible)")
         return Availability.available(count)
 
+    def ipc_transport(self) -> str:
+        """``"device"``: CUDA IPC (``cudaIpcGetMemHandle`` through torch's ``reduce_tensor``)."""
+        return "device"
+
+    def share_device_buffer(self, nbytes: int, device):
+        """A GPU buffer exported with torch's ``reduce_tensor`` (see :func:`devices.ipc.share_with_torch`)."""
+        from devices.ipc import share_with_torch
+
+        return share_with_torch(nbytes, device)
+
     def create_backend(self, store, rank: int, world_size: int, timeout):
         """A ``ProcessGroupNCCL`` over ``store`` whose collectives time out after ``timeout`` (a timedelta)."""
         import torch.distributed as dist

@@ -41,6 +41,19 @@ class NpuDevice(DeviceSpec):
                               "select the 'npu-sim' kind for it")
         return torch.npu
 
+    def ipc_transport(self) -> str:
+        """``"device"`` (torch_npu's IPC) where the driver and CANN allow it, else ``"shm"``: verl's gate,
+        :func:`devices.ascend_versions.ipc_supported` (driver >= 25.3.rc1, CANN >= 8.3.RC1)."""
+        from devices import ascend_versions
+
+        return "device" if ascend_versions.ipc_supported()[0] else "shm"
+
+    def share_device_buffer(self, nbytes: int, device):
+        """An NPU buffer exported with torch's ``reduce_tensor``, which torch_npu extends to npu storages."""
+        from devices.ipc import share_with_torch
+
+        return share_with_torch(nbytes, device)
+
     def availability(self, device: int | None = None) -> Availability:
         """Available when torch_npu imports and sees an Ascend device (and ``device``, if given, is one of them)."""
         return probe_safely(self.kind, self._probe).of_index(self.kind, device)

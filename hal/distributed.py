@@ -375,3 +375,21 @@ __all__: Sequence[str] = [
     "DEFAULT_TIMEOUT_S", "as_timedelta", "bind_local_device", "init_process_group", "StoreGroup", "PendingWork",
     "new_group_from_store", "connect_store", "pick_port", "first_bindable_port", "ephemeral_port_range",
 ]
+
+
+def process_alive(pid: int) -> bool:
+    """Whether process ``pid`` of this host runs (a zombie, dead but not yet reaped, counts as dead): how a
+    waiting peer tells a dead process from a slow one."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except FileNotFoundError:
+        return False
+    except OSError:  # no /proc: ask the kernel
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True

@@ -117,6 +117,12 @@ def register() -> types.ModuleType:
         if strict.enabled():
             strict.install()
         compat.install_finder()
+        from devices.npu_sim import cann
+
+        try:  # npu-smi and the toolkit's version file, which Ascend tooling (verl's IPC gate) reads
+            cann.activate(extension.cache_root(), capacity)
+        except OSError:
+            pass  # unwritable cache: the versions stay unreadable, which callers take as "no IPC"
         _registered = torch.npu
         return _registered
 
@@ -161,6 +167,21 @@ class SimNpuDevice(DeviceSpec):
             return max(int(text), 0) << 20
         except ValueError:
             return 0  # strtol reads a non-number as 0: no cached block stays resident
+
+    def ipc_transport(self) -> str:
+        """As on Ascend (:meth:`devices.npu.NpuDevice.ipc_transport`): ``"device"`` where the driver and CANN
+        versions the sim reports (:mod:`devices.npu_sim.cann`) pass verl's gate, else ``"shm"``."""
+        from devices import ascend_versions
+
+        register()  # activates its npu-smi and toolkit file (devices.npu_sim.cann), if not yet on PATH
+        return "device" if ascend_versions.ipc_supported()[0] else "shm"
+
+    def share_device_buffer(self, nbytes: int, device):
+        """A simulated device buffer over a shared-memory segment (:func:`devices.npu_sim.ipc.share_buffer`)."""
+        from devices.npu_sim import ipc
+
+        register()
+        return ipc.share_buffer(nbytes, device)
 
     def torch_module(self) -> types.ModuleType:
         """``torch.npu`` of the sim, registering it on first use (see :func:`register` for errors)."""

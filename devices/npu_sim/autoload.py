@@ -43,10 +43,8 @@ def autoload() -> None:
         return
     try:
         from devices import npu_sim
-        from devices.npu_sim import cann, ext
 
-        npu_sim.register()
-        cann.activate(ext.cache_root(), npu_sim.capacity_bytes())  # npu-smi and the toolkit's version file
+        npu_sim.register()  # also writes and activates npu-smi and the toolkit's version file (cann.activate)
     except Exception as exc:  # noqa: BLE001 - import torch must survive any failure of the sim
         import warnings
 

@@ -27,6 +27,20 @@ DRIVER_VERSION = "25.2.0"
 """``Software Version`` of the simulated driver (``npu-smi info -t board``)."""
 CANN_VERSION = "8.2.RC1"
 """``version=`` of the simulated toolkit's ``ascend_toolkit_install.info``."""
+DRIVER_VERSION_ENV = "HAL_SIM_DRIVER_VERSION"
+"""Overrides :data:`DRIVER_VERSION` (e.g. ``25.3.rc1``, to give the sim a driver with IPC)."""
+CANN_VERSION_ENV = "HAL_SIM_CANN_VERSION"
+"""Overrides :data:`CANN_VERSION` (e.g. ``8.3.RC1``)."""
+
+
+def driver_version() -> str:
+    """The driver version the sim reports: ``$HAL_SIM_DRIVER_VERSION``, else :data:`DRIVER_VERSION`."""
+    return os.environ.get(DRIVER_VERSION_ENV, "").strip() or DRIVER_VERSION
+
+
+def cann_version() -> str:
+    """The toolkit version the sim reports: ``$HAL_SIM_CANN_VERSION``, else :data:`CANN_VERSION`."""
+    return os.environ.get(CANN_VERSION_ENV, "").strip() or CANN_VERSION
 
 _SCRIPT = """#!/bin/sh
 # npu-smi of hal's simulated npu (devices/npu_sim/cann.py): `info` and `info -t board -i <id>` only.
@@ -96,10 +110,10 @@ def prepare(root: pathlib.Path, ids: list[str], memory_bytes: int, name: str = "
     if not (smi.exists() and info.exists()):
         info.parent.mkdir(parents=True, exist_ok=True)
         smi.parent.mkdir(parents=True, exist_ok=True)
-        info.write_text(f"package_name=Ascend-cann-toolkit\nversion={CANN_VERSION}\narch={platform.machine()}\n"
+        info.write_text(f"package_name=Ascend-cann-toolkit\nversion={cann_version()}\narch={platform.machine()}\n"
                         "os=linux\n# written by hal for its simulated npu (devices/npu_sim/cann.py)\n")
         tmp = smi.with_name(f"npu-smi.{os.getpid()}")
-        tmp.write_text(_SCRIPT.format(ids=" ".join(ids), driver=DRIVER_VERSION, name=name,
+        tmp.write_text(_SCRIPT.format(ids=" ".join(ids), driver=driver_version(), name=name,
                                       memory_mb=memory_bytes >> 20))
         tmp.chmod(0o755)
         os.replace(tmp, smi)  # last: a complete folder is one whose npu-smi exists
@@ -109,7 +123,8 @@ def prepare(root: pathlib.Path, ids: list[str], memory_bytes: int, name: str = "
 def activate(cache_root: pathlib.Path, memory_bytes: int) -> dict[str, str]:
     """Prepare the CANN answers for this process's simulated devices under ``cache_root/npu_sim/cann/<key>``
     and put them on this process's ``PATH`` / ``ASCEND_HOME_PATH`` (children inherit them). Changes nothing
-    where ``ASCEND_HOME_PATH`` is set or an ``npu-smi`` is already on ``PATH``.
+    where ``ASCEND_HOME_PATH`` or the ``npu-smi`` on ``PATH`` lies outside that folder (a real install wins);
+    answers of the sim for other versions (``HAL_SIM_DRIVER_VERSION``, ``HAL_SIM_CANN_VERSION``) are replaced.
 
     Returns:
         the variables set (``{}`` when it changed nothing).
@@ -117,11 +132,16 @@ def activate(cache_root: pathlib.Path, memory_bytes: int) -> dict[str, str]:
     Raises:
         OSError: the folder cannot be written.
     """
-    if os.environ.get("ASCEND_HOME_PATH") or shutil.which("npu-smi"):
-        return {}
+    ours = cache_root / "npu_sim" / "cann"
+    smi, home = shutil.which("npu-smi"), os.environ.get("ASCEND_HOME_PATH")
+    if any(p and not pathlib.Path(p).resolve().is_relative_to(ours.resolve()) for p in (smi, home)):
+        return {}  # a real install (or someone else's answers) wins
     ids = device_ids()
-    key = hashlib.sha256(f"{ids} {memory_bytes} {DRIVER_VERSION} {CANN_VERSION} {_SCRIPT}".encode()).hexdigest()[:12]
-    found = prepare(cache_root / "npu_sim" / "cann" / key, ids, memory_bytes)
+    key = hashlib.sha256(f"{ids} {memory_bytes} {driver_version()} {cann_version()} {_SCRIPT}".encode()).hexdigest()[:12]
+    target = ours / key
+    if home and pathlib.Path(home).resolve().is_relative_to(target.resolve()):
+        return {}  # already these answers
+    found = prepare(target, ids, memory_bytes)
     path = found.pop("PATH_PREPEND")
     os.environ["PATH"] = path + os.pathsep + os.environ.get("PATH", "")
     os.environ.update(found)

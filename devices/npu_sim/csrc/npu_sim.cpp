@@ -799,4 +799,19 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     at::Tensor keep = t;
     return at::from_blob(t.data_ptr(), t.sizes(), t.strides(), [keep](void*) {}, t.options().device(c10::kCPU));
   });
+  // An npu tensor of device `index` over the bytes of a cpu tensor (keeps it alive): the simulated IPC maps a
+  // shared-memory segment in each process and views it as device memory, as an IPC handle opens the
+  // sender's device memory on real hardware (devices/npu_sim/ipc.py). Not counted by the allocator.
+  m.def("device_alias", [](const at::Tensor& t, int64_t index) {
+    TORCH_CHECK_VALUE(t.is_cpu(), "npu-sim device_alias: expected a cpu tensor, got ", t.device());
+    check_index(index);
+    at::Tensor keep = t;
+    // from_blob asks the hooks which device the pointer is on (the current one): make that `index`
+    const c10::DeviceIndex previous = t_current_device;
+    t_current_device = static_cast<c10::DeviceIndex>(index);
+    at::Tensor out = at::from_blob(t.data_ptr(), t.sizes(), t.strides(), [keep](void*) {},
+                                   t.options().device(c10::Device(c10::DeviceType::PrivateUse1, t_current_device)));
+    t_current_device = previous;
+    return out;
+  });
 }

@@ -34,6 +34,8 @@ import shutil
 import subprocess
 from typing import Iterator, Mapping, Sequence
 
+import hal
+
 PREFIX = "hallinks-"
 """Prefix of every namespace this module creates (then the creating process's pid)."""
 SUBNET = "10.231.0"
@@ -100,16 +102,6 @@ def links_available() -> tuple[bool, str]:
     return _available
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def list_namespaces() -> list[str]:
     """Names of every network namespace on the machine (``ip netns list``), this module's or not."""
     out = _cmd(["ip", "netns", "list"]).stdout
@@ -121,7 +113,7 @@ def remove_stale() -> list[str]:
     removed = []
     for name in list_namespaces():
         match = re.match(rf"^{re.escape(PREFIX)}(\d+)-", name)
-        if match and not _pid_alive(int(match.group(1))):
+        if match and not hal.process_alive(int(match.group(1))):
             _cmd(["ip", "netns", "del", name], check=False)
             removed.append(name)
     return removed

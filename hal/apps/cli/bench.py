@@ -10,7 +10,8 @@ whose rollouts pull, a Mooncake read) (``hal/apps/benchmarks/bench_p2p.py``), an
 (three processes, minutes), the main job: ``hal sync`` itself, 1 trainer and ``--rollouts`` rollouts applying
 every update into their models, each step against a raw broadcast of the same bytes to the same rollouts
 (``hal/apps/benchmarks/bench_sync.py``). Also only when named: ``--only ray`` (the same job over Ray actors
-against torchrun, ``bench_ray.py``), ``--only import`` (what ``import hal`` adds to ``import torch``,
+against torchrun, ``bench_ray.py``), ``--only ipc`` (the same-host ipc engine into 1 and 2 rollout processes
+against one memcpy and the collective engine, ``bench_ipc.py``), ``--only import`` (what ``import hal`` adds to ``import torch``,
 ``bench_import.py``), ``--only delta`` (delta weight sync against full updates of the same tensors at 0.5%,
 2%, 10% and 50% changed, ``bench_delta.py``) and ``--only senders`` (1, 2 and 4 senders over emulated
 per-rank links, ``bench_senders.py``; needs root and ip netns, else skipped with the reason). Every bucket size is in MiB, as ``hal sync --bucket-mb`` takes it. ``--quick`` means
@@ -32,12 +33,13 @@ from hal.apps.cli.helptext import flowing_help
 from hal.apps.errors import UsageError, mib_to_bytes
 
 
-BENCHMARKS = ("offload", "sync", "delta", "main", "ray", "import", "senders")
+BENCHMARKS = ("offload", "sync", "ipc", "delta", "main", "ray", "import", "senders")
 """Every benchmark ``--only`` names, in the order they run."""
 DEFAULT_SELECTION = ("offload", "sync")
 """What a plain ``hal bench`` runs: the two-process ratio benchmarks. ``main`` (hal sync's loop on 1 GiB, three
 processes), ``ray`` (that loop over Ray actors and under torchrun, several runs) and ``import`` run only when
-named: ``--only main``, and so do ``delta`` (delta against full updates at four changed fractions, about a
+named: ``--only main``, and so do ``ipc`` (the same-host engine against one memcpy and the collective engine),
+``delta`` (delta against full updates at four changed fractions, about a
 minute at 64 MiB on a loaded host) and ``senders`` (1, 2 and 4 senders over emulated links: root and ip netns)."""
 RAY_STEPS = 3
 """ray: steps per run (the first a warm-up)."""
@@ -70,8 +72,9 @@ class Bench:
     is used as given."""
     only: tuple[str, ...] = DEFAULT_SELECTION
     """Which benchmarks to run: offload, sync (engine against broadcasts, 1 receiver) and, only when named,
-    delta (delta weight sync against full updates of the same tensors at 0.5%, 2%, 10% and 50% changed,
-    bucket: the smallest --bucket-mb), main (hal sync's whole loop: 1 trainer and --rollouts rollout processes,
+    ipc (the same-host ipc engine into 1 and 2 rollout processes against one memcpy and the collective engine,
+    bucket: the smallest --bucket-mb), delta (delta weight sync against full updates of the same tensors at
+    0.5%, 2%, 10% and 50% changed, bucket: the smallest --bucket-mb), main (hal sync's whole loop: 1 trainer and --rollouts rollout processes,
     minutes on a host), ray (that loop over Ray actors against torchrun; needs the ray extra), import (import
     hal's cost) and senders (an update's bandwidth with 1, 2 and 4 senders over emulated per-rank links, 32 MiB;
     needs root and ip netns, else it says why and is skipped)."""
@@ -131,7 +134,7 @@ def selection(args: Bench) -> list[str]:
 
 def execute(args: Bench) -> dict[str, Any]:
     """Run the chosen benchmarks (:func:`selection`); returns ``{"offload": {...}, "sync": {...},
-    "sync_p2p": {...}, "main": {...}, "ray": {...}, "import": {...}}`` (those chosen and available; see each
+    "sync_p2p": {...}, "ipc": {...}, "main": {...}, "ray": {...}, "import": {...}}`` (those chosen and available; see each
     module's ``run``).
 
     Raises:
@@ -165,6 +168,10 @@ def _execute(chosen: list[str], args: Bench) -> dict[str, Any]:
         engines = [e for e in bench_p2p.ENGINES if ckpt.checkpoint_engine_availability(e, kind)[0]]
         if engines:  # the transfer-library engines, each against its own library's raw transfer
             out["sync_p2p"] = bench_p2p.run(size, min(buckets), kind, rounds, engines)
+    if "ipc" in chosen:
+        from hal.apps.benchmarks import bench_ipc
+
+        out["ipc"] = bench_ipc.run(size, kind, rounds, min(buckets))
     if "delta" in chosen:
         from hal.apps.benchmarks import bench_delta
 
@@ -240,7 +247,7 @@ def print_tables(result: dict[str, Any]) -> None:
     """Each benchmark's table (its module's ``print_table``), in :data:`BENCHMARKS` order."""
     from hal.apps.benchmarks import bench_ckpt, bench_import, bench_offload, bench_p2p, bench_ray, bench_sync
 
-    tables = (("offload", bench_offload), ("sync", bench_ckpt), ("sync_p2p", bench_p2p), ("delta", None),
+    tables = (("offload", bench_offload), ("sync", bench_ckpt), ("sync_p2p", bench_p2p), ("ipc", None), ("delta", None),
               ("main", bench_sync), ("ray", bench_ray), ("import", bench_import), ("senders", None))
     for key, module in tables:
         if key not in result:

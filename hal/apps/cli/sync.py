@@ -72,14 +72,15 @@ class Sync:
     """Training steps, each published as global_steps 1..steps."""
     offload: Literal["none", "optimizer", "model", "all"] = "none"
     """What the trainer offloads to the host between its step and the next."""
-    engine: Literal["collective", "file", "colocated", "nixl", "mooncake", "kimi"] = "collective"
-    """Checkpoint engine publishing the weights (nixl, mooncake, kimi: where hal info lists them available)."""
+    engine: Literal["collective", "file", "colocated", "ipc", "nixl", "mooncake", "kimi"] = "collective"
+    """Checkpoint engine publishing the weights (ipc: trainer and rollouts on this host, buckets shared in place;
+    nixl, mooncake, kimi: where hal info lists them available)."""
     rollout_apply: Literal["atomic", "in-place"] = "atomic"
     """atomic: rollouts load into a second weight bank and switch when the update is whole (a failed update
     leaves the previous step in service; memory 2 x model). in-place: into the served weights (memory
     1 x model; a failed update leaves the rollout serving no step)."""
     bucket_mb: float = 256.0
-    """Bucket size of the bucketed engines (collective, nixl, mooncake, kimi), in MiB."""
+    """Bucket size of the bucketed engines (collective, ipc, nixl, mooncake, kimi), in MiB."""
     lr: float = 1e-4
     """AdamW learning rate."""
     decode_tokens: int = 4

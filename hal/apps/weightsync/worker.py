@@ -42,7 +42,8 @@ def make_engine(options: JobOptions, index: int, node_ip: str) -> Any:
     """Worker ``index``'s checkpoint engine, built as verl's registry builds one (the manager then runs its
     lifecycle): the bucketed engines with ``is_master`` on the trainer (hosting at ``node_ip``; with a sharded
     trainer, on trainer rank 0, and ``multi_sender`` on every trainer rank, verl's topology option), the file
-    engine on ``options.file_root`` (which must be set), the colocated engine (share one per process).
+    engine on ``options.file_root`` (which must be set), the ipc engine (the trainer picks its endpoint), the
+    colocated engine (share one per process).
 
     Raises:
         ValueError: the file engine without ``file_root``.
@@ -54,6 +55,12 @@ def make_engine(options: JobOptions, index: int, node_ip: str) -> Any:
         return ckpt.get_checkpoint_engine(options.engine, bucket_size=options.bucket_bytes, is_master=index == 0,
                                           master_addr=node_ip if index == 0 else None, device=options.device,
                                           timeout=options.timeout, **senders)
+    if options.engine == "ipc":
+        # same host: the trainer picks the endpoint, verl's lifecycle tells the rollouts; the buffer is freed at
+        # each update's finalize, as verl's hybrid engine frees its bucket, so the trainer's next backward pass
+        # (its peak) does not carry it
+        return ckpt.get_checkpoint_engine("ipc", bucket_size=options.bucket_bytes, is_master=index == 0,
+                                          device=options.device, timeout=options.timeout, release_at_finalize=True)
     if options.engine == "file":
         if options.file_root is None:
             raise ValueError("the file engine needs options.file_root (a directory), got None")

@@ -1,0 +1,612 @@
+"""Same-host hand-over between processes: buckets shared in place, small messages in verl's protocol over pyzmq.
+
+When the trainer and its rollouts share a host (verl's hybrid engine), weights need not cross a network. The
+trainer fills a bucket that every rollout process maps; a rollout reads it in place (or copies it once to its
+device). How a bucket is shared is a fact of the device kind (``hal.resolve_device(kind).ipc_transport()``):
+
+* ``"device"``: the bucket is device memory exported as an IPC handle (CUDA IPC on cuda, torch_npu's IPC on npu
+  where the driver and CANN allow it, the simulated npu's own when its reported versions do); a rollout opens
+  the handle on its own device index and reads the trainer's memory in place;
+* ``"shm"``: the bucket is a POSIX shared-memory segment (cpu; npu and npu-sim below the IPC gate); a rollout
+  on a device copies each bucket to that device (one host-to-device copy per bucket).
+
+The protocol is verl 0.9.1's (``verl/workers/rollout/vllm_rollout/bucketed_weight_transfer.py``,
+``BucketedWeightSender`` / ``BucketedWeightReceiver``), per rollout one ZMQ REQ (trainer, binds) / REP
+(rollout, connects) pair, pickled Python objects (``send_pyobj``):
+
+1. the trainer sends the buffer: a device handle ``(rebuild_fn, args)`` or ``{"name": segment, "size": bytes}``;
+   the rollout opens it and replies ``b""`` (hal's rollout: :data:`HAL_HELLO`);
+2. per bucket, ``{"bucket_meta": {name: {"name", "shape", "dtype", "offset", "handle": None}}, "is_last":
+   bool}``; offsets are bytes into the whole buffer; the rollout reads the tensors and replies ``b""``
+   (for the last bucket, once it is done with everything).
+
+hal adds keys verl's receiver ignores: every bucket message carries ``"global_steps"`` and ``"bucket_size"``,
+and a tensor larger than a bucket travels in slices (``"chunk": (start, length, nbytes)`` on its entry, one per
+bucket), never refused and never sent as a handle of its own. A hal receiver that refuses an update (another
+step than it asked for, a receiver stopped early) replies ``b"refused: <why>"`` and the trainer raises it. verl's
+receiver takes what hal's sender sends when every tensor fits a bucket; hal's receiver takes what verl's
+sender sends (with ``global_steps=None``: verl's sender carries no step).
+
+Pipeline: the buffer holds two buckets. The trainer fills bucket k+1 while the rollouts read bucket k, and
+sends it once every rollout has replied for bucket k (so neither side ever waits for the other's copy, except
+for the first and last bucket).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import pickle
+import socket
+import sys
+import time
+from typing import Any, AsyncIterator, Iterable, Iterator
+
+import torch
+
+import hal
+import hal.ipc
+from ckpt.base import (CheckpointEngine, NamedTensor, ReceivePlacement, as_placement, check_global_steps,
+                       check_seconds, check_step)
+from ckpt.bucket import as_bytes, byte_view
+from ckpt.control import PeerFailure
+from ckpt.errors import CheckpointConfigError, TransferError, TransferTimeoutError
+from ckpt.layout import align
+from ckpt.one_to_many import DEFAULT_BUCKET_SIZE, check_int, check_keywords
+
+NUM_BUCKETS = 2
+"""Buckets in the shared buffer: the one being filled and the one being read."""
+SEGMENT_PREFIX = "hal-ipc-"
+"""Names of the engine's shared-memory segments (``/dev/shm/hal-ipc-*``)."""
+LIVENESS_S = 0.2
+"""Seconds between two looks at whether a peer process still lives, while waiting on it."""
+REFUSED = b"refused: "
+"""Start of a rollout's reply that refuses the update; the rest says why (UTF-8)."""
+HAL_HELLO = b"hal-ipc"
+"""A hal rollout's reply to the buffer's handle (verl's receiver replies ``b""``; verl's sender reads no reply's
+content). A trainer keeps its socket to a hal rollout across updates, and binds a new one per update for a verl
+receiver, which connects a new socket per update: a socket a rollout closed can still be attached to the trainer's
+for a moment, and would swallow the next update's first message."""
+
+
+def default_endpoint() -> str:
+    """A new ZMQ endpoint for a trainer: an abstract Unix socket on Linux (nothing on disk, gone with the
+    process), else a socket file in the temporary directory."""
+    tag = f"hal-ipc-{os.getpid()}-{os.urandom(4).hex()}"
+    if sys.platform.startswith("linux"):
+        return f"ipc://@{tag}"
+    import tempfile
+
+    return f"ipc://{os.path.join(tempfile.gettempdir(), tag)}"
+
+
+def rollout_endpoint(endpoint: str, rank: int) -> str:
+    """The endpoint of rollout ``rank`` (1..N) under the trainer's ``endpoint``."""
+    return f"{endpoint}-{rank}"
+
+
+class _Peer:
+    """One rollout's socket, as the trainer sees it (or the trainer's, as a rollout sees it)."""
+
+    def __init__(self, sock: Any, name: str, pid: int | None) -> None:
+        self.sock, self.name, self.pid = sock, name, pid
+
+
+class IpcCheckpointEngine(CheckpointEngine):
+    """Trainer and rollouts in separate processes of one host; buckets shared in place (see the module docstring).
+
+    Ranks: 0 is the trainer that sends, 1..N the rollouts; -1 a trainer rank outside the group (its
+    ``send_weights`` only drains the iterator, as verl's other trainer ranks do).
+
+    Two ways to build one, as the other engines: hal's standalone use (``rank``, ``world_size`` and the trainer's
+    ``endpoint`` up front), or verl's (``IpcCheckpointEngine(bucket_size=..., is_master=...)`` then
+    ``prepare`` / ``build_topology`` / ``init_process_group`` / transfer / ``finalize`` each update).
+
+    Args:
+        bucket_size: bytes of one bucket; the shared buffer holds :data:`NUM_BUCKETS` of them.
+        is_master: verl's trainer rank 0 (picks the endpoint in :meth:`prepare`, sends).
+        rank, world_size: this process's place (trainer + rollouts), else given by :meth:`init_process_group`.
+        endpoint: the trainer's ZMQ endpoint prefix (``ipc://...``); rollout r uses ``endpoint-r``. Default on
+            the master: a new abstract Unix socket (:func:`default_endpoint`).
+        device: device kind (``"cpu"``, ``"npu-sim"``, ``"cuda:1"``, ...) or ``None`` for hal's resolution; the
+            engine uses this process's local device of that kind (:func:`hal.local_device`).
+        timeout: seconds bounding every wait (a reply, a bucket, the buffer); a dead peer whose pid is known
+            (``peer_pids``, or from :meth:`build_topology`) is an error within :data:`LIVENESS_S` of its death.
+        peer_pids: the pids of the other side (the trainer: its rollouts' in rank order; a rollout: the trainer's).
+        transport: ``"device"`` or ``"shm"`` to force one (tests, benchmarks); ``None``: the kind's.
+        release_at_finalize: ``True``: :meth:`finalize` frees the buffer, so a colocated rollout gets the device
+            memory back between updates (verl frees its bucket every update), at the price of allocating and
+            touching it again next update. ``False`` (default): the buffer is allocated once per topology and
+            freed by :meth:`close`, at process exit, on a changed topology, or after a failed update.
+
+    Memory: the trainer holds the buffer (2 x ``bucket_size``); a rollout maps it (no copy) and, when it
+    receives into a device from a shared-memory buffer, one device bucket more (kept while the topology is); a tensor larger than a bucket
+    arrives in a buffer of its size unless the consumer's ``placement`` gives its target.
+
+    Ownership: ``send_weights`` returns when every rollout replied for the last bucket, i.e. is done with every
+    tensor: the caller may reuse its tensors then (it may already once each is copied in, but the return says
+    so). A tensor yielded by ``receive_weights`` is a view into the shared buffer (or the device bucket),
+    **valid until the next item is requested**; copy it (``param.copy_(t)``) before advancing.
+
+    Order: tensors arrive in the order the trainer's iterable produced them.
+
+    Raises:
+        CheckpointConfigError: any argument out of range (named, with what is accepted).
+    """
+
+    send_buffer_words = "the shared buffer: two buckets, one filled while the other is read"
+    supports_multi_sender = False
+
+    @classmethod
+    def send_buffer_bytes(cls, bucket_size: int, published_bytes: int) -> dict[str, int]:
+        """What the trainer holds beyond its tensors: the shared buffer, ``NUM_BUCKETS * bucket_size`` bytes."""
+        return {"buckets_bytes": NUM_BUCKETS * bucket_size}
+
+    def __init__(self, bucket_size: int = DEFAULT_BUCKET_SIZE, is_master: bool = False, *, rank: int | None = None,
+                 world_size: int | None = None, endpoint: str | None = None, device: str | None = None,
+                 timeout: float = hal.DEFAULT_TIMEOUT_S, peer_pids: list[int] | None = None,
+                 transport: str | None = None, release_at_finalize: bool = False, **extra: Any) -> None:
+        check_keywords(extra, ("bucket_size", "is_master", "rank", "world_size", "endpoint", "device", "timeout",
+                               "peer_pids", "transport", "release_at_finalize"), "IpcCheckpointEngine()")
+        self.bucket_size = check_int(bucket_size, "bucket_size", 256)
+        self.timeout = check_seconds(timeout)
+        if transport not in (None, *hal.ipc.TRANSPORTS):
+            raise CheckpointConfigError(f"transport must be None (the device kind's) or one of "
+                                        f"{hal.ipc.TRANSPORTS}, got {transport!r}")
+        self.is_master, self.release_at_finalize = bool(is_master), bool(release_at_finalize)
+        self.spec = hal.resolve_device(device)
+        self.device = hal.local_device(device)
+        self.transport = transport or self.spec.ipc_transport()
+        if self.transport == "device" and self.device.type == "cpu":
+            raise CheckpointConfigError(f"transport 'device' needs a device kind, got {self.spec.kind!r} (cpu "
+                                        f"shares buckets through shared memory: transport 'shm')")
+        self._torch_device = self.spec.torch_module()
+        self.rank = self.world_size = None
+        self.endpoint, self.peer_pids = endpoint, None
+        if rank is not None or world_size is not None:
+            self._set_place(rank, world_size, endpoint, peer_pids)
+        self._zmq: Any = None
+        self._peers: list[_Peer] = []  # the trainer's sockets, one per rollout, kept while updates succeed
+        self._rep: Any = None  # a rollout's socket, likewise
+        self._buffer: Any = None  # the trainer's: SharedSegment or SharedDeviceBuffer
+        self._buffer_tensor: torch.Tensor | None = None
+        self._opened: tuple[Any, torch.Tensor, str | None] | None = None  # a rollout's: (key, buffer, segment)
+        self._staging: torch.Tensor | None = None  # a rollout's device bucket, for a shared-memory buffer
+
+    # ---- place and lifecycle -----------------------------------------------------------------------------
+    def _set_place(self, rank: Any, world_size: Any, endpoint: Any, peer_pids: Any) -> None:
+        world_size = check_int(world_size, "world_size", 2)
+        rank = check_int(rank, "rank", -1, world_size)
+        if rank != -1 and (not isinstance(endpoint, str) or not endpoint.startswith(("ipc://", "tcp://"))):
+            raise CheckpointConfigError(f"endpoint must be a ZMQ endpoint 'ipc://...' (the trainer's), got {endpoint!r}")
+        if peer_pids is not None and (not isinstance(peer_pids, (list, tuple))
+                                      or not all(isinstance(p, int) and p > 0 for p in peer_pids)):
+            raise CheckpointConfigError(f"peer_pids must be a list of pids (ints > 0), got {peer_pids!r}")
+        changed = (rank, world_size, endpoint) != (self.rank, self.world_size, self.endpoint)
+        if changed and (self.rank is not None):
+            self._free()  # a new topology: buffers are per topology
+        self.rank, self.world_size, self.endpoint = rank, world_size, endpoint
+        self.peer_pids = list(peer_pids) if peer_pids is not None else None
+
+    def prepare(self) -> dict[str, Any]:
+        """This worker's metadata for :meth:`build_topology`: its pid and host, and on the master the endpoint
+        (a new one the first time; the master is verl's ``is_master`` or the standalone rank 0)."""
+        meta = {"pid": os.getpid(), "host": socket.gethostname()}
+        if self.is_master or self.rank == 0:
+            if self.endpoint is None:
+                self.endpoint = default_endpoint()
+            meta["endpoint"] = self.endpoint
+        return meta
+
+    @classmethod
+    def build_topology(cls, trainer_world_size: int, rollout_world_size: int,
+                       metadata: list) -> tuple[dict[str, list], dict[str, list]]:
+        """Trainer rank 0 sends to rollouts 1..R at the master's endpoint; every side learns the other's pids.
+
+        Raises:
+            CheckpointConfigError: counts out of range, no master's endpoint in ``metadata[0]``, or workers on
+                different hosts (this engine shares memory; use the collective engine across hosts).
+        """
+        check_int(trainer_world_size, "trainer_world_size", 1)
+        check_int(rollout_world_size, "rollout_world_size", 1)
+        if not isinstance(metadata, list) or len(metadata) != trainer_world_size + rollout_world_size:
+            raise CheckpointConfigError(f"metadata must list {trainer_world_size + rollout_world_size} prepare() "
+                                        f"results (trainer ranks first), got {metadata!r}")
+        master = metadata[0]
+        if not isinstance(master, dict) or not master.get("endpoint"):
+            raise CheckpointConfigError(f"the master's prepare() result has no endpoint: {master!r} (build the "
+                                        "trainer rank 0's engine with is_master=True)")
+        hosts = {m.get("host") for m in metadata}
+        if len(hosts) > 1:
+            raise CheckpointConfigError(f"the ipc engine shares memory on one host; the workers are on "
+                                        f"{sorted(map(str, hosts))} (use the collective engine across hosts)")
+        world = 1 + rollout_world_size
+        rollout_pids = [m.get("pid") for m in metadata[trainer_world_size:]]
+        trainer = {"rank": [0] + [-1] * (trainer_world_size - 1), "world_size": [world] * trainer_world_size,
+                   "endpoint": [master["endpoint"]] * trainer_world_size,
+                   "peer_pids": [rollout_pids] + [None] * (trainer_world_size - 1)}
+        rollout = {"rank": list(range(1, world)), "world_size": [world] * rollout_world_size,
+                   "endpoint": [master["endpoint"]] * rollout_world_size,
+                   "peer_pids": [[master["pid"]]] * rollout_world_size}
+        return trainer, rollout
+
+    def init_process_group(self, rank: int, world_size: int, endpoint: str | None = None,
+                           peer_pids: list[int] | None = None, **extra: Any) -> None:
+        """Take this rank's place (one entry of each :meth:`build_topology` list); a changed place frees the
+        buffer and sockets of the old topology. Nothing blocks: sockets open on the first update."""
+        check_keywords(extra, ("rank", "world_size", "endpoint", "peer_pids"), "IpcCheckpointEngine.init_process_group()")
+        self._set_place(rank, world_size, endpoint, peer_pids)
+
+    def finalize(self) -> None:
+        """End of an update: frees the buffer only with ``release_at_finalize``."""
+        if self.release_at_finalize:
+            self._free()
+
+    def close(self) -> None:
+        """Free the buffer (unlink its segment) and the ZMQ context; the engine can be used again after."""
+        self._free()
+        if self._zmq is not None:
+            self._zmq.destroy(linger=500)  # a last reply still queued goes out (at most 0.5 s)
+            self._zmq = None
+
+    def __del__(self) -> None:
+        try:
+            self._free()
+        except Exception:  # noqa: BLE001 - interpreter shutdown: the resource tracker unlinks what is left
+            pass
+
+    def _close_sockets(self) -> None:
+        for peer in self._peers:
+            peer.sock.close(linger=0)
+        self._peers = []
+        if self._rep is not None:
+            self._rep.close(linger=0)
+            self._rep = None
+
+    def _free(self) -> None:
+        self._close_sockets()
+        buffer, self._buffer, self._buffer_tensor = self._buffer, None, None
+        self._opened, self._staging = None, None
+        if buffer is not None:
+            release = getattr(buffer, "unlink", None) or getattr(buffer, "release", None)
+            if release is not None:
+                release()
+        if self.transport == "device" and self.device.type != "cpu":
+            collect = getattr(self._torch_device, "ipc_collect", None)
+            if collect is not None:
+                collect()
+
+    def _context(self) -> Any:
+        if self._zmq is None:
+            import zmq.asyncio
+
+            self._zmq = zmq.asyncio.Context()
+        return self._zmq
+
+    def _check_place(self, want: str) -> None:
+        if self.rank is None:
+            raise CheckpointConfigError("the ipc engine has no place yet: pass rank, world_size and endpoint, or run "
+                                        "prepare / build_topology / init_process_group first")
+        if want == "send" and self.rank > 0:
+            raise CheckpointConfigError(f"send_weights is the trainer's (rank 0); this engine is rollout rank {self.rank}")
+        if want == "receive" and self.rank <= 0:
+            raise CheckpointConfigError(f"receive_weights is a rollout's (rank >= 1); this engine is rank {self.rank}")
+
+    # ---- waiting -----------------------------------------------------------------------------------------
+    async def _wait(self, make: Any, peer: _Peer, what: str, deadline: float) -> Any:
+        """Await ``make()`` (a socket call) until ``deadline``, looking every :data:`LIVENESS_S` whether ``peer``
+        still lives.
+
+        Raises:
+            PeerFailure: the peer died (a :class:`TransferError` naming it, with its pid).
+            TransferTimeoutError: the deadline passed.
+        """
+        future = asyncio.ensure_future(make())
+        try:
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TransferTimeoutError(f"{peer.name}: no {what} within {self.timeout:g} s")
+                done, _ = await asyncio.wait({future}, timeout=min(LIVENESS_S, left))
+                if done:
+                    return future.result()
+                if peer.pid is not None and not hal.process_alive(peer.pid):
+                    # what it sent before it exited (verl's rollout replies, then exits) is still on its way
+                    done, _ = await asyncio.wait({future}, timeout=LIVENESS_S)
+                    if done:
+                        return future.result()
+                    raise PeerFailure(peer.name, f"{peer.name} (pid {peer.pid}) died while the {what} was awaited")
+        finally:
+            if not future.done():
+                future.cancel()
+
+    # ---- the trainer ---------------------------------------------------------------------------------------
+    def _ensure_buffer(self) -> torch.Tensor:
+        if self._buffer is None:
+            nbytes = NUM_BUCKETS * self.bucket_size
+            if self.transport == "device":
+                self._buffer = self.spec.share_device_buffer(nbytes, self.device)
+                self._buffer_tensor = self._buffer.tensor
+            else:
+                self._buffer = hal.ipc.SharedSegment(nbytes, SEGMENT_PREFIX)
+                self._buffer_tensor = self._buffer.tensor
+        return self._buffer_tensor
+
+    @property
+    def segment_name(self) -> str | None:
+        """The shared-memory segment behind the buffer (``/dev/shm/<name>``): the trainer's, or the one a rollout
+        opened; ``None`` before the first update, after the buffer is freed, and where device IPC keeps no segment
+        (CUDA, Ascend)."""
+        if self._opened is not None:  # a rollout: the segment it opened
+            return self._opened[2]
+        buffer = self._buffer
+        return None if buffer is None else getattr(buffer, "name", None) or getattr(buffer, "segment", None)
+
+    def _handshake(self) -> Any:
+        if self.transport == "device":
+            return self._buffer.handle  # verl's receiver rebuilds the handle itself
+        return {"name": self._buffer.name, "size": self._buffer.nbytes}
+
+    def _fill(self, weights: Iterable[NamedTensor], step: int | None) -> Iterator[dict[str, Any]]:
+        """Copy ``weights`` into the buffer bucket by bucket; yields each bucket's message once it is filled.
+
+        The caller sends a message before asking for the next, and asks for the next only once the rollouts
+        replied for the one before the one it sent (the bucket about to be overwritten)."""
+        buffer, size = self._buffer_tensor, self.bucket_size
+        index, offset, meta = 0, 0, {}
+
+        def message(is_last: bool) -> dict[str, Any]:
+            return {"bucket_meta": meta, "is_last": is_last, "global_steps": step, "bucket_size": size,
+                    "index": index}
+
+        for name, tensor in weights:
+            if not isinstance(name, str) or not isinstance(tensor, torch.Tensor):
+                raise CheckpointConfigError(f"weights must yield (str, torch.Tensor) pairs, got ({name!r}, "
+                                            f"{type(tensor).__name__})")
+            tensor = tensor.detach()
+            nbytes = tensor.numel() * tensor.element_size()
+            start = align(offset)
+            if meta and (start + nbytes > size or name in meta):
+                yield message(False)
+                index, offset, meta, start = index + 1, 0, {}, 0
+            base = (index % NUM_BUCKETS) * size
+            if nbytes <= size:
+                if nbytes:
+                    byte_view(buffer, base + start, tensor.dtype, tensor.shape).copy_(tensor, non_blocking=True)
+                meta[name] = {"name": name, "shape": tensor.shape, "dtype": tensor.dtype, "offset": base + start,
+                              "handle": None}
+                offset = start + nbytes
+                continue
+            flat = as_bytes(tensor.contiguous())  # a tensor larger than a bucket travels in slices
+            for first in range(0, nbytes, size):
+                length = min(size, nbytes - first)
+                base = (index % NUM_BUCKETS) * size
+                buffer[base:base + length].copy_(flat[first:first + length], non_blocking=True)
+                meta = {name: {"name": name, "shape": tensor.shape, "dtype": tensor.dtype, "offset": base,
+                               "handle": None, "chunk": (first, length, nbytes)}}
+                yield message(False)
+                index, offset, meta = index + 1, 0, {}
+        yield message(True)
+
+    async def send_weights(self, weights: Iterable[NamedTensor], global_steps: int | None = None) -> None:
+        """Send ``weights`` (``(name, tensor)`` pairs, any dtype, shape, strides and device) to every rollout,
+        tagged ``global_steps``; returns when every rollout is done with them (see the class docstring).
+
+        Raises:
+            CheckpointConfigError: no place yet, a rollout's engine, or a pair that is not ``(str, Tensor)``.
+            TransferError: a rollout refused the update (its reason) or died (a ``PeerFailure`` naming it, with its pid).
+            TransferTimeoutError: a rollout did not reply within ``timeout``.
+            Whatever ``weights`` raised. After any failure the buffer is freed (nothing left in ``/dev/shm``) and
+            the next update starts clean.
+        """
+        step = check_global_steps(global_steps)
+        self._check_place("send")
+        if self.rank == -1:
+            for _ in weights:
+                pass
+            return
+        ok = keep = False
+        try:
+            self._ensure_buffer()
+            peers = await self._sender_sockets()
+            deadline = time.monotonic() + self.timeout
+            for peer in peers:  # the handle first; bucket 0 is filled while the rollouts open it
+                await self._wait(lambda p=peer: p.sock.send_pyobj(self._handshake()), peer, "send of the buffer",
+                                 deadline)
+            pending = "reply to the buffer's handle"
+            for msg in self._fill(weights, step):
+                if self.transport == "device" or self.device.type != "cpu":
+                    self._torch_device.synchronize()  # the copies into the bucket are done before it is announced
+                hello = await self._replies(peers, pending, deadline, step)
+                if pending.startswith("reply to the buffer"):
+                    keep = all(r == HAL_HELLO for r in hello)
+                deadline = time.monotonic() + self.timeout
+                for peer in peers:
+                    await self._wait(lambda p=peer, m=msg: p.sock.send_pyobj(m), peer, "send of a bucket", deadline)
+                pending = f"reply for bucket {msg['index']}"
+            hello = await self._replies(peers, pending, deadline, step)
+            if pending.startswith("reply to the buffer"):  # an empty update: its one message was the last
+                keep = all(r == HAL_HELLO for r in hello)
+            ok = True
+        finally:
+            if not ok:
+                self._free()  # nothing half-done survives: the next update starts from a new buffer and sockets
+            elif not keep:  # a verl receiver: new sockets next update (see HAL_HELLO; measured: 1 update in 2 lost)
+                self._close_sockets()
+
+    async def _sender_sockets(self) -> list[_Peer]:
+        """One REQ socket per rollout, bound at ``endpoint-r`` (for one update)."""
+        import zmq
+
+        if not self._peers:
+            for r in range(1, self.world_size):
+                sock = self._context().socket(zmq.REQ)
+                sock.setsockopt(zmq.LINGER, 0)
+                pid = self.peer_pids[r - 1] if self.peer_pids and len(self.peer_pids) >= r else None
+                self._peers.append(_Peer(sock, f"rollout rank {r}", pid))
+                await self._bind(sock, rollout_endpoint(self.endpoint, r))
+        return self._peers
+
+    async def _bind(self, sock: Any, endpoint: str) -> None:
+        import zmq
+
+        deadline = time.monotonic() + min(self.timeout, 5.0)
+        while True:  # the previous update's socket of the same name may still be closing
+            try:
+                sock.bind(endpoint)
+                return
+            except zmq.ZMQError as exc:
+                if exc.errno != zmq.EADDRINUSE or time.monotonic() > deadline:
+                    raise TransferError(f"cannot bind the ipc engine's endpoint {endpoint}: {exc}") from exc
+                await asyncio.sleep(0.01)
+
+    async def _replies(self, peers: list[_Peer], what: str, deadline: float, step: int | None) -> list[bytes]:
+        replies = []
+        for peer in peers:
+            reply = await self._wait(peer.sock.recv, peer, what, deadline)
+            if reply.startswith(REFUSED):
+                raise TransferError(f"{peer.name} refused the update of global_steps={step}: "
+                                    f"{reply[len(REFUSED):].decode(errors='replace')}")
+            replies.append(reply)
+        return replies
+
+    # ---- a rollout -----------------------------------------------------------------------------------------
+    def _open(self, handshake: Any) -> torch.Tensor:
+        """The trainer's buffer from its handshake, opened once and kept while the trainer keeps it."""
+        if isinstance(handshake, dict) and "name" in handshake:
+            key = ("shm", handshake["name"], int(handshake["size"]))
+        elif hal.ipc.is_ipc_handle(handshake):
+            key = ("device", pickle.dumps(handshake[1][:hal.ipc.DEVICE_INDEX_ARG]))
+        else:
+            raise TransferError(f"the trainer's first message is neither a device handle nor a shared segment: "
+                                f"{type(handshake).__name__}")
+        if self._opened is None or self._opened[0] != key:
+            self._opened, self._staging = None, None
+            if key[0] == "shm":
+                buffer, segment = hal.ipc.attach_shared_segment(key[1], key[2]), key[1]
+            else:
+                buffer = hal.ipc.open_ipc_handle(handshake, self.device.index)
+                segment = handshake[1][0] if isinstance(handshake[1][0], str) else None  # the sim's segment
+            self._opened = (key, buffer, segment)
+        return self._opened[1]
+
+    async def receive_weights(self, global_steps: int | None = None, *,
+                              placement: ReceivePlacement | None = None) -> AsyncIterator[NamedTensor]:
+        """Yield the update's ``(name, tensor)`` pairs in the trainer's order, on this rollout's device.
+
+        With a ``placement``, each tensor is copied straight into its target (when the target is contiguous and
+        of the tensor's dtype and shape) and that target is yielded; else a view valid until the next item.
+
+        Raises:
+            CheckpointConfigError: no place yet, or the trainer's engine.
+            VersionMismatchError: ``global_steps`` is given and the update carries another step (nothing yielded;
+                the trainer is told).
+            TransferError: the trainer died (a ``PeerFailure`` naming it, with its pid; the rollout then removes the
+                trainer's segment from ``/dev/shm``) or sent something else than the protocol.
+            TransferTimeoutError: nothing came within ``timeout``.
+        """
+        step = check_global_steps(global_steps)
+        placement = as_placement(placement)
+        self._check_place("receive")
+        import zmq
+
+        if self._rep is None:  # made on the first update, kept while updates succeed (see HAL_HELLO)
+            self._rep = self._context().socket(zmq.REP)
+            self._rep.setsockopt(zmq.LINGER, 0)
+            self._rep.setsockopt(zmq.RECONNECT_IVL, 5)  # a trainer that binds per update (verl's) is found soon
+            self._rep.connect(rollout_endpoint(self.endpoint, self.rank))
+        sock = self._rep
+        trainer = _Peer(sock, "the trainer", self.peer_pids[0] if self.peer_pids else None)
+        owe_reply, why, ok = False, "the receiver stopped before the end of the update", False
+        try:
+            handshake = await self._wait(sock.recv_pyobj, trainer, "buffer handle", time.monotonic() + self.timeout)
+            owe_reply = True
+            buffer = self._open(handshake)
+            await sock.send(HAL_HELLO)
+            owe_reply, first, parts = False, True, {}
+            while True:
+                msg = await self._wait(sock.recv_pyobj, trainer, "bucket", time.monotonic() + self.timeout)
+                owe_reply = True
+                if not isinstance(msg, dict) or "bucket_meta" not in msg:
+                    raise TransferError(f"the trainer sent {type(msg).__name__}, not a bucket message")
+                if first:
+                    offered = msg.get("global_steps")
+                    try:
+                        check_step(step, offered, "ipc hand-over")
+                    except Exception as exc:
+                        why = str(exc)
+                        raise
+                    self.received_global_steps, first = offered, False
+                async for item in self._bucket(buffer, msg, placement, parts):
+                    yield item
+                if msg["is_last"]:
+                    break
+                if self.device.type != "cpu":
+                    self._torch_device.synchronize()  # the consumer's copies out of the bucket are done
+                await sock.send(b"")
+                owe_reply = False
+            if self.device.type != "cpu":
+                self._torch_device.synchronize()
+            await sock.send(b"")  # the last reply: the trainer may reuse everything now
+            owe_reply, ok = False, True
+        except PeerFailure:
+            # the trainer died: its segment would stay until its resource tracker ends (shared with its parent
+            # under multiprocessing), so the rollout that saw it die removes the name; mappings stay valid
+            segment = self.segment_name
+            self._opened, self._staging = None, None
+            if segment is not None:
+                hal.ipc.unlink_shared_segment(segment)
+            raise
+        finally:
+            if owe_reply:
+                try:
+                    sock.send(REFUSED + why.encode(), flags=zmq.NOBLOCK)
+                except zmq.ZMQError:
+                    pass
+            if not ok:  # a failed or refused update: a new socket next time, in a known state
+                self._rep = None
+                sock.close(linger=100 if owe_reply else 0)  # a refusal still goes out
+
+    async def _bucket(self, buffer: torch.Tensor, msg: dict[str, Any], placement: ReceivePlacement | None,
+                      parts: dict[str, torch.Tensor]) -> AsyncIterator[NamedTensor]:
+        """The tensors of one bucket message (chunks assembled across messages in ``parts``)."""
+        entries = [e for e in msg["bucket_meta"].values() if e.get("handle") is None]
+        source, shift = buffer, 0
+        if buffer.device != self.device and entries:  # a shared host buffer, a device receiver: one copy per bucket
+            shift = min(e["offset"] for e in entries)
+            high = max(e["offset"] + (e["chunk"][1] if e.get("chunk") else e["dtype"].itemsize * e["shape"].numel())
+                       for e in entries)
+            if self._staging is None or self._staging.numel() < high - shift:
+                self._staging = torch.empty(max(high - shift, msg.get("bucket_size", 0)), dtype=torch.uint8,
+                                            device=self.device)
+            self._staging[:high - shift].copy_(buffer[shift:high])
+            source = self._staging
+        for e in msg["bucket_meta"].values():
+            name, shape, dtype, offset = e["name"], torch.Size(e["shape"]), e["dtype"], e["offset"] - shift
+            chunk = e.get("chunk")
+            if e.get("handle") is not None:  # verl's sender sends a tensor above its bucket as a handle
+                tensor = hal.ipc.open_ipc_handle(e["handle"], self.device.index)
+                yield name, tensor
+                continue
+            target = placement.target(name, dtype, shape) if placement is not None else None
+            usable = (target is not None and target.is_contiguous() and target.dtype == dtype
+                      and target.shape == shape and target.device == self.device)
+            if chunk is None:
+                view = byte_view(source, offset, dtype, shape)
+                if usable:
+                    target.copy_(view)
+                    view = target
+                yield name, view
+                continue
+            first, length, nbytes = chunk
+            whole = parts.get(name)
+            if whole is None:
+                whole = target if usable else torch.empty(shape, dtype=dtype, device=self.device)
+                parts[name] = whole
+            as_bytes(whole)[first:first + length].copy_(source[offset:offset + length])
+            if first + length >= nbytes:
+                del parts[name]
+                yield name, whole
+
+
+__all__ = ["HAL_HELLO", "IpcCheckpointEngine", "NUM_BUCKETS", "SEGMENT_PREFIX", "default_endpoint", "rollout_endpoint"]

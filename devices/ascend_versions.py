@@ -1,0 +1,96 @@
+"""The Ascend driver and CANN toolkit versions, read as verl reads them, and the IPC gate they decide.
+
+verl 0.9.1 (``verl/utils/device.py``: ``get_npu_versions``, ``check_ipc_version_support``) shares an NPU bucket
+with torch_npu's IPC only where the driver's ``Software Version`` (``npu-smi info -t board -i <id>``) is at least
+``25.3.rc1`` and the toolkit's ``version=`` (``$ASCEND_HOME_PATH/<arch>-linux/ascend_toolkit_install.info``) at
+least ``8.3.RC1``; older stacks take shared memory plus a host-to-device copy (verl PR 5089, issue 4280). The
+simulated npu writes both answers (:mod:`devices.npu_sim.cann`), so the same reader serves both kinds.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import re
+import subprocess
+
+IPC_MIN_DRIVER = "25.3.rc1"
+"""Oldest driver ``Software Version`` with NPU IPC (verl ``check_ipc_version_support``)."""
+IPC_MIN_CANN = "8.3.rc1"
+"""Oldest CANN toolkit version with NPU IPC (same source)."""
+
+_VERSION = re.compile(r"(\d+\.\d+(?=\.t))|(\d+\.\d+(?:\.(?:rc\d+|\d+))?)", re.IGNORECASE)
+
+
+def base_version(text: str) -> str:
+    """The comparable part of an Ascend version (verl's rule): ``25.3.rc1.2`` -> ``25.3.rc1``, ``25.5.t3.b001`` ->
+    ``25.5``, ``8.3.RC1`` -> ``8.3.rc1``.
+
+    Raises:
+        ValueError: ``text`` does not start with ``major.minor`` (names it).
+    """
+    match = _VERSION.match(text.strip()) if isinstance(text, str) else None
+    if not match:
+        raise ValueError(f"not an Ascend version: {text!r} (expected e.g. '25.3.rc1' or '8.3.RC1')")
+    return (match.group(1) or match.group(2)).lower()
+
+
+def at_least(text: str, minimum: str) -> bool:
+    """Whether Ascend version ``text`` is ``>= minimum`` (both as :func:`base_version` reads them)."""
+    from packaging.version import Version
+
+    return Version(base_version(text)) >= Version(base_version(minimum))
+
+
+def driver_version(card: str | None = None, timeout: float = 10.0) -> str:
+    """The driver's ``Software Version`` from ``npu-smi info -t board -i <card>`` (default: the first id of
+    ``ASCEND_RT_VISIBLE_DEVICES``, else 0).
+
+    Raises:
+        OSError: no ``npu-smi`` on ``PATH``. RuntimeError: it failed or printed no version (its output quoted).
+    """
+    if card is None:
+        card = (os.environ.get("ASCEND_RT_VISIBLE_DEVICES", "").split(",")[0].strip() or "0")
+    done = subprocess.run(["npu-smi", "info", "-t", "board", "-i", card], capture_output=True, text=True,
+                          timeout=timeout)
+    for line in done.stdout.splitlines():
+        key, sep, value = line.partition(":")
+        if sep and key.strip() == "Software Version":
+            return value.strip()
+    raise RuntimeError(f"npu-smi info -t board -i {card} exited {done.returncode} without a Software Version: "
+                       f"{(done.stderr or done.stdout).strip()[:300]!r}")
+
+
+def cann_version() -> str:
+    """``version=`` of ``$ASCEND_HOME_PATH/<arch>-linux/ascend_toolkit_install.info``.
+
+    Raises:
+        OSError: ``ASCEND_HOME_PATH`` unset (a ``FileNotFoundError``) or the file unreadable. RuntimeError: no
+            ``version=`` line in it.
+    """
+    home = os.environ.get("ASCEND_HOME_PATH")
+    if not home:
+        raise FileNotFoundError("ASCEND_HOME_PATH is not set (source the CANN toolkit's set_env.sh)")
+    path = os.path.join(home, f"{platform.machine()}-linux", "ascend_toolkit_install.info")
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            key, sep, value = line.partition("=")
+            if sep and key.strip() == "version":
+                return value.strip()
+    raise RuntimeError(f"{path} has no 'version=' line")
+
+
+def ipc_supported() -> tuple[bool, str]:
+    """``(ok, why)``: whether this host's driver and toolkit allow NPU IPC, and the versions that decided it
+    (or what could not be read, which counts as not supported)."""
+    try:
+        driver, cann = driver_version(), cann_version()
+        ok = at_least(driver, IPC_MIN_DRIVER) and at_least(cann, IPC_MIN_CANN)
+    except (OSError, RuntimeError, ValueError, subprocess.SubprocessError) as exc:
+        return False, f"versions unreadable ({type(exc).__name__}: {exc})"
+    return ok, (f"driver {driver}, CANN {cann}; IPC needs driver >= {IPC_MIN_DRIVER} and CANN >= "
+                f"{IPC_MIN_CANN.replace('rc', 'RC')}")
+
+
+__all__ = ["IPC_MIN_CANN", "IPC_MIN_DRIVER", "at_least", "base_version", "cann_version", "driver_version",
+           "ipc_supported"]

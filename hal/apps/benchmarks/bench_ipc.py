@@ -1,0 +1,189 @@
+"""The ipc checkpoint engine (same host, separate processes) against one memcpy and the collective engine.
+
+One run measures side by side, on one device kind, the same bytes (bf16 tensors of mixed sizes, log-uniform
+2 KiB to 18 MiB, seeded; ``size_mb`` in all):
+
+* ``memcpy``: one ``copy_`` of all the bytes into a buffer already touched, in the trainer's process: the
+  most a host moves per copy, and the unit the ipc engine's throughput is given in;
+* ``ipc``: ``IpcCheckpointEngine.send_weights`` in the trainer, ``receive_weights`` in 1 rollout process and,
+  in a second group, in 2, each rollout copying every tensor into its own model tensors (the engine's
+  ``placement``): the update as a rollout server sees it;
+* ``collective``: ``CollectiveCheckpointEngine`` with the same bucket size into the same rollout tensors (one
+  rollout).
+
+Each timing runs from a barrier to a barrier; after a warm-up, ``rounds`` rounds each run every measurement
+once (a noisy neighbour slows them alike), and ratios are medians of per-round throughput ratios. The first
+update of each engine is checked byte for byte in every rollout (``verified``).
+
+    hal bench --only ipc                       # 1024 MiB, bucket 64 MiB (the smallest --bucket-mb)
+    hal bench --only ipc --quick --device npu-sim
+"""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+from typing import Any
+
+import torch
+
+import hal
+from hal.apps.benchmarks import timed_once
+from hal.apps.benchmarks.bench_ckpt import tensor_sizes
+from hal.apps.benchmarks.ranks import free_ports, run_ranks
+
+
+class _Targets:
+    """A rollout's own tensors, as the engines' ``placement`` (``target(name, dtype, shape)``)."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.tensors = tensors
+
+    def target(self, name: str, dtype: torch.dtype, shape: torch.Size) -> torch.Tensor | None:
+        return self.tensors.get(name)
+
+
+def _weights(sizes: list[int], device: torch.device, seed: int) -> list[tuple[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i, s in enumerate(sizes):
+        t = torch.randint(-(1 << 15), 1 << 15, (s // 2,), dtype=torch.int16, generator=g).view(torch.bfloat16)
+        out.append((f"layer{i}.weight", t.to(device)))
+    return out
+
+
+def _rank(rank: int, world_size: int, ports: list[int], endpoint: str, size_mb: int, bucket: int, device: str,
+          rounds: int, collective: bool) -> dict[str, Any]:
+    import ckpt
+
+    torch.set_num_threads(1)
+    dev = hal.bind_local_device(device)
+    sizes = tensor_sizes(size_mb << 20)
+    total = sum(sizes)
+    store = hal.connect_store("127.0.0.1", ports[0], rank, world_size, timeout=120)
+    group = hal.new_group_from_store(store, rank, world_size, device="cpu", timeout=600, prefix="bench-ipc")
+    pids = [0] * world_size
+    store.set(f"pid/{rank}", str(__import__("os").getpid()))
+    for r in range(world_size):
+        pids[r] = int(store.get(f"pid/{r}"))
+    if rank == 0:
+        weights = _weights(sizes, dev, seed=1)
+        flat_src = torch.zeros(total, dtype=torch.uint8, device=dev)
+        flat_dst = torch.zeros(total, dtype=torch.uint8, device=dev)  # touched: no page faults in the timing
+        placement = None
+    else:
+        expected = _weights(sizes, torch.device("cpu"), seed=1)
+        mine = {n: torch.zeros_like(t, device=dev) for n, t in expected}
+        placement = _Targets(mine)
+    engines = {"ipc": ckpt.get_checkpoint_engine(
+        "ipc", rank=rank, world_size=world_size, endpoint=endpoint, bucket_size=bucket, device=device, timeout=300,
+        peer_pids=pids[1:] if rank == 0 else [pids[0]])}
+    if collective:
+        engines["collective"] = ckpt.get_checkpoint_engine(
+            "collective", rank=rank, world_size=world_size, master_addr="127.0.0.1", master_port=ports[1],
+            bucket_size=bucket, device=device, timeout=300)
+    step = [0]
+    verified: dict[str, bool] = {}
+
+    def update(name: str) -> None:
+        step[0] += 1
+        engine = engines[name]
+
+        async def go() -> None:
+            if rank == 0:
+                await engine.send_weights(weights, step[0])
+            else:
+                async for n, t in engine.receive_weights(step[0], placement=placement):
+                    if t is not mine[n]:  # the engine could not use the target: the rollout copies
+                        mine[n].copy_(t)
+        asyncio.run(go())
+
+    def memcpy() -> None:
+        if rank == 0:
+            flat_dst.copy_(flat_src)
+
+    for name in engines:  # warm-up, and the check that the bytes arrived
+        if rank != 0:
+            for t in mine.values():
+                t.zero_()
+        timed_once(group, lambda n=name: update(n))
+        if rank != 0:
+            verified[name] = all(torch.equal(mine[n].cpu().view(torch.int16), t.view(torch.int16)) for n, t in expected)
+    timed_once(group, memcpy)
+    times: dict[str, list[float]] = {"memcpy": [], **{name: [] for name in engines}}
+    for _ in range(rounds):
+        times["memcpy"].append(timed_once(group, memcpy))
+        for name in engines:
+            times[name].append(timed_once(group, lambda n=name: update(n)))
+    for engine in engines.values():
+        engine.close()
+    group.close()
+    return {"times": times, "size_bytes": total, "n_tensors": len(sizes), "verified": verified,
+            "transport": engines["ipc"].transport}
+
+
+def run(size_mb: int, device: str, rounds: int = 3, bucket_mb: float = 64.0) -> dict[str, Any]:
+    """Measure in 2 processes (trainer, 1 rollout: memcpy, ipc, collective) then 3 (trainer, 2 rollouts: memcpy,
+    ipc); returns the figures (seconds, bytes, GB/s = 1e9 bytes/s).
+
+    Returns:
+        ``{"device", "transport", "size_bytes", "n_tensors", "bucket_bytes", "rounds", "memcpy_gbps", "ipc_gbps",
+        "ipc2_gbps", "collective_gbps", "ipc_vs_memcpy", "ipc_vs_collective", "ipc2_vs_memcpy", "verified"}``:
+        throughputs of the medians; the ``*_vs_*`` ratios are medians of per-round throughput ratios (above 1:
+        the first is faster); ``ipc2``: the same update into 2 rollouts (every rollout gets all the bytes; the
+        throughput counts them once); ``verified``: every rollout's first update of each engine was byte-exact.
+
+    Raises:
+        ValueError: ``size_mb`` or ``rounds`` below 1, or ``bucket_mb`` not positive.
+        ChildFailedError: a rank failed or passed its deadline.
+    """
+    from ckpt.ipc import default_endpoint
+
+    if size_mb < 1 or rounds < 1 or not bucket_mb > 0:
+        raise ValueError(f"size_mb and rounds must be >= 1 and bucket_mb > 0, got {size_mb}, {rounds}, {bucket_mb}")
+    bucket = int(bucket_mb * (1 << 20))
+    timeout = max(180.0, size_mb * 0.2 * (rounds + 2) * 4)
+    one = run_ranks(_rank, 2, free_ports(2), default_endpoint(), size_mb, bucket, device, rounds, True,
+                    timeout=timeout, name="ipc1")
+    two = run_ranks(_rank, 3, free_ports(2), default_endpoint(), size_mb, bucket, device, rounds, False,
+                    timeout=timeout, name="ipc2")
+    med = statistics.median
+    total = one[0]["size_bytes"]
+    t1, t2 = one[0]["times"], two[0]["times"]
+
+    def gbps(seconds: list[float]) -> float:
+        return total / med(seconds) / 1e9
+
+    return {"device": device, "transport": one[0]["transport"], "size_bytes": total, "n_tensors": one[0]["n_tensors"],
+            "bucket_bytes": bucket, "rounds": rounds,
+            "memcpy_gbps": gbps(t1["memcpy"]), "ipc_gbps": gbps(t1["ipc"]), "ipc2_gbps": gbps(t2["ipc"]),
+            "collective_gbps": gbps(t1["collective"]),
+            "ipc_vs_memcpy": med(m / i for m, i in zip(t1["memcpy"], t1["ipc"])),
+            "ipc_vs_collective": med(c / i for c, i in zip(t1["collective"], t1["ipc"])),
+            "ipc2_vs_memcpy": med(m / i for m, i in zip(t2["memcpy"], t2["ipc"])),
+            "verified": all(v for res in (one, two) for r, fig in res.items() if r for v in fig["verified"].values()),
+            "verified_by_engine": {f"{len(res) - 1} rollout(s) {name}": v for res in (one, two) for r, fig in res.items() if r
+                                   for name, v in fig["verified"].items()}}
+
+
+def print_table(result: dict[str, Any]) -> None:
+    """The figures of :func:`run` as a rich table."""
+    from rich.console import Console
+    from rich.table import Table
+
+    mib = 1 << 20
+    table = Table(title=f"ipc checkpoint engine ({result['transport']}), {result['device']}, {result['n_tensors']} "
+                        f"bf16 tensors, {result['size_bytes'] / mib:.0f} MiB, bucket {result['bucket_bytes'] / mib:g} "
+                        f"MiB; byte-exact: {'yes' if result['verified'] else 'NO'}",
+                  caption="GB/s = 10^9 bytes/s; ratios: medians of per-round throughput ratios, measured in one run")
+    for col in ("what", "GB/s", "x memcpy", "x collective"):
+        table.add_column(col, justify="right")
+    table.add_row("one memcpy (buffer touched)", f"{result['memcpy_gbps']:.2f}", "1.00", "")
+    table.add_row("ipc engine, 1 rollout", f"{result['ipc_gbps']:.2f}", f"{result['ipc_vs_memcpy']:.2f}",
+                  f"{result['ipc_vs_collective']:.2f}")
+    table.add_row("ipc engine, 2 rollouts", f"{result['ipc2_gbps']:.2f}", f"{result['ipc2_vs_memcpy']:.2f}", "")
+    table.add_row("collective engine, 1 rollout", f"{result['collective_gbps']:.2f}", "", "1.00")
+    Console(width=150).print(table)
+
+
+__all__ = ["print_table", "run"]

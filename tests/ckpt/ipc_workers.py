@@ -1,0 +1,208 @@
+"""Rank functions for the ipc engine's multi-process tests (run by ``hal.testing.run_multiprocess``).
+
+Rank 0 is the trainer, ranks 1.. the rollouts, each its own process on one host, as verl's hybrid engine runs
+them. They meet on the harness's store (``port``): the trainer posts its endpoint, everyone its pid.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+import pathlib
+import time
+
+import torch
+
+import ckpt
+import hal
+from ckpt.ipc import default_endpoint
+from ckpt.testing import sample_weights
+
+
+def digest(weights) -> list[tuple[str, str, str, list[int]]]:
+    """``(name, sha256 of the bytes, dtype, shape)`` per tensor: what two processes compare."""
+    out = []
+    for name, t in weights:
+        raw = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+        out.append((name, hashlib.sha256(raw).hexdigest(), str(t.dtype), list(t.shape)))
+    return out
+
+
+_STORES: list = []
+
+
+def meet(rank: int, world_size: int, port: int) -> tuple[str, list[int]]:
+    """The trainer's endpoint and every rank's pid, through the harness's store (kept for the process's life:
+    the trainer hosts it, and the others may still read it)."""
+    store = hal.connect_store("127.0.0.1", port, rank, world_size, timeout=60)
+    _STORES.append(store)
+    store.set(f"pid/{rank}", str(os.getpid()))
+    if rank == 0:
+        store.set("endpoint", default_endpoint())
+    endpoint = store.get("endpoint").decode()
+    return endpoint, [int(store.get(f"pid/{r}")) for r in range(world_size)]
+
+
+def trainer_done(rank: int) -> None:
+    """The trainer says it is done; a rollout waits for that before it returns (a process that exits right after
+    its last reply may take the reply with it: verl's receiver replies last, in its clean-up, and its ZMQ
+    context is never terminated, so nothing flushes it)."""
+    store = _STORES[-1]
+    if rank == 0:
+        store.set("trainer-done", "1")
+        store.wait(["rollout-done"])  # the trainer hosts the store: it stays until the rollout has read the key
+    else:
+        store.wait(["trainer-done"])
+        store.set("rollout-done", "1")
+
+
+def engine(rank: int, world_size: int, endpoint: str, pids: list[int], device: str, bucket_size: int,
+           timeout: float = 30.0, **extra):
+    return ckpt.get_checkpoint_engine("ipc", rank=rank, world_size=world_size, endpoint=endpoint, device=device,
+                                      bucket_size=bucket_size, timeout=timeout,
+                                      peer_pids=pids[1:] if rank == 0 else [pids[0]], **extra)
+
+
+def segment_exists(name: str | None) -> bool:
+    return name is not None and pathlib.Path("/dev/shm", name).exists()
+
+
+async def receive_all(eng, step):
+    return [(n, t.clone()) async for n, t in eng.receive_weights(step)]
+
+
+def updates(rank, world_size, port, device, steps, bucket_size, transport=None):
+    """``steps`` updates of the contract's sample weights (every dtype, one tensor above the bucket); returns the
+    trainer's sent digests per step, or a rollout's received digests, steps and device per step, and whether the
+    trainer's segment is gone after ``close()``."""
+    endpoint, pids = meet(rank, world_size, port)
+    eng = engine(rank, world_size, endpoint, pids, device, bucket_size, transport=transport)
+
+    async def go():
+        out = []
+        for step in range(1, steps + 1):
+            if rank == 0:
+                weights = sample_weights(step)
+                await eng.send_weights(weights, step)
+                out.append(digest(weights))
+            else:
+                got = await receive_all(eng, step)
+                out.append({"digest": digest(got), "step": eng.received_global_steps,
+                            "devices": sorted({str(t.device) for _, t in got})})
+        return out
+    result = asyncio.run(go())
+    segment = eng.segment_name if rank == 0 else None
+    eng.close()
+    return {"result": result, "transport": eng.transport, "segment": segment,
+            "segment_left": segment_exists(segment)}
+
+
+def rollout_dies(rank, world_size, port, device):
+    """Update 1 whole; in update 2 rollout rank 1 takes one tensor and dies abruptly. The trainer returns
+    the error its send raised, the seconds it took, and whether its segment is left in /dev/shm."""
+    endpoint, pids = meet(rank, world_size, port)
+    eng = engine(rank, world_size, endpoint, pids, device, 4096, timeout=60)
+
+    async def go():
+        if rank == 0:
+            await eng.send_weights(sample_weights(1), 1)
+            segment = eng.segment_name
+            start = time.monotonic()
+            try:
+                await eng.send_weights(sample_weights(2), 2)
+            except Exception as exc:  # noqa: BLE001 - the test reads it
+                return {"error": f"{type(exc).__name__}: {exc}", "seconds": time.monotonic() - start,
+                        "segment_left": segment_exists(segment), "segment_was": segment is not None}
+            return {"error": None}
+        await receive_all(eng, 1)
+        async for _ in eng.receive_weights(2):
+            if rank == 1:
+                os._exit(0)  # abrupt, no clean-up (as SIGKILL); exit code 0: the harness waits for the others
+        return {"served": eng.received_global_steps}
+    return asyncio.run(go())
+
+
+def trainer_dies(rank, world_size, port, device):
+    """Update 1 whole; in update 2 the trainer dies abruptly after its first buckets went out. The rollout
+    applies updates all-or-nothing into its served weights (a staging copy, switched when whole) and returns
+    the error, the seconds to it, the step it serves and its weights' digest, and whether the trainer's segment
+    is gone from /dev/shm within 10 s."""
+    endpoint, pids = meet(rank, world_size, port)
+    eng = engine(rank, world_size, endpoint, pids, device, 4096, timeout=60)
+
+    def dying():
+        for i, item in enumerate(sample_weights(2)):
+            if i == 6:
+                os._exit(0)  # abrupt, no clean-up (as SIGKILL); exit code 0: the harness waits for the others
+            yield item
+
+    async def go():
+        if rank == 0:
+            await eng.send_weights(sample_weights(1), 1)
+            await eng.send_weights(dying(), 2)
+            return None
+        served = dict(await receive_all(eng, 1))
+        served_step = eng.received_global_steps
+        segment = eng.segment_name
+        start = time.monotonic()
+        try:
+            staging = dict(await receive_all(eng, 2))
+            served, served_step = staging, 2
+            error = None
+        except Exception as exc:  # noqa: BLE001 - the test reads it
+            error = f"{type(exc).__name__}: {exc}"
+        seconds = time.monotonic() - start
+        deadline = time.monotonic() + 10
+        while segment_exists(segment) and time.monotonic() < deadline:  # the trainer's resource tracker unlinks it
+            time.sleep(0.1)
+        return {"error": error, "seconds": seconds, "served_step": served_step, "served": digest(served.items()),
+                "segment_left": segment_exists(segment)}
+    return asyncio.run(go())
+
+
+def proc_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def rss_bytes() -> int:
+    for line in pathlib.Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmRSS in /proc/self/status")
+
+
+def many_updates(rank, world_size, port, device, updates, bucket_size):
+    """``updates`` consecutive updates of a small model; samples of open fds, resident bytes and whether the
+    trainer's segment name stayed the same after update 10 and at the end."""
+    endpoint, pids = meet(rank, world_size, port)
+    eng = engine(rank, world_size, endpoint, pids, device, bucket_size)
+    weights = [(f"w{i}", torch.full((1000 + 37 * i,), float(i), dtype=torch.bfloat16)) for i in range(40)]
+    samples = {}
+
+    async def go():
+        for step in range(1, updates + 1):
+            if rank == 0:
+                await eng.send_weights(weights, step)
+            else:
+                n = 0
+                async for _, t in eng.receive_weights(step):
+                    n += t.numel() > 0
+                if n != len(weights) or eng.received_global_steps != step:
+                    raise RuntimeError(f"update {step}: {n} tensors, step {eng.received_global_steps}")
+            if step in (10, updates):
+                samples[step] = {"fds": proc_fds(), "rss": rss_bytes(), "threads": len(os.listdir("/proc/self/task")),
+                                 "segment": eng.segment_name}
+    asyncio.run(go())
+    segment = eng.segment_name
+    eng.close()
+    if rank == 0:
+        left = segment_exists(segment)
+        trainer_done(rank)
+    else:
+        trainer_done(rank)  # the trainer has closed: its segment must be gone
+        left = segment_exists(segment)
+    return {"samples": samples, "segment_left": left}
+
+
+many_updates.start_method = "spawn"  # it measures its own resident memory (see hal.testing.run_multiprocess)
