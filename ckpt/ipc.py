@@ -50,7 +50,7 @@ from ckpt.base import (CheckpointEngine, NamedTensor, ReceivePlacement, as_place
                        check_seconds, check_step)
 from ckpt.bucket import as_bytes, byte_view
 from ckpt.control import PeerFailure
-from ckpt.errors import CheckpointConfigError, TransferError, TransferTimeoutError
+from ckpt.errors import CheckpointConfigError, TransferAbortedError, TransferError, TransferTimeoutError
 from ckpt.layout import align
 from ckpt.one_to_many import DEFAULT_BUCKET_SIZE, check_int, check_keywords
 
@@ -414,7 +414,10 @@ class IpcCheckpointEngine(CheckpointEngine):
                 await self._wait(lambda p=peer: p.sock.send_pyobj(self._handshake()), peer, "send of the buffer",
                                  deadline)
             pending = "reply to the buffer's handle"
-            for msg in self._fill(weights, step):
+            for msg in self._guarded(self._fill(weights, step)):
+                if isinstance(msg, BaseException):  # the trainer's weights failed: tell the rollouts, then raise
+                    await self._abort(peers, pending, step, msg)
+                    raise msg
                 if self.transport == "device" or self.device.type != "cpu":
                     self._torch_device.synchronize()  # the copies into the bucket are done before it is announced
                 hello = await self._replies(peers, pending, deadline, step)
@@ -433,6 +436,32 @@ class IpcCheckpointEngine(CheckpointEngine):
                 self._free()  # nothing half-done survives: the next update starts from a new buffer and sockets
             elif not keep:  # a verl receiver: new sockets next update (see HAL_HELLO; measured: 1 update in 2 lost)
                 self._close_sockets()
+
+    @staticmethod
+    def _guarded(messages: Iterator[dict[str, Any]]) -> Iterator[dict[str, Any] | Exception]:
+        """``messages``, ending with the exception producing the next one raised (the trainer's iterable)."""
+        while True:
+            try:
+                yield next(messages)
+            except StopIteration:
+                return
+            except Exception as exc:  # noqa: BLE001 - handed to send_weights, which tells the rollouts and raises it
+                yield exc
+                return
+
+    async def _abort(self, peers: list[_Peer], pending: str, step: int | None, error: BaseException) -> None:
+        """Tell every rollout the update is abandoned (a last message with ``"abort"``; a hal rollout raises
+        ``TransferAbortedError`` and keeps its previous step); best effort, within ``min(timeout, 5)`` s."""
+        deadline = time.monotonic() + min(self.timeout, 5.0)
+        try:
+            await self._replies(peers, pending, deadline, step)
+            why = f"the trainer's weights failed: {type(error).__name__}: {error}"
+            for peer in peers:
+                await self._wait(lambda p=peer: p.sock.send_pyobj(
+                    {"bucket_meta": {}, "is_last": True, "global_steps": step, "abort": why}), peer, "abort", deadline)
+            await self._replies(peers, "reply to the abort", deadline, step)
+        except (TransferError, TransferTimeoutError):
+            pass  # the rollouts time out instead
 
     async def _sender_sockets(self) -> list[_Peer]:
         """One REQ socket per rollout, bound at ``endpoint-r`` (for one update)."""
@@ -504,6 +533,8 @@ class IpcCheckpointEngine(CheckpointEngine):
             TransferError: the trainer died (a ``PeerFailure`` naming it, with its pid; the rollout then removes the
                 trainer's segment from ``/dev/shm``) or sent something else than the protocol.
             TransferTimeoutError: nothing came within ``timeout``.
+            TransferAbortedError: the trainer's weights failed mid-update (the trainer says so; the tensors
+                yielded so far are of an incomplete update).
         """
         step = check_global_steps(global_steps)
         placement = as_placement(placement)
@@ -517,7 +548,7 @@ class IpcCheckpointEngine(CheckpointEngine):
             self._rep.connect(rollout_endpoint(self.endpoint, self.rank))
         sock = self._rep
         trainer = _Peer(sock, "the trainer", self.peer_pids[0] if self.peer_pids else None)
-        owe_reply, why, ok = False, "the receiver stopped before the end of the update", False
+        owe_reply, why, ok, complete = False, "the receiver stopped before the end of the update", False, False
         try:
             handshake = await self._wait(sock.recv_pyobj, trainer, "buffer handle", time.monotonic() + self.timeout)
             owe_reply = True
@@ -529,6 +560,9 @@ class IpcCheckpointEngine(CheckpointEngine):
                 owe_reply = True
                 if not isinstance(msg, dict) or "bucket_meta" not in msg:
                     raise TransferError(f"the trainer sent {type(msg).__name__}, not a bucket message")
+                if msg.get("abort"):
+                    why = "the update was aborted"
+                    raise TransferAbortedError(f"global_steps={msg.get('global_steps')}: {msg['abort']}")
                 if first:
                     offered = msg.get("global_steps")
                     try:
@@ -537,7 +571,11 @@ class IpcCheckpointEngine(CheckpointEngine):
                         why = str(exc)
                         raise
                     self.received_global_steps, first = offered, False
+                left = sum(1 for e in msg["bucket_meta"].values()  # items this message completes
+                           if not e.get("chunk") or e["chunk"][0] + e["chunk"][1] >= e["chunk"][2])
                 async for item in self._bucket(buffer, msg, placement, parts):
+                    left -= 1
+                    complete = msg["is_last"] and left == 0 and not parts
                     yield item
                 if msg["is_last"]:
                     break
@@ -558,6 +596,14 @@ class IpcCheckpointEngine(CheckpointEngine):
                 hal.ipc.unlink_shared_segment(segment)
             raise
         finally:
+            if owe_reply and complete:  # the consumer took the last item and stopped: a whole update
+                if self.device.type != "cpu":
+                    self._torch_device.synchronize()
+                try:
+                    sock.send(b"", flags=zmq.NOBLOCK)
+                    owe_reply, ok = False, True
+                except zmq.ZMQError:
+                    pass
             if owe_reply:
                 try:
                     sock.send(REFUSED + why.encode(), flags=zmq.NOBLOCK)
@@ -567,33 +613,50 @@ class IpcCheckpointEngine(CheckpointEngine):
                 self._rep = None
                 sock.close(linger=100 if owe_reply else 0)  # a refusal still goes out
 
+    def _target(self, placement: ReceivePlacement | None, e: dict[str, Any]) -> torch.Tensor | None:
+        """The consumer's tensor for entry ``e``, if it can take the bytes as they are (contiguous, same dtype and
+        shape, on this rollout's device)."""
+        target = placement.target(e["name"], e["dtype"], torch.Size(e["shape"])) if placement is not None else None
+        if (target is not None and target.is_contiguous() and target.dtype == e["dtype"]
+                and target.shape == torch.Size(e["shape"]) and target.device == self.device):
+            return target
+        return None
+
+    def _staged(self, buffer: torch.Tensor, entries: list[dict[str, Any]], bucket_size: int) -> tuple[torch.Tensor, int]:
+        """``(source, shift)``: where ``entries`` are read from. A shared host buffer and a device rollout: the
+        bytes ``entries`` span, copied once to this rollout's device bucket (offsets then shift by ``shift``);
+        else the buffer itself."""
+        if buffer.device == self.device or not entries:
+            return buffer, 0
+        shift = min(e["offset"] for e in entries)
+        high = max(e["offset"] + (e["chunk"][1] if e.get("chunk") else e["dtype"].itemsize * e["shape"].numel())
+                   for e in entries)
+        if self._staging is None or self._staging.numel() < high - shift:
+            self._staging = torch.empty(max(high - shift, bucket_size), dtype=torch.uint8, device=self.device)
+        self._staging[:high - shift].copy_(buffer[shift:high])
+        return self._staging, shift
+
     async def _bucket(self, buffer: torch.Tensor, msg: dict[str, Any], placement: ReceivePlacement | None,
                       parts: dict[str, torch.Tensor]) -> AsyncIterator[NamedTensor]:
-        """The tensors of one bucket message (chunks assembled across messages in ``parts``)."""
-        entries = [e for e in msg["bucket_meta"].values() if e.get("handle") is None]
-        source, shift = buffer, 0
-        if buffer.device != self.device and entries:  # a shared host buffer, a device receiver: one copy per bucket
-            shift = min(e["offset"] for e in entries)
-            high = max(e["offset"] + (e["chunk"][1] if e.get("chunk") else e["dtype"].itemsize * e["shape"].numel())
-                       for e in entries)
-            if self._staging is None or self._staging.numel() < high - shift:
-                self._staging = torch.empty(max(high - shift, msg.get("bucket_size", 0)), dtype=torch.uint8,
-                                            device=self.device)
-            self._staging[:high - shift].copy_(buffer[shift:high])
-            source = self._staging
-        for e in msg["bucket_meta"].values():
-            name, shape, dtype, offset = e["name"], torch.Size(e["shape"]), e["dtype"], e["offset"] - shift
-            chunk = e.get("chunk")
+        """The tensors of one bucket message (chunks assembled across messages in ``parts``).
+
+        A tensor with a usable target is copied straight from the shared buffer into it (one copy, host to
+        device where the buffer is host memory); the others are read from the buffer, or from one device copy
+        of the bytes they span (:meth:`_staged`)."""
+        entries = list(msg["bucket_meta"].values())
+        targets = [None if e.get("handle") is not None else self._target(placement, e) for e in entries]
+        staged = [e for e, t in zip(entries, targets) if t is None and e.get("handle") is None]
+        source, shift = self._staged(buffer, staged, msg.get("bucket_size", 0))
+        for e, target in zip(entries, targets):
+            name, shape, dtype = e["name"], torch.Size(e["shape"]), e["dtype"]
             if e.get("handle") is not None:  # verl's sender sends a tensor above its bucket as a handle
-                tensor = hal.ipc.open_ipc_handle(e["handle"], self.device.index)
-                yield name, tensor
+                yield name, hal.ipc.open_ipc_handle(e["handle"], self.device.index)
                 continue
-            target = placement.target(name, dtype, shape) if placement is not None else None
-            usable = (target is not None and target.is_contiguous() and target.dtype == dtype
-                      and target.shape == shape and target.device == self.device)
+            src, offset = (buffer, e["offset"]) if target is not None else (source, e["offset"] - shift)
+            chunk = e.get("chunk")
             if chunk is None:
-                view = byte_view(source, offset, dtype, shape)
-                if usable:
+                view = byte_view(src, offset, dtype, shape)
+                if target is not None:
                     target.copy_(view)
                     view = target
                 yield name, view
@@ -601,9 +664,9 @@ class IpcCheckpointEngine(CheckpointEngine):
             first, length, nbytes = chunk
             whole = parts.get(name)
             if whole is None:
-                whole = target if usable else torch.empty(shape, dtype=dtype, device=self.device)
+                whole = target if target is not None else torch.empty(shape, dtype=dtype, device=self.device)
                 parts[name] = whole
-            as_bytes(whole)[first:first + length].copy_(source[offset:offset + length])
+            as_bytes(whole)[first:first + length].copy_(src[offset:offset + length])
             if first + length >= nbytes:
                 del parts[name]
                 yield name, whole

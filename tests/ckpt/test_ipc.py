@@ -192,3 +192,46 @@ def test_a_thousand_updates_leave_fds_segments_and_memory_flat():
         assert late["segment"] == early["segment"]  # one buffer for the whole topology
         assert late["rss"] - early["rss"] < 16 << 10 + (4 << 20), (rank, r)  # under one bucket (+ allocator slack)
         assert not r["segment_left"]
+
+
+def test_weights_that_fail_mid_update_abort_the_rollout_at_once_and_the_next_update_works():
+    def failing():
+        yield from sample_weights(1)[:3]
+        raise RuntimeError("the trainer's generator broke")
+
+    async def go():
+        sender, receiver = await _pair("cpu", None, bucket_size=4096)()
+        sender.timeout = receiver.timeout = 60.0  # an abort must not wait for the timeout
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        results = await asyncio.gather(sender.send_weights(failing(), 1), _collect(receiver.receive_weights(1)),
+                                       return_exceptions=True)
+        seconds = loop.time() - start
+        weights = sample_weights(2)
+        again = await asyncio.gather(sender.send_weights(weights, 2), _collect(receiver.receive_weights(2)))
+        sender.close(), receiver.close()
+        return results, seconds, again[1], weights
+    (sent, got), seconds, again, weights = asyncio.run(go())
+    assert isinstance(sent, RuntimeError) and "generator broke" in str(sent)
+    assert isinstance(got, ckpt.TransferAbortedError) and "generator broke" in str(got), got
+    assert seconds < 10
+    assert ipc_workers.digest(again) == ipc_workers.digest(weights)
+
+
+def test_a_consumer_that_stops_after_the_last_item_completes_the_update():
+    # verl's delta reader (ckpt.delta.transport) stops at the flush marked last, without asking past it
+    weights = sample_weights(3)
+
+    async def go():
+        sender, receiver = await _pair("cpu", None, bucket_size=4096)()
+        got = []
+
+        async def up_to_the_last():
+            async for name, t in receiver.receive_weights(3):
+                got.append((name, t.clone()))
+                if len(got) == len(weights):
+                    break
+        await asyncio.gather(sender.send_weights(weights, 3), up_to_the_last())
+        sender.close(), receiver.close()
+        return got
+    assert ipc_workers.digest(asyncio.run(go())) == ipc_workers.digest(weights)
