@@ -4,7 +4,7 @@ When the trainer and its rollouts share a host (verl's hybrid engine), weights n
 trainer fills a bucket that every rollout process maps; a rollout reads it in place (or copies it once to its
 device). How a bucket is shared is a fact of the device kind (``hal.resolve_device(kind).ipc_transport()``):
 
-* ``"device"``: the bucket is device memory exported as an IPC handle (CUDA IPC on cuda, torch_npu's IPC on npu
+* ``"device"``: the bucket is device memory exported as an IPC handle (CUDA IPC on cuda, Ascend's IPC on npu
   where the driver and CANN allow it, the simulated npu's own when its reported versions do); a rollout opens
   the handle on its own device index and reads the trainer's memory in place;
 * ``"shm"``: the bucket is a POSIX shared-memory segment (cpu; npu and npu-sim below the IPC gate); a rollout
