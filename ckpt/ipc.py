@@ -40,7 +40,7 @@ import pickle
 import socket
 import sys
 import time
-from typing import Any, AsyncIterator, Iterable, Iterator
+from typing import Any, AsyncIterator, Callable, Iterable, Iterator, NamedTuple
 
 import torch
 
@@ -83,6 +83,17 @@ def default_endpoint() -> str:
 def rollout_endpoint(endpoint: str, rank: int) -> str:
     """The endpoint of rollout ``rank`` (1..N) under the trainer's ``endpoint``."""
     return f"{endpoint}-{rank}"
+
+
+class _Shared(NamedTuple):
+    """The trainer's buffer, whichever the transport: the flat ``uint8`` tensor, what the first message of an
+    update tells the rollouts (a device handle, or verl's ``{"name", "size"}`` of a segment), what frees it, and
+    the segment behind it (``None``: the runtime keeps the memory)."""
+
+    tensor: torch.Tensor
+    handshake: Any
+    release: Callable[[], None] | None
+    segment: str | None
 
 
 class _Peer:
@@ -168,8 +179,7 @@ class IpcCheckpointEngine(CheckpointEngine):
         self._zmq: Any = None
         self._peers: list[_Peer] = []  # the trainer's sockets, one per rollout, kept while updates succeed
         self._rep: Any = None  # a rollout's socket, likewise
-        self._buffer: Any = None  # the trainer's: SharedSegment or SharedDeviceBuffer
-        self._buffer_tensor: torch.Tensor | None = None
+        self._buffer: _Shared | None = None  # the trainer's
         self._opened: tuple[Any, torch.Tensor, str | None] | None = None  # a rollout's: (key, buffer, segment)
         self._staging: torch.Tensor | None = None  # a rollout's device bucket, for a shared-memory buffer
 
@@ -265,12 +275,10 @@ class IpcCheckpointEngine(CheckpointEngine):
 
     def _free(self) -> None:
         self._close_sockets()
-        buffer, self._buffer, self._buffer_tensor = self._buffer, None, None
+        buffer, self._buffer = self._buffer, None
         self._opened, self._staging = None, None
-        if buffer is not None:
-            release = getattr(buffer, "unlink", None) or getattr(buffer, "release", None)
-            if release is not None:
-                release()
+        if buffer is not None and buffer.release is not None:
+            buffer.release()
         if self.transport == "device" and self.device.type != "cpu":
             collect = getattr(self._torch_device, "ipc_collect", None)
             if collect is not None:
@@ -321,16 +329,17 @@ class IpcCheckpointEngine(CheckpointEngine):
                 future.cancel()
 
     # ---- the trainer ---------------------------------------------------------------------------------------
-    def _ensure_buffer(self) -> torch.Tensor:
+    def _ensure_buffer(self) -> _Shared:
         if self._buffer is None:
             nbytes = NUM_BUCKETS * self.bucket_size
-            if self.transport == "device":
-                self._buffer = self.spec.share_device_buffer(nbytes, self.device)
-                self._buffer_tensor = self._buffer.tensor
+            if self.transport == "device":  # verl's receiver rebuilds the handle itself
+                shared = self.spec.share_device_buffer(nbytes, self.device)
+                self._buffer = _Shared(shared.tensor, shared.handle, shared.release, shared.segment)
             else:
-                self._buffer = hal.ipc.SharedSegment(nbytes, SEGMENT_PREFIX)
-                self._buffer_tensor = self._buffer.tensor
-        return self._buffer_tensor
+                segment = hal.ipc.SharedSegment(nbytes, SEGMENT_PREFIX)
+                self._buffer = _Shared(segment.tensor, {"name": segment.name, "size": nbytes}, segment.unlink,
+                                       segment.name)
+        return self._buffer
 
     @property
     def segment_name(self) -> str | None:
@@ -339,20 +348,14 @@ class IpcCheckpointEngine(CheckpointEngine):
         (CUDA, Ascend)."""
         if self._opened is not None:  # a rollout: the segment it opened
             return self._opened[2]
-        buffer = self._buffer
-        return None if buffer is None else getattr(buffer, "name", None) or getattr(buffer, "segment", None)
-
-    def _handshake(self) -> Any:
-        if self.transport == "device":
-            return self._buffer.handle  # verl's receiver rebuilds the handle itself
-        return {"name": self._buffer.name, "size": self._buffer.nbytes}
+        return None if self._buffer is None else self._buffer.segment
 
     def _fill(self, weights: Iterable[NamedTensor], step: int | None) -> Iterator[dict[str, Any]]:
         """Copy ``weights`` into the buffer bucket by bucket; yields each bucket's message once it is filled.
 
         The caller sends a message before asking for the next, and asks for the next only once the rollouts
         replied for the one before the one it sent (the bucket about to be overwritten)."""
-        buffer, size = self._buffer_tensor, self.bucket_size
+        buffer, size = self._buffer.tensor, self.bucket_size
         index, offset, meta = 0, 0, {}
 
         def message(is_last: bool) -> dict[str, Any]:
@@ -405,14 +408,13 @@ class IpcCheckpointEngine(CheckpointEngine):
             for _ in weights:
                 pass
             return
-        ok = keep = False
+        ok, hello = False, None  # hello: the rollouts' replies to the handle (HAL_HELLO from hal's)
         try:
-            self._ensure_buffer()
+            handshake = self._ensure_buffer().handshake
             peers = await self._sender_sockets()
             deadline = time.monotonic() + self.timeout
             for peer in peers:  # the handle first; bucket 0 is filled while the rollouts open it
-                await self._wait(lambda p=peer: p.sock.send_pyobj(self._handshake()), peer, "send of the buffer",
-                                 deadline)
+                await self._wait(lambda p=peer: p.sock.send_pyobj(handshake), peer, "send of the buffer", deadline)
             pending = "reply to the buffer's handle"
             for msg in self._guarded(self._fill(weights, step)):
                 if isinstance(msg, BaseException):  # the trainer's weights failed: tell the rollouts, then raise
@@ -420,21 +422,19 @@ class IpcCheckpointEngine(CheckpointEngine):
                     raise msg
                 if self.transport == "device" or self.device.type != "cpu":
                     self._torch_device.synchronize()  # the copies into the bucket are done before it is announced
-                hello = await self._replies(peers, pending, deadline, step)
-                if pending.startswith("reply to the buffer"):
-                    keep = all(r == HAL_HELLO for r in hello)
+                replies = await self._replies(peers, pending, deadline, step)
+                hello = replies if hello is None else hello
                 deadline = time.monotonic() + self.timeout
                 for peer in peers:
                     await self._wait(lambda p=peer, m=msg: p.sock.send_pyobj(m), peer, "send of a bucket", deadline)
                 pending = f"reply for bucket {msg['index']}"
-            hello = await self._replies(peers, pending, deadline, step)
-            if pending.startswith("reply to the buffer"):  # an empty update: its one message was the last
-                keep = all(r == HAL_HELLO for r in hello)
+            replies = await self._replies(peers, pending, deadline, step)
+            hello = replies if hello is None else hello  # an empty update: its one message was the last
             ok = True
         finally:
             if not ok:
                 self._free()  # nothing half-done survives: the next update starts from a new buffer and sockets
-            elif not keep:  # a verl receiver: new sockets next update (see HAL_HELLO; measured: 1 update in 2 lost)
+            elif not all(r == HAL_HELLO for r in hello):  # a verl receiver: new sockets next update (see HAL_HELLO; measured: 1 update in 2 lost)
                 self._close_sockets()
 
     @staticmethod
