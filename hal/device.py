@@ -244,14 +244,47 @@ def get_torch_device(device: DeviceLike = None) -> types.ModuleType:
     return resolve_device(device).torch_module()
 
 
+LOCAL_RANK_VAR = "LOCAL_RANK"
+"""The variable ``torch.distributed.run`` sets to a process's rank on its node."""
+
+
+def _local_rank_index(spec: DeviceSpec) -> int | None:
+    """``$LOCAL_RANK`` as a checked device index of ``spec``, or ``None`` when it is unset or empty.
+
+    Raises:
+        DeviceIndexError: not an integer, or not below the number of ``spec`` devices this process sees.
+    """
+    raw = os.environ.get(LOCAL_RANK_VAR, "").strip()
+    if not raw:
+        return None
+    try:
+        index = int(raw)
+    except ValueError:
+        raise DeviceIndexError(f"{LOCAL_RANK_VAR}={raw!r} is not an integer") from None
+    return check_index(spec, index, f"{LOCAL_RANK_VAR}={raw}")
+
+
+def _spec_and_index(device: DeviceLike) -> tuple[DeviceSpec, int | None]:
+    """The resolved kind and the checked index of its default device, the one rule every call without an
+    index follows: the explicit index of ``device`` (or of ``$HAL_DEVICE``), else ``$LOCAL_RANK``'s, else
+    ``None`` (the kind's current device); ``None`` for host kinds."""
+    spec = resolve_device(device)
+    if spec.host_memory:
+        return spec, None
+    index = split_device(device)[1]
+    return spec, _local_rank_index(spec) if index is None else index
+
+
 def get_device_id(device: DeviceLike = None) -> int:
-    """The device index ``device`` names: its explicit index (``"npu-sim:1"`` -> 1, or that of
-    ``$HAL_DEVICE`` when ``device`` is ``None``), else the current device index of the resolved kind; 0 on cpu.
+    """The index of the device ``device`` names, that of :func:`get_device`: its explicit index
+    (``"npu-sim:1"`` -> 1, or that of ``$HAL_DEVICE`` when ``device`` is ``None``), else ``$LOCAL_RANK`` (a
+    launched rank's own device), else the current device index of the resolved kind; 0 on cpu.
 
     Raises:
         UnknownDeviceError: the kind is not built in nor registered.
         DeviceUnavailableError: the kind is known but unusable here.
-        DeviceIndexError: an explicit index this process has no device for.
+        DeviceIndexError: the index (explicit or ``LOCAL_RANK``) is not below the number of devices this
+            process sees, or ``LOCAL_RANK`` is not an integer.
     """
     spec, index = _spec_and_index(device)
     if spec.host_memory:
@@ -259,41 +292,34 @@ def get_device_id(device: DeviceLike = None) -> int:
     return int(spec.torch_module().current_device()) if index is None else index
 
 
-def _spec_and_index(device: DeviceLike) -> tuple[DeviceSpec, int | None]:
-    """The resolved kind and the explicit, checked index of ``device`` (``None``: the current device)."""
-    spec = resolve_device(device)
-    return spec, None if spec.host_memory else split_device(device)[1]
-
-
 def get_device(device: DeviceLike = None) -> torch.device:
-    """A kind-qualified ``torch.device``: ``cpu``, or ``npu:<index>`` / ``cuda:<index>``.
+    """The device to put tensors on: ``cpu``, or a kind-qualified ``npu:<index>`` / ``cuda:<index>``.
 
-    An explicit index in ``device`` (``"npu:1"``, or ``HAL_DEVICE=npu:1`` when ``device`` is ``None``) is
-    kept; otherwise the kind's current device is used. Always qualified by kind, because older Ascend
-    plugin builds sent a bare integer index to CUDA.
+    The index: the explicit index of ``device`` (``"npu:1"``, or ``HAL_DEVICE=npu:1`` when ``device`` is
+    ``None``); else ``$LOCAL_RANK``, so that a rank started by ``hal launch`` or ``torch.distributed.run``
+    gets its own device without binding anything first (the device :func:`local_device` names and engines
+    put their model on); else the kind's current device (``set_device``). Always qualified by kind, because
+    older Ascend plugin builds sent a bare integer index to CUDA. A launched rank that means to use another
+    device than its local rank's says so with an index (``"npu:3"``, ``HAL_DEVICE=npu:3``). This reads the
+    environment only; it makes no device current (see :func:`bind_local_device` for that).
 
     Raises:
-        DeviceIndexError: the explicit index is out of range (see :func:`check_index`).
+        DeviceIndexError: the index (explicit or ``LOCAL_RANK``) is out of range (see :func:`check_index`),
+            or ``LOCAL_RANK`` is not an integer.
         UnknownDeviceError: the kind is not built in nor registered.
         DeviceUnavailableError: the kind is known but unusable here.
     """
     spec = resolve_device(device)
     if spec.host_memory:
         return torch.device("cpu")
-    index = split_device(device)[1]
-    return torch.device(spec.name, get_device_id(spec) if index is None else index)
-
-
-LOCAL_RANK_VAR = "LOCAL_RANK"
-"""The variable ``torch.distributed.run`` sets to a process's rank on its node."""
+    return torch.device(spec.name, get_device_id(device))
 
 
 def local_device(device: DeviceLike = None) -> torch.device:
     """The device this process's rank should use: the explicit index of ``device`` (or ``$HAL_DEVICE``),
     else ``$LOCAL_RANK`` (one device per local rank, as ``torch.distributed.run`` numbers them), else the
-    kind's current device; ``cpu`` for host kinds.
-
-    This is the one place that maps a local rank to a device; :func:`bind_local_device` makes it current.
+    kind's current device; ``cpu`` for host kinds. The same device as :func:`get_device`, which follows
+    this one rule too; :func:`bind_local_device` makes it current.
 
     Raises:
         DeviceIndexError: the index (explicit or ``LOCAL_RANK``) is not below the number of devices this
@@ -301,27 +327,17 @@ def local_device(device: DeviceLike = None) -> torch.device:
         UnknownDeviceError: the kind is not built in nor registered.
         DeviceUnavailableError: the kind is known but unusable here.
     """
-    spec = resolve_device(device)
-    if spec.host_memory:
-        return torch.device("cpu")
-    index = split_device(device)[1]
-    if index is None:
-        raw = os.environ.get(LOCAL_RANK_VAR, "").strip()
-        if not raw:
-            return torch.device(spec.name, get_device_id(spec))
-        try:
-            index = int(raw)
-        except ValueError:
-            raise DeviceIndexError(f"{LOCAL_RANK_VAR}={raw!r} is not an integer") from None
-        check_index(spec, index, f"{LOCAL_RANK_VAR}={raw}")
-    return torch.device(spec.name, index)
+    return get_device(device)
 
 
 def bind_local_device(device: DeviceLike = None) -> torch.device:
     """Make :func:`local_device` the current device of the resolved kind (``set_device``); returns it.
 
     Every process hal starts and every checkpoint engine calls this before allocating, so that ranks of one
-    node never share a device (a communicator refuses that, as NCCL does).
+    node never share a device (a communicator refuses that, as NCCL does). A launched rank needs it only for
+    code that takes the current device implicitly (``torch.ones(3, device="npu")``, the kind module's
+    ``current_device()``, collectives): :func:`get_device`, :func:`local_device` and engines already name
+    the local rank's device without it.
 
     Raises:
         DeviceIndexError: see :func:`local_device`.
@@ -368,15 +384,17 @@ def get_visible_devices_keyword(device: DeviceLike = None) -> str | None:
 def synchronize(device: DeviceLike = None) -> None:
     """Block the host until all queued work on one device of the resolved kind is done (no-op on cpu).
 
-    The device is the explicit index of ``device`` (``"npu-sim:1"``, ``torch.device("npu", 1)``, or
-    ``$HAL_DEVICE``'s index when ``device`` is ``None``), else the current device of the resolved kind
-    (``set_device``; see :func:`bind_local_device`). Indices count the devices this process sees (after
-    the visible-devices variable), as torch's do.
+    The device is that of :func:`get_device`: the explicit index of ``device`` (``"npu-sim:1"``,
+    ``torch.device("npu", 1)``, or ``$HAL_DEVICE``'s index when ``device`` is ``None``), else
+    ``$LOCAL_RANK``'s, else the current device of the resolved kind (``set_device``; see
+    :func:`bind_local_device`). Indices count the devices this process sees (after the visible-devices
+    variable), as torch's do.
 
     Raises:
         UnknownDeviceError: the kind is not built in nor registered.
         DeviceUnavailableError: the kind is known but unusable here.
-        DeviceIndexError: an explicit index this process has no device for.
+        DeviceIndexError: the index (explicit or ``LOCAL_RANK``) is not below the number of devices this
+            process sees, or ``LOCAL_RANK`` is not an integer.
     """
     spec, index = _spec_and_index(device)
     spec.torch_module().synchronize(index)  # the kind's module: synchronize(device=None)
@@ -386,13 +404,14 @@ def empty_cache(device: DeviceLike = None) -> None:
     """Return the caching allocator's unused blocks to the device (no-op on cpu).
 
     The device is chosen as in :func:`synchronize`. The kind module's ``empty_cache()`` takes no device,
-    so for an explicit index it runs under the kind's device guard (``device(index)``), which makes that
-    device current and restores the previous one after.
+    so for an index (explicit or ``LOCAL_RANK``'s) it runs under the kind's device guard (``device(index)``),
+    which makes that device current and restores the previous one after.
 
     Raises:
         UnknownDeviceError: the kind is not built in nor registered.
         DeviceUnavailableError: the kind is known but unusable here.
-        DeviceIndexError: an explicit index this process has no device for.
+        DeviceIndexError: the index (explicit or ``LOCAL_RANK``) is not below the number of devices this
+            process sees, or ``LOCAL_RANK`` is not an integer.
     """
     spec, index = _spec_and_index(device)
     module = spec.torch_module()
@@ -406,7 +425,8 @@ def empty_cache(device: DeviceLike = None) -> None:
 def memory_stats(device: DeviceLike = None) -> dict[str, int]:
     """Memory figures of one device of the resolved kind, in bytes.
 
-    The device is chosen as in :func:`synchronize` (its explicit index, else the current device).
+    The device is chosen as in :func:`synchronize` (its explicit index, else ``LOCAL_RANK``'s, else the
+    current device).
 
     Returns:
         ``{"allocated": ..., "max_allocated": ..., "reserved": ..., "free": ..., "total": ...}`` (the
@@ -416,7 +436,8 @@ def memory_stats(device: DeviceLike = None) -> dict[str, int]:
     Raises:
         UnknownDeviceError: the kind is not built in nor registered.
         DeviceUnavailableError: the kind is known but unusable here.
-        DeviceIndexError: an explicit index this process has no device for.
+        DeviceIndexError: the index (explicit or ``LOCAL_RANK``) is not below the number of devices this
+            process sees, or ``LOCAL_RANK`` is not an integer.
     """
     spec, index = _spec_and_index(device)
     module = spec.torch_module()
@@ -448,6 +469,7 @@ def manual_seed(seed: int, device: DeviceLike = None) -> None:
 
 def describe(kind: str) -> dict[str, Any]:
     """The facts and availability of one kind, as plain data (used by ``hal info``); probes it once.
+    ``auto_probe`` says whether automatic resolution may pick it (the simulated npu: only when named).
 
     Raises:
         UnknownDeviceError: the kind is not built in nor registered.
@@ -464,4 +486,5 @@ def describe(kind: str) -> dict[str, Any]:
         "available": state.ok,
         "device_count": state.device_count,
         "reason": state.reason,
+        "auto_probe": spec.auto_probe,
     }

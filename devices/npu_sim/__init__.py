@@ -10,7 +10,9 @@ Route, and why: a small C++ extension (``devices/npu_sim/csrc/npu_sim.cpp``), co
 ``torch.utils.cpp_extension`` and cached (:mod:`devices.npu_sim.ext`), registers PrivateUse1 with its own
 counting allocator, device guard, hooks object (pinned host memory, storage resize, device count) and
 factory/copy/view kernels, plus a fallback that runs every other operator's cpu kernel on cpu views of the
-npu tensors' own bytes (no host mirror of the inputs, see the C++ source). PyTorch's experimental
+npu tensors' own bytes (no host mirror of the inputs, see the C++ source). Like a device, it refuses an
+operator whose tensors sit on two device indices (``npu:0`` and ``npu:1``) with torch's "Expected all tensors
+to be on the same device" error; copies between devices, and 0-dim cpu scalars, are allowed. PyTorch's experimental
 pure-Python PrivateUse1 backend was not used: its empty tensors have no storage of their own, so byte
 copies, allocation counts, out-of-memory and ``param.data`` swaps (what offload must prove) could not be
 real. Cost of the C++ route: one build of about 25-60 s per source/torch version (cached), and training

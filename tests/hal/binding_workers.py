@@ -86,3 +86,21 @@ def shared_device_full_tensor(rank: int, world_size: int, port: int) -> str:
         return f"{type(exc).__name__}: {exc}"
     finally:
         dist.destroy_process_group()
+
+
+def unbound_rank_devices(rank: int, world_size: int, port: int) -> dict:
+    """A launched rank (LOCAL_RANK set, as ``hal launch`` sets it) that binds nothing: where ``hal`` says its
+    device is, where a TorchEngine puts the model, and a forward on an input made on ``hal.get_device()``."""
+    from engines import TorchEngine
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    expected = model(torch.arange(8, dtype=torch.float32).reshape(2, 4)).detach()
+    engine = TorchEngine(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    x = torch.arange(8, dtype=torch.float32, device=hal.get_device()).reshape(2, 4)
+    out = engine.module(x)
+    return {"local_rank": os.environ["LOCAL_RANK"], "get_device": str(hal.get_device()),
+            "get_device_id": hal.get_device_id(), "local_device": str(hal.local_device()),
+            "engine": str(engine.torch_device), "params": sorted({str(p.device) for p in model.parameters()}),
+            "out_device": str(out.device), "out_equal": torch.equal(out.detach().cpu(), expected),
+            "current": hal.get_torch_device().current_device()}

@@ -53,3 +53,15 @@ def test_one_local_index_on_two_visible_devices_is_two_devices(hal_device):
     results = run_multiprocess(binding_workers.shared_device_group, 2, ["4", "5"], timeout=90,
                                env={"HAL_DEVICE": "npu-sim"})
     assert results == {0: "ok [3.0, 3.0]", 1: "ok [3.0, 3.0]"}
+
+
+def test_a_launched_rank_needs_no_binding_to_meet_its_engine(hal_device):
+    # the report: under hal launch, rank 1's hal.get_device() said npu:0 while TorchEngine put the model on npu:1
+    results = run_multiprocess(binding_workers.unbound_rank_devices, 2, timeout=120, env={"HAL_DEVICE": "npu-sim"})
+    for rank in (0, 1):
+        assert results[rank] == {
+            "local_rank": str(rank), "get_device": f"npu:{rank}", "get_device_id": rank,
+            "local_device": f"npu:{rank}", "engine": f"npu:{rank}", "params": [f"npu:{rank}"],
+            "out_device": f"npu:{rank}", "out_equal": True,
+            "current": 0,  # nothing was bound: torch's current device is still the default
+        }

@@ -152,3 +152,65 @@ def test_per_device_calls_act_on_the_index_they_are_given_not_the_current_device
     hal.empty_cache("npu-sim")
     assert calls == [("synchronize", 1), ("empty_cache", 1), ("empty_cache", 0)]
     assert sim.current_device() == 0
+
+
+def test_a_launched_rank_defaults_to_its_local_device_without_binding(sim, monkeypatch):
+    # torch.distributed.run / hal launch set LOCAL_RANK; nothing binds a device (the current one stays 0)
+    monkeypatch.setenv("HAL_DEVICE", "npu-sim")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    sim.set_device(0)
+    assert hal.get_device() == hal.get_device("npu-sim") == hal.get_device(torch.device("npu")) == torch.device("npu", 1)
+    assert hal.local_device() == torch.device("npu", 1) and hal.get_device_id() == 1
+    assert sim.current_device() == 0  # reading the default device binds nothing
+    # an explicit index, in the argument or in HAL_DEVICE, still wins over LOCAL_RANK
+    assert hal.get_device("npu-sim:2") == torch.device("npu", 2) and hal.get_device_id("npu:3") == 3
+    monkeypatch.setenv("HAL_DEVICE", "npu-sim:2")
+    assert hal.get_device() == hal.local_device() == torch.device("npu", 2)
+    # without LOCAL_RANK (a plain process): the current device, as before
+    monkeypatch.setenv("HAL_DEVICE", "npu-sim")
+    monkeypatch.delenv("LOCAL_RANK")
+    sim.set_device(3)
+    assert hal.get_device() == hal.local_device() == torch.device("npu", 3) and hal.get_device_id() == 3
+
+
+def test_a_local_rank_the_process_has_no_device_for_is_refused_by_get_device(sim, monkeypatch):
+    monkeypatch.setenv("LOCAL_RANK", str(sim.device_count()))
+    with pytest.raises(hal.DeviceIndexError, match=f"LOCAL_RANK={sim.device_count()} .*sees {sim.device_count()} "):
+        hal.get_device("npu-sim")
+    monkeypatch.setenv("LOCAL_RANK", "one")
+    with pytest.raises(hal.DeviceIndexError, match="LOCAL_RANK='one' is not an integer"):
+        hal.get_device_id("npu-sim")
+    assert hal.get_device("cpu") == torch.device("cpu")  # the host kind has no per-rank device
+
+
+def test_per_device_calls_of_a_launched_rank_act_on_its_local_device(sim, monkeypatch):
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    sim.set_device(0)
+    x = torch.ones(1 << 18, device=hal.get_device("npu-sim"))  # 1 MiB on this rank's npu:1
+    assert x.device == torch.device("npu", 1)
+    stats = hal.memory_stats("npu-sim")
+    assert stats == hal.memory_stats("npu-sim:1") and stats["allocated"] == sim.memory_allocated(1) >= x.nbytes
+    calls = []
+    monkeypatch.setattr(sim, "synchronize", lambda device=None: calls.append(("synchronize", device)))
+    monkeypatch.setattr(sim, "empty_cache", lambda: calls.append(("empty_cache", sim.current_device())))
+    hal.synchronize("npu-sim")
+    hal.empty_cache("npu-sim")
+    assert calls == [("synchronize", 1), ("empty_cache", 1)]
+    assert sim.current_device() == 0
+
+
+def test_a_launched_ranks_engine_and_input_meet_on_its_device(sim, monkeypatch):
+    monkeypatch.setenv("HAL_DEVICE", "npu-sim")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    sim.set_device(0)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    expected = model(torch.ones(2, 4)).detach()
+    engine = TorchEngine(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    assert engine.torch_device == hal.get_device() == torch.device("npu", 1)
+    out = engine.module(torch.ones(2, 4, device=hal.get_device()))
+    assert out.device == torch.device("npu", 1) and torch.equal(out.detach().cpu(), expected)
+    # what the user's rank did before: an input on the current device, npu:0, which a device refuses
+    with pytest.raises(RuntimeError, match="Expected all tensors to be on the same device, but got mat1 is on "
+                                           "npu:0, different from other tensors on npu:1"):
+        engine.module(torch.ones(2, 4, device="npu:0"))

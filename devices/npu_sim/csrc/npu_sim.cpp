@@ -8,7 +8,8 @@
 //   * a hooks object (device count, pinned host memory, storage resize, the default generator);
 //   * the factory / copy / view kernels, `_has_compatible_shallow_copy_type` (npu and cpu strided tensors
 //     are compatible, as torch_npu registers), and a boxed fallback for every other operator that runs its
-//     cpu kernel on cpu views of the npu bytes (see sim_fallback).
+//     cpu kernel on cpu views of the npu bytes (see sim_fallback), refusing first an operator whose tensors sit on
+//     two devices, as a device would (see check_one_device);
 // The Python side (devices/npu_sim/__init__.py, whose docstring says why this route and not the pure-Python backend)
 // renames PrivateUse1 to "npu", registers torch.npu (devices/npu_sim/module.py) and hccl (devices/npu_sim/backend.py).
 
@@ -34,6 +35,8 @@
 #include <cstring>
 #include <map>
 #include <mutex>
+#include <optional>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -496,6 +499,9 @@ at::Tensor sim_copy_from(const at::Tensor& self, const at::Tensor& dst, bool /*n
 }
 
 at::Tensor sim_copy_from_and_resize(const at::Tensor& self, const at::Tensor& dst) {
+  // ATen's resize_ allocates through the storage's allocator, which takes the *current* device: guard dst's own
+  // (else dst on npu:1 got a block of npu:0, counted there, and its views said npu:0).
+  c10::DeviceGuard guard(dst.device());
   at::native::resize_(dst, self.sizes(), std::nullopt);
   return sim_copy_from(self, dst, false);
 }
@@ -598,6 +604,7 @@ void write_back(const Swapped& s) {
   if (s.view.data_ptr() == s.data && s.view.sizes() == s.original.sizes() && s.view.strides() == s.original.strides()) {
     return;
   }
+  c10::DeviceGuard guard(s.original.device());  // a new block on the tensor's own device (see sim_copy_from_and_resize)
   at::native::resize_(s.original, s.view.sizes(), std::nullopt);
   sim_copy_from(s.view, s.original, false);
 }
@@ -611,15 +618,76 @@ at::Tensor to_device(const at::Tensor& t, c10::Device device) {
   return out;
 }
 
+// ---------------------------------------------------------------- one device per operator
+// A device kernel reads its operands in that device's memory, so torch_npu (like CUDA) refuses an operator
+// whose tensors sit on two devices; the sim's memory is all host memory, and the cpu kernel the fallback
+// runs would compute across devices without a word, hiding exactly the bug (a model on npu:1, its input on
+// npu:0) that real hardware reports. So the fallback refuses first, in torch's own words:
+//   * pointwise operators (TensorIterator on CUDA): "Expected all tensors to be on the same device, but found
+//     at least two devices, npu:0 and npu:1!";
+//   * the others (the device check of torch's generated wrappers, aten/src/ATen/core/adaption.cpp):
+//     "Expected all tensors to be on the same device, but got mat1 is on npu:0, different from other tensors on
+//     npu:1 (when checking argument in method wrapper__addmm)"; the wrapper is named as torch's codegen names
+//     it (wrapper_<dispatch key>_<overload>_<op>), with the empty key torch_npu's messages show.
+// Inputs are checked in schema order, then out= arguments (which a composite kernel allocates on its first
+// input's device). cpu tensors are not counted: a 0-dim cpu scalar may join a device operator, as torch
+// allows. Copies between devices never come here (_copy_from and _copy_from_and_resize have kernels above).
+std::string wrapper_name(const c10::FunctionSchema& schema) {
+  std::string name = schema.name();
+  const auto colons = name.find("::");
+  if (colons != std::string::npos) name = name.substr(colons + 2);
+  const auto& args = schema.arguments();
+  const bool out = std::any_of(args.begin(), args.end(), [](const c10::Argument& a) { return a.is_out(); });
+  if (out && (name.size() < 4 || name.compare(name.size() - 4, 4, "_out") != 0)) name += "_out";
+  return "wrapper_" + schema.overload_name() + "_" + name;
+}
+
+void check_one_device(const c10::OperatorHandle& op, const torch::jit::Stack& stack, size_t base) {
+  const auto& schema = op.schema();
+  const auto& args = schema.arguments();
+  std::optional<c10::Device> common;
+  auto visit = [&](const at::Tensor& t, const c10::Argument& arg) {
+    if (!t.defined() || !t.device().is_privateuseone()) return;
+    if (!common.has_value()) {
+      common = t.device();
+      return;
+    }
+    if (t.device() == *common) return;
+    if (op.hasTag(at::Tag::pointwise)) {
+      TORCH_CHECK(false, "Expected all tensors to be on the same device, but found at least two devices, ", *common,
+                  " and ", t.device(), "!");
+    }
+    TORCH_CHECK(false, "Expected all tensors to be on the same device, but got ", arg.name(), " is on ", t.device(),
+                ", different from other tensors on ", *common, " (when checking argument in method ",
+                wrapper_name(schema), ")");
+  };
+  for (const bool outs : {false, true}) {
+    for (size_t i = 0; i < args.size(); ++i) {
+      if (args[i].is_out() != outs) continue;
+      const c10::IValue& iv = stack[base + i];
+      if (iv.isTensor()) {
+        visit(iv.toTensor(), args[i]);
+      } else if (iv.isTensorList()) {
+        for (const at::Tensor& t : iv.toTensorList()) visit(t, args[i]);
+      } else if (iv.isOptionalTensorList()) {
+        for (std::optional<at::Tensor> t : iv.toOptionalTensorList()) {
+          if (t.has_value()) visit(*t, args[i]);
+        }
+      }
+    }
+  }
+}
+
 void sim_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  const auto& schema = op.schema();
+  const size_t n = schema.arguments().size();
+  const size_t base = stack->size() - n;
+  check_one_device(op, *stack, base);
   static const bool copy_fallback = std::getenv("HAL_SIM_COPY_FALLBACK") != nullptr;
   if (copy_fallback) {
     at::native::cpu_fallback(op, stack);
     return;
   }
-  const auto& schema = op.schema();
-  const size_t n = schema.arguments().size();
-  const size_t base = stack->size() - n;
   c10::Device device(c10::DeviceType::PrivateUse1, t_current_device);
   bool found_device = false;
   std::vector<std::vector<Swapped>> swapped(n);  // per argument: its npu tensors (one, or a list's)
