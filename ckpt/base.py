@@ -29,7 +29,7 @@ import abc
 import inspect
 import math
 import numbers
-from typing import Any, AsyncIterator, Iterable, Protocol, runtime_checkable
+from typing import Any, AsyncIterator, Iterable, Iterator, Protocol, runtime_checkable
 
 import torch
 
@@ -158,6 +158,51 @@ class CheckpointEngine(abc.ABC):
 
     def finalize(self) -> None:
         """Release what ``prepare()`` allocated for this update (no-op here)."""
+
+
+def named_tensors(weights: Any, accepted: tuple[type, ...] = (torch.Tensor,)) -> Iterator[tuple[str, Any]]:
+    """Iterate ``weights`` as ``send_weights`` takes them, checking each item: a ``(name, value)`` pair, a
+    ``str`` name and a value of one of ``accepted`` (empty: any value; the caller checks it).
+
+    Every engine's ``send_weights`` reads its weights through this, so a wrong argument is the same
+    :class:`CheckpointConfigError` everywhere. The common one is verl's ``get_per_tensor_param()`` result
+    passed whole: it returns a ``(weights, peft_config)`` pair (verl 0.9.1 ``BaseEngine``), whose first
+    "item" is the weights generator itself.
+
+    Raises (while consumed):
+        CheckpointConfigError: ``weights`` is not iterable, is such a ``(weights, peft_config)`` pair, or
+            yields an item that is not a ``(str, accepted)`` pair; the message names what it got.
+    """
+    names = " | ".join(f"{t.__module__.split('.')[0]}.{t.__name__}" for t in accepted) or "value"
+    if _is_param_pair(weights):
+        raise CheckpointConfigError(
+            f"weights is a ({type(weights[0]).__name__}, {type(weights[1]).__name__}) pair, as "
+            "get_per_tensor_param() returns (weights, peft_config): pass its first element "
+            "(weights, _ = engine.get_per_tensor_param()), an iterable of (str, torch.Tensor) pairs")
+    try:
+        items = iter(weights)
+    except TypeError:
+        raise CheckpointConfigError(f"weights must be an iterable of (str, {names}) pairs, got "
+                                    f"{type(weights).__name__}") from None
+    for item in items:
+        if not isinstance(item, (tuple, list)) or len(item) != 2:
+            raise CheckpointConfigError(f"weights must yield (str, {names}) pairs, got {type(item).__name__}"
+                                        + (f" of length {len(item)}" if isinstance(item, (tuple, list)) else ""))
+        name, value = item
+        if not isinstance(name, str) or (accepted and not isinstance(value, accepted)):
+            raise CheckpointConfigError(f"weights must yield (str, {names}) pairs, got ({name!r}, "
+                                        f"{type(value).__name__})")
+        yield name, value
+
+
+def _is_param_pair(weights: Any) -> bool:
+    """``weights`` looks like ``get_per_tensor_param()``'s ``(iterable of pairs, peft_config or None)``."""
+    if not isinstance(weights, tuple) or len(weights) != 2:
+        return False
+    first, second = weights
+    if isinstance(first, (str, torch.Tensor)) or not isinstance(first, Iterable):
+        return False
+    return second is None or isinstance(second, dict) or not isinstance(second, (str, torch.Tensor, tuple, list))
 
 
 def unwrap_method(fn: Any) -> Any:

@@ -25,6 +25,7 @@ from typing import Callable, Iterable, Iterator, Mapping
 
 import torch
 
+from ckpt.base import named_tensors
 from ckpt.errors import CheckpointConfigError
 from ckpt.layout import ALIGN, AlignedCursor, align
 from ckpt.wire import META_HEADER, Chunk, Segment, TensorEntry, WireMessage, dtype_name
@@ -250,9 +251,7 @@ def plan_messages(weights: Iterable[tuple[str, torch.Tensor]], step: int | None,
     stable = isinstance(weights, collections.abc.Collection)
     planner = _Planner(step, bucket_size, meta_capacity - META_HEADER - 256, device, direct_threshold,
                        buffer_for, stable)
-    for name, tensor in weights:
-        if not isinstance(name, str) or not isinstance(tensor, torch.Tensor):
-            raise CheckpointConfigError(f"weights must yield (str, torch.Tensor) pairs, got ({name!r}, {type(tensor).__name__})")
+    for name, tensor in named_tensors(weights):
         tensor = tensor.detach()
         nbytes = tensor.numel() * tensor.element_size()
         part = parts.get(name) if parts else None

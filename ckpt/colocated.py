@@ -6,7 +6,7 @@ import asyncio
 import weakref
 from typing import Any, AsyncIterator, Iterable, Iterator
 
-from ckpt.base import CheckpointEngine, NamedTensor, check_global_steps, check_seconds, check_step
+from ckpt.base import CheckpointEngine, NamedTensor, check_global_steps, check_seconds, check_step, named_tensors
 from ckpt.errors import CheckpointConfigError, TransferAbortedError, TransferError, TransferTimeoutError
 
 
@@ -19,7 +19,7 @@ class _Offer:
         self.finished = 0  # receivers finished with every tensor (or stopped)
         self.error: BaseException | None = None  # what the sender's iterable raised
         self.activity = asyncio.Event()  # set on take, on every item requested, and when one is done
-        self._source = iter(weights)
+        self._source = named_tensors(weights)
         self._items: list[NamedTensor] = []  # items some receiver has not taken yet (several receivers)
         self._base = 0  # index (in the source) of self._items[0]
         self._positions: list[int] = []

@@ -16,7 +16,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from ckpt.base import CheckpointEngine, NamedTensor, check_global_steps, check_seconds
+from ckpt.base import CheckpointEngine, NamedTensor, check_global_steps, check_seconds, named_tensors
 from ckpt.errors import CheckpointConfigError, TransferError, TransferTimeoutError, VersionMismatchError
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
@@ -139,9 +139,7 @@ class FileCheckpointEngine(CheckpointEngine):
             seen: set[str] = set()
             shard: dict[str, torch.Tensor] = {}
             shard_index = size = 0
-            for name, tensor in weights:
-                if not isinstance(name, str) or not isinstance(tensor, torch.Tensor):
-                    raise CheckpointConfigError(f"weights must yield (str, torch.Tensor) pairs, got ({name!r}, {type(tensor).__name__})")
+            for name, tensor in named_tensors(weights):
                 if name in seen:
                     raise CheckpointConfigError(f"tensor name {name!r} appears twice in one update")
                 seen.add(name)

@@ -47,7 +47,7 @@ import torch
 import hal
 import hal.ipc
 from ckpt.base import (CheckpointEngine, NamedTensor, ReceivePlacement, as_placement, check_global_steps,
-                       check_seconds, check_step)
+                       check_seconds, check_step, named_tensors)
 from ckpt.bucket import as_bytes, byte_view
 from ckpt.control import PeerFailure
 from ckpt.errors import CheckpointConfigError, TransferAbortedError, TransferError, TransferTimeoutError
@@ -362,10 +362,7 @@ class IpcCheckpointEngine(CheckpointEngine):
             return {"bucket_meta": meta, "is_last": is_last, "global_steps": step, "bucket_size": size,
                     "index": index}
 
-        for name, tensor in weights:
-            if not isinstance(name, str) or not isinstance(tensor, torch.Tensor):
-                raise CheckpointConfigError(f"weights must yield (str, torch.Tensor) pairs, got ({name!r}, "
-                                            f"{type(tensor).__name__})")
+        for name, tensor in named_tensors(weights):
             tensor = tensor.detach()
             nbytes = tensor.numel() * tensor.element_size()
             start = align(offset)

@@ -31,7 +31,7 @@ from typing import Any, AsyncIterator, Iterable
 import torch
 
 import hal
-from ckpt.base import NamedTensor, ReceivePlacement, check_global_steps, check_step
+from ckpt.base import NamedTensor, ReceivePlacement, check_global_steps, check_step, named_tensors
 from ckpt.control import HEARTBEAT_DEAD_S, ControlChannel, check_heartbeat_timeout
 from ckpt.errors import (CheckpointConfigError, CheckpointEngineUnavailableError, TransferAbortedError,
                          TransferError, TransferTimeoutError)
@@ -241,7 +241,7 @@ class KimiCheckpointEngine(OneToManyEngine):
         named: dict[str, torch.Tensor] = {}
         failure: BaseException | None = None
         try:
-            for i, (name, tensor) in enumerate(weights):
+            for i, (name, tensor) in enumerate(named_tensors(weights)):
                 named[f"{i:08d}/{name}"] = tensor.detach().contiguous()
         except Exception as exc:  # noqa: BLE001 - told to the rollouts, then raised
             failure, named = exc, {}

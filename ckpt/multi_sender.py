@@ -54,7 +54,7 @@ from typing import Any, AsyncIterator, Callable, Iterable, Sequence
 
 import torch
 
-from ckpt.base import NamedTensor, ReceivePlacement
+from ckpt.base import NamedTensor, ReceivePlacement, named_tensors
 from ckpt.errors import TransferError, VersionMismatchError
 from ckpt.shards import RowShard, as_row_shard
 
@@ -73,7 +73,7 @@ def published(weights: Iterable[tuple[str, Any]]) -> tuple[Iterable[NamedTensor]
     parts: dict[str, tuple[list[int], int]] = {}
 
     def convert():
-        for name, value in weights:
+        for name, value in named_tensors(weights, accepted=()):
             value = as_row_shard(name, value)
             if value is None:
                 continue

@@ -20,6 +20,7 @@ from typing import Any, Iterable, Iterator
 
 import torch
 
+from ckpt.base import named_tensors
 from ckpt.errors import CheckpointConfigError
 
 
@@ -125,7 +126,7 @@ def local_parts(named: Iterable[tuple[str, Any]], rank: int, dtype: torch.dtype 
     Raises:
         CheckpointConfigError: as :func:`as_row_shard`.
     """
-    for name, value in named:
+    for name, value in named_tensors(named, accepted=()):
         part = as_row_shard(name, value)
         if part is None or (not isinstance(part, RowShard) and not _is_dtensor(value) and rank != 0):
             continue

@@ -21,7 +21,10 @@ their dtype, shape and order, including empty, 0-d, non-contiguous and larger-th
 an empty update carries its step; three updates in a row carry steps 1, 2, 3; once ``await
 send_weights`` returns the sender may change its tensors (they are changed in place at once) and the
 receiver still gets the sent values; ``receive_weights(global_steps, placement=None)`` is accepted (the
-keyword every engine takes; an engine that cannot receive into the consumer's memory ignores it).
+keyword every engine takes; an engine that cannot receive into the consumer's memory ignores it);
+``send_weights`` given ``get_per_tensor_param()``'s ``(weights, peft_config)`` pair raises
+:class:`CheckpointConfigError`, the receiver ends (with an error or nothing) rather than waiting on, and the
+next update arrives byte-exact.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from typing import Any, Awaitable, Callable
 import torch
 
 from ckpt.base import CheckpointEngine, callable_kind, check_async_contract, unwrap_method
-from ckpt.errors import CheckpointEngineError, ContractError, VersionMismatchError
+from ckpt.errors import CheckpointConfigError, CheckpointEngineError, ContractError, VersionMismatchError
 
 PairFactory = Callable[[], Awaitable[tuple[CheckpointEngine, CheckpointEngine]]]
 
@@ -260,6 +263,24 @@ async def check_version_mismatch(sender: CheckpointEngine, receiver: CheckpointE
     _check_step(receiver, 6, "update after a version mismatch")
 
 
+async def check_weights_pair_refused(sender: CheckpointEngine, receiver: CheckpointEngine) -> None:
+    """``send_weights((weights, None), 3)`` (``get_per_tensor_param()``'s pair passed whole, verl's
+    ``(generator, peft_config)``) raises :class:`CheckpointConfigError`; the receiver's update ends with an
+    error or nothing (it must not be left waiting); step 4 then arrives byte-exact."""
+    weights = sample_weights(3)
+    send = sender.send_weights((iter(weights), None), 3)
+    stream = receiver.receive_weights(3)
+    got_send, got_recv = await asyncio.gather(send, collect(stream), return_exceptions=True)
+    if not isinstance(got_send, CheckpointConfigError):
+        raise ContractFailure(f"send_weights((weights, peft_config), 3) gave {got_send!r}, not a "
+                              "CheckpointConfigError")
+    if isinstance(got_recv, list) and got_recv:
+        raise ContractFailure(f"the receiver got {[n for n, _ in got_recv]} from a refused update")
+    weights = sample_weights(4)
+    compare(weights, await transfer(sender, receiver, weights, 4, 4), "update after a refused weights pair")
+    _check_step(receiver, 4, "update after a refused weights pair")
+
+
 def overwrite_in_place(weights: list[tuple[str, torch.Tensor]]) -> None:
     """Change every value of ``weights`` in place, as a trainer's next optimizer step does (bools negated,
     numbers + 1)."""
@@ -321,6 +342,7 @@ CONTRACT_CHECKS: dict[str, Callable[[CheckpointEngine, CheckpointEngine], Awaita
     "empty_update": check_empty_update,
     "sender_may_reuse": check_sender_may_reuse,
     "placement_keyword": check_placement_keyword,
+    "weights_pair_refused": check_weights_pair_refused,
 }
 """Every check by name: ``async check(sender, receiver) -> None``, raising on a violation."""
 

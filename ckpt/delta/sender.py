@@ -19,6 +19,7 @@ import hal
 from ckpt.delta.checksum import combine
 from ckpt.delta.diff import Segment, TensorDiff, bits, diff_segment, seed_segment, segments
 from ckpt.delta.wire import POS_WIDTH, POSITIONS, SPEC, VALUES, encode_spec, flush_checksum
+from ckpt.base import named_tensors
 from ckpt.errors import CheckpointConfigError
 
 Flush = tuple[list[tuple[str, torch.Tensor]], bool]
@@ -223,10 +224,7 @@ class DeltaSender:
 
     def _items(self, weights: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
         items, seen = [], set()
-        for name, tensor in weights:
-            if not isinstance(name, str) or not isinstance(tensor, torch.Tensor):
-                raise CheckpointConfigError(f"weights must yield (str, torch.Tensor) pairs, got "
-                                            f"({name!r}, {type(tensor).__name__})")
+        for name, tensor in named_tensors(weights):
             if name in seen:
                 raise CheckpointConfigError(f"tensor name {name!r} appears twice in one update")
             seen.add(name)
