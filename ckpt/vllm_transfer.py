@@ -40,7 +40,9 @@ Memory: one host copy of the update (its bytes) on top of the served model, for 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
+import logging
 import sys
 import time
 import zlib
@@ -166,11 +168,62 @@ def retie(aliases: list[tuple[torch.nn.Module, str, torch.nn.Module, str]]) -> N
             process(module)
 
 
+LAYERWISE_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
+"""The logger of vLLM's layerwise reload (0.32), which warns ``"<Layer>: Failed to load weights"`` for every
+layer the checkpoint has no tensor of; a tied ``lm_head`` and a rotary embedding's cache are such, on every
+update."""
+
+
+class _TiedLayerWarnings(logging.Filter):
+    """Drops vLLM's "Failed to load weights" warning for the given layer classes."""
+
+    def __init__(self, classes: set[str]) -> None:
+        super().__init__()
+        self.classes = classes
+        self.dropped: list[str] = []
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.msg == "%s: Failed to load weights" and record.args and record.args[0] in self.classes:
+            self.dropped.append(str(record.args[0]))
+            return False
+        return True
+
+
+def layers_without_checkpoint_tensors(model: torch.nn.Module,
+                                      aliases: list[tuple[torch.nn.Module, str, torch.nn.Module, str]]) -> set[str]:
+    """Classes of ``model``'s layers that no checkpoint carries a tensor of, by design: the holders of tied
+    parameters (``aliases``: a tied ``lm_head``, whose owner the checkpoint names) and layers with buffers but no
+    parameter of their own (a ``RotaryEmbedding``'s ``cos_sin_cache``, computed from the configuration)."""
+    classes = {type(module).__name__ for module, *_ in aliases}
+    for module in model.modules():
+        if next(module.buffers(recurse=False), None) is not None and next(module.parameters(recurse=False), None) is None:
+            classes.add(type(module).__name__)
+    return classes
+
+
+@contextlib.contextmanager
+def quiet_tied_layer_warnings(classes: set[str]):
+    """While a reload runs, keep vLLM's "<Layer>: Failed to load weights" warning of the layer ``classes``
+    (:func:`layers_without_checkpoint_tensors`) out of the log: a checkpoint-format update has no tensor of
+    them by design, vLLM puts their tensors back, and a tied one is tied again right after (:func:`retie`);
+    the warning, logged on every update, would only say that a verified update went wrong. Other layers'
+    warnings pass. Yields the filter (its ``dropped`` lists the layer classes whose warning it kept out)."""
+    quiet = _TiedLayerWarnings(classes)
+    logger = logging.getLogger(LAYERWISE_LOGGER)
+    logger.addFilter(quiet)
+    try:
+        yield quiet
+    finally:
+        logger.removeFilter(quiet)
+
+
 def reload_checkpoint_format(model: torch.nn.Module, reload: Callable[[], None]) -> None:
     """Run ``reload`` (vLLM's in-place ``reload_weights(..., is_checkpoint_format=True)`` of ``model``) and
-    tie shared parameters again afterwards (see :func:`retie`)."""
+    tie shared parameters again afterwards (see :func:`retie`; vLLM's warning about the tied layer, which this
+    answers, is kept out of the log: :func:`quiet_tied_layer_warnings`)."""
     aliases = shared_parameter_aliases(model)
-    reload()
+    with quiet_tied_layer_warnings(layers_without_checkpoint_tensors(model, aliases)):
+        reload()
     retie(aliases)
 
 

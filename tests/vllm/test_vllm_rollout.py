@@ -72,10 +72,22 @@ def test_vllm_serves_the_model_dir_before_any_update(job):
 
 
 def test_two_published_steps_are_served_exactly_and_checksummed_in_vllm(job):
+    import logging
+
+    from ckpt.vllm_transfer import LAYERWISE_LOGGER
+
+    warned: list[str] = []  # vLLM's reload warned "ParallelLMHead: Failed to load weights" on every update
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: warned.append(record.getMessage())
     before = job.tokens()
     for _ in range(2):
         job.trainer.step(job.step + 1)
-        sent, result = job.publish()
+        logging.getLogger(LAYERWISE_LOGGER).addHandler(handler)
+        try:
+            sent, result = job.publish()
+        finally:
+            logging.getLogger(LAYERWISE_LOGGER).removeHandler(handler)
+        assert warned == [], warned
         assert sent is None, sent
         assert result["error"] is None, result["error"]
         assert result["served_step"] == job.step == job.rollout.served_step
