@@ -28,6 +28,7 @@ gives the variables a node of the simulated npu must be started with; :class:`Lo
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -444,11 +445,163 @@ _RAY_PORT_OPTIONS = ("node-manager-port", "object-manager-port", "dashboard-agen
 
 
 def _reload_ray_auth() -> None:
-    """Make Ray re-read ``RAY_AUTH_MODE`` / ``RAY_AUTH_TOKEN`` (it caches them when first used in a process)."""
+    """Make Ray re-read ``RAY_AUTH_MODE`` / ``RAY_AUTH_TOKEN`` (it caches them when first used in a process), and
+    its other ``RAY_*`` settings."""
     from ray._raylet import AuthenticationTokenLoader, Config
 
     Config.initialize("")
     AuthenticationTokenLoader.instance().reset_cache()
+
+
+AF_UNIX_PATH_MAX = 107
+"""Longest Unix socket path on Linux, in bytes (Ray refuses longer: "AF_UNIX path length cannot exceed 107 bytes")."""
+_RAY_SOCKET_SUFFIX = 67
+"""Bytes Ray appends to its temporary directory for its longest socket (Ray 2.60): 64 for
+``/session_<date>_<time>_<microseconds>_<pid>/sockets/plasma_store`` with a 7-digit process id, plus 3 for the
+``.N`` Ray adds to a name in use."""
+_SHORT_TEMP_PARENTS = ("/tmp", "/var/tmp", "/dev/shm")
+"""Where :func:`ray_temp_parent` looks, in order, when the system's temporary directory is too long for Ray."""
+_TEMP_DIR_PREFIX = "hal-ray-"
+
+
+def ray_temp_parent(base: str | None = None) -> str:
+    """The directory :class:`LocalCluster` makes its temporary directory in: ``base`` (default: the system's
+    temporary directory, ``$TMPDIR``) when Ray's sockets under it stay within :data:`AF_UNIX_PATH_MAX` bytes,
+    else the first of ``/tmp``, ``/var/tmp``, ``/dev/shm`` that is short enough and writable.
+
+    Raises:
+        RayLaunchError: none is (names ``base`` and its length, the limit, and what to set).
+    """
+    base = base if base is not None else tempfile.gettempdir()
+    room = AF_UNIX_PATH_MAX - _RAY_SOCKET_SUFFIX - len(_TEMP_DIR_PREFIX) - 8 - 1  # mkdtemp adds 8 characters
+    for parent in (base, *_SHORT_TEMP_PARENTS):
+        if len(os.fsencode(parent)) <= room and os.path.isdir(parent) and os.access(parent, os.W_OK | os.X_OK):
+            return parent
+    raise RayLaunchError(f"Ray's Unix sockets under {base!r} ({len(os.fsencode(base))} bytes) would exceed "
+                         f"{AF_UNIX_PATH_MAX} bytes, and none of {', '.join(_SHORT_TEMP_PARENTS)} is a writable "
+                         f"directory: set TMPDIR to a directory of at most {room} bytes, or pass LocalCluster(temp_dir=...)")
+
+
+# ---- connecting to a cluster ---------------------------------------------------------------------------
+CONNECT_TIMEOUT_S = 10.0
+"""Seconds :func:`connect_cluster` gives a cluster's head to answer, per stage (TCP, then Ray's own client)."""
+_RAY_CONNECT_BOUNDS = {
+    # Ray 2.60's driver retries its GCS connection 20 times (RAY_NUM_REDIS_GET_RETRIES), each attempt waiting
+    # RAY_py_gcs_connect_timeout_s (30 s) after RAY_gcs_rpc_server_connect_timeout_s (5 s): 12 minutes and
+    # 60 log lines for an address nothing answers on. One attempt (read by ray._private.node when it connects);
+    # the client timeout is filled in with the caller's.
+    "RAY_gcs_server_port_wait_time_s": "1",
+    "RAY_py_gcs_connect_timeout_s": None,
+}
+
+
+def _tcp_endpoint(address: str) -> tuple[str, int] | None:
+    """``(host, port)`` of a ``HOST:PORT`` address (``[v6]:PORT`` too); ``None`` for ``auto``, ``ray://...`` and
+    anything else Ray resolves itself."""
+    if "://" in address:
+        return None
+    host, sep, port = address.strip().rpartition(":")
+    if not sep or not host or not port.isdigit():
+        return None
+    return host.strip("[]"), int(port)
+
+
+def _unreachable(host: str, port: int, timeout: float) -> str | None:
+    """Why a TCP connection to ``host:port`` fails within ``timeout`` seconds; ``None`` when it opens."""
+    import socket
+
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            return None
+    except ConnectionRefusedError:
+        return "connection refused (nothing listens on that port)"
+    except socket.gaierror as exc:
+        return f"unknown host {host!r} ({exc.strerror})"
+    except TimeoutError:
+        return (f"no answer within {timeout:g} s (the host is down or unreachable, or a firewall drops the "
+                f"connection)")
+    except OSError as exc:
+        return exc.strerror or str(exc)
+
+
+class _CapturedStderr:
+    """File descriptor 2 sent to an unnamed temporary file for a ``with`` block: what Ray's C++ core and its
+    Python loggers print while a connection is tried, in :attr:`text` after the block."""
+
+    text = ""
+
+    def __enter__(self) -> _CapturedStderr:
+        sys.stderr.flush()
+        self._file = tempfile.TemporaryFile()
+        self._saved = os.dup(2)
+        os.dup2(self._file.fileno(), 2)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        with contextlib.suppress(Exception):
+            sys.stderr.flush()
+        os.dup2(self._saved, 2)
+        os.close(self._saved)
+        with self._file:
+            self._file.seek(0)
+            self.text = self._file.read().decode(errors="replace")
+
+
+def connect_cluster(address: str, timeout: float = CONNECT_TIMEOUT_S, **init_kwargs: Any) -> Any:
+    """``ray.init`` this driver to the running cluster at ``address``, in bounded time, failing in one sentence.
+
+    Args:
+        address: ``HOST:PORT`` of the cluster's head (its GCS port), ``auto`` (the cluster this node runs) or
+            a ``ray://`` client address.
+        timeout: seconds (> 0) the head has to answer, per stage: a ``HOST:PORT`` is first opened as a plain
+            TCP connection (no Ray logs, a refused port fails at once), then Ray connects with one attempt of
+            its client, waiting at most ``timeout`` seconds (about ``timeout + 10`` s in all: Ray's own connect
+            and subscribe waits, 5 s each, come first). ``RAY_gcs_server_port_wait_time_s`` and
+            ``RAY_py_gcs_connect_timeout_s`` set by the user win.
+        init_kwargs: more ``ray.init`` arguments (``log_to_driver=False``, ...).
+
+    What Ray prints while it connects (its C++ core logs each failed try to stderr) is held back: replayed
+    when the connection succeeds, dropped when it fails.
+
+    Returns:
+        Ray's context.
+
+    Raises:
+        ValueError: ``timeout`` is not positive.
+        ImportError: ray is not installed.
+        RayLaunchError: the head does not answer or Ray refuses the connection; the message names the address,
+            why, and what to check.
+    """
+    import math
+
+    if not timeout > 0:
+        raise ValueError(f"timeout must be positive seconds, got {timeout}")
+    ray = require_ray()
+    check = ("check that the cluster's head runs there ('ray start --head' on it; 'ray status' there prints the "
+             "address to pass) and that this machine can reach it")
+    endpoint = _tcp_endpoint(address)
+    if endpoint is not None:
+        reason = _unreachable(*endpoint, timeout)
+        if reason is not None:
+            raise RayLaunchError(f"cannot reach the Ray cluster at {address}: {reason}; {check}")
+    bounds = {k: v if v is not None else str(math.ceil(timeout)) for k, v in _RAY_CONNECT_BOUNDS.items()
+              if k not in os.environ}
+    os.environ.update(bounds)
+    try:
+        _reload_ray_auth()  # Ray reads its RAY_* settings when told to
+        with _CapturedStderr() as said:
+            try:
+                context = ray.init(address=address, **init_kwargs)
+            except Exception as exc:  # noqa: BLE001 - ConnectionError, RuntimeError, ValueError: all one sentence
+                lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+                reason = lines[0].rstrip(".") if lines else "no reason given"
+                raise RayLaunchError(f"cannot connect to the Ray cluster at {address}: {type(exc).__name__}: "
+                                     f"{reason}; {check}") from None
+    finally:
+        for key in bounds:
+            os.environ.pop(key, None)
+    sys.stderr.write(said.text)
+    return context
 
 
 @dataclasses.dataclass
@@ -466,7 +619,9 @@ class LocalCluster:
         head: the head's ``host:port`` to join as a worker node; ``None`` starts a head.
         token: the cluster's token (a worker node must use the head's); default: a new random one.
         object_store_bytes: object store size in bytes.
-        temp_dir: Ray's temporary directory (default: a new one under the system's, removed by :meth:`stop`).
+        temp_dir: Ray's temporary directory, at most 40 bytes long (its sockets go under it); default: a new
+            one under the system's, or under ``/tmp`` when that is too long (:func:`ray_temp_parent`), removed
+            by :meth:`stop`.
         timeout: seconds :meth:`start` waits for the node to come up.
         node_env: more environment of the node's processes, e.g. ``{"ASCEND_RT_VISIBLE_DEVICES": "4,5"}``
             (which devices of the host the node's ``NPU`` / ``NPU_SIM`` are).
@@ -507,16 +662,19 @@ class LocalCluster:
 
         Raises:
             RayLaunchError: ``ray start`` exited or the node did not come up within ``timeout`` (the message
-                ends with the tail of its log); the child is stopped first.
+                ends with the tail of its log; the child is stopped first), or ``temp_dir`` is too long for Ray's
+                sockets, or none is to be found (:func:`ray_temp_parent`).
         """
         require_ray()
         if self.process is not None:
             raise RayLaunchError(f"this LocalCluster node is already running (pid {self.process.pid})")
         self.token = self.token or uuid.uuid4().hex
-        if self.temp_dir is None:
-            self.temp_dir = tempfile.mkdtemp(prefix="hal-ray-")
+        if self.temp_dir is None:  # its Unix sockets must fit in AF_UNIX_PATH_MAX bytes: a long $TMPDIR is passed over
+            self.temp_dir = tempfile.mkdtemp(prefix=_TEMP_DIR_PREFIX, dir=ray_temp_parent())
             self._own_temp_dir = True
-        # Unix socket paths under temp_dir are limited to 107 bytes: keep it short.
+        elif len(os.fsencode(self.temp_dir)) + _RAY_SOCKET_SUFFIX > AF_UNIX_PATH_MAX:
+            raise RayLaunchError(f"temp_dir {self.temp_dir!r} is too long for Ray's Unix sockets (at most "
+                                 f"{AF_UNIX_PATH_MAX - _RAY_SOCKET_SUFFIX} bytes, got {len(os.fsencode(self.temp_dir))})")
         cmd = [os.path.join(os.path.dirname(sys.executable), "ray"), "start", "--block",
                f"--node-ip-address={self.node_ip}", f"--num-cpus={self.num_cpus}",
                f"--num-gpus={int(self.resources.get('GPU', 0))}",
@@ -637,5 +795,6 @@ __all__ = [
     "STRATEGIES", "UNIT_INSTANCE_ENV", "SCHEDULE_AS_ENV", "RayLaunchError", "require_ray", "resource_name",
     "schedule_as", "ray_sets_visible_devices",
     "node_environment", "resource_request", "actor_resources", "WorkerPlacement", "place_workers",
-    "DeviceBinding", "bind_assigned_device", "check_distinct_devices", "LocalCluster",
+    "DeviceBinding", "bind_assigned_device", "check_distinct_devices", "LocalCluster", "CONNECT_TIMEOUT_S",
+    "connect_cluster", "AF_UNIX_PATH_MAX", "ray_temp_parent",
 ]

@@ -8,7 +8,8 @@ Layers (imports point down only; ``tests/test_layers.py`` checks it, with the tw
   - ``hal.apps.benchmarks``: the benchmarks behind ``hal bench`` (its one entry point); they import nothing
     from the command line, and reach the weight-sync job through one call (``benchmarks.job``); their
     ranks start through torch.distributed's elastic launcher (``benchmarks.ranks``), not the test harness;
-  - ``hal.apps.errors``: what both share about arguments (``UsageError``, sizes in MiB).
+  - ``hal.apps.errors``: what both share about arguments (``UsageError``, sizes in MiB);
+  - ``hal.apps.shutdown``: how a command ends (its temporary directories removed, Ctrl-C as exit status 130).
 
 * ``engines``, ``ckpt``: consumers of the API; import ``hal`` only (not ``devices``, not each other).
 * ``hal`` (every module outside ``hal.apps``): the API; imports ``devices`` only.

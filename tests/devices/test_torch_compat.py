@@ -268,7 +268,8 @@ ALLOWED = {("devices/npu_sim/strict.py", "_getframe"),  # CPython's sys._getfram
            ("hal/pytest_plugin.py", "_hal_prev_strict"),  # hal's own attribute on pytest's config
            ("hal/ray.py", "_private"),  # Ray's worker lookup, not torch (see hal.ray._assigned_ids)
            ("ckpt/kimi_library.py", "_BACKEND_INSTANCE"),  # checkpoint-engine's, not torch (see its doc)
-           ("ckpt/kimi_library.py", "_copy_to_buffer")}  # checkpoint-engine's ParameterServer, not torch
+           ("ckpt/kimi_library.py", "_copy_to_buffer"),  # checkpoint-engine's ParameterServer, not torch
+           ("hal/apps/shutdown.py", "_exit")}  # Python's documented os._exit (a rank's exit without cleanup), not torch
 
 
 def _root(node):

@@ -39,7 +39,11 @@ def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
 
 
 def rank_main(fn: Callable[..., Any], timeout: float, args: tuple) -> Any:
-    """What each launched process runs: ``fn(RANK, WORLD_SIZE, *args)`` under a deadline of ``timeout`` s."""
+    """What each launched process runs: ``fn(RANK, WORLD_SIZE, *args)`` under a deadline of ``timeout`` s;
+    SIGINT and SIGTERM end it quietly (:func:`hal.apps.shutdown.quiet_rank_exit`)."""
+    from hal.apps.shutdown import quiet_rank_exit
+
+    quiet_rank_exit()
     faulthandler.dump_traceback_later(timeout, exit=True)  # stacks on stderr, then exit: never a hang
     try:
         return fn(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), *args)
@@ -53,6 +57,9 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
     ``fn`` and ``args`` must pickle (``fn`` a module-level function). The processes are spawned, never
     forked, so each one's memory figures (``VmHWM``, ``ru_maxrss``) count only what the benchmark did.
 
+    The launcher's logs go to a directory removed when the call returns or raises; on Ctrl-C the ranks are
+    stopped and the ``KeyboardInterrupt`` propagates (:mod:`hal.apps.shutdown`).
+
     Args:
         timeout: seconds each rank may run; past it the rank dumps its stacks and exits, failing the run.
         name: the run's name in the launcher's logs (``hal-bench-<name>-<random>``).
@@ -64,10 +71,16 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
     """
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+    from hal.apps.shutdown import (LAUNCH_SHUTDOWN_TIMEOUT_S, OWN_LAUNCH_SIGNALS, elastic_logs, own_elastic_launch,
+                                   scratch_dir)
+
     if world_size < 1 or not timeout > 0:
         raise ValueError(f"world_size must be >= 1 and timeout > 0, got world_size={world_size}, timeout={timeout}")
-    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=world_size,
-                          run_id=f"hal-bench-{name}-{uuid.uuid4().hex[:8]}", rdzv_backend="c10d",
-                          rdzv_endpoint="127.0.0.1:0", rdzv_configs={"join_timeout": int(timeout)}, max_restarts=0,
-                          monitor_interval=0.1, start_method="spawn")
-    return elastic_launch(config, rank_main)(fn, timeout, args)
+    with scratch_dir("hal-elastic-") as logs, own_elastic_launch():
+        config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=world_size,
+                              run_id=f"hal-bench-{name}-{uuid.uuid4().hex[:8]}", rdzv_backend="c10d",
+                              rdzv_endpoint="127.0.0.1:0", rdzv_configs={"join_timeout": int(timeout)},
+                              max_restarts=0, monitor_interval=0.1, start_method="spawn",
+                              logs_specs=elastic_logs(logs), shutdown_timeout=LAUNCH_SHUTDOWN_TIMEOUT_S,
+                              signals_to_handle=OWN_LAUNCH_SIGNALS)
+        return elastic_launch(config, rank_main)(fn, timeout, args)

@@ -3,12 +3,17 @@
 Each subcommand is a dataclass parsed by tyro and a ``run(args) -> exit status`` function. Errors the user
 can fix (an unknown device, a missing file, a bad size: the :class:`hal.HalError` tree, which holds the
 ``engines`` and ``ckpt`` errors and :mod:`hal.apps.errors`) print one line and exit 2, without a traceback.
-Any other exception is a bug: it propagates with its traceback (exit status 1).
+Any other exception is a bug: it propagates with its traceback (exit status 1). Ctrl-C (SIGINT) prints
+``hal: interrupted`` and exits 130 once what the command started has stopped and its temporary directories
+are gone; a SIGTERM torch.distributed.elastic's agent caught, ``hal: stopped by SIGTERM`` and 143
+(:mod:`hal.apps.shutdown`).
 """
 
 from __future__ import annotations
 
+import signal
 import sys
+
 import tyro
 
 from hal.apps.cli.bench import Bench
@@ -19,10 +24,13 @@ from hal.apps.cli.launch import Launch
 from hal.apps.cli.launch import run as run_launch
 from hal.apps.cli.sync import Sync
 from hal.apps.cli.sync import run as run_sync
+from hal.apps.shutdown import interrupted_status
 from hal.errors import HalError
 
 SUBCOMMANDS = {"info": Info, "launch": Launch, "sync": Sync, "bench": Bench}
 RUNNERS = {Info: run_info, Launch: run_launch, Sync: run_sync, Bench: run_bench}
+INTERRUPTED = 130
+"""Exit status after Ctrl-C (128 + SIGINT, as shells report it)."""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -43,6 +51,13 @@ def main(argv: list[str] | None = None) -> int:
     except HalError as exc:
         print(f"hal: error: {exc}", file=sys.stderr)
         return 2
+    except BaseException as exc:  # Ctrl-C or SIGTERM: what the command started is stopped by now (its finally blocks)
+        status = interrupted_status(exc)
+        if status is None:
+            raise
+        print("hal: interrupted" if status == INTERRUPTED else f"hal: stopped by {signal.Signals(status - 128).name}",
+              file=sys.stderr)
+        return status
 
 
 if __name__ == "__main__":

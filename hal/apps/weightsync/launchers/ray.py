@@ -13,6 +13,7 @@ declaring one device of the kind per worker), and stopped at the end.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import time
 from typing import Any, Sequence
@@ -23,6 +24,10 @@ from hal.apps.weightsync.options import JobOptions
 from hal.apps.weightsync.rollout import Rollout
 from hal.apps.weightsync.trainer import Trainer
 from hal.apps.weightsync.worker import Where, describe_worker, make_engine
+
+CANCEL_S = 10.0
+"""Seconds an interrupted step of :class:`RayJob` may take to unwind (its workers' calls settle) before the
+driver goes on stopping the actors."""
 
 
 class RayWorker:
@@ -158,7 +163,20 @@ class RayJob:
         self.start_seconds = time.perf_counter() - begin
 
     def sync(self, coroutine: Any) -> Any:
-        return self.loop.run_until_complete(coroutine)
+        """Run ``coroutine`` on the job's loop; returns its result. If it is interrupted (Ctrl-C) or fails, the
+        task is cancelled and given up to :data:`CANCEL_S` seconds to unwind (the manager settles its calls),
+        so no pending task is left for interpreter shutdown to destroy. Raises what the coroutine raised."""
+        task = self.loop.create_task(coroutine)
+        try:
+            return self.loop.run_until_complete(task)
+        except BaseException:
+            if not task.done():
+                task.cancel()
+                with contextlib.suppress(BaseException):
+                    self.loop.run_until_complete(asyncio.wait([task], timeout=CANCEL_S))
+            if task.done() and not task.cancelled():
+                task.exception()  # seen: or asyncio logs "Task exception was never retrieved" when it is collected
+            raise
 
     @property
     def checksums(self) -> dict[int, dict[str, str]]:
@@ -198,10 +216,14 @@ def connect(options: JobOptions) -> tuple[Any, hal_ray.LocalCluster | None]:
 
     Returns:
         ``(ray context, the cluster started here or None)``.
+
+    Raises:
+        hal.ray.RayLaunchError: the cluster at ``options.address`` does not answer within
+            :data:`hal.ray.CONNECT_TIMEOUT_S` seconds or refuses the driver (:func:`hal.ray.connect_cluster`), or the
+            one-node cluster did not start.
     """
-    ray = hal_ray.require_ray()
     if options.address:
-        return ray.init(address=options.address, log_to_driver=False), None
+        return hal_ray.connect_cluster(options.address, log_to_driver=False), None
     resource = hal_ray.resource_name(options.device)
     workers = 1 + options.rollouts
     cluster = hal_ray.LocalCluster(num_cpus=workers, resources={resource: workers} if resource else {})

@@ -13,6 +13,7 @@ agent stops the others), reported by role and cause.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import functools
 import os
@@ -181,7 +182,11 @@ def trainer_rank(options: JobOptions, engine: Any, rank: int, store: Any) -> Tra
 
 
 def rank_main(options: JobOptions, ctl_port: int, hooks: Sequence[StepHook]) -> dict[str, Any] | None:
-    """One process: rank 0 runs the job (with ``hooks``) and returns its result (as a dict); the others serve."""
+    """One process: rank 0 runs the job (with ``hooks``) and returns its result (as a dict); the others serve.
+    SIGINT and SIGTERM end it quietly (:func:`hal.apps.shutdown.quiet_rank_exit`)."""
+    from hal.apps.shutdown import quiet_rank_exit
+
+    quiet_rank_exit()
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     hal.bind_local_device(options.device)  # one device per rank: LOCAL_RANK's
     store = hal.connect_store(LOOPBACK, ctl_port, rank, world_size, timeout=options.timeout)
@@ -218,6 +223,13 @@ def role(rank: int, trainers: int = 1) -> str:
 def launch(options: JobOptions, hooks: Sequence[StepHook] = ()) -> JobResult:
     """Run the job with one process per worker; ``hooks`` (pickled to rank 0) run around each publish.
 
+    What the run makes for itself is removed when it ends (success, failure or interrupt): the file engine's
+    directory when ``options.file_root`` is ``None`` (``$TMPDIR/hal-sync-*``; a given one is kept), the model
+    vLLM starts from (``hal-sync-vllm-*``) and the elastic agent's logs (``hal-elastic-*``). On SIGINT or
+    SIGTERM the agent stops the ranks with SIGTERM, which end within :data:`hal.apps.shutdown.RANK_EXIT_GRACE_S`
+    seconds (SIGKILL after :data:`hal.apps.shutdown.LAUNCH_SHUTDOWN_TIMEOUT_S`), and the ``KeyboardInterrupt``
+    (SIGINT) or torch's ``SignalException`` (SIGTERM) propagates (:mod:`hal.apps.shutdown`).
+
     Raises:
         hal.apps.errors.WorkerFailedError: a rank failed; names it (role) and how (exception, signal, exit code).
     """
@@ -225,20 +237,30 @@ def launch(options: JobOptions, hooks: Sequence[StepHook] = ()) -> JobResult:
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     from hal.apps.errors import worker_failed
+    from hal.apps.shutdown import (LAUNCH_SHUTDOWN_TIMEOUT_S, OWN_LAUNCH_SIGNALS, elastic_logs, own_elastic_launch,
+                                   scratch_dir)
     from hal.distributed import pick_port
 
     os.environ[hal.ENV_VAR] = options.device
-    if options.rollout == "vllm" and options.vllm_model_dir is None:
-        from hal.apps.weightsync.vllm_role import save_initial_model
+    with contextlib.ExitStack() as scratch:
+        if options.engine == "file" and options.file_root is None:
+            options = dataclasses.replace(options, file_root=scratch.enter_context(scratch_dir("hal-sync-")))
+        if options.rollout == "vllm" and options.vllm_model_dir is None:
+            from hal.apps.weightsync.vllm_role import save_initial_model
 
-        options = save_initial_model(options)  # the directory vLLM starts from
-    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=options.world_size,
-                          run_id=f"hal-sync-{uuid.uuid4().hex[:8]}", rdzv_backend="c10d",
-                          rdzv_endpoint=f"{LOOPBACK}:0", max_restarts=0, monitor_interval=0.1, start_method="spawn")
-    try:
-        per_rank = elastic_launch(config, rank_main)(options, pick_port(), list(hooks))
-    except ChildFailedError as exc:
-        raise worker_failed(exc, functools.partial(role, trainers=options.trainer_ranks), "hal sync") from None
+            # the directory vLLM starts from
+            options = save_initial_model(options, root=scratch.enter_context(scratch_dir("hal-sync-vllm-")))
+        config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=options.world_size,
+                              run_id=f"hal-sync-{uuid.uuid4().hex[:8]}", rdzv_backend="c10d",
+                              rdzv_endpoint=f"{LOOPBACK}:0", max_restarts=0, monitor_interval=0.1,
+                              start_method="spawn", logs_specs=elastic_logs(scratch.enter_context(
+                                  scratch_dir("hal-elastic-"))), shutdown_timeout=LAUNCH_SHUTDOWN_TIMEOUT_S,
+                              signals_to_handle=OWN_LAUNCH_SIGNALS)
+        try:
+            with own_elastic_launch():
+                per_rank = elastic_launch(config, rank_main)(options, pick_port(), list(hooks))
+        except ChildFailedError as exc:
+            raise worker_failed(exc, functools.partial(role, trainers=options.trainer_ranks), "hal sync") from None
     return JobResult(**per_rank[0])
 
 
