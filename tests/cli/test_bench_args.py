@@ -95,3 +95,47 @@ def test_senders_without_emulated_links_is_skipped_with_the_reason(monkeypatch, 
     assert out == {"senders": {"skipped": "emulated links need root"}}
     print_tables(out)
     assert "senders: skipped: emulated links need root" in capsys.readouterr().out
+
+
+def test_plot_without_matplotlib_is_refused_before_any_benchmark_with_a_pip_line(monkeypatch, tmp_path):
+    """Found only after every benchmark had run, with a hint ('.[plot]') that reinstalls hal over an editable
+    install: now checked first, naming the package itself."""
+    import importlib.util
+
+    import hal
+    from hal.apps.errors import MissingExtraError
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real(name, *a))
+    monkeypatch.setattr(hal, "resolve_device", lambda *a: pytest.fail("a benchmark was about to start"))
+    with pytest.raises(MissingExtraError) as info:
+        execute(parse("--plot", str(tmp_path / "b.png")))
+    assert str(info.value) == ("--plot needs matplotlib, which is not installed here: pip install matplotlib "
+                               "(hal's 'plot' extra)")
+    monkeypatch.setattr(importlib.util, "find_spec", real)
+    with pytest.raises(UsageError, match="--plot .*: the folder .* does not exist"):
+        selection(parse("--plot", str(tmp_path / "missing" / "b.png")))
+
+
+def test_the_plot_says_why_a_panel_is_empty(tmp_path):
+    """On cpu offload moves nothing; a benchmark left out by --only is named, not an empty frame."""
+    pytest.importorskip("matplotlib")
+    from hal.apps.cli import bench
+
+    texts = []
+    import matplotlib.axes
+
+    real_text = matplotlib.axes.Axes.text
+
+    def text(self, x, y, s, *a, **k):
+        texts.append(s)
+        return real_text(self, x, y, s, *a, **k)
+
+    import unittest.mock
+
+    offload = {"device": "cpu", "plain_gbps": 1.0, "cold_gbps": 0.0, "warm_gbps": 0.0, "bytes": 1 << 20}
+    with unittest.mock.patch.object(matplotlib.axes.Axes, "text", text):
+        bench.plot({"offload": offload}, tmp_path / "p.png")
+    assert (tmp_path / "p.png").stat().st_size > 0
+    assert texts == ["offload moves nothing on cpu\n(tensors already live in host memory):\nuse --device npu-sim "
+                     "or an accelerator", "sync not run (--only)"]

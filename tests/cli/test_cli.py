@@ -54,6 +54,37 @@ def test_info_json_lists_checkpoint_engines_with_availability(info_json):
         assert "runs only on device kinds" in engines["kimi"]["reason"]
 
 
+def test_info_shows_the_auto_order_and_which_kind_resolved(info_json):
+    """The help says "else auto: the first available of npu, cuda, plugin kinds, cpu; npu-sim only when
+    named": hal info shows that order and marks the simulated npu as used only when named."""
+    import hal
+
+    kinds = {k["kind"]: k for k in info_json["kinds"]}
+    assert info_json["auto_order"][:2] == ["npu", "cuda"] and info_json["auto_order"][-1] == "cpu"
+    assert "npu-sim" not in info_json["auto_order"] and kinds["npu-sim"]["auto_probe"] is False
+    first_available = next(k for k in info_json["auto_order"] if kinds[k]["available"])
+    assert info_json["device"] == first_available == hal.resolve_device().kind
+    table = hal_cmd("info", env={"COLUMNS": "200"}).stdout
+    assert re.search(r"npu-sim .*│ named ", table) and re.search(rf"{first_available} .*<- resolved", table)
+
+
+def test_info_with_an_unusable_kind_still_shows_every_kind_and_the_reason():
+    """HAL_DEVICE=npu where the Ascend plugin is missing: the table, then one error line, exit 2."""
+    import hal
+
+    if hal.availability("npu"):
+        pytest.skip("npu is usable here")
+    out = hal_cmd("info", env={"HAL_DEVICE": "npu", "COLUMNS": "200"})
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert out.stderr.strip().splitlines() == [out.stderr.strip()]
+    assert out.stderr.startswith("hal: error: device kind 'npu' is unavailable: ")
+    assert "device none: device kind 'npu' is unavailable" in out.stdout and "npu-sim" in out.stdout
+    as_json = hal_cmd("info", "--json", env={"HAL_DEVICE": "npu"})
+    info = json.loads(as_json.stdout)
+    assert as_json.returncode == 2 and info["device"] is None and "torch_npu" in info["device_error"]
+    assert {k["kind"] for k in info["kinds"]} >= {"npu", "cuda", "npu-sim", "cpu"}
+
+
 @pytest.mark.hal_device("npu-sim")
 def test_info_on_the_simulated_npu_reports_npu_hccl_ascend_env(hal_device):
     out = hal_cmd("info", "--json", env={"HAL_DEVICE": "npu-sim"})

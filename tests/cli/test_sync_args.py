@@ -26,7 +26,7 @@ def test_a_preset_in_another_letter_case_is_that_preset(tmp_path, monkeypatch):
 def test_the_job_options_have_the_kind_resolved_the_preset_key_and_the_bucket_in_bytes(tmp_path):
     options = job_options(Sync(device="cpu", model="QWEN2.5-tiny", bucket_mb=0.5, engine="file", steps=7))
     assert (options.device, options.model, options.bucket_bytes, options.steps) == ("cpu", "qwen2.5-tiny", 1 << 19, 7)
-    assert options.file_root is not None and options.offload_flags == {}
+    assert options.file_root is None and options.offload_flags == {}  # the launcher makes one and removes it
     given = job_options(Sync(device="cpu", model="qwen2.5-tiny", engine="file", file_root=str(tmp_path), offload="all"))
     assert given.file_root == str(tmp_path) and given.offload_flags == {"model": True, "optimizer": True, "grad": True}
     assert job_options(Sync(device="cpu", model="qwen2.5-tiny")).file_root is None  # only the file engine needs one
@@ -35,3 +35,53 @@ def test_the_job_options_have_the_kind_resolved_the_preset_key_and_the_bucket_in
 def test_vllm_rollouts_take_full_updates_only():
     with pytest.raises(UsageError, match="--rollout vllm takes --wire-format full, got --wire-format delta"):
         validate(Sync(device="cpu", model="qwen2.5-tiny", rollout="vllm", wire_format="delta"))
+
+
+@pytest.mark.parametrize("given, message", [
+    (dict(address="auto"), "--address has no effect without --launcher ray (got --launcher torchrun)"),
+    (dict(placement="SPREAD"), "--placement has no effect without --launcher ray (got --launcher torchrun)"),
+    (dict(compare_full=True), "--compare-full has no effect without --wire-format delta (got --wire-format full)"),
+    (dict(file_root="somewhere"), "--file-root has no effect without --engine file (got --engine collective)"),
+    (dict(compare_hal=False), "--no-compare-hal has no effect without --rollout vllm (got --rollout hal)"),
+])
+def test_a_flag_without_effect_is_refused_naming_the_flag_it_needs(given, message):
+    with pytest.raises(UsageError) as info:
+        validate(Sync(device="cpu", model="qwen2.5-tiny", **given))
+    assert str(info.value) == message
+
+
+def test_publish_dtype_applies_to_presets_and_auto_resolves_per_rollout(tmp_path):
+    import torch
+    from safetensors.torch import save_file
+
+    path = tmp_path / "m.safetensors"
+    save_file({"w": torch.ones(2)}, str(path))
+    with pytest.raises(UsageError, match="--publish-dtype applies to a preset --model"):
+        validate(Sync(device="cpu", model=str(path), publish_dtype="float32"))
+    validate(Sync(device="cpu", model=str(path)))  # auto: no complaint
+    assert job_options(Sync(device="cpu", model="qwen2.5-tiny")).published_dtype == "bfloat16"
+    assert job_options(Sync(device="cpu", model="qwen2.5-tiny", publish_dtype="float32")).published_dtype == "float32"
+    assert job_options(Sync(device="cpu", model="qwen2.5-tiny")).placement == "PACK"
+    assert job_options(Sync(device="cpu", model="qwen2.5-tiny", launcher="ray", placement="SPREAD")).placement == "SPREAD"
+
+
+def test_help_shows_no_parser_artefacts():
+    """Optional values show a metavar and their default in words, not tyro's {None}|STR / (default: None)."""
+    import subprocess
+    import sys
+
+    for command in ("sync", "info", "bench", "launch"):
+        out = subprocess.run([sys.executable, "-m", "hal.apps.cli.main", command, "--help"], capture_output=True,
+                             text=True, env={**__import__("os").environ, "COLUMNS": "200"}, check=True).stdout
+        assert "{None}" not in out and "(default: None)" not in out and "'None'" not in out, (command, out)
+        assert "--device KIND" in out
+    bad = subprocess.run([sys.executable, "-m", "hal.apps.cli.main", "sync", "--publish-dtype", "fp8"],
+                         capture_output=True, text=True)
+    assert bad.returncode == 2 and "'None'" not in bad.stderr and "'float32'" in bad.stderr
+
+
+def test_the_delta_summary_says_slower_or_faster():
+    from hal.apps.cli.sync import delta_versus_full
+
+    assert delta_versus_full(5.48) == "delta publish 5.48x slower than a full publish of the same weights"
+    assert delta_versus_full(0.25) == "delta publish 4.00x faster than a full publish of the same weights"

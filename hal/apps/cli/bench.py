@@ -28,9 +28,8 @@ from typing import Annotated, Any
 import tyro
 
 import hal
-from hal.apps.errors import MissingExtraError, worker_failed
-from hal.apps.cli.helptext import flowing_help
-from hal.apps.errors import UsageError, mib_to_bytes
+from hal.apps.cli.helptext import DEVICE_DEFAULT, flowing_help, optional
+from hal.apps.errors import UsageError, mib_to_bytes, require_extra, worker_failed
 
 
 BENCHMARKS = ("offload", "sync", "ipc", "delta", "main", "ray", "import", "senders")
@@ -55,9 +54,8 @@ def _quick_default(metavar: str, full: str, quick: str) -> Any:
 class Bench:
     """Run the offload and weight-sync benchmarks and print their ratio tables."""
 
-    device: str | None = None
-    """Device kind; default $HAL_DEVICE, else the first available. Offload moves nothing on cpu: use an
-    accelerator or npu-sim for the offload figures."""
+    device: Annotated[str | None, optional("KIND", DEVICE_DEFAULT)] = None
+    """Device kind. Offload moves nothing on cpu: use an accelerator or npu-sim for the offload figures."""
     size_mb: Annotated[int | None, _quick_default("INT", "1024", "64")] = None
     """Model / tensor-mix size in MiB."""
     bucket_mb: Annotated[tuple[float, ...] | None, _quick_default("FLOAT [FLOAT ...]", "64 256 1024", "4 16")] = None
@@ -82,13 +80,13 @@ class Bench:
     """main, ray: rollout ranks, each applying every update into its model."""
     main_bucket_mb: Annotated[float | None, _quick_default("FLOAT", "256", "4")] = None
     """main, ray: bucket size of the collective engine, in MiB (256: hal sync's --bucket-mb default)."""
-    main_model: str | None = None
+    main_model: Annotated[str | None, optional("MODEL", "the tensor mix of --size-mb")] = None
     """main: a hal sync preset or safetensors path instead of the tensor mix of --size-mb (e.g. qwen2.5-0.5b)."""
     apply: tuple[str, ...] = ("atomic",)
     """main: rollout apply modes to run (atomic, in-place), one run each."""
-    plot: str | None = None
+    plot: Annotated[str | None, optional("FILE.png", "no plot")] = None
     """Write a PNG: sync throughput against bucket size, offload bandwidth against the copy limit
-    (needs matplotlib: pip install '.[plot]')."""
+    (needs matplotlib, hal's plot extra; checked before any benchmark runs)."""
     json: bool = False
     """Print the figures as JSON."""
 
@@ -110,8 +108,10 @@ def selection(args: Bench) -> list[str]:
     """The benchmarks ``args`` runs, in :data:`BENCHMARKS` order, after checking every size and count.
 
     Raises:
-        UsageError: an unknown name in ``--only`` or ``--apply``, a size, round or rollout count below 1, or
-            a bucket size (``--bucket-mb``, ``--main-bucket-mb``) that is not positive; names the flag and value.
+        UsageError: an unknown name in ``--only`` or ``--apply``, a size, round or rollout count below 1, a
+            bucket size (``--bucket-mb``, ``--main-bucket-mb``) that is not positive, or a ``--plot`` file in a
+            folder that does not exist; names the flag and value.
+        MissingExtraError: ``--plot`` without matplotlib, ``--only ray`` without ray.
     """
     args = with_defaults(args)
     unknown = sorted(set(args.only) - set(BENCHMARKS))
@@ -129,7 +129,15 @@ def selection(args: Bench) -> list[str]:
     for value in args.bucket_mb:
         mib_to_bytes(value, "--bucket-mb")
     mib_to_bytes(args.main_bucket_mb, "--main-bucket-mb")
-    return [name for name in BENCHMARKS if name in args.only]
+    chosen = [name for name in BENCHMARKS if name in args.only]
+    if args.plot:  # before any benchmark runs: a plot that cannot be written is known now, not in an hour
+        require_extra("matplotlib", "plot", "--plot")
+        folder = pathlib.Path(args.plot).resolve().parent
+        if not folder.is_dir():
+            raise UsageError(f"--plot {args.plot}: the folder {folder} does not exist")
+    if "ray" in chosen:
+        require_extra("ray", "ray", "--only ray")
+    return chosen
 
 
 def execute(args: Bench) -> dict[str, Any]:
@@ -208,13 +216,12 @@ def plot(result: dict[str, Any], path: pathlib.Path) -> None:
     Raises:
         MissingExtraError: matplotlib is not installed (the ``plot`` extra).
     """
-    try:
-        import matplotlib
+    require_extra("matplotlib", "plot", "--plot")
+    import matplotlib
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as exc:
-        raise MissingExtraError("--plot needs matplotlib: pip install '.[plot]'") from exc
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     sync = result.get("sync")
     ax = axes[0]
@@ -238,6 +245,13 @@ def plot(result: dict[str, Any], path: pathlib.Path) -> None:
         ax.bar(labels, values, color=["grey", "tab:orange", "tab:blue"])
         ax.set_title(f"offload+onload on {offload['device']}, {offload['bytes'] / 2**20:.0f} MiB")
         ax.set_ylabel("GB/s (round trip)")
+        if offload["device"] == "cpu":
+            ax.text(0.5, 0.5, "offload moves nothing on cpu\n(tensors already live in host memory):\n"
+                    "use --device npu-sim or an accelerator", ha="center", va="center", transform=ax.transAxes)
+    for ax, what, flag in ((axes[0], sync, "sync"), (axes[1], offload, "offload")):
+        if not what:
+            ax.set_axis_off()
+            ax.text(0.5, 0.5, f"{flag} not run (--only)", ha="center", va="center", transform=ax.transAxes)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -17,7 +17,12 @@ import typing
 import docstring_parser
 import tyro
 
-__all__ = ["flow", "flowing_help"]
+__all__ = ["DEVICE_DEFAULT", "flow", "flowing_help", "optional"]
+
+
+DEVICE_DEFAULT = "$HAL_DEVICE, else auto: the first available of npu, cuda, plugin kinds, cpu; npu-sim only when named"
+"""How a command resolves a ``--device`` left out, in words (hal.device's order: explicit > ``HAL_DEVICE`` >
+the first available kind that is probed automatically; the simulated npu never is)."""
 
 
 def flow(text: str) -> str:
@@ -42,3 +47,11 @@ def flowing_help(cls: type) -> type:
     if cls.__doc__:
         cls.__doc__ = flow(cls.__doc__)
     return cls
+
+
+def optional(metavar: str, default: str) -> object:
+    """A tyro marker for a flag whose value may be left out (``T | None = None``): its value is shown as
+    ``metavar`` (``--device KIND``) and its default in words (``default: $HAL_DEVICE, else auto``), not as
+    tyro's ``{None}|STR`` and ``(default: None)``. Use as ``Annotated[str | None, optional("KIND", "...")]``."""
+    return tyro.conf.arg(metavar=metavar, help_behavior_hint=f"(default: {default})")
+

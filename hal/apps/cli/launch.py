@@ -20,7 +20,7 @@ import tyro
 
 import hal
 from hal.apps.errors import MissingFileError, UsageError, worker_failed
-from hal.apps.cli.helptext import flowing_help
+from hal.apps.cli.helptext import DEVICE_DEFAULT, flowing_help, optional
 
 
 @flowing_help
@@ -29,8 +29,8 @@ class Launch:
     """Start SCRIPT, given after '--' with its own arguments, on --nproc-per-node processes of --device
     through torch.distributed.run."""
 
-    device: str | None = None
-    """Device kind (npu, cuda, cpu, npu-sim, a plugin kind); default $HAL_DEVICE, else the first available."""
+    device: Annotated[str | None, optional("KIND", DEVICE_DEFAULT)] = None
+    """Device kind (npu, cuda, cpu, npu-sim, a plugin kind)."""
     nproc_per_node: int = 1
     """Processes on this node."""
     nnodes: str = "1"
@@ -45,7 +45,7 @@ class Launch:
     """torch.distributed.run rendezvous backend."""
     rdzv_id: str = "hal"
     """Job id shared by all nodes."""
-    visible_devices: str | None = None
+    visible_devices: Annotated[str | None, optional("LIST", "keep it if set, else 0..nproc_per_node-1")] = None
     """Value for the kind's visible-devices variable; default: keep it if set, else 0..nproc_per_node-1."""
     max_restarts: int = 0
     """Restarts of failed workers before the job fails."""
@@ -99,9 +99,10 @@ def parse_nnodes(value: str) -> tuple[int, int]:
 def launch_env(args: Launch) -> dict[str, str]:
     """The variables every launched process gets: ``HAL_DEVICE`` and the kind's visible-devices variable.
 
-    Each process binds the device of its ``LOCAL_RANK`` (:func:`hal.bind_local_device`), so a node needs
-    one visible device per process: the variable's entries (``--visible-devices``, else its value here),
-    or, when it is unset, the devices the kind reports here (host-memory kinds need none).
+    Each process's device is that of its ``LOCAL_RANK``: :func:`hal.get_device` and engines name it without
+    any binding, :func:`hal.init_process_group` / :func:`hal.bind_local_device` make it current. So a node
+    needs one visible device per process: the variable's entries (``--visible-devices``, else its value
+    here), or, when it is unset, the devices the kind reports here (host-memory kinds need none).
 
     Raises:
         UnknownDeviceError, DeviceUnavailableError: the kind cannot be used here.
@@ -150,16 +151,32 @@ def require_devices(spec, nproc: int, visible_devices: str | None = None, what: 
 
 
 def run(args: Launch) -> int:
+    """``hal launch``: run the script through ``torch.distributed.run``; exit status 0, or a failed rank's exit
+    code (1 when it was killed by a signal), after one line per failed rank on stderr.
+
+    The elastic agent's logs go to a directory of hal's (``$TMPDIR/hal-elastic-*``), removed at exit (torchrun's
+    own default, ``torchelastic_*``, stays behind). Ctrl-C or SIGTERM stops the ranks as torchrun does (it
+    forwards the signal, SIGKILL after ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT`` seconds, default 30) and ends with
+    torch's ``SignalException`` (exit status 128 + the signal number in ``hal.apps.cli.main``).
+
+    Raises:
+        UsageError, MissingFileError: see :func:`torchrun_argv`; the script does not exist.
+        UnknownDeviceError, DeviceUnavailableError, DeviceIndexError: see :func:`launch_env`.
+    """
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser
     from torch.distributed.run import run as torchrun
+
+    from hal.apps.shutdown import own_elastic_launch, scratch_dir
 
     argv = torchrun_argv(args)
     if args.script[0].endswith(".py") and not pathlib.Path(args.script[0]).is_file():
         raise MissingFileError(f"hal launch: script {args.script[0]!r} does not exist")
     os.environ.update(launch_env(args))  # torch.distributed.run passes its environment to every worker
     try:
-        torchrun(get_args_parser().parse_args(argv))
+        # the script's processes are the user's: the agent forwards Ctrl-C to them as torchrun does
+        with scratch_dir("hal-elastic-") as logs, own_elastic_launch():
+            torchrun(get_args_parser().parse_args([f"--log-dir={logs}", *argv]))
     except ChildFailedError as exc:
         rank, failure = exc.get_first_failure()
         group = exc.name

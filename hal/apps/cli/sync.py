@@ -38,13 +38,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import sys
-import tempfile
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import hal
 from hal.apps.errors import UsageError, mib_to_bytes
-from hal.apps.cli.helptext import flowing_help
+from hal.apps.cli.helptext import DEVICE_DEFAULT, flowing_help, optional
 from hal.apps.weightsync.options import JobOptions
 
 
@@ -54,8 +53,8 @@ class Sync:
     """Run an RL weight-sync loop: train, offload, publish with global_steps, load into rollout models,
     verify by greedy decode and checksums, onload."""
 
-    device: str | None = None
-    """Device kind (npu, cuda, cpu, npu-sim, ...); default $HAL_DEVICE, else the first available."""
+    device: Annotated[str | None, optional("KIND", DEVICE_DEFAULT)] = None
+    """Device kind (npu, cuda, cpu, npu-sim, a plugin kind; npu:1 picks an index)."""
     model: str = "qwen2.5-0.5b"
     """A preset (qwen2.5-0.5b: transformers' Qwen2 with the Qwen2.5-0.5B configuration, random init, 0.99 GB
     published per step in bf16; qwen2.5-tiny: same layout, small; in any letter case) or a path to a
@@ -90,23 +89,24 @@ class Sync:
     weights and kernels give 0; the tolerance covers kernels that differ across processes)."""
     timeout: float = 300.0
     """Seconds any rendezvous, transfer or wait may take before it is an error."""
-    file_root: str | None = None
-    """Directory of the file engine; None: a new temporary one."""
+    file_root: Annotated[str | None, optional("DIR", "a new temporary directory, removed at exit")] = None
+    """With --engine file: the directory its steps are published under (kept at exit)."""
     json: bool = False
     """Print the per-step results as JSON on stdout (progress goes to stderr)."""
     launcher: Literal["torchrun", "ray"] = "torchrun"
     """Who starts the ranks: torchrun (one machine), or Ray actors placed by the kind's Ray resource (engine
     collective); see hal.apps.weightsync.launchers.ray."""
-    address: str | None = None
-    """With --launcher ray: the cluster, 'auto' or HOST:PORT; default: start a one-node cluster for the run."""
-    placement: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
+    address: Annotated[str | None, optional("auto|HOST:PORT", "start a one-node cluster for the run")] = None
+    """With --launcher ray: the cluster, 'auto' (the cluster of this node) or HOST:PORT of its head."""
+    placement: Annotated[Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] | None,
+                         optional("{PACK,SPREAD,STRICT_PACK,STRICT_SPREAD}", "PACK")] = None
     """With --launcher ray: how the trainer's and rollouts' bundles are placed across nodes."""
     rollout: Literal["hal", "vllm"] = "hal"
     """Who serves each rollout: hal (hal's own server stand-in, a transformers model) or vllm (a vLLM engine
     in the rollout's process, fed by hal's collective engine inside vLLM's worker; needs vLLM, see
     scripts/setup_vllm.sh; a preset, --engine collective, --launcher torchrun)."""
-    publish_dtype: Literal["bfloat16", "float32"] | None = None
-    """The dtype presets are published and served in; default float32 with --rollout vllm (vLLM's greedy
+    publish_dtype: Literal["auto", "bfloat16", "float32"] = "auto"
+    """The dtype a preset is published and served in; auto: float32 with --rollout vllm (vLLM's greedy
     tokens then equal the trainer's transformers model's exactly), else bfloat16."""
     compare_hal: bool = True
     """With --rollout vllm: run the same job with --rollout hal right after (same bytes, same dtype) and
@@ -117,7 +117,7 @@ class Sync:
     trainer's host snapshot and applied by each rollout per --rollout-apply; --json adds dense_bytes,
     sent_bytes, changed_fraction and seed per step."""
     compare_full: bool = False
-    """Also publish each step's weights in full through the same engine, once before and once after the
+    """With --wire-format delta: also publish each step's weights in full through the same engine, once before and once after the
     step's own publish, and report delta_vs_full (publish_s / the full publishes' mean) per step (engines
     collective and colocated)."""
 
@@ -134,6 +134,7 @@ def validate(args: Sync) -> None:
     """
     from hal.apps.weightsync.models import resolve_model
 
+    refuse_flags_without_effect(args)
     for flag, value in (("--rollouts", args.rollouts), ("--trainer-ranks", args.trainer_ranks),
                         ("--steps", args.steps), ("--timeout", args.timeout),
                         ("--lr", args.lr), ("--decode-tokens", args.decode_tokens)):
@@ -170,6 +171,36 @@ def validate(args: Sync) -> None:
                         what=f"{args.trainer_ranks} trainer + --rollouts {args.rollouts} processes")
 
 
+def refuse_flags_without_effect(args: Sync) -> None:
+    """Refuse a flag the given combination ignores, naming the flag it needs: ``--address`` and
+    ``--placement`` without ``--launcher ray``, ``--compare-full`` without ``--wire-format delta``,
+    ``--file-root`` without ``--engine file``, ``--no-compare-hal`` without ``--rollout vllm``,
+    ``--publish-dtype`` with a ``--model`` that is not a preset (a checkpoint is published as stored).
+
+    Raises:
+        UsageError: the first such flag, e.g. ``"--address has no effect without --launcher ray (got
+            --launcher torchrun)"``.
+    """
+    from hal.apps.weightsync.models import PRESETS, resolve_model
+
+    needs = (("--address", args.address is not None, args.launcher == "ray", "--launcher ray",
+              f"--launcher {args.launcher}"),
+             ("--placement", args.placement is not None, args.launcher == "ray", "--launcher ray",
+              f"--launcher {args.launcher}"),
+             ("--compare-full", args.compare_full, args.wire_format == "delta", "--wire-format delta",
+              f"--wire-format {args.wire_format}"),
+             ("--file-root", args.file_root is not None, args.engine == "file", "--engine file",
+              f"--engine {args.engine}"),
+             ("--no-compare-hal", not args.compare_hal, args.rollout == "vllm", "--rollout vllm",
+              f"--rollout {args.rollout}"))
+    for flag, given, applies, needed, got in needs:
+        if given and not applies:
+            raise UsageError(f"{flag} has no effect without {needed} (got {got})")
+    if args.publish_dtype != "auto" and resolve_model(args.model) not in PRESETS:
+        raise UsageError(f"--publish-dtype applies to a preset --model ({', '.join(sorted(PRESETS))}); "
+                         f"{args.model} is published in the dtypes it stores")
+
+
 def validate_sharded(args: Sync) -> None:
     """``--trainer-ranks N > 1``'s own checks.
 
@@ -188,8 +219,6 @@ def validate_sharded(args: Sync) -> None:
                                   ("--wire-format", args.wire_format, "full")):
         if value != accepted:
             raise UsageError(f"{flag} runs with {name} {accepted}, got {name} {value}")
-    if args.compare_full:
-        raise UsageError(f"{flag} does not take --compare-full (it compares one trainer's publishes)")
     if resolve_model(args.model) not in PRESETS:
         raise UsageError(f"{flag} trains a preset ({', '.join(sorted(PRESETS))}), got --model {args.model}")
 
@@ -216,15 +245,14 @@ def validate_vllm(args: Sync) -> None:
 
 
 def job_options(args: Sync) -> JobOptions:
-    """The job's options for ``args``: the device kind resolved, a preset by its key, the bucket in bytes,
-    a new temporary directory for the file engine when ``--file-root`` is not given."""
+    """The job's options for ``args``: the device kind resolved, a preset by its key, the bucket in bytes
+    (``file_root`` stays ``None`` without ``--file-root``: the launcher makes a directory and removes it)."""
     from hal.apps.weightsync.models import resolve_model
 
     fields = {f.name: getattr(args, f.name) for f in dataclasses.fields(JobOptions) if hasattr(args, f.name)}
     fields.update(device=hal.resolve_device(args.device).kind, model=resolve_model(args.model),
-                  bucket_bytes=mib_to_bytes(args.bucket_mb, "--bucket-mb"))
-    if args.engine == "file" and args.file_root is None:
-        fields["file_root"] = tempfile.mkdtemp(prefix="hal-sync-")
+                  bucket_bytes=mib_to_bytes(args.bucket_mb, "--bucket-mb"), placement=args.placement or "PACK",
+                  publish_dtype=None if args.publish_dtype == "auto" else args.publish_dtype)
     return JobOptions(**fields)
 
 
@@ -270,6 +298,8 @@ def print_table(result: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
 
+    from hal.apps.weightsync.figures import row_ok
+
     rows = result["rows"]
     tensors = rows[0]["tensors"] if rows else 0
     model = result["model"]  # a preset name or the path as the user gave it
@@ -288,7 +318,7 @@ def print_table(result: dict[str, Any]) -> None:
         table.add_column(col, justify="right")
     for row in rows:
         served = sorted({r["served_step"] for r in row["rollouts"]}, key=lambda s: (s is None, s))
-        ok = all(r["error"] is None for r in row["rollouts"])
+        ok = row_ok(row)
         peaks = [r.get("peak_host_bytes") for r in row["rollouts"] if r.get("peak_host_bytes")]
         bounds = [r.get("memory_bound_bytes") for r in row["rollouts"] if r.get("memory_bound_bytes")]
         ratio = row.get("ratio_vs_raw")
@@ -315,12 +345,20 @@ def print_table(result: dict[str, Any]) -> None:
             ratio = row.get("delta_vs_full")
             console.print(f"step {row['global_steps']}: sent {row['sent_bytes'] / 1e6:.2f} of {row['dense_bytes'] / 1e6:.2f} MB"
                           f" ({100 * row['changed_fraction']:.2f}% of values changed){', a full seed' if row['seed'] else ''}"
-                          + ("" if ratio is None else f"; publish {ratio:.2f}x a full publish of the same weights"))
+                          + ("" if ratio is None else f"; {delta_versus_full(ratio)}"))
     for error in result["errors"]:
-        console.print(f"[red]mismatch:[/red] {error}")
+        console.print(f"[red]failed:[/red] {error}")
     how = "tokens, logits and checksums" if rows and rows[0].get("tokens") else "checksums"
     console.print(f"[green]every step verified ({how}), {result['wall_s']:.1f} s[/green]" if result["verified"]
                   else "[red]verification failed[/red]")
+
+
+def delta_versus_full(ratio: float) -> str:
+    """``delta_vs_full`` (a delta publish's seconds / a full publish's of the same weights) in words that say
+    which way: ``"delta publish 5.48x slower than a full publish of the same weights"``, or ``... faster``."""
+    if ratio > 1:
+        return f"delta publish {ratio:.2f}x slower than a full publish of the same weights"
+    return f"delta publish {1 / ratio:.2f}x faster than a full publish of the same weights"
 
 
 def print_vllm(result: dict[str, Any], console: Any) -> None:
@@ -358,7 +396,9 @@ def run(args: Sync) -> int:
         print(json.dumps(result, indent=2))
     else:
         print_table(result)
+    if args.engine == "file" and args.file_root is not None:
+        print(f"hal sync: the file engine's last steps are kept in {args.file_root} (--file-root)", file=sys.stderr)
     if not result["verified"]:
-        print(f"hal sync: {len(result['errors'])} mismatch(es); first: {result['errors'][:1]}", file=sys.stderr)
+        print(f"hal sync: {len(result['errors'])} failure(s); first: {result['errors'][:1]}", file=sys.stderr)
         return 1
     return 0

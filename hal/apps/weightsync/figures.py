@@ -72,6 +72,28 @@ def step_row(trained: Trained, sent: Sent, received: Sequence[Received], checked
     return row
 
 
+def memory_failures(row: dict[str, Any]) -> list[str]:
+    """One sentence per rank of a step's row whose peak exceeded the bound it is judged by (empty: every
+    peak within), e.g. ``"trainer: peak 19.11 GB over its bound 18.49 GB (model ... + constant)"``. A peak
+    over its bound fails the step as a wrong checksum does: the bound is what the job promises."""
+    def over(who: str, memory: dict[str, Any]) -> str:
+        return (f"{who}: peak {memory['peak_bytes'] / 1e9:.2f} GB over its bound {memory['bound_bytes'] / 1e9:.2f} "
+                f"GB ({memory['form']})")
+
+    failures = [over("trainer", row["memory"]) for row in [row] if "memory" in row and not row.get("trainer_ranks")
+                and not row["memory"]["within"]]
+    failures += [over(f"trainer rank {t['rank']}", t["memory"]) for t in row.get("trainer_ranks", ())
+                 if not t["memory"]["within"]]
+    failures += [over(f"rollout rank {r['rank']}", r["memory"]["judged_by"]) for r in row["rollouts"]
+                 if r.get("memory") and not r["memory"]["judged_by"]["within"]]
+    return failures
+
+
+def row_ok(row: dict[str, Any]) -> bool:
+    """A step's row is ok when every rollout verified it and every peak stayed within its bound."""
+    return all(r["error"] is None for r in row["rollouts"]) and not memory_failures(row)
+
+
 def summary(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """Over every step: the smallest ratio to the raw broadcast (``None`` without one), and whether every
     rank's peak stayed within the bound it is judged by (``None`` where no step reported one)."""
@@ -82,4 +104,5 @@ def summary(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
     return {"ratio_vs_raw_min": min(ratios) if ratios else None, "memory_within": all(judged) if judged else None}
 
 
-__all__ = ["publish_seconds", "raw_figures", "step_row", "summary", "throughput", "wire_figures"]
+__all__ = ["memory_failures", "publish_seconds", "raw_figures", "row_ok", "step_row", "summary", "throughput",
+           "wire_figures"]

@@ -26,7 +26,7 @@ import time
 from typing import Any, Protocol, Sequence
 
 from ckpt.manager import CheckpointEngineManager, UpdateError, WorkerGroup
-from hal.apps.weightsync.figures import publish_seconds, step_row, summary, wire_figures
+from hal.apps.weightsync.figures import memory_failures, publish_seconds, row_ok, step_row, summary, wire_figures
 from hal.apps.weightsync.messages import Sent, merge_references, merge_sent
 from hal.apps.weightsync.options import JobOptions
 
@@ -77,14 +77,21 @@ class JobResult:
 
     @property
     def errors(self) -> list[str]:
-        """One sentence per rollout that failed a step (step 0 included)."""
+        """One sentence per rollout that failed a step (step 0 included), and per rank whose peak exceeded
+        its stated bound (:func:`~hal.apps.weightsync.figures.memory_failures`)."""
         errors = [f"step 0 (initial weights): {e}" for e in self.warmup.get("errors", [])]
-        return errors + [f"step {row['global_steps']}, rollout rank {r['rank']}: {r['error']}"
-                         for row in self.rows for r in row["rollouts"] if r["error"]]
+        for row in self.rows:
+            errors += [f"step {row['global_steps']}, rollout rank {r['rank']}: {r['error']}"
+                       for r in row["rollouts"] if r["error"]]
+            errors += [f"step {row['global_steps']}, {failure}" for failure in memory_failures(row)]
+        return errors
 
     def report(self, steps: int) -> dict[str, Any]:
         """The ``--json`` fields of the run: ``warmup``, the launcher's, :func:`summary`'s, ``rows``,
-        ``verified`` (no error and ``steps`` rows) and ``errors``."""
+        ``verified`` (no error and ``steps`` rows) and ``errors``; each row gets ``ok``
+        (:func:`~hal.apps.weightsync.figures.row_ok`)."""
+        for row in self.rows:
+            row["ok"] = row_ok(row)
         return {"warmup": self.warmup, **self.extra, **summary(self.rows), "rows": self.rows,
                 "verified": not self.errors and len(self.rows) == steps, "errors": self.errors}
 
@@ -258,12 +265,14 @@ class Job:
 
 
 def progress_bar():
-    """A rich progress bar on stderr (one line per step where stderr is not a terminal)."""
+    """A rich progress bar on stderr where stderr is a terminal; elsewhere none (the loop prints one line per
+    step instead, and no bar is drawn at the end, nor after an interrupt)."""
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
+    console = Console(stderr=True)
     return Progress(TextColumn("[bold]{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-                    TimeElapsedColumn(), console=Console(stderr=True), transient=False)
+                    TimeElapsedColumn(), console=console, transient=False, disable=not console.is_terminal)
 
 
 async def run(options: JobOptions, group: WorkerGroup, hooks: Sequence[StepHook] = ()) -> JobResult:

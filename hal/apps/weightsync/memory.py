@@ -84,7 +84,7 @@ def trainer_memory_bound(peak_bytes: int, param_bytes: int, grad_bytes: int, opt
 
 
 def host_device_terms(kind: str, step_temporaries_bytes: int = 0,
-                      offloaded_bytes: int = 0) -> tuple[str, dict[str, int]]:
+                      offloaded_bytes: int = 0, working_bytes: int = 0) -> tuple[str, dict[str, int]]:
     """What a kind whose device memory is host memory (the simulated npu: ``DeviceSpec.device_memory_in_host``)
     adds to a host bound: ``(words, {term: bytes})``; ``("", {})`` for every other kind.
 
@@ -92,7 +92,10 @@ def host_device_terms(kind: str, step_temporaries_bytes: int = 0,
     resident, ``DeviceSpec.host_cached_bytes()``); when given, the optimizer step's temporaries
     (``optimizer_step_bytes``: on a device they are device memory, here they are the host's); and the host
     buffers an engine offloads into (``offload_buffers_bytes``: the bytes it offloads; it keeps them for the
-    next offload, ``engines.host_buffers``, so here they stand beside the onloaded tensors).
+    next offload, ``engines.host_buffers``, so here they stand beside the onloaded tensors); and when given, the
+    step's device working memory (``device_working_bytes``: what the device's own allocator counted at its peak
+    beyond the states and the temporaries above: activations and the backward's transients, about 1.2 GB for the
+    0.5B preset; on a device it is device memory, here the host's, on top of what :data:`RUNTIME_BYTES` holds).
     """
     spec = hal.resolve_device(kind)
     if not spec.device_memory_in_host:
@@ -104,6 +107,9 @@ def host_device_terms(kind: str, step_temporaries_bytes: int = 0,
     if offloaded_bytes:
         words += " + the offload's host buffers"
         terms["offload_buffers_bytes"] = offloaded_bytes
+    if working_bytes > 0:
+        words += " + the step's device working memory"
+        terms["device_working_bytes"] = working_bytes
     return words, terms
 
 

@@ -167,13 +167,18 @@ class Trainer(Worker):
         largest = max(e.nbytes for e in self.layout.entries.values())
         return delta.sender_memory(self.layout.nbytes, largest, self.sender.flush_bytes)
 
-    def memory_bound(self, peak_bytes: int, extra: dict[str, int] | None = None, words: str = "") -> dict[str, Any]:
+    def memory_bound(self, peak_bytes: int, extra: dict[str, int] | None = None, words: str = "",
+                     peak_device_bytes: int = 0) -> dict[str, Any]:
         """The step's peak against model (parameters + gradients) + optimizer + what the engine holds to send
         + constant (:func:`hal.apps.weightsync.memory.trainer_memory_bound`), plus :meth:`role_terms` and
-        ``extra`` terms described by ``words`` (colocated: the rollouts' banks, in this process)."""
+        ``extra`` terms described by ``words`` (colocated: the rollouts' banks, in this process). On a kind whose
+        device memory is host memory, the device's peak (``peak_device_bytes``, its allocator's counter) beyond
+        the states is the step's working memory, counted there (:func:`~hal.apps.weightsync.memory.host_device_terms`)."""
         # a fused AdamW updates in one pass; the foreach one keeps about one fp32 model of temporaries
         temporaries = 0 if self.fused else self.state_bytes["param_bytes"]
-        device_words, device_terms = memory.host_device_terms(self.kind, temporaries, self.offloaded_bytes())
+        working = peak_device_bytes - temporaries - sum(self.state_bytes.values())
+        device_words, device_terms = memory.host_device_terms(self.kind, temporaries, self.offloaded_bytes(),
+                                                              working)
         bound = memory.trainer_memory_bound(peak_bytes, engine_cls=type(self.engine),
                                             bucket_bytes=self.options.bucket_bytes,
                                             published_bytes=self.published_shape()[0], device_words=device_words,
@@ -192,9 +197,9 @@ class Trainer(Worker):
         if self.flags:
             self.torch_engine.to(self.kind, **self.flags)
         onload_s = time.perf_counter() - start
-        peak = memory.peak_host_bytes()
-        return Concluded(onload_s=onload_s, peak_device_bytes=memory.peak_device_bytes(self.kind),
-                         peak_host_bytes=peak, memory=self.memory_bound(peak, extra, words))
+        peak, device_peak = memory.peak_host_bytes(), memory.peak_device_bytes(self.kind)
+        return Concluded(onload_s=onload_s, peak_device_bytes=device_peak, peak_host_bytes=peak,
+                         memory=self.memory_bound(peak, extra, words, device_peak))
 
     def abandon(self) -> None:
         """After a failed update: drop the published buffer and onload what the step offloaded, so the

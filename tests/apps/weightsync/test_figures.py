@@ -1,5 +1,7 @@
 """The figures of a step's row from known times, bytes and peaks (exact numbers, not the code's formula)."""
 
+import dataclasses
+
 import pytest
 
 from hal.apps.weightsync.figures import publish_seconds, raw_figures, step_row, summary
@@ -72,3 +74,48 @@ def test_a_rollout_row_drops_unset_fields():
                                             "receive_s": 0.5, "copied_bytes": 0, "tokens": None,
                                             "tokens_equal": None, "logits_max_diff": None, "verify_s": 0.0}
     assert pytest.approx(0.5) == bare.receive_s
+
+
+def test_a_peak_over_its_bound_fails_the_step_and_the_run():
+    """A rank over its stated bound is a failed step (ok False, named in errors, not verified), as a wrong
+    checksum is; the job's `verified` and the CLI's exit status follow."""
+    from hal.apps.weightsync.figures import memory_failures, row_ok
+    from hal.apps.weightsync.loop import JobResult
+
+    trained = Trained(global_steps=1, loss=2.5, train_s=1.0, offload_s=0.0, tensor_home={}, stage_s=0.5)
+    over = Concluded(onload_s=0.0, peak_device_bytes=0, peak_host_bytes=19_110_000_000,
+                     memory={"peak_bytes": 19_110_000_000, "bound_bytes": 18_490_000_000, "within": False,
+                             "form": "model + optimizer + constant"})
+    row = step_row(trained, Sent(t0=10.0, send_s=0.75), [received(1, 10.0, 10.5)], [Checked()], [over], 100, 2, None)
+    assert memory_failures(row) == ["trainer: peak 19.11 GB over its bound 18.49 GB (model + optimizer + constant)"]
+    assert row_ok(row) is False
+    report = JobResult(warmup={}, rows=[row]).report(1)
+    assert report["verified"] is False and report["rows"][0]["ok"] is False
+    assert report["errors"] == ["step 1, trainer: peak 19.11 GB over its bound 18.49 GB (model + optimizer + "
+                                "constant)"]
+    over_rollout = received(2, 10.0, 10.5, within=False)
+    over_rollout.memory["judged_by"].update(peak_bytes=1000, form="2 x model + 2 buckets + constant")
+    row = step_row(trained, Sent(t0=10.0, send_s=0.75), [over_rollout], [Checked()],
+                   [dataclasses.replace(over, memory={**over.memory, "within": True})], 100, 2, None)
+    assert memory_failures(row) == ["rollout rank 2: peak 0.00 GB over its bound 0.00 GB (2 x model + 2 buckets + "
+                                    "constant)"]
+    within = step_row(trained, Sent(t0=10.0, send_s=0.75), [received(1, 10.0, 10.5)], [Checked()],
+                      [dataclasses.replace(over, memory={**over.memory, "within": True})], 100, 2, None)
+    assert row_ok(within) and JobResult(warmup={}, rows=[within]).report(1)["verified"] is True
+
+
+def test_hal_sync_exits_1_and_says_so_when_a_peak_is_over_its_bound(monkeypatch, capsys):
+    from hal.apps.cli import sync
+
+    row = {"global_steps": 1, "loss": 2.5, "bytes": 100, "publish_s": 1.0, "gbps": 1e-7, "ratio_vs_raw": None,
+           "offload_s": 0.0, "onload_s": 0.0, "peak_host_bytes": 1900, "memory_bound_bytes": 1800,
+           "memory": {"peak_bytes": 1900, "bound_bytes": 1800, "within": False, "form": "model + constant"},
+           "rollouts": [{"rank": 1, "error": None, "served_step": 1}], "tensors": 2}
+    result = {"rows": [row], "model": "m", "device": "cpu", "engine": "collective", "offload": "none",
+              "rollout_apply": "atomic", "wall_s": 1.0, "verified": False,
+              "errors": ["step 1, trainer: peak 0.00 GB over its bound 0.00 GB (model + constant)"]}
+    monkeypatch.setattr(sync, "execute", lambda args: result)
+    assert sync.run(sync.Sync(model="qwen2.5-tiny")) == 1
+    out, err = capsys.readouterr()
+    assert "NO" in out and "yes" not in out.split("┃ ok")[-1] and "verification failed" in out
+    assert "failed: step 1, trainer: peak" in out and "1 failure(s)" in err

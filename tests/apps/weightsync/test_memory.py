@@ -88,3 +88,14 @@ def test_a_host_backed_device_adds_its_cache_and_the_step_temporaries(monkeypatc
     assert bound["judged_by"]["terms"]["device_cache_bytes"] == 64 << 20
     assert bound["judged_by"]["bound_bytes"] == 2 * MODEL + 2 * BUCKET + (64 << 20) + RUNTIME_BYTES
     assert "resident cache" in bound["model_plus_2_buckets"]["form"]
+
+
+def test_a_host_backed_device_counts_the_steps_working_memory_on_the_host():
+    """On the simulated npu the activations and the backward's transients (the device's peak beyond its
+    states) are host memory: the trainer of the 0.5B preset was over its bound by about that much (1.2 GB)."""
+    from hal.apps.weightsync.memory import host_device_terms
+
+    words, terms = host_device_terms("npu-sim", working_bytes=1_159_000_000)
+    assert terms["device_working_bytes"] == 1_159_000_000 and "the step's device working memory" in words
+    assert "device_working_bytes" not in host_device_terms("npu-sim", working_bytes=-5)[1]  # nothing beyond
+    assert host_device_terms("cpu", working_bytes=1_159_000_000) == ("", {})  # device memory is not the host's

@@ -44,7 +44,7 @@ def test_the_ranks_references_merge_their_row_checksums_and_keep_rank_0s_decode(
     (dict(engine="file"), "got --engine file"),
     (dict(launcher="ray"), "--trainer-ranks 2 runs with --launcher torchrun, got --launcher ray"),
     (dict(wire_format="delta"), "--trainer-ranks 2 runs with --wire-format full, got --wire-format delta"),
-    (dict(compare_full=True), "--trainer-ranks 2 does not take --compare-full"),
+    (dict(compare_full=True), "--compare-full has no effect without --wire-format delta (got --wire-format full)"),
 ])
 def test_a_sharded_trainer_refuses_what_it_cannot_run_naming_the_flag(flags, message):
     from hal.apps.cli.sync import Sync, validate
