@@ -130,7 +130,8 @@ def quiet_rank_exit(grace: float = RANK_EXIT_GRACE_S) -> None:
     signal. torch's spawn makes SIGINT the rank's parent-death signal, so a rank whose launcher died ends the
     same way.
 
-    Does nothing outside the main thread (signal handlers cannot be set there).
+    A signal the process inherited as ignored stays ignored (the launcher ignores it too). Does nothing outside
+    the main thread (signal handlers cannot be set there).
 
     Raises:
         ValueError: ``grace`` is not positive.
@@ -153,7 +154,11 @@ def quiet_rank_exit(grace: float = RANK_EXIT_GRACE_S) -> None:
     threading.Thread(target=_exit_after, args=(read_fd, grace), name="hal-rank-exit", daemon=True).start()
     signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
     for sig in _RANK_SIGNALS:
-        signal.signal(sig, on_signal)
+        # a signal this process inherited as ignored (a job started in the background by a shell without job
+        # control, nohup) stays ignored, as it is in the launcher: else the ranks stopped and the launcher,
+        # which ignores it, reported them failed
+        if signal.getsignal(sig) is not signal.SIG_IGN:
+            signal.signal(sig, on_signal)
 
 
 def _silence_stderr() -> None:

@@ -133,3 +133,28 @@ def test_ctrl_c_ends_launch_with_status_130_one_line_and_nothing_left(tmpdir_env
     assert len(stopped.started) >= 2 and stopped.survivors == []
     assert leftovers(tmpdir) == []
 
+
+
+@pytest.mark.timeout(300)
+def test_a_sync_that_inherited_sigint_ignored_keeps_ignoring_it_in_its_ranks(tmpdir_env):
+    """A job started in the background by a shell without job control inherits SIGINT ignored: the launcher
+    ignored a process-group SIGINT while its ranks stopped, and it reported them failed (exit 2). Now the ranks
+    ignore it too and the run completes."""
+    import os
+    import time
+
+    tmpdir, env = tmpdir_env
+    proc = subprocess.Popen([*HAL, *TINY_SYNC, "--rollouts", "1", "--steps", "3"], env=env, cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    seen = []
+    for line in proc.stderr:  # wait until the ranks run their steps, then Ctrl-C the whole group
+        seen.append(line)
+        if line.startswith("hal sync: step 1/3"):
+            time.sleep(1.0)
+            os.killpg(proc.pid, signal.SIGINT)
+            break
+    stdout, stderr = proc.communicate(timeout=240)
+    assert proc.returncode == 0, "".join(seen) + stderr
+    assert "every step verified" in stdout
+    assert leftovers(tmpdir) == []

@@ -53,3 +53,20 @@ def test_a_script_before_the_double_dash_comes_first(monkeypatch):
     assert m.main(["launch", "--nproc-per-node", "2", "--", "train.py", "--lr", "1", "--", "x"]) == 0
     assert m.main(["launch", "train.py", "--", "--lr", "1"]) == 0
     assert seen == [("train.py", "--lr", "1", "--", "x"), ("train.py", "--lr", "1")]
+
+
+def test_help_into_a_closed_pipe_ends_quietly():
+    """``hal sync --help | head`` printed a tyro traceback ending in BrokenPipeError and exited 1; now it stops
+    quietly with 141 (128 + SIGPIPE), as a shell tool does."""
+    import subprocess
+    import sys
+
+    import os
+
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the reader is gone before hal writes, as head is after its lines
+    proc = subprocess.Popen([sys.executable, "-m", "hal.apps.cli.main", "sync", "--help"], stdout=write_end,
+                            stderr=subprocess.PIPE, env={**os.environ, "COLUMNS": "100"})
+    os.close(write_end)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 141 and b"Traceback" not in err and b"BrokenPipe" not in err, err

@@ -68,7 +68,7 @@ class Bench:
     """Small defaults for a smoke run, the same for every benchmark: --size-mb 64, --bucket-mb 4 16,
     --rounds 2, --main-bucket-mb 4. Only the defaults change: a size, bucket or round flag given with --quick
     is used as given."""
-    only: tuple[str, ...] = DEFAULT_SELECTION
+    only: Annotated[tuple[str, ...], tyro.conf.arg(metavar="{" + ",".join(BENCHMARKS) + "} [...]")] = DEFAULT_SELECTION
     """Which benchmarks to run: offload, sync (engine against broadcasts, 1 receiver) and, only when named,
     ipc (the same-host ipc engine into 1 and 2 rollout processes against one memcpy and the collective engine,
     bucket: the smallest --bucket-mb), delta (delta weight sync against full updates of the same tensors at
@@ -82,7 +82,7 @@ class Bench:
     """main, ray: bucket size of the collective engine, in MiB (256: hal sync's --bucket-mb default)."""
     main_model: Annotated[str | None, optional("MODEL", "the tensor mix of --size-mb")] = None
     """main: a hal sync preset or safetensors path instead of the tensor mix of --size-mb (e.g. qwen2.5-0.5b)."""
-    apply: tuple[str, ...] = ("atomic",)
+    apply: Annotated[tuple[str, ...], tyro.conf.arg(metavar="{atomic,in-place} [...]")] = ("atomic",)
     """main: rollout apply modes to run (atomic, in-place), one run each."""
     plot: Annotated[str | None, optional("FILE.png", "no plot")] = None
     """Write a PNG: sync throughput against bucket size, offload bandwidth against the copy limit

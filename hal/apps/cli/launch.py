@@ -46,7 +46,7 @@ class Launch:
     rdzv_id: str = "hal"
     """Job id shared by all nodes."""
     visible_devices: Annotated[str | None, optional("LIST", "keep it if set, else 0..nproc_per_node-1")] = None
-    """Value for the kind's visible-devices variable; default: keep it if set, else 0..nproc_per_node-1."""
+    """Value for the kind's visible-devices variable (comma-separated device indices)."""
     max_restarts: int = 0
     """Restarts of failed workers before the job fails."""
     script: Annotated[tuple[str, ...], tyro.conf.Positional, tyro.conf.arg(

@@ -11,6 +11,7 @@ are gone; a SIGTERM torch.distributed.elastic's agent caught, ``hal: stopped by 
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 
@@ -34,6 +35,17 @@ INTERRUPTED = 130
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``hal ARGV``: the exit status (0, 1 for a failed job, 2 for a usage error, 130 after Ctrl-C; 141 when the
+    reader of stdout went away, as ``hal sync --help | head`` does, quietly, as a shell tool killed by SIGPIPE)."""
+    try:
+        return _main(argv)
+    except BrokenPipeError:
+        # nothing more can be written; point stdout at /dev/null so the interpreter's last flush fails no more
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
+
+
+def _main(argv: list[str] | None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     # Everything after the first "--" is the launched script and its own flags: keep it away from tyro.
     script: tuple[str, ...] = ()

@@ -41,6 +41,8 @@ import sys
 import time
 from typing import Annotated, Any, Literal
 
+import tyro
+
 import hal
 from hal.apps.errors import UsageError, mib_to_bytes
 from hal.apps.cli.helptext import DEVICE_DEFAULT, flowing_help, optional
@@ -55,7 +57,7 @@ class Sync:
 
     device: Annotated[str | None, optional("KIND", DEVICE_DEFAULT)] = None
     """Device kind (npu, cuda, cpu, npu-sim, a plugin kind; npu:1 picks an index)."""
-    model: str = "qwen2.5-0.5b"
+    model: Annotated[str, tyro.conf.arg(metavar="{qwen2.5-0.5b,qwen2.5-tiny}|PATH")] = "qwen2.5-0.5b"
     """A preset (qwen2.5-0.5b: transformers' Qwen2 with the Qwen2.5-0.5B configuration, random init, 0.99 GB
     published per step in bf16; qwen2.5-tiny: same layout, small; in any letter case) or a path to a
     .safetensors file or a directory of them (model.safetensors.index.json honoured)."""
