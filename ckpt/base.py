@@ -160,9 +160,11 @@ class CheckpointEngine(abc.ABC):
         """Release what ``prepare()`` allocated for this update (no-op here)."""
 
 
-def named_tensors(weights: Any, accepted: tuple[type, ...] = (torch.Tensor,)) -> Iterator[tuple[str, Any]]:
+def named_tensors(weights: Any, accepted: tuple[type, ...] = (torch.Tensor,),
+                  unique: bool = False) -> Iterator[tuple[str, Any]]:
     """Iterate ``weights`` as ``send_weights`` takes them, checking each item: a ``(name, value)`` pair, a
-    ``str`` name and a value of one of ``accepted`` (empty: any value; the caller checks it).
+    ``str`` name and a value of one of ``accepted`` (empty: any value; the caller checks it); with ``unique``,
+    a name at most once (an engine that keys its update by name).
 
     Every engine's ``send_weights`` reads its weights through this, so a wrong argument is the same
     :class:`CheckpointConfigError` everywhere. The common one is verl's ``get_per_tensor_param()`` result
@@ -170,8 +172,9 @@ def named_tensors(weights: Any, accepted: tuple[type, ...] = (torch.Tensor,)) ->
     "item" is the weights generator itself.
 
     Raises (while consumed):
-        CheckpointConfigError: ``weights`` is not iterable, is such a ``(weights, peft_config)`` pair, or
-            yields an item that is not a ``(str, accepted)`` pair; the message names what it got.
+        CheckpointConfigError: ``weights`` is not iterable, is such a ``(weights, peft_config)`` pair,
+            yields an item that is not a ``(str, accepted)`` pair, or (``unique``) a name twice; the message
+            names what it got.
     """
     names = " | ".join(f"{t.__module__.split('.')[0]}.{t.__name__}" for t in accepted) or "value"
     if _is_param_pair(weights):
@@ -184,6 +187,7 @@ def named_tensors(weights: Any, accepted: tuple[type, ...] = (torch.Tensor,)) ->
     except TypeError:
         raise CheckpointConfigError(f"weights must be an iterable of (str, {names}) pairs, got "
                                     f"{type(weights).__name__}") from None
+    seen: set[str] = set()
     for item in items:
         if not isinstance(item, (tuple, list)) or len(item) != 2:
             raise CheckpointConfigError(f"weights must yield (str, {names}) pairs, got {type(item).__name__}"
@@ -192,6 +196,10 @@ def named_tensors(weights: Any, accepted: tuple[type, ...] = (torch.Tensor,)) ->
         if not isinstance(name, str) or (accepted and not isinstance(value, accepted)):
             raise CheckpointConfigError(f"weights must yield (str, {names}) pairs, got ({name!r}, "
                                         f"{type(value).__name__})")
+        if unique:
+            if name in seen:
+                raise CheckpointConfigError(f"tensor name {name!r} appears twice in one update")
+            seen.add(name)
         yield name, value
 
 

@@ -136,13 +136,9 @@ class FileCheckpointEngine(CheckpointEngine):
         tmp.mkdir()
         try:
             order: list[tuple[str, str]] = []
-            seen: set[str] = set()
             shard: dict[str, torch.Tensor] = {}
             shard_index = size = 0
-            for name, tensor in named_tensors(weights):
-                if name in seen:
-                    raise CheckpointConfigError(f"tensor name {name!r} appears twice in one update")
-                seen.add(name)
+            for name, tensor in named_tensors(weights, unique=True):
                 # a private contiguous host copy: safetensors refuses shared or strided storage
                 shard[name] = tensor.detach().to("cpu", copy=True).contiguous()
                 order.append((name, self._shard_name(shard_index)))

@@ -180,13 +180,9 @@ class _TiedLayerWarnings(logging.Filter):
     def __init__(self, classes: set[str]) -> None:
         super().__init__()
         self.classes = classes
-        self.dropped: list[str] = []
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if record.msg == "%s: Failed to load weights" and record.args and record.args[0] in self.classes:
-            self.dropped.append(str(record.args[0]))
-            return False
-        return True
+        return not (record.msg == "%s: Failed to load weights" and record.args and record.args[0] in self.classes)
 
 
 def layers_without_checkpoint_tensors(model: torch.nn.Module,
@@ -207,12 +203,12 @@ def quiet_tied_layer_warnings(classes: set[str]):
     (:func:`layers_without_checkpoint_tensors`) out of the log: a checkpoint-format update has no tensor of
     them by design, vLLM puts their tensors back, and a tied one is tied again right after (:func:`retie`);
     the warning, logged on every update, would only say that a verified update went wrong. Other layers'
-    warnings pass. Yields the filter (its ``dropped`` lists the layer classes whose warning it kept out)."""
+    warnings pass."""
     quiet = _TiedLayerWarnings(classes)
     logger = logging.getLogger(LAYERWISE_LOGGER)
     logger.addFilter(quiet)
     try:
-        yield quiet
+        yield
     finally:
         logger.removeFilter(quiet)
 

@@ -287,6 +287,11 @@ def get_device_id(device: DeviceLike = None) -> int:
             process sees, or ``LOCAL_RANK`` is not an integer.
     """
     spec, index = _spec_and_index(device)
+    return _index_or_current(spec, index)
+
+
+def _index_or_current(spec: DeviceSpec, index: int | None) -> int:
+    """``index``, else the kind's current device index; 0 for host kinds."""
     if spec.host_memory:
         return 0
     return int(spec.torch_module().current_device()) if index is None else index
@@ -309,10 +314,10 @@ def get_device(device: DeviceLike = None) -> torch.device:
         UnknownDeviceError: the kind is not built in nor registered.
         DeviceUnavailableError: the kind is known but unusable here.
     """
-    spec = resolve_device(device)
+    spec, index = _spec_and_index(device)  # the kind resolved once, not again through get_device_id
     if spec.host_memory:
         return torch.device("cpu")
-    return torch.device(spec.name, get_device_id(device))
+    return torch.device(spec.name, _index_or_current(spec, index))
 
 
 def local_device(device: DeviceLike = None) -> torch.device:

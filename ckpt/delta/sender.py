@@ -223,11 +223,8 @@ class DeltaSender:
         yield self._named(*held.pop(), is_last=True, stats=stats)
 
     def _items(self, weights: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
-        items, seen = [], set()
-        for name, tensor in named_tensors(weights):
-            if name in seen:
-                raise CheckpointConfigError(f"tensor name {name!r} appears twice in one update")
-            seen.add(name)
+        items = []
+        for name, tensor in named_tensors(weights, unique=True):
             tensor = tensor.detach()
             if self.dtype is not None and tensor.is_floating_point() and tensor.dtype != self.dtype:
                 tensor = tensor.to(self.dtype)

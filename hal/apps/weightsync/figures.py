@@ -72,21 +72,23 @@ def step_row(trained: Trained, sent: Sent, received: Sequence[Received], checked
     return row
 
 
+def judged_peaks(row: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    """Every rank of a step's row with the bound its peak is judged by, as ``(who, memory)``: the trainer (each
+    trainer rank when it is sharded; the row's own ``memory`` is then the tightest of them) and each rollout
+    that reported one."""
+    ranks = row.get("trainer_ranks")
+    judged = ([(f"trainer rank {t['rank']}", t["memory"]) for t in ranks] if ranks
+              else [("trainer", row["memory"])] if "memory" in row else [])
+    return judged + [(f"rollout rank {r['rank']}", r["memory"]["judged_by"]) for r in row["rollouts"]
+                     if r.get("memory")]
+
+
 def memory_failures(row: dict[str, Any]) -> list[str]:
     """One sentence per rank of a step's row whose peak exceeded the bound it is judged by (empty: every
     peak within), e.g. ``"trainer: peak 19.11 GB over its bound 18.49 GB (model ... + constant)"``. A peak
     over its bound fails the step as a wrong checksum does: the bound is what the job promises."""
-    def over(who: str, memory: dict[str, Any]) -> str:
-        return (f"{who}: peak {memory['peak_bytes'] / 1e9:.2f} GB over its bound {memory['bound_bytes'] / 1e9:.2f} "
-                f"GB ({memory['form']})")
-
-    failures = [over("trainer", row["memory"]) for row in [row] if "memory" in row and not row.get("trainer_ranks")
-                and not row["memory"]["within"]]
-    failures += [over(f"trainer rank {t['rank']}", t["memory"]) for t in row.get("trainer_ranks", ())
-                 if not t["memory"]["within"]]
-    failures += [over(f"rollout rank {r['rank']}", r["memory"]["judged_by"]) for r in row["rollouts"]
-                 if r.get("memory") and not r["memory"]["judged_by"]["within"]]
-    return failures
+    return [f"{who}: peak {m['peak_bytes'] / 1e9:.2f} GB over its bound {m['bound_bytes'] / 1e9:.2f} GB ({m['form']})"
+            for who, m in judged_peaks(row) if not m["within"]]
 
 
 def row_ok(row: dict[str, Any]) -> bool:
@@ -98,11 +100,9 @@ def summary(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """Over every step: the smallest ratio to the raw broadcast (``None`` without one), and whether every
     rank's peak stayed within the bound it is judged by (``None`` where no step reported one)."""
     ratios = [row["ratio_vs_raw"] for row in rows if row.get("ratio_vs_raw") is not None]
-    judged = [row["memory"]["within"] for row in rows if "memory" in row]
-    judged += [t["memory"]["within"] for row in rows for t in row.get("trainer_ranks", ())]
-    judged += [r["memory"]["judged_by"]["within"] for row in rows for r in row["rollouts"] if r.get("memory")]
+    judged = [memory["within"] for row in rows for _, memory in judged_peaks(row)]
     return {"ratio_vs_raw_min": min(ratios) if ratios else None, "memory_within": all(judged) if judged else None}
 
 
-__all__ = ["memory_failures", "publish_seconds", "raw_figures", "row_ok", "step_row", "summary", "throughput",
-           "wire_figures"]
+__all__ = ["judged_peaks", "memory_failures", "publish_seconds", "raw_figures", "row_ok", "step_row", "summary",
+           "throughput", "wire_figures"]

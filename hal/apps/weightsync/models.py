@@ -23,7 +23,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from hal.apps.errors import MissingExtraError, MissingFileError, UsageError
+from hal.apps.errors import MissingFileError, UsageError, require_extra
 
 PRESETS: dict[str, dict[str, Any]] = {
     # Qwen/Qwen2.5-0.5B config.json: 494M parameters, 0.99 GB in bf16 (tied embeddings published once).
@@ -43,11 +43,9 @@ INDEX_NAME = "model.safetensors.index.json"
 
 
 def _transformers():
-    try:
-        import transformers
-    except ImportError as exc:  # pragma: no cover - setup.sh installs the extra
-        raise MissingExtraError("the model presets need transformers: pip install 'hal-posttrain[models]' "
-                          f"(scripts/setup.sh installs it) ({exc})") from None
+    require_extra("transformers", "models", "the model presets")  # setup.sh installs it
+    import transformers
+
     return transformers
 
 

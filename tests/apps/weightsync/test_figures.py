@@ -58,8 +58,10 @@ def test_a_sharded_trainers_row_reports_every_rank_and_the_tightest_at_the_top()
 
 
 def test_summary_takes_the_smallest_ratio_and_every_bound():
-    rows = [{"ratio_vs_raw": 0.8, "memory": {"within": True}, "rollouts": [{"memory": {"judged_by": {"within": True}}}]},
-            {"ratio_vs_raw": 0.6, "memory": {"within": True}, "rollouts": [{"memory": {"judged_by": {"within": False}}}]}]
+    rows = [{"ratio_vs_raw": 0.8, "memory": {"within": True},
+             "rollouts": [{"rank": 1, "memory": {"judged_by": {"within": True}}}]},
+            {"ratio_vs_raw": 0.6, "memory": {"within": True},
+             "rollouts": [{"rank": 1, "memory": {"judged_by": {"within": False}}}]}]
     assert summary(rows) == {"ratio_vs_raw_min": 0.6, "memory_within": False}
     assert summary([{"rollouts": [{"memory": None}]}]) == {"ratio_vs_raw_min": None, "memory_within": None}
     assert summary(rows[:1]) == {"ratio_vs_raw_min": 0.8, "memory_within": True}
