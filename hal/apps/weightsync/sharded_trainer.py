@@ -86,6 +86,7 @@ class ShardedTrainer(Trainer):
         if options.model not in models.PRESETS:
             raise UsageError(f"--trainer-ranks {options.trainer_ranks} trains a preset "
                              f"({', '.join(sorted(models.PRESETS))}), got --model {options.model!r}")
+        self.resident_before = memory.resident_bytes()  # what the process held before the job: not judged
         Worker.__init__(self, options, rank, engine, where)
         self.rank = rank
         self.device = hal.get_device(self.kind)

@@ -43,6 +43,7 @@ class Trainer(Worker):
         import ckpt
         from engines import TorchEngine
 
+        self.resident_before = memory.resident_bytes()  # what the process held before the job: not judged
         super().__init__(options, 0, engine, where)
         self.device = hal.get_device(self.kind)
         self.preset = options.model in models.PRESETS
@@ -184,7 +185,8 @@ class Trainer(Worker):
                                             published_bytes=self.published_shape()[0], device_words=device_words,
                                             device_terms=device_terms, state_words=self.state_words,
                                             **self.state_bytes)
-        for more_words, more in (self.role_terms(), (words, extra or {})):
+        for more_words, more in (self.role_terms(), memory.held_before_terms(self.resident_before),
+                                 (words, extra or {})):
             if more:
                 bound = memory.memory_bound(peak_bytes, f"{bound['form']} + {more_words}", {**bound["terms"], **more})
         return bound
