@@ -108,6 +108,11 @@ class CheckpointEngine(abc.ABC):
     send_buffer_words: str = ""
     """What :meth:`send_buffer_bytes` counts, in words for a memory bound's report (``""``: nothing)."""
 
+    ranks_may_share_a_device: bool = False
+    """Whether the trainer's and the rollouts' processes may use one device (verl's hybrid engine). ``False``
+    here: a device communicator refuses two ranks on one device (NCCL's "Duplicate GPU detected"; HCCL alike).
+    Engines that hand over through memory or files say ``True``."""
+
     @classmethod
     def send_buffer_bytes(cls, bucket_size: int, published_bytes: int) -> dict[str, int]:
         """What the sending side holds while it sends one update, beyond the caller's tensors.
@@ -120,6 +125,25 @@ class CheckpointEngine(abc.ABC):
             ``{what: bytes}`` (e.g. ``{"buckets_bytes": 3 * bucket_size}``); ``{}`` here: nothing.
         """
         return {}
+
+    def publish_buffer(self, nbytes: int, device: torch.device | str) -> torch.Tensor:
+        """A flat ``uint8`` tensor of ``nbytes`` on ``device`` for a trainer to stage an update in (cast its weights
+        into views of it) before :meth:`send_weights`; hal's extension of verl's contract, optional to use.
+
+        Here: plain memory (``torch.empty``), sent as any tensor is. An engine that reads the staged tensors in
+        place overrides it and then sends them without copying them into its buckets (the ipc engine: the
+        buffer is shared with the rollouts' processes).
+
+        Raises:
+            CheckpointConfigError: ``nbytes`` is not a positive int.
+        """
+        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes <= 0:
+            raise CheckpointConfigError(f"publish_buffer needs a positive int of bytes, got {nbytes!r}")
+        return torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+    def release_publish_buffer(self) -> None:
+        """Free what :meth:`publish_buffer` holds beyond the caller's reference (nothing here); views of it the
+        caller still holds must not be sent afterwards."""
 
     def prepare(self) -> dict[str, Any]:
         """Allocate per-update buffers; return this worker's metadata for ``build_topology`` (``{}`` here)."""

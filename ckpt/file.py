@@ -67,6 +67,7 @@ class FileCheckpointEngine(CheckpointEngine):
     """
 
     send_buffer_words = "the update's host copies (one shard, at most the update)"
+    ranks_may_share_a_device = True  # files: no communicator between the processes
     """What :meth:`send_buffer_bytes` counts, in words for a memory bound's report."""
 
     @classmethod

@@ -30,11 +30,23 @@ sender sends (with ``global_steps=None``: verl's sender carries no step).
 Pipeline: the buffer holds two buckets. The trainer fills bucket k+1 while the rollouts read bucket k, and
 sends it once every rollout has replied for bucket k (so neither side ever waits for the other's copy, except
 for the first and last bucket).
+
+In place: a trainer that stages its update in :meth:`IpcCheckpointEngine.publish_buffer` (casts its weights
+into views of it, as ``hal sync``'s trainer does) has that buffer shared instead: no copy on the trainer's side,
+the rollouts read the staged tensors where they are. The messages are the same, each spanning at most a bucket
+of the buffer (so a rollout's device bucket stays a bucket), with ``"in_place": True``. A rollout keeps the
+buffer mapped across updates as it keeps the buckets, unless the trainer frees it every update
+(``release_at_finalize``, as ``hal sync`` runs it; the messages say ``"transient": True``): then the rollout drops
+the pages of each message once read (:meth:`devices.base.DeviceSpec.drop_shared_pages`), so its resident memory
+holds a bucket of the update, not all of it, and lets go of the buffer at the end of the update (a mapping kept
+would keep the freed memory alive). Dropped pages are mapped again on the next read: a transient buffer costs
+page faults on both sides every update (measured: 1 GiB read from a fresh mapping takes about twice as long).
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 import pickle
 import socket
@@ -147,6 +159,7 @@ class IpcCheckpointEngine(CheckpointEngine):
 
     send_buffer_words = "the shared buffer: two buckets, one filled while the other is read"
     supports_multi_sender = False
+    ranks_may_share_a_device = True  # verl's hybrid engine: the rollout opens the trainer's buffer on its device
 
     @classmethod
     def send_buffer_bytes(cls, bucket_size: int, published_bytes: int) -> dict[str, int]:
@@ -180,6 +193,7 @@ class IpcCheckpointEngine(CheckpointEngine):
         self._peers: list[_Peer] = []  # the trainer's sockets, one per rollout, kept while updates succeed
         self._rep: Any = None  # a rollout's socket, likewise
         self._buffer: _Shared | None = None  # the trainer's
+        self._publish: _Shared | None = None  # the trainer's publish_buffer(), shared as it is
         self._opened: tuple[Any, torch.Tensor, str | None] | None = None  # a rollout's: (key, buffer, segment)
         self._staging: torch.Tensor | None = None  # a rollout's device bucket, for a shared-memory buffer
 
@@ -248,13 +262,15 @@ class IpcCheckpointEngine(CheckpointEngine):
         self._set_place(rank, world_size, endpoint, peer_pids)
 
     def finalize(self) -> None:
-        """End of an update: frees the buffer only with ``release_at_finalize``."""
+        """End of an update: frees the buffers (the buckets, the publish buffer) only with ``release_at_finalize``."""
         if self.release_at_finalize:
             self._free()
+            self.release_publish_buffer()
 
     def close(self) -> None:
-        """Free the buffer (unlink its segment) and the ZMQ context; the engine can be used again after."""
+        """Free the buffers (unlink their segments) and the ZMQ context; the engine can be used again after."""
         self._free()
+        self.release_publish_buffer()
         if self._zmq is not None:
             self._zmq.destroy(linger=500)  # a last reply still queued goes out (at most 0.5 s)
             self._zmq = None
@@ -262,6 +278,7 @@ class IpcCheckpointEngine(CheckpointEngine):
     def __del__(self) -> None:
         try:
             self._free()
+            self.release_publish_buffer()
         except Exception:  # noqa: BLE001 - interpreter shutdown: the resource tracker unlinks what is left
             pass
 
@@ -329,17 +346,65 @@ class IpcCheckpointEngine(CheckpointEngine):
                 future.cancel()
 
     # ---- the trainer ---------------------------------------------------------------------------------------
+    def _share(self, nbytes: int) -> _Shared:
+        """A new buffer of ``nbytes`` the rollouts can open, by this engine's transport."""
+        if self.transport == "device":  # verl's receiver rebuilds the handle itself
+            shared = self.spec.share_device_buffer(nbytes, self.device)
+            return _Shared(shared.tensor, shared.handle, shared.release, shared.segment)
+        segment = hal.ipc.SharedSegment(nbytes, SEGMENT_PREFIX)
+        return _Shared(segment.tensor, {"name": segment.name, "size": nbytes}, segment.unlink, segment.name)
+
     def _ensure_buffer(self) -> _Shared:
         if self._buffer is None:
-            nbytes = NUM_BUCKETS * self.bucket_size
-            if self.transport == "device":  # verl's receiver rebuilds the handle itself
-                shared = self.spec.share_device_buffer(nbytes, self.device)
-                self._buffer = _Shared(shared.tensor, shared.handle, shared.release, shared.segment)
-            else:
-                segment = hal.ipc.SharedSegment(nbytes, SEGMENT_PREFIX)
-                self._buffer = _Shared(segment.tensor, {"name": segment.name, "size": nbytes}, segment.unlink,
-                                       segment.name)
+            self._buffer = self._share(NUM_BUCKETS * self.bucket_size)
         return self._buffer
+
+    def publish_buffer(self, nbytes: int, device: torch.device | str | None = None) -> torch.Tensor:
+        """A flat ``uint8`` buffer of ``nbytes`` on this engine's device, shared with the rollouts: an update whose
+        tensors are all contiguous views of it is sent without a copy (see the module docstring, "In place").
+
+        The same buffer is returned while ``nbytes`` is unchanged; another size frees the old one first. It
+        lives until :meth:`release_publish_buffer`, :meth:`close`, or with ``release_at_finalize`` the update's
+        :meth:`finalize` (a failed update does not free it: it is the caller's staging memory). Its memory counts once, in the trainer's process; it takes the place of the
+        two buckets, which an in-place update never allocates.
+
+        Args:
+            nbytes: bytes (> 0).
+            device: where the caller expects it (``None``: this engine's device); must be this engine's device.
+
+        Raises:
+            CheckpointConfigError: ``nbytes`` not a positive int, ``device`` another than the engine's, or a
+                rollout's engine.
+            OSError: ``/dev/shm`` cannot hold it (the shared-memory transport).
+        """
+        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes <= 0:
+            raise CheckpointConfigError(f"publish_buffer needs a positive int of bytes, got {nbytes!r}")
+        if device is not None and hal.local_device(str(device)) != self.device:
+            raise CheckpointConfigError(f"publish_buffer on {device} asked of an ipc engine on {self.device}: the "
+                                        f"buffer is this engine's (build the engine with device={device!r})")
+        if self.rank is not None and self.rank > 0:
+            raise CheckpointConfigError(f"publish_buffer is the trainer's; this engine is rollout rank {self.rank}")
+        if self._publish is None or self._publish.tensor.numel() != nbytes:
+            self.release_publish_buffer()
+            self._publish = self._share(nbytes)
+        return self._publish.tensor
+
+    def release_publish_buffer(self) -> None:
+        """Free the :meth:`publish_buffer` (unlink its segment; the memory goes with the last tensor viewing it)."""
+        shared, self._publish = self._publish, None
+        if shared is not None and shared.release is not None:
+            shared.release()
+
+    def _publish_offset(self, name: str, tensor: torch.Tensor) -> int | None:
+        """Where ``tensor`` starts in the publish buffer (bytes), or ``None`` when it is not a contiguous view of it."""
+        shared = self._publish
+        if shared is None or tensor.device != shared.tensor.device or not tensor.is_contiguous():
+            return None
+        if tensor.numel() == 0:  # nothing to read, wherever it is (its pointer may be null)
+            return 0
+        if tensor.untyped_storage().data_ptr() != shared.tensor.untyped_storage().data_ptr():
+            return None
+        return tensor.data_ptr() - shared.tensor.data_ptr()
 
     @property
     def segment_name(self) -> str | None:
@@ -350,7 +415,7 @@ class IpcCheckpointEngine(CheckpointEngine):
             return self._opened[2]
         return None if self._buffer is None else self._buffer.segment
 
-    def _fill(self, weights: Iterable[NamedTensor], step: int | None) -> Iterator[dict[str, Any]]:
+    def _fill(self, weights: Iterator[NamedTensor], step: int | None) -> Iterator[dict[str, Any]]:
         """Copy ``weights`` into the buffer bucket by bucket; yields each bucket's message once it is filled.
 
         The caller sends a message before asking for the next, and asks for the next only once the rollouts
@@ -362,7 +427,7 @@ class IpcCheckpointEngine(CheckpointEngine):
             return {"bucket_meta": meta, "is_last": is_last, "global_steps": step, "bucket_size": size,
                     "index": index}
 
-        for name, tensor in named_tensors(weights):
+        for name, tensor in weights:
             tensor = tensor.detach()
             nbytes = tensor.numel() * tensor.element_size()
             start = align(offset)
@@ -388,9 +453,49 @@ class IpcCheckpointEngine(CheckpointEngine):
                 index, offset, meta = index + 1, 0, {}
         yield message(True)
 
+    def _fill_in_place(self, weights: Iterator[NamedTensor], step: int | None) -> Iterator[dict[str, Any]]:
+        """The messages of an update staged in the publish buffer: no copy, each message's tensors spanning at
+        most a bucket of it (a tensor above a bucket in slices, one per message).
+
+        Raises (through the iterator):
+            CheckpointConfigError: a tensor that is not a contiguous view of the publish buffer.
+        """
+        size, index, meta, span = self.bucket_size, 0, {}, None
+
+        def message(is_last: bool) -> dict[str, Any]:
+            return {"bucket_meta": meta, "is_last": is_last, "global_steps": step, "bucket_size": size,
+                    "index": index, "in_place": True, "transient": self.release_at_finalize}
+
+        for name, tensor in weights:
+            offset = self._publish_offset(name, tensor)
+            if offset is None:
+                raise CheckpointConfigError(
+                    f"tensor {name!r} is not a contiguous view of the ipc engine's publish_buffer, but the update's "
+                    "first tensor was: stage every tensor of an update there, or none")
+            nbytes = tensor.numel() * tensor.element_size()
+            entry = {"name": name, "shape": tensor.shape, "dtype": tensor.dtype, "offset": offset, "handle": None}
+            if nbytes <= size:
+                wider = (offset, offset + nbytes) if span is None else (min(span[0], offset),
+                                                                         max(span[1], offset + nbytes))
+                if meta and (wider[1] - wider[0] > size or name in meta):
+                    yield message(False)
+                    index, meta, wider = index + 1, {}, (offset, offset + nbytes)
+                meta[name], span = entry, wider
+                continue
+            if meta:
+                yield message(False)
+                index, meta = index + 1, {}
+            for first in range(0, nbytes, size):
+                meta = {name: {**entry, "offset": offset + first, "chunk": (first, min(size, nbytes - first), nbytes)}}
+                yield message(False)
+                index, meta = index + 1, {}
+            span = None
+        yield message(True)
+
     async def send_weights(self, weights: Iterable[NamedTensor], global_steps: int | None = None) -> None:
         """Send ``weights`` (``(name, tensor)`` pairs, any dtype, shape, strides and device) to every rollout,
-        tagged ``global_steps``; returns when every rollout is done with them (see the class docstring).
+        tagged ``global_steps``; returns when every rollout is done with them (see the class docstring). When
+        the first tensor is a view of :meth:`publish_buffer`, every one must be, and none is copied.
 
         Raises:
             CheckpointConfigError: no place yet, a rollout's engine, or a pair that is not ``(str, Tensor)``.
@@ -406,14 +511,16 @@ class IpcCheckpointEngine(CheckpointEngine):
                 pass
             return
         ok, hello = False, None  # hello: the rollouts' replies to the handle (HAL_HELLO from hal's)
+        pairs, in_place = self._peek(weights)
         try:
-            handshake = self._ensure_buffer().handshake
+            handshake = (self._publish if in_place else self._ensure_buffer()).handshake
             peers = await self._sender_sockets()
             deadline = time.monotonic() + self.timeout
             for peer in peers:  # the handle first; bucket 0 is filled while the rollouts open it
                 await self._wait(lambda p=peer: p.sock.send_pyobj(handshake), peer, "send of the buffer", deadline)
             pending = "reply to the buffer's handle"
-            for msg in self._guarded(self._fill(weights, step)):
+            fill = self._fill_in_place if in_place else self._fill
+            for msg in self._guarded(fill(pairs, step)):
                 if isinstance(msg, BaseException):  # the trainer's weights failed: tell the rollouts, then raise
                     await self._abort(peers, pending, step, msg)
                     raise msg
@@ -433,6 +540,26 @@ class IpcCheckpointEngine(CheckpointEngine):
                 self._free()  # nothing half-done survives: the next update starts from a new buffer and sockets
             elif not all(r == HAL_HELLO for r in hello):  # a verl receiver: new sockets next update (see HAL_HELLO; measured: 1 update in 2 lost)
                 self._close_sockets()
+
+    def _peek(self, weights: Iterable[NamedTensor]) -> tuple[Iterator[NamedTensor], bool]:
+        """``(the pairs of weights, whether the update is staged in the publish buffer)``, from its first pair; an
+        error of the iterable is raised where the pairs are read, after the rollouts have the handle (so they
+        are told: see :meth:`_abort`)."""
+        pairs, head = named_tensors(weights), []
+        try:
+            while not head or head[-1][1].numel() == 0:  # empty tensors say nothing of where the update is
+                head.append(next(pairs))
+        except StopIteration:
+            return iter(head), False
+        except Exception as exc:  # noqa: BLE001 - raised again where the pairs are read
+            error = exc
+
+            def failing() -> Iterator[NamedTensor]:
+                yield from head
+                raise error
+
+            return failing(), False
+        return itertools.chain(head, pairs), self._publish_offset(*head[-1]) is not None
 
     @staticmethod
     def _guarded(messages: Iterator[dict[str, Any]]) -> Iterator[dict[str, Any] | Exception]:
@@ -546,6 +673,8 @@ class IpcCheckpointEngine(CheckpointEngine):
         sock = self._rep
         trainer = _Peer(sock, "the trainer", self.peer_pids[0] if self.peer_pids else None)
         owe_reply, why, ok, complete = False, "the receiver stopped before the end of the update", False, False
+        transient = False  # the trainer's publish buffer, freed after this update: let go of it at the end
+        trainer_gone = False
         try:
             handshake = await self._wait(sock.recv_pyobj, trainer, "buffer handle", time.monotonic() + self.timeout)
             owe_reply = True
@@ -574,10 +703,13 @@ class IpcCheckpointEngine(CheckpointEngine):
                     left -= 1
                     complete = msg["is_last"] and left == 0 and not parts
                     yield item
+                transient = transient or bool(msg.get("in_place") and msg.get("transient"))
                 if msg["is_last"]:
                     break
                 if self.device.type != "cpu":
                     self._torch_device.synchronize()  # the consumer's copies out of the bucket are done
+                if transient:
+                    self._drop_read(buffer, msg)
                 await sock.send(b"")
                 owe_reply = False
             if self.device.type != "cpu":
@@ -585,6 +717,7 @@ class IpcCheckpointEngine(CheckpointEngine):
             await sock.send(b"")  # the last reply: the trainer may reuse everything now
             owe_reply, ok = False, True
         except PeerFailure:
+            trainer_gone = True
             # the trainer died: its segment would stay until its resource tracker ends (shared with its parent
             # under multiprocessing), so the rollout that saw it die removes the name; mappings stay valid
             segment = self.segment_name
@@ -601,14 +734,30 @@ class IpcCheckpointEngine(CheckpointEngine):
                     owe_reply, ok = False, True
                 except zmq.ZMQError:
                     pass
+            settled = ok or trainer_gone  # the trainer sends nothing more of this update
             if owe_reply:
                 try:
                     sock.send(REFUSED + why.encode(), flags=zmq.NOBLOCK)
+                    settled = True  # the trainer reads the refusal and abandons the update
                 except zmq.ZMQError:
                     pass
-            if not ok:  # a failed or refused update: a new socket next time, in a known state
+            if not settled:  # e.g. a timeout: the trainer may still send into this socket, so a new one next time
                 self._rep = None
-                sock.close(linger=100 if owe_reply else 0)  # a refusal still goes out
+                sock.close(linger=0)
+            # else the socket is kept: a new one beside it, still closing, could attach to the trainer's next
+            # binding of the same endpoint and swallow its first message (seen after an aborted update)
+            if transient:  # the trainer frees its publish buffer now: a mapping kept here would keep it alive
+                self._opened, self._staging = None, None
+
+    def _drop_read(self, buffer: torch.Tensor, msg: dict[str, Any]) -> None:
+        """Stop counting the pages of one message this rollout has read in its resident memory (in place)."""
+        entries = list(msg["bucket_meta"].values())
+        if not entries:
+            return
+        low = min(e["offset"] for e in entries)
+        high = max(e["offset"] + (e["chunk"][1] if e.get("chunk") else e["dtype"].itemsize * torch.Size(e["shape"]).numel())
+                   for e in entries)
+        self.spec.drop_shared_pages(buffer, low, high - low)
 
     def _target(self, placement: ReceivePlacement | None, e: dict[str, Any]) -> torch.Tensor | None:
         """The consumer's tensor for entry ``e``, if it can take the bytes as they are (contiguous, same dtype and

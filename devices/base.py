@@ -139,6 +139,22 @@ class DeviceSpec:
         """
         raise NotImplementedError(f"device kind {self.kind!r} shares buckets through shared memory, not device IPC")
 
+    def drop_shared_pages(self, mapping, start: int, nbytes: int) -> bool:
+        """After reading ``mapping[start:start + nbytes]`` of a buffer another process shares (a segment mapped
+        here, or a device buffer opened from its handle), stop counting its pages in this process's resident
+        memory; returns whether pages were dropped. A host mapping's pages are dropped
+        (:func:`devices.shared_memory.drop_mapped_pages`); device memory is not host memory, so nothing happens
+        for it here (a kind whose device memory is host memory overrides this).
+
+        Raises:
+            ValueError: the range is not within ``mapping``, or a host ``mapping`` is not a whole mapped segment.
+        """
+        if mapping.device.type != "cpu":
+            return False
+        from devices.shared_memory import drop_mapped_pages
+
+        return drop_mapped_pages(mapping, start, nbytes)
+
     def host_cached_bytes(self) -> int:
         """Bytes of freed blocks the kind's caching allocator may keep resident in host memory, per device, at
         most (0 unless :attr:`device_memory_in_host`): what a memory bound adds for that cache."""

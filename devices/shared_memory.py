@@ -19,6 +19,8 @@ attached segments too and unlinks them when *that* process exits, under the crea
 
 from __future__ import annotations
 
+import ctypes
+import mmap
 import os
 import secrets
 from multiprocessing import shared_memory
@@ -100,6 +102,44 @@ def unlink(name: str) -> bool:
         return False
 
 
+MADV_DONTNEED = 4
+"""Linux ``madvise`` advice: drop the range's page-table entries (``man 2 madvise``). On a shared file mapping
+(a segment) no data is lost: the pages stay in the segment and a later read maps them again."""
+
+
+def drop_mapped_pages(mapping: torch.Tensor, start: int, nbytes: int) -> bool:
+    """Unmap this process's pages of ``mapping[start:start + nbytes]`` (``madvise(MADV_DONTNEED)``), so a
+    reader's resident memory stops counting a segment it has read: a rollout reading a trainer's update of
+    1 GB in place would otherwise hold the whole of it resident until the mapping goes.
+
+    The range is widened to whole pages but never beyond the mapping, which is page-aligned (``mmap``).
+
+    Args:
+        mapping: the whole mapped segment, as :func:`attach` or :class:`SharedSegment` give it (flat ``uint8``,
+            starting at the mapping's first byte); any other tensor would lose data, so only those are taken.
+        start, nbytes: the range, in bytes from the mapping's start.
+
+    Returns:
+        Whether pages were dropped (``False`` where ``madvise`` is unavailable or refuses: nothing changes).
+
+    Raises:
+        ValueError: the range is not within ``mapping``, or ``mapping`` does not start on a page (not a mapping).
+    """
+    size, base, page = mapping.numel(), mapping.data_ptr(), mmap.PAGESIZE
+    if base % page or start < 0 or nbytes < 0 or start + nbytes > size:
+        raise ValueError(f"cannot drop bytes [{start}, {start + nbytes}) of a mapping of {size} bytes at "
+                         f"{base:#x}: the range must lie within a page-aligned mapped segment")
+    first = (start // page) * page
+    last = min(-(-(start + nbytes) // page) * page, -(-size // page) * page)
+    if last <= first:
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.madvise(ctypes.c_void_p(base + first), ctypes.c_size_t(last - first), MADV_DONTNEED) == 0
+    except (OSError, AttributeError):
+        return False
+
+
 def segments(prefix: str) -> list[str]:
     """Names of the segments in ``/dev/shm`` starting with ``prefix`` (what a leak check counts)."""
     try:
@@ -108,4 +148,5 @@ def segments(prefix: str) -> list[str]:
         return []
 
 
-__all__ = ["SHM_DIR", "SharedSegment", "attach", "segment_path", "segments", "unlink"]
+__all__ = ["MADV_DONTNEED", "SHM_DIR", "SharedSegment", "attach", "drop_mapped_pages", "segment_path", "segments",
+           "unlink"]

@@ -178,6 +178,14 @@ class SimNpuDevice(DeviceSpec):
         register()  # activates its npu-smi and toolkit file (devices.npu_sim.cann), if not yet on PATH
         return "device" if ascend_versions.ipc_supported()[0] else "shm"
 
+    def drop_shared_pages(self, mapping, start: int, nbytes: int) -> bool:
+        """As for host mappings (:meth:`devices.base.DeviceSpec.drop_shared_pages`), for the sim's opened device
+        buffers too: they are segments mapped in host memory (:mod:`devices.npu_sim.ipc`), viewed as npu tensors
+        whose pointer is the mapping's."""
+        from devices.shared_memory import drop_mapped_pages
+
+        return drop_mapped_pages(mapping, start, nbytes)
+
     def share_device_buffer(self, nbytes: int, device):
         """A simulated device buffer over a shared-memory segment (:func:`devices.npu_sim.ipc.share_buffer`)."""
         from devices.npu_sim import ipc

@@ -206,3 +206,93 @@ def many_updates(rank, world_size, port, device, updates, bucket_size):
 
 
 many_updates.start_method = "spawn"  # it measures its own resident memory (see hal.testing.run_multiprocess)
+
+
+def staged(eng, weights, device) -> list[tuple[str, torch.Tensor]]:
+    """``weights`` copied into views of the engine's publish buffer (64-byte aligned, back to back), as a trainer
+    that casts its weights straight into it holds them."""
+    from ckpt.bucket import byte_view
+    from ckpt.layout import align
+
+    offsets, end = [], 0
+    for _, t in weights:
+        offsets.append(align(end))
+        end = offsets[-1] + t.numel() * t.element_size()
+    buffer = eng.publish_buffer(max(end, 1), hal.local_device(device))
+    out = []
+    for (name, t), offset in zip(weights, offsets):
+        view = byte_view(buffer, offset, t.dtype, t.shape)
+        view.copy_(t)
+        out.append((name, view))
+    return out
+
+
+def in_place_updates(rank, world_size, port, device, steps, bucket_size, transient, blocks=0):
+    """``steps`` updates staged in the trainer's publish buffer (the contract's sample weights, plus ``blocks``
+    tensors of 512 KiB; ``transient``: the engine's ``release_at_finalize``, a new buffer every update); then one
+    update with a tensor outside it after the first (refused, the rollouts aborted), then a normal one through
+    the buckets. The trainer returns its sent digests, errors, the publish segments it used, and whether the last
+    is gone once released; a rollout its received digests (taken as each tensor arrives, nothing kept) and steps,
+    and its resident-memory growth over each in-place update (VmHWM, bytes)."""
+    endpoint, pids = meet(rank, world_size, port)
+    eng = engine(rank, world_size, endpoint, pids, device, bucket_size, release_at_finalize=transient)
+    dev = hal.local_device(device)
+
+    def weights_of(step):
+        g = torch.Generator().manual_seed(step)
+        return sample_weights(step) + [(f"block{i}", torch.randint(0, 255, (512 << 10,), dtype=torch.uint8, generator=g))
+                                       for i in range(blocks)]
+
+    async def receive_digests(step):
+        return [digest([(n, t)])[0] async for n, t in eng.receive_weights(step)]
+
+    async def go():
+        out = {"digests": [], "steps": [], "growth": [], "errors": []}
+        for step in range(1, steps + 1):
+            if rank == 0:
+                weights = staged(eng, weights_of(step), device)
+                out.setdefault("segments", []).append(eng._publish.segment)
+                await eng.send_weights(weights, step)
+                out["digests"].append(digest(weights))
+                out["bucket_buffer"] = eng._buffer is not None  # an in-place update never allocates it
+                eng.finalize()
+            else:
+                pathlib.Path("/proc/self/clear_refs").write_text("5")
+                before = rss_bytes()
+                out["digests"].append(await receive_digests(step))
+                out["growth"].append(peak_rss_bytes() - before)
+                out["steps"].append(eng.received_global_steps)
+        # a stray tensor after an in-place first one: refused by the trainer, aborted on the rollouts
+        if rank == 0:
+            first = staged(eng, weights_of(steps + 1), device)[0]
+            try:
+                await eng.send_weights([first, ("stray", torch.ones(3, device=dev))], steps + 1)
+            except Exception as exc:  # noqa: BLE001 - the test reads it
+                out["errors"].append(f"{type(exc).__name__}: {exc}")
+            weights = sample_weights(steps + 2)
+            await eng.send_weights(weights, steps + 2)
+            out["digests"].append(digest(weights))
+            eng.release_publish_buffer()
+            out["segment_left"] = segment_exists(out["segments"][-1])
+        else:
+            try:
+                await receive_digests(steps + 1)
+            except Exception as exc:  # noqa: BLE001 - the test reads it
+                out["errors"].append(f"{type(exc).__name__}: {exc}")
+            out["digests"].append(await receive_digests(steps + 2))
+            out["steps"].append(eng.received_global_steps)
+        return out
+    result = asyncio.run(go())
+    trainer_done(rank)
+    eng.close()
+    return result
+
+
+in_place_updates.start_method = "spawn"  # it measures its own resident memory
+
+
+def peak_rss_bytes() -> int:
+    for line in pathlib.Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmHWM in /proc/self/status")

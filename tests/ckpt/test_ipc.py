@@ -183,6 +183,61 @@ def test_a_trainer_killed_mid_update_leaves_the_rollout_serving_its_previous_ste
 
 
 @pytest.mark.multiprocess
+@pytest.mark.parametrize("device, transport", LANES)
+def test_an_update_staged_in_a_transient_publish_buffer_is_read_in_place_within_a_bucket_of_memory(device,
+                                                                                                   transport):
+    bucket = 1 << 20
+    results = run_multiprocess(ipc_workers.in_place_updates, 3, device, 3, bucket, True, 48, timeout=110,
+                               env=_env(device, transport))
+    trainer = results[0]
+    assert not trainer["bucket_buffer"]  # nothing copied: the two buckets were never allocated
+    assert len(set(trainer["segments"])) == 3  # freed at each finalize, a new one each update
+    for rank in (1, 2):
+        rollout = results[rank]
+        assert rollout["steps"] == [1, 2, 3, 5]  # step 4 was refused
+        assert rollout["digests"] == trainer["digests"]  # in place (1-3) and through the buckets (5)
+        # 24 MiB of blocks read in place: the rollout's resident memory grew by about a bucket, not by the update
+        assert all(g < 4 * bucket for g in rollout["growth"][1:]), rollout["growth"]  # the first opens sockets
+        assert len(rollout["errors"]) == 1 and "TransferAbortedError" in rollout["errors"][0], rollout["errors"]
+    assert len(trainer["errors"]) == 1 and "'stray' is not a contiguous view" in trainer["errors"][0], trainer
+    assert not trainer["segment_left"]
+
+
+@pytest.mark.multiprocess
+def test_a_kept_publish_buffer_is_one_segment_across_updates_and_read_in_place_byte_exact():
+    results = run_multiprocess(ipc_workers.in_place_updates, 2, "cpu", 3, 1 << 20, False, 8, timeout=110)
+    trainer, rollout = results[0], results[1]
+    assert not trainer["bucket_buffer"] and len(set(trainer["segments"])) == 1
+    assert rollout["steps"] == [1, 2, 3, 5] and rollout["digests"] == trainer["digests"]
+    assert not trainer["segment_left"]
+
+
+def test_a_publish_buffer_is_the_engines_own_and_refused_out_of_place():
+    trainer = ckpt.get_checkpoint_engine("ipc", rank=0, world_size=2, endpoint=default_endpoint(), device="cpu")
+    buffer = trainer.publish_buffer(4096, "cpu")
+    assert buffer.dtype == torch.uint8 and buffer.numel() == 4096
+    assert trainer.publish_buffer(4096) is buffer  # the same size: the same buffer
+    segment = trainer._publish.segment
+    assert os.path.exists(f"/dev/shm/{segment}")
+    with pytest.raises(ckpt.CheckpointConfigError, match="positive int of bytes, got 0"):
+        trainer.publish_buffer(0)
+    rollout = ckpt.get_checkpoint_engine("ipc", rank=1, world_size=2, endpoint=default_endpoint(), device="cpu")
+    with pytest.raises(ckpt.CheckpointConfigError, match="publish_buffer is the trainer's"):
+        rollout.publish_buffer(4096)
+    trainer.close()
+    assert not os.path.exists(f"/dev/shm/{segment}")
+
+
+def test_the_base_publish_buffer_is_plain_memory_any_engine_sends():
+    engine = ckpt.get_checkpoint_engine("colocated")
+    buffer = engine.publish_buffer(64, "cpu")
+    assert buffer.dtype == torch.uint8 and buffer.shape == (64,)
+    engine.release_publish_buffer()  # nothing to free: a no-op
+    with pytest.raises(ckpt.CheckpointConfigError, match="got -1"):
+        engine.publish_buffer(-1, "cpu")
+
+
+@pytest.mark.multiprocess
 def test_a_thousand_updates_leave_fds_segments_and_memory_flat():
     results = run_multiprocess(ipc_workers.many_updates, 2, "cpu", 1000, 16 << 10, timeout=110)
     for rank, r in results.items():

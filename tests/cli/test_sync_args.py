@@ -50,6 +50,27 @@ def test_a_flag_without_effect_is_refused_naming_the_flag_it_needs(given, messag
     assert str(info.value) == message
 
 
+@pytest.mark.parametrize("given, message", [
+    (dict(device="cpu", engine="ipc"), "--hybrid puts every rank on one device; the cpu kind has none"),
+    (dict(engine="collective"), "--hybrid needs an engine whose trainer and rollouts may share a device (ipc, file), "
+                                "got --engine collective"),
+    (dict(engine="ipc", offload="model"), "--hybrid offloads the model, gradients and optimizer states (--offload "
+                                          "all), got --offload model"),
+    (dict(engine="ipc", launcher="ray"), "--hybrid runs with --launcher torchrun, got --launcher ray"),
+    (dict(engine="file", trainer_ranks=2), "--trainer-ranks 2 needs an engine whose every trainer rank sends"),
+])
+def test_hybrid_is_refused_where_ranks_cannot_share_a_device_naming_the_flag(given, message):
+    with pytest.raises(UsageError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        validate(Sync(**{"device": "npu-sim", "model": "qwen2.5-tiny", "hybrid": True, **given}))
+
+
+def test_hybrid_binds_every_rank_to_device_0_and_offloads_everything():
+    options = job_options(Sync(device="npu-sim", model="qwen2.5-tiny", engine="ipc", hybrid=True))
+    assert options.hybrid and options.rank_device == "npu-sim:0" and options.offload == "all"
+    assert job_options(Sync(device="npu-sim", model="qwen2.5-tiny", engine="ipc")).rank_device == "npu-sim"
+    validate(Sync(device="npu-sim", model="qwen2.5-tiny", engine="ipc", hybrid=True, rollouts=7))  # one device
+
+
 def test_publish_dtype_applies_to_presets_and_auto_resolves_per_rollout(tmp_path):
     import torch
     from safetensors.torch import save_file

@@ -71,13 +71,26 @@ def test_steps_then_a_rollout_dies_mid_update_fails_it_at_once_and_is_replaced(c
         assert "rollout rank 1" not in str(info.value) and "trainer" not in str(info.value)
 
 
-def test_the_ray_launcher_runs_the_collective_engine_only():
+def test_the_ray_launcher_runs_the_collective_and_ipc_engines_only():
     from hal.apps.cli.sync import validate
 
-    with pytest.raises(ValueError, match="--launcher ray runs the collective engine"):
+    with pytest.raises(ValueError, match=r"--launcher ray runs engines collective, ipc \(collective across nodes, ipc "
+                                         r"with every actor on one node\), got --engine file"):
         validate(Sync(device="cpu", model="qwen2.5-tiny", launcher="ray", engine="file"))
+    validate(Sync(device="cpu", model="qwen2.5-tiny", launcher="ray", engine="ipc"))
     validate(Sync(device="cpu", model="qwen2.5-tiny", launcher="ray"))  # the default launcher stays torchrun
     assert Sync().launcher == "torchrun"
+
+
+@pytest.mark.hal_device("cpu")
+def test_ray_actors_on_one_node_hand_over_through_the_ipc_engine(cluster, hal_device):
+    options = job_options(Sync(device=hal_device, model="qwen2.5-tiny", rollouts=2, steps=2, bucket_mb=0.25,
+                               timeout=TIMEOUT, engine="ipc"))
+    with RayJob(options, [RawReference()]) as run:
+        assert len({b.node_ip for b in run.bindings}) == 1  # the engine's topology refuses two hosts
+        run.warmup()
+        for step in (1, 2):
+            check_row(run.step(step), step)
 
 
 def test_hal_sync_on_an_existing_cluster_by_address(cluster):

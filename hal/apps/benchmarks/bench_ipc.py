@@ -8,6 +8,9 @@ One run measures side by side, on one device kind, the same bytes (bf16 tensors 
 * ``ipc``: ``IpcCheckpointEngine.send_weights`` in the trainer, ``receive_weights`` in 1 rollout process and,
   in a second group, in 2, each rollout copying every tensor into its own model tensors (the engine's
   ``placement``): the update as a rollout server sees it;
+* ``ipc in place``: the same, with the trainer's tensors staged in the engine's ``publish_buffer`` (as a trainer
+  that casts its weights straight into it holds them, ``hal sync``'s does): the trainer copies nothing, each
+  rollout copies once out of the trainer's memory (1 rollout);
 * ``collective``: ``CollectiveCheckpointEngine`` with the same bucket size into the same rollout tensors (one
   rollout).
 
@@ -52,6 +55,22 @@ def _weights(sizes: list[int], device: torch.device, seed: int) -> list[tuple[st
     return out
 
 
+def _staged(engine: Any, weights: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+    """``weights`` copied into views of ``engine.publish_buffer`` (64-byte aligned, back to back)."""
+    from ckpt.bucket import byte_view
+    from ckpt.layout import align
+
+    offsets, end = [], 0
+    for _, t in weights:
+        offsets.append(align(end))
+        end = offsets[-1] + t.numel() * t.element_size()
+    buffer = engine.publish_buffer(end)
+    out = []
+    for (name, t), offset in zip(weights, offsets):
+        out.append((name, byte_view(buffer, offset, t.dtype, t.shape).copy_(t)))
+    return out
+
+
 def _rank(rank: int, world_size: int, ports: list[int], endpoint: str, size_mb: int, bucket: int, device: str,
           rounds: int, collective: bool) -> dict[str, Any]:
     import ckpt
@@ -68,6 +87,7 @@ def _rank(rank: int, world_size: int, ports: list[int], endpoint: str, size_mb: 
         pids[r] = int(store.get(f"pid/{r}"))
     if rank == 0:
         weights = _weights(sizes, dev, seed=1)
+        staged = None
         flat_src = torch.zeros(total, dtype=torch.uint8, device=dev)
         flat_dst = torch.zeros(total, dtype=torch.uint8, device=dev)  # touched: no page faults in the timing
         placement = None
@@ -79,6 +99,11 @@ def _rank(rank: int, world_size: int, ports: list[int], endpoint: str, size_mb: 
         "ipc", rank=rank, world_size=world_size, endpoint=endpoint, bucket_size=bucket, device=device, timeout=300,
         peer_pids=pids[1:] if rank == 0 else [pids[0]])}
     if collective:
+        engines["ipc_in_place"] = ckpt.get_checkpoint_engine(
+            "ipc", rank=rank, world_size=world_size, endpoint=f"{endpoint}-in-place", bucket_size=bucket,
+            device=device, timeout=300, peer_pids=pids[1:] if rank == 0 else [pids[0]])
+        if rank == 0:  # staged once, as a trainer's cast would write it: not part of the transfer
+            staged = _staged(engines["ipc_in_place"], weights)
         engines["collective"] = ckpt.get_checkpoint_engine(
             "collective", rank=rank, world_size=world_size, master_addr="127.0.0.1", master_port=ports[1],
             bucket_size=bucket, device=device, timeout=300)
@@ -91,7 +116,7 @@ def _rank(rank: int, world_size: int, ports: list[int], endpoint: str, size_mb: 
 
         async def go() -> None:
             if rank == 0:
-                await engine.send_weights(weights, step[0])
+                await engine.send_weights(staged if name == "ipc_in_place" else weights, step[0])
             else:
                 async for n, t in engine.receive_weights(step[0], placement=placement):
                     if t is not mine[n]:  # the engine could not use the target: the rollout copies
@@ -128,7 +153,8 @@ def run(size_mb: int, device: str, rounds: int = 3, bucket_mb: float = 64.0) -> 
 
     Returns:
         ``{"device", "transport", "size_bytes", "n_tensors", "bucket_bytes", "rounds", "memcpy_gbps", "ipc_gbps",
-        "ipc2_gbps", "collective_gbps", "ipc_vs_memcpy", "ipc_vs_collective", "ipc2_vs_memcpy", "verified"}``:
+        "ipc2_gbps", "ipc_in_place_gbps", "collective_gbps", "ipc_vs_memcpy", "ipc_vs_collective", "ipc2_vs_memcpy",
+        "ipc_in_place_vs_memcpy", "ipc_in_place_vs_collective", "verified"}``:
         throughputs of the medians; the ``*_vs_*`` ratios are medians of per-round throughput ratios (above 1:
         the first is faster); ``ipc2``: the same update into 2 rollouts (every rollout gets all the bytes; the
         throughput counts them once); ``verified``: every rollout's first update of each engine was byte-exact.
@@ -157,10 +183,12 @@ def run(size_mb: int, device: str, rounds: int = 3, bucket_mb: float = 64.0) -> 
     return {"device": device, "transport": one[0]["transport"], "size_bytes": total, "n_tensors": one[0]["n_tensors"],
             "bucket_bytes": bucket, "rounds": rounds,
             "memcpy_gbps": gbps(t1["memcpy"]), "ipc_gbps": gbps(t1["ipc"]), "ipc2_gbps": gbps(t2["ipc"]),
-            "collective_gbps": gbps(t1["collective"]),
+            "collective_gbps": gbps(t1["collective"]), "ipc_in_place_gbps": gbps(t1["ipc_in_place"]),
             "ipc_vs_memcpy": med(m / i for m, i in zip(t1["memcpy"], t1["ipc"])),
             "ipc_vs_collective": med(c / i for c, i in zip(t1["collective"], t1["ipc"])),
             "ipc2_vs_memcpy": med(m / i for m, i in zip(t2["memcpy"], t2["ipc"])),
+            "ipc_in_place_vs_memcpy": med(m / i for m, i in zip(t1["memcpy"], t1["ipc_in_place"])),
+            "ipc_in_place_vs_collective": med(c / i for c, i in zip(t1["collective"], t1["ipc_in_place"])),
             "verified": all(v for res in (one, two) for r, fig in res.items() if r for v in fig["verified"].values()),
             "verified_by_engine": {f"{len(res) - 1} rollout(s) {name}": v for res in (one, two) for r, fig in res.items() if r
                                    for name, v in fig["verified"].items()}}
@@ -181,6 +209,8 @@ def print_table(result: dict[str, Any]) -> None:
     table.add_row("one memcpy (buffer touched)", f"{result['memcpy_gbps']:.2f}", "1.00", "")
     table.add_row("ipc engine, 1 rollout", f"{result['ipc_gbps']:.2f}", f"{result['ipc_vs_memcpy']:.2f}",
                   f"{result['ipc_vs_collective']:.2f}")
+    table.add_row("ipc engine in place (staged in its publish buffer), 1 rollout", f"{result['ipc_in_place_gbps']:.2f}",
+                  f"{result['ipc_in_place_vs_memcpy']:.2f}", f"{result['ipc_in_place_vs_collective']:.2f}")
     table.add_row("ipc engine, 2 rollouts", f"{result['ipc2_gbps']:.2f}", f"{result['ipc2_vs_memcpy']:.2f}", "")
     table.add_row("collective engine, 1 rollout", f"{result['collective_gbps']:.2f}", "", "1.00")
     Console(width=150).print(table)

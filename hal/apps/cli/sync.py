@@ -27,10 +27,10 @@ and ``--compare-full`` times a full publish of the same weights around each step
 The job is the library :mod:`hal.apps.weightsync` (roles, messages, one step loop, launchers); this module
 is its options and a call. Per step, ``--json`` reports the publish-to-all-applied time and throughput, its
 ratio to the raw broadcast, the peak resident (host) memory of every rank against its stated bound, and each
-rollout's verification. ``--engine collective``, ``file``, ``nixl``, ``mooncake`` and ``kimi`` run the ranks
-as separate processes started by ``torch.distributed.launcher`` (the library behind ``torch.distributed.run``)
-or, with ``--launcher ray``, as Ray actors; ``colocated`` runs trainer and rollouts in one process, as a
-colocated deployment does.
+rollout's verification. ``--engine collective``, ``file``, ``ipc``, ``nixl``, ``mooncake`` and ``kimi`` run the
+ranks as separate processes started by ``torch.distributed.launcher`` (the library behind
+``torch.distributed.run``) or, with ``--launcher ray``, as Ray actors (collective and ipc); ``colocated`` runs
+trainer and rollouts in one process, as a colocated deployment does.
 """
 
 from __future__ import annotations
@@ -97,7 +97,7 @@ class Sync:
     """Print the per-step results as JSON on stdout (progress goes to stderr)."""
     launcher: Literal["torchrun", "ray"] = "torchrun"
     """Who starts the ranks: torchrun (one machine), or Ray actors placed by the kind's Ray resource (engine
-    collective); see hal.apps.weightsync.launchers.ray."""
+    collective, or ipc with every actor on one node); see hal.apps.weightsync.launchers.ray."""
     address: Annotated[str | None, optional("auto|HOST:PORT", "start a one-node cluster for the run")] = None
     """With --launcher ray: the cluster, 'auto' (the cluster of this node) or HOST:PORT of its head."""
     placement: Annotated[Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] | None,
@@ -118,10 +118,21 @@ class Sync:
     positions + values, a full seed first and after a refused or failed update), diffed against the
     trainer's host snapshot and applied by each rollout per --rollout-apply; --json adds dense_bytes,
     sent_bytes, changed_fraction and seed per step."""
+    hybrid: bool = False
+    """verl's hybrid engine: the trainer and the rollouts on one device (the kind's device 0), each in its own
+    process; the trainer offloads its model, gradients and optimizer states before the rollouts apply each
+    update and onloads them after (implies --offload all). An engine that hands over on one device (ipc,
+    file); a device kind (not cpu); no raw-broadcast reference (x raw is -: a communicator refuses two ranks
+    on one device)."""
     compare_full: bool = False
     """With --wire-format delta: also publish each step's weights in full through the same engine, once before and once after the
     step's own publish, and report delta_vs_full (publish_s / the full publishes' mean) per step (engines
     collective and colocated)."""
+
+
+RAY_ENGINES = ("collective", "ipc")
+"""Engines ``--launcher ray`` runs: the collective one across nodes, the ipc one with every actor on one node
+(its ``build_topology`` refuses workers on two hosts, naming them)."""
 
 
 def validate(args: Sync) -> None:
@@ -157,8 +168,9 @@ def validate(args: Sync) -> None:
 
         if args.engine not in ENGINES:
             raise UsageError(f"--compare-full runs over engines {', '.join(ENGINES)}, got --engine {args.engine}")
-    if args.launcher == "ray" and args.engine != "collective":
-        raise UsageError(f"--launcher ray runs the collective engine across nodes, got --engine {args.engine}")
+    if args.launcher == "ray" and args.engine not in RAY_ENGINES:
+        raise UsageError(f"--launcher ray runs engines {', '.join(RAY_ENGINES)} (collective across nodes, ipc with "
+                         f"every actor on one node), got --engine {args.engine}")
     if args.rollout == "vllm":
         if args.wire_format != "full":  # the vLLM role loads whole tensors (reload_weights), not delta flushes
             raise UsageError(f"--rollout vllm takes --wire-format full, got --wire-format {args.wire_format}")
@@ -166,7 +178,9 @@ def validate(args: Sync) -> None:
     if args.trainer_ranks > 1:
         validate_sharded(args)
     spec = hal.resolve_device(args.device)
-    if args.engine != "colocated" and args.launcher != "ray":  # one local process, and device, per rank
+    if args.hybrid:
+        validate_hybrid(args, spec)
+    elif args.engine != "colocated" and args.launcher != "ray":  # one local process, and device, per rank
         from hal.apps.cli.launch import require_devices
 
         require_devices(spec, args.trainer_ranks + args.rollouts,
@@ -225,6 +239,35 @@ def validate_sharded(args: Sync) -> None:
         raise UsageError(f"{flag} trains a preset ({', '.join(sorted(PRESETS))}), got --model {args.model}")
 
 
+def validate_hybrid(args: Sync, spec: Any) -> None:
+    """``--hybrid``'s own checks (``spec``: the resolved device kind).
+
+    Raises:
+        UsageError: a host kind (no device to share), an engine whose class does not say
+            ``ranks_may_share_a_device``, ``--offload`` other than ``all`` (or left out), or a launcher, rollout or
+            trainer other than one torchrun-started hal trainer (names the flag and value).
+    """
+    import ckpt
+
+    if spec.host_memory:
+        raise UsageError(f"--hybrid puts every rank on one device; the {spec.kind} kind has none (use a device kind, "
+                         "e.g. --device npu-sim)")
+    if not ckpt.checkpoint_engine_factory(args.engine).ranks_may_share_a_device:
+        accepted = [name for name in ("ipc", "file") if ckpt.checkpoint_engine_factory(name).ranks_may_share_a_device]
+        raise UsageError(f"--hybrid needs an engine whose trainer and rollouts may share a device "
+                         f"({', '.join(accepted)}), got --engine {args.engine}")
+    if args.offload not in ("none", "all"):
+        raise UsageError(f"--hybrid offloads the model, gradients and optimizer states (--offload all), got --offload "
+                         f"{args.offload}")
+    for name, value, accepted in (("--launcher", args.launcher, "torchrun"), ("--rollout", args.rollout, "hal"),
+                                  ("--trainer-ranks", args.trainer_ranks, 1)):
+        if value != accepted:
+            raise UsageError(f"--hybrid runs with {name} {accepted}, got {name} {value}")
+    from hal.apps.cli.launch import require_devices
+
+    require_devices(spec, 1, what="--hybrid (every process on device 0)")
+
+
 def validate_vllm(args: Sync) -> None:
     """``--rollout vllm``'s own checks.
 
@@ -254,7 +297,8 @@ def job_options(args: Sync) -> JobOptions:
     fields = {f.name: getattr(args, f.name) for f in dataclasses.fields(JobOptions) if hasattr(args, f.name)}
     fields.update(device=hal.resolve_device(args.device).kind, model=resolve_model(args.model),
                   bucket_bytes=mib_to_bytes(args.bucket_mb, "--bucket-mb"), placement=args.placement or "PACK",
-                  publish_dtype=None if args.publish_dtype == "auto" else args.publish_dtype)
+                  publish_dtype=None if args.publish_dtype == "auto" else args.publish_dtype,
+                  offload="all" if args.hybrid else args.offload)
     return JobOptions(**fields)
 
 
@@ -275,14 +319,15 @@ def execute(args: Sync) -> dict[str, Any]:
     vllm = options.rollout == "vllm"
     # the raw broadcast lands in a rollout's staging buffer: hal's adapter has one, vLLM's worker does not
     # (a sharded trainer has no one buffer to broadcast)
-    hooks: list[Any] = [] if options.colocated or vllm or options.sharded else [RawReference()]
+    # (--hybrid: a communicator refuses two ranks on one device)
+    hooks: list[Any] = [] if options.colocated or vllm or options.sharded or options.hybrid else [RawReference()]
     if options.compare_full:
         from hal.apps.weightsync.full_reference import FullReference
 
         hooks.append(FullReference())
     result = launch(options, hooks)
     out = {"device": options.device, "engine": options.engine, "model": options.model, "offload": options.offload,
-           "trainer_ranks": options.trainer_ranks,
+           "trainer_ranks": options.trainer_ranks, "hybrid": options.hybrid,
            "rollout_apply": options.rollout_apply, "launcher": options.launcher, "rollout": options.rollout,
            "publish_dtype": options.published_dtype, "wire_format": options.wire_format,
            **result.report(options.steps), "wall_s": time.perf_counter() - start}

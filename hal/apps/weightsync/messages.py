@@ -72,6 +72,8 @@ class Received:
     ``receive_s`` and ``load_s`` measured inside vLLM's worker, ``bytes``; ``None`` for hal's rollout."""
     needs_seed: bool | None = None
     """``--wire-format delta``: the receiver takes only a full seed next (``None``: full updates)."""
+    device: str | None = None
+    """The device the rollout serves on (``"npu:1"``; every rollout's ``"npu:0"`` with ``--hybrid``)."""
 
 
 @dataclasses.dataclass

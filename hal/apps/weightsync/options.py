@@ -52,6 +52,10 @@ class JobOptions:
     """``full``: every tensor each step; ``delta``: verl's ``delta_flush`` (:mod:`hal.apps.weightsync.delta`)."""
     compare_full: bool = False
     """Also time a full publish of the same weights around each step's (:mod:`hal.apps.weightsync.full_reference`)."""
+    hybrid: bool = False
+    """verl's hybrid engine: the trainer and every rollout on one device (the kind's device 0), each in its own
+    process; the trainer offloads its model, gradients and optimizer states before the rollouts apply an update
+    (``offload="all"``) and onloads them after. Needs an engine whose class says ``ranks_may_share_a_device``."""
     trainer_ranks: int = 1
     """Trainer ranks: 1, one process with the whole model (:class:`~hal.apps.weightsync.trainer.Trainer`); more,
     hal's FSDP2 engine over that many processes, every rank publishing its own shards
@@ -71,6 +75,12 @@ class JobOptions:
     def world_size(self) -> int:
         """Workers of the job: the trainer ranks, then the rollouts."""
         return self.trainer_ranks + self.rollouts
+
+    @property
+    def rank_device(self) -> str:
+        """The device every rank resolves: the kind (each rank then takes its ``LOCAL_RANK``'s device, see
+        :func:`hal.local_device`), or with :attr:`hybrid` the kind's device 0 for every rank."""
+        return f"{self.device}:0" if self.hybrid else self.device
 
     @property
     def offload_flags(self) -> dict[str, bool]:

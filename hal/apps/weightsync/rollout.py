@@ -23,7 +23,8 @@ def rollout_model(options: JobOptions, adapter_cls: Any = None):
 
     import torch
 
-    module = models.serving_model(options.model, hal.get_device(options.device), getattr(torch, options.published_dtype))
+    module = models.serving_model(options.model, hal.get_device(options.rank_device),
+                                  getattr(torch, options.published_dtype))
     adapter = (adapter_cls or ckpt.ModelRolloutAdapter)(module, atomic=options.rollout_apply == "atomic")
     decode = None
     if options.model in models.PRESETS:
@@ -76,7 +77,7 @@ class Rollout(Worker):
         out = Received(rank=self.index, served_step=self.adapter.served_step, error=error,
                        receive_s=time.perf_counter() - start, copied_bytes=held.last_copied_bytes,
                        started_at=started_at, applied_at=applied_at, held_bytes=held.banks * held.bank_bytes,
-                       needs_seed=getattr(self.receiver, "needs_seed", None))
+                       needs_seed=getattr(self.receiver, "needs_seed", None), device=str(hal.get_device(self.kind)))
         delta_words, delta_terms = self.delta_memory(held)
         out.held_bytes += sum(delta_terms.values())
         if self.whereabouts.resource is not None:

@@ -101,11 +101,13 @@ class Trainer(Worker):
                        tensor_home=dataclasses.asdict(self.torch_engine.tensor_home()), stage_s=self.stage())
 
     def stage(self) -> float:
-        """Cast the weights into a fresh published buffer (the trainer's bf16 model views it); seconds."""
+        """Cast the weights into a fresh published buffer (the trainer's bf16 model views it); seconds. The buffer
+        is the engine's ``publish_buffer`` (plain memory, or for the ipc engine memory the rollouts read in place,
+        so the update is sent without a copy)."""
         from ckpt.serving import named_weights
 
         start = time.perf_counter()
-        self.bank = torch.empty(self.layout.nbytes, dtype=torch.uint8, device=self.device)
+        self.bank = self.engine.publish_buffer(self.layout.nbytes, self.device)
         self.layout.fill(self.bank, named_weights(self.torch_engine.module))
         if self.skeleton is not None:
             self.layout.bind(self.skeleton, self.bank)
@@ -146,10 +148,11 @@ class Trainer(Worker):
         return Reference(sums, tokens, logits)
 
     def release(self) -> None:
-        """Drop the published buffer."""
+        """Drop the published buffer (and the engine's, :meth:`ckpt.CheckpointEngine.release_publish_buffer`)."""
         if self.skeleton is not None:
             self.layout.bind(self.skeleton, None)
         self.bank = None
+        self.engine.release_publish_buffer()
 
     def offloaded_bytes(self) -> int:
         """Bytes ``--offload`` moves to the host each step (parameters and gradients with the model, the

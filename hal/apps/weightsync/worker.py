@@ -60,11 +60,12 @@ def make_engine(options: JobOptions, index: int, node_ip: str) -> Any:
         # each update's finalize, as verl's hybrid engine frees its bucket, so the trainer's next backward pass
         # (its peak) does not carry it
         return ckpt.get_checkpoint_engine("ipc", bucket_size=options.bucket_bytes, is_master=index == 0,
-                                          device=options.device, timeout=options.timeout, release_at_finalize=True)
+                                          device=options.rank_device, timeout=options.timeout,
+                                          release_at_finalize=True)
     if options.engine == "file":
         if options.file_root is None:
             raise ValueError("the file engine needs options.file_root (a directory), got None")
-        return ckpt.get_checkpoint_engine("file", root=options.file_root, keep_last=2, device=options.device,
+        return ckpt.get_checkpoint_engine("file", root=options.file_root, keep_last=2, device=options.rank_device,
                                           timeout=options.timeout)
     return ckpt.get_checkpoint_engine(options.engine, timeout=options.timeout)
 
@@ -82,7 +83,7 @@ class Worker:
 
     def __init__(self, options: JobOptions, index: int, engine: Any, where: Where | None = None) -> None:
         self.options, self.index, self.engine = options, index, engine
-        self.kind = options.device
+        self.kind = options.rank_device  # a kind, or with --hybrid the kind's device 0
         self.whereabouts = where or Where(index, "127.0.0.1", os.getpid(), options.device)
         self.addons: dict[str, Any] = {}
 

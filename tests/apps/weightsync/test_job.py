@@ -90,6 +90,25 @@ def test_what_the_process_held_before_the_job_is_in_the_bound_and_nothing_else_i
     assert "held_before_bytes" not in trainer.memory_bound(0)["terms"]
 
 
+def test_the_trainer_stages_each_update_in_the_engines_publish_buffer_and_releases_it(monkeypatch):
+    group = local_group(OPTIONS)
+    engine = group.workers[0].engine
+    calls = []
+    base_publish = type(engine).publish_buffer
+
+    def publish_buffer(self, nbytes, device):
+        calls.append(("publish", nbytes, str(device)))
+        return base_publish(self, nbytes, device)
+
+    monkeypatch.setattr(type(engine), "publish_buffer", publish_buffer)
+    monkeypatch.setattr(type(engine), "release_publish_buffer", lambda self: calls.append(("release",)))
+    result = asyncio.run(run(OPTIONS, group))
+    assert result.report(2)["verified"] is True
+    # the warm-up and two steps: each staged in the engine's buffer (the tiny preset: 1788160 bytes of bf16)
+    # and released at the step's end
+    assert calls == [("publish", 1_788_160, "cpu"), ("release",)] * 3
+
+
 def test_a_corrupted_update_is_named_by_its_tensor_and_fails_verification():
     group = local_group(OPTIONS)
     engine = group.workers[0].engine  # the colocated engine every worker shares

@@ -16,9 +16,9 @@ ROOT = pathlib.Path(__file__).resolve().parents[3]
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
 
 
-def hal_sync(*args: str) -> dict:
+def hal_sync(*args: str, device: str = "cpu") -> dict:
     env = {k: v for k, v in os.environ.items() if k != "HAL_DEVICE"}
-    out = subprocess.run([sys.executable, "-m", "hal.apps.cli.main", "sync", "--device", "cpu", "--model",
+    out = subprocess.run([sys.executable, "-m", "hal.apps.cli.main", "sync", "--device", device, "--model",
                           "qwen2.5-tiny", "--steps", "2", "--timeout", "120", "--json", *args],
                          capture_output=True, text=True, timeout=290, env=env, cwd=ROOT)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
@@ -48,3 +48,20 @@ def test_colocated_runs_the_job_in_one_process_without_a_raw_reference():
     result = hal_sync("--engine", "colocated")
     check_rows(result, raw=False)
     assert result["ratio_vs_raw_min"] is None and result["engine"] == "colocated"
+
+
+def test_the_ipc_engine_runs_the_job_staged_in_its_publish_buffer():
+    result = hal_sync("--engine", "ipc", "--bucket-mb", "0.25")
+    check_rows(result, raw=True)
+    assert result["engine"] == "ipc"
+
+
+def test_hybrid_puts_every_rank_on_device_0_and_offloads_the_trainer_before_the_rollouts_apply():
+    result = hal_sync("--engine", "ipc", "--hybrid", device="npu-sim")
+    assert result["verified"] is True and result["memory_within"] is True
+    assert result["hybrid"] is True and result["offload"] == "all"
+    for row in result["rows"]:
+        assert [(r["served_step"], r["device"]) for r in row["rollouts"]] == [(row["global_steps"], "npu:0")] * 2
+        # the trainer's model, gradients and optimizer states were on the host while the rollouts applied
+        assert row["tensor_home"] == {"model": "cpu", "optimizer": "cpu", "grad": "cpu"}
+        assert row["raw_s"] is None  # no raw reference: a communicator refuses two ranks on one device

@@ -188,7 +188,7 @@ def rank_main(options: JobOptions, ctl_port: int, hooks: Sequence[StepHook]) -> 
 
     quiet_rank_exit()
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    hal.bind_local_device(options.device)  # one device per rank: LOCAL_RANK's
+    hal.bind_local_device(options.rank_device)  # one device per rank, LOCAL_RANK's (with --hybrid: device 0)
     store = hal.connect_store(LOOPBACK, ctl_port, rank, world_size, timeout=options.timeout)
     if rank >= options.trainer_ranks and options.rollout == "vllm":  # hal's engine is built inside vLLM's worker
         from hal.apps.weightsync.vllm_role import VllmRolloutRole
