@@ -52,7 +52,7 @@ def test_a_flag_without_effect_is_refused_naming_the_flag_it_needs(given, messag
 
 @pytest.mark.parametrize("given, message", [
     (dict(device="cpu", engine="ipc"), "--hybrid puts every rank on one device; the cpu kind has none"),
-    (dict(engine="collective"), "--hybrid needs an engine whose trainer and rollouts may share a device (ipc, file), "
+    (dict(engine="collective"), "--hybrid needs an engine whose trainer and rollouts may share a device (file, ipc), "
                                 "got --engine collective"),
     (dict(engine="ipc", offload="model"), "--hybrid offloads the model, gradients and optimizer states (--offload "
                                           "all), got --offload model"),

@@ -252,8 +252,9 @@ def validate_hybrid(args: Sync, spec: Any) -> None:
     if spec.host_memory:
         raise UsageError(f"--hybrid puts every rank on one device; the {spec.kind} kind has none (use a device kind, "
                          "e.g. --device npu-sim)")
-    if not ckpt.checkpoint_engine_factory(args.engine).ranks_may_share_a_device:
-        accepted = [name for name in ("ipc", "file") if ckpt.checkpoint_engine_factory(name).ranks_may_share_a_device]
+    if not getattr(ckpt.checkpoint_engine_factory(args.engine), "ranks_may_share_a_device", False):
+        accepted = [name for name in ckpt.known_checkpoint_engines()
+                    if getattr(ckpt.checkpoint_engine_factory(name), "ranks_may_share_a_device", False)]
         raise UsageError(f"--hybrid needs an engine whose trainer and rollouts may share a device "
                          f"({', '.join(accepted)}), got --engine {args.engine}")
     if args.offload not in ("none", "all"):
