@@ -83,8 +83,13 @@ def interrupted_status(exc: BaseException) -> int | None:
 
 
 @contextlib.contextmanager
-def own_elastic_launch() -> Iterator[None]:
+def own_elastic_launch(scratch: str | None = None) -> Iterator[None]:
     """The setting of an elastic launch by hal (``hal sync``, ``hal bench``, ``hal launch``).
+
+    * With ``scratch`` (the launch's own directory, :func:`scratch_dir`), this process's temporary files go
+      there while the launch runs: torch's ``start_processes`` names one ``pytorch-errorfile-*.pickle`` per rank
+      in the temporary directory, a rank that raises writes it, and nothing removes it (one was left in
+      ``/tmp`` per failed or interrupted launch); under ``scratch`` it goes with the directory.
 
     * torch.distributed.elastic's warnings are muted: they narrate the agent's shutdown (``Received 2 death
       signal, shutting down workers``); hal reports a failed rank itself (the agent's errors still print) and
@@ -108,9 +113,13 @@ def own_elastic_launch() -> Iterator[None]:
         logger.setLevel(max(logger.level, logging.ERROR))
     saved = {name: signal.getsignal(getattr(signal, name)) for name in _AGENT_SIGNALS if hasattr(signal, name)} \
         if threading.current_thread() is threading.main_thread() else {}
+    tempdir = tempfile.tempdir
+    if scratch is not None:
+        tempfile.tempdir = scratch
     try:
         yield
     finally:
+        tempfile.tempdir = tempdir
         for logger, level in zip(loggers, levels):
             logger.setLevel(level)
         for name, handler in saved.items():

@@ -76,7 +76,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
 
     if world_size < 1 or not timeout > 0:
         raise ValueError(f"world_size must be >= 1 and timeout > 0, got world_size={world_size}, timeout={timeout}")
-    with scratch_dir("hal-elastic-") as logs, own_elastic_launch():
+    with scratch_dir("hal-elastic-") as logs, own_elastic_launch(logs):
         config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=world_size,
                               run_id=f"hal-bench-{name}-{uuid.uuid4().hex[:8]}", rdzv_backend="c10d",
                               rdzv_endpoint="127.0.0.1:0", rdzv_configs={"join_timeout": int(timeout)},

@@ -175,7 +175,7 @@ def run(args: Launch) -> int:
     os.environ.update(launch_env(args))  # torch.distributed.run passes its environment to every worker
     try:
         # the script's processes are the user's: the agent forwards Ctrl-C to them as torchrun does
-        with scratch_dir("hal-elastic-") as logs, own_elastic_launch():
+        with scratch_dir("hal-elastic-") as logs, own_elastic_launch(logs):
             torchrun(get_args_parser().parse_args([f"--log-dir={logs}", *argv]))
     except ChildFailedError as exc:
         rank, failure = exc.get_first_failure()

@@ -3,6 +3,8 @@ comes back by rank, a rank that raises or hangs fails the run naming it, and ``h
 
 from __future__ import annotations
 
+import pathlib
+import tempfile
 import time
 
 import pytest
@@ -34,11 +36,17 @@ def test_each_rank_runs_once_and_its_value_comes_back_by_rank():
     assert run_ranks(echo, 2, "bench", timeout=60, name="test") == {0: (0, 2, "bench"), 1: (1, 2, "bench")}
 
 
+def error_files() -> set[pathlib.Path]:
+    return set(pathlib.Path(tempfile.gettempdir()).glob("pytorch-errorfile-*.pickle"))
+
+
 def test_a_rank_that_raises_fails_the_run_and_hal_bench_names_it(monkeypatch):
+    before = error_files()
     with pytest.raises(ChildFailedError) as info:
         run_ranks(fails_on_rank_1, 2, timeout=60, name="test")
     rank, failure = info.value.get_first_failure()
     assert rank == 1 and "ValueError: rank 1 refuses" in str(failure.message)
+    assert error_files() - before == set()  # torch's per-rank error file went with the launch's scratch directory
 
     def raises(rounds):
         raise info.value

@@ -250,14 +250,14 @@ def launch(options: JobOptions, hooks: Sequence[StepHook] = ()) -> JobResult:
 
             # the directory vLLM starts from
             options = save_initial_model(options, root=scratch.enter_context(scratch_dir("hal-sync-vllm-")))
+        logs = scratch.enter_context(scratch_dir("hal-elastic-"))
         config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=options.world_size,
                               run_id=f"hal-sync-{uuid.uuid4().hex[:8]}", rdzv_backend="c10d",
                               rdzv_endpoint=f"{LOOPBACK}:0", max_restarts=0, monitor_interval=0.1,
-                              start_method="spawn", logs_specs=elastic_logs(scratch.enter_context(
-                                  scratch_dir("hal-elastic-"))), shutdown_timeout=LAUNCH_SHUTDOWN_TIMEOUT_S,
-                              signals_to_handle=OWN_LAUNCH_SIGNALS)
+                              start_method="spawn", logs_specs=elastic_logs(logs),
+                              shutdown_timeout=LAUNCH_SHUTDOWN_TIMEOUT_S, signals_to_handle=OWN_LAUNCH_SIGNALS)
         try:
-            with own_elastic_launch():
+            with own_elastic_launch(logs):
                 per_rank = elastic_launch(config, rank_main)(options, pick_port(), list(hooks))
         except ChildFailedError as exc:
             raise worker_failed(exc, functools.partial(role, trainers=options.trainer_ranks), "hal sync") from None
