@@ -27,7 +27,12 @@ compatibility module (:mod:`devices.npu_sim.compat`). With ``HAL_DEVICE=npu-sim`
 
 Environment: ``HAL_SIM_NPU_COUNT`` (devices, default: entries of ``ASCEND_RT_VISIBLE_DEVICES``, else 8),
 ``HAL_SIM_NPU_MEMORY`` (capacity per device in bytes, default 16 GiB: the default `hal sync` preset trains with AdamW in fp32, 8 GiB of states plus its step's temporaries), ``HAL_SIM_STRICT=1`` (any
-``torch.cuda`` call raises, see :mod:`devices.npu_sim.strict`), ``HAL_CACHE_DIR`` (build cache).
+``torch.cuda`` call raises, see :mod:`devices.npu_sim.strict`), ``HAL_CACHE_DIR`` (build cache),
+``HAL_SIM_CACHE_RESIDENT_MB`` (host memory the allocator's free blocks may keep resident per device, default
+1024 MiB; the least recently freed give their pages back past it: ``torch.npu.host_cache_stats``),
+``HAL_SIM_HUGE_PAGES=0`` (back device blocks with 4 KiB pages instead of 2 MiB transparent huge pages, which
+make repopulating and giving back a block's pages several times cheaper; see ``csrc/npu_sim.cpp``),
+``HAL_SIM_POPULATE_THREADS`` (threads that make a large block resident, default: the host's).
 """
 
 from __future__ import annotations

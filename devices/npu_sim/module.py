@@ -24,7 +24,7 @@ DeviceArg = int | str | torch.device | None
 
 DEVICE_NAME = "Ascend-sim (npu-sim on host memory)"
 
-SIM_EXTRAS = ("is_sim", "set_memory_capacity")
+SIM_EXTRAS = ("is_sim", "set_memory_capacity", "host_cache_stats")
 """Names of the sim's ``torch.npu`` that real ``torch_npu.npu`` lacks: portable code must not use them."""
 
 
@@ -145,9 +145,28 @@ def build(ext: types.ModuleType) -> types.ModuleType:
         """Return the cached (free) blocks of every device to the simulated device: :func:`memory_reserved`
         drops to :func:`memory_allocated`. The device keeps that memory resident (as HBM stays the device's
         after the driver frees it), so a later allocation of a fitting size reuses it without host page
-        faults; the host memory itself is given back only when the process exits."""
+        faults, up to the resident limit of :func:`host_cache_stats`; the host memory itself is given back only
+        when the process exits."""
         for index in range(ext.device_count()):
             ext.empty_cache(index)
+
+    def host_cache_stats(device: DeviceArg = None) -> dict[str, int]:
+        """Sim only: what the caching allocator of ``device`` keeps in host memory, in bytes.
+
+        Blocks not in use (cached, or released by :func:`empty_cache`) keep at most ``HAL_SIM_CACHE_RESIDENT_MB``
+        MiB of host pages (default 1024, per device; read once per process); past it the least recently freed
+        ones give their pages back (``madvise(MADV_DONTNEED)``) and stay reserved at the same address, and taking
+        one again makes it resident in bulk (see ``cache_resident_limit`` in ``csrc/npu_sim.cpp``).
+
+        Returns:
+            ``resident_bytes``: host bytes held now by blocks not in use (at most the limit, plus blocks under
+            1 MiB, which are never given back); ``dropped_bytes``: bytes of blocks whose pages were given back,
+            summed since the process started; ``repopulated_bytes``: bytes of such blocks made resident again
+            when taken back into use, summed likewise (a warm offload round trip of an engine whose blocks fit
+            under the limit adds none).
+        """
+        resident, dropped, repopulated = ext.cache_residency(_index(device))
+        return {"resident_bytes": resident, "dropped_bytes": dropped, "repopulated_bytes": repopulated}
 
     def memory_allocated(device: DeviceArg = None) -> int:
         """Bytes held by live npu storages on ``device``."""

@@ -8,7 +8,8 @@ One run measures, side by side on the same machine and device kind:
   pageable host memory (first-touch page faults paid by the copy) and device memory from the caching
   allocator (what the engine's onload gets too, since its offload emptied the cache); measured once;
 * ``engine cold``: the first ``TorchEngine.to("cpu")`` + ``to(<device>)``, which allocates the host buffers;
-* ``engine warm``: later round trips, which reuse them (the steady state of RL post-training);
+* ``engine warm``: later round trips, which reuse them (the steady state of RL post-training), each timed
+  right before a plain round trip so that both see the same load on a shared machine;
 * ``host alloc``: allocating the engine's host slabs for the same tensors on their own
   (:meth:`engines.host_buffers.HostBufferPool.reserve`), no copy. A first offload must allocate them, so
   ``host alloc + plain round trip`` is the floor of any cold round trip that allocates its host memory at
@@ -64,6 +65,12 @@ def _rss_peak_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
+def _minor_faults() -> int:
+    """This process's minor page faults so far (``ru_minflt``): each one a host page made resident (4 KiB, or
+    2 MiB where the memory is backed by huge pages), which a copy into memory already touched never pays."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
 def _timed(fn: Callable[[], Any], spec: Any) -> float:
     """Wall seconds of ``fn()``, the device synchronized before and after."""
     hal.synchronize(spec)
@@ -95,8 +102,12 @@ def run(size_mb: int, device: str | None = None, rounds: int = 3, threads: int |
         engine's host slabs for the same tensors, no copy; median of ``rounds`` fresh allocations),
         ``cold_floor_ratio`` (plain round trip / (host alloc + plain round trip): the best ``cold_ratio``
         an offload that allocates its host memory at first use can reach here), ``cold_vs_floor`` (that
-        floor's time / engine cold), ``rss_peak_bytes`` (``ru_maxrss``) and ``host_buffer_bytes``. On a
-        host-memory kind (cpu) nothing moves: ``moves`` is False and every rate is 0.
+        floor's time / engine cold), ``rss_peak_bytes`` (``ru_maxrss``), ``host_buffer_bytes``, and
+        ``warm_faults_per_mib`` / ``plain_faults_per_mib`` (the process's minor page faults over one warm engine
+        round trip / one plain round trip, median, per MiB of ``bytes``: host pages the move had to make
+        resident, 0 for copies between memory already touched). Each warm engine round trip is timed right
+        before a plain one, so both sides of a ratio see the same load. On a host-memory kind (cpu) nothing
+        moves: ``moves`` is False and every rate and fault figure is 0.
 
     Raises:
         ValueError: ``size_mb`` or ``rounds`` below 1.
@@ -126,7 +137,8 @@ def _run(size_mb: int, device: str | None, rounds: int) -> dict:
              "onload_gbps", "cold_gbps", "warm_gbps", "cold_ratio", "warm_ratio", "plain_cold_gbps",
              "cold_vs_plain_cold", "host_alloc_gbps", "cold_floor_ratio", "cold_vs_floor")
     if spec.host_memory:
-        out.update(dict.fromkeys(rates, 0.0), rss_peak_bytes=_rss_peak_bytes(), host_buffer_bytes=0)
+        out.update(dict.fromkeys(rates, 0.0), rss_peak_bytes=_rss_peak_bytes(), host_buffer_bytes=0,
+                   warm_faults_per_mib=0.0, plain_faults_per_mib=0.0)
         return out
     pin = engine.host_buffers.pin
     dev_buf = torch.empty(nbytes, dtype=torch.uint8, device=engine.torch_device)
@@ -138,9 +150,18 @@ def _run(size_mb: int, device: str | None, rounds: int) -> dict:
         return statistics.median(_timed(fn, spec) for _ in range(rounds))
 
     cold = _timed(lambda: (engine.to("cpu"), engine.to(spec)), spec)
-    warm = [(_timed(lambda: engine.to("cpu"), spec), _timed(lambda: engine.to(spec), spec)) for _ in range(rounds)]
-    d2h = median(lambda: host_buf.copy_(dev_buf, non_blocking=pin))
-    h2d = median(lambda: dev_buf.copy_(host_buf, non_blocking=pin))
+    # Each warm round trip is followed by a plain one, so that both see the same load on a shared machine
+    # (timed apart, a burst of another process's work lands on one side only and skews the ratio).
+    warm, d2hs, h2ds, faults = [], [], [], {"warm": [], "plain": []}
+    for _ in range(rounds):
+        before = _minor_faults()
+        warm.append((_timed(lambda: engine.to("cpu"), spec), _timed(lambda: engine.to(spec), spec)))
+        between = _minor_faults()
+        d2hs.append(_timed(lambda: host_buf.copy_(dev_buf, non_blocking=pin), spec))
+        h2ds.append(_timed(lambda: dev_buf.copy_(host_buf, non_blocking=pin), spec))
+        faults["warm"].append(between - before)
+        faults["plain"].append(_minor_faults() - between)
+    d2h, h2d = statistics.median(d2hs), statistics.median(h2ds)
     fresh: list[torch.Tensor] = []
     cold_d2h = _timed(lambda: fresh.append(dev_buf.to("cpu")), spec)  # fresh pageable host memory
     dev_buf = None  # its block goes back to the device cache, which the onload below draws from
@@ -155,7 +176,9 @@ def _run(size_mb: int, device: str | None, rounds: int) -> dict:
     timings = Timings(cold_s=cold, warm_s=warm, d2h_s=d2h, h2d_s=h2d, cold_d2h_s=cold_d2h, cold_h2d_s=cold_h2d,
                       h2d_fresh_s=h2d_fresh, host_alloc_s=statistics.median(allocs))
     out.update(figures(nbytes, timings), rss_peak_bytes=_rss_peak_bytes(),
-               host_buffer_bytes=engine.host_buffers.nbytes)
+               host_buffer_bytes=engine.host_buffers.nbytes,
+               warm_faults_per_mib=statistics.median(faults["warm"]) / (nbytes / 2**20),
+               plain_faults_per_mib=statistics.median(faults["plain"]) / (nbytes / 2**20))
     return out
 
 
@@ -238,6 +261,9 @@ def print_table(r: dict) -> None:
                       f"{r['cold_vs_floor']:.2f}x the floor (host alloc + plain round trip)")
     console.print(f"peak host RSS {r['rss_peak_bytes'] / 2**30:.2f} GiB; engine host buffers "
                   f"{r['host_buffer_bytes'] / 2**30:.2f} GiB")
+    if r["moves"]:
+        console.print(f"host page faults per MiB moved: warm round trip {r['warm_faults_per_mib']:.2f}, "
+                      f"plain round trip {r['plain_faults_per_mib']:.2f}")
     if not r["moves"]:
         console.print(f"device kind {r['device']!r} keeps tensors in host memory: nothing moves "
                       "(use --device npu-sim, cuda or npu)")
