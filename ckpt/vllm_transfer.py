@@ -61,8 +61,9 @@ EXTENSION = "ckpt.vllm_transfer.HalWorkerExtension"
 
 
 def crc32_hex(tensor: torch.Tensor) -> str:
-    """CRC-32 of a host tensor's bytes (``zlib.crc32``), as 8 hex digits: what ``hal sync`` compares."""
-    data = tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
+    """CRC-32 of a tensor's bytes (``zlib.crc32``; a host copy as needed), as 8 hex digits: what ``hal sync``
+    compares (:mod:`hal.apps.weightsync.verify` uses this one too)."""
+    data = tensor.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy()
     return f"{zlib.crc32(data) & 0xFFFFFFFF:08x}"
 
 

@@ -5,22 +5,16 @@ from __future__ import annotations
 
 import re
 import time
-import zlib
 from typing import Any, Callable, Iterable
 
 import torch
 
+from ckpt.vllm_transfer import crc32_hex as crc32
 from hal.apps.weightsync.messages import Checked, Reference
 
 
 ROWS_KEY = re.compile(r"^(?P<name>.+)\[(?P<start>\d+):(?P<stop>\d+)\]$")
 """A checksum key of rows ``[start:stop)`` (dim 0) of a tensor: ``"name[start:stop]"`` (a sharded trainer's part)."""
-
-
-def crc32(tensor: torch.Tensor) -> str:
-    """CRC-32 of a tensor's bytes, 8 hex digits (a host copy as needed)."""
-    data = tensor.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy()
-    return f"{zlib.crc32(data) & 0xFFFFFFFF:08x}"
 
 
 def checksums(weights: Iterable[tuple[str, Any]]) -> dict[str, str]:
