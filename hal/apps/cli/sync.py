@@ -157,12 +157,11 @@ def validate(args: Sync) -> None:
     if not args.logits_atol >= 0:
         raise UsageError(f"--logits-atol must be >= 0, got {args.logits_atol}")
     resolve_model(args.model)
-    if args.engine in ("nixl", "mooncake", "kimi"):
-        import ckpt
+    import ckpt
 
-        ok, reason = ckpt.checkpoint_engine_availability(args.engine, args.device)
-        if not ok:
-            raise UsageError(f"--engine {args.engine} is unavailable here: {reason}")
+    ok, reason = ckpt.checkpoint_engine_availability(args.engine, args.device)  # each engine's own probe
+    if not ok:
+        raise UsageError(f"--engine {args.engine} is unavailable here: {reason}")
     if args.compare_full:
         from hal.apps.weightsync.full_reference import ENGINES
 
