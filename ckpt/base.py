@@ -113,6 +113,19 @@ class CheckpointEngine(abc.ABC):
     here: a device communicator refuses two ranks on one device (NCCL's "Duplicate GPU detected"; HCCL alike).
     Engines that hand over through memory or files say ``True``."""
 
+    bytes_cross_a_network: bool = False
+    """Whether an update's bytes travel between the trainer's and a rollout's processes over a network link
+    (sockets, RDMA): what a cut, slowed or emulated link acts on (``hal soak``'s link faults, ``hal sync
+    --link-gbit``). ``False`` here; the collective engine and the transfer-library engines say ``True``."""
+
+    one_process: bool = False
+    """Whether the trainer and the rollouts run in one process (the colocated engine): killing or stopping one
+    of them is killing or stopping the whole job."""
+
+    stages_in_shared_memory: bool = False
+    """Whether the trainer stages updates in POSIX shared memory (``/dev/shm``), as the ipc engine does on host
+    memory and the simulated npu's shareable buffers do: what a full ``/dev/shm`` fails."""
+
     @classmethod
     def send_buffer_bytes(cls, bucket_size: int, published_bytes: int) -> dict[str, int]:
         """What the sending side holds while it sends one update, beyond the caller's tensors.

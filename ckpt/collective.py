@@ -131,6 +131,7 @@ class CollectiveCheckpointEngine(OneToManyEngine):
         self._parts: dict[str, tuple[list[int], int]] = {}  # receiver: the row parts of the current update
 
     supports_multi_sender = True
+    bytes_cross_a_network = True  # NCCL, HCCL or gloo between the processes
 
     # ---- lifecycle (verl's CheckpointEngine ABC: all synchronous; the sequence is the base's) --------
     def _host_rendezvous(self) -> None:

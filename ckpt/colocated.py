@@ -95,6 +95,7 @@ class ColocatedCheckpointEngine(CheckpointEngine):
     """
 
     send_buffer_words = ""
+    one_process = True
     """What :meth:`send_buffer_bytes` counts, in words: nothing (the receiver reads the sender's own tensors)."""
 
     _channels: weakref.WeakValueDictionary[tuple[type, str], ColocatedCheckpointEngine] = \

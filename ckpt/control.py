@@ -20,7 +20,8 @@ One idea: typed messages between the ranks of a group, every wait bounded, a dea
 * **liveness**: each channel runs a daemon thread that bumps its rank's counter (``store.add``) every
   :data:`HEARTBEAT_S` and reads the counters of the peers it was told to :meth:`~ControlChannel.watch`. A peer
   whose counter stood still for :data:`HEARTBEAT_DEAD_S` is dead: a wait on it is woken at once (a queue gets
-  a wake-up item, an unset key a wake-up value) and raises :class:`PeerFailure` naming it, and :meth:`~ControlChannel.check_alive` raises the same. The store's
+  a wake-up item, an unset key a wake-up value) and raises :class:`PeerFailure` naming it, and :meth:`~ControlChannel.check_alive` raises the same. A peer
+  whose counter moves again (it was stopped or starved, not dead) counts as alive again. The store's
   host gone (its process exited) fails every wait at once, naming the host.
 
 The store keeps what is not taken: receivers pop their queues, and an engine drains the queues of a connection
@@ -184,6 +185,11 @@ class ControlChannel:
         self._tokens = itertools.count(1)
         self._watched: dict[int, tuple[int, float]] = {}  # peer -> (last counter seen, when it last changed)
         self._dead: dict[int, str] = {}  # peer -> why it counts as dead
+        self._dead_count: dict[int, int] = {}  # peer -> its counter when it was found dead (it stood still there)
+        # check_alive's own connection, made when a peer is found dead and closed once none is (so a stopped peer
+        # that continues leaves no descriptor behind)
+        self._probe: dist.Store | None = None
+        self._probe_lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         if heartbeat:
@@ -382,6 +388,7 @@ class ControlChannel:
             for peer in peers:
                 self._watched.setdefault(peer, (-1, time.monotonic()))
                 self._dead.pop(peer, None)
+                self._dead_count.pop(peer, None)
 
     def unwatch(self, peers: list[int]) -> None:
         """Stop watching ``peers`` (they left, or a new connection of theirs is to be watched afresh)."""
@@ -389,16 +396,50 @@ class ControlChannel:
             for peer in peers:
                 self._watched.pop(peer, None)
                 self._dead.pop(peer, None)
+                self._dead_count.pop(peer, None)
 
     def check_alive(self, peer: int, what: str = "a message") -> None:
-        """Raise :class:`PeerFailure` if ``peer`` counts as dead (a dictionary look-up: no store round trip).
+        """Raise :class:`PeerFailure` if ``peer`` counts as dead (a dictionary look-up while it is alive; for a
+        peer found dead, one store round trip: its counter moved since, it was stopped or starved and counts as
+        alive again).
 
         Raises:
-            PeerFailure: its heartbeat stood still for :data:`HEARTBEAT_DEAD_S`, or the store's host is gone.
+            PeerFailure: its heartbeat stood still for :data:`HEARTBEAT_DEAD_S` (and still does), or the store's
+                host is gone.
         """
         reason = self._dead.get(peer)
-        if reason is not None:
+        if reason is not None and not self._beating_again(peer):
             raise PeerFailure(self.label(peer), f"{reason}, while {self.label(self.rank)} waited for {what}")
+
+    def _beating_again(self, peer: int) -> bool:
+        """Whether ``peer``, found dead, bumped its counter since (read now, on this channel's own connection);
+        if so it is alive again (its next wait may wait on it)."""
+        with self._lock:
+            dead_at = self._dead_count.get(peer)
+        if dead_at is None:  # found dead some other way (the store's host gone): for good
+            return False
+        try:
+            with self._probe_lock:
+                if self._probe is None:
+                    self._probe = self.store.clone()
+                count = int(self._probe.add(self.key("hb", str(peer)), 0))
+        except dist.DistError:
+            return False
+        if count == dead_at:
+            return False
+        self._revive(peer, count)
+        return True
+
+    def _revive(self, peer: int, count: int) -> None:
+        with self._lock:
+            self._dead.pop(peer, None)
+            self._dead_count.pop(peer, None)
+            if peer in self._watched:
+                self._watched[peer] = (count, time.monotonic())
+            none_dead = not self._dead_count
+        if none_dead:
+            with self._probe_lock:
+                self._probe = None  # its socket closes with it
 
     def _beat(self, beat: dist.Store) -> None:
         """The heartbeat thread: bump this rank's counter, judge the watched peers, wake waits on the dead."""
@@ -415,19 +456,23 @@ class ControlChannel:
                         with self._lock:
                             if peer in self._watched:
                                 self._watched[peer] = (count, now)
+                        if peer in self._dead_count:  # beating again (it was stopped or starved, not dead): a
+                            self._revive(peer, count)  # wait that failed meanwhile failed, the next may wait on it
                         continue
                     if now - since >= self.heartbeat_timeout and peer not in self._dead:
                         self._mark_dead(beat, peer, f"{self.label(peer)} is dead or hangs: its heartbeat stood "
                                                     f"still for {now - since:.1f} s (heartbeat_timeout="
-                                                    f"{self.heartbeat_timeout:g} s)")
+                                                    f"{self.heartbeat_timeout:g} s)", count)
             except dist.DistError as exc:  # the store's host is gone: every wait fails by itself
                 if self.host_rank in self._watched and self.host_rank != self.rank:
                     self._mark_dead(None, self.host_rank, str(self._host_gone("its heartbeat", exc)))
                 return
 
-    def _mark_dead(self, beat: dist.Store | None, peer: int, reason: str) -> None:
+    def _mark_dead(self, beat: dist.Store | None, peer: int, reason: str, count: int | None = None) -> None:
         with self._lock:
             self._dead[peer] = reason
+            if count is not None:  # its counter stood still at count: moving again revives it
+                self._dead_count[peer] = count
             waits = [(token, key) for token, (key, p) in self._waits.items() if p == peer]
         if beat is None:
             return

@@ -160,6 +160,7 @@ class IpcCheckpointEngine(CheckpointEngine):
     send_buffer_words = "the shared buffer: two buckets, one filled while the other is read"
     supports_multi_sender = False
     ranks_may_share_a_device = True  # verl's hybrid engine: the rollout opens the trainer's buffer on its device
+    stages_in_shared_memory = True  # the shm transport's buckets, and the simulated npu's shareable buffers
 
     @classmethod
     def send_buffer_bytes(cls, bucket_size: int, published_bytes: int) -> dict[str, int]:

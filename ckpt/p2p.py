@@ -13,7 +13,9 @@ into a peer's buffer, wait for that write):
   needs: agent metadata, session, buffer address); the trainer sends each message's metadata
   (:class:`ckpt.wire.WireMessage`: entries, chunk, ``step``, end or abort) only after that message's write
   completed, and a rollout acknowledges every message (:class:`ckpt.control.Ack`) once it is done with its
-  slot, which is the trainer's credit to write slot ``k % 2`` again.
+  slot, which is the trainer's credit to write slot ``k % 2`` again. When an update fails the trainer gives
+  every connection up and marks it so in the store; a rollout reads the mark before its next update and
+  connects again.
 
 Every wait (the store, hello, credit, write, metadata) is bounded by ``timeout``. Every rank heartbeats
 through the store: a dead or hung rollout fails the trainer's send naming that rollout within
@@ -143,6 +145,12 @@ def _queues(rank: int, epoch: int) -> tuple[str, str]:
     return f"msg/{rank}/{epoch}", f"ack/{rank}/{epoch}"
 
 
+def _given_up_key(rank: int, epoch: int) -> str:
+    """The counter the trainer sets when it gives rollout ``rank``'s connection ``epoch`` up (see
+    :meth:`P2PCheckpointEngine._connect`)."""
+    return f"given-up/{rank}/{epoch}"
+
+
 @dataclasses.dataclass
 class Registered:
     """A storage registered with the library for direct writes: its handle and how many in-flight messages
@@ -224,6 +232,7 @@ class P2PCheckpointEngine(OneToManyEngine):
 
     min_bucket_size = 1024
     min_world_size = 2
+    bytes_cross_a_network = True  # the library's one-sided writes between the processes
 
     def __init__(self, bucket_size: int = DEFAULT_BUCKET_SIZE, is_master: bool = False, *, rank: int | None = None,
                  world_size: int | None = None, master_addr: str | None = None, master_port: int | None = None,
@@ -323,14 +332,39 @@ class P2PCheckpointEngine(OneToManyEngine):
                 self._forget(peer)
             self._peers = {}
         elif self._control is not None:
+            try:  # the trainer may not have read this connection's hello yet: it must not take it up later
+                self._control.add(_given_up_key(self.rank, self._epoch), 1)
+            except Exception:  # noqa: BLE001 - the store is gone: so is the trainer's use of this connection
+                pass
             self._control.close()
             self._control = self._store = None
 
     def _forget(self, peer: _Peer) -> None:
         if self._control is not None:
+            self._give_up(peer)
             for queue in peer.queues:
                 self._control.drain(queue)
             self._control.unwatch([peer.rank])
+
+    def _forget_given_up(self) -> bool:
+        """Forget the kept connections given up since they were accepted, by this trainer or by their rollout
+        (which dropped it, e.g. after a wait that timed out, and connects again: a hello it sent on that
+        connection may only now have been read); returns whether there were any (their new hellos are then
+        waited for, :meth:`_accept_all`)."""
+        stale = [peer for peer in self._peers.values()
+                 if self._control.add(_given_up_key(peer.rank, peer.epoch), 0) > 0]
+        for peer in stale:
+            self._forget(peer)
+            del self._peers[peer.rank]
+        return bool(stale)
+
+    def _give_up(self, peer: _Peer) -> None:
+        """Tell ``peer``'s rollout that the trainer no longer writes to its connection (it reads that before its
+        next update and connects again, :meth:`_connect`)."""
+        try:
+            self._control.add(_given_up_key(peer.rank, peer.epoch), 1)
+        except Exception:  # noqa: BLE001 - the store is gone: the rollout finds that instead
+            pass
 
     def _setup_buffers(self, host: str) -> None:
         if self._transport is not None:
@@ -413,7 +447,7 @@ class P2PCheckpointEngine(OneToManyEngine):
         want = set(range(1, self.world_size))
         deadline = time.monotonic() + self.timeout
         bucket_sizes: dict[int, Any] = {}
-        while set(self._peers) != want or ctl.pending("hello"):
+        while set(self._peers) != want or ctl.pending("hello") or self._forget_given_up():
             try:
                 hello = await ctl.recv("hello", Hello, None, "hello", max(0.01, deadline - time.monotonic()))
             except PeerFailure as exc:
@@ -576,6 +610,8 @@ class P2PCheckpointEngine(OneToManyEngine):
             return
         peers = list(self._peers.values())
         for peer in peers:
+            if fatal:  # before the abort: a rollout that read the whole update already reads this next time
+                self._give_up(peer)
             ctl.send(peer.queues[0], WireMessage(step, self.bucket_size, abort=reason[:2000], fatal=fatal))
         deadline = time.monotonic() + min(self.timeout, 5.0)
         for peer in peers:
@@ -594,12 +630,19 @@ class P2PCheckpointEngine(OneToManyEngine):
         """The rollout's connection to the trainer: its control channel (the store reached, the buffers
         registered, :class:`Hello` sent), made on first need and after a dropped one.
 
+        A kept connection the trainer gave up (it drops every connection when an update fails, and drains their
+        queues) is dropped and made again: a rollout that received that update whole before the trainer gave it
+        up (late, but every record still queued) would otherwise wait on a queue no one writes, while the
+        trainer waits for its hello, and the next update would fail on both sides after ``timeout``.
+
         Raises:
             CheckpointConfigError: no trainer address; TransferTimeoutError: the trainer's store did not
             answer within ``timeout``.
         """
         if self._control is not None:
-            return self._control
+            if not self._given_up():
+                return self._control
+            self._drop_connections()
         if self.master_addr is None or self.master_port is None:
             raise CheckpointConfigError("a rollout needs master_addr and master_port (the trainer's control "
                                         f"address), got {self.master_addr!r}, {self.master_port!r}")
@@ -621,6 +664,14 @@ class P2PCheckpointEngine(OneToManyEngine):
             raise
         self._control, self._store, self._epoch = ctl, store, epoch
         return ctl
+
+    def _given_up(self) -> bool:
+        """Whether the trainer gave this rollout's connection up (:meth:`_give_up`); an unreachable store counts
+        as given up (connecting again then names the trainer)."""
+        try:
+            return self._control.add(_given_up_key(self.rank, self._epoch), 0) > 0
+        except Exception:  # noqa: BLE001 - a store that does not answer: connect again, which says why
+            return True
 
     async def receive_weights(self, global_steps: int | None = None, *,
                               placement: ReceivePlacement | None = None) -> AsyncIterator[NamedTensor]:

@@ -15,7 +15,9 @@ Here it is a layer over engines that carry named tensors, so it runs unchanged o
   :class:`DeltaCheckpointEngine` / :func:`delta_engine_class`: the same as an engine of
   ``wire_format = "delta_flush"`` (for verl's registry and rollout adapters).
 
-Modules: ``wire`` (the format), ``checksum``, ``sender``, ``receiver``, ``transport``, ``engine``, ``errors``.
+Modules: ``wire`` (the format), ``checksum``, ``diff`` (the sender's diff), ``kernel`` (its host-memory
+loops in C, built once, with torch/numpy paths giving the same bits where no compiler is found),
+``sender``, ``receiver``, ``transport``, ``engine``, ``errors``.
 """
 
 from ckpt.delta.checksum import tensor_checksum

@@ -13,8 +13,9 @@ value sits and, being nonlinear, could not be updated from the changed values al
 Both parts are linear in the words, so a side that knows which elements changed, and their old and new
 bits, updates the checksum without reading the rest (:func:`element_delta`): the sender from its diff, the
 rollout from the positions it writes. A full computation (:func:`word_parts`, the seed's) is one read:
-the words are reduced in cache-sized blocks ``[rows, K]`` whose row sums and column sums give ``W``; with
-:func:`parts_and_copy` the same read also copies the bytes (the snapshot update, a dense write).
+on host memory one C loop (:mod:`ckpt.delta.kernel`, where built), else the words are reduced in
+cache-sized blocks ``[rows, K]`` whose row sums and column sums give ``W``; with :func:`parts_and_copy` the
+same read also copies the bytes (the snapshot update, a dense write).
 """
 
 from __future__ import annotations
@@ -67,6 +68,18 @@ def parts_and_copy(words: torch.Tensor, out: torch.Tensor | None = None) -> tupl
         raise ValueError(f"out has {out.numel()} words, words has {n}")
     if n == 0:
         return 0, 0
+    if words.device.type == "cpu" and words.is_contiguous() and (
+            out is None or (out.device.type == "cpu" and out.is_contiguous())):
+        from ckpt.delta import kernel
+
+        lib = kernel.library()
+        if lib is not None:  # one loop: read, copy, sum (see ckpt.delta.kernel)
+            import numpy as np
+
+            rows = np.zeros((1, kernel.ROW), dtype=np.int64)
+            rows[0, kernel.NBYTES] = 8 * n
+            kernel.seed(lib, words, out, 8, rows)
+            return int(rows[0, kernel.DW]) & _MASK64, int(rows[0, kernel.DS]) & _MASK64
     dev = words.device
     wk, rows_idx = _consts(dev)
     block = K * BLOCK_ROWS

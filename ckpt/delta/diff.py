@@ -9,14 +9,24 @@ within them the changed elements, are found for the whole region at once, mapped
 handful of torch ops and one host sync per region, not per tensor. Large tensors whose words mostly
 changed are decided dense on counts first and copied into the snapshot while computing their checksum
 (:func:`ckpt.delta.checksum.parts_and_copy`: one more read of those only).
+
+On host memory, where the C loops of :mod:`ckpt.delta.kernel` are built, a region is diffed in one loop
+instead (:func:`diff_segment` picks it): each word of the weights and of the snapshot is read once, a
+changed word is copied into the snapshot and its changed values written as (int32 position, value) pairs
+straight into the update's output, and each tensor's count, NaN test and checksum change are summed on
+the way; a tensor stops writing pairs once it turns dense. Large tensors are sampled first (64 words):
+one that looks dense is counted before its pass, so it writes no pairs. Both paths give the same bits
+(positions, values, dense decisions, checksums, snapshot).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
+from ckpt.delta import kernel
 from ckpt.delta.checksum import add_parts, parts_and_copy, raw_words
 from ckpt.delta.wire import POS_WIDTH
 from ckpt.errors import CheckpointConfigError
@@ -49,9 +59,32 @@ def bits(tensor: torch.Tensor) -> torch.Tensor:
                                     f"{flat.element_size()}; accepted sizes: {sorted(_INT_VIEW)})") from None
 
 
+MAX_POSITION = 2**31 - 1
+"""The largest flat position verl's int32 ``indices`` encoding holds: a tensor of more values goes dense."""
+
+
 def goes_dense(changed: int, nbytes: int, element_size: int) -> bool:
-    """Whether ``changed`` values as a delta (positions + values) would be at least the tensor's ``nbytes``."""
-    return changed * (POS_WIDTH + element_size) >= nbytes
+    """Whether ``changed`` values as a delta (positions + values) would be at least the tensor's ``nbytes``
+    (or the tensor has more values than an int32 position reaches)."""
+    return changed * (POS_WIDTH + element_size) >= nbytes or nbytes // element_size > MAX_POSITION + 1
+
+
+def sparse_limit(nbytes: int, element_size: int) -> int:
+    """The most changed values a tensor of ``nbytes`` still sends sparse (``-1``: none, it always goes dense):
+    the largest ``c`` with ``not goes_dense(c, nbytes, element_size)``."""
+    if nbytes // element_size > MAX_POSITION + 1:
+        return -1
+    return (nbytes - 1) // (POS_WIDTH + element_size)
+
+
+NAN_RULES: dict[torch.dtype, tuple[int, int]] = {
+    torch.bfloat16: (0x7FFF, 0x7F80), torch.float16: (0x7FFF, 0x7C00),
+    torch.float32: (0x7FFFFFFF, 0x7F800000), torch.float64: (0x7FFF_FFFF_FFFF_FFFF, 0x7FF0_0000_0000_0000),
+    torch.float8_e4m3fn: (0x7F, 0x7E), torch.float8_e5m2: (0x7F, 0x7C),
+}
+"""``(absmask, infbits)`` per floating dtype the C diff knows: a value is NaN when ``bits & absmask > infbits``
+(IEEE 754 layouts; float8 e4m3fn has no infinity, only ``S.1111.111`` is NaN, per the OCP FP8 spec). Other
+floating dtypes (float8 ``fnuz``, ``e8m0``) are diffed by the torch path, whose ``torch.isnan`` knows them."""
 
 
 @dataclass
@@ -135,9 +168,33 @@ class TensorDiff:
     values: torch.Tensor | None = None
 
 
+def _rows(seg: Segment) -> np.ndarray:
+    """The C diff's per-tensor rows of ``seg`` (:mod:`ckpt.delta.kernel`): ``W0``, ``NBYTES``, ``CMAX`` filled."""
+    es = seg.tensors[0].element_size()
+    rows = np.zeros((len(seg.tensors), kernel.ROW), dtype=np.int64)
+    for row, t, off in zip(rows, seg.tensors, seg.offsets):
+        nbytes = t.numel() * es
+        row[kernel.W0], row[kernel.NBYTES], row[kernel.CMAX] = off // 8, nbytes, sparse_limit(nbytes, es)
+    return rows
+
+
+def _kernel_for(seg: Segment, snapshot: torch.Tensor):
+    """The C library when ``seg`` can be diffed by it (host memory, a dtype whose NaN rule it knows), else None."""
+    dtype = seg.tensors[0].dtype
+    if seg.words.device.type != "cpu" or snapshot.device.type != "cpu" or (
+            dtype.is_floating_point and dtype not in NAN_RULES):
+        return None
+    return kernel.library()
+
+
 def seed_segment(seg: Segment, snapshot: torch.Tensor) -> list[tuple[int, int]]:
     """Copy ``seg``'s words into ``snapshot`` (host int64, same length) and return each tensor's checksum
     parts, in one read of the region."""
+    lib = _kernel_for(seg, snapshot)
+    if lib is not None:
+        rows = _rows(seg)
+        kernel.seed(lib, seg.words, snapshot, seg.tensors[0].element_size(), rows)
+        return [add_parts((0, 0), int(r[kernel.DW]), int(r[kernel.DS])) for r in rows]
     parts = []
     pos = 0
     for t, off in zip(seg.tensors, seg.offsets):
@@ -165,10 +222,113 @@ def _tensor_parts_and_copy(words: torch.Tensor, snapshot: torch.Tensor, w0: int,
     return parts
 
 
-def diff_segment(seg: Segment, snapshot: torch.Tensor, old_parts: list[tuple[int, int]], pin: bool
-                 ) -> list[TensorDiff | None]:
+class Outputs:
+    """Where the C diff writes an update's (position, value) pairs: one int32 buffer and one byte buffer,
+    filled region after region, so that the pairs of consecutive sparse tensors of one dtype lie back to back
+    (a flush of them is a view, see :func:`join`), and kept from one update to the next (their pages are not
+    faulted in, zeroed, again each update). :meth:`start` rewinds them: the previous update's flushes must
+    have been sent by then. A region that may not fit gets new, larger buffers (the old ones live on as long
+    as views of them do). Memory: the most one update wrote, plus one region's worst case."""
+
+    def __init__(self) -> None:
+        self.pos = torch.empty(0, dtype=torch.int32)
+        self.vals = torch.empty(0, dtype=torch.uint8)
+        self.at = self.vat = 0  # next free entry of pos, byte of vals
+
+    def start(self) -> None:
+        """Rewind to the start of the buffers (a new update)."""
+        self.at = self.vat = 0
+
+    def reserve(self, entries: int, es: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Room for ``entries`` pairs of ``es``-byte values from the cursors: ``(int32 positions, byte
+        values)``, views of the buffers (values aligned to ``es``); :meth:`advance` moves past what was used."""
+        self.vat = -(-self.vat // es) * es
+        if self.at + entries > self.pos.numel() or self.vat + entries * es > self.vals.numel():
+            size = max(2 * self.pos.numel(), entries, 1 << 16)
+            self.pos = torch.empty(size, dtype=torch.int32)
+            self.vals = torch.empty(size * 8, dtype=torch.uint8)
+            self.at = self.vat = 0
+        return self.pos[self.at:self.at + entries], self.vals[self.vat:self.vat + entries * es]
+
+    def advance(self, entries: int, es: int) -> None:
+        self.at += entries
+        self.vat += entries * es
+
+
+def join(parts: list[torch.Tensor], max_gap: int = 0) -> tuple[torch.Tensor, list[int]]:
+    """``parts`` (1-D tensors of one dtype) as one tensor, and where each starts in it (in elements).
+
+    When each part starts at most ``max_gap`` bytes (a whole number of elements) after the one before it
+    ends, in one storage (the pairs of consecutive sparse tensors in :class:`Outputs`; views of one flat
+    buffer, whose alignment padding is then carried along), a view spanning them (no copy); else
+    ``torch.cat``, the parts back to back.
+    """
+    first = parts[0]
+    es, start = first.element_size(), first.data_ptr()
+    base, at, end = first.untyped_storage().data_ptr(), [], start
+    for p in parts:
+        gap = p.data_ptr() - end
+        if p.untyped_storage().data_ptr() != base or p.dtype != first.dtype or p.stride() != (1,) \
+                or not 0 <= gap <= max_gap or gap % es:
+            at = [0]
+            for q in parts[:-1]:
+                at.append(at[-1] + q.numel())
+            return (torch.cat(parts) if len(parts) > 1 else first), at
+        at.append((p.data_ptr() - start) // es)
+        end = p.data_ptr() + p.numel() * es
+    return first.as_strided(((end - start) // es,), (1,)), at
+
+
+def diff_segment(seg: Segment, snapshot: torch.Tensor, old_parts: list[tuple[int, int]], pin: bool,
+                 outputs: Outputs | None = None) -> list[TensorDiff | None]:
     """Diff ``seg`` against ``snapshot`` (host int64 words of the region as last published), bring the
     snapshot up to date, and return each tensor's :class:`TensorDiff` (``None``: unchanged).
+
+    On host memory with the C loops built (:mod:`ckpt.delta.kernel`): one loop over the region, each word
+    of it and of the snapshot read once (:func:`diff_segment_kernel`). Else torch/numpy passes on the
+    tensors' device (:func:`diff_segment_torch`). Both return the same bits.
+    """
+    lib = _kernel_for(seg, snapshot)
+    if lib is not None:
+        return diff_segment_kernel(lib, seg, snapshot, old_parts, outputs)
+    return diff_segment_torch(seg, snapshot, old_parts, pin)
+
+
+def diff_segment_kernel(lib, seg: Segment, snapshot: torch.Tensor, old_parts: list[tuple[int, int]],
+                        outputs: Outputs | None = None) -> list[TensorDiff | None]:
+    """:func:`diff_segment` by the C loop ``lib`` (from :func:`ckpt.delta.kernel.library`) on host memory.
+
+    Sparse tensors' ``positions`` (int32) and ``values`` are views into ``outputs`` (a fresh
+    :class:`Outputs` when ``None``), in region order: the region's worst case is reserved, only what is
+    written is used.
+    """
+    es = seg.tensors[0].element_size()
+    dtype = seg.tensors[0].dtype
+    rows = _rows(seg)
+    outputs = outputs if outputs is not None else Outputs()
+    tpos, raw = outputs.reserve(kernel.capacity(rows, es), es)
+    written = kernel.diff(lib, seg.words, snapshot, es, rows, tpos, raw,
+                          NAN_RULES.get(dtype) if dtype.is_floating_point else None)
+    outputs.advance(written, es)
+    tvals = raw.view(dtype)
+    result: list[TensorDiff | None] = []
+    for row, parts in zip(rows.tolist(), old_parts):
+        changed = row[kernel.CHANGED]
+        if changed == 0:
+            result.append(None)
+            continue
+        parts = add_parts(parts, row[kernel.DW], row[kernel.DS])
+        if row[kernel.DENSE]:
+            result.append(TensorDiff(changed, True, parts))
+        else:
+            o0, o1 = row[kernel.OUT0], row[kernel.OUT1]
+            result.append(TensorDiff(changed, False, parts, tpos[o0:o1], tvals[o0:o1]))
+    return result
+
+
+def diff_segment_torch(seg: Segment, snapshot: torch.Tensor, old_parts: list[tuple[int, int]], pin: bool
+                       ) -> list[TensorDiff | None]:
+    """:func:`diff_segment` by torch/numpy passes, on any device.
 
     Reads the region's words and the snapshot once (on the tensors' device: the snapshot is copied there
     first when that is not host memory); large tensors decided dense are read once more while copied.

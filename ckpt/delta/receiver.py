@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from ckpt.delta import kernel
 from ckpt.delta.checksum import add_parts, combine, element_delta, parts_and_copy, tensor_parts
 from ckpt.delta.diff import bits
 from ckpt.delta.errors import DeltaBaseError, DeltaChecksumError, DeltaRefusedError
@@ -195,10 +196,22 @@ class DeltaReceiver:
             checks.append((name, expected, parts, None))
             self._changed += numel
             return
-        index = positions[p0:p1].view(torch.int32).to(device=target.device, dtype=torch.int64)
+        index32 = positions[p0:p1].view(torch.int32)
         old_parts = self._parts.get(name)
         if old_parts is None:  # first delta onto tensors it was built with: their checksum, once
             old_parts = self._parts[name] = tensor_parts(target)
+        lib = _host_kernel(target, index32, vals)
+        if lib is not None and not self.full_verify:  # one loop: read the old bits, sum the change, write
+            change = kernel.apply(lib, bits(target), index32, bits(vals), write=not self.atomic)
+            if isinstance(change, int):
+                raise DeltaChecksumError(f"refused step {step}: tensor {name!r} has positions outside its {numel} "
+                                         f"values (position {int(index32[change])})", tensor=name, step=step)
+            if self.atomic:
+                self._staged.append((target, index32, vals))
+            self._changed += vals.numel()
+            checks.append((name, expected, old_parts, change))
+            return
+        index = index32.to(device=target.device, dtype=torch.int64)
         dst = bits(target)
         try:
             old = dst.index_select(0, index)
@@ -224,15 +237,14 @@ class DeltaReceiver:
         checks.append((name, expected, old_parts, torch.stack([dw, ds])))
 
     def _verify(self, checks: list, step: int | None) -> None:
-        """Compare each tensor's checksum after the flush (running parts plus the change, or a dense
-        tensor's parts) with the sender's; one host sync for the flush. Raises DeltaChecksumError."""
-        deltas = [c[3] for c in checks if c[3] is not None]
-        sums = torch.stack(deltas).tolist() if deltas else []
-        at = 0
+        """Compare each tensor's checksum after the flush (running parts plus the change: a 2-element
+        tensor, or a pair of ints from the C loop; or a dense tensor's parts) with the sender's; one host
+        sync for the flush. Raises DeltaChecksumError."""
+        deltas = [c[3] for c in checks if isinstance(c[3], torch.Tensor)]
+        sums = iter(torch.stack(deltas).tolist() if deltas else [])
         for name, expected, parts, delta in checks:
             if delta is not None:
-                parts = add_parts(parts, *sums[at])
-                at += 1
+                parts = add_parts(parts, *(next(sums) if isinstance(delta, torch.Tensor) else delta))
             got = combine(parts)
             if got != expected:
                 where = ("would hold" if self.atomic else "holds")
@@ -258,14 +270,27 @@ def _copy_with_parts(target: torch.Tensor, vals: torch.Tensor) -> tuple[int, int
     return tensor_parts(target)
 
 
+def _host_kernel(target: torch.Tensor, index: torch.Tensor, vals: torch.Tensor):
+    """The C library (:mod:`ckpt.delta.kernel`) when a sparse write of ``vals`` at int32 ``index`` into
+    ``target`` can go through it: all three contiguous host tensors. Else ``None``."""
+    if not all(t.device.type == "cpu" and t.is_contiguous() for t in (target, index, vals)):
+        return None
+    return kernel.library()
+
+
 def _write(target: torch.Tensor, index: torch.Tensor | None, vals: torch.Tensor) -> None:
-    """Write ``vals`` into ``target`` bit for bit: all of it (``index`` None) or at flat ``index``."""
+    """Write ``vals`` into ``target`` bit for bit: all of it (``index`` None) or at flat ``index`` (int32:
+    as staged from the C loop's path, or int64)."""
     dst = bits(target)
     src = bits(vals.to(target.device))
     if index is None:
         dst.copy_(src)
+        return
+    lib = _host_kernel(target, index, vals) if index.dtype == torch.int32 else None
+    if lib is not None:
+        kernel.apply(lib, dst, index, src, write=True)
     else:
-        dst.index_copy_(0, index.to(target.device), src)
+        dst.index_copy_(0, index.to(device=target.device, dtype=torch.int64), src)
 
 
 def apply_delta_flush(named_tensors: Iterable[tuple[str, torch.Tensor]],

@@ -17,7 +17,8 @@ import torch
 
 import hal
 from ckpt.delta.checksum import combine
-from ckpt.delta.diff import Segment, TensorDiff, bits, diff_segment, seed_segment, segments
+from ckpt.delta.diff import (MAX_GAP, Outputs, Segment, TensorDiff, bits, diff_segment, join, seed_segment,
+                             segments)
 from ckpt.delta.wire import POS_WIDTH, POSITIONS, SPEC, VALUES, encode_spec, flush_checksum
 from ckpt.base import named_tensors
 from ckpt.errors import CheckpointConfigError
@@ -74,8 +75,9 @@ class DeltaSender:
     receivers were last sent: views into one host buffer per *segment* (views of one flat buffer, each
     8-byte aligned, as ``hal sync`` publishes, are one segment; other tensors one each; see
     :mod:`ckpt.delta.diff`). Each segment is diffed on its device against its snapshot in one pass over
-    64-bit words (the snapshot copied over first where the device is not host memory), and the snapshot
-    brought up to date from the changed words; each tensor's checksum is updated from them too. The update
+    64-bit words (the snapshot copied over first where the device is not host memory; on host memory one C
+    loop, :mod:`ckpt.delta.kernel`, that reads each word of both once), and the snapshot brought up to date
+    from the changed words; each tensor's checksum is updated from them too. The update
     counts as published only when :meth:`commit` is called after the transport returned: if the caller does
     not commit (the send raised, a receiver refused), the snapshot is no longer a valid base and the next
     update is a full seed, which is what any receiver in an unknown state needs. (Keeping the previous
@@ -90,7 +92,11 @@ class DeltaSender:
     (on a device also a copy of its snapshot), plus the flushes: the one being filled and the one held back
     to learn which flush is last, each at most ``max(flush_bytes, the largest tensor's bytes)`` (a dense
     tensor of at least ``flush_bytes / 2`` is a flush of its own whose values are the tensor itself, not a
-    copy), plus what the engine holds. Positions cost 4 bytes per changed value; a tensor goes dense when
+    copy; the dense values of views of one buffer are sent as a view spanning them, padding included),
+    plus what the engine holds. On host memory the sparse positions and values of an update are written
+    into one pair of buffers kept from update to update (:class:`ckpt.delta.diff.Outputs`: as large as
+    the most one update wrote, plus one segment's worst case), and a flush's are views of them.
+    Positions cost 4 bytes per changed value; a tensor goes dense when
     ``changed * (4 + element size) >= numel * element size``, so an update never sends more than its dense
     bytes plus the JSON specs (a few hundred bytes per tensor).
 
@@ -121,6 +127,7 @@ class DeltaSender:
         self._reseed_reason: str | None = "first update"
         self._pending: UpdateStats | None = None
         self.last: UpdateStats | None = None
+        self._outputs = Outputs()  # the C diff's pairs, kept from update to update
 
     @property
     def snapshot_bytes(self) -> int:
@@ -173,7 +180,10 @@ class DeltaSender:
             ``([("__delta_spec__", uint8), ("__positions__", uint8)?, ("__values__", dtype)], is_last)``,
             on the weights' device; exactly one item has ``is_last=True`` (an update with nothing changed
             is one empty ``dense`` flush). A dense tensor of at least half ``flush_bytes`` is a flush of its
-            own whose values are the tensor itself (no copy): send each flush before changing the weights.
+            own whose values are the tensor itself (no copy), and dense views of one buffer are sent as a
+            view of it: send each flush before changing the weights. Sparse positions and values may be
+            views of buffers the next update reuses: send (or copy) an update's flushes before the next
+            call of this method.
 
         Raises:
             CheckpointConfigError: a name appears twice, or a pair is not ``(str, Tensor)``.
@@ -200,6 +210,7 @@ class DeltaSender:
             held.append(parts)
 
         old_segments, self._segments = self._segments, {}
+        self._outputs.start()
         for seg in segments(items):
             for name, tensor, entry in self._diff(seg, old_segments.pop(seg.key, None), stats):
                 if entry is None:
@@ -243,7 +254,7 @@ class DeltaSender:
             snapshot = torch.empty(seg.words.numel(), dtype=torch.int64, device="cpu", pin_memory=self.pin)
             diffs = [TensorDiff(t.numel(), True, parts) for t, parts in zip(seg.tensors, seed_segment(seg, snapshot))]
         else:
-            diffs = diff_segment(seg, snapshot, [self._parts[n] for n in seg.names], self.pin)
+            diffs = diff_segment(seg, snapshot, [self._parts[n] for n in seg.names], self.pin, self._outputs)
         self._segments[seg.key] = snapshot
         raw = snapshot.view(torch.uint8)
         for name, t, off, d in zip(seg.names, seg.tensors, seg.offsets, diffs):
@@ -266,9 +277,7 @@ class DeltaSender:
         n = values.numel()
         pos_n = 0 if positions is None else positions.numel() * POS_WIDTH
         bucket.params.append({"name": name, "dtype": str(tensor.dtype).removeprefix("torch."),
-                              "shape": list(tensor.shape), "pos_start": bucket.pos_bytes,
-                              "pos_end": bucket.pos_bytes + pos_n, "pos_width": POS_WIDTH,
-                              "val_start": bucket.val_elems, "val_end": bucket.val_elems + n})
+                              "shape": list(tensor.shape)})  # offsets: once the flush's layout is known
         if positions is not None:
             bucket.positions.append(positions)
         bucket.values.append(values)
@@ -281,12 +290,16 @@ class DeltaSender:
     def _assemble(bucket: _Bucket, index: int, step: int | None, base: int | None,
                   device: torch.device) -> tuple[dict[str, Any], torch.Tensor | None, torch.Tensor]:
         device = bucket.values[0].device if bucket.values else device
-        values = (torch.cat(bucket.values) if len(bucket.values) > 1 else bucket.values[0]) \
-            if bucket.values else torch.empty(0, dtype=bucket.dtype, device=device)
-        positions = None
+        values, val_at = join(bucket.values, MAX_GAP) if bucket.values else (
+            torch.empty(0, dtype=bucket.dtype, device=device), [])
+        positions, pos_at = None, [0] * len(bucket.params)
         if bucket.encoding == "indices":
-            positions = (torch.cat(bucket.positions) if len(bucket.positions) > 1 else bucket.positions[0]
-                         ).view(torch.uint8)
+            joined, pos_at = join(bucket.positions)
+            positions = joined.view(torch.uint8)
+        for param, v, v0, p0 in zip(bucket.params, bucket.values, val_at, pos_at):
+            pos_n = v.numel() * POS_WIDTH if positions is not None else 0
+            param.update(pos_start=p0 * POS_WIDTH, pos_end=p0 * POS_WIDTH + pos_n, pos_width=POS_WIDTH,
+                         val_start=v0, val_end=v0 + v.numel())
         spec = {"encoding": bucket.encoding, "params": bucket.params,
                 "checksum": flush_checksum(positions, values),
                 "hal": {"step": step, "base_step": base, "flush": index, "checksums": bucket.checksums}}

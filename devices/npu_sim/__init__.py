@@ -30,8 +30,9 @@ Environment: ``HAL_SIM_NPU_COUNT`` (devices, default: entries of ``ASCEND_RT_VIS
 ``torch.cuda`` call raises, see :mod:`devices.npu_sim.strict`), ``HAL_CACHE_DIR`` (build cache),
 ``HAL_SIM_CACHE_RESIDENT_MB`` (host memory the allocator's free blocks may keep resident per device, default
 1024 MiB; the least recently freed give their pages back past it: ``torch.npu.host_cache_stats``),
-``HAL_SIM_HUGE_PAGES=0`` (back device blocks with 4 KiB pages instead of 2 MiB transparent huge pages, which
-make repopulating and giving back a block's pages several times cheaper; see ``csrc/npu_sim.cpp``),
+``HAL_SIM_HUGE_PAGES=1`` (back device blocks with 2 MiB transparent huge pages instead of 4 KiB pages: cheaper
+to repopulate and give back on a fresh host, slower where the host's memory is fragmented and each fault
+compacts it first, so off by default; see ``csrc/npu_sim.cpp``),
 ``HAL_SIM_POPULATE_THREADS`` (threads that make a large block resident, default: the host's).
 """
 

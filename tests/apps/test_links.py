@@ -1,4 +1,4 @@
-"""Emulated per-rank links (hal.apps.benchmarks.links) and the senders benchmark on them (issue 22)."""
+"""Emulated per-rank links (hal.apps.links) and the senders benchmark on them (issue 22)."""
 
 import os
 import subprocess
@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from hal.apps.benchmarks import links
+from hal.apps import links
 from hal.apps.benchmarks.bench_senders import bench_senders, model_shapes, shard_ranges
 
 

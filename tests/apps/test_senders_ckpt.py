@@ -3,7 +3,7 @@ check passes on every rollout, and 2 senders deliver the update faster than 1 ov
 
 import pytest
 
-from hal.apps.benchmarks import links
+from hal.apps import links
 from hal.apps.benchmarks.bench_senders import CKPT_PATH, bench_senders
 
 

@@ -303,10 +303,14 @@ def test_bench_delta_reports_delta_and_full_side_by_side():
     assert [r["fraction"] for r in rows] == [0.02, 0.5]
     small, half = rows
     assert small["changed"] == pytest.approx(0.02, rel=0.05) and half["changed"] == pytest.approx(0.5, rel=0.05)
-    assert 0.05 < small["bytes_ratio"] < 0.07  # 6 bytes per changed bf16 value, plus the specs
-    assert 0.99 < half["bytes_ratio"] <= 1.05  # dense: never more than 1.05x the dense bytes
+    assert 0.05 < small["wire_fraction"] < 0.07  # 6 bytes per changed bf16 value, plus the specs
+    assert 0.99 < half["wire_fraction"] <= 1.05  # dense: never more than 1.05x the dense bytes
     # the snapshot: the published bytes plus the 64-byte alignment padding between the views
     assert all(r["full_s"] > 0 and r["delta_s"] > 0 and r["read_s"] > 0 for r in rows)
+    # the sender's pass alone against one memcpy of the same bytes, and the ratios the table prints
+    assert all(r["diff_s"] > 0 and r["memcpy_s"] > 0 and r["link_gbit"] is None for r in rows)
+    assert all(r["delta_vs_full"] > 0 and r["diff_vs_memcpy"] > 0 and r["diff_vs_memcpy_cpu"] > 0 for r in rows)
+    assert all(r["diff_vs_memcpy_best"] > 0 for r in rows)  # the fastest pass over the fastest memcpy
     assert all(r["dense_bytes"] <= r["snapshot_bytes"] < r["dense_bytes"] + 64 * r["n_tensors"] for r in rows)
 
 

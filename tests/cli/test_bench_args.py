@@ -86,7 +86,7 @@ def test_delta_runs_only_when_named_with_the_smallest_bucket(monkeypatch):
 
 
 def test_senders_without_emulated_links_is_skipped_with_the_reason(monkeypatch, capsys):
-    from hal.apps.benchmarks import links
+    from hal.apps import links
     from hal.apps.cli.bench import print_tables
 
     monkeypatch.setattr(links, "links_available", lambda: (False, "emulated links need root"))

@@ -106,3 +106,21 @@ def test_the_delta_summary_says_slower_or_faster():
 
     assert delta_versus_full(5.48) == "delta publish 5.48x slower than a full publish of the same weights"
     assert delta_versus_full(0.25) == "delta publish 4.00x faster than a full publish of the same weights"
+
+
+@pytest.mark.parametrize("given, message", [
+    (dict(link_gbit=0.0), "--link-gbit takes a rate in Gbit/s in (0, 400], got 0.0"),
+    (dict(link_gbit=float("nan")), "--link-gbit takes a rate in Gbit/s in (0, 400], got nan"),
+    (dict(link_gbit=1.0, engine="file"), "--link-gbit emulates the network between processes, which --engine "
+                                         "collective crosses; got --engine file"),
+    (dict(link_gbit=1.0, launcher="ray"), "--link-gbit runs with --launcher torchrun, got --launcher ray"),
+    (dict(link_gbit=1.0, trainer_ranks=2), "--link-gbit runs with --trainer-ranks 1, got --trainer-ranks 2"),
+])
+def test_link_gbit_is_refused_where_it_cannot_emulate_the_link_naming_the_flag(given, message):
+    with pytest.raises(UsageError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
+        validate(Sync(**{"device": "cpu", "model": "qwen2.5-tiny", **given}))
+
+
+def test_link_gbit_becomes_the_jobs_link_rate():
+    assert job_options(Sync(device="cpu", model="qwen2.5-tiny", link_gbit=0.5)).link_gbit == 0.5
+    assert job_options(Sync(device="cpu", model="qwen2.5-tiny")).link_gbit is None

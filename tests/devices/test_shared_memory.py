@@ -76,3 +76,33 @@ def test_device_memory_is_dropped_only_where_the_kind_keeps_it_in_host_memory():
     finally:
         segment.unlink()
         shared.release()
+
+
+_FULL_SHM = """
+import errno, os
+from devices.shared_memory import SharedSegment
+try:
+    SharedSegment(8 << 20, prefix="hal-full-")
+except OSError as exc:
+    print("refused", errno.errorcode[exc.errno], exc)
+print("left", sorted(os.listdir("/dev/shm")))
+"""
+
+
+def test_a_segment_larger_than_what_dev_shm_has_left_is_an_oserror_not_a_sigbus():
+    """The soak's full_shm fault (issue 32): on a 4 MiB tmpfs an 8 MiB segment used to kill its creator with
+    SIGBUS at the first touch; now it is refused with ENOSPC and leaves no segment behind."""
+    import shutil
+    import subprocess
+    import sys
+
+    if shutil.which("unshare") is None or os.geteuid() != 0:
+        pytest.skip("needs root and unshare(1) to mount a small private /dev/shm")
+    script = f"mount -t tmpfs -o size=4m tmpfs /dev/shm && exec {sys.executable} -c '{_FULL_SHM}'"
+    out = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c", script],
+                         capture_output=True, text=True, timeout=120, cwd=pathlib.Path(__file__).resolve().parents[2])
+    if out.returncode != 0 and "mount" in out.stderr and "refused" not in out.stdout:
+        pytest.skip(f"cannot mount a private tmpfs here: {out.stderr.strip()[-300:]}")
+    assert out.returncode == 0, out.stderr[-2000:]  # -7 (SIGBUS) before the fix
+    assert "refused ENOSPC [Errno 28] cannot reserve 8388608 bytes for shared segment /dev/shm/hal-full-" in out.stdout
+    assert "left []" in out.stdout

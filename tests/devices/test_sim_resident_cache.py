@@ -1,6 +1,6 @@
 """The simulated npu's resident cache: free blocks keep at most ``HAL_SIM_CACHE_RESIDENT_MB`` of host pages,
 the least recently freed give theirs back first, a request takes a resident block over a dropped one, and
-device blocks are mapped on 2 MiB boundaries with transparent huge pages asked for.
+device blocks are mapped on 2 MiB boundaries, with transparent huge pages asked for under HAL_SIM_HUGE_PAGES=1.
 
 Each case runs in a fresh process, since the limit is read once per process and the counters of
 ``torch.npu.host_cache_stats`` add up over its life.
@@ -140,7 +140,7 @@ print(json.dumps({"offset": t.data_ptr() % (2 * MIB), "flags": vm_flags(t.data_p
 
 @pytest.mark.skipif(_thp_mode() in (None, "never"), reason="the host has no transparent huge pages to ask for")
 def test_device_blocks_start_on_a_huge_page_boundary_and_ask_for_huge_pages():
-    out = _run(SMAPS_FLAGS)
+    out = _run(SMAPS_FLAGS, HAL_SIM_HUGE_PAGES="1")
     assert out["offset"] == 0 and "hg" in out["flags"]  # hg: madvise(MADV_HUGEPAGE) on the block's mapping
-    off = _run(SMAPS_FLAGS, HAL_SIM_HUGE_PAGES="0")  # turned off: plain 4 KiB pages
+    off = _run(SMAPS_FLAGS)  # the default: plain 4 KiB pages
     assert "hg" not in off["flags"]

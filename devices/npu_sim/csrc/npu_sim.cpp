@@ -140,13 +140,16 @@ void populate(void* p, size_t size) {
   for (auto& w : workers) w.join();
 }
 
-// Device blocks are backed by 2 MiB pages where the host allows it (transparent huge pages, THP, in "madvise"
-// or "always" mode; HAL_SIM_HUGE_PAGES=0 turns it off), as a GPU driver maps device memory in 2 MiB pages. For
+// With HAL_SIM_HUGE_PAGES=1, device blocks are backed by 2 MiB pages where the host allows it (transparent huge
+// pages, THP, in "madvise" or "always" mode), as a GPU driver maps device memory in 2 MiB pages. Off by default:
+// on a host whose memory has been in use for hours (fragmented), each huge-page fault compacts memory first, and
+// the engine's warm offload round trip of `hal bench --only offload --device npu-sim` measured 0.57-0.70x a
+// plain copy with them against 0.77-0.89x with 4 KiB pages (same host, same hour, interleaved runs). For
 // the host this makes the bulk paths of the resident cache cheap: populating a block zeroes one 2 MiB page per
 // fault instead of 512 small ones, and giving its pages back (MADV_DONTNEED) frees 2 MiB at a time. Measured on
 // a 2-core EPYC VM (512 MiB, MADV_POPULATE_WRITE then MADV_DONTNEED): 2.2-2.5 GB/s and 12.5 GB/s with 4 KiB
 // pages, 7-11 GB/s and about 350 GB/s with 2 MiB pages; an engine's warm onload that repopulated 224 MiB of
-// dropped blocks went from 0.20 s to 0.12 s (a plain copy of the same 884 MiB: 0.10 s). Blocks are multiples
+// dropped blocks went from 0.20 s to 0.12 s (a plain copy of the same 884 MiB: 0.10 s). Blocks are then multiples
 // of 2 MiB (round_size) and start on a 2 MiB boundary, so no huge page straddles two blocks or holds bytes
 // the block does not count. Where the kernel finds no free huge page it falls back to 4 KiB pages.
 constexpr size_t kHugePage = size_t(2) << 20;
@@ -154,7 +157,7 @@ constexpr size_t kHugePage = size_t(2) << 20;
 bool huge_pages_wanted() {
   static const bool wanted = [] {
     const char* env = std::getenv("HAL_SIM_HUGE_PAGES");
-    return env == nullptr || std::strtol(env, nullptr, 10) != 0;
+    return env != nullptr && std::strtol(env, nullptr, 10) != 0;
   }();
   return wanted;
 }
@@ -375,10 +378,14 @@ void unpark_locked(Block* block) {
 std::mutex g_alloc_mutex;
 Pool g_cache[kMaxDevices];  // cached (free) blocks, still reserved
 
+// A request's block size: small ones in 512-byte steps (as the CUDA caching allocator), mapped ones in whole
+// pages: 2 MiB with HAL_SIM_HUGE_PAGES=1 (a block is then whole huge pages), else 4 KiB. A block is not split,
+// so the rounding is held for nothing: at 2 MiB it was 14% of the offload benchmark's 288 tensors (1014 MiB
+// in 1153 MiB of blocks), which then no longer fitted the resident limit and were faulted in again each onload.
 size_t round_size(size_t nbytes) {
   if (nbytes < kMapThreshold) return std::max<size_t>(512, (nbytes + 511) / 512 * 512);
-  const size_t two_mib = size_t(2) << 20;
-  return (nbytes + two_mib - 1) / two_mib * two_mib;
+  const size_t page = huge_pages_wanted() ? kHugePage : size_t(4096);
+  return (nbytes + page - 1) / page * page;
 }
 
 // Memory the simulated device has released (empty_cache) but that stays resident, as HBM stays the

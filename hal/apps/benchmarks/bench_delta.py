@@ -14,11 +14,24 @@ Each timing runs from a barrier to a barrier (publish to applied on the rollout)
 rounds each change the values then time delta and full once; the table gives medians and the median of
 the per-round delta/full ratios. Also per round, on the trainer alone: ``read``, one pass comparing the
 published buffer with a copy of it (``torch.ne`` on 64-bit words: one read of the weights and one of a
-snapshot, the least any diff costs), the floor under the delta's time on this machine. The rollout's
-tensors are checked against the trainer's at the end.
+snapshot), the floor under the delta's time on this machine. The rollout's tensors are checked against the
+trainer's (CRC-32) after the timed rounds.
 
-    hal bench --only delta --quick                    # 64 MiB
+Then, on the trainer alone (one thread, as the ranks run), the **diff pass**: the sender's whole work for
+an update (:meth:`ckpt.delta.DeltaSender.flushes` consumed and committed: the diff, the snapshot update, the
+checksums, the flushes assembled; no transport) against one memcpy (``copy_`` of the published buffer into
+a buffer already touched) of the same bytes, timed right before and right after it; the ratio is the diff's
+cost in memcpys of the model (also by the trainer thread's CPU time, robust to a loaded host).
+
+Where the wire is memory-speed loopback, full updates cost about a memcpy and delta rarely wins; across
+nodes the wire is about 100x slower than device memory (25-50 GB/s NICs against 3-5 TB/s HBM), which
+``link_gbit`` emulates here (memory about 14 GB/s, a link of about 1 Gbit/s): the trainer and the rollout
+each run in their own network namespace, joined by links rate-limited to ``link_gbit`` Gbit/s in each
+direction (:mod:`hal.apps.links`, as ``hal bench --only senders``; needs root and iproute2).
+
+    hal bench --only delta --quick                               # 64 MiB over loopback
     hal bench --only delta --size-mb 1024
+    hal bench --only delta --link-gbit 1 --size-mb 256           # over emulated 1 Gbit/s links
 """
 
 from __future__ import annotations
@@ -32,8 +45,15 @@ import torch
 import hal
 from hal.apps.benchmarks import timed_once
 from hal.apps.benchmarks.ranks import free_ports, run_ranks
+from hal.apps.links import MAX_LINK_GBIT
 
 FRACTIONS = (0.005, 0.02, 0.1, 0.5)
+DIFF_REPEATS = 7
+"""Diff passes timed per fraction (at least; ``rounds`` if more): this machine's memory bandwidth is shared, and
+a pass or a memcpy caught by a neighbour's burst takes up to 2-3x its time, so the figures are the median of
+the per-pass ratios and, as timeit reports, the ratio of the fastest of each (interference only adds time)."""
+STORE_PORT, ENGINE_PORT = 29541, 29542
+"""The rendezvous store's and the engine's ports on the trainer's emulated address (private namespaces)."""
 
 
 def flat_views(sizes: list[int], device: torch.device) -> tuple[torch.Tensor, list[tuple[str, torch.Tensor]]]:
@@ -49,18 +69,50 @@ def flat_views(sizes: list[int], device: torch.device) -> tuple[torch.Tensor, li
     return flat, [(f"layer{i}.weight", flat[o:o + s].view(torch.bfloat16)) for i, (o, s) in enumerate(zip(offsets, sizes))]
 
 
+def pick_positions(views: list[tuple[str, torch.Tensor]], fraction: float, gen: torch.Generator) -> list[torch.Tensor]:
+    """For each view, ``fraction`` of its value positions (at least one), distinct, drawn at random."""
+    picked = []
+    for _, t in views:
+        n = max(1, round(fraction * t.numel()))
+        picked.append(torch.randperm(t.numel(), generator=gen)[:n].to(t.device))
+    return picked
+
+
+def flip(views: list[tuple[str, torch.Tensor]], positions: list[torch.Tensor]) -> None:
+    """Flip the lowest bit of each view's values at ``positions`` (in place): flipping the same positions
+    again changes them back, so against a snapshot taken in between the same values differ again."""
+    for (_, t), idx in zip(views, positions):
+        bits = t.view(torch.int16)
+        bits[idx] ^= 1
+
+
 def change_fraction(flat: torch.Tensor, views: list[tuple[str, torch.Tensor]], fraction: float,
                     gen: torch.Generator) -> None:
     """Flip the lowest bit of ``fraction`` of each view's values, at random positions (in place)."""
-    for _, t in views:
-        bits = t.view(torch.int16)
-        n = max(1, round(fraction * bits.numel()))
-        idx = torch.randperm(bits.numel(), generator=gen)[:n].to(bits.device)
-        bits[idx] ^= 1
+    flip(views, pick_positions(views, fraction, gen))
 
 
 def _rank(rank: int, world_size: int, ports: list[int], size_mb: int, fractions: list[float], device: str,
           rounds: int, bucket: int) -> dict:
+    """A loopback rank (:func:`hal.apps.benchmarks.ranks.run_ranks`): :func:`_measure` on 127.0.0.1."""
+    return _measure(rank, world_size, "127.0.0.1", ports, size_mb, fractions, device, rounds, bucket, 300.0)
+
+
+def _link_rank(rank: int, world_size: int, _port: int, net, endpoints: list[str], plan: dict) -> dict:
+    """A rank in its own network namespace (:func:`hal.testing.run_multiprocess`, as ``bench_senders``):
+    enters it before any socket or thread, then :func:`_measure` over the trainer's emulated address."""
+    import os
+
+    from hal.apps.links import enter_namespace
+
+    enter_namespace(net.namespace(endpoints[rank]))
+    os.environ["GLOO_SOCKET_IFNAME"] = net.ifname
+    return _measure(rank, world_size, net.address(endpoints[0]), [STORE_PORT, ENGINE_PORT], plan["size_mb"],
+                    plan["fractions"], plan["device"], plan["rounds"], plan["bucket"], plan["timeout_s"])
+
+
+def _measure(rank: int, world_size: int, addr: str, ports: list[int], size_mb: int, fractions: list[float],
+             device: str, rounds: int, bucket: int, timeout_s: float) -> dict:
     import zlib
 
     import ckpt
@@ -69,17 +121,17 @@ def _rank(rank: int, world_size: int, ports: list[int], size_mb: int, fractions:
 
     torch.set_num_threads(1)  # two ranks on one host: one core each
     dev = hal.bind_local_device(device)
-    store = hal.connect_store("127.0.0.1", ports[0], rank, world_size, timeout=120)
-    group = hal.new_group_from_store(store, rank, world_size, device=device, timeout=120, prefix="bench-delta")
-    engine = ckpt.get_checkpoint_engine("collective", rank=rank, world_size=world_size, master_addr="127.0.0.1",
-                                        master_port=ports[1], bucket_size=bucket, device=device, timeout=300)
+    store = hal.connect_store(addr, ports[0], rank, world_size, timeout=120)
+    group = hal.new_group_from_store(store, rank, world_size, device=device, timeout=timeout_s, prefix="bench-delta")
+    engine = ckpt.get_checkpoint_engine("collective", rank=rank, world_size=world_size, master_addr=addr,
+                                        master_port=ports[1], bucket_size=bucket, device=device, timeout=timeout_s)
     flat, views = flat_views(tensor_sizes(size_mb << 20), dev)
     if rank == 0:
         gen = torch.Generator().manual_seed(0)
         for _, t in views:
             t.copy_(torch.randn(t.numel(), generator=gen).to(torch.bfloat16))
         params = dict(views)
-        copy = torch.empty_like(flat)  # the read floor's "snapshot"
+        copy = torch.empty_like(flat)  # the read floor's "snapshot", the diff pass's memcpy target
     else:
         params = {n: torch.zeros_like(t) for n, t in views}
     sender = DeltaSender(flush_bytes=max(1, bucket // 2), device=device)
@@ -134,26 +186,76 @@ def _rank(rank: int, world_size: int, ports: list[int], size_mb: int, fractions:
                               for n, _ in views))
     engine.close()
     group.close()
+    if rank == 0:  # the diff pass alone, now that the rollout has been checked (the snapshot moves on)
+        for row, fraction in zip(rows, fractions):
+            positions = pick_positions(views, fraction, change)
+            row["diff"] = [diff_pass(sender, views, positions, flat, copy, step, device)
+                           for _ in range(max(rounds, DIFF_REPEATS))]
     return {"rows": rows, "crc": crc, "snapshot_bytes": sender.snapshot_bytes, "n_tensors": len(views),
             "backend": hal.get_dist_backend(device)}
 
 
+def diff_pass(sender, views: list[tuple[str, torch.Tensor]], positions: list[torch.Tensor], flat: torch.Tensor,
+              copy: torch.Tensor, step: list[int], device: str) -> tuple[float, ...]:
+    """Flip the values at ``positions`` (:func:`flip`), then time one memcpy of ``flat`` into ``copy`` (already
+    touched), the sender's whole pass over the update (``flushes`` consumed, ``commit``; no transport) and one
+    more memcpy, each by the wall clock and by this thread's CPU time (both run on this thread: one torch
+    thread, the C loop called in it). Returns ``(diff seconds, memcpy seconds: the mean of the two, diff CPU
+    seconds, memcpy CPU seconds)``."""
+    flip(views, positions)
+
+    def timed(fn) -> tuple[float, float]:
+        t0, c0 = time.perf_counter(), time.thread_time()
+        fn()
+        hal.synchronize(device)
+        return time.perf_counter() - t0, time.thread_time() - c0
+
+    def memcpy() -> None:
+        copy.copy_(flat)
+
+    def sender_pass() -> None:
+        step[0] += 1
+        for _ in sender.flushes(views, step[0]):
+            pass
+
+    before = timed(memcpy)
+    diff = timed(sender_pass)
+    sender.commit()
+    after = timed(memcpy)
+    return diff[0], (before[0] + after[0]) / 2, diff[1], (before[1] + after[1]) / 2
+
+
 def run(size_mb: int = 64, device: str = "cpu", rounds: int = 3, bucket_mb: float = 16.0,
-        fractions: tuple[float, ...] | list[float] = FRACTIONS) -> list[dict]:
-    """Delta vs full at each changed fraction, in two spawned processes; returns one row per fraction.
+        fractions: tuple[float, ...] | list[float] = FRACTIONS, link_gbit: float | None = None) -> list[dict]:
+    """Delta vs full at each changed fraction, in two processes; returns one row per fraction.
 
     Each row: ``fraction`` (asked), ``changed`` (measured fraction of values changed), ``dense_bytes`` (a
     full update's bytes), ``sent_bytes`` (the delta's bytes on the wire: positions, values, specs),
-    ``bytes_ratio`` (sent / dense), ``full_s``, ``delta_s`` (median seconds, publish to applied) and
-    ``read_s`` (one read of the weights and of a snapshot, on the trainer), ``time_ratio`` and
-    ``read_ratio`` (medians of the per-round delta/full and read/full ratios; < 1: faster than full), plus
-    ``device``, ``backend``, ``size_bytes``, ``n_tensors``, ``snapshot_bytes`` (the trainer's snapshot).
+    ``wire_fraction`` (sent / dense), ``full_s``, ``delta_s`` (median seconds, publish to applied) and
+    ``read_s`` (one read of the weights and of a snapshot, on the trainer), ``delta_vs_full`` and
+    ``read_ratio`` (medians of the per-round delta/full and read/full ratios; < 1: faster than full),
+    ``diff_s`` and ``memcpy_s`` (medians: the sender's pass alone and one memcpy of the same bytes, see the
+    module docstring; :data:`DIFF_REPEATS` passes), ``diff_vs_memcpy`` (the median of their per-pass ratio),
+    ``diff_vs_memcpy_best`` (the fastest pass / the fastest memcpy) and ``diff_vs_memcpy_cpu``
+    (the same by the trainer thread's CPU time, which other processes on the host do not inflate), plus ``device``,
+    ``backend``, ``size_bytes``, ``n_tensors``, ``snapshot_bytes`` (the trainer's snapshot) and
+    ``link_gbit`` (``None``: loopback).
+
+    Args:
+        link_gbit: run over emulated links of this many Gbit/s (each direction), the trainer and the rollout
+            each in a network namespace (spawned by :func:`hal.testing.run_multiprocess`); ``None``: over
+            loopback (spawned by :func:`hal.apps.benchmarks.ranks.run_ranks`).
 
     Raises:
-        ValueError: a fraction outside (0, 1], or ``size_mb`` / ``rounds`` below 1.
+        ValueError: a fraction outside (0, 1], ``size_mb`` / ``rounds`` below 1, or ``link_gbit`` not in
+            (0, :data:`MAX_LINK_GBIT`].
         UsageError: a bucket size that is not positive (names ``--bucket-mb``).
-        RuntimeError: the rollout's tensors differ from the trainer's at the end.
-        ChildFailedError: a rank failed or passed its deadline (see :func:`hal.apps.benchmarks.ranks.run_ranks`).
+        RuntimeError: the rollout's tensors differ from the trainer's at the end; emulated links asked for
+            where they cannot be built (the reason is in the message: see
+            :func:`hal.apps.links.links_available`).
+        ChildFailedError: a loopback rank failed or passed its deadline (see
+            :func:`hal.apps.benchmarks.ranks.run_ranks`); ``hal.testing.MultiprocessError``: the same over
+            emulated links.
     """
     from hal.apps.errors import mib_to_bytes
 
@@ -162,9 +264,14 @@ def run(size_mb: int = 64, device: str = "cpu", rounds: int = 3, bucket_mb: floa
         raise ValueError(f"fractions must be in (0, 1], got {list(fractions)}")
     if size_mb < 1 or rounds < 1:
         raise ValueError(f"size_mb and rounds must be >= 1, got size_mb={size_mb}, rounds={rounds}")
+    if link_gbit is not None and not 0 < link_gbit <= MAX_LINK_GBIT:
+        raise ValueError(f"link_gbit must be in (0, {MAX_LINK_GBIT:g}] Gbit/s, got {link_gbit!r}")
     bucket = mib_to_bytes(bucket_mb, "--bucket-mb")
-    results = run_ranks(_rank, 2, free_ports(2), size_mb, list(fractions), device, rounds, bucket,
-                        timeout=max(180.0, size_mb * 0.5 * rounds * len(fractions)), name="delta")
+    if link_gbit is None:
+        results = run_ranks(_rank, 2, free_ports(2), size_mb, list(fractions), device, rounds, bucket,
+                            timeout=max(180.0, size_mb * 0.5 * rounds * len(fractions)), name="delta")
+    else:
+        results = _over_links(size_mb, list(fractions), device, rounds, bucket, link_gbit)
     send, recv = results[0], results[1]
     if send["crc"] != recv["crc"]:
         raise RuntimeError(f"the rollout's tensors differ from the trainer's after the run (CRC-32 "
@@ -173,14 +280,39 @@ def run(size_mb: int = 64, device: str = "cpu", rounds: int = 3, bucket_mb: floa
     rows = []
     for row in send["rows"]:
         t = row["times"]
+        diff, memcpy, diff_cpu, memcpy_cpu = (list(col) for col in zip(*row["diff"]))
         rows.append({"device": device, "backend": send["backend"], "size_bytes": row["dense_bytes"],
-                     "n_tensors": send["n_tensors"], "snapshot_bytes": send["snapshot_bytes"],
+                     "n_tensors": send["n_tensors"], "snapshot_bytes": send["snapshot_bytes"], "link_gbit": link_gbit,
                      "fraction": row["fraction"], "changed": row["changed"], "dense_bytes": row["dense_bytes"],
-                     "sent_bytes": row["sent_bytes"], "bytes_ratio": row["sent_bytes"] / row["dense_bytes"],
+                     "sent_bytes": row["sent_bytes"], "wire_fraction": row["sent_bytes"] / row["dense_bytes"],
                      "full_s": med(t["full"]), "delta_s": med(t["delta"]), "read_s": med(t["read"]),
-                     "time_ratio": med(d / f for d, f in zip(t["delta"], t["full"])),
-                     "read_ratio": med(r / f for r, f in zip(t["read"], t["full"]))})
+                     "delta_vs_full": med(d / f for d, f in zip(t["delta"], t["full"])),
+                     "read_ratio": med(r / f for r, f in zip(t["read"], t["full"])),
+                     "diff_s": med(diff), "memcpy_s": med(memcpy),
+                     "diff_vs_memcpy": med(d / m for d, m in zip(diff, memcpy)),
+                     "diff_vs_memcpy_best": min(diff) / min(memcpy),
+                     "diff_vs_memcpy_cpu": med(d / m for d, m in zip(diff_cpu, memcpy_cpu))})
     return rows
+
+
+def _over_links(size_mb: int, fractions: list[float], device: str, rounds: int, bucket: int,
+                link_gbit: float) -> dict[int, dict]:
+    """The two ranks in network namespaces joined by links of ``link_gbit`` Gbit/s; their results by rank."""
+    from hal.apps.links import emulated_network, links_available
+    from hal.testing import run_multiprocess
+
+    ok, reason = links_available()
+    if not ok:
+        raise RuntimeError(f"the delta benchmark over --link-gbit needs emulated links: {reason}")
+    rate = link_gbit * 1e9
+    update_s = (size_mb << 20) * 8 / rate  # one full update on the link
+    updates = 2 + 2 * rounds * len(fractions)  # the warm-up and the seed, then full and delta per round
+    plan = {"size_mb": size_mb, "fractions": fractions, "device": device, "rounds": rounds, "bucket": bucket,
+            "timeout_s": max(60.0, 4 * update_s + 30)}
+    endpoints = ["trainer", "rollout"]
+    with emulated_network({e: rate for e in endpoints}) as net:
+        return run_multiprocess(_link_rank, len(endpoints), net, endpoints, plan,
+                                timeout=180 + 3 * updates * update_s + size_mb * 0.5 * rounds * len(fractions))
 
 
 def print_table(rows: list[dict]) -> None:
@@ -190,16 +322,20 @@ def print_table(rows: list[dict]) -> None:
 
     mib = 1 << 20
     first = rows[0]
-    table = Table(title=f"delta vs full, collective engine, {first['device']} ({first['backend']}), "
+    wire = "loopback" if first.get("link_gbit") is None else f"emulated {first['link_gbit']:g} Gbit/s links"
+    table = Table(title=f"delta vs full, collective engine over {wire}, {first['device']} ({first['backend']}), "
                         f"{first['n_tensors']} bf16 tensors, {first['size_bytes'] / mib:.0f} MiB "
                         f"(snapshot {first['snapshot_bytes'] / mib:.0f} MiB host)")
-    for col in ("changed", "full MiB", "delta MiB", "bytes delta/full", "full ms", "delta ms", "time delta/full",
-                "read ms", "read/full"):
+    for col in ("changed", "full MiB", "delta MiB", "wire fraction", "full ms", "delta ms", "delta/full",
+                "read ms", "read/full", "diff ms", "memcpy ms", "diff/memcpy", "(fastest)", "(CPU time)"):
         table.add_column(col, justify="right")
     for r in rows:
         table.add_row(f"{r['changed'] * 100:.2f}%", f"{r['dense_bytes'] / mib:.1f}", f"{r['sent_bytes'] / mib:.2f}",
-                      f"{r['bytes_ratio']:.3f}", f"{r['full_s'] * 1e3:.0f}", f"{r['delta_s'] * 1e3:.0f}",
-                      f"{r['time_ratio']:.2f}", f"{r['read_s'] * 1e3:.0f}", f"{r['read_ratio']:.2f}")
-    Console(width=150).print(table)
+                      f"{r['wire_fraction']:.3f}", f"{r['full_s'] * 1e3:.0f}", f"{r['delta_s'] * 1e3:.0f}",
+                      f"{r['delta_vs_full']:.2f}", f"{r['read_s'] * 1e3:.0f}", f"{r['read_ratio']:.2f}",
+                      f"{r['diff_s'] * 1e3:.0f}", f"{r['memcpy_s'] * 1e3:.0f}", f"{r['diff_vs_memcpy']:.2f}",
+                      f"{r['diff_vs_memcpy_best']:.2f}", f"{r['diff_vs_memcpy_cpu']:.2f}")
+    Console(width=170).print(table)
     print("read: one pass comparing the published buffer with a snapshot (one read of each), on the trainer: "
-          "the least a diff costs")
+          "the least a diff costs; diff: the sender's whole pass over an update (diff, snapshot, checksums, "
+          "flushes; no transport) against one memcpy of the same bytes, on the trainer, one thread")

@@ -2,7 +2,7 @@
 
 One sender's transfer is capped by its one NIC; when every rank of a sharded trainer sends its own shards,
 the NICs add up. This machine has one loopback, so each trainer rank and each rollout runs in its own network
-namespace with a rate-limited link (:mod:`hal.apps.benchmarks.links`): trainer links at ``R``, rollout links
+namespace with a rate-limited link (:mod:`hal.apps.links`): trainer links at ``R``, rollout links
 at ``rollout_factor * R``. Every sender rank holds ``1/S`` of the rows of every tensor (FSDP2's dim-0 shard:
 ``torch.chunk(full, S, dim=0)[s]``, the trailing ranks possibly empty) and sends it to every rollout with
 gloo point-to-point sends over TCP (``GLOO_SOCKET_IFNAME`` = its namespace's veth); each rollout receives
@@ -17,7 +17,7 @@ to a barrier after the last receive.
 
     hal bench --only senders                                       # 32 MiB, R = 100 Mbit/s, 2 rollouts
 
-Needs root and iproute2 (see :func:`hal.apps.benchmarks.links.links_available`).
+Needs root and iproute2 (see :func:`hal.apps.links.links_available`).
 
 What moves the bytes is a :class:`SenderPath`, named by ``path`` (``"module:factory"``, imported in each
 rank, with ``MASTER_ADDR`` set to trainer rank 0's address): the default, :class:`GlooP2PPath`, is the gloo
@@ -193,7 +193,7 @@ def _rank(rank: int, world_size: int, _port: int, net: Any, endpoints: list[str]
     import os
 
     import hal
-    from hal.apps.benchmarks.links import enter_namespace
+    from hal.apps.links import enter_namespace
 
     enter_namespace(net.namespace(endpoints[rank]))  # before any socket or thread of this process
     os.environ["GLOO_SOCKET_IFNAME"] = net.ifname
@@ -274,7 +274,7 @@ def bench_senders(size_mb: int = 32, rate_mbit: float = 100.0, rollout_factor: f
         RuntimeError: emulated links are unavailable here (the reason is in the message).
         hal.testing.MultiprocessError: a rank failed, received wrong bytes, or the run passed its deadline.
     """
-    from hal.apps.benchmarks.links import emulated_network, links_available
+    from hal.apps.links import emulated_network, links_available
     from hal.testing import run_multiprocess
 
     senders = sorted(set(int(s) for s in senders))

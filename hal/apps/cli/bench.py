@@ -13,7 +13,7 @@ every update into their models, each step against a raw broadcast of the same by
 against torchrun, ``bench_ray.py``), ``--only ipc`` (the same-host ipc engine into 1 and 2 rollout processes
 against one memcpy and the collective engine, ``bench_ipc.py``), ``--only import`` (what ``import hal`` adds to ``import torch``,
 ``bench_import.py``), ``--only delta`` (delta weight sync against full updates of the same tensors at 0.5%,
-2%, 10% and 50% changed, ``bench_delta.py``) and ``--only senders`` (1, 2 and 4 senders over emulated
+2%, 10% and 50% changed, ``bench_delta.py``; over emulated links of R Gbit/s with ``--link-gbit R``) and ``--only senders`` (1, 2 and 4 senders over emulated
 per-rank links, ``bench_senders.py``; needs root and ip netns, else skipped with the reason). Every bucket size is in MiB, as ``hal sync --bucket-mb`` takes it. ``--quick`` means
 one thing for all of them: the small defaults of :data:`QUICK_DEFAULTS`.
 """
@@ -87,6 +87,10 @@ class Bench:
     plot: Annotated[str | None, optional("FILE.png", "no plot")] = None
     """Write a PNG: sync throughput against bucket size, offload bandwidth against the copy limit
     (needs matplotlib, hal's plot extra; checked before any benchmark runs)."""
+    link_gbit: Annotated[float | None, optional("R", "loopback")] = None
+    """delta: run it over emulated links of R Gbit/s each way, the trainer and the rollout each in its own
+    network namespace (as senders; needs root and ip netns, else it says why and is skipped); --json gives
+    delta_vs_full and wire_fraction per changed fraction."""
     json: bool = False
     """Print the figures as JSON."""
 
@@ -109,8 +113,9 @@ def selection(args: Bench) -> list[str]:
 
     Raises:
         UsageError: an unknown name in ``--only`` or ``--apply``, a size, round or rollout count below 1, a
-            bucket size (``--bucket-mb``, ``--main-bucket-mb``) that is not positive, or a ``--plot`` file in a
-            folder that does not exist; names the flag and value.
+            bucket size (``--bucket-mb``, ``--main-bucket-mb``) that is not positive, a ``--plot`` file in a
+            folder that does not exist, a ``--link-gbit`` rate that is not in (0, 400] or given without
+            ``--only delta``; names the flag and value.
         MissingExtraError: ``--plot`` without matplotlib, ``--only ray`` without ray.
     """
     args = with_defaults(args)
@@ -130,6 +135,12 @@ def selection(args: Bench) -> list[str]:
         mib_to_bytes(value, "--bucket-mb")
     mib_to_bytes(args.main_bucket_mb, "--main-bucket-mb")
     chosen = [name for name in BENCHMARKS if name in args.only]
+    if args.link_gbit is not None:
+        from hal.apps.links import link_gbit_to_bps
+
+        link_gbit_to_bps(args.link_gbit)
+        if "delta" not in chosen:
+            raise UsageError(f"--link-gbit has no effect without --only delta (got --only {' '.join(args.only)})")
     if args.plot:  # before any benchmark runs: a plot that cannot be written is known now, not in an hour
         require_extra("matplotlib", "plot", "--plot")
         folder = pathlib.Path(args.plot).resolve().parent
@@ -183,7 +194,14 @@ def _execute(chosen: list[str], args: Bench) -> dict[str, Any]:
     if "delta" in chosen:
         from hal.apps.benchmarks import bench_delta
 
-        out["delta"] = bench_delta.run(size, kind, rounds, min(buckets))
+        if args.link_gbit is None:
+            out["delta"] = bench_delta.run(size, kind, rounds, min(buckets))
+        else:
+            from hal.apps.links import links_available
+
+            ok, reason = links_available()
+            out["delta"] = (bench_delta.run(size, kind, rounds, min(buckets), link_gbit=args.link_gbit) if ok
+                            else {"skipped": reason})
     if "main" in chosen:
         from hal.apps.benchmarks import bench_sync
 
@@ -198,7 +216,7 @@ def _execute(chosen: list[str], args: Bench) -> dict[str, Any]:
 
         out["import"] = bench_import.run(rounds)
     if "senders" in chosen:
-        from hal.apps.benchmarks.links import links_available
+        from hal.apps.links import links_available
 
         ok, reason = links_available()
         if ok:
@@ -266,8 +284,8 @@ def print_tables(result: dict[str, Any]) -> None:
     for key, module in tables:
         if key not in result:
             continue
-        if key == "senders" and "skipped" in result[key]:
-            print(f"senders: skipped: {result[key]['skipped']}")
+        if key in ("senders", "delta") and isinstance(result[key], dict) and "skipped" in result[key]:
+            print(f"{key}: skipped: {result[key]['skipped']}")
             continue
         if module is None:  # imported only when chosen (bench_senders needs the links module's tools)
             from importlib import import_module

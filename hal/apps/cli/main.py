@@ -23,13 +23,15 @@ from hal.apps.cli.info import Info
 from hal.apps.cli.info import run as run_info
 from hal.apps.cli.launch import Launch
 from hal.apps.cli.launch import run as run_launch
+from hal.apps.cli.soak import Soak
+from hal.apps.cli.soak import run as run_soak
 from hal.apps.cli.sync import Sync
 from hal.apps.cli.sync import run as run_sync
 from hal.apps.shutdown import interrupted_status
 from hal.errors import HalError
 
-SUBCOMMANDS = {"info": Info, "launch": Launch, "sync": Sync, "bench": Bench}
-RUNNERS = {Info: run_info, Launch: run_launch, Sync: run_sync, Bench: run_bench}
+SUBCOMMANDS = {"info": Info, "launch": Launch, "sync": Sync, "bench": Bench, "soak": Soak}
+RUNNERS = {Info: run_info, Launch: run_launch, Sync: run_sync, Bench: run_bench, Soak: run_soak}
 INTERRUPTED = 130
 """Exit status after Ctrl-C (128 + SIGINT, as shells report it)."""
 

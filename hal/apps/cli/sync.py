@@ -128,8 +128,15 @@ class Sync:
     """With --wire-format delta: also publish each step's weights in full through the same engine, once before and once after the
     step's own publish, and report delta_vs_full (publish_s / the full publishes' mean) per step (engines
     collective and colocated)."""
+    link_gbit: Annotated[float | None, optional("R", "the host's loopback")] = None
+    """Put every process in a network namespace of its own, joined by emulated links of R Gbit/s each way (veth
+    pairs on a bridge, tc token buckets; needs root and iproute2), as links between nodes are about 100x slower
+    than device memory; the job's control plane stays on the loopback. --engine collective, --launcher torchrun,
+    --rollout hal. With --wire-format delta --compare-full the steps show where delta pays."""
 
 
+LINK_ENGINES = ("collective",)
+"""Engines ``--link-gbit`` runs: those whose bytes cross the network (TCP) between the job's processes."""
 RAY_ENGINES = ("collective", "ipc")
 """Engines ``--launcher ray`` runs: the collective one across nodes, the ipc one with every actor on one node
 (its ``build_topology`` refuses workers on two hosts, naming them)."""
@@ -176,6 +183,8 @@ def validate(args: Sync) -> None:
         validate_vllm(args)
     if args.trainer_ranks > 1:
         validate_sharded(args)
+    if args.link_gbit is not None:
+        validate_links(args)
     spec = hal.resolve_device(args.device)
     if args.hybrid:
         validate_hybrid(args, spec)
@@ -236,6 +245,29 @@ def validate_sharded(args: Sync) -> None:
             raise UsageError(f"{flag} runs with {name} {accepted}, got {name} {value}")
     if resolve_model(args.model) not in PRESETS:
         raise UsageError(f"{flag} trains a preset ({', '.join(sorted(PRESETS))}), got --model {args.model}")
+
+
+def validate_links(args: Sync) -> None:
+    """``--link-gbit R``'s own checks.
+
+    Raises:
+        UsageError: a rate not in (0, :data:`hal.apps.links.MAX_LINK_GBIT`] Gbit/s, an engine not in
+            :data:`LINK_ENGINES`, ``--hybrid``, a launcher, rollout or trainer other than one torchrun-started hal
+            trainer (names the flag and value), or a machine where emulated links cannot be built (says why).
+    """
+    from hal.apps.links import link_gbit_to_bps, links_available
+
+    link_gbit_to_bps(args.link_gbit)
+    if args.engine not in LINK_ENGINES:
+        raise UsageError(f"--link-gbit emulates the network between processes, which --engine "
+                         f"{', '.join(LINK_ENGINES)} crosses; got --engine {args.engine}")
+    for name, value, accepted in (("--launcher", args.launcher, "torchrun"), ("--rollout", args.rollout, "hal"),
+                                  ("--trainer-ranks", args.trainer_ranks, 1), ("--hybrid", args.hybrid, False)):
+        if value != accepted:
+            raise UsageError(f"--link-gbit runs with {name} {accepted}, got {name} {value}")
+    ok, reason = links_available()
+    if not ok:
+        raise UsageError(f"--link-gbit needs emulated links, which this machine cannot build: {reason}")
 
 
 def validate_hybrid(args: Sync, spec: Any) -> None:
@@ -330,7 +362,7 @@ def execute(args: Sync) -> dict[str, Any]:
            "trainer_ranks": options.trainer_ranks, "hybrid": options.hybrid,
            "rollout_apply": options.rollout_apply, "launcher": options.launcher, "rollout": options.rollout,
            "publish_dtype": options.published_dtype, "wire_format": options.wire_format,
-           **result.report(options.steps), "wall_s": time.perf_counter() - start}
+           "link_gbit": options.link_gbit, **result.report(options.steps), "wall_s": time.perf_counter() - start}
     if vllm and args.compare_hal:
         from hal.apps.weightsync.vllm_role import update_time_comparison
 
@@ -353,7 +385,8 @@ def print_table(result: dict[str, Any]) -> None:
     table = Table(title=f"hal sync: {model} ({tensors} tensors) on {result['device']}, engine {result['engine']}, "
                         f"rollout {result.get('rollout', 'hal')}, "
                         f"offload {result['offload']}, rollouts {result['rollout_apply']}"
-                        + (f", {result['trainer_ranks']} trainer ranks" if result.get("trainer_ranks", 1) > 1 else ""),
+                        + (f", {result['trainer_ranks']} trainer ranks" if result.get("trainer_ranks", 1) > 1 else "")
+                        + (f", emulated {result['link_gbit']:g} Gbit/s links" if result.get("link_gbit") else ""),
                   caption="publish s: trainer's send until every rollout serves the step; x raw: a raw broadcast "
                           "of the same bytes to the same rollouts (mean of one before and one after the publish), "
                           "its time / publish s (above 1: faster than raw); "

@@ -61,6 +61,11 @@ class JobOptions:
     hal's FSDP2 engine over that many processes, every rank publishing its own shards
     (:class:`~hal.apps.weightsync.sharded_trainer.ShardedTrainer`, the engine's ``multi_sender`` topology)."""
 
+    link_gbit: float | None = None
+    """Each process in a network namespace of its own, joined to the others by an emulated link of this many
+    Gbit/s each way (:mod:`hal.apps.links`; the torchrun launcher); ``None``: the host's loopback. The job's
+    control plane stays on the loopback: only the engine's (and the raw reference's) bytes cross the links."""
+
     @property
     def colocated(self) -> bool:
         """Trainer and rollouts share one process (the colocated engine)."""

@@ -146,3 +146,30 @@ def test_a_replaced_rollout_gets_a_seed_then_deltas_again():
     assert second["seed"] is True and "rollout 2 was replaced" in second["seed_reason"]
     assert [(r["served_step"], r["error"]) for r in second["rollouts"]] == [(2, None), (2, None)]
     check_delta_row(third, 3)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_the_delta_job_over_emulated_links_is_verified_and_its_full_updates_wait_for_the_link():
+    """``--link-gbit``: every rank in its own network namespace (issue 31). A full update of the tiny preset
+    over 20 Mbit/s links cannot take less than its bits / the rate: that its publish does shows the engine's
+    bytes crossed the emulated link, not the loopback."""
+    from hal.apps.links import links_available
+
+    ok, reason = links_available()
+    if not ok:
+        pytest.skip(f"emulated links unavailable: {reason}")
+    gbit = 0.02
+    env = {k: v for k, v in os.environ.items() if k != "HAL_DEVICE"}
+    out = subprocess.run([sys.executable, "-m", "hal.apps.cli.main", "sync", "--device", "cpu", "--model",
+                          "qwen2.5-tiny", "--steps", "2", "--rollouts", "1", "--timeout", "120", "--json",
+                          "--bucket-mb", "1", "--wire-format", "delta", "--lr", "1e-6", "--compare-full",
+                          "--link-gbit", str(gbit)], capture_output=True, text=True, timeout=290, env=env, cwd=ROOT)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    result = json.loads(out.stdout)
+    assert result["verified"] is True and result["errors"] == [] and result["link_gbit"] == gbit
+    wire_s = TINY_BYTES * 8 / (gbit * 1e9)  # 0.72 s
+    for step, row in enumerate(result["rows"], start=1):
+        check_delta_row(row, step, rollouts=1)
+        assert min(row["full_publish_s_each"]) > 0.9 * wire_s  # the token bucket's burst allows a little
+        assert row["publish_s"] > 0.9 * row["sent_bytes"] * 8 / (gbit * 1e9)

@@ -167,11 +167,12 @@ def serve(worker: Any, store: Any, rank: int, timeout: float) -> None:
         loop.close()
 
 
-def trainer_rank(options: JobOptions, engine: Any, rank: int, store: Any) -> Trainer:
-    """Trainer rank ``rank``'s role: the whole model (one trainer rank), or its shards, after joining the trainer
-    ranks' own default process group (FSDP2's) over the job's ``store`` (under a prefix of its own)."""
+def trainer_rank(options: JobOptions, engine: Any, rank: int, store: Any, where: Any = None) -> Trainer:
+    """Trainer rank ``rank``'s role: the whole model (one trainer rank, running at ``where``), or its shards,
+    after joining the trainer ranks' own default process group (FSDP2's) over the job's ``store`` (under a
+    prefix of its own)."""
     if not options.sharded:
-        return Trainer(options, engine)
+        return Trainer(options, engine, where)
     import torch.distributed as dist
 
     from hal.apps.weightsync.sharded_trainer import ShardedTrainer
@@ -181,25 +182,45 @@ def trainer_rank(options: JobOptions, engine: Any, rank: int, store: Any) -> Tra
     return ShardedTrainer(options, engine, rank)
 
 
-def rank_main(options: JobOptions, ctl_port: int, hooks: Sequence[StepHook]) -> dict[str, Any] | None:
+def link_endpoint(rank: int) -> str:
+    """The emulated network's endpoint name of global rank ``rank`` (``options.link_gbit``)."""
+    return f"rank{rank}"
+
+
+def enter_link(net: Any, rank: int) -> str:
+    """Move this rank into its own network namespace of ``net`` (:class:`hal.apps.links.EmulatedNetwork`) and
+    make gloo use its link; returns the rank's address there. Sockets opened before (the control store's) stay
+    on the host's loopback: a socket keeps the namespace it was created in."""
+    from hal.apps.links import enter_namespace
+
+    enter_namespace(net.namespace(link_endpoint(rank)))
+    os.environ["GLOO_SOCKET_IFNAME"] = net.ifname
+    return net.address(link_endpoint(rank))
+
+
+def rank_main(options: JobOptions, ctl_port: int, hooks: Sequence[StepHook], net: Any = None) -> dict[str, Any] | None:
     """One process: rank 0 runs the job (with ``hooks``) and returns its result (as a dict); the others serve.
+    With ``net`` (``options.link_gbit``) the rank's engine runs in its own network namespace (:func:`enter_link`).
     SIGINT and SIGTERM end it quietly (:func:`hal.apps.shutdown.quiet_rank_exit`)."""
     from hal.apps.shutdown import quiet_rank_exit
+    from hal.apps.weightsync.worker import Where
 
     quiet_rank_exit()
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     hal.bind_local_device(options.rank_device)  # one device per rank, LOCAL_RANK's (with --hybrid: device 0)
     store = hal.connect_store(LOOPBACK, ctl_port, rank, world_size, timeout=options.timeout)
+    node_ip = LOOPBACK if net is None else enter_link(net, rank)  # after the control store: it stays on loopback
+    where = Where(rank, node_ip, os.getpid(), options.device)
     if rank >= options.trainer_ranks and options.rollout == "vllm":  # hal's engine is built inside vLLM's worker
         from hal.apps.weightsync.vllm_role import VllmRolloutRole
 
         serve(VllmRolloutRole(options, rank), store, rank, options.timeout)
         return None
-    engine = make_engine(options, rank, LOOPBACK)
+    engine = make_engine(options, rank, node_ip)
     if rank >= options.trainer_ranks:
-        serve(Rollout(options, engine, rank), store, rank, options.timeout)
+        serve(Rollout(options, engine, rank, where=where), store, rank, options.timeout)
         return None
-    trainer = trainer_rank(options, engine, rank, store)
+    trainer = trainer_rank(options, engine, rank, store, where)
     if rank != 0:
         serve(trainer, store, rank, options.timeout)
         return None
@@ -251,6 +272,12 @@ def launch(options: JobOptions, hooks: Sequence[StepHook] = ()) -> JobResult:
             # the directory vLLM starts from
             options = save_initial_model(options, root=scratch.enter_context(scratch_dir("hal-sync-vllm-")))
         logs = scratch.enter_context(scratch_dir("hal-elastic-"))
+        net = None
+        if options.link_gbit is not None:
+            from hal.apps.links import emulated_network
+
+            net = scratch.enter_context(emulated_network({link_endpoint(r): options.link_gbit * 1e9
+                                                          for r in range(options.world_size)}))
         config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=options.world_size,
                               run_id=f"hal-sync-{uuid.uuid4().hex[:8]}", rdzv_backend="c10d",
                               rdzv_endpoint=f"{LOOPBACK}:0", max_restarts=0, monitor_interval=0.1,
@@ -258,10 +285,11 @@ def launch(options: JobOptions, hooks: Sequence[StepHook] = ()) -> JobResult:
                               shutdown_timeout=LAUNCH_SHUTDOWN_TIMEOUT_S, signals_to_handle=OWN_LAUNCH_SIGNALS)
         try:
             with own_elastic_launch(logs):
-                per_rank = elastic_launch(config, rank_main)(options, pick_port(), list(hooks))
+                per_rank = elastic_launch(config, rank_main)(options, pick_port(), list(hooks), net)
         except ChildFailedError as exc:
             raise worker_failed(exc, functools.partial(role, trainers=options.trainer_ranks), "hal sync") from None
     return JobResult(**per_rank[0])
 
 
-__all__ = ["Call", "RemoteCallError", "Reply", "TorchrunGroup", "launch", "rank_main", "role", "serve", "trainer_rank"]
+__all__ = ["Call", "RemoteCallError", "Reply", "TorchrunGroup", "enter_link", "launch", "link_endpoint", "rank_main",
+           "role", "serve", "trainer_rank"]

@@ -42,6 +42,8 @@ SUBNET = "10.231.0"
 """The endpoints' /24: endpoint ``i`` (in the order given) gets ``10.231.0.<i+1>``."""
 IFNAME = "eth0"
 """The endpoint's interface inside its namespace (the name to give ``GLOO_SOCKET_IFNAME``)."""
+MAX_LINK_GBIT = 400.0
+"""The fastest emulated link accepted, in Gbit/s (a token bucket faster than the host's memory means nothing)."""
 MAX_ENDPOINTS = 250
 CMD_TIMEOUT_S = 30.0
 _NETNS_DIR = "/run/netns"
@@ -187,6 +189,20 @@ class EmulatedNetwork:
         """Start ``argv`` inside ``endpoint``'s namespace and return it running (``subprocess.Popen`` keywords
         pass through); the caller waits for it, with a timeout."""
         return subprocess.Popen(["ip", "netns", "exec", self.namespace(endpoint), *argv], **kwargs)
+
+
+def link_gbit_to_bps(gbit: float, flag: str = "--link-gbit") -> float:
+    """The rate in bits/s of a link given in Gbit/s as ``flag`` (1 Gbit/s is 1e9 bits/s).
+
+    Raises:
+        hal.apps.errors.UsageError: ``gbit`` not in (0, :data:`MAX_LINK_GBIT`] (also nan and inf); names the
+            flag and value.
+    """
+    from hal.apps.errors import UsageError
+
+    if not 0 < gbit <= MAX_LINK_GBIT:  # NaN fails both comparisons
+        raise UsageError(f"{flag} takes a rate in Gbit/s in (0, {MAX_LINK_GBIT:g}], got {gbit}")
+    return gbit * 1e9
 
 
 def enter_namespace(namespace: str) -> None:

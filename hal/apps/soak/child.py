@@ -1,0 +1,83 @@
+"""``python -m hal.apps.soak.child FD``: one soak worker process (see :mod:`hal.apps.soak.procs`).
+
+Reads its :class:`~hal.apps.soak.procs.ChildSpec` from the connection on file descriptor ``FD``, builds its role
+(:func:`~hal.apps.soak.procs.build_host`), then runs each call the driver sends, in order, replying to each,
+until ``("stop",)`` or until the driver's end of the connection closes (the driver is gone: the worker exits,
+so nothing outlives a killed driver).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import faulthandler
+import signal
+import sys
+from multiprocessing.connection import Connection
+
+
+PR_SET_PDEATHSIG = 1
+STACKS_SIGNAL = signal.SIGUSR2
+"""The signal that makes a worker write every thread's Python stack to its log (the driver sends it to the
+workers of a run that hung)."""
+
+
+def die_with_parent() -> None:
+    """Have the kernel SIGKILL this process when the driver that started it ends (``prctl(PR_SET_PDEATHSIG)``),
+    also while it is stopped by a fault; a no-op where ``prctl`` is missing."""
+    import ctypes
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+
+
+def serve(conn: Connection) -> None:
+    """Build the role the spec asks for, then serve calls until stopped or disconnected."""
+    from hal.apps.shutdown import quiet_rank_exit
+
+    die_with_parent()
+    quiet_rank_exit()  # SIGINT / SIGTERM end it without a traceback
+    faulthandler.register(STACKS_SIGNAL, all_threads=True)  # a hung worker's stacks, into its log
+    from hal.apps.soak.procs import build_host, receive, send
+
+    kind, spec = receive(conn)
+    if kind != "spec":
+        raise ValueError(f"the first message must be the worker's spec, got {kind!r}")
+    host = build_host(spec, lambda message: send(conn, ("notice", message)))
+    loop = asyncio.new_event_loop()
+    try:
+        while True:
+            try:
+                message = receive(conn)
+            except EOFError:
+                return  # the driver is gone
+            if message[0] == "stop":
+                return
+            _, seq, method, args, kwargs = message
+            try:
+                value = loop.run_until_complete(host.invoke(method, *args, **kwargs))
+                reply = ("reply", seq, True, value, None)
+            except Exception as exc:  # noqa: BLE001 - every failure goes back to the driver, which names this worker
+                reply = ("reply", seq, False, None, f"{type(exc).__name__}: {exc}")
+            try:
+                send(conn, reply)
+            except (BrokenPipeError, ConnectionResetError):
+                return  # the driver is gone
+            except Exception as exc:  # noqa: BLE001 - a result that does not pickle: say so instead
+                send(conn, ("reply", seq, False, None, f"the result of {method} does not pickle: {exc}"))
+    finally:
+        loop.close()
+
+
+def main(argv: list[str]) -> int:
+    """Entry point: ``argv[1]`` is the connection's file descriptor."""
+    if len(argv) != 2 or not argv[1].isdigit():
+        print("usage: python -m hal.apps.soak.child FD (started by hal soak)", file=sys.stderr)
+        return 2
+    serve(Connection(int(argv[1])))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))

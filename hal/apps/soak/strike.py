@@ -1,0 +1,425 @@
+"""The soak's part inside a worker: a checkpoint engine that strikes an armed fault at its moment, and a host
+around the job's role (trainer or rollout) that arms it, reports what the role published and served, and what
+the process holds.
+
+:class:`Host` wraps one :class:`hal.apps.weightsync.worker.Worker` and is what the soak's group calls
+(``invoke``, the same entry point every launcher calls); methods named ``soak.*`` are its own:
+
+* ``soak.arm(fault)`` / ``soak.disarm()``: the :class:`~hal.apps.soak.faults.Fault` to strike during its update;
+* ``soak.observe()``: what the worker serves now (a rollout's ``served_step`` and a CRC-32 per served tensor, the
+  step its last ``update_weights`` reported), read by the checker after every update;
+* ``soak.resources()``: the process's pid, open file descriptors and resident bytes.
+
+It also tells the soak driver, as notices sent the moment they happen (``notify``), the CRC-32 of every tensor
+the trainer staged for a step (``("published", step, sums)``, before the step is sent) and every strike
+(``("struck", fault, wall-clock seconds)``, sent before a kill or a stop takes effect).
+
+:class:`StrikingEngine` stands in front of the role's engine (every attribute read or written is the engine's)
+and strikes at the fault's moment (:data:`hal.apps.soak.faults.MOMENTS`): ``before_send`` at the entry of
+``send_weights`` / ``receive_weights`` (a full filesystem: at the entry of the trainer's ``train``, before it
+stages the update, which it may stage into shared memory), ``mid_bucket`` once ``fraction`` of the update's
+bytes went through the engine (counted on the tensors the trainer hands it, or the rollout receives, of the
+update's own bytes when they are a list, else of the fewest bytes an update carried so far, so that a delta
+update strikes within its own bytes; a stream shorter than that strikes at its end, and a flip at its last
+item, for which the receiver holds one item back, copied), ``during_apply`` when the rollout's receive stream ended and its adapter
+applies and switches, and ``during_finalize`` at the entry of ``finalize()``. A flip corrupts a copy of the
+tensor the rollout receives (the engine's buffers, and with the colocated engine the trainer's tensors, stay
+as they are).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import subprocess
+import time
+from typing import Any, AsyncIterator, Callable, Iterable
+
+from hal.apps.soak.faults import Fault
+
+BALLAST = "hal-soak-ballast"
+"""The file a ``full_disk`` / ``full_shm`` fault fills its filesystem with (removed by the driver afterwards)."""
+SLOW_RATE_BPS = 2e6
+"""A ``slow_link`` fault's rate, bits/s (each direction): an update of the tiny preset (1.8 MB) then takes
+about 7 s, longer than the soak's default timeout."""
+LINK_CMD_TIMEOUT_S = 10.0
+"""Seconds an ``ip`` / ``tc`` command of a link fault may take."""
+TRACE_ENV = "HAL_SOAK_TRACEMALLOC"
+"""Environment variable: a number of frames; when set, every worker traces its Python allocations from its first
+resource sample on, and each later sample says where they grew most (a diagnosis of a resident-memory growth)."""
+FLIP_MASK = 0x10
+"""The bit a ``flip`` fault flips in its byte (a high mantissa bit of a bf16 value: the value changes)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Surroundings:
+    """What a worker's strikes act on besides itself (picklable: handed to a child process).
+
+    Attributes:
+        network: the :class:`hal.apps.links.EmulatedNetwork` the workers live in, or ``None``.
+        endpoint: this worker's endpoint in it.
+        disk_dir: the directory a ``full_disk`` fault fills (on the file engine's own small filesystem), or ``None``.
+        shm_dir: the directory a ``full_shm`` fault fills (a private ``/dev/shm``), or ``None``.
+    """
+
+    network: Any = None
+    endpoint: str | None = None
+    disk_dir: str | None = None
+    shm_dir: str | None = None
+
+
+def fill(directory: str) -> int:
+    """Fill the filesystem of ``directory`` with :data:`BALLAST` (``posix_fallocate`` of every free byte, then
+    byte by byte until ``ENOSPC``); returns the bytes allocated.
+
+    Raises:
+        OSError: ``directory`` cannot be written (other than its filesystem being full).
+    """
+    path = os.path.join(directory, BALLAST)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
+        stat = os.statvfs(directory)
+        free = stat.f_bavail * stat.f_frsize
+        allocated = 0
+        try:
+            if free:
+                os.posix_fallocate(fd, 0, free)
+                allocated = free
+        except OSError:
+            pass
+        os.lseek(fd, allocated, os.SEEK_SET)
+        chunk = b"\0" * 4096
+        while True:
+            try:
+                written = os.write(fd, chunk)
+            except OSError:  # ENOSPC: full
+                break
+            if written <= 0:
+                break
+            allocated += written
+        return allocated
+    finally:
+        os.close(fd)
+
+
+def crc32(tensor: Any) -> str:
+    """CRC-32 of a tensor's bytes, 8 hex digits (:func:`hal.apps.weightsync.verify.crc32`)."""
+    from hal.apps.weightsync.verify import crc32 as tensor_crc32
+
+    return tensor_crc32(tensor)
+
+
+class Host:
+    """The soak's host around ``worker`` (see the module docstring).
+
+    Args:
+        worker: the job's role (:class:`~hal.apps.weightsync.trainer.Trainer` or
+            :class:`~hal.apps.weightsync.rollout.Rollout`).
+        notify: ``notify(message)`` sends a notice to the driver at once (a tuple, see the module docstring).
+        surroundings: what strikes act on.
+        in_process: the worker shares the driver's process (colocated): kills and stops are refused.
+    """
+
+    def __init__(self, worker: Any, notify: Callable[[tuple], None], surroundings: Surroundings | None = None,
+                 in_process: bool = False) -> None:
+        self.worker, self.notify = worker, notify
+        self.surroundings = surroundings or Surroundings()
+        self.in_process = in_process
+        self.armed: Fault | None = None
+        self.reported: dict[str, Any] | None = None
+        """The last ``update_weights`` as the rollout reported it: ``{"update", "served_step", "error", "raised",
+        "started_at", "ended_at"}`` (wall-clock seconds)."""
+        self.current: int | None = None
+        """The ``global_steps`` of the update in progress (the finalize strike's)."""
+        self._first_snapshot: Any = None
+        self.min_bytes = 0
+        """The fewest bytes an update of this worker carried so far (the reference of a ``mid_bucket`` strike on
+        a stream of unknown length: a delta update; the whole update until one was seen)."""
+
+    @property
+    def index(self) -> int:
+        return self.worker.index
+
+    async def invoke(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """``soak.<name>``: this host's method; anything else: the worker's
+        (:meth:`hal.apps.weightsync.worker.Worker.invoke`), with what the soak records around it."""
+        if method.startswith("soak."):
+            name = method[len("soak."):]
+            if name not in ("arm", "disarm", "observe", "resources"):
+                raise AttributeError(f"the soak host has no method {name!r} (arm, disarm, observe, resources)")
+            return getattr(self, name)(*args, **kwargs)
+        if method == "update_weights" and self.index != 0:
+            self.current = args[0] if args else kwargs.get("global_steps")
+            started = time.time()
+            try:
+                result = await self.worker.invoke(method, *args, **kwargs)
+            except Exception as exc:
+                self.reported = {"update": self.current, "served_step": None, "error": f"{type(exc).__name__}: {exc}",
+                                 "raised": True, "started_at": started, "ended_at": time.time()}
+                raise
+            self.reported = {"update": self.current, "served_step": result.served_step, "error": result.error,
+                             "raised": False, "started_at": started, "ended_at": time.time()}
+            return result
+        if method == "update_weights":
+            self.current = args[0] if args else kwargs.get("global_steps")
+        if method == "train" and self.index == 0:
+            fault = self.due("before_send", args[0])
+            if fault is not None and fault.kind in ("full_disk", "full_shm"):
+                self.strike(fault)  # before the trainer stages the update (it may stage into shared memory)
+        result = await self.worker.invoke(method, *args, **kwargs)
+        if method in ("train", "stage") and self.index == 0:
+            step = args[0] if method == "train" else 0
+            self.notify(("published", step, {name: crc32(t) for name, t in self.worker.published()}))
+        return result
+
+    def arm(self, fault: Fault) -> None:
+        """Strike ``fault`` at its moment of update ``fault.update``.
+
+        Raises:
+            ValueError: a kill or a stop in the driver's own process (colocated), or a fault for another worker.
+        """
+        if fault.target != self.index:
+            raise ValueError(f"fault {fault.describe()} targets worker {fault.target}, not this one ({self.index})")
+        if self.in_process and fault.kind in ("kill", "stop"):
+            raise ValueError(f"a {fault.kind} cannot strike a worker in the driver's own process")
+        self.armed = fault
+
+    def disarm(self) -> bool:
+        """Drop the armed fault; returns whether one was armed (it never struck)."""
+        armed, self.armed = self.armed, None
+        return armed is not None
+
+    def observe(self) -> dict[str, Any]:
+        """What this worker serves now: ``{"served_step", "sums": {name: CRC-32}, "reported"}`` for a rollout
+        (``reported``: see :attr:`reported`), ``{}`` for the trainer."""
+        if self.index == 0:
+            return {}
+        adapter = self.worker.adapter
+        return {"served_step": adapter.served_step, "degraded": bool(getattr(adapter, "degraded", None)),
+                "sums": {name: crc32(t) for name, t in adapter.state_dict().items()}, "reported": self.reported}
+
+    def resources(self) -> dict[str, int]:
+        """``{"pid", "fds": open file descriptors, "rss_bytes": resident bytes, "fds_before_gc"}`` of this process.
+
+        Counted after a full garbage collection (``gc.collect()``) and ``malloc_trim``: what only unreachable
+        objects still hold (a failed collective's sockets, kept by its exception's traceback until Python's
+        collector runs) and freed heap the allocator kept are not a leak; ``fds_before_gc`` is the count before.
+        """
+        import gc
+
+        from hal.apps.weightsync.memory import resident_bytes, trim_host_heap
+
+        before = len(os.listdir("/proc/self/fd"))
+        gc.collect()
+        trim_host_heap()
+        out = {"pid": os.getpid(), "fds": len(os.listdir("/proc/self/fd")), "rss_bytes": resident_bytes(),
+               "fds_before_gc": before}
+        traced = self.traced_growth()
+        if traced is not None:
+            out["traced_growth"] = traced
+        return out
+
+    def traced_growth(self, top: int = 5) -> list[str] | None:
+        """Where Python allocations grew since this process's first sample, largest first (``top`` lines of
+        ``tracemalloc``'s comparison, by allocation site), when :data:`TRACE_ENV` is set in ``hal soak``'s
+        environment (tracing then starts at the first sample, keeping that many frames); ``None`` otherwise."""
+        import tracemalloc
+
+        frames = os.environ.get(TRACE_ENV, "")
+        if not frames.isdigit() or int(frames) < 1:
+            return None
+        if not tracemalloc.is_tracing():
+            tracemalloc.start(int(frames))
+        snapshot = tracemalloc.take_snapshot().filter_traces([tracemalloc.Filter(False, tracemalloc.__file__)])
+        if self._first_snapshot is None:
+            self._first_snapshot = snapshot
+            return []
+        return [str(stat) for stat in snapshot.compare_to(self._first_snapshot, "lineno")[:top]]
+
+    def record_bytes(self, nbytes: int) -> None:
+        """An update through this worker carried ``nbytes`` (see :attr:`min_bytes`)."""
+        if nbytes > 0:
+            self.min_bytes = min(self.min_bytes, nbytes) if self.min_bytes else nbytes
+
+    # -- strikes --------------------------------------------------------------------------------------------
+
+    def due(self, moment: str, update: int | None) -> Fault | None:
+        """The armed fault if it strikes at ``moment`` of ``update``."""
+        fault = self.armed
+        if fault is None or fault.moment != moment or (update is not None and update != fault.update):
+            return None
+        return fault
+
+    def strike(self, fault: Fault, tensor: Any = None) -> Any:
+        """Strike ``fault`` now (it is disarmed first); returns ``tensor``, or its copy with one byte flipped
+        for a ``flip``."""
+        self.armed = None
+        kind = fault.kind
+        if kind == "flip":
+            import torch
+
+            flipped = tensor.detach().clone()
+            flat = flipped.reshape(-1).view(torch.uint8)
+            flat[fault.byte % flat.numel()] ^= FLIP_MASK
+            self.notify(("struck", fault, time.time()))
+            return flipped
+        if kind in ("full_disk", "full_shm"):
+            directory = self.surroundings.disk_dir if kind == "full_disk" else self.surroundings.shm_dir
+            if directory is None:
+                raise RuntimeError(f"{kind} armed without a filesystem to fill (the soak's sandbox has none)")
+            fill(directory)
+        elif kind in ("cut_link", "slow_link"):
+            net, endpoint = self.surroundings.network, self.surroundings.endpoint
+            if net is None:
+                raise RuntimeError(f"{kind} armed without an emulated network (the soak's sandbox has none)")
+            if kind == "slow_link":
+                net.set_rate(endpoint, SLOW_RATE_BPS)
+            else:
+                subprocess.run(["ip", "-n", net.namespace(endpoint), "link", "set", net.ifname, "down"],
+                               check=True, capture_output=True, timeout=LINK_CMD_TIMEOUT_S)
+        self.notify(("struck", fault, time.time()))
+        if kind == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        elif kind == "stop":
+            os.kill(os.getpid(), signal.SIGSTOP)  # the driver sends SIGCONT once the stop outlasted the timeout
+        return tensor
+
+
+class StrikingEngine:
+    """``engine`` with :class:`Host`'s strikes at their moments (see the module docstring); every other
+    attribute, read or written, is ``engine``'s. ``send_buffer_bytes`` / ``send_buffer_words`` are the engine
+    class's (the trainer's memory bound reads them from ``type(engine)``)."""
+
+    def __init__(self, engine: Any, host: Host | None = None) -> None:
+        object.__setattr__(self, "_engine", engine)
+        object.__setattr__(self, "_host", host)
+
+    @classmethod
+    def wrap(cls, engine: Any) -> StrikingEngine:
+        """``engine`` behind a subclass of this class that also carries the engine class's memory figures."""
+        engine_cls = type(engine)
+        attrs = {name: getattr(engine_cls, name) for name in ("send_buffer_bytes", "send_buffer_words")
+                 if hasattr(engine_cls, name)}
+        return type(f"Striking{engine_cls.__name__}", (cls,), attrs)(engine)
+
+    def attach(self, host: Host) -> None:
+        """Strike ``host``'s armed faults."""
+        object.__setattr__(self, "_host", host)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(object.__getattribute__(self, "_engine"), name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(self._engine, name, value)
+
+    async def send_weights(self, weights: Iterable[Any], global_steps: int | None = None, **kwargs: Any) -> None:
+        host = self._host
+        if host is not None:
+            host.current = global_steps
+            fault = host.due("before_send", global_steps)
+            if fault is not None:
+                host.strike(fault)
+            fault = host.due("mid_bucket", global_steps)
+            if fault is not None:
+                weights = self._counting(weights, fault)
+        return await self._engine.send_weights(weights, global_steps, **kwargs)
+
+    def _counting(self, weights: Iterable[Any], fault: Fault) -> Iterable[Any]:
+        """``weights`` striking ``fault`` once ``fault.fraction`` of the update's bytes were handed on (of a list's
+        own bytes; of :attr:`Host.min_bytes` for a stream, struck at its end if it is shorter)."""
+        host = self._host
+        items = list(weights) if isinstance(weights, (list, tuple)) else None
+        total = byte_count(items) if items is not None else host.min_bytes
+        threshold = fault.fraction * total
+        seen = 0
+        for name, tensor in items if items is not None else weights:
+            seen += tensor.numel() * tensor.element_size()
+            if host.armed is fault and seen >= threshold:
+                host.strike(fault)
+            yield name, tensor
+        if host.armed is fault:
+            host.strike(fault)
+        host.record_bytes(seen)
+
+    def receive_weights(self, global_steps: int | None = None, **kwargs: Any) -> AsyncIterator[Any]:
+        return self._receive(global_steps, **kwargs)
+
+    async def _receive(self, global_steps: int | None, **kwargs: Any) -> AsyncIterator[Any]:
+        stream = self._engine.receive_weights(global_steps, **kwargs)
+        try:
+            async for item in self._strike_in(stream, global_steps):
+                yield item
+        finally:  # closed early (the consumer's aclose): the engine's own stream is closed now, not when collected
+            aclose = getattr(stream, "aclose", None)
+            if aclose is not None:
+                await aclose()
+
+    async def _strike_in(self, stream: AsyncIterator[Any], global_steps: int | None) -> AsyncIterator[Any]:
+        host = self._host
+        if host is None:
+            async for item in stream:
+                yield item
+            return
+        host.current = global_steps
+        fault = host.due("before_send", global_steps)
+        if fault is not None:
+            host.strike(fault)
+        middle = host.due("mid_bucket", global_steps)
+        threshold = middle.fraction * host.min_bytes if middle is not None else 0.0
+        seen = 0
+        if middle is not None and middle.kind == "flip":
+            # one item held back, copied (an engine's item may be a view valid only until the next), so that a
+            # stream shorter than the reference (a delta update) still has its last item flipped
+            held = None
+            async for name, tensor in stream:
+                seen += tensor.numel() * tensor.element_size()
+                if held is not None:
+                    yield held
+                held = (name, tensor.detach().clone())
+                if host.armed is middle and seen >= threshold and tensor.numel():
+                    held = (name, host.strike(middle, held[1]))
+            if held is not None:
+                if host.armed is middle and held[1].numel():
+                    held = (held[0], host.strike(middle, held[1]))
+                yield held
+        else:
+            async for name, tensor in stream:
+                seen += tensor.numel() * tensor.element_size()
+                if middle is not None and host.armed is middle and seen >= threshold:
+                    host.strike(middle)
+                yield name, tensor
+        host.record_bytes(seen)
+        if middle is not None and host.armed is middle and middle.kind != "flip":
+            host.strike(middle)  # a stream shorter than the reference: at its end
+        fault = host.due("during_apply", global_steps)
+        if fault is not None:
+            host.strike(fault)
+
+    def finalize(self, *args: Any, **kwargs: Any) -> Any:
+        host = self._host
+        if host is not None:
+            fault = host.due("during_finalize", host.current)
+            if fault is not None:
+                host.strike(fault)
+        return self._engine.finalize(*args, **kwargs)
+
+
+def byte_count(weights: Iterable[tuple[str, Any]]) -> int:
+    """Bytes of ``(name, tensor)`` pairs."""
+    return sum(t.numel() * t.element_size() for _, t in weights)
+
+
+def remove_ballast(directory: str | None) -> bool:
+    """Remove :data:`BALLAST` from ``directory`` if it is there; returns whether it was."""
+    if directory is None:
+        return False
+    try:
+        os.unlink(os.path.join(directory, BALLAST))
+        return True
+    except FileNotFoundError:
+        return False
+
+
+__all__ = ["BALLAST", "Host", "SLOW_RATE_BPS", "StrikingEngine", "Surroundings", "byte_count", "fill",
+           "remove_ballast"]
