@@ -29,6 +29,28 @@ def _wait_for(predicate, limit: float) -> bool:
     return predicate()
 
 
+def _connections_to(port: int) -> int:
+    """This process's TCP connections to ``port`` (its sockets' inodes found in /proc/net/tcp and tcp6): the
+    store connections only, whatever else the test process (a pytest-xdist worker) opens meanwhile."""
+    mine = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            mine.add(target[8:-1])
+    count = 0
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        if not os.path.exists(table):
+            continue
+        for line in open(table).read().splitlines()[1:]:
+            fields = line.split()
+            if int(fields[2].rsplit(":", 1)[1], 16) == port and fields[9] in mine:
+                count += 1
+    return count
+
+
 def _dead(channel: ControlChannel, peer: int) -> bool:
     try:
         channel.check_alive(peer)
@@ -43,13 +65,14 @@ def test_a_peer_whose_heartbeat_moves_again_counts_as_alive_again():
                           heartbeat_timeout=HEARTBEAT_TIMEOUT)
     peer = ControlChannel(store, rank=1, namespace="t/revived", timeout=10, label=_label, heartbeat=False)
     beat = peer.key("hb", "1")
-    try:
-        host.watch([1])
+
+    def stop_and_continue() -> int:
+        """The peer beats, pauses past heartbeat_timeout (dead), beats again (alive); returns the process's
+        descriptors after it."""
         for _ in range(4):  # the peer beats (by hand: its heartbeat thread is off, so the test can pause it)
             store.add(beat, 1)
             time.sleep(control.HEARTBEAT_S)
         assert not _dead(host, 1)
-        fds = len(os.listdir("/proc/self/fd"))
         # paused (stopped, starved) for longer than heartbeat_timeout: dead, and a wait on it says so
         assert _wait_for(lambda: _dead(host, 1), HEARTBEAT_TIMEOUT + 4 * control.HEARTBEAT_S)
         with pytest.raises(PeerFailure, match=r"peer rank 1 is dead or hangs: its heartbeat stood still for"):
@@ -62,9 +85,16 @@ def test_a_peer_whose_heartbeat_moves_again_counts_as_alive_again():
         # continued: alive again within a few beats (before the fix it stayed dead for good)
         assert _wait_for(beating_again, 6 * control.HEARTBEAT_S)
         host.check_alive(1, "an acknowledgement")
-        # the connection that read the dead peer's counter is closed once no peer counts as dead (found by hal soak:
-        # a descriptor more for good after each stop)
-        assert len(os.listdir("/proc/self/fd")) <= fds
+        return _connections_to(store.port)
+
+    try:
+        host.watch([1])
+        before = _connections_to(store.port)
+        assert before >= 2  # the channels' own connections are counted (the heartbeat's, at least)
+        # the connection that read the dead peer's counter is closed once no peer counts as dead (found by hal
+        # soak: a descriptor more for good after a stop)
+        assert stop_and_continue() <= before
+        assert stop_and_continue() <= before
     finally:
         host.close()
         peer.close()

@@ -54,7 +54,7 @@ def test_json_per_run_and_a_flip_skipped_on_the_full_format_with_the_reason():
 def test_a_failed_run_prints_its_seed_and_replay_command_and_exits_1(monkeypatch, capsys):
     from hal.apps.cli import soak as cli
     from hal.apps.soak import run as soak_run
-    from tests.apps.soak.test_checker import clean, history, run_of
+    from tests.apps.soak.histories import clean, history, run_of
     from hal.apps.soak.checker import judge
 
     bad = clean(12)
