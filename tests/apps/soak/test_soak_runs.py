@@ -35,18 +35,18 @@ CASES = [  # engine, wire format, device kind, fault kinds, seed (3 faults, the 
 ]
 
 
-def require(engine: str, device: str, kinds=()) -> None:
+def require(engine: str, device: str, kinds=(), wire: str = "full") -> None:
     ok, reason = ckpt.checkpoint_engine_availability(engine, device)
     if not ok:
         pytest.skip(f"{engine} on {device}: {reason}")
-    _, skipped = applicable(kinds, engine, machine_support())
+    _, skipped = applicable(kinds, engine, machine_support(), wire)
     if skipped:
         pytest.skip(f"this machine cannot produce {sorted(skipped)}: {sorted(set(skipped.values()))}")
 
 
 @pytest.mark.parametrize("engine, wire, device, kinds, seed", CASES, ids=[f"{c[0]}-{c[1]}-{c[2]}" for c in CASES])
 def test_a_short_soak_holds(engine, wire, device, kinds, seed):
-    require(engine, device, kinds)
+    require(engine, device, kinds, wire)
     options = SoakOptions(engine=engine, device=device, seed=seed, updates=UPDATES, wire_format=wire, faults=kinds,
                           fault_rate=RATE, sample_every=1)
     planned = plan(seed, UPDATES, kinds, options.rollouts, RATE)
