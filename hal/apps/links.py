@@ -160,6 +160,13 @@ class EmulatedNetwork:
         self.namespace(endpoint)
         return self.addresses[endpoint]
 
+    def enter(self, endpoint: str) -> str:
+        """Move the calling thread into ``endpoint``'s namespace (:func:`enter_namespace`: call it before any
+        socket or thread it should use there) and make gloo use its interface; returns its address."""
+        enter_namespace(self.namespace(endpoint))
+        os.environ["GLOO_SOCKET_IFNAME"] = self.ifname
+        return self.address(endpoint)
+
     def set_rate(self, endpoint: str, rate_bps: float) -> None:
         """Change ``endpoint``'s link to ``rate_bps`` bits/s in both directions (``tc qdisc replace``), also
         while traffic flows.

@@ -101,12 +101,7 @@ def _rank(rank: int, world_size: int, ports: list[int], size_mb: int, fractions:
 def _link_rank(rank: int, world_size: int, _port: int, net, endpoints: list[str], plan: dict) -> dict:
     """A rank in its own network namespace (:func:`hal.testing.run_multiprocess`, as ``bench_senders``):
     enters it before any socket or thread, then :func:`_measure` over the trainer's emulated address."""
-    import os
-
-    from hal.apps.links import enter_namespace
-
-    enter_namespace(net.namespace(endpoints[rank]))
-    os.environ["GLOO_SOCKET_IFNAME"] = net.ifname
+    net.enter(endpoints[rank])
     return _measure(rank, world_size, net.address(endpoints[0]), [STORE_PORT, ENGINE_PORT], plan["size_mb"],
                     plan["fractions"], plan["device"], plan["rounds"], plan["bucket"], plan["timeout_s"])
 

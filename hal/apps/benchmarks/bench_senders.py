@@ -193,10 +193,7 @@ def _rank(rank: int, world_size: int, _port: int, net: Any, endpoints: list[str]
     import os
 
     import hal
-    from hal.apps.links import enter_namespace
-
-    enter_namespace(net.namespace(endpoints[rank]))  # before any socket or thread of this process
-    os.environ["GLOO_SOCKET_IFNAME"] = net.ifname
+    net.enter(endpoints[rank])  # before any socket or thread of this process
     os.environ["MASTER_ADDR"] = net.address(endpoints[0])  # where a path's own rendezvous (trainer rank 0) is
     trainers, rollouts = plan["trainers"], list(range(plan["trainers"], world_size))
     timeout_s = plan["timeout_s"]

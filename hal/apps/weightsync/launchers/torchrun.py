@@ -187,20 +187,10 @@ def link_endpoint(rank: int) -> str:
     return f"rank{rank}"
 
 
-def enter_link(net: Any, rank: int) -> str:
-    """Move this rank into its own network namespace of ``net`` (:class:`hal.apps.links.EmulatedNetwork`) and
-    make gloo use its link; returns the rank's address there. Sockets opened before (the control store's) stay
-    on the host's loopback: a socket keeps the namespace it was created in."""
-    from hal.apps.links import enter_namespace
-
-    enter_namespace(net.namespace(link_endpoint(rank)))
-    os.environ["GLOO_SOCKET_IFNAME"] = net.ifname
-    return net.address(link_endpoint(rank))
-
-
 def rank_main(options: JobOptions, ctl_port: int, hooks: Sequence[StepHook], net: Any = None) -> dict[str, Any] | None:
     """One process: rank 0 runs the job (with ``hooks``) and returns its result (as a dict); the others serve.
-    With ``net`` (``options.link_gbit``) the rank's engine runs in its own network namespace (:func:`enter_link`).
+    With ``net`` (``options.link_gbit``) the rank's engine runs in its own network namespace
+    (:meth:`hal.apps.links.EmulatedNetwork.enter`).
     SIGINT and SIGTERM end it quietly (:func:`hal.apps.shutdown.quiet_rank_exit`)."""
     from hal.apps.shutdown import quiet_rank_exit
     from hal.apps.weightsync.worker import Where
@@ -209,7 +199,8 @@ def rank_main(options: JobOptions, ctl_port: int, hooks: Sequence[StepHook], net
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     hal.bind_local_device(options.rank_device)  # one device per rank, LOCAL_RANK's (with --hybrid: device 0)
     store = hal.connect_store(LOOPBACK, ctl_port, rank, world_size, timeout=options.timeout)
-    node_ip = LOOPBACK if net is None else enter_link(net, rank)  # after the control store: it stays on loopback
+    # after the control store, whose socket stays on the host's loopback (a socket keeps its namespace)
+    node_ip = LOOPBACK if net is None else net.enter(link_endpoint(rank))
     where = Where(rank, node_ip, os.getpid(), options.device)
     if rank >= options.trainer_ranks and options.rollout == "vllm":  # hal's engine is built inside vLLM's worker
         from hal.apps.weightsync.vllm_role import VllmRolloutRole
@@ -274,9 +265,9 @@ def launch(options: JobOptions, hooks: Sequence[StepHook] = ()) -> JobResult:
         logs = scratch.enter_context(scratch_dir("hal-elastic-"))
         net = None
         if options.link_gbit is not None:
-            from hal.apps.links import emulated_network
+            from hal.apps.links import emulated_network, link_gbit_to_bps
 
-            net = scratch.enter_context(emulated_network({link_endpoint(r): options.link_gbit * 1e9
+            net = scratch.enter_context(emulated_network({link_endpoint(r): link_gbit_to_bps(options.link_gbit)
                                                           for r in range(options.world_size)}))
         config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=options.world_size,
                               run_id=f"hal-sync-{uuid.uuid4().hex[:8]}", rdzv_backend="c10d",
@@ -291,5 +282,5 @@ def launch(options: JobOptions, hooks: Sequence[StepHook] = ()) -> JobResult:
     return JobResult(**per_rank[0])
 
 
-__all__ = ["Call", "RemoteCallError", "Reply", "TorchrunGroup", "enter_link", "launch", "link_endpoint", "rank_main",
-           "role", "serve", "trainer_rank"]
+__all__ = ["Call", "RemoteCallError", "Reply", "TorchrunGroup", "launch", "link_endpoint", "rank_main", "role", "serve",
+           "trainer_rank"]
