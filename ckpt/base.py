@@ -126,6 +126,43 @@ class CheckpointEngine(abc.ABC):
     """Whether the trainer stages updates in POSIX shared memory (``/dev/shm``), as the ipc engine does on host
     memory and the simulated npu's shareable buffers do: what a full ``/dev/shm`` fails."""
 
+    bucketed: bool = False
+    """Whether the engine stages an update in buckets of ``bucket_size`` bytes and has a master (``is_master``:
+    the trainer) that leads each update, as verl's bucketed engines (NCCL, HCCL, NIXL, Mooncake): the job builds
+    it with both. ``False``: the file and colocated engines (they accept and ignore verl's two keywords)."""
+
+    hosts_rendezvous: bool = False
+    """Whether the master hosts the update's rendezvous at an address the other ranks connect to
+    (``master_addr``; the collective and transfer-library engines). ``False``: nothing to connect to, or an
+    address the master picks on the host itself (the ipc engine)."""
+
+    supports_multi_sender: bool = False
+    """Whether the engine runs the multi-sender topology (``multi_sender=True``: every rank of a sharded trainer
+    sends its own shards)."""
+
+    publishes_to_files: bool = False
+    """Whether an update travels as files in a directory every rank reads and writes (``root``; the file
+    engine): what a full disk fails, and what the job gives a scratch directory when none is named."""
+
+    accepts_repeated_global_steps: bool = False
+    """Whether a second update tagged with the ``global_steps`` just received is taken again (the collective
+    and colocated engines) rather than refused or skipped as not newer (the file engine offers only newer
+    steps): what publishing one step twice, as ``hal sync --compare-full``'s reference does, needs."""
+
+    uses_transfer_library: bool = False
+    """Whether the engine moves bytes with a third-party transfer library (NIXL, Mooncake, Kimi's
+    checkpoint-engine over Mooncake) whose bare transport its class offers as ``bare_transport(rank)``
+    (:class:`ckpt.p2p.Transport`): what ``hal bench``'s transfer-library figures compare the engine with."""
+
+    rollout_pulls: bool = False
+    """Whether the rollouts read the update from the trainer's registered memory (Kimi's engine) rather than
+    the trainer writing it to them: its library baseline is a read."""
+
+    receives_inside_vllm: bool = False
+    """Whether the job's vLLM rollout (``hal sync --rollout vllm``) builds this engine inside vLLM's worker
+    (:mod:`ckpt.vllm_transfer`, with ``bucket_size``, ``is_master`` and ``timeout``): the collective engine, the
+    one ``tests/vllm`` runs there. The job refuses any other up front rather than failing inside vLLM."""
+
     @classmethod
     def send_buffer_bytes(cls, bucket_size: int, published_bytes: int) -> dict[str, int]:
         """What the sending side holds while it sends one update, beyond the caller's tensors.

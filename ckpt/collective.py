@@ -132,6 +132,8 @@ class CollectiveCheckpointEngine(OneToManyEngine):
 
     supports_multi_sender = True
     bytes_cross_a_network = True  # NCCL, HCCL or gloo between the processes
+    accepts_repeated_global_steps = True  # a step is checked only against the one asked for
+    receives_inside_vllm = True  # the engine hal's vLLM rollout builds in vLLM's worker (tests/vllm)
 
     # ---- lifecycle (verl's CheckpointEngine ABC: all synchronous; the sequence is the base's) --------
     def _host_rendezvous(self) -> None:

@@ -95,8 +95,9 @@ class ColocatedCheckpointEngine(CheckpointEngine):
     """
 
     send_buffer_words = ""
-    one_process = True
     """What :meth:`send_buffer_bytes` counts, in words: nothing (the receiver reads the sender's own tensors)."""
+    one_process = True
+    accepts_repeated_global_steps = True  # an offer is taken whatever its step, unless a step is asked for
 
     _channels: weakref.WeakValueDictionary[tuple[type, str], ColocatedCheckpointEngine] = \
         weakref.WeakValueDictionary()

@@ -67,8 +67,9 @@ class FileCheckpointEngine(CheckpointEngine):
     """
 
     send_buffer_words = "the update's host copies (one shard, at most the update)"
-    ranks_may_share_a_device = True  # files: no communicator between the processes
     """What :meth:`send_buffer_bytes` counts, in words for a memory bound's report."""
+    ranks_may_share_a_device = True  # files: no communicator between the processes
+    publishes_to_files = True
 
     @classmethod
     def send_buffer_bytes(cls, bucket_size: int, published_bytes: int) -> dict[str, int]:

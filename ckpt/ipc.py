@@ -158,7 +158,7 @@ class IpcCheckpointEngine(CheckpointEngine):
     """
 
     send_buffer_words = "the shared buffer: two buckets, one filled while the other is read"
-    supports_multi_sender = False
+    bucketed = True  # two buckets of one shared buffer; the master picks the endpoint on the host
     ranks_may_share_a_device = True  # verl's hybrid engine: the rollout opens the trainer's buffer on its device
     stages_in_shared_memory = True  # the shm transport's buckets, and the simulated npu's shareable buffers
 

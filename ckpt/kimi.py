@@ -89,6 +89,17 @@ class KimiCheckpointEngine(OneToManyEngine):
     whose ``weights`` iterator raises tells the rollouts (:class:`TransferAbortedError`) and stays usable.
     """
 
+    uses_transfer_library = True
+    rollout_pulls = True  # the rollouts read from the trainer's registered buckets (Mooncake reads)
+
+    @classmethod
+    def bare_transport(cls, rank: int) -> Any:
+        """Mooncake over tcp on the loopback, the library Kimi's engine moves bytes with, no engine around it (a
+        benchmark's baseline, :meth:`ckpt.p2p.Transport.copy_sync` with ``read=True``: kimi's rollouts pull)."""
+        from ckpt.mooncake import MooncakeCheckpointEngine
+
+        return MooncakeCheckpointEngine.bare_transport(rank)
+
     def __init__(self, bucket_size: int = DEFAULT_BUCKET_SIZE, is_master: bool = False, *, rank: int | None = None,
                  world_size: int | None = None, master_addr: str | None = None, master_port: int | None = None,
                  store_addr: str | None = None, device: str | None = None, timeout: float = hal.DEFAULT_TIMEOUT_S,

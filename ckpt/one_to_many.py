@@ -183,8 +183,8 @@ class OneToManyEngine(CheckpointEngine):
 
     send_buffer_words = "three buckets (two send buffers and the one in flight)"
 
-    supports_multi_sender = False
-    """Whether the engine runs the multi-sender topology (``multi_sender=True``)."""
+    bucketed = True
+    hosts_rendezvous = True  # the master's store (``master_addr``), or one named by ``store_addr``
 
     @classmethod
     def send_buffer_bytes(cls, bucket_size: int, published_bytes: int) -> dict[str, int]:

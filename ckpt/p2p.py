@@ -60,6 +60,8 @@ class Transport(abc.ABC):
     """
 
     library = "transfer library"
+    addr: int | None = None
+    """The address of the region :meth:`register` registered (``None`` before)."""
     max_in_flight = 1
     """Messages whose writes may be in flight at once (1 or 2): 2 lets the write of bucket k start while
     k-1's completes, where the library gains from concurrent writes."""
@@ -113,6 +115,19 @@ class Transport(abc.ABC):
                 raise TransferTimeoutError(f"{self.library} write not done within {timeout:g} s")
             await asyncio.sleep(delay)
             delay = min(1e-3, delay * 2 or 2e-5)
+
+    def copy_sync(self, peer: int, nbytes: int, timeout: float, *, read: bool = False) -> None:
+        """Copy the first ``nbytes`` of the region :meth:`register` registered to the start of ``peer``'s
+        (``read``: from ``peer``'s into this one) as one transfer, blocking until done: the library's best
+        between two processes, the baseline :mod:`hal.apps.benchmarks.bench_p2p` holds an engine against.
+
+        Raises:
+            NotImplementedError: ``read`` where the library's engine only writes (the default here).
+            TransferError: the library reports a failure; TransferTimeoutError: not done in ``timeout`` s.
+        """
+        if read:
+            raise NotImplementedError(f"{self.library}: hal's transport only writes")
+        asyncio.run(self.wait(self.start_write(peer, [(self.addr, 0, nbytes)]), timeout))
 
     @abc.abstractmethod
     def close(self) -> None:
@@ -233,6 +248,7 @@ class P2PCheckpointEngine(OneToManyEngine):
     min_bucket_size = 1024
     min_world_size = 2
     bytes_cross_a_network = True  # the library's one-sided writes between the processes
+    uses_transfer_library = True
 
     def __init__(self, bucket_size: int = DEFAULT_BUCKET_SIZE, is_master: bool = False, *, rank: int | None = None,
                  world_size: int | None = None, master_addr: str | None = None, master_port: int | None = None,

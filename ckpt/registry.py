@@ -96,6 +96,35 @@ def known_checkpoint_engines() -> list[str]:
     return sorted(_engines)
 
 
+def checkpoint_engine_says(name: str, fact: str) -> bool:
+    """Whether the class registered as ``name`` states ``fact``, one of :class:`ckpt.CheckpointEngine`'s
+    class facts (``bucketed``, ``hosts_rendezvous``, ``one_process``, ``publishes_to_files``, ...): how the job,
+    the CLI and the benchmarks ask what an engine is instead of comparing its name. A factory that is not a
+    class, or a class without the attribute, says nothing (``False``).
+
+    Raises:
+        UnknownCheckpointEngineError: no such name.
+        AttributeError: ``fact`` is not a fact of :class:`ckpt.CheckpointEngine` (a misspelt fact would
+            otherwise read ``False`` silently).
+    """
+    from ckpt.base import CheckpointEngine
+
+    if not isinstance(getattr(CheckpointEngine, fact, None), bool):
+        facts = sorted(k for k, v in vars(CheckpointEngine).items() if isinstance(v, bool))
+        raise AttributeError(f"{fact!r} is not a class fact of CheckpointEngine; facts: {', '.join(facts)}")
+    return bool(getattr(checkpoint_engine_factory(name), fact, False))
+
+
+def checkpoint_engines_where(fact: str) -> list[str]:
+    """Names of the registered engines whose class states ``fact`` (see :func:`checkpoint_engine_says`),
+    sorted; e.g. for a message listing the engines a flag accepts.
+
+    Raises:
+        AttributeError: ``fact`` is not a fact of :class:`ckpt.CheckpointEngine`.
+    """
+    return [name for name in known_checkpoint_engines() if checkpoint_engine_says(name, fact)]
+
+
 def checkpoint_engine_import_errors() -> dict[str, str]:
     """``{name: "ExceptionType: message"}`` for built-in or entry-point engines that failed to import."""
     _load_once()

@@ -11,6 +11,16 @@ import dataclasses
 import types
 
 
+SIMULATION_MARKER = "__hal_sim__"
+"""The attribute (true) of a module that stands in for a vendor package on a simulated kind (the simulated
+npu's ``torch_npu``): how a real kind's spec tells the simulation from its hardware without importing it."""
+
+
+def is_simulation(module: object) -> bool:
+    """Whether ``module`` (e.g. an imported vendor package) is a simulation's stand-in (:data:`SIMULATION_MARKER`)."""
+    return module is not None and bool(getattr(module, SIMULATION_MARKER, False))
+
+
 @dataclasses.dataclass(frozen=True)
 class Availability:
     """Outcome of a device kind's probe: ``ok`` or the ``reason`` it is not usable.

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import types
 
-from devices.base import Availability, DeviceSpec, probe_safely
+from devices.base import Availability, DeviceSpec, is_simulation, probe_safely
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,9 +34,7 @@ class NpuDevice(DeviceSpec):
         import torch
         import torch_npu
 
-        from devices.npu_sim import compat
-
-        if compat.is_compat(torch_npu):
+        if is_simulation(torch_npu):
             raise ImportError("torch_npu here is hal's npu-sim compatibility module, not the real package; "
                               "select the 'npu-sim' kind for it")
         return torch.npu

@@ -2,7 +2,8 @@
 
 Layers, imports pointing down only:
 
-* ``devices``: hardware knowledge; imports nothing from ``hal``, ``engines`` or ``ckpt``;
+* ``devices``: hardware knowledge; imports nothing from ``hal``, ``engines`` or ``ckpt``, and outside
+  ``devices.npu_sim`` nothing from the simulator (the registry names it as a string);
 * ``hal`` (every module outside ``hal.apps``): the API; imports nothing from ``engines``, ``ckpt``, ``hal.apps``;
 * ``engines``, ``ckpt``: consumers of the API; nothing from ``hal.apps``, nothing from ``devices`` (they ask
   ``hal``), and not each other;
@@ -31,7 +32,11 @@ PACKAGES = ("devices", "hal", "engines", "ckpt", "tests")
 """The top-level packages whose modules are read (the repository's own; ``.venv`` and build folders are not)."""
 
 FORBIDDEN = {
-    "devices": ({"hal", "hal.apps", "engines", "ckpt"}, "devices knows hardware and imports nothing above it"),
+    "devices": ({"hal", "hal.apps", "engines", "ckpt", "devices.npu_sim"},
+                "devices knows hardware and imports nothing above it; a real kind knows no simulator (issue 30: "
+                "it tells the sim's stand-in module by devices.base.SIMULATION_MARKER; the registry names "
+                "devices.npu_sim as a string)"),
+    "devices.npu_sim": ({"hal", "hal.apps", "engines", "ckpt"}, "the simulated npu is a device kind like the others"),
     "hal": ({"engines", "ckpt", "hal.apps"}, "hal's API imports only devices"),
     "engines": ({"hal.apps", "devices", "ckpt"}, "engines asks hal (not devices), never hal.apps or ckpt"),
     "ckpt": ({"hal.apps", "devices", "engines"}, "ckpt asks hal (not devices), never hal.apps or engines"),
@@ -41,7 +46,7 @@ FORBIDDEN = {
 }
 """Layer -> (the layers it must not import, why)."""
 
-LAYERS = ("devices", "hal", "hal.apps", "hal.apps.weightsync", "hal.apps.benchmarks", "engines", "ckpt")
+LAYERS = ("devices", "devices.npu_sim", "hal", "hal.apps", "hal.apps.weightsync", "hal.apps.benchmarks", "engines", "ckpt")
 
 
 def layer(module: str) -> str | None:

@@ -21,17 +21,19 @@ import pathlib
 import sys
 import types
 
+from devices.base import SIMULATION_MARKER, is_simulation
+
 COMPAT_FILE = pathlib.Path(__file__).with_name("torch_npu.py")
 VERSION = "2.14.0+hal.sim"
 """``torch_npu.__version__`` of the compatibility module: the torch_npu API level it mirrors (the committed
 ``devices/npu_api_names.txt``), with a local label that marks it as the simulation."""
 
-MARKER = "__hal_sim__"
+MARKER = SIMULATION_MARKER
 
 
 def is_compat(module: types.ModuleType | None) -> bool:
     """Whether ``module`` is this compatibility module (not a real torch_npu)."""
-    return module is not None and bool(getattr(module, MARKER, False))
+    return is_simulation(module)
 
 
 def _is_real_spec(spec: importlib.machinery.ModuleSpec | None) -> bool:

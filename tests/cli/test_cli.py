@@ -239,7 +239,7 @@ def test_bench_quick_prints_ratios(tmp_path):
 
     from hal.apps.benchmarks import bench_p2p
 
-    engines = [e for e in bench_p2p.ENGINES if ckpt.checkpoint_engine_availability(e, "npu-sim")[0]]
+    engines = [e for e in bench_p2p.transfer_library_engines() if ckpt.checkpoint_engine_availability(e, "npu-sim")[0]]
     rows = result["sync_p2p"]["engines"] if engines else []
     assert [r["engine"] for r in rows] == engines
     from hal.apps.benchmarks.bench_ckpt import tensor_sizes

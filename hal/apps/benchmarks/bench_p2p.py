@@ -24,10 +24,8 @@ on the benchmarked kind (kimi runs on npu-sim, not cpu), at the smallest ``--buc
 
 from __future__ import annotations
 
-import asyncio
 import json
 import statistics
-import time
 import zlib
 from typing import Any, Callable
 
@@ -39,20 +37,14 @@ from hal.apps.benchmarks.bench_ckpt import PeakMemory, tensor_sizes, tensor_view
 from hal.apps.benchmarks.ranks import free_ports, run_ranks
 from hal.apps.errors import mib_to_bytes
 
-ENGINES = ("nixl", "mooncake", "kimi")
-PULLS = ("kimi",)
-"""Engines whose rollouts read from the trainer: their raw figure is a library read, not a write."""
 
 
-def _raw_transport(name: str, rank: int):
-    """The engine's own transport, on host memory, as a bare library handle."""
-    if name == "nixl":
-        from ckpt.nixl import HOST_MEMORY_TYPE, NixlTransport
+def transfer_library_engines() -> list[str]:
+    """The registered engines that move bytes with a transfer library (their class's
+    ``uses_transfer_library``), each measured here against that library: nixl, kimi and mooncake built in."""
+    import ckpt
 
-        return NixlTransport(f"bench-raw-{rank}-{time.monotonic_ns()}", HOST_MEMORY_TYPE, ("UCX",))
-    from ckpt.mooncake import HOST_PROTOCOL, MooncakeTransport
-
-    return MooncakeTransport("127.0.0.1", HOST_PROTOCOL)
+    return ckpt.checkpoint_engines_where("uses_transfer_library")
 
 
 def _bench_rank(rank: int, world_size: int, ports: list[int], size_mb: int, bucket: int, device: str, rounds: int,
@@ -85,24 +77,19 @@ def _bench_rank(rank: int, world_size: int, ports: list[int], size_mb: int, buck
 
 def _raw_once(name: str, rank: int, store, host: torch.Tensor) -> tuple[Callable[[], None], Any]:
     """One raw transfer of all of ``host`` by ``name``'s library between the two ranks, as a call, and the
-    transport to close after (the regions registered and the peer added here, once)."""
-    raw = _raw_transport(name, rank)
+    transport to close after (the regions registered and the peer added here, once): the trainer writes, or
+    for an engine whose rollouts pull (``rollout_pulls``), the rollout reads."""
+    import ckpt
+
+    engine_class = ckpt.checkpoint_engine_factory(name)
+    raw = engine_class.bare_transport(rank)
     store.set(f"raw/{name}/{rank}", json.dumps(raw.register(host)))
-    peer = json.loads(store.get(f"raw/{name}/{1 - rank}"))
-    raw.add_peer(1 - rank, peer)
-    total = host.numel()
+    raw.add_peer(1 - rank, json.loads(store.get(f"raw/{name}/{1 - rank}")))
+    moves = 1 if engine_class.rollout_pulls else 0  # the rank that starts the transfer
 
     def once() -> None:
-        if name in PULLS and rank == 1:
-            rc = raw.engine.transfer_sync_read(peer["session"], host.data_ptr(), peer["addr"], total)
-            if rc != 0:
-                raise RuntimeError(f"Mooncake transfer_sync_read returned {rc}")
-        elif name == "mooncake" and rank == 0:  # the library's synchronous write, as its users call it
-            rc = raw.engine.transfer_sync_write(peer["session"], host.data_ptr(), peer["addr"], total)
-            if rc != 0:
-                raise RuntimeError(f"Mooncake transfer_sync_write returned {rc}")
-        elif name not in PULLS and rank == 0:
-            asyncio.run(raw.wait(raw.start_write(1, [(host.data_ptr(), 0, total)]), 300))
+        if rank == moves:
+            raw.copy_sync(1 - rank, host.numel(), 300, read=engine_class.rollout_pulls)
 
     return once, raw
 
@@ -129,7 +116,7 @@ def _measure(engine, raw_once: Callable[[], None], rank: int, group, views, roun
 
 
 def run(size_mb: int = 256, bucket_mb: float = 64.0, device: str = "cpu", rounds: int = 5,
-        engines: list[str] | tuple[str, ...] = ENGINES) -> dict:
+        engines: list[str] | tuple[str, ...] | None = None) -> dict:
     """Measure in two spawned processes; ``bucket_mb``: the engines' bucket size in MiB (fractions allowed).
 
     Returns:
@@ -145,9 +132,11 @@ def run(size_mb: int = 256, bucket_mb: float = 64.0, device: str = "cpu", rounds
         ChildFailedError: a rank failed (e.g. the library is not installed) or passed its deadline.
     """
     bucket = mib_to_bytes(bucket_mb, "--bucket-mb")
-    bad = [e for e in engines if e not in ENGINES]
+    known = transfer_library_engines()
+    engines = known if engines is None else engines
+    bad = [e for e in engines if e not in known]
     if bad or not engines:
-        raise ValueError(f"engines must be a non-empty subset of {ENGINES}, got {list(engines)}")
+        raise ValueError(f"engines must be a non-empty subset of {known}, got {list(engines)}")
     if size_mb < 1 or rounds < 1:
         raise ValueError(f"size_mb and rounds must be >= 1, got {size_mb}, {rounds}")
     results = run_ranks(_bench_rank, 2, free_ports(1 + len(engines)), size_mb, bucket, device, rounds, list(engines),

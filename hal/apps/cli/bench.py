@@ -184,7 +184,7 @@ def _execute(chosen: list[str], args: Bench) -> dict[str, Any]:
         import ckpt
         from hal.apps.benchmarks import bench_p2p
 
-        engines = [e for e in bench_p2p.ENGINES if ckpt.checkpoint_engine_availability(e, kind)[0]]
+        engines = [e for e in bench_p2p.transfer_library_engines() if ckpt.checkpoint_engine_availability(e, kind)[0]]
         if engines:  # the transfer-library engines, each against its own library's raw transfer
             out["sync_p2p"] = bench_p2p.run(size, min(buckets), kind, rounds, engines)
     if "ipc" in chosen:

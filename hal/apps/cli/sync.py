@@ -170,10 +170,12 @@ def validate(args: Sync) -> None:
     if not ok:
         raise UsageError(f"--engine {args.engine} is unavailable here: {reason}")
     if args.compare_full:
-        from hal.apps.weightsync.full_reference import ENGINES
+        from hal.apps.weightsync.full_reference import REFERENCE_FACT
 
-        if args.engine not in ENGINES:
-            raise UsageError(f"--compare-full runs over engines {', '.join(ENGINES)}, got --engine {args.engine}")
+        if not ckpt.checkpoint_engine_says(args.engine, REFERENCE_FACT):
+            raise UsageError(f"--compare-full publishes each step twice, which engines "
+                             f"{', '.join(ckpt.checkpoint_engines_where(REFERENCE_FACT))} take; got --engine "
+                             f"{args.engine}")
     if args.launcher == "ray" and args.engine not in RAY_ENGINES:
         raise UsageError(f"--launcher ray runs engines {', '.join(RAY_ENGINES)} (collective across nodes, ipc with "
                          f"every actor on one node), got --engine {args.engine}")
@@ -188,7 +190,7 @@ def validate(args: Sync) -> None:
     spec = hal.resolve_device(args.device)
     if args.hybrid:
         validate_hybrid(args, spec)
-    elif args.engine != "colocated" and args.launcher != "ray":  # one local process, and device, per rank
+    elif not ckpt.checkpoint_engine_says(args.engine, "one_process") and args.launcher != "ray":  # one local process, and device, per rank
         from hal.apps.cli.launch import require_devices
 
         require_devices(spec, args.trainer_ranks + args.rollouts,
@@ -205,6 +207,7 @@ def refuse_flags_without_effect(args: Sync) -> None:
         UsageError: the first such flag, e.g. ``"--address has no effect without --launcher ray (got
             --launcher torchrun)"``.
     """
+    import ckpt
     from hal.apps.weightsync.models import PRESETS, resolve_model
 
     needs = (("--address", args.address is not None, args.launcher == "ray", "--launcher ray",
@@ -213,8 +216,8 @@ def refuse_flags_without_effect(args: Sync) -> None:
               f"--launcher {args.launcher}"),
              ("--compare-full", args.compare_full, args.wire_format == "delta", "--wire-format delta",
               f"--wire-format {args.wire_format}"),
-             ("--file-root", args.file_root is not None, args.engine == "file", "--engine file",
-              f"--engine {args.engine}"),
+             ("--file-root", args.file_root is not None, ckpt.checkpoint_engine_says(args.engine, "publishes_to_files"),
+              f"--engine {' or '.join(ckpt.checkpoint_engines_where('publishes_to_files'))}", f"--engine {args.engine}"),
              ("--no-compare-hal", not args.compare_hal, args.rollout == "vllm", "--rollout vllm",
               f"--rollout {args.rollout}"))
     for flag, given, applies, needed, got in needs:
@@ -237,7 +240,7 @@ def validate_sharded(args: Sync) -> None:
     from hal.apps.weightsync.models import PRESETS, resolve_model
 
     flag = f"--trainer-ranks {args.trainer_ranks}"
-    if not getattr(ckpt.checkpoint_engine_factory(args.engine), "supports_multi_sender", False):
+    if not ckpt.checkpoint_engine_says(args.engine, "supports_multi_sender"):
         raise UsageError(f"{flag} needs an engine whose every trainer rank sends (collective), got --engine {args.engine}")
     for name, value, accepted in (("--launcher", args.launcher, "torchrun"), ("--rollout", args.rollout, "hal"),
                                   ("--wire-format", args.wire_format, "full")):
@@ -283,11 +286,10 @@ def validate_hybrid(args: Sync, spec: Any) -> None:
     if spec.host_memory:
         raise UsageError(f"--hybrid puts every rank on one device; the {spec.kind} kind has none (use a device kind, "
                          "e.g. --device npu-sim)")
-    if not getattr(ckpt.checkpoint_engine_factory(args.engine), "ranks_may_share_a_device", False):
-        accepted = [name for name in ckpt.known_checkpoint_engines()
-                    if getattr(ckpt.checkpoint_engine_factory(name), "ranks_may_share_a_device", False)]
+    if not ckpt.checkpoint_engine_says(args.engine, "ranks_may_share_a_device"):
         raise UsageError(f"--hybrid needs an engine whose trainer and rollouts may share a device "
-                         f"({', '.join(accepted)}), got --engine {args.engine}")
+                         f"({', '.join(ckpt.checkpoint_engines_where('ranks_may_share_a_device'))}), got --engine "
+                         f"{args.engine}")
     if args.offload not in ("none", "all"):
         raise UsageError(f"--hybrid offloads the model, gradients and optimizer states (--offload all), got --offload "
                          f"{args.offload}")
@@ -304,17 +306,21 @@ def validate_vllm(args: Sync) -> None:
     """``--rollout vllm``'s own checks.
 
     Raises:
-        UsageError: vLLM is not installed, ``--launcher`` is not torchrun, ``--engine`` not collective, or
+        UsageError: vLLM is not installed, ``--launcher`` is not torchrun, ``--engine`` not one that receives inside vLLM
+            (``receives_inside_vllm``), or
             ``--model`` not a preset (names the flag and value).
     """
     import importlib.util
 
+    import ckpt
     from hal.apps.weightsync.models import PRESETS, resolve_model
 
     if args.launcher != "torchrun":
         raise UsageError(f"--rollout vllm runs under --launcher torchrun, got --launcher {args.launcher}")
-    if args.engine != "collective":
-        raise UsageError(f"--rollout vllm receives through --engine collective, got --engine {args.engine}")
+    if not ckpt.checkpoint_engine_says(args.engine, "receives_inside_vllm"):
+        raise UsageError(f"--rollout vllm receives through --engine "
+                         f"{' or '.join(ckpt.checkpoint_engines_where('receives_inside_vllm'))}, got --engine "
+                         f"{args.engine}")
     if resolve_model(args.model) not in PRESETS:
         raise UsageError(f"--rollout vllm serves a preset ({', '.join(sorted(PRESETS))}), got --model {args.model}")
     if importlib.util.find_spec("vllm") is None:
@@ -476,8 +482,8 @@ def run(args: Sync) -> int:
         print(json.dumps(result, indent=2))
     else:
         print_table(result)
-    if args.engine == "file" and args.file_root is not None:
-        print(f"hal sync: the file engine's last steps are kept in {args.file_root} (--file-root)", file=sys.stderr)
+    if args.file_root is not None:  # accepted only with an engine that publishes to files
+        print(f"hal sync: the {args.engine} engine's last steps are kept in {args.file_root} (--file-root)", file=sys.stderr)
     if not result["verified"]:
         print(f"hal sync: {len(result['errors'])} failure(s); first: {result['errors'][:1]}", file=sys.stderr)
         return 1

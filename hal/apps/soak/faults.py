@@ -55,26 +55,6 @@ a stop whose process resumes before its peers' timeouts end, e.g. during ``final
 update's last bytes had crossed it): for them the checker accepts a verified update as well as an error."""
 
 
-
-def engines_where(fact: str) -> list[str]:
-    """The registered checkpoint engines whose class says ``fact`` (:class:`ckpt.CheckpointEngine`'s
-    ``bytes_cross_a_network``, ``one_process``, ``stages_in_shared_memory``), in the registry's order."""
-    import ckpt
-
-    return [name for name in ckpt.known_checkpoint_engines()
-            if getattr(ckpt.checkpoint_engine_factory(name), fact, False)]
-
-
-def engine_says(engine: str, fact: str) -> bool:
-    """Whether ``engine``'s class says ``fact`` (see :func:`engines_where`); an unknown name says nothing."""
-    import ckpt
-
-    try:
-        return bool(getattr(ckpt.checkpoint_engine_factory(engine), fact, False))
-    except Exception:  # noqa: BLE001 - an unknown engine: the soak's own check names it
-        return False
-
-
 @dataclasses.dataclass(frozen=True)
 class Fault:
     """One planned fault.
@@ -131,12 +111,14 @@ def applicable(kinds: Sequence[str], engine: str, machine: dict[str, str | None]
     Raises:
         ValueError: a kind that is not one of :data:`KINDS`.
     """
+    import ckpt
+
     runs, skipped = [], {}
     for kind in kinds:
         if kind not in KINDS:
             raise ValueError(f"fault kind must be one of {', '.join(KINDS)}, got {kind!r}")
         reason = None
-        if kind in ("kill", "stop") and engine_says(engine, "one_process"):
+        if kind in ("kill", "stop") and ckpt.checkpoint_engine_says(engine, "one_process"):
             reason = (f"the {engine} engine runs the trainer and the rollouts in one process: killing or stopping "
                       "one of them is killing or stopping the whole job")
         elif kind == "flip" and wire_format not in FLIP_CHECKED_FORMATS:
@@ -144,20 +126,21 @@ def applicable(kinds: Sequence[str], engine: str, machine: dict[str, str | None]
                       f"verl's): a flipped byte would be served until the job's verification names it "
                       f"(formats that do: {', '.join(FLIP_CHECKED_FORMATS)})")
         elif kind in ("cut_link", "slow_link"):
-            if not engine_says(engine, "bytes_cross_a_network"):
+            if not ckpt.checkpoint_engine_says(engine, "bytes_cross_a_network"):
                 reason = f"the {engine} engine moves no bytes over a network link (engines that do: " \
-                         f"{', '.join(engines_where('bytes_cross_a_network'))})"
+                         f"{', '.join(ckpt.checkpoint_engines_where('bytes_cross_a_network'))})"
             elif machine.get("links"):
                 reason = f"no emulated links here: {machine['links']}"
         elif kind == "full_disk":
-            if engine != "file":
-                reason = f"only the file engine writes the update to a disk (got the {engine} engine)"
+            if not ckpt.checkpoint_engine_says(engine, "publishes_to_files"):
+                reason = (f"the {engine} engine writes nothing to a disk (engines that do: "
+                          f"{', '.join(ckpt.checkpoint_engines_where('publishes_to_files'))})")
             elif machine.get("mounts"):
                 reason = f"no private filesystem to fill here: {machine['mounts']}"
         elif kind == "full_shm":
-            if not engine_says(engine, "stages_in_shared_memory"):
+            if not ckpt.checkpoint_engine_says(engine, "stages_in_shared_memory"):
                 reason = (f"the {engine} engine allocates nothing in /dev/shm (engines that do: "
-                          f"{', '.join(engines_where('stages_in_shared_memory'))})")
+                          f"{', '.join(ckpt.checkpoint_engines_where('stages_in_shared_memory'))})")
             elif machine.get("mounts"):
                 reason = f"no private /dev/shm to fill here (the machine's is shared): {machine['mounts']}"
         if reason is None:
@@ -209,4 +192,4 @@ def plan(seed: int, updates: int, kinds: Sequence[str], rollouts: int, rate: flo
 
 
 __all__ = ["ABSORBABLE", "CLEAN_START", "FLIP_CHECKED_FORMATS", "Fault", "KINDS", "MOMENTS", "MOMENTS_OF", "ROLLOUT",
-           "TRAINER", "applicable", "draw", "engine_says", "engines_where", "plan"]
+           "TRAINER", "applicable", "draw", "plan"]

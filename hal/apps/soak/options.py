@@ -80,15 +80,17 @@ class SoakOptions:
     def job_options(self, file_root: str | None, model_path: str | None = None) -> Any:
         """The weight-sync job's options for this run (``model_path``: where the ``"tensors"`` checkpoint was
         written)."""
+        import ckpt
         from hal.apps.soak.model import NAME
         from hal.apps.weightsync.options import JobOptions
 
+        publishes_to_files = ckpt.checkpoint_engine_says(self.engine, "publishes_to_files")
         if self.model == NAME and model_path is None:
             raise ValueError(f"model {NAME!r} needs the path its checkpoint was written to (hal.apps.soak.model.write)")
         model = model_path if self.model == NAME else self.model
         return JobOptions(device=self.device, model=model, rollouts=self.rollouts, steps=self.updates,
                           engine=self.engine, rollout_apply=self.rollout_apply, bucket_bytes=self.bucket_bytes,
-                          decode_tokens=1, timeout=self.timeout, file_root=file_root if self.engine == "file" else None,
+                          decode_tokens=1, timeout=self.timeout, file_root=file_root if publishes_to_files else None,
                           wire_format=self.wire_format)
 
 

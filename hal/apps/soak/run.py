@@ -28,7 +28,7 @@ from typing import Any, Callable, Sequence
 
 from hal.apps.soak import checker
 from hal.apps.soak.child import STACKS_SIGNAL
-from hal.apps.soak.faults import CLEAN_START, applicable, engine_says, plan
+from hal.apps.soak.faults import CLEAN_START, applicable, plan
 from hal.apps.soak.options import SoakOptions
 from hal.apps.soak.sandbox import Sandbox, machine_support
 
@@ -326,7 +326,7 @@ def soak(options: SoakOptions, progress: Callable[[int], None] | None = None,
     machine = machine_support()
     kinds, skipped = applicable(options.faults, options.engine, machine, options.wire_format)
     began = time.perf_counter()
-    in_process = engine_says(options.engine, "one_process")
+    in_process = ckpt.checkpoint_engine_says(options.engine, "one_process")
     if in_process:
         from hal.apps.shutdown import scratch_dir
 

@@ -23,9 +23,9 @@ import torch
 import hal
 from hal.apps.weightsync.loop import attach_everywhere
 
-ENGINES = ("collective", "colocated")
-"""Engines the reference runs over: a second update tagged with the same step is taken by them (the file
-engine, which offers only steps newer than the last received, would not)."""
+REFERENCE_FACT = "accepts_repeated_global_steps"
+"""The class fact (:class:`ckpt.CheckpointEngine`) of the engines the reference runs over: the reference's
+update is tagged with the step the delta update also carries, so the engine must take a step twice."""
 
 
 class BankPlacement:
@@ -121,4 +121,4 @@ class FullReference:
         self.attached.discard(index)
 
 
-__all__ = ["BankPlacement", "ENGINES", "FullMember", "FullReference"]
+__all__ = ["BankPlacement", "REFERENCE_FACT", "FullMember", "FullReference"]

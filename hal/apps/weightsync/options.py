@@ -68,8 +68,11 @@ class JobOptions:
 
     @property
     def colocated(self) -> bool:
-        """Trainer and rollouts share one process (the colocated engine)."""
-        return self.engine == "colocated"
+        """Trainer and rollouts share one process (an engine whose class says ``one_process``: the colocated
+        one)."""
+        import ckpt
+
+        return ckpt.checkpoint_engine_says(self.engine, "one_process")
 
     @property
     def sharded(self) -> bool:

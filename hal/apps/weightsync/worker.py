@@ -11,10 +11,6 @@ from typing import Any
 from ckpt.manager import LIFECYCLE_METHODS
 from hal.apps.weightsync.options import JobOptions
 
-BUCKETED_ENGINES = ("collective", "nixl", "mooncake", "kimi")
-"""Engines built with a bucket size and a master (the trainer) that hosts their rendezvous."""
-
-
 @dataclasses.dataclass
 class Where:
     """Where a worker runs: its role's index (0: the trainer; 1..R: rollout rank), node, process and device
@@ -40,34 +36,42 @@ def describe_worker(index: int, where: Where | None, trainers: int = 1) -> str:
 
 def make_engine(options: JobOptions, index: int, node_ip: str) -> Any:
     """Worker ``index``'s checkpoint engine, built as verl's registry builds one (the manager then runs its
-    lifecycle): the bucketed engines with ``is_master`` on the trainer (hosting at ``node_ip``; with a sharded
-    trainer, on trainer rank 0, and ``multi_sender`` on every trainer rank, verl's topology option), the file
-    engine on ``options.file_root`` (which must be set), the ipc engine (the trainer picks its endpoint), the
-    colocated engine (share one per process).
+    lifecycle), with the keywords its class's facts (:class:`ckpt.CheckpointEngine`) call for:
+
+    * ``bucketed``: ``bucket_size`` and ``is_master`` on the trainer (trainer rank 0 when sharded);
+    * ``hosts_rendezvous``: ``master_addr=node_ip`` on the master;
+    * ``supports_multi_sender``: ``multi_sender`` on every rank of a sharded trainer (verl's topology option);
+    * ``stages_in_shared_memory``: ``release_at_finalize``, the buffer freed at each update's finalize, as
+      verl's hybrid engine frees its bucket, so the trainer's next backward pass (its peak) does not carry it;
+    * ``publishes_to_files``: ``root=options.file_root`` (which must be set), the last two steps kept;
+    * ``device`` (:attr:`JobOptions.rank_device`) for every engine but a ``one_process`` one (which hands the
+      trainer's own tensors over).
 
     Raises:
-        ValueError: the file engine without ``file_root``.
+        ValueError: an engine that publishes to files without ``options.file_root``.
     """
     import ckpt
 
-    if options.engine in BUCKETED_ENGINES:
-        senders = {"multi_sender": True} if options.sharded and index < options.trainer_ranks else {}
-        return ckpt.get_checkpoint_engine(options.engine, bucket_size=options.bucket_bytes, is_master=index == 0,
-                                          master_addr=node_ip if index == 0 else None, device=options.device,
-                                          timeout=options.timeout, **senders)
-    if options.engine == "ipc":
-        # same host: the trainer picks the endpoint, verl's lifecycle tells the rollouts; the buffer is freed at
-        # each update's finalize, as verl's hybrid engine frees its bucket, so the trainer's next backward pass
-        # (its peak) does not carry it
-        return ckpt.get_checkpoint_engine("ipc", bucket_size=options.bucket_bytes, is_master=index == 0,
-                                          device=options.rank_device, timeout=options.timeout,
-                                          release_at_finalize=True)
-    if options.engine == "file":
+    def says(fact: str) -> bool:
+        return ckpt.checkpoint_engine_says(options.engine, fact)
+
+    if says("one_process"):
+        return ckpt.get_checkpoint_engine(options.engine, timeout=options.timeout)
+    kwargs: dict[str, Any] = {"timeout": options.timeout, "device": options.rank_device}
+    if says("bucketed"):
+        kwargs.update(bucket_size=options.bucket_bytes, is_master=index == 0)
+    if says("hosts_rendezvous"):
+        kwargs.update(master_addr=node_ip if index == 0 else None)
+    if says("supports_multi_sender") and options.sharded and index < options.trainer_ranks:
+        kwargs.update(multi_sender=True)
+    if says("stages_in_shared_memory"):
+        kwargs.update(release_at_finalize=True)
+    if says("publishes_to_files"):
         if options.file_root is None:
-            raise ValueError("the file engine needs options.file_root (a directory), got None")
-        return ckpt.get_checkpoint_engine("file", root=options.file_root, keep_last=2, device=options.rank_device,
-                                          timeout=options.timeout)
-    return ckpt.get_checkpoint_engine(options.engine, timeout=options.timeout)
+            raise ValueError(f"the {options.engine} engine publishes to files and needs options.file_root (a "
+                             f"directory), got None")
+        kwargs.update(root=options.file_root, keep_last=2)
+    return ckpt.get_checkpoint_engine(options.engine, **kwargs)
 
 
 class Worker:
@@ -127,4 +131,4 @@ class Worker:
         raise NotImplementedError
 
 
-__all__ = ["BUCKETED_ENGINES", "Where", "Worker", "describe_worker", "make_engine"]
+__all__ = ["Where", "Worker", "describe_worker", "make_engine"]

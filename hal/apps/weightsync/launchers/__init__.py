@@ -19,11 +19,16 @@ def launch(options: JobOptions, hooks: Sequence[StepHook] = ()) -> JobResult:
     colocated engine), else torchrun; ``hooks`` run around each publish.
 
     Raises:
-        ValueError: ``rollout="vllm"`` with a launcher other than torchrun or an engine other than collective.
+        ValueError: ``rollout="vllm"`` with a launcher other than torchrun or an engine whose class does not
+            state ``receives_inside_vllm``.
     """
-    if options.rollout == "vllm" and (options.launcher != "torchrun" or options.engine != "collective"):
-        raise ValueError(f"the vLLM rollout runs under the torchrun launcher with the collective engine, got "
-                         f"launcher {options.launcher!r}, engine {options.engine!r}")
+    import ckpt
+
+    if options.rollout == "vllm" and (options.launcher != "torchrun"
+                                      or not ckpt.checkpoint_engine_says(options.engine, "receives_inside_vllm")):
+        raise ValueError(f"the vLLM rollout runs under the torchrun launcher with an engine that receives inside "
+                         f"vLLM ({', '.join(ckpt.checkpoint_engines_where('receives_inside_vllm'))}), got launcher "
+                         f"{options.launcher!r}, engine {options.engine!r}")
     if options.launcher == "ray":
         from hal.apps.weightsync.launchers import ray
 

@@ -253,9 +253,11 @@ def launch(options: JobOptions, hooks: Sequence[StepHook] = ()) -> JobResult:
                                    scratch_dir)
     from hal.distributed import pick_port
 
+    import ckpt
+
     os.environ[hal.ENV_VAR] = options.device
     with contextlib.ExitStack() as scratch:
-        if options.engine == "file" and options.file_root is None:
+        if options.file_root is None and ckpt.checkpoint_engine_says(options.engine, "publishes_to_files"):
             options = dataclasses.replace(options, file_root=scratch.enter_context(scratch_dir("hal-sync-")))
         if options.rollout == "vllm" and options.vllm_model_dir is None:
             from hal.apps.weightsync.vllm_role import save_initial_model
