@@ -245,7 +245,7 @@ class CollectiveCheckpointEngine(OneToManyEngine):
         sent from runs of one storage and received into placements needs none."""
         if self._metas:
             return
-        self.device = hal.bind_local_device(self.device_kind)
+        self.device = self.local.bind()
         n = 2 if self.is_sender else 1
         self._metas = [torch.zeros(self.meta_capacity, dtype=torch.uint8, device=self.device) for _ in range(n)]
 
@@ -611,8 +611,7 @@ class CollectiveCheckpointEngine(OneToManyEngine):
             def agreed(step: int | None) -> None:
                 self.received_global_steps = step
 
-            stream = multi_sender.receive_parts(self._lanes, global_steps, placement, self.device or
-                                                hal.bind_local_device(self.device_kind),
+            stream = multi_sender.receive_parts(self._lanes, global_steps, placement, self.device or self.local.bind(),
                                                 lambda lane, name: lane._parts.get(name), agreed)
             try:
                 async for item in stream:

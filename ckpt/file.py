@@ -90,6 +90,7 @@ class FileCheckpointEngine(CheckpointEngine):
         self.timeout = check_seconds(timeout, "timeout", allow_zero=True)
         self.poll_interval = check_seconds(poll_interval, "poll_interval")
         self._device = device
+        self._local = None
         self.bucket_size, self.is_master = bucket_size, bool(is_master)
 
     def published_steps(self) -> list[int]:
@@ -101,9 +102,11 @@ class FileCheckpointEngine(CheckpointEngine):
     def _target_device(self) -> torch.device:
         if self._device is None:
             return torch.device("cpu")
-        import hal
+        if self._local is None:  # resolved on the first receive (a sender never needs it), then kept
+            import hal
 
-        return hal.bind_local_device(self._device)
+            self._local = hal.resolve_local_device(self._device)
+        return self._local.bind()
 
     async def send_weights(self, weights: Iterable[NamedTensor], global_steps: int | None = None) -> None:
         """Write ``weights`` as step ``global_steps`` (``None``: newest published + 1, or 0), publish, prune.

@@ -202,8 +202,8 @@ class KimiCheckpointEngine(OneToManyEngine):
         if self.master_addr is None or self.master_port is None:
             raise CheckpointConfigError(f"kimi needs master_addr and master_port (rank 0's store), got "
                                         f"{self.master_addr!r}, {self.master_port!r}")
-        spec = hal.resolve_device(self.device_kind)
-        device = hal.bind_local_device(self.device_kind)
+        spec = self.local.spec
+        device = self.local.bind()
         self._device = device
         store = hal.connect_store(self.master_addr, int(self.master_port), self.rank, self.world_size, self.timeout)
         host = self.host or (self.master_addr if self.rank == 0 else local_address_towards(self.master_addr))
@@ -274,7 +274,7 @@ class KimiCheckpointEngine(OneToManyEngine):
         if self._pool_layout is not None:  # the previous update's registration: keep its pool if sizes match
             ps.unregister(force=self._pool_layout != layout)
             self._pool_layout = None
-        hal.synchronize(self.device_kind)
+        self.local.synchronize()
         ps.register(named)
         self._pool_layout = layout
         named.clear()
@@ -351,7 +351,7 @@ class KimiCheckpointEngine(OneToManyEngine):
                                         f"{self._label(owner)}: {exc}") from None
                 if target is not slot:
                     slot.copy_(target[:bucket.size])
-                    hal.synchronize(self.device_kind)
+                    self.local.synchronize()
             if self._group is not None:
                 self._group.broadcast(slot, receiver - 1)
 

@@ -213,7 +213,8 @@ class OneToManyEngine(CheckpointEngine):
         self.bucket_size, self.is_master = bucket_size, bool(is_master)
         self.timeout = check_seconds(timeout)
         self.direct_threshold = check_direct_threshold(direct_threshold, bucket_size)
-        self.device_kind, self.host = self.built_for(device), host
+        self.local = hal.resolve_local_device(device)  # resolved once: every update binds it (issue 30)
+        self.device_kind, self.host = str(self.local), host
         self.master_addr, self.master_port = master_addr, master_port
         self.rank: int | None = None
         self.world_size: int | None = None
@@ -234,22 +235,9 @@ class OneToManyEngine(CheckpointEngine):
     extra_keywords: tuple[str, ...] = ()
     """Constructor keywords a subclass takes before passing the rest to its base (for the message)."""
 
-    @staticmethod
-    def built_for(device: Any) -> str:
-        """The device an engine built with ``device`` uses, as a kind name with its index (``"npu-sim:1"``;
-        a host kind as its name, ``"cpu"``): see the class docstring.
-
-        Raises:
-            hal.UnknownDeviceError, hal.DeviceUnavailableError, hal.DeviceIndexError: as
-                :func:`hal.local_device`.
-        """
-        spec = hal.resolve_device(device)
-        local = hal.local_device(device)
-        return spec.kind if local.type == "cpu" or local.index is None else f"{spec.kind}:{local.index}"
-
     def _bind(self) -> None:
         """Make this engine's device the current one of the calling thread (a no-op on host kinds)."""
-        hal.bind_local_device(self.device_kind)
+        self.local.bind()
 
     def _check_extra(self, extra: dict[str, Any], method: Any, where: str) -> None:
         """:func:`check_keywords` for ``method``'s named parameters (plus :attr:`extra_keywords` for

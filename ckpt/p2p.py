@@ -284,7 +284,7 @@ class P2PCheckpointEngine(OneToManyEngine):
 
     # ---- configuration ----------------------------------------------------------------------------
     def _kind_value(self) -> str | None:
-        return self.in_place_value(hal.resolve_device(self.device_kind))
+        return self.in_place_value(self.local.spec)
 
     # ---- lifecycle --------------------------------------------------------------------------------
     def _host_rendezvous(self) -> None:
@@ -385,7 +385,7 @@ class P2PCheckpointEngine(OneToManyEngine):
     def _setup_buffers(self, host: str) -> None:
         if self._transport is not None:
             return
-        self._device = hal.bind_local_device(self.device_kind)  # this rank's device: its index, else LOCAL_RANK's
+        self._device = self.local.bind()  # this rank's device: its index, else LOCAL_RANK's
         in_place = self._kind_value()
         self._buffer_device = self._device if in_place is not None else torch.device("cpu")
         slots = 3 if self.is_sender else 2  # the trainer's send slots, a rollout's receive slots
@@ -439,7 +439,7 @@ class P2PCheckpointEngine(OneToManyEngine):
 
     def _sync(self) -> None:
         if self._buffer_device is not None and self._buffer_device.type != "cpu":
-            hal.synchronize(self.device_kind)
+            self.local.synchronize()
 
     # ---- trainer ----------------------------------------------------------------------------------
     def _trainer_control(self) -> ControlChannel:

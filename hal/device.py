@@ -9,6 +9,7 @@ Function names follow verl's ``verl/utils/device.py`` where it has one, since us
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import types
 from typing import Any
@@ -353,6 +354,53 @@ def bind_local_device(device: DeviceLike = None) -> torch.device:
     if target.type != "cpu":
         get_torch_device(device).set_device(target.index)
     return target
+
+
+@dataclasses.dataclass(frozen=True)
+class LocalDevice:
+    """One process's device of a resolved kind, resolved once (:func:`resolve_local_device`): what a checkpoint
+    engine or a training engine keeps instead of a kind name, so that the calls it makes on every update
+    (:meth:`bind` in each worker thread, :meth:`synchronize`) look nothing up in the registry and probe
+    nothing; passing ``"npu-sim:1"`` to :func:`bind_local_device` resolves it again on every call.
+
+    Attributes:
+        spec: the resolved kind.
+        device: its ``torch.device`` (``cpu`` for host kinds, else kind-qualified with an index).
+    """
+
+    spec: DeviceSpec
+    device: torch.device
+
+    def __str__(self) -> str:
+        """The kind with the index (``"npu-sim:1"``), a host kind as its name (``"cpu"``): a string
+        :func:`resolve_device` takes back."""
+        return self.spec.kind if self.spec.host_memory else f"{self.spec.kind}:{self.device.index}"
+
+    def bind(self) -> torch.device:
+        """Make :attr:`device` the current device of the calling thread (``set_device``; nothing on host kinds),
+        as :func:`bind_local_device` does; returns it."""
+        if not self.spec.host_memory:
+            self.spec.torch_module().set_device(self.device.index)
+        return self.device
+
+    def synchronize(self) -> None:
+        """Block the host until the queued work on :attr:`device` is done (no-op on host kinds), as
+        :func:`synchronize` does."""
+        if not self.spec.host_memory:
+            self.spec.torch_module().synchronize(self.device.index)
+
+
+def resolve_local_device(device: DeviceLike = None) -> LocalDevice:
+    """The resolved kind and the device :func:`local_device` names (the explicit index of ``device``, else
+    ``$LOCAL_RANK``'s, else the kind's current device), once, as a :class:`LocalDevice` to keep.
+
+    Raises:
+        UnknownDeviceError, DeviceUnavailableError, DeviceIndexError: as :func:`local_device`.
+    """
+    spec, index = _spec_and_index(device)
+    if spec.host_memory:
+        return LocalDevice(spec, torch.device("cpu"))
+    return LocalDevice(spec, torch.device(spec.name, _index_or_current(spec, index)))
 
 
 def get_dist_backend(device: DeviceLike = None, with_host: bool = False) -> str:

@@ -67,7 +67,7 @@ def test_quick_changes_only_the_defaults_of_flags_not_given(argv, expected, monk
     monkeypatch.setattr(bench_offload, "run", lambda size, kind, rounds: seen.update(offload=(size, rounds)))
     monkeypatch.setattr(bench_ckpt, "run", lambda size, buckets, kind, rounds: seen.update(
         sync=(size, buckets, rounds)))
-    monkeypatch.setattr(bench_p2p, "ENGINES", ())
+    monkeypatch.setattr(bench_p2p, "transfer_library_engines", lambda: [])
     monkeypatch.setattr(bench_sync, "run", lambda size, kind, rollouts, steps, bucket, *a: seen.update(
         main=(size, steps, bucket)))
     execute(dataclasses.replace(parse("--only", "offload", "sync", "main", *argv), device="cpu"))

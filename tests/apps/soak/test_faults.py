@@ -46,7 +46,7 @@ def test_what_an_engine_cannot_produce_is_skipped_with_the_reason():
     runs, skipped = applicable(KINDS, "collective", WORKS, "delta")
     assert runs == ["kill", "stop", "flip", "cut_link", "slow_link"]
     assert skipped == {
-        "full_disk": "only the file engine writes the update to a disk (got the collective engine)",
+        "full_disk": "the collective engine writes nothing to a disk (engines that do: file)",
         "full_shm": "the collective engine allocates nothing in /dev/shm (engines that do: ipc)"}
     runs, skipped = applicable(KINDS, "colocated", WORKS, "delta")
     assert runs == ["flip"]
