@@ -147,9 +147,9 @@ class CollectiveCheckpointEngine(OneToManyEngine):
         if self.rank is not None and self.rank >= 0:
             self._allocate()
 
-    def _healthy(self) -> bool:
+    def is_healthy(self) -> bool:
         if self._lanes:
-            return all(lane._healthy() for lane in self._lanes)
+            return all(lane.is_healthy() for lane in self._lanes)
         return self._group is not None and not self._broken
 
     def _enter(self, membership: Membership) -> None:
@@ -164,10 +164,28 @@ class CollectiveCheckpointEngine(OneToManyEngine):
         self._release_group(keep_store=self.is_master)
         self._free_buffers()
 
-    def _attach_as_lane(self, suffix: str, store: Any, hosted: bool, store_at: tuple[str, int]) -> None:
-        """Make this engine one lane of a multi-sender rank: its keys under ``suffix``, on ``store`` (hosted
-        by this process when ``hosted``) at ``store_at``."""
+    # ---- lanes: this class's engines that a multi-sender rank runs, one per sender (ckpt/multi_sender.py) ----
+    def join_as_lane(self, suffix: str, store: Any, hosted: bool, store_at: tuple[str, int],
+                     membership: Membership) -> None:
+        """Join as one lane of a multi-sender rank: its keys under ``suffix``, on ``store`` (hosted by this
+        process when ``hosted``) at ``store_at``, as ``membership``'s rank of the one-sender group.
+
+        Raises:
+            hal.DistributedTimeoutError: the lane's group did not form within the timeout.
+        """
         self._lane, self._store, self._store_server, self._store_at = suffix, store, hosted, store_at
+        self._set_membership(membership)
+        self._join(membership)
+
+    @property
+    def group_formed(self) -> bool:
+        """Whether this engine's process group is formed (``False`` after a failure released it)."""
+        return self._group is not None
+
+    def received_part(self, name: str) -> tuple[list[int], int] | None:
+        """The row part of tensor ``name`` in the update being received, ``(full_shape, row_start)``, or
+        ``None`` for a whole tensor (see :func:`ckpt.bucket.plan_messages`)."""
+        return self._parts.get(name)
 
     def _close_lanes(self) -> None:
         lanes, self._lanes = self._lanes, []
@@ -193,11 +211,9 @@ class CollectiveCheckpointEngine(OneToManyEngine):
                 else:
                     store = hal.connect_store(m.master_addr, m.master_port, 1, receivers + 1, self.timeout)
                     hosted = False
-                lane._attach_as_lane(f"/s{s}", store, hosted, (m.master_addr, m.master_port))
-                membership = Membership(lane_rank, receivers + 1, m.master_addr, m.master_port, m.generation, 0)
-                lane._set_membership(membership)
-                self._lanes.append(lane)
-                lane._join(membership)
+                self._lanes.append(lane)  # closed with the others if it fails to join
+                lane.join_as_lane(f"/s{s}", store, hosted, (m.master_addr, m.master_port),
+                                  Membership(lane_rank, receivers + 1, m.master_addr, m.master_port, m.generation, 0))
         except hal.DistributedTimeoutError as exc:
             self._close_lanes()
             raise TransferTimeoutError(f"rank {m.rank} could not reach the checkpoint store at "
@@ -274,7 +290,7 @@ class CollectiveCheckpointEngine(OneToManyEngine):
         self._large, self._pending_meta = None, None
         for lane in self._lanes:
             lane.finalize()
-        if self._lanes and not all(lane._group is not None for lane in self._lanes):
+        if self._lanes and not all(lane.group_formed for lane in self._lanes):
             self._close_lanes()  # a lane failed: the next init_process_group forms the group again
             self._joined = None
         if self._broken:
@@ -391,9 +407,9 @@ class CollectiveCheckpointEngine(OneToManyEngine):
                 self._sending = None
             self._sent = global_steps
             return
-        await self._send(weights, global_steps, None)
+        await self.send_row_parts(weights, global_steps, None)
 
-    async def _send(self, weights: Iterable[NamedTensor], global_steps: int | None,
+    async def send_row_parts(self, weights: Iterable[NamedTensor], global_steps: int | None,
                     parts: dict[str, tuple[list[int], int]] | None) -> None:
         """:meth:`send_weights` on a joined one-sender group; ``parts``: the row parts among ``weights``
         (name -> ``(full_shape, row_start)``, see :func:`ckpt.bucket.plan_messages`)."""
@@ -612,7 +628,7 @@ class CollectiveCheckpointEngine(OneToManyEngine):
                 self.received_global_steps = step
 
             stream = multi_sender.receive_parts(self._lanes, global_steps, placement, self.device or self.local.bind(),
-                                                lambda lane, name: lane._parts.get(name), agreed)
+                                                lambda lane, name: lane.received_part(name), agreed)
             try:
                 async for item in stream:
                     yield item

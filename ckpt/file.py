@@ -252,7 +252,7 @@ class FileCheckpointEngine(CheckpointEngine):
         try:
             for name, f in index["tensors"]:
                 tensor = files[f].get_tensor(name)
-                yield name, (tensor if device.type == "cpu" else tensor.to(device))
+                yield name, tensor.to(device)  # the tensor itself when already there
             finished = True
         finally:
             if not finished and self.received_global_steps == step:

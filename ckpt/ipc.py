@@ -182,7 +182,7 @@ class IpcCheckpointEngine(CheckpointEngine):
         self.spec = hal.resolve_device(device)
         self.device = hal.local_device(device)
         self.transport = transport or self.spec.ipc_transport()
-        if self.transport == "device" and self.device.type == "cpu":
+        if self.transport == "device" and self.spec.host_memory:
             raise CheckpointConfigError(f"transport 'device' needs a device kind, got {self.spec.kind!r} (cpu "
                                         f"shares buckets through shared memory: transport 'shm')")
         self._torch_device = self.spec.torch_module()
@@ -297,7 +297,7 @@ class IpcCheckpointEngine(CheckpointEngine):
         self._opened, self._staging = None, None
         if buffer is not None and buffer.release is not None:
             buffer.release()
-        if self.transport == "device" and self.device.type != "cpu":
+        if self.transport == "device" and not self.spec.host_memory:
             collect = getattr(self._torch_device, "ipc_collect", None)
             if collect is not None:
                 collect()
@@ -525,7 +525,7 @@ class IpcCheckpointEngine(CheckpointEngine):
                 if isinstance(msg, BaseException):  # the trainer's weights failed: tell the rollouts, then raise
                     await self._abort(peers, pending, step, msg)
                     raise msg
-                if self.transport == "device" or self.device.type != "cpu":
+                if self.transport == "device" or not self.spec.host_memory:
                     self._torch_device.synchronize()  # the copies into the bucket are done before it is announced
                 replies = await self._replies(peers, pending, deadline, step)
                 hello = replies if hello is None else hello
@@ -707,13 +707,13 @@ class IpcCheckpointEngine(CheckpointEngine):
                 transient = transient or bool(msg.get("in_place") and msg.get("transient"))
                 if msg["is_last"]:
                     break
-                if self.device.type != "cpu":
+                if not self.spec.host_memory:
                     self._torch_device.synchronize()  # the consumer's copies out of the bucket are done
                 if transient:
                     self._drop_read(buffer, msg)
                 await sock.send(b"")
                 owe_reply = False
-            if self.device.type != "cpu":
+            if not self.spec.host_memory:
                 self._torch_device.synchronize()
             await sock.send(b"")  # the last reply: the trainer may reuse everything now
             owe_reply, ok = False, True
@@ -728,7 +728,7 @@ class IpcCheckpointEngine(CheckpointEngine):
             raise
         finally:
             if owe_reply and complete:  # the consumer took the last item and stopped: a whole update
-                if self.device.type != "cpu":
+                if not self.spec.host_memory:
                     self._torch_device.synchronize()
                 try:
                     sock.send(b"", flags=zmq.NOBLOCK)

@@ -155,7 +155,7 @@ class KimiCheckpointEngine(OneToManyEngine):
         if self.master_port is None:
             self.master_port = hal.pick_port(self.master_addr)
 
-    def _healthy(self) -> bool:
+    def is_healthy(self) -> bool:
         return self._ps is not None
 
     def _enter(self, membership) -> None:

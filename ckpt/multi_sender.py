@@ -299,6 +299,6 @@ async def receive_parts(lanes: Sequence[Any], global_steps: int | None, placemen
 
 async def send_parts(lane: Any, weights: Iterable[tuple[str, Any]], global_steps: int | None) -> None:
     """Publish one sender's ``weights`` (whole tensors, :class:`RowShard` or FSDP2 ``DTensor`` values) on its
-    lane (its ``_send(pairs, global_steps, parts)``)."""
+    lane (its ``send_row_parts(pairs, global_steps, parts)``)."""
     pairs, parts = published(weights)
-    await lane._send(pairs, global_steps, parts)
+    await lane.send_row_parts(pairs, global_steps, parts)

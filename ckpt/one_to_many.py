@@ -306,7 +306,7 @@ class OneToManyEngine(CheckpointEngine):
         if master:
             self._host_rendezvous()
         self._prepare_buffers()
-        joined = self._joined if self._joined is not None and self._healthy() else None
+        joined = self._joined if self._joined is not None and self.is_healthy() else None
         out = {"is_master": master, "master_addr": self.master_addr, "master_port": self.master_port,
                "generation": self._generation, "joined": dataclasses.asdict(joined) if joined else None}
         if self.multi_sender:
@@ -331,7 +331,7 @@ class OneToManyEngine(CheckpointEngine):
     def _prepare_buffers(self) -> None:
         """Allocate this update's buffers, where the engine does so in ``prepare()`` (nothing here)."""
 
-    def _healthy(self) -> bool:
+    def is_healthy(self) -> bool:
         """Whether what the engine set up for :attr:`_joined` is still usable (a failure breaks it)."""
         return True
 
@@ -427,7 +427,7 @@ class OneToManyEngine(CheckpointEngine):
             if membership.senders > 1 and not self.supports_multi_sender:
                 raise CheckpointConfigError(f"num_senders={num_senders}: {type(self).__name__} has one sender")
         self._set_membership(membership)
-        if self._joined is not None and self._joined == membership and self._healthy():
+        if self._joined is not None and self._joined == membership and self.is_healthy():
             return  # the same group: keep what is set up (rebuilding a communicator per update exhausts HCCL)
         self._enter(membership)
 

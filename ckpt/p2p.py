@@ -304,7 +304,7 @@ class P2PCheckpointEngine(OneToManyEngine):
         peer = self._peers.get(rank)
         return peer.label if peer is not None and rank != self.src_rank else self._label(rank)
 
-    def _healthy(self) -> bool:
+    def is_healthy(self) -> bool:
         return self._transport is not None
 
     def _enter(self, membership) -> None:
@@ -438,7 +438,7 @@ class P2PCheckpointEngine(OneToManyEngine):
             self._transport.release_source(registered.handle)
 
     def _sync(self) -> None:
-        if self._buffer_device is not None and self._buffer_device.type != "cpu":
+        if self._buffer_device is not None and not hal.is_host(self._buffer_device):
             self.local.synchronize()
 
     # ---- trainer ----------------------------------------------------------------------------------

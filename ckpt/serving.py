@@ -232,7 +232,7 @@ class StagingPlacement:
         :meth:`ModelRolloutAdapter.update_weights` started iterating, after it failed or ended: what a
         transport receives then, e.g. while the rest of a failed update is drained, goes to its own buffers,
         never into the weights)."""
-        return self._adapter._staging_target(name, dtype, shape)
+        return self._adapter.staging_target(name, dtype, shape)
 
 
 class ModelRolloutAdapter:
@@ -297,7 +297,9 @@ class ModelRolloutAdapter:
                              staging_bytes=self.layout.nbytes if self.atomic else 0,
                              last_copied_bytes=self.last_copied_bytes)
 
-    def _staging_target(self, name: str, dtype: torch.dtype, shape: Any) -> torch.Tensor | None:
+    def staging_target(self, name: str, dtype: torch.dtype, shape: Any) -> torch.Tensor | None:
+        """Tensor ``name``'s view in the staging bank while an update is being received, else ``None`` (see
+        :meth:`StagingPlacement.target`, the transports' way in)."""
         entry = self.layout.entries.get(name)
         if not self._receiving or entry is None or entry.dtype != dtype or entry.shape != tuple(shape):
             return None

@@ -220,7 +220,7 @@ class WireMessage:
         Raises:
             TransferError: the length, the JSON or the record is corrupt.
         """
-        host = buf.cpu() if buf.device.type != "cpu" else buf
+        host = buf.cpu()  # the tensor itself when it is already in host memory
         length = int(host[:META_HEADER].view(torch.int64).item())
         if not 0 < length <= host.numel() - META_HEADER:
             raise TransferError(f"corrupt checkpoint metadata: length {length} for a {host.numel()}-byte record")

@@ -19,7 +19,10 @@ BUILTIN_KINDS: dict[str, str] = {
     "cpu": "devices.cpu",
 }
 
-__all__ = ["Availability", "DeviceSpec", "BUILTIN_KINDS"]
+# The kind automatic resolution falls back to, always available; plugin kinds are tried before it.
+FALLBACK_KIND = "cpu"
+
+__all__ = ["Availability", "DeviceSpec", "BUILTIN_KINDS", "FALLBACK_KIND"]
 
 
 def __getattr__(name: str):

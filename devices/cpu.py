@@ -65,3 +65,9 @@ class CpuDevice(DeviceSpec):
 
 
 SPEC = CpuDevice()
+
+
+def is_host(device) -> bool:
+    """Whether ``device`` (a ``torch.device``, or a name such as ``"cpu"`` or ``"npu:1"``) is host memory:
+    the cpu kind's ``torch.device`` type, what ``Tensor.is_cpu`` says of a tensor. Never raises."""
+    return getattr(device, "type", str(device).partition(":")[0]) == SPEC.name

@@ -128,7 +128,7 @@ class BaseEngine(abc.ABC):
         self.last_moved_bytes = 0
         if self.device.host_memory:
             return
-        offload = target.type == "cpu"
+        offload = hal.is_host(target)
         self._before_move()
         hooks = {"model": self._model_holders, "grad": self._grad_holders, "optimizer": self._optimizer_holders}
         wanted = {"model": model, "grad": grad, "optimizer": optimizer}
@@ -136,7 +136,7 @@ class BaseEngine(abc.ABC):
         holders = [(part, holder) for part in _PARTS if wanted[part] for holder in hooks[part]()]
         if offload:  # the host buffers a first offload needs come from a few slabs (HostBufferPool.reserve)
             self.host_buffers.reserve(((holder.key, t) for _, holder in holders
-                                       if (t := holder.get()) is not None and t.device.type != "cpu"), SLAB_BYTES)
+                                       if (t := holder.get()) is not None and not t.is_cpu), SLAB_BYTES)
         with torch.no_grad():  # a DTensor's local shard may require grad; its copies must not join a graph
             for part, holder in holders:
                 moved += self._move(part, holder, target, offload)
@@ -159,7 +159,7 @@ class BaseEngine(abc.ABC):
             states = []
             for holder in self._optimizer_holders():
                 t = holder.get()
-                host_scalar = t.dim() == 0 and t.device.type == "cpu"
+                host_scalar = t.dim() == 0 and t.is_cpu
                 if not host_scalar or holder.key in self._offloaded["optimizer"]:
                     states.append(t)
             optimizer = device_type_of(states) or self._optimizer_home
@@ -219,9 +219,9 @@ class BaseEngine(abc.ABC):
                     f"the host and that device only. Accepted: 'cpu', {self.device.kind!r}, "
                     f"{self.device.name!r} or '{self.torch_device}'")
             return self.torch_device
-        if name in (self.device.kind, self.device.name, "cpu"):
+        if name in (self.device.kind, self.device.name):  # a host kind's own name
             target = torch.device("cpu")
-        else:
+        else:  # another kind: only a host kind (the cpu kind, a plugin's) is a place to offload to
             try:
                 spec = hal.resolve_device(name)
             except hal.HalError as exc:
@@ -242,14 +242,14 @@ class BaseEngine(abc.ABC):
             return 0
         pin = self.host_buffers.pin
         if offload:
-            if t.device.type == "cpu":
+            if t.is_cpu:
                 return 0
             host = self.host_buffers.get(holder.key, t)
             host.copy_(t, non_blocking=pin)
             holder.set(host)
             self._offloaded[part].add(holder.key)
         else:
-            if t.device.type != "cpu" or holder.key not in self._offloaded[part]:
+            if not t.is_cpu or holder.key not in self._offloaded[part]:
                 return 0
             if holder.load is not None:
                 holder.load(t, target, pin)

@@ -54,7 +54,7 @@ class FSDPEngine(BaseEngine):
         EngineStateError: the default process group is not initialized (``hal.init_process_group()``).
 
     Collective calls (every rank must make them, in the same order): construction, ``train_step``,
-    ``get_per_tensor_param``. ``to()`` and ``placement()`` are local to each rank.
+    ``get_per_tensor_param``. ``to()`` and ``tensor_home()`` are local to each rank.
     """
 
     def __init__(self, module: nn.Module, optimizer_factory: Callable[[Iterable[nn.Parameter]],

@@ -77,7 +77,7 @@ def _owns_storage(t: torch.Tensor) -> bool:
 def _storage_set(key: Hashable, tensor: torch.Tensor, holder: FreedStorages, new: torch.Tensor) -> None:
     from engines.errors import EngineStateError
 
-    if new.device.type != "cpu" or tensor.device.type == "cpu":
+    if not new.is_cpu or tensor.is_cpu:
         raise EngineStateError(f"{key}: a storage holder only offloads a device tensor to the host, got {new.device}")
     if not _owns_storage(tensor.data):
         raise EngineStateError(

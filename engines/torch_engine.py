@@ -42,7 +42,7 @@ class TorchEngine(BaseEngine):
     With DDP, parameters are offloaded by freeing their device storage in place and keeping the bytes in
     the host buffer (:func:`engines.tensor_holders.storage_holder`), because DDP's reducer hooks each parameter's
     gradient accumulator and autograd replaces that accumulator when a parameter changes device (DDP would
-    then silently stop averaging gradients). ``placement().model`` still reports ``"cpu"`` (where the
+    then silently stop averaging gradients). ``tensor_home().model`` still reports ``"cpu"`` (where the
     bytes are); the parameter objects must not be read while offloaded. DDP's own gradient buckets stay
     on the device.
     """
@@ -58,7 +58,7 @@ class TorchEngine(BaseEngine):
                     holder.set(t.to(self.torch_device))
             for holder in self._optimizer_holders():  # state made at construction (Adagrad's ``sum``)
                 t = holder.get()
-                host_scalar = t.dim() == 0 and t.device.type == "cpu"
+                host_scalar = t.dim() == 0 and t.is_cpu
                 if t.device != self.torch_device and not host_scalar:
                     holder.set(t.to(self.torch_device))
 

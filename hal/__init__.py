@@ -18,6 +18,7 @@ from hal.device import (
     get_device,
     get_device_id,
     get_device_name,
+    is_host,
     get_dist_backend,
     get_torch_device,
     get_visible_devices_keyword,
@@ -53,7 +54,7 @@ from hal.registry import known_kinds, plugin_errors, register_device, unregister
 __all__ = [
     "ENV_VAR", "DEFAULT_TIMEOUT_S",
     "resolve_device", "get_device", "get_device_name", "get_torch_device", "get_device_id", "get_dist_backend",
-    "get_visible_devices_keyword", "local_device", "bind_local_device",
+    "get_visible_devices_keyword", "local_device", "bind_local_device", "is_host",
     "LocalDevice", "resolve_local_device", "split_device", "check_index",
     "synchronize", "empty_cache", "memory_stats", "manual_seed",
     "init_process_group", "new_group_from_store", "connect_store", "StoreGroup", "process_alive", "pick_port",

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from devices.base import Availability, DeviceSpec
+from devices.cpu import is_host
 from hal import registry
 from hal.errors import DeviceIndexError, DeviceUnavailableError, HalError, UnknownDeviceError
 
@@ -351,7 +352,7 @@ def bind_local_device(device: DeviceLike = None) -> torch.device:
         DeviceUnavailableError: the kind is known but unusable here.
     """
     target = local_device(device)
-    if target.type != "cpu":
+    if not is_host(target):
         get_torch_device(device).set_device(target.index)
     return target
 

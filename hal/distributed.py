@@ -156,7 +156,12 @@ class StoreGroup:
         self.timeout = timeout
         self.spec = spec
 
-    def _wait(self, work, what: str) -> None:
+    def wait_for(self, work, what: str) -> None:
+        """Wait for ``work`` (a c10d ``Work`` of this group) within the group's timeout; ``what`` names it in errors.
+
+        Raises:
+            DistributedTimeoutError: it did not complete in time, or a peer is dead or missing.
+        """
         try:
             ok = work.wait(self.timeout)
         except Exception as exc:
@@ -185,7 +190,7 @@ class StoreGroup:
         work = self.backend.broadcast([tensor], opts)
         if async_op:
             return PendingWork(self, work, f"broadcast from rank {src}")
-        self._wait(work, f"broadcast from rank {src}")
+        self.wait_for(work, f"broadcast from rank {src}")
         return None
 
     def all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM) -> None:
@@ -198,7 +203,7 @@ class StoreGroup:
         opts = dist.AllreduceOptions()
         opts.reduceOp = op
         opts.timeout = self.timeout
-        self._wait(self.backend.allreduce([tensor], opts), "all_reduce")
+        self.wait_for(self.backend.allreduce([tensor], opts), "all_reduce")
 
     def barrier(self) -> None:
         """Block until every rank reaches the barrier, by an all-reduce of one element on the group device.
@@ -251,7 +256,7 @@ class PendingWork:
             deadline = time.monotonic() + self._group.timeout.total_seconds()
             while not done.wait(every) and time.monotonic() < deadline:
                 poll()
-        self._group._wait(work, self._what)
+        self._group.wait_for(work, self._what)
 
 
 def new_group_from_store(

@@ -29,6 +29,7 @@ from devices import BUILTIN_KINDS
 ENV_VAR = "HAL_TEST_DEVICES"
 DEFAULT_LANES = tuple(BUILTIN_KINDS)  # the built-in kinds, in resolution order
 ALWAYS_LISTED = ("npu-sim", "cpu")  # default lanes reported as skipped (not silently dropped) when unavailable
+PREV_STRICT = pytest.StashKey[str | None]()  # HAL_SIM_STRICT before the plugin set it, restored at unconfigure
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -58,7 +59,7 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "hal_device(*kinds): run only on these hal device kinds")
     config.addinivalue_line("markers", "multiprocess: spawns a process group")
     # Set only while the plugin is enabled; the previous value comes back at unconfigure.
-    config._hal_prev_strict = os.environ.get("HAL_SIM_STRICT")  # type: ignore[attr-defined]
+    config.stash[PREV_STRICT] = os.environ.get("HAL_SIM_STRICT")
     os.environ["HAL_SIM_STRICT"] = os.environ.get("HAL_SIM_STRICT", "1")
     kinds, explicit = requested_kinds(config)
     if explicit:
@@ -69,9 +70,9 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
-    prev = getattr(config, "_hal_prev_strict", "unset")
-    if prev == "unset":
+    if PREV_STRICT not in config.stash:
         return
+    prev = config.stash[PREV_STRICT]
     if prev is None:
         os.environ.pop("HAL_SIM_STRICT", None)
     else:

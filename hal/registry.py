@@ -14,7 +14,7 @@ from __future__ import annotations
 import importlib
 from importlib.metadata import entry_points
 
-from devices import BUILTIN_KINDS
+from devices import BUILTIN_KINDS, FALLBACK_KIND
 from devices.base import DeviceSpec
 from hal.errors import DuplicateDeviceError, UnknownDeviceError
 
@@ -90,8 +90,8 @@ def reload_plugins() -> None:
 def known_kinds() -> list[str]:
     """Every selectable kind, in automatic-resolution order: npu, cuda, plugins, cpu (npu-sim listed too)."""
     _load_plugins()
-    builtins = [k for k in BUILTIN_KINDS if k != "cpu"]
-    return builtins + list(_plugin_kinds) + ["cpu"]
+    builtins = [k for k in BUILTIN_KINDS if k != FALLBACK_KIND]
+    return builtins + list(_plugin_kinds) + [FALLBACK_KIND]
 
 
 def plugin_errors() -> dict[str, str]:

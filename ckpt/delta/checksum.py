@@ -68,8 +68,8 @@ def parts_and_copy(words: torch.Tensor, out: torch.Tensor | None = None) -> tupl
         raise ValueError(f"out has {out.numel()} words, words has {n}")
     if n == 0:
         return 0, 0
-    if words.device.type == "cpu" and words.is_contiguous() and (
-            out is None or (out.device.type == "cpu" and out.is_contiguous())):
+    if words.is_cpu and words.is_contiguous() and (
+            out is None or (out.is_cpu and out.is_contiguous())):
         from ckpt.delta import kernel
 
         lib = kernel.library()

@@ -181,7 +181,7 @@ def _rows(seg: Segment) -> np.ndarray:
 def _kernel_for(seg: Segment, snapshot: torch.Tensor):
     """The C library when ``seg`` can be diffed by it (host memory, a dtype whose NaN rule it knows), else None."""
     dtype = seg.tensors[0].dtype
-    if seg.words.device.type != "cpu" or snapshot.device.type != "cpu" or (
+    if not seg.words.is_cpu or not snapshot.is_cpu or (
             dtype.is_floating_point and dtype not in NAN_RULES):
         return None
     return kernel.library()
@@ -446,7 +446,7 @@ def _count_if_dense(t: torch.Tensor, old: torch.Tensor, w0: int, words: int, per
 
 def ne(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``a != b`` (bool) of integer tensors; on host memory through numpy (vectorized for every width)."""
-    if a.device.type == "cpu":
+    if a.is_cpu:
         import numpy as np
 
         return torch.from_numpy(np.not_equal(a.numpy(), b.numpy()))
@@ -456,7 +456,7 @@ def ne(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 def nonzero(mask: torch.Tensor) -> torch.Tensor:
     """The flat indices (int64, ascending) where the 1-D bool ``mask`` is set; on host memory through numpy
     (several times faster than torch's ``nonzero`` there when many are set). One host sync on a device."""
-    if mask.device.type == "cpu":
+    if mask.is_cpu:
         import numpy as np
 
         return torch.from_numpy(np.flatnonzero(mask.numpy()))
@@ -465,7 +465,7 @@ def nonzero(mask: torch.Tensor) -> torch.Tensor:
 
 def take(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """``x.index_select(0, index)`` for 1-D integer ``x``; on host memory through numpy."""
-    if x.device.type == "cpu":
+    if x.is_cpu:
         import numpy as np
 
         return torch.from_numpy(np.take(x.numpy(), index.numpy()))
@@ -476,7 +476,7 @@ def count_ne(a: torch.Tensor, b: torch.Tensor) -> int:
     """How many elements of the integer tensors ``a`` and ``b`` (same shape and device) differ. On host
     memory through numpy, whose comparisons of narrow integers are vectorized (torch's int16 ``ne`` runs
     several times slower than its int64 one there)."""
-    if a.device.type == "cpu":
+    if a.is_cpu:
         import numpy as np
 
         return int(np.count_nonzero(np.not_equal(a.numpy(), b.numpy())))

@@ -273,7 +273,7 @@ def _copy_with_parts(target: torch.Tensor, vals: torch.Tensor) -> tuple[int, int
 def _host_kernel(target: torch.Tensor, index: torch.Tensor, vals: torch.Tensor):
     """The C library (:mod:`ckpt.delta.kernel`) when a sparse write of ``vals`` at int32 ``index`` into
     ``target`` can go through it: all three contiguous host tensors. Else ``None``."""
-    if not all(t.device.type == "cpu" and t.is_contiguous() for t in (target, index, vals)):
+    if not all(t.is_cpu and t.is_contiguous() for t in (target, index, vals)):
         return None
     return kernel.library()
 

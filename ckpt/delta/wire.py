@@ -93,7 +93,7 @@ def value_hash(tensor: torch.Tensor) -> int:
     """
     from ckpt.delta import kernel
 
-    lib = kernel.library() if tensor.device.type == "cpu" and tensor.is_contiguous() else None
+    lib = kernel.library() if tensor.is_cpu and tensor.is_contiguous() else None
     dtype = tensor.dtype
     if lib is not None and tensor.numel():
         if dtype in _UPCAST:

@@ -70,10 +70,10 @@ class Mstx:
     def mark(message: str = "", stream: Any = None, domain: str = "default") -> None:
         """An instant marker: nothing is recorded without a profiler."""
 
-    @staticmethod
-    def range_start(message: str = "", stream: Any = None, domain: str = "default") -> int:
+    @classmethod
+    def range_start(cls, message: str = "", stream: Any = None, domain: str = "default") -> int:
         """Open a range; returns its id (a positive int) for :meth:`range_end`."""
-        return next(Mstx._next_id)
+        return next(cls._next_id)
 
     @staticmethod
     def range_end(range_id: int, domain: str = "default") -> None:

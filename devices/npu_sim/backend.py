@@ -77,16 +77,17 @@ class SimWork(torch_compat.Work):
     ``wait()`` runs it (and every operation issued before it on the group) and returns ``True``, or raises
     what it raised (``hal.DistributedTimeoutError`` for a missing or dead peer); ``get_future()`` does the
     same and returns a completed future of the output tensors; ``is_completed()`` says whether it has run.
+    ``what`` names the collective in errors (``"all_reduce"``).
     """
 
     def __init__(self, group: SimHcclGroup, what: str, run: Callable[[], None],
                  result: Sequence[torch.Tensor]) -> None:
         super().__init__()
-        self._group, self._what, self._fn, self._result = group, what, run, list(result)
+        self._group, self.what, self._fn, self._result = group, what, run, list(result)
         self._done = False
         self._error: BaseException | None = None
 
-    def _execute(self) -> None:
+    def execute(self) -> None:
         """Run the operation now (the group's runner calls this, in issue order)."""
         fn, self._fn = self._fn, None
         try:
@@ -96,7 +97,7 @@ class SimWork(torch_compat.Work):
         finally:
             self._done = True
 
-    def _fail(self, error: BaseException) -> None:
+    def fail(self, error: BaseException) -> None:
         """Complete without running: ``wait()`` raises ``error``."""
         self._fn, self._error, self._done = None, error, True
 
@@ -108,7 +109,7 @@ class SimWork(torch_compat.Work):
             Whatever else the collective raised (``DistBackendError`` for two ranks on one device).
         """
         if not self._done:
-            self._group._run_until(self)
+            self._group.run_until(self)
         if self._error is not None:
             raise self._error
         return True
@@ -149,7 +150,7 @@ def synchronize(index: int) -> None:
         DistributedTimeoutError: one did not complete within its group's timeout (a missing or dead peer).
     """
     for _, group in sorted(_groups.items()):
-        if group._device_index == index:
+        if group.device_index == index:
             group.flush()
 
 
@@ -212,7 +213,7 @@ class SimHcclGroup(dist.ProcessGroup):
         self._rank, self._size, self._timeout = rank, size, timeout
         self._gloo = dist.ProcessGroupGloo(store, rank, size, timeout)
         self._device_checked = False
-        self._device_index: int | None = None  # of the first collective issued: what synchronize(index) drains
+        self.device_index: int | None = None  # of the first collective issued: what synchronize(index) drains
         self._queue: collections.deque[SimWork] = collections.deque()  # issued, not yet run, in issue order
         self._runner = threading.Lock()  # held by the thread running the queue
         self._ran = 0  # operations taken off the queue: tells a busy runner from a stuck one
@@ -252,8 +253,8 @@ class SimHcclGroup(dist.ProcessGroup):
             raise dist.DistBackendError(f"npu-sim hccl {what} on rank {self._rank}: the group was shut down")
         npu = next((t for t in tensors if t.device.type == "npu"), None)
         index = npu.device.index if npu is not None and npu.device.index is not None else _ext.current_device()
-        if self._device_index is None:
-            self._device_index = index
+        if self.device_index is None:
+            self.device_index = index
 
         def op() -> None:
             if check:
@@ -264,7 +265,7 @@ class SimHcclGroup(dist.ProcessGroup):
         self._queue.append(work)
         return work
 
-    def _run_until(self, work: SimWork) -> None:
+    def run_until(self, work: SimWork) -> None:
         """Run the queued operations in issue order until ``work`` has run (one thread at a time).
 
         Raises:
@@ -272,26 +273,26 @@ class SimHcclGroup(dist.ProcessGroup):
                 the timeout.
         """
         seconds = self._timeout.total_seconds()
-        while not work._done:
+        while not work.is_completed():
             ran = self._ran
             if not self._runner.acquire(timeout=seconds):
                 if self._ran == ran:
                     raise DistributedTimeoutError(
-                        f"npu-sim hccl {work._what} on rank {self._rank}/{self._size}: the collectives issued "
+                        f"npu-sim hccl {work.what} on rank {self._rank}/{self._size}: the collectives issued "
                         f"before it, run by another thread, made no progress within {seconds:g} s")
                 continue
             try:
-                while not work._done and self._queue:
+                while not work.is_completed() and self._queue:
                     head = self._queue.popleft()
-                    head._execute()
+                    head.execute()
                     self._ran += 1
-                    if head._error is not None:
-                        self._fail_queued(f"{head._what}, issued before it on this group, failed: {head._error}",
-                                          head._error)
+                    if head.exception() is not None:
+                        self._fail_queued(f"{head.what}, issued before it on this group, failed: {head.exception()}",
+                                          head.exception())
             finally:
                 self._runner.release()
-            if not work._done:  # neither queued nor run: an abort is dropping the queue meanwhile
-                raise dist.DistBackendError(f"npu-sim hccl {work._what} on rank {self._rank}/{self._size} was "
+            if not work.is_completed():  # neither queued nor run: an abort is dropping the queue meanwhile
+                raise dist.DistBackendError(f"npu-sim hccl {work.what} on rank {self._rank}/{self._size} was "
                                             "dropped from the queue unrun (the group is being aborted)")
 
     def _fail_queued(self, why: str, cause: BaseException | None) -> None:
@@ -299,7 +300,7 @@ class SimHcclGroup(dist.ProcessGroup):
         kind = DistributedTimeoutError if isinstance(cause, DistributedTimeoutError) else dist.DistBackendError
         while self._queue:
             work = self._queue.popleft()
-            work._fail(kind(f"npu-sim hccl {work._what} on rank {self._rank}/{self._size} was not run: {why}"))
+            work.fail(kind(f"npu-sim hccl {work.what} on rank {self._rank}/{self._size} was not run: {why}"))
             self._ran += 1
 
     def flush(self) -> None:

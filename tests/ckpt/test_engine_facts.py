@@ -3,7 +3,6 @@ the CLI and the benchmarks read instead of lists of engine names."""
 
 from __future__ import annotations
 
-import ast
 import pathlib
 
 import pytest
@@ -56,39 +55,3 @@ def test_a_third_party_engine_is_asked_like_a_builtin():
         assert ckpt.checkpoint_engines_where("publishes_to_files") == ["file", "third-party-files"]
     finally:
         ckpt.unregister_checkpoint_engine("third-party-files")
-
-
-def engine_name_comparisons(source: str, names: set[str]) -> list[tuple[int, str]]:
-    """``(line, code)`` of each comparison of an engine (a name containing ``engine``, or ``name``) with one of
-    ``names`` as a string: ``engine == "file"``, ``options.engine in ("nixl", "kimi")``."""
-    found = []
-    for node in ast.walk(ast.parse(source)):
-        if not isinstance(node, ast.Compare):
-            continue
-        sides = [node.left, *node.comparators]
-        literals = {e.value for side in sides for e in ([side] if isinstance(side, ast.Constant) else
-                                                         getattr(side, "elts", [])) if isinstance(e, ast.Constant)}
-        subjects = [ast.unparse(side) for side in sides if not isinstance(side, (ast.Constant, ast.Tuple,
-                                                                                  ast.List, ast.Set))]
-        if literals & names and any("engine" in s or s.split(".")[-1] == "name" for s in subjects):
-            found.append((node.lineno, ast.unparse(node)))
-    return found
-
-
-def test_the_scan_finds_an_engine_compared_by_name():
-    assert engine_name_comparisons('if options.engine in ("nixl", "kimi"):\n    pass\nok = name == "file"\n'
-                                   'step = step == "ipc"\n', set(FACTS)) == [
-        (1, "options.engine in ('nixl', 'kimi')"), (3, "name == 'file'")]
-
-
-def test_no_engine_is_compared_by_name_outside_the_registry():
-    """Issue 30: the job, CLI and benchmarks ask an engine's class (``checkpoint_engine_says``); a list of names
-    at a call site goes stale when an engine is added (``BUCKETED_ENGINES`` missed ipc)."""
-    found = []
-    for package in ("hal", "ckpt", "engines"):
-        for path in sorted((ROOT / package).rglob("*.py")):
-            if path.relative_to(ROOT).as_posix() == "ckpt/registry.py":
-                continue
-            found += [f"{path.relative_to(ROOT)}:{line}: {code}"
-                      for line, code in engine_name_comparisons(path.read_text(), set(FACTS))]
-    assert found == []

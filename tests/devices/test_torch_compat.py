@@ -265,7 +265,6 @@ def test_register_device_module():
 
 PACKAGES = ("hal", "engines", "ckpt", "devices")
 ALLOWED = {("devices/npu_sim/strict.py", "_getframe"),  # CPython's sys._getframe, not torch
-           ("hal/pytest_plugin.py", "_hal_prev_strict"),  # hal's own attribute on pytest's config
            ("hal/ray.py", "_private"),  # Ray's worker lookup, not torch (see hal.ray._assigned_ids)
            ("ckpt/kimi_library.py", "_BACKEND_INSTANCE"),  # checkpoint-engine's, not torch (see its doc)
            ("ckpt/kimi_library.py", "_copy_to_buffer"),  # checkpoint-engine's ParameterServer, not torch

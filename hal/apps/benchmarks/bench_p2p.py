@@ -60,7 +60,7 @@ def _bench_rank(rank: int, world_size: int, ports: list[int], size_mb: int, buck
     host = torch.zeros(total, dtype=torch.uint8)  # the raw transfers' region (touched: no page faults later)
     if rank == 0:
         host.copy_(torch.randint(0, 256, (total,), dtype=torch.uint8, generator=torch.Generator().manual_seed(1)))
-    flat = host if dev.type == "cpu" else host.to(dev)
+    flat = host.to(dev)  # host itself on a host kind
     views = tensor_views(flat, sizes)
     out = {"size_bytes": total, "n_tensors": len(sizes), "engines": {}}
     for name, port in zip(engines, ports[1:]):

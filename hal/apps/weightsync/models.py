@@ -95,7 +95,7 @@ def causal_lm(preset: str, dtype: torch.dtype, device: torch.device | str = "cpu
                 p.fill_(1.0)
             elif name.endswith(".bias"):
                 p.zero_()
-            elif p.device.type == "cpu" and p.dtype == torch.float32:
+            elif p.is_cpu and p.dtype == torch.float32:
                 p.normal_(0.0, config.initializer_range, generator=g)
             else:  # the same numbers as on the host, whatever the device and dtype
                 host = torch.empty(p.shape, dtype=torch.float32).normal_(0.0, config.initializer_range, generator=g)
