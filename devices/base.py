@@ -92,7 +92,7 @@ class DeviceSpec:
             foreach implementation, torch's default, keeps about one fp32 copy of the parameters while it steps).
 
     Subclasses override :meth:`torch_module` and :meth:`availability`, :meth:`create_backend` where
-    torch builds the kind's communicator itself rather than through a registered backend plugin, and
+    torch builds the kind's communicator itself (gloo, NCCL) rather than through a registered backend plugin, and
     :meth:`is_set_up` where :attr:`visible_devices_fixed` is ``True``.
     """
 
@@ -181,15 +181,33 @@ class DeviceSpec:
         return self.visible_devices_fixed and self.is_set_up()
 
     def create_backend(self, store, rank: int, world_size: int, timeout):
-        """A c10d backend object for a standalone group of ``world_size`` ranks over ``store``, or ``None``
-        (the default) when the backend registered under :attr:`dist_backend` with
-        ``torch.distributed.Backend.register_backend`` (a plugin such as HCCL) or gloo serves the kind.
+        """A c10d backend object for a standalone group of ``world_size`` ranks over ``store``: by default the
+        plugin registered under :attr:`dist_backend` with ``torch.distributed.Backend.register_backend`` (HCCL,
+        which the vendor module registers when :meth:`torch_module` imports it), or gloo's where that is the
+        kind's backend (a plugin kind may name it).
 
         Args:
             store: a ``torch.distributed.Store`` (prefixed per group); timeout: a ``datetime.timedelta``
                 bounding the rendezvous and every collective.
+
+        Raises:
+            RuntimeError: no backend is registered under :attr:`dist_backend`.
         """
-        return None
+        import torch.distributed as dist
+
+        from devices import torch_compat
+
+        if self.dist_backend == dist.Backend.GLOO:
+            return dist.ProcessGroupGloo(store, rank, world_size, timeout)
+        self.torch_module()  # importing the vendor module registers its backend plugin
+        plugin = torch_compat.backend_plugin(self.dist_backend)
+        if plugin is None:
+            raise RuntimeError(f"collective backend {self.dist_backend!r} of device kind {self.kind!r} is not "
+                               f"registered with torch.distributed (registered plugins: "
+                               f"{torch_compat.registered_backend_plugins()})")
+        if not plugin.extended_api:
+            return plugin.creator_fn(store, rank, world_size, timeout)
+        return plugin.creator_fn(torch_compat.extended_backend_options(store, rank, world_size, timeout, "hal"), None)
 
 
 def probe_safely(spec_kind: str, probe) -> Availability:

@@ -24,7 +24,6 @@ from typing import Callable, Iterable, Sequence
 import torch
 import torch.distributed as dist
 
-from devices import torch_compat
 from hal.device import DeviceLike, bind_local_device, get_dist_backend, get_torch_device, resolve_device
 from hal.errors import DistributedTimeoutError
 
@@ -120,25 +119,6 @@ def init_process_group(
             f"rendezvous for a {backend} group of world size {world_size or os.environ.get('WORLD_SIZE')} "
             f"did not complete within {td.total_seconds():g} s (a peer is missing): {exc}") from exc
     return backend
-
-
-def _create_backend(spec, store: dist.Store, rank: int, world_size: int, td: datetime.timedelta):
-    """A c10d backend object: gloo's, the one the kind builds itself (:meth:`DeviceSpec.create_backend`), or
-    the plugin registered under the kind's backend name (``Backend.register_backend``)."""
-    name = spec.dist_backend
-    if name == dist.Backend.GLOO:
-        return dist.ProcessGroupGloo(store, rank, world_size, td)
-    own = spec.create_backend(store, rank, world_size, td)
-    if own is not None:
-        return own
-    get_torch_device(spec)  # importing the vendor module registers its backend plugin
-    plugin = torch_compat.backend_plugin(name)  # torch's registry of register_backend() plugins
-    if plugin is None:
-        raise RuntimeError(f"collective backend {name!r} of device kind {spec.kind!r} is not registered with "
-                           f"torch.distributed (registered plugins: {torch_compat.registered_backend_plugins()})")
-    if not plugin.extended_api:
-        return plugin.creator_fn(store, rank, world_size, td)
-    return plugin.creator_fn(torch_compat.extended_backend_options(store, rank, world_size, td, "hal"), None)
 
 
 class StoreGroup:
@@ -286,7 +266,7 @@ def new_group_from_store(
     td = as_timedelta(timeout)
     store.set_timeout(td)
     try:
-        backend = _create_backend(spec, dist.PrefixStore(f"{prefix}/", store), rank, world_size, td)
+        backend = spec.create_backend(dist.PrefixStore(f"{prefix}/", store), rank, world_size, td)
     except RENDEZVOUS_ERRORS as exc:
         raise DistributedTimeoutError(
             f"rendezvous of group {prefix!r} ({spec.dist_backend}, world size {world_size}) did not "

@@ -116,3 +116,23 @@ def test_host_pair_backend_serves_device_and_host_tensors(hal_device):
         assert backend == "cpu:gloo,npu:hccl"
         assert dev == [3.0] * 3 and host == [21.0] * 2
         assert objects == [{"rank": 0}, {"rank": 1}]
+
+
+def test_each_spec_builds_its_own_backend_and_an_unregistered_one_is_named():
+    """Issue 30: hal asks the spec for its communicator (``DeviceSpec.create_backend``), not ``dist_backend``
+    compared at the call site: a plugin kind on gloo gets a gloo group, one naming a backend nobody
+    registered gets an error naming the backend and the kind."""
+    import dataclasses
+    import datetime
+
+    import torch.distributed as dist
+
+    from devices.cpu import CpuDevice
+
+    store = dist.HashStore()
+    td = datetime.timedelta(seconds=10)
+    on_gloo = dataclasses.replace(CpuDevice(), kind="plugin-host")
+    assert isinstance(on_gloo.create_backend(store, 0, 1, td), dist.ProcessGroupGloo)
+    unregistered = dataclasses.replace(CpuDevice(), kind="plugin-xccl", dist_backend="xccl")
+    with pytest.raises(RuntimeError, match="collective backend 'xccl' of device kind 'plugin-xccl' is not registered"):
+        unregistered.create_backend(store, 0, 1, td)
