@@ -44,6 +44,11 @@ import torch.distributed as dist
 import hal
 from ckpt.errors import CheckpointConfigError, TransferError, TransferTimeoutError
 
+STORE_OVERRUN_S = 2.0
+"""Seconds a blocking store call may run past its own deadline before :meth:`ControlChannel.recv` gives up on it.
+A ``TCPStore`` client whose wait times out asks the server to cancel it and waits for the answer without a
+bound, so over a cut link (``hal soak``'s ``cut_link``) the call returned only once the link was back and TCP
+had retransmitted: an update's receive outlived every bound."""
 HEARTBEAT_S = 0.5
 """Seconds between two bumps of a rank's heartbeat counter (and two looks at its peers' counters)."""
 HEARTBEAT_DEAD_S = 5.0
@@ -318,7 +323,17 @@ class ControlChannel:
         timeout = self.timeout if timeout is None else timeout
         raw = self._pop_ready(self.key(queue), peer, what)
         if raw is None:
-            raw = await asyncio.to_thread(self.pop, queue, peer, what, timeout)
+            try:
+                raw = await asyncio.wait_for(asyncio.to_thread(self.pop, queue, peer, what, timeout),
+                                             timeout + STORE_OVERRUN_S)
+            except asyncio.TimeoutError:
+                # the store's client is stuck in a call past its deadline (see STORE_OVERRUN_S): leave that
+                # thread and its connection behind, and wait on a fresh one next time
+                self._waiter = None
+                who = "no rank" if peer is None else self.label(peer)
+                raise PeerFailure(who, f"{who} sent no {what} within {timeout:g} s (store key {self.key(queue)!r}; "
+                                       f"the store did not answer within {STORE_OVERRUN_S:g} s more: is its link "
+                                       f"down?)", True) from None
         return decode(raw, expect, f"{self.label(self.rank)} receiving {what}")
 
     def pop(self, queue: str, peer: int | None, what: str, timeout: float) -> bytes:

@@ -4,6 +4,7 @@ import asyncio
 import multiprocessing
 import os
 import signal
+import threading
 import time
 
 import pytest
@@ -104,6 +105,37 @@ def test_a_wait_times_out_naming_the_peer_the_key_and_the_seconds():
     text = str(info.value)
     assert "peer rank 1" in text and "'t/0/ack/1/1'" in text and "0.6 s" in text and "acknowledgement" in text, text
     assert 0.5 < elapsed < 3, elapsed
+
+
+def test_a_store_call_stuck_past_its_deadline_fails_the_wait_within_the_bound(monkeypatch):
+    """``hal soak`` found a receive over a cut link outliving every bound: the ``TCPStore`` client, its wait
+    timed out, waits for the server to acknowledge the cancel, with no bound. Here the blocking half never
+    returns in time; the wait fails within its timeout and :data:`~ckpt.control.STORE_OVERRUN_S`, naming the
+    peer, and the next wait uses a fresh connection."""
+    store, host = _host()
+    release = threading.Event()
+    stuck = host._waiter
+    monkeypatch.setattr(host, "pop", lambda *args: release.wait(60) and b"")
+
+    async def attempt():
+        start = time.monotonic()
+        try:
+            await host.recv("ack/1/1", Ack, 1, "the acknowledgement of message 0", timeout=0.5)
+        except PeerFailure as exc:
+            return exc, time.monotonic() - start
+        finally:
+            release.set()  # the stuck thread ends, so the loop can close
+        return None, time.monotonic() - start
+
+    try:
+        failure, elapsed = asyncio.run(attempt())
+    finally:
+        host.close()
+    assert failure is not None, "the wait returned"
+    assert failure.timed_out and failure.peer == "peer rank 1"
+    assert "sent no the acknowledgement of message 0 within 0.5 s" in str(failure), failure
+    assert 0.5 < elapsed < 0.5 + control.STORE_OVERRUN_S + 1.5, elapsed
+    assert stuck is not None and host._waiter is None
 
 
 # each way to stop (a dead process, a hung one) and each kind of wait (a queue, a key) once: the two are
