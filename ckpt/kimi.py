@@ -117,6 +117,7 @@ class KimiCheckpointEngine(OneToManyEngine):
         self._ps: ParameterServerAdapter | None = None
         self._world: World | None = None
         self._group: hal.StoreGroup | None = None
+        self._group_broken = False  # a broadcast of the rollout group failed: it is out of step, never reused
         self._slots: torch.Tensor | None = None
         self._h2d: torch.Tensor | None = None
         self._device: torch.device | None = None
@@ -158,7 +159,10 @@ class KimiCheckpointEngine(OneToManyEngine):
             self.master_port = hal.pick_port(self.master_addr)
 
     def is_healthy(self) -> bool:
-        return self._ps is not None
+        """Set up, and the rollout group (if any) in step: a failed broadcast breaks it for good, so the next
+        ``prepare()`` reports no group and the manager forms a new one (before ``hal soak`` found it, every
+        update after a rollout's stop failed in the old group's broadcast)."""
+        return self._ps is not None and not self._group_broken
 
     def _enter(self, membership) -> None:
         """A new place (rank, world size, store address or generation) gets a new store, engine and group."""
@@ -184,6 +188,7 @@ class KimiCheckpointEngine(OneToManyEngine):
         if self._world is not None:
             self._world.channel.close()
         self._group = self._ps = self._world = None
+        self._group_broken = False
         self._joined = None
 
     def _release_buffers(self) -> None:
@@ -360,16 +365,21 @@ class KimiCheckpointEngine(OneToManyEngine):
         async def finish(k: int, pending) -> None:
             done, _ = await asyncio.wait({pending}, timeout=self.timeout)
             if not done:
+                self._group_broken = self._group is not None  # its broadcast may still be in flight
                 raise TransferTimeoutError(f"step {step} on rollout rank {self.rank}: bucket {k} did not arrive "
                                            f"within {self.timeout:g} s ({self._label(0)} or a rollout is stuck)")
             try:
                 pending.result()
             except hal.DistributedTimeoutError as exc:
+                self._group_broken = True
                 others = [r for r in rollouts if r != self.rank]
                 raise TransferTimeoutError(
                     f"step {step} on rollout rank {self.rank}: the rollout group's broadcast of bucket {k} (from "
                     f"rollout rank {buckets[k][0]}) failed, one of rollout ranks {others} is dead or stuck: {exc}"
                 ) from None
+            except BaseException:  # a pull failed before its broadcast: the other rollouts wait for it in vain
+                self._group_broken = self._group is not None
+                raise
 
         pending = loop.run_in_executor(None, move, 0) if buckets else None
         for k in range(len(buckets)):
@@ -387,6 +397,8 @@ class KimiCheckpointEngine(OneToManyEngine):
             except BaseException:
                 if pending is not None:  # its slot must not be freed while a thread still writes it
                     await asyncio.wait([pending], timeout=self.timeout)
+                    # the other rollouts' broadcasts of the buckets left are not matched here: out of step
+                    self._group_broken = self._group is not None
                 raise
 
     def _buffers(self, size: int) -> None:

@@ -154,3 +154,52 @@ def test_rollouts_built_with_other_bucket_sizes_cut_the_trainers_buckets(hal_dev
                                timeout=150)
     for rank in (1, 2):
         assert results[rank] == ("ok", [(f"w{i}", [float(i)]) for i in range(8)]), results[rank]
+
+
+def test_a_failed_rollout_group_broadcast_makes_the_engine_unhealthy():
+    """``hal soak`` found kimi never recovering from a rollout's stop: the rollout group's broadcast failed,
+    yet the engine still said it was healthy, so ``prepare()`` offered the old group and every later update
+    failed in it. A failed broadcast now breaks the group for good (a new one is formed next update)."""
+    import types
+
+    ok, reason = ckpt.checkpoint_engine_availability("kimi", "npu-sim")
+    if not ok:
+        pytest.skip(f"kimi on npu-sim: {reason}")
+    from ckpt.errors import TransferTimeoutError
+    from ckpt.kimi import KimiCheckpointEngine
+
+    class BrokenGroup:
+        def broadcast(self, tensor, src):
+            raise hal.DistributedTimeoutError(f"broadcast from rank {src}: a peer is dead or missing")
+
+        def close(self):
+            pass
+
+    class StubServer:  # the rollout's bucket is pulled by the other rollout (rank 2), then broadcast
+        def buckets(self, metas, size, rollouts):
+            return [(2, 0, types.SimpleNamespace(size=64))]
+
+        def register_buffer(self, buffer):
+            pass
+
+        def unregister_buffer(self):
+            pass
+
+    engine = KimiCheckpointEngine(bucket_size=1024, device="npu-sim", rank=1, world_size=3,
+                                  master_addr="127.0.0.1", master_port=1)
+    engine._ps, engine._group, engine._in_place = StubServer(), BrokenGroup(), True
+    engine._device = hal.local_device("npu-sim")
+    assert engine.is_healthy()
+    metas = {0: types.SimpleNamespace(memory_buffer_metas_list=[
+        types.SimpleNamespace(metas=[types.SimpleNamespace(aligned_size=64)])])}
+
+    async def pull():
+        async for _ in engine._pull(metas, 1, 64):
+            pass
+
+    with pytest.raises(TransferTimeoutError, match="the rollout group's broadcast of bucket 0"):
+        asyncio.run(pull())
+    assert not engine.is_healthy()
+    engine.close()
+    engine._ps = StubServer()  # set up again: a new group is in step
+    assert engine.is_healthy()
