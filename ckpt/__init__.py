@@ -31,9 +31,10 @@ from ckpt.registry import (
     register_checkpoint_engine,
     unregister_checkpoint_engine,
 )
-from ckpt.serving import ModelRolloutAdapter, WeightLayout
+from ckpt.layout import WeightLayout
+from ckpt.serving import InMemoryRolloutAdapter, ModelRolloutAdapter
 from ckpt.shards import RowShard, dim0_rows, local_parts
-from ckpt.workers import CheckpointEngineWorker, InMemoryRolloutAdapter, TrainerWorker
+from ckpt.workers import CheckpointEngineWorker, TrainerWorker
 
 
 def __getattr__(name: str):

@@ -409,3 +409,23 @@ def check_direct_threshold(direct_threshold: Any, bucket_size: int) -> int:
         raise CheckpointConfigError(f"direct_threshold must be None (bucket_size // 8) or an int >= 0 bytes, "
                                     f"got {direct_threshold!r}")
     return direct_threshold
+
+
+async def as_async_stream(weights: Iterable[NamedTensor] | AsyncIterator[NamedTensor]) -> AsyncIterator[NamedTensor]:
+    """An async iterator over ``weights`` (async or plain iterable: verl's colocated path passes a generator)."""
+    if hasattr(weights, "__aiter__"):
+        async for item in weights:
+            yield item
+    else:
+        for item in weights:
+            yield item
+
+
+async def drain(weights: Any) -> None:
+    """Consume what is left of a receive stream (async or plain), discarding it, so its transport stays in
+    step; a stream that raises is left as it is (it already ended)."""
+    try:
+        async for _ in as_async_stream(weights):
+            pass
+    except Exception:  # noqa: BLE001 - the update failed anyway; the caller raises the first error
+        pass

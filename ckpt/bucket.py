@@ -27,22 +27,13 @@ import torch
 
 from ckpt.base import named_tensors
 from ckpt.errors import CheckpointConfigError
-from ckpt.layout import ALIGN, AlignedCursor, align
+from ckpt.layout import ALIGN, AlignedCursor, align, byte_view
 from ckpt.wire import META_HEADER, Chunk, Segment, TensorEntry, WireMessage, dtype_name
 
 
 def as_bytes(t: torch.Tensor) -> torch.Tensor:
     """The bytes of a contiguous tensor as a flat ``uint8`` view (no copy); 0-d and empty tensors included."""
     return t.reshape(-1).view(torch.uint8)
-
-
-def byte_view(buffer: torch.Tensor, offset: int, dtype: torch.dtype, shape: list[int] | tuple[int, ...]) -> torch.Tensor:
-    """A tensor of ``dtype``/``shape`` viewing ``buffer[offset:]`` (a flat ``uint8`` tensor); no copy."""
-    numel = 1
-    for d in shape:
-        numel *= d
-    nbytes = numel * dtype.itemsize
-    return buffer[offset:offset + nbytes].view(dtype).view(tuple(shape))
 
 
 @dataclasses.dataclass

@@ -16,7 +16,8 @@ import torch
 
 import hal
 from ckpt.base import NamedTensor, ReceivePlacement, as_placement, check_global_steps, check_step
-from ckpt.bucket import ALIGN, as_bytes, byte_view, plan_messages
+from ckpt.bucket import ALIGN, as_bytes, plan_messages
+from ckpt.layout import byte_view
 from ckpt.errors import CheckpointConfigError, TransferAbortedError, TransferError, TransferTimeoutError
 from ckpt.wire import Chunk, Segment, TensorEntry, WireMessage
 from ckpt.one_to_many import DEFAULT_BUCKET_SIZE, Membership, OneToManyEngine, check_int

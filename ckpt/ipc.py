@@ -60,7 +60,8 @@ import hal
 import hal.ipc
 from ckpt.base import (CheckpointEngine, NamedTensor, ReceivePlacement, as_placement, check_global_steps,
                        check_seconds, check_step, named_tensors)
-from ckpt.bucket import as_bytes, byte_view
+from ckpt.bucket import as_bytes
+from ckpt.layout import byte_view
 from ckpt.control import PeerFailure
 from ckpt.errors import CheckpointConfigError, TransferAbortedError, TransferError, TransferTimeoutError
 from ckpt.layout import align

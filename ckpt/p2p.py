@@ -39,7 +39,8 @@ import torch
 
 import hal
 from ckpt.base import NamedTensor, ReceivePlacement, check_global_steps, check_step
-from ckpt.bucket import Message, byte_view, plan_messages
+from ckpt.bucket import Message, plan_messages
+from ckpt.layout import byte_view
 from ckpt.wire import WireMessage, check_bucket_size
 from ckpt.errors import (CheckpointConfigError, TransferAbortedError, TransferError, TransferTimeoutError,
                          VersionMismatchError)

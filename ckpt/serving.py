@@ -1,4 +1,7 @@
-"""A rollout that behaves like an inference server: it holds a model and loads updates into it in place.
+"""The rollout adapters: where a rollout's received updates go.
+
+:class:`InMemoryRolloutAdapter` keeps the received tensors as they come (tests, simple rollouts).
+:class:`ModelRolloutAdapter` behaves like an inference server: it holds a model and loads updates into it in place.
 
 ``ModelRolloutAdapter`` keeps every weight of its module (parameters, then persistent buffers) as a view
 into one flat byte buffer, a *bank*, laid out by :class:`WeightLayout` (tensors in order, each at a
@@ -41,28 +44,14 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from typing import Any, AsyncIterator, Iterable, Iterator
+from typing import Any, AsyncIterator, Iterable, Mapping
 
 import torch
 from torch import nn
 
-from ckpt.base import NamedTensor, ReceivePlacement, check_global_steps
-from ckpt.bucket import byte_view
-from ckpt.layout import ALIGN, AlignedCursor, align
+from ckpt.base import NamedTensor, ReceivePlacement, as_async_stream, check_global_steps, drain
+from ckpt.layout import LayoutEntry, WeightLayout, named_weights
 from ckpt.errors import CheckpointConfigError, WeightMismatchError
-
-
-@dataclasses.dataclass(frozen=True)
-class LayoutEntry:
-    """Where one tensor lives in a bank: ``offset`` and ``nbytes`` in bytes, its dtype and shape.
-
-    Picklable (a typed message a rollout can hand to its trainer)."""
-
-    name: str
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    offset: int
-    nbytes: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,131 +77,6 @@ class AdapterMemory:
     def total_bytes(self) -> int:
         """Bytes of every bank together (``banks * bank_bytes``)."""
         return self.banks * self.bank_bytes
-
-
-def named_weights(module: nn.Module) -> Iterator[NamedTensor]:
-    """``(name, tensor)`` of what a module serves and a trainer publishes: parameters (a tied weight once,
-    under its first name, as ``named_parameters`` gives it), then persistent buffers."""
-    yield from module.named_parameters()
-    persistent = set(module.state_dict(keep_vars=True))
-    for name, buf in module.named_buffers():
-        if name in persistent:
-            yield name, buf
-
-
-class WeightLayout:
-    """The flat layout of named tensors: each at the next 64-byte aligned offset, in the given order.
-
-    Args:
-        weights: ``(name, tensor)`` pairs (only names, dtypes and shapes are read), or a module (its
-            :func:`named_weights`).
-        dtype: if given, floating-point tensors are laid out as this dtype (e.g. a trainer's fp32 master
-            weights laid out as the bf16 it publishes).
-
-    Raises:
-        CheckpointConfigError: two tensors share a name.
-
-    A sender and a receiver that lay out the same names in the same order agree byte for byte on relative
-    offsets, so a run of tensors sent straight from one bank lands straight in the other. The receiver's
-    layout is the one to agree on: a sender rebuilds it with :meth:`from_entries` from the receiver's
-    :attr:`entries` rather than laying out its own model.
-    """
-
-    def __init__(self, weights: Any, dtype: torch.dtype | None = None) -> None:
-        pairs = named_weights(weights) if isinstance(weights, nn.Module) else weights
-        self.entries: dict[str, LayoutEntry] = {}
-        """``{name: LayoutEntry}`` in layout order."""
-        cursor = AlignedCursor()  # the planner ckpt.bucket lays out a bucket's packed tensors with
-        for name, tensor in pairs:
-            if name in self.entries:
-                raise CheckpointConfigError(f"tensor name {name!r} appears twice")
-            dt = dtype if dtype is not None and tensor.is_floating_point() else tensor.dtype
-            nbytes = tensor.numel() * dt.itemsize
-            self.entries[name] = LayoutEntry(name, dt, tuple(tensor.shape), cursor.place(nbytes), nbytes)
-        self.nbytes = cursor.total
-        """Bytes of one bank."""
-
-    @classmethod
-    def from_entries(cls, entries: Iterable[LayoutEntry]) -> WeightLayout:
-        """The layout another side built, from its entries (e.g. a rollout's ``layout.entries.values()``
-        handed to its trainer), offsets kept as given.
-
-        Raises:
-            CheckpointConfigError: a name twice, an entry that is not a :class:`LayoutEntry`, an offset not
-                64-byte aligned, ``nbytes`` that disagrees with dtype and shape, or entries that overlap or
-                are not in ascending offset order (names the entry).
-        """
-        layout = cls([])
-        end = 0
-        for entry in entries:
-            if not isinstance(entry, LayoutEntry):
-                raise CheckpointConfigError(f"layout entries must be LayoutEntry, got {type(entry).__name__}")
-            numel = 1
-            for d in entry.shape:
-                numel *= d
-            if entry.name in layout.entries:
-                raise CheckpointConfigError(f"tensor name {entry.name!r} appears twice")
-            if entry.offset % ALIGN or entry.offset < end or entry.nbytes != numel * entry.dtype.itemsize:
-                raise CheckpointConfigError(
-                    f"layout entry {entry.name!r} (offset {entry.offset}, {entry.nbytes} bytes, {entry.dtype} "
-                    f"{entry.shape}) must start at a multiple of {ALIGN} bytes at or after byte {end} and hold "
-                    f"{numel * entry.dtype.itemsize} bytes")
-            layout.entries[entry.name] = entry
-            end = entry.offset + entry.nbytes
-        layout.nbytes = align(end)
-        return layout
-
-    @property
-    def slots(self) -> dict[str, LayoutEntry]:
-        """Kept for callers of the earlier name: :attr:`entries`."""
-        return self.entries
-
-    def allocate(self, device: torch.device | str) -> torch.Tensor:
-        """A new bank on ``device``: flat ``uint8`` of :attr:`nbytes`, zero-filled so its pages are resident."""
-        return torch.zeros(max(self.nbytes, ALIGN), dtype=torch.uint8, device=device)
-
-    def view(self, bank: torch.Tensor, name: str) -> torch.Tensor:
-        """Tensor ``name`` inside ``bank`` (no copy)."""
-        entry = self.entries[name]
-        return byte_view(bank, entry.offset, entry.dtype, entry.shape)
-
-    def views(self, bank: torch.Tensor) -> list[NamedTensor]:
-        """``(name, view into bank)`` for every tensor, in layout order: contiguous, back to back.
-
-        A list (every view exists at once), so an engine may send runs of them straight from the bank
-        (:func:`ckpt.bucket.plan_messages` copies the tensors of any other iterable as they are yielded)."""
-        return [(name, self.view(bank, name)) for name in self.entries]
-
-    def fill(self, bank: torch.Tensor, weights: Any) -> None:
-        """Copy (and cast) ``weights`` (pairs or a module) into ``bank``.
-
-        Raises:
-            WeightMismatchError: a name that is not in the layout, or a shape that differs from its entry's
-                (``copy_`` would broadcast it silently).
-        """
-        pairs = named_weights(weights) if isinstance(weights, nn.Module) else weights
-        with torch.no_grad():
-            for name, tensor in pairs:
-                entry = self.entries.get(name)
-                if entry is None:
-                    raise WeightMismatchError(f"tensor {name!r} is not among the {len(self.entries)} tensors "
-                                              "of the layout")
-                if tuple(tensor.shape) != entry.shape:
-                    raise WeightMismatchError(f"tensor {name!r} has shape {tuple(tensor.shape)}, the layout "
-                                              f"holds {entry.shape}")
-                self.view(bank, name).copy_(tensor.detach())
-
-    def bind(self, module: nn.Module, bank: torch.Tensor | None) -> None:
-        """Point every named tensor of ``module`` at its view in ``bank`` (``.data`` assignment: the same
-        ``Parameter`` objects, tied ones included); ``None`` points them at empty placeholders (frees the
-        module's hold on a bank)."""
-        for name, tensor in named_weights(module):
-            if name not in self.entries:
-                continue
-            if bank is None:
-                tensor.data = torch.empty(0, dtype=self.entries[name].dtype, device=tensor.device)
-            else:
-                tensor.data = self.view(bank, name)
 
 
 class StagingPlacement:
@@ -450,5 +314,112 @@ class ModelRolloutAdapter:
         return dict(self.layout.views(self.banks[0]))
 
 
-__all__ = ["AdapterMemory", "LayoutEntry", "ModelRolloutAdapter", "ReceivePlacement", "StagingPlacement",
-           "WeightLayout", "named_weights"]
+def _unexpected_names(missing: list[str], extra: list[str], expected: int, shown: int = 8) -> str:
+    """What an update got wrong about the names of ``expected`` tensors (at most ``shown`` of each)."""
+    def names(found: list[str]) -> str:
+        more = f" and {len(found) - shown} more" if len(found) > shown else ""
+        return ", ".join(repr(n) for n in found[:shown]) + more
+    parts = []
+    if missing:
+        parts.append(f"lacks {len(missing)} of the {expected} tensors the rollout expects ({names(missing)})")
+    if extra:
+        parts.append(f"carries {len(extra)} tensor(s) the rollout does not expect ({names(extra)})")
+    return "the update " + " and ".join(parts) + "; nothing applied"
+
+
+class InMemoryRolloutAdapter:
+    """A reference rollout server: holds a state dict and applies updates all-or-nothing.
+
+    Args:
+        expected: what the rollout expects, ``{name: (shape, dtype)}``, or a state dict
+            ``{name: tensor}`` (its tensors become the initial weights, step ``None``), or ``None`` (accept
+            anything). With an expectation, every update must carry exactly the expected names, each with
+            its dtype and shape: a disagreement raises :class:`WeightMismatchError` naming the tensor, and
+            an update that lacks expected names or brings others raises it naming them (all of both).
+
+    An update stages a private copy of every received tensor (so views into a transport buffer may be
+    reused afterwards) and swaps weights and step in only once the stream ended without error and, with
+    an expectation, every expected tensor arrived; on any failure the previous weights and step stay in
+    service, and the rest of the stream is drained so the transport stays in step. Without an expectation,
+    names an update does not carry keep their previous tensors.
+    Memory: one extra copy of the update while staging.
+    """
+
+    def __init__(self, expected: Mapping[str, Any] | None = None) -> None:
+        self._weights: dict[str, torch.Tensor] = {}
+        self._expected: dict[str, tuple[tuple[int, ...], torch.dtype]] | None = None
+        self.served_step: int | None = None
+        """The ``global_steps`` of the weights in service (``None`` before the first update)."""
+        if expected is not None:
+            self._expected = {}
+            for name, spec in expected.items():
+                if isinstance(spec, torch.Tensor):
+                    self._expected[name] = (tuple(spec.shape), spec.dtype)
+                    self._weights[name] = spec.detach().clone()
+                elif isinstance(spec, (tuple, list)) and len(spec) == 2 and isinstance(spec[1], torch.dtype):
+                    self._expected[name] = (tuple(spec[0]), spec[1])
+                else:
+                    raise CheckpointConfigError(f"expected[{name!r}] must be a tensor or (shape, dtype), got {spec!r}")
+
+    def _check(self, name: str, tensor: torch.Tensor) -> None:
+        if self._expected is None or name not in self._expected:
+            return  # an unexpected name is reported with the missing ones once the stream ended
+        shape, dtype = self._expected[name]
+        if tuple(tensor.shape) != shape or tensor.dtype != dtype:
+            raise WeightMismatchError(f"tensor {name!r}: received {tensor.dtype} {tuple(tensor.shape)}, "
+                                      f"the rollout expects {dtype} {shape}")
+
+    async def update_weights(self, weights: Iterable[NamedTensor] | AsyncIterator[NamedTensor],
+                             wire_format: str = "named_tensors", *, global_steps: int | None = None,
+                             peft_config: Any = None, **kwargs: Any) -> None:
+        """Apply one update all-or-nothing and serve step ``global_steps`` (``None``: the stream's
+        ``global_steps`` attribute if it has one). The signature is verl's ``BaseRollout.update_weights``.
+
+        Args:
+            weights: async or plain iterable of ``(name, tensor)``.
+            wire_format: ``"named_tensors"`` (verl's other format, ``"delta_flush"``, is refused).
+            global_steps: the step these weights are (keyword, as verl passes it).
+            peft_config: must be ``None`` (a LoRA adapter cannot be applied to plain weights).
+            kwargs: verl's further keywords (``base_sync_done``, ...), accepted and ignored.
+
+        Raises:
+            WeightMismatchError: a dtype or shape disagrees with ``expected`` (names the tensor), or the
+                update lacks expected tensors or carries unexpected ones (names them).
+            CheckpointConfigError: another ``wire_format``, a ``peft_config`` or a bad ``global_steps``.
+            Anything the stream raises (VersionMismatchError, TransferError). In every case the previous
+            weights and step stay in service, and the rest of the stream is drained.
+        """
+        try:
+            if wire_format != "named_tensors":
+                raise CheckpointConfigError(f"wire_format must be 'named_tensors', got {wire_format!r}")
+            if peft_config is not None:
+                raise CheckpointConfigError(f"peft_config must be None (this rollout holds plain weights), "
+                                            f"got {type(peft_config).__name__}")
+            global_steps = check_global_steps(global_steps)
+            staged: dict[str, torch.Tensor] = {}
+            extra: list[str] = []
+            async for name, tensor in as_async_stream(weights):
+                self._check(name, tensor)
+                if self._expected is not None and name not in self._expected:
+                    extra.append(name)
+                else:
+                    staged[name] = tensor.detach().clone()
+            if self._expected is not None:
+                missing = [n for n in self._expected if n not in staged]
+                if missing or extra:
+                    raise WeightMismatchError(_unexpected_names(missing, extra, len(self._expected)))
+        except Exception:
+            await drain(weights)  # keep the transport in step, apply nothing
+            raise
+        if global_steps is None:
+            global_steps = getattr(weights, "global_steps", None)
+        self._weights.update(staged)
+        self.served_step = global_steps
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The weights in service, ``{name: tensor}`` (a new dict; the tensors are the served ones)."""
+        return dict(self._weights)
+
+
+__all__ = ["AdapterMemory", "InMemoryRolloutAdapter", "LayoutEntry", "ModelRolloutAdapter", "ReceivePlacement",
+           "StagingPlacement", "WeightLayout", "named_weights"]

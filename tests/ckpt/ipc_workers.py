@@ -211,7 +211,7 @@ many_updates.start_method = "spawn"  # it measures its own resident memory (see 
 def staged(eng, weights, device) -> list[tuple[str, torch.Tensor]]:
     """``weights`` copied into views of the engine's publish buffer (64-byte aligned, back to back), as a trainer
     that casts its weights straight into it holds them."""
-    from ckpt.bucket import byte_view
+    from ckpt.layout import byte_view
     from ckpt.layout import align
 
     offsets, end = [], 0

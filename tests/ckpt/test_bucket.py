@@ -6,7 +6,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ckpt.bucket import ALIGN, byte_view, plan_messages
+from ckpt.bucket import ALIGN, plan_messages
+from ckpt.layout import byte_view
 from ckpt.wire import WireMessage
 from ckpt.testing import same_bytes
 

@@ -30,7 +30,7 @@ def _trainer_weights(step: int) -> dict[str, torch.Tensor]:
     with torch.no_grad():
         for i, p in enumerate(module.parameters()):
             p.add_(0.01 * step * (i + 1))
-    return {n: t.detach().to(torch.bfloat16) for n, t in ckpt.serving.named_weights(module)}
+    return {n: t.detach().to(torch.bfloat16) for n, t in ckpt.layout.named_weights(module)}
 
 
 async def _stream(weights, fail_after: int | None = None):
@@ -47,7 +47,7 @@ def _decode(module):
 def _reference(weights):
     module = tiny_lm.causal_lm(torch.bfloat16, seed=None)
     with torch.no_grad():
-        for name, t in ckpt.serving.named_weights(module):
+        for name, t in ckpt.layout.named_weights(module):
             t.copy_(weights[name])
     return _decode(module)
 
@@ -62,7 +62,7 @@ def test_updates_load_into_the_served_parameters_and_decode_as_the_trainer():
         assert adapter.served_step == step
         assert {n: p for n, p in module.named_parameters()} == params_before  # same Parameter objects
         assert module.lm_head.weight is module.model.embed_tokens.weight
-        for name, tensor in ckpt.serving.named_weights(module):
+        for name, tensor in ckpt.layout.named_weights(module):
             assert same_bytes(tensor, weights[name]), name
         tokens, logits = _decode(module)
         ref_tokens, ref_logits = _reference(weights)
@@ -78,7 +78,7 @@ def test_a_rollout_failing_mid_apply_serves_and_decodes_the_previous_step(fail_a
     with pytest.raises(ckpt.TransferError, match="died mid-update"):
         asyncio.run(adapter.update_weights(_stream(_trainer_weights(2), fail_after=fail_after), 2))
     assert adapter.served_step == 1
-    for name, tensor in ckpt.serving.named_weights(module):
+    for name, tensor in ckpt.layout.named_weights(module):
         assert same_bytes(tensor, _trainer_weights(1)[name]), name
     tokens, logits = _decode(module)
     assert tokens == tokens_1 and torch.equal(logits, logits_1)
@@ -120,7 +120,7 @@ def test_staging_banks_keep_their_addresses_across_updates():
         asyncio.run(adapter.update_weights(_stream(_trainer_weights(step)), step))
         assert {b.data_ptr() for b in adapter.banks} == addresses
         served = adapter.banks[0]
-        for _, p in ckpt.serving.named_weights(module):  # every served tensor is a view of the served bank
+        for _, p in ckpt.layout.named_weights(module):  # every served tensor is a view of the served bank
             assert served.data_ptr() <= p.data_ptr() < served.data_ptr() + served.numel()
     assert staged[0] == staged[2] == staged[4] and staged[1] == staged[3] and staged[0] != staged[1]
 
@@ -144,7 +144,7 @@ def test_the_collective_engine_receives_straight_into_the_staging_bank():
             assert adapter.served_step == step
             # everything but the tensors too large for a bucket's direct runs landed in place: no copy
             assert adapter.last_copied_bytes == 0
-            for name, tensor in ckpt.serving.named_weights(module):
+            for name, tensor in ckpt.layout.named_weights(module):
                 assert same_bytes(tensor, weights[name]), name
 
     try:
@@ -174,7 +174,7 @@ def test_in_place_a_sender_dying_after_its_first_message_leaves_the_rollout_degr
 
     def weights(value, die_at=None):
         bank = layout.allocate("cpu")
-        layout.fill(bank, [(n, torch.full_like(t, value)) for n, t in ckpt.serving.named_weights(module)])
+        layout.fill(bank, [(n, torch.full_like(t, value)) for n, t in ckpt.layout.named_weights(module)])
         for i, item in enumerate(layout.views(bank)):
             if i == die_at:  # before the last tensor: die once message 0 landed in the rollout's weights
                 deadline = time.monotonic() + 20
@@ -198,7 +198,7 @@ def test_in_place_a_sender_dying_after_its_first_message_leaves_the_rollout_degr
             await asyncio.to_thread(thread.join)
 
     def serves(value):
-        return all(same_bytes(t, torch.full_like(t, value)) for _, t in ckpt.serving.named_weights(module))
+        return all(same_bytes(t, torch.full_like(t, value)) for _, t in ckpt.layout.named_weights(module))
 
     async def run():
         assert await update(1.0, 1, 1) == 1 and adapter.served_step == 1 and serves(1.0)
@@ -223,7 +223,7 @@ def test_in_place_a_sender_dying_after_its_first_message_leaves_the_rollout_degr
 def test_a_bad_global_steps_or_atomic_is_refused_naming_the_value():
     module = torch.nn.Linear(4, 2)
     adapter = ckpt.ModelRolloutAdapter(module, atomic=False)
-    update = {n: torch.full_like(t, 2.0) for n, t in ckpt.serving.named_weights(module)}
+    update = {n: torch.full_like(t, 2.0) for n, t in ckpt.layout.named_weights(module)}
     asyncio.run(adapter.update_weights(_stream({n: torch.ones_like(t) for n, t in update.items()}), 1))
     for bad in ("7", -3, True, 1.0):
         with pytest.raises(ckpt.CheckpointConfigError, match=f"global_steps must be None or an int >= 0, got {bad!r}"):
@@ -254,11 +254,11 @@ def test_the_rollout_lays_out_its_banks_and_a_sender_publishes_in_that_layout():
     assert (in_place.banks, in_place.bank_bytes, in_place.staging_bytes, in_place.model_bytes) == (1, 128, 0, 80)
     trainer = torch.nn.Sequential(torch.nn.Linear(3, 5), torch.nn.LayerNorm(5))  # fp32 master weights
     bank = sender_layout.allocate("cpu")
-    sender_layout.fill(bank, ckpt.serving.named_weights(trainer))  # cast to the rollout's bf16 on the way
+    sender_layout.fill(bank, ckpt.layout.named_weights(trainer))  # cast to the rollout's bf16 on the way
     asyncio.run(adapter.update_weights(_stream(dict(sender_layout.views(bank))), 1))
     assert torch.equal(module[0].weight, trainer[0].weight.detach().to(torch.bfloat16))
     assert adapter.memory().last_copied_bytes == 60
-    entry = ckpt.serving.LayoutEntry
+    entry = ckpt.layout.LayoutEntry
     bad = [entry("a", torch.float32, (3,), 0, 12), entry("b", torch.float32, (2,), 8, 8)]
     with pytest.raises(ckpt.CheckpointConfigError, match="'b' .* multiple of 64 bytes at or after byte 12"):
         ckpt.WeightLayout.from_entries(bad)
@@ -274,12 +274,12 @@ def _small_model(device):
 
 
 def _filled(module, value):
-    return [(n, torch.full_like(t, value, device="cpu")) for n, t in ckpt.serving.named_weights(module)]
+    return [(n, torch.full_like(t, value, device="cpu")) for n, t in ckpt.layout.named_weights(module)]
 
 
 def _computes_with(module, value):
     """The module's own tensors (what its forward reads) all hold ``value``."""
-    return all(bool((t == value).all()) for _, t in ckpt.serving.named_weights(module))
+    return all(bool((t == value).all()) for _, t in ckpt.layout.named_weights(module))
 
 
 def _sleep_and_wake(module, device):
@@ -317,7 +317,7 @@ def test_weights_moved_between_updates_are_repointed_and_the_file_engine_update_
     assert adapter.served_step == 2 and _computes_with(module, 2.0)  # never a step the module does not serve
     assert sorted(adapter.repointed) == ["0.bias", "0.weight", "1.bias", "1.weight"]
     served = adapter.banks[0]
-    for _, t in ckpt.serving.named_weights(module):
+    for _, t in ckpt.layout.named_weights(module):
         assert served.data_ptr() <= t.data_ptr() < served.data_ptr() + served.numel()
 
 

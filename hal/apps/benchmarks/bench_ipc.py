@@ -57,7 +57,7 @@ def _weights(sizes: list[int], device: torch.device, seed: int) -> list[tuple[st
 
 def _staged(engine: Any, weights: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
     """``weights`` copied into views of ``engine.publish_buffer`` (64-byte aligned, back to back)."""
-    from ckpt.bucket import byte_view
+    from ckpt.layout import byte_view
     from ckpt.layout import align
 
     offsets, end = [], 0

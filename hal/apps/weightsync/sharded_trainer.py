@@ -107,7 +107,7 @@ class ShardedTrainer(Trainer):
         models.rebuild_rotary(skeleton, self.device)
         self.skeleton = skeleton.eval()
         self.prompt = models.prompt_ids(options.model)
-        from ckpt.serving import named_weights
+        from ckpt.layout import named_weights
 
         masters = dict(named_weights(self.torch_engine.module))
         self.pairs = [(name, masters[name], value) for name, value in named_weights(self.skeleton)]

@@ -104,7 +104,7 @@ class Trainer(Worker):
         """Cast the weights into a fresh published buffer (the trainer's bf16 model views it); seconds. The buffer
         is the engine's ``publish_buffer`` (plain memory, or for the ipc engine memory the rollouts read in place,
         so the update is sent without a copy)."""
-        from ckpt.serving import named_weights
+        from ckpt.layout import named_weights
 
         start = time.perf_counter()
         self.bank = self.engine.publish_buffer(self.layout.nbytes, self.device)
