@@ -16,8 +16,8 @@ Every call into the library goes through :mod:`ckpt.kimi_library`, hal's adapter
 0.4.2: the library's device manager and Mooncake store made from the hal device kind (Mooncake protocol:
 the kind's ``mooncake_protocol``, else host memory over ``tcp`` copied host-to-device), its collectives
 answered over hal's rendezvous store, its INFO logs quiet while hal calls it (``HAL_KIMI_LOGS=1`` lets
-them through). It runs on the kinds whose tensors are of a device type the library's ``DeviceManager``
-knows (:data:`DEVICE_TYPES`); other checkpoint-engine versions than those checked are reported unavailable.
+them through). Which kinds the engine runs on is the spec field ``kimi_checkpoint_engine``; other
+checkpoint-engine versions than those checked are reported unavailable.
 
 Install: the ``kimi`` extra, with ``pip install --no-deps checkpoint-engine==0.4.2`` (its wheel requires
 torch, which must stay the build you have) and Mooncake (the ``mooncake`` extra).
@@ -39,17 +39,15 @@ from ckpt.kimi_library import (CHECKED_VERSIONS, HOST_PROTOCOL, LOGS_ENV, Parame
                                library_problem, mooncake_protocol)
 from ckpt.one_to_many import DEFAULT_BUCKET_SIZE, OneToManyEngine, host_address, local_address_towards
 
-DEVICE_TYPES = ("npu", "cuda")
-"""The ``torch.device`` types checkpoint-engine 0.4.2's ``DeviceManager`` runs on (``device_utils.py``:
-``torch.npu`` when available, else ``torch.cuda``; no host kind): the library's fact, kept with its engine."""
+SPEC_FIELD = "kimi_checkpoint_engine"
 _MARK = "~hal/"  # names of the marker entries; every weight's name is "<8-digit ordinal>/<name>"
 
 
 def supported_kinds() -> list[str]:
-    """Device kinds whose tensors are of a type Kimi's checkpoint-engine runs on (:data:`DEVICE_TYPES`)."""
+    """Device kinds whose spec says Kimi's checkpoint-engine runs there."""
     from hal.registry import get_spec
 
-    return [k for k in hal.known_kinds() if get_spec(k).name in DEVICE_TYPES]
+    return [k for k in hal.known_kinds() if get_spec(k).kimi_checkpoint_engine]
 
 
 NAMESPACE = "kimi"
@@ -127,7 +125,7 @@ class KimiCheckpointEngine(OneToManyEngine):
     @classmethod
     def availability(cls, device: str | None = None) -> hal.Availability:
         """Ok when the resolved device kind (``device``, else ``$HAL_DEVICE``, else auto) is one whose spec
-        has tensors of one of :data:`DEVICE_TYPES` and is available, and checkpoint-engine 0.4.2 and Mooncake import."""
+        says ``kimi_checkpoint_engine`` and is available, and checkpoint-engine 0.4.2 and Mooncake import."""
         kinds = supported_kinds()
         try:
             spec = hal.resolve_device(device)
@@ -136,7 +134,7 @@ class KimiCheckpointEngine(OneToManyEngine):
         if spec.kind not in kinds:
             return hal.Availability.unavailable(
                 f"Kimi's checkpoint-engine runs only on device kinds {kinds} (its ParameterServer needs a device "
-                f"type its DeviceManager knows: {', '.join(DEVICE_TYPES)}); "
+                f"with pinned host memory and a collective backend, which hal's spec field {SPEC_FIELD} declares); "
                 f"the device kind asked for is {spec.kind!r} (select one with HAL_DEVICE or --device)")
         problem = library_problem()
         return hal.Availability.unavailable(problem) if problem else hal.Availability.available()
@@ -413,6 +411,6 @@ class KimiCheckpointEngine(OneToManyEngine):
         self._ps.register_buffer(self._h2d if self._h2d is not None else self._slots)
 
 
-__all__ = ["KimiCheckpointEngine", "supported_kinds", "DEVICE_TYPES",
+__all__ = ["KimiCheckpointEngine", "supported_kinds", "SPEC_FIELD",
            # the library adapter's names, importable from here as before it was its own module
            "CHECKED_VERSIONS", "HOST_PROTOCOL", "LOGS_ENV", "mooncake_protocol"]
