@@ -133,7 +133,7 @@ def test_the_plot_says_why_a_panel_is_empty(tmp_path):
 
     import unittest.mock
 
-    offload = {"device": "cpu", "plain_gbps": 1.0, "cold_gbps": 0.0, "warm_gbps": 0.0, "bytes": 1 << 20}
+    offload = {"device": "cpu", "moves": False, "plain_gbps": 1.0, "cold_gbps": 0.0, "warm_gbps": 0.0, "bytes": 1 << 20}
     with unittest.mock.patch.object(matplotlib.axes.Axes, "text", text):
         bench.plot({"offload": offload}, tmp_path / "p.png")
     assert (tmp_path / "p.png").stat().st_size > 0
