@@ -115,8 +115,11 @@ def interrupt_hal(args: list[str], env: dict[str, str], ready: Callable[[str, li
     """
     watch = watch or hal_segments
     watched_before = watch()
+    # SIGINT at its default, as a terminal's foreground job has it: pytest started as a background job of a
+    # non-interactive shell (nohup ... &) inherits it ignored, and so would hal, which then never sees the Ctrl-C
     proc = subprocess.Popen([*HAL, *args], env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            stdin=subprocess.DEVNULL, start_new_session=True)
+                            stdin=subprocess.DEVNULL, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     err: list[bytes] = []
     out: list[bytes] = []
     readers = [threading.Thread(target=lambda s=s, buf=buf: buf.extend(iter(s.readline, b"")), daemon=True)
