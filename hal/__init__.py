@@ -18,7 +18,6 @@ from hal.device import (
     get_device,
     get_device_id,
     get_device_name,
-    is_host,
     get_dist_backend,
     get_torch_device,
     get_visible_devices_keyword,
@@ -49,6 +48,7 @@ from hal.errors import (
     HalError,
     UnknownDeviceError,
 )
+from devices.cpu import is_host
 from hal.registry import known_kinds, plugin_errors, register_device, unregister_device
 
 __all__ = [

@@ -17,7 +17,6 @@ from typing import Any
 import torch
 
 from devices.base import Availability, DeviceSpec
-from devices.cpu import is_host
 from hal import registry
 from hal.errors import DeviceIndexError, DeviceUnavailableError, HalError, UnknownDeviceError
 
@@ -316,10 +315,7 @@ def get_device(device: DeviceLike = None) -> torch.device:
         UnknownDeviceError: the kind is not built in nor registered.
         DeviceUnavailableError: the kind is known but unusable here.
     """
-    spec, index = _spec_and_index(device)  # the kind resolved once, not again through get_device_id
-    if spec.host_memory:
-        return torch.device("cpu")
-    return torch.device(spec.name, _index_or_current(spec, index))
+    return resolve_local_device(device).device
 
 
 def local_device(device: DeviceLike = None) -> torch.device:
@@ -351,10 +347,7 @@ def bind_local_device(device: DeviceLike = None) -> torch.device:
         UnknownDeviceError: the kind is not built in nor registered.
         DeviceUnavailableError: the kind is known but unusable here.
     """
-    target = local_device(device)
-    if not is_host(target):
-        get_torch_device(device).set_device(target.index)
-    return target
+    return resolve_local_device(device).bind()  # the kind resolved once, for the device and its module
 
 
 @dataclasses.dataclass(frozen=True)
@@ -398,7 +391,7 @@ def resolve_local_device(device: DeviceLike = None) -> LocalDevice:
     Raises:
         UnknownDeviceError, DeviceUnavailableError, DeviceIndexError: as :func:`local_device`.
     """
-    spec, index = _spec_and_index(device)
+    spec, index = _spec_and_index(device)  # the kind resolved once, not again through get_device_id
     if spec.host_memory:
         return LocalDevice(spec, torch.device("cpu"))
     return LocalDevice(spec, torch.device(spec.name, _index_or_current(spec, index)))
