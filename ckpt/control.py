@@ -31,10 +31,13 @@ it drops (:meth:`~ControlChannel.drain`).
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import datetime
+import functools
 import itertools
 import json
+import queue
 import threading
 import time
 from typing import Any, Callable, TypeVar
@@ -78,6 +81,76 @@ class Ack:
     """A receiver is done with message ``index`` (counted from 0 in one update) and its buffer."""
 
     index: int
+
+
+class StoreUnanswered(dist.DistNetworkError):
+    """A call on a store client got no answer within :data:`STORE_OVERRUN_S` (:class:`BoundedStore`)."""
+
+
+class BoundedStore:
+    """A ``TCPStore`` client whose plain calls (``add``, ``set``, ``queue_push``, ...) each return or fail within
+    ``bound`` seconds.
+
+    ``TCPStore``'s timeout bounds its waits only: a plain call over a link that is down blocks until TCP delivers
+    it once the link is back (with retransmission backoff, tens of seconds later), and on a stopped host for as
+    long as it is stopped (measured: an ``add`` to a SIGSTOPped host had not returned after 120 s). Called on an
+    engine's event loop, such a call stalled a rollout for the whole outage (``hal soak``'s ``cut_link``). Here
+    each call runs in this object's daemon thread and the caller waits at most ``bound``; once a call overran,
+    the client counts as lost and every later call raises at once (the thread stays with the stuck call; it is
+    a daemon, and the call ends when the link does). The caller connects again (a new client) to go on.
+
+    Args:
+        store: the client; ``clone()`` and ``set_timeout()`` go to it directly (a clone is a new connection).
+        bound: seconds a call may take.
+        where: how errors name the store (``"the store at host:port"``).
+
+    Raises (from every call):
+        StoreUnanswered: this call, or an earlier one, got no answer within ``bound``.
+    """
+
+    CALLS = ("set", "get", "check", "add", "delete_key", "compare_set", "queue_push", "queue_pop", "queue_len")
+
+    def __init__(self, store: dist.Store, bound: float, where: str) -> None:
+        self.store, self.bound, self.where = store, bound, where
+        self.lost: str | None = None  # why the client counts as lost
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="hal-ckpt-store-calls")
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            future, name, args = job
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(getattr(self.store, name)(*args))
+                except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                    future.set_exception(exc)
+
+    def call(self, name: str, *args: Any) -> Any:
+        """``store.<name>(*args)``, waited for at most ``bound`` seconds."""
+        if self.lost is not None:
+            raise StoreUnanswered(self.lost)
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._jobs.put((future, name, args))
+        try:
+            return future.result(self.bound)
+        except concurrent.futures.TimeoutError:
+            future.cancel()
+            self.lost = (f"{self.where} did not answer a {name} call within {self.bound:g} s (is its link down or "
+                         "its host stopped?)")
+            raise StoreUnanswered(self.lost) from None
+
+    def __getattr__(self, name: str) -> Any:
+        if name in BoundedStore.CALLS:
+            return functools.partial(self.call, name)
+        return getattr(self.store, name)
+
+    def close(self) -> None:
+        """End the thread once it is done with the call it is in (if any); idempotent."""
+        self._jobs.put(None)
 
 
 def host_store(addr: str, port: int | None, timeout: float) -> dist.TCPStore:
@@ -179,6 +252,8 @@ class ControlChannel:
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
             raise CheckpointConfigError(f"timeout must be a number of seconds > 0, got {timeout!r}")
         self.heartbeat_timeout = check_heartbeat_timeout(heartbeat_timeout)
+        if rank != host_rank:  # a client: its plain calls, made on an event loop, must not outlive a cut link
+            store = BoundedStore(store, STORE_OVERRUN_S, f"the control store of {label(host_rank)}")
         self.store, self.rank, self.namespace = store, rank, namespace
         self.timeout, self.label, self.host_rank = float(timeout), label, host_rank
         # blocking waits run in worker threads on a connection of their own, opened now: a channel holds the
@@ -282,8 +357,15 @@ class ControlChannel:
         self.store.delete_key(self.key(name))
 
     def add(self, name: str, amount: int) -> int:
-        """Add ``amount`` to the counter ``name`` (created at 0); returns the new value."""
-        return int(self.store.add(self.key(name), amount))
+        """Add ``amount`` to the counter ``name`` (created at 0); returns the new value.
+
+        Raises:
+            PeerFailure: the store's host is gone or does not answer.
+        """
+        try:
+            return int(self.store.add(self.key(name), amount))
+        except dist.DistError as exc:
+            raise self._host_gone(f"the counter {self.key(name)!r}", exc) from None
 
     # ---- queues ----------------------------------------------------------------------------------------
     def send(self, queue: str, message: Any) -> None:
@@ -393,6 +475,9 @@ class ControlChannel:
     def _host_gone(self, what: str, exc: BaseException) -> PeerFailure:
         who = self.label(self.host_rank)
         first = (str(exc).splitlines() or [""])[0][:200]
+        if isinstance(exc, StoreUnanswered):
+            return PeerFailure(who, f"{who}, which hosts the control store, did not answer while "
+                                    f"{self.label(self.rank)} waited for {what}: {first}", True)
         return PeerFailure(who, f"{who}, which hosts the control store, is gone (it exited or died) while "
                                 f"{self.label(self.rank)} waited for {what} ({type(exc).__name__}: {first})")
 
@@ -504,6 +589,8 @@ class ControlChannel:
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(2 * HEARTBEAT_S)
         self._thread = None
+        if isinstance(self.store, BoundedStore):
+            self.store.close()
 
 
 @dataclasses.dataclass(frozen=True)

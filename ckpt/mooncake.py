@@ -110,9 +110,14 @@ class MooncakeTransport(Transport):
 
 
     def close(self) -> None:
+        if self.engine is None:
+            return
         if self.addr is not None:
             self.engine.unregister_memory(self.addr)
             self.addr = None
+        # its last reference: the destructor stops the engine's tcp server and joins its thread, so no request
+        # of a peer writes into this process's memory any more (the server writes wherever a request points)
+        self.engine = None
 
 
 class MooncakeCheckpointEngine(P2PCheckpointEngine):

@@ -80,7 +80,10 @@ class NixlTransport(Transport):
         old = self.remote.pop(peer, None)
         if old is not None:
             self.agent.remove_remote_agent(old["name"])
-        name = self.agent.add_remote_agent(base64.b64decode(info["agent"]))
+        try:
+            name = self.agent.add_remote_agent(base64.b64decode(info["agent"]))
+        except Exception as exc:  # nixlBind errors: the peer's agent is unreachable (closed) or its record bad
+            raise TransferError(f"NIXL could not add the agent of peer {peer}: {type(exc).__name__}: {exc}") from exc
         self.remote[peer] = dict(info, name=name.decode() if isinstance(name, bytes) else name)
 
     def register_source(self, tensor: torch.Tensor) -> Any:
@@ -118,6 +121,8 @@ class NixlTransport(Transport):
 
 
     def close(self) -> None:
+        if self.agent is None:
+            return
         for r in self.remote.values():
             try:
                 self.agent.remove_remote_agent(r["name"])
@@ -127,6 +132,7 @@ class NixlTransport(Transport):
         if self._reg is not None:
             self.agent.deregister_memory(self._reg)
             self._reg = None
+        self.agent = None  # its last reference: the agent's destructor stops UCX's workers
 
 
 class NixlCheckpointEngine(P2PCheckpointEngine):

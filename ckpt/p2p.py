@@ -74,7 +74,11 @@ class Transport(abc.ABC):
 
     @abc.abstractmethod
     def add_peer(self, peer: int, info: dict[str, Any]) -> None:
-        """Learn peer ``peer``'s registered region from its hello ``info`` (replaces an earlier one)."""
+        """Learn peer ``peer``'s registered region from its hello ``info`` (replaces an earlier one).
+
+        Raises:
+            TransferError: the library cannot use ``info`` (the peer's agent is unreachable or closed).
+        """
 
     @abc.abstractmethod
     def register_source(self, tensor: torch.Tensor) -> Any:
@@ -132,7 +136,9 @@ class Transport(abc.ABC):
 
     @abc.abstractmethod
     def close(self) -> None:
-        """Deregister memory and release the library's resources; idempotent."""
+        """Deregister memory and release the library's resources; idempotent. Once it returns the library
+        writes nothing more into memory this transport registered: a peer's write still on its way (a
+        failed update's, over a cut link) fails instead of landing."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -334,12 +340,19 @@ class P2PCheckpointEngine(OneToManyEngine):
         if self._control is not None:
             self._control.close()
             self._control = None
+        self._close_transport()
+        self._large = None
+        self._joined = None
+
+    def _close_transport(self) -> None:
+        """Close the library's agent, then free the region it wrote into: closing stops the library's own
+        threads, so no write can land in that memory afterwards (Mooncake's tcp server, for one, writes
+        wherever a request's header points, registered or not)."""
         if self._transport is not None:
             self._transport.close()
             self._transport = None
-        self._region = self._large = None
+        self._region = None
         self._sources = {}
-        self._joined = None
 
     def _drop_connections(self) -> None:
         """Forget every rollout's connection (its queues drained; it connects again with a new epoch), or, on
@@ -355,6 +368,11 @@ class P2PCheckpointEngine(OneToManyEngine):
                 pass
             self._control.close()
             self._control = self._store = None
+            # A write of the update that failed may still be on its way here (a cut link's TCP retransmits
+            # it minutes later): it must land in no slot a later update reads. So the next connection gets a
+            # new agent and new slots, and this agent is closed before its slots are freed (found by
+            # ``hal soak``: mooncake served bytes no trainer published for that step).
+            self._close_transport()
 
     def _forget(self, peer: _Peer) -> None:
         if self._control is not None:
@@ -477,6 +495,8 @@ class P2PCheckpointEngine(OneToManyEngine):
             old = self._peers.get(hello.rank)
             if hello.rank not in want or (old is not None and hello.epoch <= old.epoch):
                 continue  # a stray hello, or one of a connection already replaced
+            if ctl.add(_given_up_key(hello.rank, hello.epoch), 0) > 0:
+                continue  # its rollout dropped that connection (and closed its agent): a newer hello follows
             try:
                 self._transport.add_peer(hello.rank, hello.transport)
             except (KeyError, TypeError, ValueError, TransferError):

@@ -196,6 +196,51 @@ def test_the_store_host_dying_fails_a_wait_at_once_naming_the_host():
     assert elapsed < 2, elapsed
 
 
+def test_a_plain_call_to_a_store_host_that_does_not_answer_fails_within_the_bound():
+    """``hal soak`` found a rollout's event loop stalled for a whole link outage: ``TCPStore``'s timeout bounds
+    its waits, not its plain calls that read an answer (an ``add``, a ``queue_pop`` that does not wait), which
+    block until TCP delivers them, or for as long as the host is stopped. Here the host is stopped: each
+    call fails within :data:`~ckpt.control.STORE_OVERRUN_S`, naming the host, and the calls after the first fail
+    at once."""
+    ctx = multiprocessing.get_context("spawn")
+    port_out, ready = ctx.Queue(), ctx.Event()
+    proc = _spawn(_host_body, port_out, ready)
+    outcomes = []
+    try:
+        port = port_out.get(timeout=60)
+        peer = ControlChannel(control.connect_store("127.0.0.1", port, 10, "the host"), rank=1, namespace="t/0",
+                              timeout=30, label=_label)
+        peer.send("msg/0", Ack(0))  # answered while the host runs
+        os.kill(proc.pid, signal.SIGSTOP)
+        calls = [lambda: peer.add("given-up/1/1", 0),
+                 lambda: asyncio.run(peer.recv("msg/1/1", Ack, None, "the metadata of message 0", timeout=30)),
+                 lambda: peer.send("ack/1/1", Ack(1))]
+
+        def make_calls():  # in a thread of its own: a call that blocks for good fails the test, not hangs it
+            for call in calls:
+                start = time.monotonic()
+                try:
+                    call()
+                    outcomes.append(("returned", time.monotonic() - start))
+                except PeerFailure as exc:
+                    outcomes.append((exc, time.monotonic() - start))
+        caller = threading.Thread(target=make_calls, daemon=True)
+        caller.start()
+        caller.join(3 * control.STORE_OVERRUN_S + 5)
+        peer.close()
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
+        _reap(proc)
+    assert len(outcomes) == len(calls), f"a call blocked: {outcomes}"
+    (first, first_s), *rest = outcomes
+    assert isinstance(first, PeerFailure) and first.timed_out and first.peer == "the host (rank 0)", first
+    assert "did not answer" in str(first) and "is its link down" in str(first), first
+    assert first_s < control.STORE_OVERRUN_S + 1.0, first_s
+    for failure, seconds in rest:  # the client counts as lost: no second wait for the bound
+        assert isinstance(failure, PeerFailure) and failure.timed_out and "did not answer" in str(failure), failure
+        assert seconds < 0.5, seconds
+
+
 @pytest.mark.parametrize("bad", [0.5, 0, -1, True, "5", None])
 def test_a_heartbeat_timeout_below_two_beats_or_not_a_number_is_refused_naming_it(bad):
     store = control.host_store("127.0.0.1", None, 10)
