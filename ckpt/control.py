@@ -109,6 +109,8 @@ class BoundedStore:
     """
 
     CALLS = ("set", "get", "check", "add", "delete_key", "compare_set", "queue_push", "queue_pop", "queue_len")
+    """The calls made through the thread (:meth:`call` makes any, ``"clone"`` too: a new connection's
+    handshake blocks on a stopped host as well)."""
 
     def __init__(self, store: dist.Store, bound: float, where: str) -> None:
         self.store, self.bound, self.where = store, bound, where
@@ -236,6 +238,11 @@ class ControlChannel:
         label: ``label(rank) -> str``, how errors name a rank.
         host_rank: the rank whose process hosts the store (named when the store is gone).
         heartbeat: run the heartbeat thread (``False``: :meth:`watch` and dead-peer detection do nothing).
+        bounded: on a rank that does not host the store, make the plain calls on ``store`` (and the liveness
+            probe's) through a :class:`BoundedStore`: for a channel used on an event loop, where a call that
+            blocks for a link's outage stalls everything else. Leave it ``False`` where ``store`` is shared
+            with a process group's rendezvous (its long waits would count as the store not answering) or where
+            every call runs in a worker thread anyway.
         heartbeat_timeout: seconds a watched peer's counter may stand still before the peer counts as dead
             (:data:`HEARTBEAT_DEAD_S` by default; at least two beats, ``2 * HEARTBEAT_S``). Longer where a
             rank may hold the GIL that long (a long C call that does not release it); shorter to find a dead
@@ -248,11 +255,11 @@ class ControlChannel:
 
     def __init__(self, store: dist.Store, *, rank: int, namespace: str, timeout: float,
                  label: Callable[[int], str], host_rank: int = 0, heartbeat: bool = True,
-                 heartbeat_timeout: float = HEARTBEAT_DEAD_S) -> None:
+                 heartbeat_timeout: float = HEARTBEAT_DEAD_S, bounded: bool = False) -> None:
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
             raise CheckpointConfigError(f"timeout must be a number of seconds > 0, got {timeout!r}")
         self.heartbeat_timeout = check_heartbeat_timeout(heartbeat_timeout)
-        if rank != host_rank:  # a client: its plain calls, made on an event loop, must not outlive a cut link
+        if bounded and rank != host_rank:  # a client's plain calls on an event loop must not outlive a cut link
             store = BoundedStore(store, STORE_OVERRUN_S, f"the control store of {label(host_rank)}")
         self.store, self.rank, self.namespace = store, rank, namespace
         self.timeout, self.label, self.host_rank = float(timeout), label, host_rank
@@ -520,10 +527,17 @@ class ControlChannel:
             return False
         try:
             with self._probe_lock:
-                if self._probe is None:
-                    self._probe = self.store.clone()
+                if self._probe is None:  # its own connection, made and used as boundedly as the channel's calls
+                    if isinstance(self.store, BoundedStore):
+                        self._probe = BoundedStore(self.store.call("clone"), STORE_OVERRUN_S, self.store.where)
+                    else:
+                        self._probe = self.store.clone()
                 count = int(self._probe.add(self.key("hb", str(peer)), 0))
         except dist.DistError:
+            with self._probe_lock:
+                if isinstance(self._probe, BoundedStore) and self._probe.lost is not None:
+                    self._probe.close()  # left with its stuck call: a fresh connection next time
+                    self._probe = None
             return False
         if count == dead_at:
             return False
@@ -539,7 +553,9 @@ class ControlChannel:
             none_dead = not self._dead_count
         if none_dead:
             with self._probe_lock:
-                self._probe = None  # its socket closes with it
+                probe, self._probe = self._probe, None  # its socket closes with it
+            if isinstance(probe, BoundedStore):
+                probe.close()
 
     def _beat(self, beat: dist.Store) -> None:
         """The heartbeat thread: bump this rank's counter, judge the watched peers, wake waits on the dead."""
@@ -589,8 +605,10 @@ class ControlChannel:
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(2 * HEARTBEAT_S)
         self._thread = None
-        if isinstance(self.store, BoundedStore):
-            self.store.close()
+        for store in (self.store, self._probe):
+            if isinstance(store, BoundedStore):
+                store.close()
+        self._probe = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -32,6 +32,7 @@ import asyncio
 import collections
 import dataclasses
 import functools
+import threading
 import time
 from typing import Any, AsyncIterator, Callable, Iterable
 
@@ -45,7 +46,8 @@ from ckpt.wire import WireMessage, check_bucket_size
 from ckpt.errors import (CheckpointConfigError, TransferAbortedError, TransferError, TransferTimeoutError,
                          VersionMismatchError)
 from ckpt.one_to_many import DEFAULT_BUCKET_SIZE, OneToManyEngine, local_address_towards
-from ckpt.control import HEARTBEAT_DEAD_S, Ack, ControlChannel, PeerFailure, check_heartbeat_timeout, connect_store
+from ckpt.control import (HEARTBEAT_DEAD_S, STORE_OVERRUN_S, Ack, ControlChannel, PeerFailure, check_heartbeat_timeout,
+                          connect_store)
 
 META_BUDGET = 1 << 20
 """Bytes of JSON metadata per bucket at most (a bucket of many small tensors closes early)."""
@@ -312,7 +314,8 @@ class P2PCheckpointEngine(OneToManyEngine):
         return peer.label if peer is not None and rank != self.src_rank else self._label(rank)
 
     def is_healthy(self) -> bool:
-        return self._transport is not None
+        # a rollout that dropped its connection closed its agent on purpose: its next connection makes another
+        return self._transport is not None or (self._joined is not None and not self.is_sender)
 
     def _enter(self, membership) -> None:
         self._release()
@@ -683,24 +686,54 @@ class P2PCheckpointEngine(OneToManyEngine):
         if self.master_addr is None or self.master_port is None:
             raise CheckpointConfigError("a rollout needs master_addr and master_port (the trainer's control "
                                         f"address), got {self.master_addr!r}, {self.master_port!r}")
-        try:  # in a thread: the store may be hosted by a trainer on this very event loop, not up yet
-            store = await asyncio.to_thread(connect_store, self.master_addr, int(self.master_port), self.timeout,
-                                            self._label(0))
-        except TransferTimeoutError as exc:
-            raise TransferTimeoutError(f"rollout rank {self.rank}: {exc}") from None
-        ctl = ControlChannel(store, rank=self.rank, namespace=self._namespace(), timeout=self.timeout,
-                             label=self._peer_label, heartbeat_timeout=self.heartbeat_timeout)
+        store, ctl = await self._open_channel()
         try:
             host = self.host or local_address_towards(self.master_addr)
             self._setup_buffers(host)
             epoch = ctl.add(f"join/{self.rank}", 1)
+            if epoch > 1:  # the connection before (a lost client may not have said so): the trainer skips its hello
+                ctl.add(_given_up_key(self.rank, epoch - 1), 1)
             ctl.watch([self.src_rank])
             ctl.send("hello", Hello(self.rank, epoch, self.bucket_size, self._region_info, host))
         except BaseException:
             ctl.close()
+            self._close_transport()  # a hello that went out late must find no agent writing into memory in use
             raise
         self._control, self._store, self._epoch = ctl, store, epoch
         return ctl
+
+    async def _open_channel(self) -> tuple[Any, ControlChannel]:
+        """Connect to the trainer's store and open this rollout's control channel, in a worker thread (the store
+        may be hosted by a trainer on this very event loop, not up yet; a channel's connections block on a
+        stopped host), waited for at most ``timeout + STORE_OVERRUN_S``.
+
+        Raises:
+            TransferTimeoutError: the trainer's store did not answer in time (named).
+        """
+        lock, opened, abandoned = threading.Lock(), [], []
+
+        def open_channel() -> tuple[Any, ControlChannel]:
+            store = connect_store(self.master_addr, int(self.master_port), self.timeout, self._label(0))
+            ctl = ControlChannel(store, rank=self.rank, namespace=self._namespace(), timeout=self.timeout,
+                                 label=self._peer_label, heartbeat_timeout=self.heartbeat_timeout, bounded=True)
+            with lock:
+                if abandoned:  # the wait below gave up on this thread: nobody else closes the channel
+                    ctl.close()
+                opened.append(ctl)
+            return store, ctl
+
+        try:
+            return await asyncio.wait_for(asyncio.to_thread(open_channel), self.timeout + STORE_OVERRUN_S)
+        except TransferTimeoutError as exc:
+            raise TransferTimeoutError(f"rollout rank {self.rank}: {exc}") from None
+        except asyncio.TimeoutError:
+            with lock:
+                abandoned.append(True)
+                for ctl in opened:  # opened just as the wait ended
+                    ctl.close()
+            raise TransferTimeoutError(f"rollout rank {self.rank}: {self._label(0)}'s store at {self.master_addr}:"
+                                       f"{self.master_port} did not answer within {self.timeout + STORE_OVERRUN_S:g} s "
+                                       "(is its link down or its host stopped?)") from None
 
     def _given_up(self) -> bool:
         """Whether the trainer gave this rollout's connection up (:meth:`_give_up`); an unreachable store counts

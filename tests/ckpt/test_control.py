@@ -208,7 +208,7 @@ def test_a_plain_call_to_a_store_host_that_does_not_answer_fails_within_the_boun
     outcomes = []
     try:
         port = port_out.get(timeout=60)
-        peer = ControlChannel(control.connect_store("127.0.0.1", port, 10, "the host"), rank=1, namespace="t/0",
+        peer = ControlChannel(control.connect_store("127.0.0.1", port, 10, "the host"), rank=1, namespace="t/0", bounded=True,
                               timeout=30, label=_label)
         peer.send("msg/0", Ack(0))  # answered while the host runs
         os.kill(proc.pid, signal.SIGSTOP)

@@ -22,7 +22,7 @@ Rules, per update ``g`` of the history:
 * **No hang.** No step outlives the driver's watchdog, and no worker is still busy with an update once the
   manager's bound (``timeout + margin``) passed after the step ended (``hangs``).
 * **Nothing leaks.** Between a process's early clean updates and its last ones (:func:`check_leaks`): its open
-  file descriptors are as many, its resident anonymous memory grew by less than one bucket; the workers' ``/dev/shm``
+  file descriptors are as many, its resident memory less file-backed pages grew by less than one bucket; the workers' ``/dev/shm``
   segments and temporary directories are as many at the end as at the first clean sample, and none is left after
   the engines closed.
 
@@ -55,7 +55,7 @@ class UpdateRecord:
         observed: ``{rollout index: Host.observe()}`` after the update (and after restarts), its ``sums`` replaced
             by their :func:`digest` where they equal the published step's (kept where they do not).
         restarted: the workers restarted after the update.
-        resources: after a clean update, each process's ``{"pid", "fds", "rss_bytes", "anon_bytes"}`` (the
+        resources: after a clean update, each process's ``{"pid", "fds", "rss_bytes", "held_bytes"}`` (the
             driver's too).
         shm, temp: the workers' ``/dev/shm`` segments and temporary entries then.
         hangs: what overran its bound: the step the driver's watchdog, or a worker still busy with the update
@@ -271,12 +271,12 @@ def check_leaks(verdict: Verdict, bucket_bytes: int) -> dict[str, Any]:
     its next :data:`LEAK_WINDOW` samples against the median of its last :data:`LEAK_WINDOW` (a sample right
     after a recovery may still hold what the failed update left for the next ``finalize`` to free), with at
     least :data:`LEAK_SPAN` updates between the two windows. File descriptors must be no more; resident
-    anonymous memory (``anon_bytes``, Linux ``RssAnon``: what a leak can hold) must have grown by less than one
-    bucket, in every worker process. Resident memory as a whole (``rss_bytes``, ``VmRSS``) is reported beside
+    memory less file-backed pages (``held_bytes``, Linux ``RssAnon + RssShmem``: what a leak can hold) must
+    have grown by less than one bucket, in every worker process. Resident memory as a whole (``rss_bytes``, ``VmRSS``) is reported beside
     it, not judged: it also counts the mapped libraries' pages, which a process touches once when it first
     needs them, whenever that is (the first C++ exception's unwinder reads libtorch's unwind tables: +6 MB of
-    ``RssFile``, see :func:`~hal.apps.weightsync.memory.anonymous_resident_bytes`). Samples without
-    ``anon_bytes`` are judged on ``rss_bytes``. The driver's descriptors are judged alike; its memory is
+    ``RssFile``, see :func:`~hal.apps.weightsync.memory.held_resident_bytes`). Samples without
+    ``held_bytes`` are judged on ``rss_bytes``. The driver's descriptors are judged alike; its memory is
     reported, not judged (it holds the history, which grows with the run; with the colocated engine the job
     runs in the driver's process, whose memory is then reported only).
     """
@@ -285,7 +285,7 @@ def check_leaks(verdict: Verdict, bucket_bytes: int) -> dict[str, Any]:
     for record in verdict.history.records:
         for sample in record.resources or []:
             samples.setdefault(sample["pid"], []).append((record.update, sample))
-    fds, rss, anon, judged, driver_rss = [], [], [], 0, None
+    fds, rss, helds, judged, driver_rss = [], [], [], 0, None
     w = LEAK_WINDOW
     for pid, seen in samples.items():
         first_failure = next((g for g in failed if g > seen[0][0]), None)
@@ -297,7 +297,7 @@ def check_leaks(verdict: Verdict, bucket_bytes: int) -> dict[str, Any]:
         first_update, last_update = base[0][0], end[-1][0]
         fd_growth = median([s["fds"] for _, s in end]) - median([s["fds"] for _, s in base])
         rss_growth = median([s["rss_bytes"] for _, s in end]) - median([s["rss_bytes"] for _, s in base])
-        held = "anon_bytes" if all("anon_bytes" in s for _, s in base + end) else "rss_bytes"
+        held = "held_bytes" if all("held_bytes" in s for _, s in base + end) else "rss_bytes"
         held_growth = median([s[held] for _, s in end]) - median([s[held] for _, s in base])
         fds.append(fd_growth)
         driver = bool(base[0][1].get("driver"))
@@ -309,13 +309,13 @@ def check_leaks(verdict: Verdict, bucket_bytes: int) -> dict[str, Any]:
             driver_rss = rss_growth
             continue
         rss.append(rss_growth)
-        anon.append(held_growth)
+        helds.append(held_growth)
         if held_growth >= bucket_bytes:
-            what = "resident anonymous memory" if held == "anon_bytes" else "resident memory"
+            what = "resident memory less file-backed pages" if held == "held_bytes" else "resident memory"
             verdict.fail(last_update, f"{who}'s {what} grew by {held_growth} bytes (medians) from updates "
                                       f"{first_update}.. to ..{last_update}, not under one bucket ({bucket_bytes} bytes)")
     leaks: dict[str, Any] = {"processes_judged": judged, "fd_growth_max": max(fds, default=0),
-                             "anon_growth_max_bytes": max(anon, default=0), "rss_growth_max_bytes": max(rss, default=0),
+                             "held_growth_max_bytes": max(helds, default=0), "rss_growth_max_bytes": max(rss, default=0),
                              "rss_bound_bytes": bucket_bytes, "driver_rss_growth_bytes": driver_rss}
     for name in ("shm", "temp"):
         counted = [(r.update, getattr(r, name)) for r in verdict.history.records if getattr(r, name) is not None]

@@ -217,12 +217,12 @@ class Driver:
         if record.resources is not None:
             import gc
 
-            from hal.apps.weightsync.memory import anonymous_resident_bytes, resident_bytes, trim_host_heap
+            from hal.apps.weightsync.memory import held_resident_bytes, resident_bytes, trim_host_heap
 
             gc.collect()  # as the workers sample themselves (Host.resources)
             trim_host_heap()
             record.resources.append({"pid": os.getpid(), "fds": len(os.listdir("/proc/self/fd")),
-                                     "rss_bytes": resident_bytes(), "anon_bytes": anonymous_resident_bytes(),
+                                     "rss_bytes": resident_bytes(), "held_bytes": held_resident_bytes(),
                                      "driver": True})
             if self.sandbox is not None:
                 record.shm = self.sandbox.shm_segments()

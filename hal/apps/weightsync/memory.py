@@ -178,13 +178,13 @@ def resident_bytes() -> int:
     return proc_status_bytes("VmRSS") or 0
 
 
-def anonymous_resident_bytes() -> int:
-    """This process's resident anonymous memory (Linux ``RssAnon``: heap, anonymous maps), in bytes; 0 where
-    ``/proc`` is unavailable. What a leak can hold: ``VmRSS`` also counts file-backed pages, the mapped
-    libraries' code and tables, which grow once when first touched (measured: the first C++ exception torch
-    raises in a process makes the unwinder read libtorch's unwind tables, ``RssFile`` +6.2 MB, ``RssAnon``
-    unchanged) and are the kernel's to reclaim."""
-    return proc_status_bytes("RssAnon") or 0
+def held_resident_bytes() -> int:
+    """This process's resident memory less its file-backed pages (Linux ``RssAnon + RssShmem``: heap, anonymous
+    and shared-memory maps), in bytes; 0 where ``/proc`` is unavailable. What a leak can hold: ``VmRSS`` also
+    counts the mapped libraries' pages, which grow once when first touched (measured: the first C++ exception
+    torch raises in a process makes the unwinder read libtorch's unwind tables, ``RssFile`` +6.2 MB,
+    ``RssAnon`` unchanged) and are the kernel's to reclaim."""
+    return (proc_status_bytes("RssAnon") or 0) + (proc_status_bytes("RssShmem") or 0)
 
 
 def peak_host_bytes() -> int:

@@ -123,21 +123,21 @@ def test_descriptors_and_resident_memory_must_stay_flat():
     assert "pid 2's resident memory grew by" in report["failures"][1]
 
 
-def test_library_pages_touched_once_are_not_judged_anonymous_memory_is():
+def test_library_pages_touched_once_are_not_judged_held_memory_is():
     """``hal soak`` found every process's ``VmRSS`` 3 to 6 MB up after its first failure by a gloo timeout, with
     ``RssAnon`` flat: the first C++ exception's unwinder reads libtorch's unwind tables (file-backed pages).
-    The rule judges anonymous memory and reports the whole."""
+    The rule judges resident memory less file-backed pages and reports the whole."""
     bucket = OPTIONS.bucket_bytes
 
-    def with_anon(pid, rss, anon):
-        return {**sample(pid, 20, rss), "anon_bytes": anon}
-    records = [clean(g, resources=[with_anon(1, (100 << 20) + (6 << 20) * (g > 20), 60 << 20),
-                                   with_anon(2, 200 << 20, (150 << 20) + g * bucket // 10)]) for g in range(0, 31)]
+    def with_held(pid, rss, held):
+        return {**sample(pid, 20, rss), "held_bytes": held}
+    records = [clean(g, resources=[with_held(1, (100 << 20) + (6 << 20) * (g > 20), 60 << 20),
+                                   with_held(2, 200 << 20, (150 << 20) + g * bucket // 10)]) for g in range(0, 31)]
     report = judge(history(records), CLEAN_START)
     leaks = report["leaks"]
     assert leaks["processes_judged"] == 2 and leaks["rss_growth_max_bytes"] == 6 << 20
-    assert leaks["anon_growth_max_bytes"] == (28 - 7) * bucket // 10 > bucket
-    assert report["failures"] == ["update 30: pid 2's resident anonymous memory grew by "
+    assert leaks["held_growth_max_bytes"] == (28 - 7) * bucket // 10 > bucket
+    assert report["failures"] == ["update 30: pid 2's resident memory less file-backed pages grew by "
                                   f"{(28 - 7) * bucket // 10} bytes (medians) from updates 5.. to ..30, not under one "
                                   f"bucket ({bucket} bytes)"]
 
