@@ -314,8 +314,8 @@ class P2PCheckpointEngine(OneToManyEngine):
         return peer.label if peer is not None and rank != self.src_rank else self._label(rank)
 
     def is_healthy(self) -> bool:
-        # a rollout that dropped its connection closed its agent on purpose: its next connection makes another
-        return self._transport is not None or (self._joined is not None and not self.is_sender)
+        # joined, and not released; an agent closed after a failed update on purpose is made again on next need
+        return self._joined is not None
 
     def _enter(self, membership) -> None:
         self._release()
@@ -536,6 +536,10 @@ class P2PCheckpointEngine(OneToManyEngine):
             await self._send(peers, weights, global_steps)
         except PeerFailure as exc:
             await self._abort_all(global_steps, f"{exc.peer} failed: {exc}", fatal=True)
+            # every rollout connects again with a new agent: a new one here too, so writes this update left
+            # running die with the old one, and a long-lived trainer keeps no state of agents that are gone
+            # (Mooncake keeps each peer's segment and pooled sockets: +8 fds and MBs over a 150-update soak)
+            self._close_transport()
             error = TransferTimeoutError if exc.timed_out else TransferError
             raise error(f"step {global_steps} failed on the trainer: {exc}") from None
 

@@ -170,6 +170,11 @@ class DeviceSpec:
         most (0 unless :attr:`device_memory_in_host`): what a memory bound adds for that cache."""
         return 0
 
+    def host_cache_resident_bytes(self, index: int) -> int:
+        """Host bytes the freed blocks of device ``index``'s caching allocator hold resident now (0 unless
+        :attr:`device_memory_in_host`): on a real device that cache is device memory, not the host's."""
+        return 0
+
     def is_set_up(self) -> bool:
         """Whether this process has already set the kind up (read its visible-devices variable); ``False``
         by default. Only meaningful where :attr:`visible_devices_fixed` is ``True``; never raises."""

@@ -176,6 +176,11 @@ class SimNpuDevice(DeviceSpec):
         except ValueError:
             return 0  # strtol reads a non-number as 0: no cached block stays resident
 
+    def host_cache_resident_bytes(self, index: int) -> int:
+        """What the extension's cache of freed blocks of device ``index`` holds resident (``torch.npu``'s
+        ``host_cache_stats``, sim only)."""
+        return int(self.torch_module().host_cache_stats(index)["resident_bytes"])
+
     def ipc_transport(self) -> str:
         """As on Ascend (:meth:`devices.npu.NpuDevice.ipc_transport`): ``"device"`` where the driver and CANN
         versions the sim reports (:mod:`devices.npu_sim.cann`) pass verl's gate, else ``"shm"``."""

@@ -200,8 +200,10 @@ class Host:
                 "sums": {name: crc32(t) for name, t in adapter.state_dict().items()}, "reported": self.reported}
 
     def resources(self) -> dict[str, int]:
-        """``{"pid", "fds": open file descriptors, "rss_bytes": resident bytes, "held_bytes": resident bytes
-        less file-backed pages (:func:`~hal.apps.weightsync.memory.held_resident_bytes`), "fds_before_gc"}`` of this process.
+        """``{"pid", "fds": open file descriptors, "rss_bytes": resident bytes, "held_bytes": resident bytes less
+        file-backed pages (:func:`~hal.apps.weightsync.memory.held_resident_bytes`) and less the freed blocks a
+        device whose memory is host memory caches (:func:`~hal.apps.weightsync.memory.device_cache_in_host_bytes`),
+        "fds_before_gc"}`` of this process.
 
         Counted after a full garbage collection (``gc.collect()``) and ``malloc_trim``: what only unreachable
         objects still hold (a failed collective's sockets, kept by its exception's traceback until Python's
@@ -209,13 +211,15 @@ class Host:
         """
         import gc
 
-        from hal.apps.weightsync.memory import held_resident_bytes, resident_bytes, trim_host_heap
+        from hal.apps.weightsync.memory import (device_cache_in_host_bytes, held_resident_bytes, resident_bytes,
+                                                trim_host_heap)
 
         before = len(os.listdir("/proc/self/fd"))
         gc.collect()
         trim_host_heap()
         out = {"pid": os.getpid(), "fds": len(os.listdir("/proc/self/fd")), "rss_bytes": resident_bytes(),
-               "held_bytes": held_resident_bytes(), "fds_before_gc": before}
+               "held_bytes": held_resident_bytes() - device_cache_in_host_bytes(self.worker.options.rank_device),
+               "fds_before_gc": before}
         traced = self.traced_growth()
         if traced is not None:
             out["traced_growth"] = traced

@@ -187,6 +187,21 @@ def held_resident_bytes() -> int:
     return (proc_status_bytes("RssAnon") or 0) + (proc_status_bytes("RssShmem") or 0)
 
 
+def device_cache_in_host_bytes(kind: str) -> int:
+    """Host bytes this process's device of ``kind`` holds resident for freed blocks its caching allocator keeps
+    (a kind whose device memory is host memory, ``DeviceSpec.device_memory_in_host``: the simulated npu); 0 for
+    every other kind. On a real device that cache is device memory torch's caching allocators keep reserved,
+    not host memory a leak holds.
+
+    Raises:
+        hal.HalError: the kind is unknown or unusable here.
+    """
+    local = hal.resolve_local_device(kind)
+    if not local.spec.device_memory_in_host:
+        return 0
+    return local.spec.host_cache_resident_bytes(local.device.index or 0)
+
+
 def peak_host_bytes() -> int:
     """Peak resident memory of this process since the last :func:`reset_peak` (VmHWM), in bytes."""
     peak = proc_status_bytes("VmHWM")

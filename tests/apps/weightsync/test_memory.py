@@ -99,3 +99,21 @@ def test_a_host_backed_device_counts_the_steps_working_memory_on_the_host():
     assert terms["device_working_bytes"] == 1_159_000_000 and "the step's device working memory" in words
     assert "device_working_bytes" not in host_device_terms("npu-sim", working_bytes=-5)[1]  # nothing beyond
     assert host_device_terms("cpu", working_bytes=1_159_000_000) == ("", {})  # device memory is not the host's
+
+
+@pytest.mark.hal_device("npu-sim")
+def test_held_memory_leaves_out_the_file_pages_and_a_host_backed_devices_cache():
+    """What ``hal soak`` judges as held memory: a freed block the simulated npu's allocator caches is its device
+    memory (the cache a real device keeps reserved), and cpu caches nothing on the host's behalf."""
+    import torch
+
+    import hal
+    from hal.apps.weightsync.memory import device_cache_in_host_bytes, held_resident_bytes, resident_bytes
+
+    device = hal.resolve_local_device("npu-sim").bind()
+    before = device_cache_in_host_bytes("npu-sim")
+    block = torch.ones(4 << 20, dtype=torch.uint8, device=device)  # written: its pages are resident
+    del block
+    assert device_cache_in_host_bytes("npu-sim") - before == 4 << 20
+    assert device_cache_in_host_bytes("cpu") == 0
+    assert 0 < held_resident_bytes() < resident_bytes()  # the interpreter's own code is file-backed
