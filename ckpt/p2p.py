@@ -169,10 +169,15 @@ def _queues(rank: int, epoch: int) -> tuple[str, str]:
     return f"msg/{rank}/{epoch}", f"ack/{rank}/{epoch}"
 
 
-def _given_up_key(rank: int, epoch: int) -> str:
-    """The counter the trainer sets when it gives rollout ``rank``'s connection ``epoch`` up (see
-    :meth:`P2PCheckpointEngine._connect`)."""
-    return f"given-up/{rank}/{epoch}"
+def _give_up_connection(ctl: ControlChannel, rank: int, epoch: int) -> None:
+    """Mark rollout ``rank``'s connection ``epoch`` given up: by the trainer, which no longer writes to it, or by
+    the rollout, which closed its agent (see :meth:`P2PCheckpointEngine._connect`)."""
+    ctl.add(f"given-up/{rank}/{epoch}", 1)
+
+
+def _connection_given_up(ctl: ControlChannel, rank: int, epoch: int) -> bool:
+    """Whether rollout ``rank``'s connection ``epoch`` was given up (:func:`_give_up_connection`)."""
+    return ctl.add(f"given-up/{rank}/{epoch}", 0) > 0
 
 
 @dataclasses.dataclass
@@ -366,7 +371,7 @@ class P2PCheckpointEngine(OneToManyEngine):
             self._peers = {}
         elif self._control is not None:
             try:  # the trainer may not have read this connection's hello yet: it must not take it up later
-                self._control.add(_given_up_key(self.rank, self._epoch), 1)
+                _give_up_connection(self._control, self.rank, self._epoch)
             except Exception:  # noqa: BLE001 - the store is gone: so is the trainer's use of this connection
                 pass
             self._control.close()
@@ -390,7 +395,7 @@ class P2PCheckpointEngine(OneToManyEngine):
         connection may only now have been read); returns whether there were any (their new hellos are then
         waited for, :meth:`_accept_all`)."""
         stale = [peer for peer in self._peers.values()
-                 if self._control.add(_given_up_key(peer.rank, peer.epoch), 0) > 0]
+                 if _connection_given_up(self._control, peer.rank, peer.epoch)]
         for peer in stale:
             self._forget(peer)
             del self._peers[peer.rank]
@@ -400,7 +405,7 @@ class P2PCheckpointEngine(OneToManyEngine):
         """Tell ``peer``'s rollout that the trainer no longer writes to its connection (it reads that before its
         next update and connects again, :meth:`_connect`)."""
         try:
-            self._control.add(_given_up_key(peer.rank, peer.epoch), 1)
+            _give_up_connection(self._control, peer.rank, peer.epoch)
         except Exception:  # noqa: BLE001 - the store is gone: the rollout finds that instead
             pass
 
@@ -498,7 +503,7 @@ class P2PCheckpointEngine(OneToManyEngine):
             old = self._peers.get(hello.rank)
             if hello.rank not in want or (old is not None and hello.epoch <= old.epoch):
                 continue  # a stray hello, or one of a connection already replaced
-            if ctl.add(_given_up_key(hello.rank, hello.epoch), 0) > 0:
+            if _connection_given_up(ctl, hello.rank, hello.epoch):
                 continue  # its rollout dropped that connection (and closed its agent): a newer hello follows
             try:
                 self._transport.add_peer(hello.rank, hello.transport)
@@ -696,7 +701,7 @@ class P2PCheckpointEngine(OneToManyEngine):
             self._setup_buffers(host)
             epoch = ctl.add(f"join/{self.rank}", 1)
             if epoch > 1:  # the connection before (a lost client may not have said so): the trainer skips its hello
-                ctl.add(_given_up_key(self.rank, epoch - 1), 1)
+                _give_up_connection(ctl, self.rank, epoch - 1)
             ctl.watch([self.src_rank])
             ctl.send("hello", Hello(self.rank, epoch, self.bucket_size, self._region_info, host))
         except BaseException:
@@ -743,7 +748,7 @@ class P2PCheckpointEngine(OneToManyEngine):
         """Whether the trainer gave this rollout's connection up (:meth:`_give_up`); an unreachable store counts
         as given up (connecting again then names the trainer)."""
         try:
-            return self._control.add(_given_up_key(self.rank, self._epoch), 0) > 0
+            return _connection_given_up(self._control, self.rank, self._epoch)
         except Exception:  # noqa: BLE001 - a store that does not answer: connect again, which says why
             return True
 

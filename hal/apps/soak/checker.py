@@ -22,9 +22,9 @@ Rules, per update ``g`` of the history:
 * **No hang.** No step outlives the driver's watchdog, and no worker is still busy with an update once the
   manager's bound (``timeout + margin``) passed after the step ended (``hangs``).
 * **Nothing leaks.** Between a process's early clean updates and its last ones (:func:`check_leaks`): its open
-  file descriptors are as many, its resident memory less file-backed pages grew by less than one bucket; the workers' ``/dev/shm``
-  segments and temporary directories are as many at the end as at the first clean sample, and none is left after
-  the engines closed.
+  file descriptors are as many, its resident memory less file-backed pages grew by less than one bucket; the
+  workers' ``/dev/shm`` segments and temporary directories are as many at the end as at the first clean sample,
+  and none is left after the engines closed.
 
 A failure names the update it happened at; the replay command runs the plan up to there
 (:func:`replay_command`).
@@ -272,13 +272,13 @@ def check_leaks(verdict: Verdict, bucket_bytes: int) -> dict[str, Any]:
     after a recovery may still hold what the failed update left for the next ``finalize`` to free), with at
     least :data:`LEAK_SPAN` updates between the two windows. File descriptors must be no more; resident
     memory less file-backed pages (``held_bytes``, Linux ``RssAnon + RssShmem``: what a leak can hold) must
-    have grown by less than one bucket, in every worker process. Resident memory as a whole (``rss_bytes``, ``VmRSS``) is reported beside
-    it, not judged: it also counts the mapped libraries' pages, which a process touches once when it first
-    needs them, whenever that is (the first C++ exception's unwinder reads libtorch's unwind tables: +6 MB of
-    ``RssFile``, see :func:`~hal.apps.weightsync.memory.held_resident_bytes`). Samples without
-    ``held_bytes`` are judged on ``rss_bytes``. The driver's descriptors are judged alike; its memory is
-    reported, not judged (it holds the history, which grows with the run; with the colocated engine the job
-    runs in the driver's process, whose memory is then reported only).
+    have grown by less than one bucket, in every worker process. Resident memory as a whole (``rss_bytes``,
+    ``VmRSS``) is reported beside it, not judged: it also counts the mapped libraries' pages, which a process
+    touches once when it first needs them, whenever that is (the first C++ exception's unwinder reads
+    libtorch's unwind tables: +6 MB of ``RssFile``, see :func:`~hal.apps.weightsync.memory.held_resident_bytes`).
+    Samples without ``held_bytes`` are judged on ``rss_bytes``. The driver's descriptors are judged alike; its
+    memory is reported, not judged (it holds the history, which grows with the run; with the colocated engine
+    the job runs in the driver's process, whose memory is then reported only).
     """
     samples: dict[int, list[tuple[int, dict[str, Any]]]] = {}
     failed = [r.update for r in verdict.history.records if r.fault is not None or not r.ok]

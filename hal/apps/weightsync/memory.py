@@ -197,9 +197,7 @@ def device_cache_in_host_bytes(kind: str) -> int:
         hal.HalError: the kind is unknown or unusable here.
     """
     local = hal.resolve_local_device(kind)
-    if not local.spec.device_memory_in_host:
-        return 0
-    return local.spec.host_cache_resident_bytes(local.device.index or 0)
+    return local.spec.host_cache_resident_bytes(local.device.index or 0)  # the spec says 0 where it is not host memory
 
 
 def peak_host_bytes() -> int:
