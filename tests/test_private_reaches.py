@@ -12,6 +12,8 @@ import pathlib
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PACKAGES = ("hal", "ckpt", "engines", "devices")
+OURS = (*PACKAGES, "tests")
+"""The project's top-level packages: a private name imported from one of them is a reach."""
 # Modules whose job is to reach into a foreign library's privates (torch's, checkpoint-engine's): their objects
 # are that library's, whatever the attribute's name.
 FOREIGN_ADAPTERS = ("devices/torch_compat.py", "ckpt/kimi_library.py")
@@ -57,6 +59,29 @@ def private_reaches(sources: dict[str, str], own: set[str] | None = None) -> lis
             if base not in ("self", "cls") and not base.startswith("super("):
                 found.append(f"{rel}:{node.lineno}: {base}.{node.attr}")
     return found
+
+
+def private_imports(sources: dict[str, str]) -> list[str]:
+    """``file:line: module:name`` of each import of a private name from one of the project's modules
+    (``from ckpt.wire import _Meta``); a private module is import-linter's (``[tool.importlinter]``)."""
+    found = []
+    for rel, text in sources.items():
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").split(".")[0] in OURS):
+                found += [f"{rel}:{node.lineno}: {'.' * node.level + (node.module or '')}:{a.name}"
+                          for a in node.names if _private(a.name)]
+    return found
+
+
+def test_the_scan_finds_a_private_name_imported_from_a_sibling_module():
+    source = "from ckpt.wire import _Meta, Meta\nfrom . import _helpers\nfrom torch._C import _x\nimport os\n"
+    assert private_imports({"m.py": source}) == ["m.py:1: ckpt.wire:_Meta", "m.py:2: .:_helpers"]
+
+
+def test_no_module_imports_a_private_name_of_another():
+    sources = {path.relative_to(ROOT).as_posix(): path.read_text()
+               for package in OURS for path in sorted((ROOT / package).rglob("*.py"))}
+    assert private_imports(sources) == []
 
 
 def test_the_scan_finds_a_reach_into_a_sibling():

@@ -1,6 +1,7 @@
 """hal's applications: what runs *on* the API and the consumers, never imported by them.
 
-Layers (imports point down only; ``tests/test_layers.py`` checks it, with the two rules below):
+Layers (imports point down only; import-linter's contracts in ``pyproject.toml`` check it, with the two rules
+below):
 
 * ``hal.apps`` (this package): may import ``hal``, ``engines``, ``ckpt`` and ``devices``. Inside it:
 
