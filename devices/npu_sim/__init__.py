@@ -102,7 +102,7 @@ def register() -> types.ModuleType:
         import torch
 
         from devices import torch_compat
-        from devices.npu_sim import api, backend, module, strict
+        from devices.npu_sim import api, backend, strict
         from devices.npu_sim import ext as extension
 
         current = torch_compat.privateuse1_backend_name()
@@ -117,7 +117,7 @@ def register() -> types.ModuleType:
         if current != "npu":
             torch.utils.rename_privateuse1_backend("npu")
         if not hasattr(torch, "npu"):
-            torch_compat.register_device_module("npu", api.extend(module.build(ext), ext))
+            torch_compat.register_device_module("npu", api.build(ext))
         if not hasattr(torch.Tensor, "is_npu"):
             torch.utils.generate_methods_for_privateuse1_backend(
                 for_tensor=True, for_module=True, for_packed_sequence=True, for_storage=True)

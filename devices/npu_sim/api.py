@@ -1,4 +1,5 @@
-"""The rest of ``torch.npu`` that verl 0.9.1 and vllm-ascend call, added to the sim's device module.
+"""The rest of ``torch.npu`` that verl 0.9.1 and vllm-ascend call, and :func:`build`, which gathers them with
+:mod:`devices.npu_sim.module`'s calls into the sim's ``torch.npu``.
 
 Each name exists in ``torch_npu.npu`` 2.14.0 (``devices/npu_api_names.txt``) and behaves as torch_npu
 documents it, restricted to what a host-memory simulation can honour:
@@ -34,6 +35,7 @@ import types
 from typing import Any
 
 
+from devices.npu_sim import module
 from devices.npu_sim.module import resolve_index
 
 # Keys torch_npu's allocator configuration (PYTORCH_NPU_ALLOC_CONF) accepts; _set_allocator_settings
@@ -94,118 +96,147 @@ class Mstx:
         return wrap
 
 
-def extend(mod: types.ModuleType, ext: types.ModuleType) -> types.ModuleType:
-    """Add the names of the module doc to ``mod`` (the sim's ``torch.npu``); returns ``mod``."""
-    def index(device: Any = None) -> int:
-        """The device index ``device`` names, checked as every sim call checks it
-        (:func:`devices.npu_sim.module.resolve_index`: ``InvalidDeviceError`` out of range, ValueError if not npu)."""
-        return resolve_index(ext, device)
+_totals: dict[int, int] = {}
+"""Device index -> its total memory in bytes (the extension's capacity before a process fraction applies)."""
+_fractions: dict[int, float] = {}
+"""Device index -> the fraction set by :func:`set_per_process_memory_fraction`."""
+_settings: dict[str, str] = {}
+"""The allocator settings applied by ``memory._set_allocator_settings``."""
 
-    totals: dict[int, int] = {}
-    fractions: dict[int, float] = {}
-    settings: dict[str, str] = {}
+config = types.SimpleNamespace(allow_internal_format=False, jit_compile=False)
+"""``torch.npu.config``: the sim keeps every tensor in its plain (ND) layout (see the module doc)."""
 
-    def _total(i: int) -> int:
-        if i not in totals:
-            totals[i] = ext.capacity(i)
-        return totals[i]
+mstx = Mstx
 
-    def _apply_limit(i: int) -> None:
-        ext.set_capacity(i, max(1, int(_total(i) * fractions.get(i, 1.0))))
 
-    def set_per_process_memory_fraction(fraction: float, device: Any = None) -> None:
-        """Limit this process to ``fraction`` (0..1) of the device's total memory.
+def _total(index: int) -> int:
+    if index not in _totals:
+        _totals[index] = module.extension().capacity(index)
+    return _totals[index]
 
-        Raises:
-            TypeError: ``fraction`` is not a float. ValueError: it is outside [0, 1], or ``device`` is not npu.
-        """
-        if not isinstance(fraction, float):
-            raise TypeError(f"Invalid type for fraction argument, must be `float`, got {type(fraction).__name__}")
-        if not 0.0 <= fraction <= 1.0:
-            raise ValueError(f"Invalid fraction value: {fraction}. Allowed range: 0~1")
-        i = index(device)
-        _total(i)
-        fractions[i] = fraction
-        _apply_limit(i)
 
-    def get_per_process_memory_fraction(device: Any = None) -> float:
-        """The fraction set by :func:`set_per_process_memory_fraction` (1.0 when never set)."""
-        return fractions.get(index(device), 1.0)
+def _apply_limit(index: int) -> None:
+    module.extension().set_capacity(index, max(1, int(_total(index) * _fractions.get(index, 1.0))))
 
-    def mem_get_info(device: Any = None) -> tuple[int, int]:
-        """``(free, total)`` bytes: the device's total (``HAL_SIM_NPU_MEMORY``) minus what is held."""
-        i = index(device)
-        total = _total(i)
-        return max(0, total - mod.memory_reserved(i)), total
 
-    def set_memory_capacity(nbytes: int, device: Any = None) -> None:
-        """Sim only: the total memory of ``device`` in bytes; a process fraction set earlier still applies."""
-        i = index(device)
-        if int(nbytes) <= 0:
-            raise ValueError(f"npu-sim: capacity must be a positive number of bytes, got {nbytes}")
-        totals[i] = int(nbytes)
-        _apply_limit(i)
+def set_per_process_memory_fraction(fraction: float, device: Any = None) -> None:
+    """Limit this process to ``fraction`` (0..1) of the device's total memory.
 
-    def ipc_collect() -> None:
-        """No-op: the sim shares no device memory between processes, so none waits to be collected."""
+    Raises:
+        TypeError: ``fraction`` is not a float. ValueError: it is outside [0, 1], or ``device`` is not npu.
+    """
+    if not isinstance(fraction, float):
+        raise TypeError(f"Invalid type for fraction argument, must be `float`, got {type(fraction).__name__}")
+    if not 0.0 <= fraction <= 1.0:
+        raise ValueError(f"Invalid fraction value: {fraction}. Allowed range: 0~1")
+    index = resolve_index(device)
+    _total(index)
+    _fractions[index] = fraction
+    _apply_limit(index)
 
-    def get_device_capability(device: Any = None) -> None:
-        """``None``: CANN has no compute-capability concept (torch_npu returns ``None`` too)."""
-        index(device)
-        return None
 
-    def get_device_properties(device: Any = None) -> DeviceProperties:
-        """Name, total memory in bytes and core counts of ``device``."""
-        i = index(device)
-        return DeviceProperties(name=mod.get_device_name(i), total_memory=_total(i))
+def get_per_process_memory_fraction(device: Any = None) -> float:
+    """The fraction set by :func:`set_per_process_memory_fraction` (1.0 when never set)."""
+    return _fractions.get(resolve_index(device), 1.0)
 
-    def is_current_stream_capturing() -> bool:
-        """``False``: the sim never captures graphs."""
-        return False
 
-    def set_compile_mode(jit_compile: bool = False) -> None:
-        """Record the operator compile mode; every sim operator runs eagerly on the host either way."""
-        config.jit_compile = bool(jit_compile)
+def mem_get_info(device: Any = None) -> tuple[int, int]:
+    """``(free, total)`` bytes: the device's total (``HAL_SIM_NPU_MEMORY``) minus what is held; cached blocks
+    count as used, as the driver sees them."""
+    index = resolve_index(device)
+    total = _total(index)
+    return max(0, total - module.memory_reserved(index)), total
 
-    config = types.SimpleNamespace(allow_internal_format=False, jit_compile=False)
 
-    def _set_allocator_settings(value: str) -> None:
-        """Apply ``"key:value,key:value"`` allocator settings (PYTORCH_NPU_ALLOC_CONF syntax).
+def set_memory_capacity(nbytes: int, device: Any = None) -> None:
+    """Sim only: the total memory of ``device`` in bytes; an allocation past it (or past a process fraction
+    set earlier, which still applies) raises ``torch.OutOfMemoryError``.
 
-        The sim's allocator reads none of them; they are validated and recorded (``_allocator_settings()``).
+    Raises:
+        ValueError: ``nbytes`` is not positive.
+    """
+    index = resolve_index(device)
+    if int(nbytes) <= 0:
+        raise ValueError(f"npu-sim: capacity must be a positive number of bytes, got {nbytes}")
+    _totals[index] = int(nbytes)
+    _apply_limit(index)
 
-        Raises:
-            RuntimeError: a malformed entry or an unknown key (torch_npu raises RuntimeError too).
-        """
-        for item in filter(None, (part.strip() for part in str(value).split(","))):
-            key, sep, val = item.partition(":")
-            if not sep or not val.strip():
-                raise RuntimeError(f"npu-sim: allocator setting {item!r} is not 'key:value'")
-            if key.strip() not in ALLOCATOR_SETTING_KEYS:
-                raise RuntimeError(f"Unrecognized key '{key.strip()}' in NPU caching allocator config; "
-                                   f"known keys: {', '.join(ALLOCATOR_SETTING_KEYS)}")
-            settings[key.strip()] = val.strip()
 
-    def _allocator_settings() -> dict[str, str]:
-        return dict(settings)
+def ipc_collect() -> None:
+    """No-op: the sim shares no device memory between processes, so none waits to be collected."""
 
+
+def get_device_capability(device: Any = None) -> None:
+    """``None``: CANN has no compute-capability concept (torch_npu returns ``None`` too)."""
+    resolve_index(device)
+    return None
+
+
+def get_device_properties(device: Any = None) -> DeviceProperties:
+    """Name, total memory in bytes and core counts of ``device``."""
+    index = resolve_index(device)
+    return DeviceProperties(name=module.get_device_name(index), total_memory=_total(index))
+
+
+def is_current_stream_capturing() -> bool:
+    """``False``: the sim never captures graphs."""
+    return False
+
+
+def set_compile_mode(jit_compile: bool = False) -> None:
+    """Record the operator compile mode; every sim operator runs eagerly on the host either way."""
+    config.jit_compile = bool(jit_compile)
+
+
+def _set_allocator_settings(value: str) -> None:
+    """``torch.npu.memory._set_allocator_settings`` (torch_npu's private name, which verl and vllm-ascend call):
+    apply ``"key:value,key:value"`` allocator settings (PYTORCH_NPU_ALLOC_CONF syntax).
+
+    The sim's allocator reads none of them; they are validated and recorded (``_allocator_settings()``).
+
+    Raises:
+        RuntimeError: a malformed entry or an unknown key (torch_npu raises RuntimeError too).
+    """
+    for item in filter(None, (part.strip() for part in str(value).split(","))):
+        key, sep, val = item.partition(":")
+        if not sep or not val.strip():
+            raise RuntimeError(f"npu-sim: allocator setting {item!r} is not 'key:value'")
+        if key.strip() not in ALLOCATOR_SETTING_KEYS:
+            raise RuntimeError(f"Unrecognized key '{key.strip()}' in NPU caching allocator config; "
+                               f"known keys: {', '.join(ALLOCATOR_SETTING_KEYS)}")
+        _settings[key.strip()] = val.strip()
+
+
+def _allocator_settings() -> dict[str, str]:
+    """``torch.npu.memory._allocator_settings``: the settings applied so far, ``{key: value}``."""
+    return dict(_settings)
+
+
+__all__ = ["set_per_process_memory_fraction", "get_per_process_memory_fraction", "mem_get_info",
+           "set_memory_capacity", "ipc_collect", "get_device_capability", "get_device_properties",
+           "is_current_stream_capturing", "set_compile_mode", "config", "mstx"]
+"""The names of ``torch.npu`` this module adds to :mod:`devices.npu_sim.module`'s."""
+
+MEMORY_NAMES = ("memory_allocated", "max_memory_allocated", "memory_reserved", "max_memory_reserved",
+                "memory_stats", "reset_peak_memory_stats", "reset_max_memory_allocated", "empty_cache",
+                "mem_get_info", "set_per_process_memory_fraction", "get_per_process_memory_fraction")
+"""The public names of ``torch.npu.memory`` (torch_npu/npu/memory.py), all also in ``torch.npu``."""
+
+
+def build(ext: types.ModuleType) -> types.ModuleType:
+    """The sim's ``torch.npu``: a fresh module object named ``torch.npu`` holding the ``__all__`` of
+    :mod:`devices.npu_sim.module` and of this module, backed by the loaded extension ``ext``, with its
+    ``memory`` submodule (also registered as ``sys.modules["torch.npu.memory"]``)."""
+    module.bind(ext)
+    npu = types.ModuleType("torch.npu", module.__doc__)
+    names = {name: getattr(module, name) for name in module.__all__} | {name: globals()[name] for name in __all__}
+    for name, value in names.items():
+        setattr(npu, name, value)
     memory = types.ModuleType("torch.npu.memory", "Memory calls of the simulated npu (torch_npu.npu.memory).")
-    for name in ("memory_allocated", "max_memory_allocated", "memory_reserved", "max_memory_reserved",
-                 "memory_stats", "reset_peak_memory_stats", "reset_max_memory_allocated", "empty_cache"):
-        if hasattr(mod, name):
-            setattr(memory, name, getattr(mod, name))
-    memory.mem_get_info = mem_get_info
-    memory.set_per_process_memory_fraction = set_per_process_memory_fraction
-    memory.get_per_process_memory_fraction = get_per_process_memory_fraction
+    for name in MEMORY_NAMES:
+        setattr(memory, name, names[name])
     memory._set_allocator_settings = _set_allocator_settings
     memory._allocator_settings = _allocator_settings
-
-    for fn in (set_per_process_memory_fraction, get_per_process_memory_fraction, mem_get_info, set_memory_capacity,
-               ipc_collect, get_device_capability, get_device_properties, is_current_stream_capturing,
-               set_compile_mode):
-        setattr(mod, fn.__name__, fn)
-    mod.config = config
-    mod.mstx = Mstx
-    mod.memory = memory
+    npu.memory = memory
     sys.modules["torch.npu.memory"] = memory
-    return mod
+    return npu
