@@ -54,6 +54,15 @@ def _shared_scope(item: pytest.Item) -> str | None:
     return group
 
 
+def pytest_itemcollected(item: pytest.Item) -> None:
+    """The fast lane (``-m "not slow"``) leaves out what starts a rank group or drives another framework
+    (a multiprocess or interop marker) and what declares a timeout above the default, besides the tests
+    marked ``slow`` (the longest of the rest, from ``--durations``); here, before ``-m`` selects."""
+    timeout, heavy = _declared_cost(item)
+    if heavy or timeout > float(item.config.getini("timeout") or 0):
+        item.add_marker(pytest.mark.slow)
+
+
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Order whole modules by the longest test they declare (a timeout above the default, then a

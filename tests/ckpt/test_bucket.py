@@ -71,6 +71,7 @@ def tensor_mixes(draw):
     return weights
 
 
+@pytest.mark.slow
 @settings(max_examples=60, deadline=None)
 @given(weights=tensor_mixes(), bucket_size=st.sampled_from([256, 1000, 4096, 1 << 16]),
        threshold=st.sampled_from([0, 64, 1024]), stable=st.booleans())

@@ -86,6 +86,7 @@ def test_publish_dtype_applies_to_presets_and_auto_resolves_per_rollout(tmp_path
     assert job_options(Sync(device="cpu", model="qwen2.5-tiny", launcher="ray", placement="SPREAD")).placement == "SPREAD"
 
 
+@pytest.mark.slow
 def test_help_shows_no_parser_artefacts():
     """Optional values show a metavar and their default in words, not tyro's {None}|STR / (default: None)."""
     import subprocess

@@ -41,6 +41,7 @@ def test_npu_smi_lists_the_simulated_devices_and_refuses_another_card(tmp_path):
                        "cann/bin/npu-smi"]
 
 
+@pytest.mark.interop
 @pytest.mark.skipif(importlib.util.find_spec("verl") is None, reason="needs the verl extra")
 def test_verls_ascend_version_check_runs_under_the_sim(tmp_path):
     # verl.utils.device.get_npu_versions runs npu-smi and reads the toolkit's info file; is_support_ipc()

@@ -80,6 +80,7 @@ def _parent_spawned(rank, world_size, port):
 _parent_spawned.start_method = "spawn"  # as a rank measuring its own memory declares
 
 
+@pytest.mark.slow
 @pytest.mark.skipif("forkserver" not in multiprocessing.get_all_start_methods(), reason="ranks are spawned here")
 def test_a_rank_function_can_ask_to_be_spawned(forkserver_env):
     assert testing.run_multiprocess(_parent_spawned, 1, timeout=120) == {0: os.getpid()}  # this process's child
@@ -98,6 +99,7 @@ def _waits_for_a_peer_that_never_comes():
     time.sleep(600)
 
 
+@pytest.mark.slow
 def test_a_group_past_its_deadline_raises_with_every_running_ranks_stacks():
     start = time.monotonic()
     with pytest.raises(testing.MultiprocessError) as info:
@@ -154,6 +156,7 @@ def _odd_endings(rank, world_size, port, how):
     return rank
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how, message", [
     ("exits", r"ranks \[1\] exited \(exit codes \[0\]\) without a result"),
     ("stops while sending", r"did not finish within 10 s \(ranks done with a result: \[0\], still running: \[1\]"),
