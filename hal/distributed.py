@@ -340,16 +340,18 @@ def pick_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
-def connect_store(host: str, port: int, rank: int, world_size: int, timeout: Timeout | None = None) -> dist.TCPStore:
-    """A ``TCPStore`` whose rank 0 hosts the server; waits at most ``timeout`` for the server.
+def connect_store(host: str, port: int, rank: int, world_size: int, timeout: Timeout | None = None,
+                  is_master: bool | None = None) -> dist.TCPStore:
+    """A ``TCPStore`` whose rank 0 hosts the server (``is_master``: whether this process does; ``False`` joins a
+    server another process hosts, such as torch's elastic agent); waits at most ``timeout`` for the server.
 
     Raises:
-        DistributedTimeoutError: the server (rank 0) did not come up within ``timeout``.
+        DistributedTimeoutError: the server did not come up within ``timeout``.
     """
     td = as_timedelta(timeout)
     try:
-        return dist.TCPStore(host, port, world_size, is_master=(rank == 0), timeout=td,
-                             wait_for_workers=False)
+        return dist.TCPStore(host, port, world_size, is_master=(rank == 0) if is_master is None else is_master,
+                             timeout=td, wait_for_workers=False)
     except RENDEZVOUS_ERRORS as exc:
         raise DistributedTimeoutError(
             f"could not reach the rendezvous store at {host}:{port} within {td.total_seconds():g} s: {exc}"

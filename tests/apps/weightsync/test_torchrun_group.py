@@ -1,5 +1,6 @@
 """The torchrun launcher's message carrying, in this process: rank 0's group and a serving rank's loop on a
-thread, over a real TCPStore (typed calls and replies, a raising call named, stop acknowledged, a bounded wait)."""
+thread, over real ZeroMQ sockets whose port goes through a real TCPStore (typed calls and replies, a raising call
+named, stop acknowledged, a bounded wait)."""
 
 from __future__ import annotations
 
@@ -7,11 +8,13 @@ import asyncio
 import threading
 
 import pytest
+import zmq
+import zmq.asyncio
 
 import hal
 from ckpt.manager import CheckpointEngineManager, UpdateError
 from hal.apps.weightsync.launchers import torchrun
-from hal.apps.weightsync.launchers.torchrun import TorchrunGroup, serve
+from hal.apps.weightsync.launchers.torchrun import TorchrunGroup, bind_calls, connect_calls, serve
 from hal.apps.weightsync.messages import Sent
 
 
@@ -30,14 +33,20 @@ class Local:
 
 
 @pytest.fixture
-def group():
-    server = hal.connect_store("127.0.0.1", 0, 0, 2, timeout=20)
-    client = hal.connect_store("127.0.0.1", server.port, 1, 2, timeout=20)
-    served = threading.Thread(target=serve, args=(Echo(), client, 1, 20.0), daemon=True)
+def store():
+    return hal.connect_store("127.0.0.1", 0, 0, 2, timeout=20)
+
+
+@pytest.fixture
+def group(store):
+    serving, calls = zmq.Context(), zmq.asyncio.Context()
+    served = threading.Thread(target=lambda: serve(Echo(), bind_calls(serving, store, 1), 1, 20.0), daemon=True)
     served.start()
-    yield TorchrunGroup(Local(), server, world_size=2, timeout=20.0)
+    yield TorchrunGroup(Local(), connect_calls(calls, store, 2), world_size=2, timeout=20.0)
     served.join(timeout=30)
     assert not served.is_alive()  # the test's stop reached it
+    serving.destroy(linger=0)
+    calls.destroy(linger=0)
 
 
 def test_calls_carry_typed_messages_and_a_raising_call_is_named(group):
@@ -54,9 +63,32 @@ def test_calls_carry_typed_messages_and_a_raising_call_is_named(group):
     group.stop(wait=True)
 
 
-def test_a_reply_that_does_not_come_is_an_error_within_the_timeout(monkeypatch):
+def test_a_reply_that_does_not_come_is_an_error_within_the_timeout(monkeypatch, store):
     monkeypatch.setattr(torchrun, "REPLY_MARGIN_S", 0.2)
-    server = hal.connect_store("127.0.0.1", 0, 0, 2, timeout=20)
-    silent = TorchrunGroup(Local(), server, world_size=2, timeout=0.3)  # nobody serves rank 1
+    serving, calls = zmq.Context(), zmq.asyncio.Context()
+    bind_calls(serving, store, 1)  # rank 1's socket is there, but nobody serves it
+    silent = TorchrunGroup(Local(), connect_calls(calls, store, 2), world_size=2, timeout=0.3)
     with pytest.raises(TimeoutError, match=r"^update_weights on rank 1: no reply within 0.5 s$"):
         asyncio.run(silent.submit(1, "update_weights", 1))
+    with pytest.raises(TimeoutError, match=r"^the serving ranks did not stop within 0.3 s$"):
+        silent.stop(wait=True)
+    serving.destroy(linger=0)
+    calls.destroy(linger=0)
+
+
+def test_replies_awaited_out_of_order_each_get_their_own(store):
+    serving, calls = zmq.Context(), zmq.asyncio.Context()
+    served = threading.Thread(target=lambda: serve(Echo(), bind_calls(serving, store, 1), 1, 20.0), daemon=True)
+    served.start()
+    group = TorchrunGroup(Local(), connect_calls(calls, store, 2), world_size=2, timeout=20.0)
+
+    async def scenario():
+        first, second = group.submit(1, "update_weights", 1), group.submit(1, "update_weights", 2)
+        return await second, await first
+
+    assert asyncio.run(scenario()) == (Sent(t0=2.0, send_s=0.5), Sent(t0=1.0, send_s=0.5))
+    group.stop(wait=True)
+    served.join(timeout=30)
+    assert not served.is_alive()
+    serving.destroy(linger=0)
+    calls.destroy(linger=0)

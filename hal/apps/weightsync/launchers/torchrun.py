@@ -4,10 +4,12 @@ library behind ``torchrun``) on this machine, one device each.
 Ranks ``0..T-1`` are the trainer (``--trainer-ranks T``; with T > 1 a sharded trainer whose ranks form their own
 default process group for FSDP2, :class:`~hal.apps.weightsync.sharded_trainer.ShardedTrainer`), ranks ``T..``
 the rollouts. Rank 0 runs the step loop and trainer rank 0; every other rank runs :func:`serve`, executing the
-typed calls rank 0 sends it over a ``torch.distributed`` TCPStore (a pickled :class:`Call` under ``call/{rank}/{seq}``,
-its :class:`Reply` under ``reply/{rank}/{seq}``). Every wait is bounded by the job's timeout; a rank that
-raises is named in the error of the call, and a rank that dies takes the run down with it (the elastic
-agent stops the others), reported by role and cause.
+typed calls rank 0 sends it. The calls travel over ZeroMQ (a pickled ``(seq, Call)`` and its ``(seq, Reply)``
+on a pair of DEALER sockets; a serving rank binds a port the kernel picks and publishes it in the elastic
+agent's own store, which every rank reaches at ``MASTER_ADDR:MASTER_PORT``): blocking receives, no polling, no
+port picked by hand. Every wait is bounded by the job's timeout; a rank that raises is named in the error of
+the call, and a rank that dies takes the run down with it (the elastic agent stops the others), reported by
+role and cause.
 """
 
 from __future__ import annotations
@@ -17,7 +19,6 @@ import contextlib
 import dataclasses
 import functools
 import os
-import pickle
 import time
 import uuid
 from typing import Any, Sequence
@@ -30,10 +31,10 @@ from hal.apps.weightsync.trainer import Trainer
 from hal.apps.weightsync.worker import describe_worker, make_engine
 
 LOOPBACK = "127.0.0.1"
-POLL_S = 0.002
-"""Seconds between two looks for a reply (replies carry their own timestamps: polling does not skew figures)."""
 REPLY_MARGIN_S = 30.0
 """Seconds a reply may take beyond the timeout (a call that waits out the engine's timeout still answers)."""
+STORE_PREFIX = "hal-sync"
+"""The job's keys in the elastic agent's store (the rendezvous' own keys stay apart)."""
 
 
 @dataclasses.dataclass
@@ -58,70 +59,122 @@ class RemoteCallError(hal.HalError, RuntimeError):
     """A call on a serving rank raised; the message is its ``"ExceptionType: message"``."""
 
 
+def job_store(timeout: float) -> Any:
+    """The elastic agent's store (``TORCHELASTIC_USE_AGENT_STORE``: the rendezvous hosts it at
+    ``MASTER_ADDR:MASTER_PORT``), under :data:`STORE_PREFIX`.
+
+    Raises:
+        hal.DistributedTimeoutError: the store did not answer within ``timeout`` seconds.
+    """
+    import torch.distributed as dist
+
+    store = hal.connect_store(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), int(os.environ["RANK"]),
+                              int(os.environ["WORLD_SIZE"]), timeout=timeout, is_master=False)
+    return dist.PrefixStore(STORE_PREFIX, store)
+
+
+def bind_calls(context: Any, store: Any, rank: int) -> Any:
+    """A serving rank's end of the call channel: a DEALER socket of ``context`` (a ``zmq.Context``) on a
+    loopback port the kernel picks, published in ``store`` as ``calls/{rank}`` for rank 0 to connect to."""
+    import zmq
+
+    sock = context.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 1000)  # a last reply (stop's) still goes out while the process ends
+    port = sock.bind_to_random_port(f"tcp://{LOOPBACK}")
+    store.set(f"calls/{rank}", str(port))
+    return sock
+
+
+def connect_calls(context: Any, store: Any, world_size: int) -> dict[int, Any]:
+    """Rank 0's ends of the call channels: ``{rank: DEALER socket}`` (of ``context``, a ``zmq.asyncio.Context``)
+    connected to each serving rank's (:func:`bind_calls`), whose port is waited for in ``store`` (at most the
+    store's timeout)."""
+    import zmq
+
+    sockets = {}
+    for index in range(1, world_size):
+        port = int(store.get(f"calls/{index}"))
+        sock = context.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(f"tcp://{LOOPBACK}:{port}")
+        sockets[index] = sock
+    return sockets
+
+
 class TorchrunGroup:
     """A :class:`ckpt.manager.WorkerGroup` on rank 0: worker 0 here, workers 1..R the serving ranks.
 
     Args:
         local: this rank's worker (the trainer).
-        store: a TCPStore every rank is connected to.
+        sockets: ``{rank: zmq.asyncio socket}`` for ranks ``1..world_size-1`` (:func:`connect_calls`).
         world_size: the number of ranks.
         timeout: the job's timeout; a reply may take ``timeout + REPLY_MARGIN_S`` seconds.
         trainers: the trainer ranks (``0..trainers-1``); the rest are rollouts.
     """
 
-    def __init__(self, local: Any, store: Any, world_size: int, timeout: float, trainers: int = 1) -> None:
-        self.local, self.store, self.timeout = local, store, timeout
+    def __init__(self, local: Any, sockets: dict[int, Any], world_size: int, timeout: float,
+                 trainers: int = 1) -> None:
+        self.local, self.sockets, self.timeout = local, sockets, timeout
         self.trainer_world_size, self.rollout_world_size = trainers, world_size - trainers
         self.seq = [0] * world_size
+        self.early: list[dict[int, Reply]] = [{} for _ in range(world_size)]  # replies read before their turn
+        self.reading = [asyncio.Lock() for _ in range(world_size)]
+
+    def post(self, index: int, call: Call) -> int:
+        """Send ``call`` to serving rank ``index`` now; returns its sequence number."""
+        import zmq
+
+        seq = self.seq[index]
+        self.seq[index] += 1
+        zmq.Socket.shadow(self.sockets[index].underlying).send_pyobj((seq, call))  # a plain send: queued at once
+        return seq
 
     def submit(self, index: int, method: str, *args: Any, **kwargs: Any):
         """Start ``method`` on worker ``index``: posted to a serving rank now (so every rank of a collective
         phase is asked before rank 0's own part blocks), awaited by the returned coroutine."""
         if index == 0:
             return self.local.invoke(method, *args, **kwargs)
-        seq = self.seq[index]
-        self.seq[index] += 1
-        self.store.set(f"call/{index}/{seq}", pickle.dumps(Call(method, args, kwargs)))
-        return self.reply(index, seq, method)
+        return self.reply(index, self.post(index, Call(method, args, kwargs)), method)
 
     async def reply(self, index: int, seq: int, method: str) -> Any:
-        """The reply to call ``seq`` of rank ``index``.
+        """The reply to call ``seq`` of rank ``index`` (a rank answers its calls in order).
 
         Raises:
             RemoteCallError: the call raised there.
             TimeoutError: no reply within ``timeout + REPLY_MARGIN_S`` seconds.
         """
-        key = f"reply/{index}/{seq}"
         limit = self.timeout + REPLY_MARGIN_S
         deadline = time.monotonic() + limit
-        while not self.store.check([key]):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{method} on rank {index}: no reply within {limit:g} s")
-            await asyncio.sleep(POLL_S)
-        reply = pickle.loads(self.store.get(key))
-        self.store.delete_key(key)
+        async with self.reading[index]:
+            while seq not in self.early[index]:
+                try:
+                    got, reply = await asyncio.wait_for(self.sockets[index].recv_pyobj(),
+                                                        max(0.0, deadline - time.monotonic()))
+                except asyncio.TimeoutError:
+                    raise TimeoutError(f"{method} on rank {index}: no reply within {limit:g} s") from None
+                self.early[index][got] = reply
+            reply = self.early[index].pop(seq)
         if not reply.ok:
             raise RemoteCallError(reply.error)
         return reply.value
 
     def stop(self, wait: bool) -> None:
-        """Tell every serving rank to return; ``wait``: until each said it does (at most the timeout), so this
-        rank, which hosts the store, does not end while a serving rank still reads from it.
+        """Tell every serving rank to return; ``wait``: until each said it does (at most the timeout).
 
         Raises:
             TimeoutError: ``wait`` and a serving rank did not answer within the timeout.
         """
-        keys = []
-        for index in range(1, self.trainer_world_size + self.rollout_world_size):
-            seq = self.seq[index]
-            self.seq[index] += 1
-            self.store.set(f"call/{index}/{seq}", pickle.dumps(Call("stop")))
-            keys.append(f"reply/{index}/{seq}")
+        import zmq
+
+        stops = {index: self.post(index, Call("stop")) for index in self.sockets}
         deadline = time.monotonic() + self.timeout
-        while wait and not self.store.check(keys):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"the serving ranks did not stop within {self.timeout:g} s")
-            time.sleep(POLL_S)
+        for index, seq in stops.items() if wait else ():
+            sock = zmq.Socket.shadow(self.sockets[index].underlying)
+            while seq not in self.early[index]:
+                if not sock.poll(max(0, int((deadline - time.monotonic()) * 1000))):
+                    raise TimeoutError(f"the serving ranks did not stop within {self.timeout:g} s")
+                got, reply = sock.recv_pyobj()
+                self.early[index][got] = reply
 
     def describe(self, index: int) -> str:
         return f"{describe_worker(index, None, self.trainer_world_size)} (rank {index})"
@@ -136,33 +189,27 @@ class TorchrunGroup:
         raise NotImplementedError("the torchrun launcher does not restart a rank (max_restarts=0)")
 
 
-def serve(worker: Any, store: Any, rank: int, timeout: float) -> None:
-    """A serving rank's loop: run each call rank 0 sends, in order, until ``"stop"``.
+def serve(worker: Any, sock: Any, rank: int, timeout: float) -> None:
+    """A serving rank's loop: run each call rank 0 sends on ``sock`` (:func:`bind_calls`), in order, until
+    ``"stop"``.
 
     Raises:
         hal.DistributedTimeoutError: no call came within ``timeout`` seconds (rank 0 is gone or stuck).
     """
     loop = asyncio.new_event_loop()
-    seq = 0
     try:
         while True:
-            key = f"call/{rank}/{seq}"
-            try:
-                message = store.get(key)  # blocks at most the store's timeout
-            except Exception as exc:
-                raise hal.DistributedTimeoutError(f"rank {rank}: no call from rank 0 within {timeout:g} s "
-                                                  f"({type(exc).__name__}: {exc})") from exc
-            call = pickle.loads(message)
-            store.delete_key(key)
+            if not sock.poll(int(timeout * 1000)):
+                raise hal.DistributedTimeoutError(f"rank {rank}: no call from rank 0 within {timeout:g} s")
+            seq, call = sock.recv_pyobj()
             if call.method == "stop":
-                store.set(f"reply/{rank}/{seq}", pickle.dumps(Reply(True)))
+                sock.send_pyobj((seq, Reply(True)))
                 return
             try:
                 reply = Reply(True, loop.run_until_complete(worker.invoke(call.method, *call.args, **call.kwargs)))
             except Exception as exc:  # noqa: BLE001 - every failure goes back to rank 0, which names this rank
                 reply = Reply(False, error=f"{type(exc).__name__}: {exc}")
-            store.set(f"reply/{rank}/{seq}", pickle.dumps(reply))
-            seq += 1
+            sock.send_pyobj((seq, reply))
     finally:
         loop.close()
 
@@ -187,42 +234,54 @@ def link_endpoint(rank: int) -> str:
     return f"rank{rank}"
 
 
-def rank_main(options: JobOptions, ctl_port: int, hooks: Sequence[StepHook], net: Any = None) -> dict[str, Any] | None:
+def rank_main(options: JobOptions, hooks: Sequence[StepHook], net: Any = None) -> dict[str, Any] | None:
     """One process: rank 0 runs the job (with ``hooks``) and returns its result (as a dict); the others serve.
     With ``net`` (``options.link_gbit``) the rank's engine runs in its own network namespace
     (:meth:`hal.apps.links.EmulatedNetwork.enter`).
     SIGINT and SIGTERM end it quietly (:func:`hal.apps.shutdown.quiet_rank_exit`)."""
+    import zmq
+    import zmq.asyncio
+
     from hal.apps.shutdown import quiet_rank_exit
     from hal.apps.weightsync.worker import Where
 
     quiet_rank_exit()
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     hal.bind_local_device(options.rank_device)  # one device per rank, LOCAL_RANK's (with --hybrid: device 0)
-    store = hal.connect_store(LOOPBACK, ctl_port, rank, world_size, timeout=options.timeout)
-    # after the control store, whose socket stays on the host's loopback (a socket keeps its namespace)
-    node_ip = LOOPBACK if net is None else net.enter(link_endpoint(rank))
-    where = Where(rank, node_ip, os.getpid(), options.device)
-    if rank >= options.trainer_ranks and options.rollout == "vllm":  # hal's engine is built inside vLLM's worker
-        from hal.apps.weightsync.vllm_role import VllmRolloutRole
-
-        serve(VllmRolloutRole(options, rank), store, rank, options.timeout)
-        return None
-    engine = make_engine(options, rank, node_ip)
-    if rank >= options.trainer_ranks:
-        serve(Rollout(options, engine, rank, where=where), store, rank, options.timeout)
-        return None
-    trainer = trainer_rank(options, engine, rank, store, where)
-    if rank != 0:
-        serve(trainer, store, rank, options.timeout)
-        return None
-    group = TorchrunGroup(trainer, store, world_size, options.timeout, options.trainer_ranks)
+    store = job_store(options.timeout)
+    # The call channel before the namespace: a socket, and ZeroMQ's I/O thread (started with the first
+    # socket), keep the host's loopback.
+    context = zmq.asyncio.Context() if rank == 0 else zmq.Context()  # rank 0 awaits replies in its event loop
     try:
-        result = asyncio.run(run(options, group, hooks))
-    except BaseException:
-        group.stop(wait=False)
-        raise
-    group.stop(wait=True)
-    return dataclasses.asdict(result)
+        if rank == 0:
+            sockets = connect_calls(context, store, world_size)
+        else:
+            sock = bind_calls(context, store, rank)
+        node_ip = LOOPBACK if net is None else net.enter(link_endpoint(rank))
+        where = Where(rank, node_ip, os.getpid(), options.device)
+        if rank >= options.trainer_ranks and options.rollout == "vllm":  # hal's engine is built inside vLLM's worker
+            from hal.apps.weightsync.vllm_role import VllmRolloutRole
+
+            serve(VllmRolloutRole(options, rank), sock, rank, options.timeout)
+            return None
+        engine = make_engine(options, rank, node_ip)
+        if rank >= options.trainer_ranks:
+            serve(Rollout(options, engine, rank, where=where), sock, rank, options.timeout)
+            return None
+        trainer = trainer_rank(options, engine, rank, store, where)
+        if rank != 0:
+            serve(trainer, sock, rank, options.timeout)
+            return None
+        group = TorchrunGroup(trainer, sockets, world_size, options.timeout, options.trainer_ranks)
+        try:
+            result = asyncio.run(run(options, group, hooks))
+        except BaseException:
+            group.stop(wait=False)
+            raise
+        group.stop(wait=True)
+        return dataclasses.asdict(result)
+    finally:
+        context.destroy(linger=1000)
 
 
 def role(rank: int, trainers: int = 1) -> str:
@@ -251,7 +310,6 @@ def launch(options: JobOptions, hooks: Sequence[StepHook] = ()) -> JobResult:
     from hal.apps.errors import worker_failed
     from hal.apps.shutdown import (LAUNCH_SHUTDOWN_TIMEOUT_S, OWN_LAUNCH_SIGNALS, elastic_logs, own_elastic_launch,
                                    scratch_dir)
-    from hal.distributed import pick_port
 
     import ckpt
 
@@ -278,11 +336,11 @@ def launch(options: JobOptions, hooks: Sequence[StepHook] = ()) -> JobResult:
                               shutdown_timeout=LAUNCH_SHUTDOWN_TIMEOUT_S, signals_to_handle=OWN_LAUNCH_SIGNALS)
         try:
             with own_elastic_launch(logs):
-                per_rank = elastic_launch(config, rank_main)(options, pick_port(), list(hooks), net)
+                per_rank = elastic_launch(config, rank_main)(options, list(hooks), net)
         except ChildFailedError as exc:
             raise worker_failed(exc, functools.partial(role, trainers=options.trainer_ranks), "hal sync") from None
     return JobResult(**per_rank[0])
 
 
-__all__ = ["Call", "RemoteCallError", "Reply", "TorchrunGroup", "launch", "link_endpoint", "rank_main", "role", "serve",
-           "trainer_rank"]
+__all__ = ["Call", "RemoteCallError", "Reply", "TorchrunGroup", "bind_calls", "connect_calls", "job_store", "launch", "link_endpoint",
+           "rank_main", "role", "serve", "trainer_rank"]
