@@ -34,13 +34,19 @@ class Local:
 
 @pytest.fixture
 def store():
+    """Rank 0's store (it hosts the server); a serving rank joins with :func:`client` (one client per thread, as
+    one per process in a run: a TCPStore client is not shared between threads)."""
     return hal.connect_store("127.0.0.1", 0, 0, 2, timeout=20)
+
+
+def client(store):
+    return hal.connect_store("127.0.0.1", store.port, 1, 2, timeout=20)
 
 
 @pytest.fixture
 def group(store):
     serving, calls = zmq.Context(), zmq.asyncio.Context()
-    served = threading.Thread(target=lambda: serve(Echo(), bind_calls(serving, store, 1), 1, 20.0), daemon=True)
+    served = threading.Thread(target=lambda: serve(Echo(), bind_calls(serving, client(store), 1), 1, 20.0), daemon=True)
     served.start()
     yield TorchrunGroup(Local(), connect_calls(calls, store, 2), world_size=2, timeout=20.0)
     served.join(timeout=30)
@@ -66,7 +72,7 @@ def test_calls_carry_typed_messages_and_a_raising_call_is_named(group):
 def test_a_reply_that_does_not_come_is_an_error_within_the_timeout(monkeypatch, store):
     monkeypatch.setattr(torchrun, "REPLY_MARGIN_S", 0.2)
     serving, calls = zmq.Context(), zmq.asyncio.Context()
-    bind_calls(serving, store, 1)  # rank 1's socket is there, but nobody serves it
+    bind_calls(serving, client(store), 1)  # rank 1's socket is there, but nobody serves it
     silent = TorchrunGroup(Local(), connect_calls(calls, store, 2), world_size=2, timeout=0.3)
     with pytest.raises(TimeoutError, match=r"^update_weights on rank 1: no reply within 0.5 s$"):
         asyncio.run(silent.submit(1, "update_weights", 1))
@@ -78,7 +84,7 @@ def test_a_reply_that_does_not_come_is_an_error_within_the_timeout(monkeypatch, 
 
 def test_replies_awaited_out_of_order_each_get_their_own(store):
     serving, calls = zmq.Context(), zmq.asyncio.Context()
-    served = threading.Thread(target=lambda: serve(Echo(), bind_calls(serving, store, 1), 1, 20.0), daemon=True)
+    served = threading.Thread(target=lambda: serve(Echo(), bind_calls(serving, client(store), 1), 1, 20.0), daemon=True)
     served.start()
     group = TorchrunGroup(Local(), connect_calls(calls, store, 2), world_size=2, timeout=20.0)
 
