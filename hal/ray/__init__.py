@@ -1,0 +1,34 @@
+"""hal on Ray: trainer and rollout workers as Ray actors, placed by the device kind's Ray resource and bound to
+the device Ray assigned them (:mod:`hal.ray.placement`), and the clusters hal's jobs start or join
+(:mod:`hal.ray.cluster`).
+
+``import hal`` does not import this package, and it imports ``ray`` only inside its functions: Ray is an
+optional extra (``pip install 'hal-posttrain[ray]'``).
+"""
+
+from hal.ray.cluster import AF_UNIX_PATH_MAX, CONNECT_TIMEOUT_S, LocalCluster, connect_cluster, ray_temp_parent
+from hal.ray.placement import (
+    SCHEDULE_AS_ENV,
+    STRATEGIES,
+    UNIT_INSTANCE_ENV,
+    DeviceBinding,
+    RayLaunchError,
+    WorkerPlacement,
+    actor_resources,
+    bind_assigned_device,
+    check_distinct_devices,
+    node_environment,
+    place_workers,
+    ray_sets_visible_devices,
+    require_ray,
+    resource_name,
+    resource_request,
+    schedule_as,
+)
+
+__all__ = [
+    "STRATEGIES", "UNIT_INSTANCE_ENV", "SCHEDULE_AS_ENV", "RayLaunchError", "require_ray", "resource_name",
+    "schedule_as", "ray_sets_visible_devices", "node_environment", "resource_request", "actor_resources",
+    "WorkerPlacement", "place_workers", "DeviceBinding", "bind_assigned_device", "check_distinct_devices",
+    "LocalCluster", "CONNECT_TIMEOUT_S", "connect_cluster", "AF_UNIX_PATH_MAX", "ray_temp_parent",
+]
