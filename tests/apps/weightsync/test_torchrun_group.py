@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import pytest
 import zmq
@@ -22,6 +23,9 @@ class Echo:
     """A serving rank's worker: answers with a typed message, or raises."""
 
     async def invoke(self, method, *args, **kwargs):
+        if method == "slow":
+            await asyncio.sleep(0.5)
+            method = "update_weights"
         if method == "update_weights":
             return Sent(t0=float(args[0]), send_s=0.5)
         raise ValueError(f"no method {method!r} here")
@@ -98,3 +102,48 @@ def test_replies_awaited_out_of_order_each_get_their_own(store):
     assert not served.is_alive()
     serving.destroy(linger=0)
     calls.destroy(linger=0)
+
+
+def test_a_call_posted_while_a_reply_is_awaited_does_not_hide_that_reply(store):
+    """A send outside zmq.asyncio left the receive already awaited on the socket unwoken: its reply sat queued
+    until the deadline."""
+    serving, calls = zmq.Context(), zmq.asyncio.Context()
+    served = threading.Thread(target=lambda: serve(Echo(), bind_calls(serving, client(store), 1), 1, 20.0),
+                              daemon=True)
+    served.start()
+    group = TorchrunGroup(Local(), connect_calls(calls, store, 2), world_size=2, timeout=20.0)
+
+    async def scenario():
+        first = asyncio.ensure_future(group.submit(1, "update_weights", 1))
+        await asyncio.sleep(0)  # first's receive is awaited now
+        time.sleep(0.3)  # and its reply arrives while this loop is busy
+        second = group.submit(1, "update_weights", 2)
+        return await asyncio.wait_for(first, 5), await asyncio.wait_for(second, 5)
+
+    assert asyncio.run(scenario()) == (Sent(t0=1.0, send_s=0.5), Sent(t0=2.0, send_s=0.5))
+    group.stop(wait=True)
+    served.join(timeout=30)
+    serving.destroy(linger=0)
+    calls.destroy(linger=0)
+
+
+def test_a_serving_rank_whose_caller_is_gone_fails_its_reply_within_the_timeout(store):
+    serving, calls = zmq.Context(), zmq.asyncio.Context()
+    failed = []
+
+    def rank_1():
+        try:
+            serve(Echo(), bind_calls(serving, client(store), 1), 1, 1.0)
+        except hal.DistributedTimeoutError as exc:
+            failed.append(str(exc))
+
+    served = threading.Thread(target=rank_1, daemon=True)
+    served.start()
+    group = TorchrunGroup(Local(), connect_calls(calls, store, 2), world_size=2, timeout=1.0)
+    group.post(1, torchrun.Call("slow", (1,)))
+    time.sleep(0.1)  # the call reached rank 1
+    calls.destroy(linger=0)  # rank 0 is gone before the reply
+    served.join(timeout=10)
+    assert not served.is_alive()
+    assert failed == ["rank 1: could not answer rank 0 within 1 s (rank 0 is gone)"]
+    serving.destroy(linger=0)

@@ -61,15 +61,19 @@ class RemoteCallError(hal.HalError, RuntimeError):
 
 def job_store(timeout: float) -> Any:
     """The elastic agent's store (``TORCHELASTIC_USE_AGENT_STORE``: the rendezvous hosts it at
-    ``MASTER_ADDR:MASTER_PORT``), under :data:`STORE_PREFIX`.
+    ``MASTER_ADDR:MASTER_PORT``; else rank 0 hosts one there, as torch's ``env://`` does), under
+    :data:`STORE_PREFIX`.
 
     Raises:
         hal.DistributedTimeoutError: the store did not answer within ``timeout`` seconds.
     """
     import torch.distributed as dist
 
+    # torch's own rule (env:// in torch.distributed.rendezvous): the agent's store where it shares it, else
+    # rank 0 hosts one there (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1)
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     store = hal.connect_store(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), int(os.environ["RANK"]),
-                              int(os.environ["WORLD_SIZE"]), timeout=timeout, is_master=False)
+                              int(os.environ["WORLD_SIZE"]), timeout=timeout, is_master=False if agent else None)
     return dist.PrefixStore(STORE_PREFIX, store)
 
 
@@ -88,12 +92,20 @@ def bind_calls(context: Any, store: Any, rank: int) -> Any:
 def connect_calls(context: Any, store: Any, world_size: int) -> dict[int, Any]:
     """Rank 0's ends of the call channels: ``{rank: DEALER socket}`` (of ``context``, a ``zmq.asyncio.Context``)
     connected to each serving rank's (:func:`bind_calls`), whose port is waited for in ``store`` (at most the
-    store's timeout)."""
+    store's timeout).
+
+    Raises:
+        hal.DistributedTimeoutError: a rank did not publish its port within the store's timeout.
+    """
     import zmq
 
     sockets = {}
     for index in range(1, world_size):
-        port = int(store.get(f"calls/{index}"))
+        try:
+            port = int(store.get(f"calls/{index}"))
+        except (TimeoutError, RuntimeError) as exc:  # torch.distributed.DistStoreError is a RuntimeError
+            raise hal.DistributedTimeoutError(f"rank {index} did not publish its call port within the store's "
+                                              f"timeout (it failed or is gone): {exc}") from exc
         sock = context.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(f"tcp://{LOOPBACK}:{port}")
@@ -126,7 +138,13 @@ class TorchrunGroup:
 
         seq = self.seq[index]
         self.seq[index] += 1
-        zmq.Socket.shadow(self.sockets[index].underlying).send_pyobj((seq, call))  # a plain send: queued at once
+        sock = self.sockets[index]
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:  # stop() after the job's loop ended: no receive is pending on the socket
+            zmq.Socket.shadow(sock.underlying).send_pyobj((seq, call))
+        else:  # through zmq.asyncio (queued at once), so a receive already awaited on this socket is woken
+            sock.send_pyobj((seq, call))
         return seq
 
     def submit(self, index: int, method: str, *args: Any, **kwargs: Any):
@@ -194,8 +212,19 @@ def serve(worker: Any, sock: Any, rank: int, timeout: float) -> None:
     ``"stop"``.
 
     Raises:
-        hal.DistributedTimeoutError: no call came within ``timeout`` seconds (rank 0 is gone or stuck).
+        hal.DistributedTimeoutError: no call came within ``timeout`` seconds (rank 0 is gone or stuck), or a reply
+            could not be handed over within it (rank 0 is gone).
     """
+    import zmq
+
+    def answer(seq: int, reply: Reply) -> None:
+        try:
+            sock.send_pyobj((seq, reply))
+        except zmq.Again:
+            raise hal.DistributedTimeoutError(f"rank {rank}: could not answer rank 0 within {timeout:g} s (rank 0 "
+                                              "is gone)") from None
+
+    sock.setsockopt(zmq.SNDTIMEO, int(timeout * 1000))  # a DEALER whose peer is gone blocks a send for ever
     loop = asyncio.new_event_loop()
     try:
         while True:
@@ -203,13 +232,13 @@ def serve(worker: Any, sock: Any, rank: int, timeout: float) -> None:
                 raise hal.DistributedTimeoutError(f"rank {rank}: no call from rank 0 within {timeout:g} s")
             seq, call = sock.recv_pyobj()
             if call.method == "stop":
-                sock.send_pyobj((seq, Reply(True)))
+                answer(seq, Reply(True))
                 return
             try:
                 reply = Reply(True, loop.run_until_complete(worker.invoke(call.method, *call.args, **call.kwargs)))
             except Exception as exc:  # noqa: BLE001 - every failure goes back to rank 0, which names this rank
                 reply = Reply(False, error=f"{type(exc).__name__}: {exc}")
-            sock.send_pyobj((seq, reply))
+            answer(seq, reply)
     finally:
         loop.close()
 
