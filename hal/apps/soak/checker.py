@@ -271,7 +271,7 @@ def check_leaks(verdict: Verdict, bucket_bytes: int) -> dict[str, Any]:
     its next :data:`LEAK_WINDOW` samples against the median of its last :data:`LEAK_WINDOW` (a sample right
     after a recovery may still hold what the failed update left for the next ``finalize`` to free), with at
     least :data:`LEAK_SPAN` updates between the two windows. File descriptors: the fewest the process held over
-    its last window must be no more than that first median (a leaked descriptor is never given back; a socket
+    its last window must be no more than the fewest over its first (a leaked descriptor is never given back; a socket
     of a connection its peer closed over a cut link stays open until TCP delivers the FIN, tens of seconds after
     the link is back: ``hal soak`` saw a rollout's count go 24, 27, 26, 24 over 20 updates after each cut, as
     the trainer's Mooncake connections of the failed update drained). Resident memory less file-backed pages (``held_bytes``, Linux ``RssAnon + RssShmem``: what a leak can hold) must
@@ -298,7 +298,7 @@ def check_leaks(verdict: Verdict, bucket_bytes: int) -> dict[str, Any]:
         judged += 1
         base, end = seen[warm[0]:warm[0] + w], seen[-w:]
         first_update, last_update = base[0][0], end[-1][0]
-        fd_growth = min(s["fds"] for _, s in end) - median([s["fds"] for _, s in base])
+        fd_growth = min(s["fds"] for _, s in end) - min(s["fds"] for _, s in base)
         rss_growth = median([s["rss_bytes"] for _, s in end]) - median([s["rss_bytes"] for _, s in base])
         held = "held_bytes" if all("held_bytes" in s for _, s in base + end) else "rss_bytes"
         held_growth = median([s[held] for _, s in end]) - median([s[held] for _, s in base])
@@ -307,7 +307,7 @@ def check_leaks(verdict: Verdict, bucket_bytes: int) -> dict[str, Any]:
         who = "the driver" if driver else f"pid {pid}"
         if fd_growth > 0:
             verdict.fail(last_update, f"{who} held {fd_growth:+d} file descriptors (the fewest of updates "
-                                      f"..{last_update} against the median of {first_update}..)")
+                                      f"..{last_update} against the fewest of {first_update}..)")
         if driver:
             driver_rss = rss_growth
             continue
