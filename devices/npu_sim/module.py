@@ -32,7 +32,7 @@ SIM_EXTRAS = ("is_sim", "set_memory_capacity", "host_cache_stats")
 """Names of the sim's ``torch.npu`` that real ``torch_npu.npu`` lacks: portable code must not use them."""
 
 _ext: types.ModuleType | None = None
-"""The loaded extension (``devices/csrc/npu_sim.cpp``) behind every call; set once by :func:`bind`."""
+"""The loaded extension (``devices/npu_sim/csrc/npu_sim.cpp``) behind every call; set once by :func:`bind`."""
 
 
 def bind(ext: types.ModuleType) -> None:

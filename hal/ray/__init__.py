@@ -6,8 +6,17 @@ the device Ray assigned them (:mod:`hal.ray.placement`), and the clusters hal's 
 optional extra (``pip install 'hal-posttrain[ray]'``).
 """
 
-from hal.ray.cluster import AF_UNIX_PATH_MAX, CONNECT_TIMEOUT_S, LocalCluster, connect_cluster, ray_temp_parent
+from hal.ray.cluster import (
+    AF_UNIX_PATH_MAX,
+    CONNECT_TIMEOUT_S,
+    DEFAULT_OBJECT_STORE_BYTES,
+    LocalCluster,
+    connect_cluster,
+    ray_temp_parent,
+)
 from hal.ray.placement import (
+    NOSET_PREFIX,
+    RAY_UNIT_INSTANCE_DEFAULT,
     SCHEDULE_AS_ENV,
     STRATEGIES,
     UNIT_INSTANCE_ENV,
@@ -24,6 +33,7 @@ from hal.ray.placement import (
     resource_name,
     resource_request,
     schedule_as,
+    Strategy,
 )
 
 __all__ = [
@@ -31,4 +41,5 @@ __all__ = [
     "schedule_as", "ray_sets_visible_devices", "node_environment", "resource_request", "actor_resources",
     "WorkerPlacement", "place_workers", "DeviceBinding", "bind_assigned_device", "check_distinct_devices",
     "LocalCluster", "CONNECT_TIMEOUT_S", "connect_cluster", "AF_UNIX_PATH_MAX", "ray_temp_parent",
+    "Strategy", "NOSET_PREFIX", "RAY_UNIT_INSTANCE_DEFAULT", "DEFAULT_OBJECT_STORE_BYTES",
 ]
