@@ -16,7 +16,6 @@ import textwrap
 import tomllib
 from pathlib import Path
 
-import grimp
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -38,42 +37,42 @@ def test_the_tree_keeps_the_import_contract():
     assert "Contracts: 10 kept, 0 broken." in run.stdout
 
 
-def test_no_test_module_imports_another_test_module():
-    """Shared test code lives in helper modules, so running one test file never runs another's module body."""
-    graph = grimp.build_graph("tests", cache_dir=None)
-    found = [f"{m} imports {t}" for m in sorted(graph.modules) if m.rsplit(".", 1)[-1].startswith("test_")
-             for t in sorted(graph.find_modules_directly_imported_by(m))
-             if t != m and t.rsplit(".", 1)[-1].startswith("test_")]
-    assert found == []
-
-
-CIRCLES = """
+GRAPH_CHECKS = """
 import json, sys
 import grimp
 graph = grimp.build_graph(*sys.argv[1:], cache_dir=None)
-found = sorted({tuple(sorted((m, t))) for m in graph.modules for t in graph.find_modules_directly_imported_by(m)
-                if t != m and graph.chain_exists(importer=t, imported=m)})
-print(json.dumps(found))
+imports = [(m, t) for m in sorted(graph.modules) for t in sorted(graph.find_modules_directly_imported_by(m)) if t != m]
+is_test = lambda name: name.startswith("tests.") and name.rsplit(".", 1)[-1].startswith("test_")
+print(json.dumps({
+    "circles": sorted({tuple(sorted((m, t))) for m, t in imports if graph.chain_exists(importer=t, imported=m)}),
+    "test_imports": [[m, t] for m, t in imports if is_test(m) and is_test(t)],
+}))
 """
 
 
-def circles(root: Path) -> list[list[str]]:
-    """Each pair of modules under ``root`` that import each other, directly or through others (a module with the
-    first module it imports that leads back to it), on grimp's graph, in a fresh interpreter (``root`` first on the
-    path)."""
-    run = subprocess.run([sys.executable, "-c", CIRCLES, *PACKAGES], cwd=root, capture_output=True, text=True,
+def graph_checks(root: Path) -> dict[str, list[list[str]]]:
+    """On grimp's graph of the packages under ``root`` (in a fresh interpreter, ``root`` first on the path):
+    ``circles``, each pair of modules that import each other, directly or through others (a module with the
+    first module it imports that leads back to it); ``test_imports``, each test module importing another."""
+    run = subprocess.run([sys.executable, "-c", GRAPH_CHECKS, *PACKAGES], cwd=root, capture_output=True, text=True,
                          timeout=60, env={"PYTHONPATH": str(root), "PATH": ""})
     assert run.returncode == 0, run.stderr
     return json.loads(run.stdout)
 
 
-def test_no_import_circle_between_any_two_modules():
-    assert circles(ROOT) == []
+def test_no_import_circle_and_no_test_module_imports_another():
+    """A test module imports only helper modules, so running one test file never runs another's module body."""
+    assert graph_checks(ROOT) == {"circles": [], "test_imports": []}
 
 
 def test_a_circle_through_a_package_and_its_own_module_is_found(tmp_path):
     tree = CLEAN | {"hal/__init__.py": "from hal import device\n", "hal/device.py": "import hal\nfrom devices import cpu\n"}
-    assert circles(write_tree(tmp_path, tree)) == [["hal", "hal.device"]]
+    assert graph_checks(write_tree(tmp_path, tree))["circles"] == [["hal", "hal.device"]]
+
+
+def test_a_test_module_importing_another_is_found(tmp_path):
+    tree = CLEAN | {"tests/test_y.py": "from tests.test_x import case\n"}
+    assert graph_checks(write_tree(tmp_path, tree))["test_imports"] == [["tests.test_y", "tests.test_x"]]
 
 
 # -- each contract fails on a deliberate breach -----------------------------------------------------------
