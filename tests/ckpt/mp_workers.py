@@ -347,8 +347,9 @@ def sender_closes_mid_update(rank, world_size, port, device, side_port, timeout)
 def bucket_size_mismatch(rank, world_size, port, engine_name, device, sizes):
     """Rank 0 sends 8 tensors of 3000 float32 (12 KB each) with bucket ``sizes[0]``; rank r > 0 receives with
     ``sizes[r]``. Returns ``("ok", [(name, value), ...])`` or ``("error", type name, message)``."""
+    # 60 s: under a loaded CI run a rollout took more than 20 s to connect, and the trainer's wait ended first
     engine = ckpt.get_checkpoint_engine(engine_name, **engine_config(
-        rank, world_size, port, device, timeout=20, bucket_size=sizes[rank]))
+        rank, world_size, port, device, timeout=60, bucket_size=sizes[rank]))
     dev = hal.get_device(device)
     weights = [(f"w{i}", torch.full((3000,), float(i), device=dev)) for i in range(8)]
 
