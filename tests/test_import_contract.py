@@ -66,7 +66,8 @@ def test_no_import_circle_and_no_test_module_imports_another():
 
 
 def test_a_circle_through_a_package_and_its_own_module_is_found(tmp_path):
-    tree = CLEAN | {"hal/__init__.py": "from hal import device\n", "hal/device.py": "import hal\nfrom devices import cpu\n"}
+    tree = CLEAN | {"hal/__init__.py": "from hal import device\n",
+                    "hal/device.py": "import hal\nfrom devices import cpu\n"}
     assert graph_checks(write_tree(tmp_path, tree))["circles"] == [["hal", "hal.device"]]
 
 
@@ -138,7 +139,8 @@ def test_a_tree_that_keeps_the_contract_passes(tmp_path):
     ("hal/device.py", "from hal.apps.cli import main\n", "hal's API imports only devices",
      "hal.device -> hal.apps.cli.main"),
     ("hal/__init__.py", "import engines\n", "hal's package module imports only devices", "hal -> engines"),
-    ("hal/__init__.py", "from hal.apps import cli\n", "hal's package module imports only devices", "hal -> hal.apps.cli"),
+    ("hal/__init__.py", "from hal.apps import cli\n", "hal's package module imports only devices",
+     "hal -> hal.apps.cli"),
     ("devices/__init__.py", "from devices.npu_sim import x\n", "the devices package module knows no simulator",
      "devices -> devices.npu_sim"),
     ("engines/base.py", "from devices import cpu\n", "engines and ckpt ask hal", "engines.base -> devices.cpu"),

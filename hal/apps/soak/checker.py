@@ -271,11 +271,12 @@ def check_leaks(verdict: Verdict, bucket_bytes: int) -> dict[str, Any]:
     its next :data:`LEAK_WINDOW` samples against the median of its last :data:`LEAK_WINDOW` (a sample right
     after a recovery may still hold what the failed update left for the next ``finalize`` to free), with at
     least :data:`LEAK_SPAN` updates between the two windows. File descriptors: the fewest the process held over
-    its last window must be no more than the fewest over its first (a leaked descriptor is never given back; a socket
-    of a connection its peer closed over a cut link stays open until TCP delivers the FIN, tens of seconds after
-    the link is back: ``hal soak`` saw a rollout's count go 24, 27, 26, 24 over 20 updates after each cut, as
-    the trainer's Mooncake connections of the failed update drained). Resident memory less file-backed pages (``held_bytes``, Linux ``RssAnon + RssShmem``: what a leak can hold) must
-    have grown by less than one bucket, in every worker process. Resident memory as a whole (``rss_bytes``,
+    its last window must be no more than the fewest over its first (a leaked descriptor is never given back; a
+    socket of a connection its peer closed over a cut link stays open until TCP delivers the FIN, tens of
+    seconds after the link is back: ``hal soak`` saw a rollout's count go 24, 27, 26, 24 over 20 updates after
+    each cut, as the trainer's Mooncake connections of the failed update drained). Resident memory less
+    file-backed pages (``held_bytes``, Linux ``RssAnon + RssShmem``: what a leak can hold) must have grown by
+    less than one bucket, in every worker process. Resident memory as a whole (``rss_bytes``,
     ``VmRSS``) is reported beside it, not judged: it also counts the mapped libraries' pages, which a process
     touches once when it first needs them, whenever that is (the first C++ exception's unwinder reads
     libtorch's unwind tables: +6 MB of ``RssFile``, see :func:`~hal.apps.weightsync.memory.held_resident_bytes`).

@@ -50,7 +50,8 @@ def client(store):
 @pytest.fixture
 def group(store):
     serving, calls = zmq.Context(), zmq.asyncio.Context()
-    served = threading.Thread(target=lambda: serve(Echo(), bind_calls(serving, client(store), 1), 1, 20.0), daemon=True)
+    served = threading.Thread(target=lambda: serve(Echo(), bind_calls(serving, client(store), 1), 1, 20.0),
+                              daemon=True)
     served.start()
     yield TorchrunGroup(Local(), connect_calls(calls, store, 2), world_size=2, timeout=20.0)
     served.join(timeout=30)
@@ -86,32 +87,18 @@ def test_a_reply_that_does_not_come_is_an_error_within_the_timeout(monkeypatch, 
     calls.destroy(linger=0)
 
 
-def test_replies_awaited_out_of_order_each_get_their_own(store):
-    serving, calls = zmq.Context(), zmq.asyncio.Context()
-    served = threading.Thread(target=lambda: serve(Echo(), bind_calls(serving, client(store), 1), 1, 20.0), daemon=True)
-    served.start()
-    group = TorchrunGroup(Local(), connect_calls(calls, store, 2), world_size=2, timeout=20.0)
-
+def test_replies_awaited_out_of_order_each_get_their_own(group):
     async def scenario():
         first, second = group.submit(1, "update_weights", 1), group.submit(1, "update_weights", 2)
         return await second, await first
 
     assert asyncio.run(scenario()) == (Sent(t0=2.0, send_s=0.5), Sent(t0=1.0, send_s=0.5))
     group.stop(wait=True)
-    served.join(timeout=30)
-    assert not served.is_alive()
-    serving.destroy(linger=0)
-    calls.destroy(linger=0)
 
 
-def test_a_call_posted_while_a_reply_is_awaited_does_not_hide_that_reply(store):
+def test_a_call_posted_while_a_reply_is_awaited_does_not_hide_that_reply(group):
     """A send outside zmq.asyncio left the receive already awaited on the socket unwoken: its reply sat queued
     until the deadline."""
-    serving, calls = zmq.Context(), zmq.asyncio.Context()
-    served = threading.Thread(target=lambda: serve(Echo(), bind_calls(serving, client(store), 1), 1, 20.0),
-                              daemon=True)
-    served.start()
-    group = TorchrunGroup(Local(), connect_calls(calls, store, 2), world_size=2, timeout=20.0)
 
     async def scenario():
         first = asyncio.ensure_future(group.submit(1, "update_weights", 1))
@@ -122,9 +109,6 @@ def test_a_call_posted_while_a_reply_is_awaited_does_not_hide_that_reply(store):
 
     assert asyncio.run(scenario()) == (Sent(t0=1.0, send_s=0.5), Sent(t0=2.0, send_s=0.5))
     group.stop(wait=True)
-    served.join(timeout=30)
-    serving.destroy(linger=0)
-    calls.destroy(linger=0)
 
 
 def test_a_serving_rank_whose_caller_is_gone_fails_its_reply_within_the_timeout(store):

@@ -371,5 +371,5 @@ def launch(options: JobOptions, hooks: Sequence[StepHook] = ()) -> JobResult:
     return JobResult(**per_rank[0])
 
 
-__all__ = ["Call", "RemoteCallError", "Reply", "TorchrunGroup", "bind_calls", "connect_calls", "job_store", "launch", "link_endpoint",
-           "rank_main", "role", "serve", "trainer_rank"]
+__all__ = ["Call", "RemoteCallError", "Reply", "TorchrunGroup", "bind_calls", "connect_calls", "job_store", "launch",
+           "link_endpoint", "rank_main", "role", "serve", "trainer_rank"]
