@@ -16,8 +16,9 @@ Every call into the library goes through :mod:`ckpt.kimi_library`, hal's adapter
 0.4.2: the library's device manager and Mooncake store made from the hal device kind (Mooncake protocol:
 the kind's ``mooncake_protocol``, else host memory over ``tcp`` copied host-to-device), its collectives
 answered over hal's rendezvous store, its INFO logs quiet while hal calls it (``HAL_KIMI_LOGS=1`` lets
-them through). Which kinds the engine runs on is the spec field ``kimi_checkpoint_engine``; other
-checkpoint-engine versions than those checked are reported unavailable.
+them through). It runs on the device kinds that can pin host memory (``DeviceSpec.supports_pin_memory``): the
+library's ``register_checkpoint`` copies the update into pinned buffers. Other checkpoint-engine versions than
+those checked are reported unavailable.
 
 Install: the ``kimi`` extra, with ``pip install --no-deps checkpoint-engine==0.4.2`` (its wheel requires
 torch, which must stay the build you have) and Mooncake (the ``mooncake`` extra).
@@ -39,15 +40,16 @@ from ckpt.kimi_library import (CHECKED_VERSIONS, HOST_PROTOCOL, LOGS_ENV, Parame
                                library_problem, mooncake_protocol)
 from ckpt.one_to_many import DEFAULT_BUCKET_SIZE, OneToManyEngine, host_address, local_address_towards
 
-SPEC_FIELD = "kimi_checkpoint_engine"
 _MARK = "~hal/"  # names of the marker entries; every weight's name is "<8-digit ordinal>/<name>"
 
 
 def supported_kinds() -> list[str]:
-    """Device kinds whose spec says Kimi's checkpoint-engine runs there."""
+    """Device kinds Kimi's checkpoint-engine runs on: those that can pin host memory
+    (``DeviceSpec.supports_pin_memory``), since its ``ParameterServer.register_checkpoint`` copies the update
+    into pinned buffers (checkpoint-engine 0.4.2's ``ps.py``); a host-memory kind (cpu) cannot."""
     from hal.registry import get_spec
 
-    return [k for k in hal.known_kinds() if get_spec(k).kimi_checkpoint_engine]
+    return [k for k in hal.known_kinds() if get_spec(k).supports_pin_memory]
 
 
 NAMESPACE = "kimi"
@@ -124,8 +126,8 @@ class KimiCheckpointEngine(OneToManyEngine):
 
     @classmethod
     def availability(cls, device: str | None = None) -> hal.Availability:
-        """Ok when the resolved device kind (``device``, else ``$HAL_DEVICE``, else auto) is one whose spec
-        says ``kimi_checkpoint_engine`` and is available, and checkpoint-engine 0.4.2 and Mooncake import."""
+        """Ok when the resolved device kind (``device``, else ``$HAL_DEVICE``, else auto) is one of
+        :func:`supported_kinds` and is available, and checkpoint-engine 0.4.2 and Mooncake import."""
         kinds = supported_kinds()
         try:
             spec = hal.resolve_device(device)
@@ -134,7 +136,7 @@ class KimiCheckpointEngine(OneToManyEngine):
         if spec.kind not in kinds:
             return hal.Availability.unavailable(
                 f"Kimi's checkpoint-engine runs only on device kinds {kinds} (its ParameterServer needs a device "
-                f"with pinned host memory and a collective backend, which hal's spec field {SPEC_FIELD} declares); "
+                "with pinned host memory, DeviceSpec.supports_pin_memory); "
                 f"the device kind asked for is {spec.kind!r} (select one with HAL_DEVICE or --device)")
         problem = library_problem()
         return hal.Availability.unavailable(problem) if problem else hal.Availability.available()
@@ -411,6 +413,6 @@ class KimiCheckpointEngine(OneToManyEngine):
         self._ps.register_buffer(self._h2d if self._h2d is not None else self._slots)
 
 
-__all__ = ["KimiCheckpointEngine", "supported_kinds", "SPEC_FIELD",
+__all__ = ["KimiCheckpointEngine", "supported_kinds",
            # the library adapter's names, importable from here as before it was its own module
            "CHECKED_VERSIONS", "HOST_PROTOCOL", "LOGS_ENV", "mooncake_protocol"]

@@ -85,8 +85,6 @@ class DeviceSpec:
         mooncake_protocol: the Mooncake Transfer Engine protocol that moves this kind's tensors in place
             (``"tcp"`` host memory, ``"rdma"`` GPU memory, ``"ascend_direct"`` Ascend device memory; see
             ``TransferEngine.initialize``); ``None``: stage through host memory over ``"tcp"``.
-        kimi_checkpoint_engine: whether Kimi's ``checkpoint-engine`` (``ParameterServer``) runs on this
-            kind; it supports only the device types its ``DeviceManager`` knows.
         fused_adamw: whether torch's fused AdamW (``torch.optim.AdamW(..., fused=True)``: one pass over the
             states, no step temporaries) runs on this kind as hal has checked it; ``False`` by default (the
             foreach implementation, torch's default, keeps about one fp32 copy of the parameters while it steps).
@@ -108,7 +106,6 @@ class DeviceSpec:
     vendor_package: str | None = None
     nixl_memory_type: str | None = None
     mooncake_protocol: str | None = None
-    kimi_checkpoint_engine: bool = False
     fused_adamw: bool = False
     device_memory_in_host: bool = False
     """The kind's device allocations live in this process's host memory (a simulated device): a host peak

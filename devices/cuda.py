@@ -20,7 +20,6 @@ class CudaDevice(DeviceSpec):
     ray_resource: str | None = "GPU"
     nixl_memory_type: str | None = "VRAM"
     mooncake_protocol: str | None = "rdma"
-    kimi_checkpoint_engine: bool = True
 
     def torch_module(self) -> types.ModuleType:
         import torch

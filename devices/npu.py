@@ -22,7 +22,6 @@ class NpuDevice(DeviceSpec):
     ray_resource: str | None = "NPU"
     vendor_package: str | None = "torch-npu"
     mooncake_protocol: str | None = "ascend_direct"  # NIXL has no Ascend memory type: it stages via DRAM
-    kimi_checkpoint_engine: bool = True
 
     def torch_module(self) -> types.ModuleType:
         """``torch.npu`` after ``import torch_npu``.

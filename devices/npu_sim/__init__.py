@@ -163,7 +163,6 @@ class SimNpuDevice(DeviceSpec):
     # facts, so it needs no npu-smi and pulls buckets over "tcp" straight into the simulated device).
     nixl_memory_type: str | None = "DRAM"
     mooncake_protocol: str | None = "tcp"
-    kimi_checkpoint_engine: bool = True
     fused_adamw: bool = True  # the fallback runs torch's cpu kernel on the same memory (bit-equal to cpu)
     device_memory_in_host: bool = True
 
