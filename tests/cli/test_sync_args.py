@@ -50,6 +50,17 @@ def test_a_flag_without_effect_is_refused_naming_the_flag_it_needs(given, messag
     assert str(info.value) == message
 
 
+def test_a_file_root_that_is_a_file_is_refused_before_the_job_starts(tmp_path):
+    # it failed 40 s into the job, after two launcher tracebacks, with "FileExistsError: ... File exists"
+    afile = tmp_path / "not-a-directory"
+    afile.write_text("x")
+    with pytest.raises(UsageError) as info:
+        validate(Sync(device="cpu", model="qwen2.5-tiny", engine="file", file_root=str(afile)))
+    assert str(info.value) == (f"--file-root {afile} is not a directory (give a directory, new or existing, for the "
+                               "file engine's steps)")
+    validate(Sync(device="cpu", model="qwen2.5-tiny", engine="file", file_root=str(tmp_path / "new")))
+
+
 @pytest.mark.parametrize("given, message", [
     (dict(device="cpu", engine="ipc"), "--hybrid puts every rank on one device; the cpu kind has none"),
     (dict(engine="collective"), "--hybrid needs an engine whose trainer and rollouts may share a device (file, ipc), "

@@ -122,14 +122,15 @@ def runs(args: Soak) -> list[Any]:
 
 
 def print_table(reports: list[dict[str, Any]]) -> None:
-    """One row per run (rich; at least :data:`TABLE_WIDTH` columns wide), then each run's faults by kind and what
-    it skipped."""
+    """One row per run (rich; at least :data:`TABLE_WIDTH` columns wide, and as wide as the rows need, so no cell
+    is cut short), then each run's faults by kind and what it skipped. ``held + KiB``: the largest growth of
+    held memory the leak rule judged (``leaks.held_growth_max_bytes``)."""
     from rich.console import Console
     from rich.table import Table
 
     table = Table(title="hal soak")
     columns = ("engine", "wire", "seed", "updates ok", "faults", "wrong", "hangs", "misrep/unrep", "unrecov",
-               "deaths", "detect s", "recover s", "fd +", "rss + KiB", "ok")
+               "deaths", "detect s", "recover s", "fd +", "held + KiB", "ok")
     for column in columns:
         table.add_column(column, justify="left" if column in ("engine", "wire") else "right", no_wrap=True)
     for r in reports:
@@ -138,11 +139,12 @@ def print_table(reports: list[dict[str, Any]]) -> None:
                       str(r["faults_struck"]), str(r["wrong_bytes_served"]), str(r["hangs"]),
                       f"{r['misreported_steps']}/{r['unreported_steps']}", str(r["unrecovered"]),
                       str(r["unexpected_deaths"]), f"{r['longest_detection_s']:.1f}", f"{r['longest_recovery_s']:.1f}",
-                      str(leaks["fd_growth_max"]), f"{leaks['rss_growth_max_bytes'] / 1024:.0f}",
+                      str(leaks["fd_growth_max"]), f"{leaks['held_growth_max_bytes'] / 1024:.0f}",
                       "yes" if r["ok"] else "NO")
     console = Console()
-    if not console.is_terminal or console.width < TABLE_WIDTH:
-        console = Console(width=TABLE_WIDTH)
+    needed = max(TABLE_WIDTH, Console(width=1 << 12).measure(table).maximum)  # 15 columns outgrow 132 (cut: "y…")
+    if not console.is_terminal or console.width < needed:
+        console = Console(width=needed)
     console.print(table)
     for r in reports:
         faults = ", ".join(f"{kind} {n}" for kind, n in r["faults"].items()) or "none"

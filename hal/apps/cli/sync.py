@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import sys
 import time
 from typing import Annotated, Any, Literal
@@ -201,7 +202,8 @@ def refuse_flags_without_effect(args: Sync) -> None:
     """Refuse a flag the given combination ignores, naming the flag it needs: ``--address`` and
     ``--placement`` without ``--launcher ray``, ``--compare-full`` without ``--wire-format delta``,
     ``--file-root`` without ``--engine file``, ``--no-compare-hal`` without ``--rollout vllm``,
-    ``--publish-dtype`` with a ``--model`` that is not a preset (a checkpoint is published as stored).
+    ``--publish-dtype`` with a ``--model`` that is not a preset (a checkpoint is published as stored); and a
+    ``--file-root`` that is a file, not a directory.
 
     Raises:
         UsageError: the first such flag, e.g. ``"--address has no effect without --launcher ray (got
@@ -223,6 +225,9 @@ def refuse_flags_without_effect(args: Sync) -> None:
     for flag, given, applies, needed, got in needs:
         if given and not applies:
             raise UsageError(f"{flag} has no effect without {needed} (got {got})")
+    if args.file_root is not None and os.path.exists(args.file_root) and not os.path.isdir(args.file_root):
+        raise UsageError(f"--file-root {args.file_root} is not a directory (give a directory, new or existing, for "
+                         "the file engine's steps)")
     if args.publish_dtype != "auto" and resolve_model(args.model) not in PRESETS:
         raise UsageError(f"--publish-dtype applies to a preset --model ({', '.join(sorted(PRESETS))}); "
                          f"{args.model} is published in the dtypes it stores")

@@ -105,3 +105,21 @@ def _child_of(pid: int, parent: int) -> bool:
             return int(stat.read().rsplit(")", 1)[1].split()[1]) == parent
     except (OSError, ValueError, IndexError):
         return False
+
+
+def test_the_table_prints_every_cell_whole_with_the_verdict_last(capsys):
+    # 15 columns needed more than the 132 the console was held to: a new user read "y…" for the verdict
+    from hal.apps.cli import soak as cli
+    from hal.apps.soak.checker import judge
+    from tests.apps.soak.histories import clean, history, run_of
+
+    bad = clean(12)
+    bad.observed[2]["sums"]["b"] = "deadbeef"
+    reports = [judge(history(run_of()), 2), judge(history(run_of(u12=bad)), 2)]
+    cli.print_table(reports)
+    out = capsys.readouterr().out
+    assert "…" not in out
+    header = next(line for line in out.splitlines() if "misrep/unrep" in line)
+    assert header.split("┃")[-2].strip() == "ok" and "held + KiB" in header
+    rows = [line for line in out.splitlines() if line.startswith("│ collective")]
+    assert [row.split("│")[-2].strip() for row in rows] == ["yes", "NO"]

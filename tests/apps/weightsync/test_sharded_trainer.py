@@ -79,7 +79,7 @@ def test_workers_are_named_trainer_ranks_first():
     from hal.apps.weightsync.launchers.torchrun import role
     from hal.apps.weightsync.worker import describe_worker
 
-    assert [role(r, trainers=2) for r in range(3)] == ["trainer rank 0 (rank 0)", "trainer rank 1 (rank 1)",
+    assert [role(r, trainers=2) for r in range(3)] == ["trainer 0 (rank 0)", "trainer 1 (rank 1)",
                                                         "rollout 2 (rank 2)"]
     assert role(0) == "trainer (rank 0)" and describe_worker(0, None) == "trainer"
     assert [describe_worker(i, None, 2) for i in range(3)] == ["trainer rank 0", "trainer rank 1", "rollout rank 2"]

@@ -316,7 +316,7 @@ def rank_main(options: JobOptions, hooks: Sequence[StepHook], net: Any = None) -
 def role(rank: int, trainers: int = 1) -> str:
     """What a global rank is: ranks ``0..trainers-1`` train, the rest serve."""
     if rank < trainers:
-        return "trainer (rank 0)" if trainers == 1 else f"trainer rank {rank} (rank {rank})"
+        return "trainer (rank 0)" if trainers == 1 else f"trainer {rank} (rank {rank})"
     return f"rollout {rank} (rank {rank})"
 
 
