@@ -147,7 +147,7 @@ def validate(args: Sync) -> None:
     """Check the arguments before any process starts.
 
     Raises:
-        UsageError: a count or size is not positive (names the flag and value).
+        UsageError: a count or size is not positive (names the flag and value), or ``--file-root`` is a file.
         MissingFileError: ``--model`` is neither a preset (in any letter case) nor a safetensors
             file/directory (or its index names a missing shard).
         UnknownDeviceError, DeviceUnavailableError: ``--device`` cannot be used here.
@@ -165,6 +165,9 @@ def validate(args: Sync) -> None:
     if not args.logits_atol >= 0:
         raise UsageError(f"--logits-atol must be >= 0, got {args.logits_atol}")
     resolve_model(args.model)
+    if args.file_root is not None and os.path.exists(args.file_root) and not os.path.isdir(args.file_root):
+        raise UsageError(f"--file-root {args.file_root} is not a directory (give a directory, new or existing, for "
+                         "the file engine's steps)")
     import ckpt
 
     ok, reason = ckpt.checkpoint_engine_availability(args.engine, args.device)  # each engine's own probe
@@ -202,8 +205,7 @@ def refuse_flags_without_effect(args: Sync) -> None:
     """Refuse a flag the given combination ignores, naming the flag it needs: ``--address`` and
     ``--placement`` without ``--launcher ray``, ``--compare-full`` without ``--wire-format delta``,
     ``--file-root`` without ``--engine file``, ``--no-compare-hal`` without ``--rollout vllm``,
-    ``--publish-dtype`` with a ``--model`` that is not a preset (a checkpoint is published as stored); and a
-    ``--file-root`` that is a file, not a directory.
+    ``--publish-dtype`` with a ``--model`` that is not a preset (a checkpoint is published as stored).
 
     Raises:
         UsageError: the first such flag, e.g. ``"--address has no effect without --launcher ray (got
@@ -225,9 +227,6 @@ def refuse_flags_without_effect(args: Sync) -> None:
     for flag, given, applies, needed, got in needs:
         if given and not applies:
             raise UsageError(f"{flag} has no effect without {needed} (got {got})")
-    if args.file_root is not None and os.path.exists(args.file_root) and not os.path.isdir(args.file_root):
-        raise UsageError(f"--file-root {args.file_root} is not a directory (give a directory, new or existing, for "
-                         "the file engine's steps)")
     if args.publish_dtype != "auto" and resolve_model(args.model) not in PRESETS:
         raise UsageError(f"--publish-dtype applies to a preset --model ({', '.join(sorted(PRESETS))}); "
                          f"{args.model} is published in the dtypes it stores")

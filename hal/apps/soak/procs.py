@@ -182,7 +182,8 @@ class ProcessGroup:
         ours, theirs = socket.socketpair()
         log_path = self.sandbox.log_path(index, self.started[index])
         # one device per worker, as torchrun's LOCAL_RANK gives each rank (hal.bind_local_device reads it)
-        env = {**WORKER_ENV_DEFAULTS, **os.environ, hal.ENV_VAR: self.options.device, "LOCAL_RANK": str(index), **self.sandbox.env(index)}
+        env = {**WORKER_ENV_DEFAULTS, **os.environ, hal.ENV_VAR: self.options.device, "LOCAL_RANK": str(index),
+               **self.sandbox.env(index)}
         argv = [*self.sandbox.prefix(index), sys.executable, "-m", "hal.apps.soak.child", str(theirs.fileno())]
         with open(log_path, "ab") as log:
             proc = subprocess.Popen(argv, pass_fds=[theirs.fileno()], env=env, stdin=subprocess.DEVNULL, stdout=log,
