@@ -29,7 +29,7 @@ import torch
 
 import hal
 from hal.apps.benchmarks import timed_once, transfer_once
-from hal.apps.benchmarks.ranks import free_ports, run_ranks
+from hal.apps.benchmarks.ranks import join_engine, launcher_store, run_ranks
 from hal.apps.errors import mib_to_bytes
 
 
@@ -92,7 +92,7 @@ class PeakMemory:
         return self.module.max_memory_allocated() - self.base
 
 
-def _bench_rank(rank: int, world_size: int, ports: list[int], size_mb: int, bucket_sizes: list[int], device: str,
+def _bench_rank(rank: int, world_size: int, size_mb: int, bucket_sizes: list[int], device: str,
                 rounds: int, direct_threshold: int | None, layouts: list[str]) -> dict:
     import ckpt
 
@@ -100,7 +100,7 @@ def _bench_rank(rank: int, world_size: int, ports: list[int], size_mb: int, buck
     dev = hal.bind_local_device(device)  # one device per rank (LOCAL_RANK's), as a communicator requires
     sizes = tensor_sizes(size_mb << 20)
     total = sum(sizes)
-    store = hal.connect_store("127.0.0.1", ports[0], rank, world_size, timeout=120)
+    store = launcher_store()
     group = hal.new_group_from_store(store, rank, world_size, device=device, timeout=120, prefix="bench")
     flat = torch.zeros(total, dtype=torch.uint8, device=dev)  # touched: no page faults in the timings
     if rank == 0:
@@ -131,11 +131,11 @@ def _bench_rank(rank: int, world_size: int, ports: list[int], size_mb: int, buck
         moved.append(transfer_once(engine, rank, models[layout], step[0]))
 
     for i, bucket in enumerate(bucket_sizes):
-        engine = ckpt.get_checkpoint_engine("collective", rank=rank, world_size=world_size, master_addr="127.0.0.1",
-                                            master_port=ports[1 + i], bucket_size=bucket, device=device,
-                                            timeout=120, direct_threshold=direct_threshold)
+        engine = ckpt.get_checkpoint_engine("collective", is_master=rank == 0, master_addr="127.0.0.1",
+                                            bucket_size=bucket, device=device, timeout=120,
+                                            direct_threshold=direct_threshold)
         peak.start()  # the first (warm-up) transfer, buffers included
-        engine.init_process_group()
+        join_engine(engine, rank, world_size, store, f"collective/{i}")
         timed_once(group, functools.partial(transfer, engine, layouts[0]))
         peaks.append(peak.stop())
         for layout in layouts[1:]:
@@ -193,7 +193,7 @@ def run(size_mb: int, bucket_sizes_mb: list[float], device: str, rounds: int = 3
         raise ValueError(f"size_mb and rounds must be >= 1, got size_mb={size_mb}, rounds={rounds}")
     layouts = list(layouts)
     timeout = max(120.0, size_mb * 0.3 * (rounds + 1) * (2 + len(buckets) * len(layouts)))
-    results = run_ranks(_bench_rank, 2, free_ports(1 + len(buckets)), size_mb, buckets, device, rounds,
+    results = run_ranks(_bench_rank, 2, size_mb, buckets, device, rounds,
                         direct_threshold, layouts, timeout=timeout, name="ckpt")
     return figures(results[0], results[1], buckets, layouts)
 

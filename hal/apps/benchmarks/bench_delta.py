@@ -44,7 +44,7 @@ import torch
 
 import hal
 from hal.apps.benchmarks import timed_once
-from hal.apps.benchmarks.ranks import free_ports, run_ranks
+from hal.apps.benchmarks.ranks import join_engine, launcher_store, run_ranks
 from hal.apps.links import MAX_LINK_GBIT
 
 FRACTIONS = (0.005, 0.02, 0.1, 0.5)
@@ -52,8 +52,9 @@ DIFF_REPEATS = 7
 """Diff passes timed per fraction (at least; ``rounds`` if more): this machine's memory bandwidth is shared, and
 a pass or a memcpy caught by a neighbour's burst takes up to 2-3x its time, so the figures are the median of
 the per-pass ratios and, as timeit reports, the ratio of the fastest of each (interference only adds time)."""
-STORE_PORT, ENGINE_PORT = 29541, 29542
-"""The rendezvous store's and the engine's ports on the trainer's emulated address (private namespaces)."""
+STORE_PORT = 29541
+"""The ranks' store's port on the trainer's emulated address over emulated links (private namespaces: no clash;
+the engine's rendezvous takes a port the kernel picks)."""
 
 
 def flat_views(sizes: list[int], device: torch.device) -> tuple[torch.Tensor, list[tuple[str, torch.Tensor]]]:
@@ -92,21 +93,25 @@ def change_fraction(flat: torch.Tensor, views: list[tuple[str, torch.Tensor]], f
     flip(views, pick_positions(views, fraction, gen))
 
 
-def _rank(rank: int, world_size: int, ports: list[int], size_mb: int, fractions: list[float], device: str,
-          rounds: int, bucket: int) -> dict:
-    """A loopback rank (:func:`hal.apps.benchmarks.ranks.run_ranks`): :func:`_measure` on 127.0.0.1."""
-    return _measure(rank, world_size, "127.0.0.1", ports, size_mb, fractions, device, rounds, bucket, 300.0)
+def _rank(rank: int, world_size: int, size_mb: int, fractions: list[float], device: str, rounds: int,
+          bucket: int) -> dict:
+    """A loopback rank (:func:`hal.apps.benchmarks.ranks.run_ranks`): :func:`_measure` on 127.0.0.1, through
+    the launcher's store."""
+    return _measure(rank, world_size, "127.0.0.1", launcher_store(), size_mb, fractions, device, rounds, bucket,
+                    300.0)
 
 
 def _link_rank(rank: int, world_size: int, _port: int, net, endpoints: list[str], plan: dict) -> dict:
     """A rank in its own network namespace (:func:`hal.testing.run_multiprocess`, as ``bench_senders``):
     enters it before any socket or thread, then :func:`_measure` over the trainer's emulated address."""
     net.enter(endpoints[rank])
-    return _measure(rank, world_size, net.address(endpoints[0]), [STORE_PORT, ENGINE_PORT], plan["size_mb"],
-                    plan["fractions"], plan["device"], plan["rounds"], plan["bucket"], plan["timeout_s"])
+    addr = net.address(endpoints[0])
+    store = hal.connect_store(addr, STORE_PORT, rank, world_size, timeout=120)
+    return _measure(rank, world_size, addr, store, plan["size_mb"], plan["fractions"], plan["device"],
+                    plan["rounds"], plan["bucket"], plan["timeout_s"])
 
 
-def _measure(rank: int, world_size: int, addr: str, ports: list[int], size_mb: int, fractions: list[float],
+def _measure(rank: int, world_size: int, addr: str, store, size_mb: int, fractions: list[float],
              device: str, rounds: int, bucket: int, timeout_s: float) -> dict:
     import zlib
 
@@ -116,10 +121,10 @@ def _measure(rank: int, world_size: int, addr: str, ports: list[int], size_mb: i
 
     torch.set_num_threads(1)  # two ranks on one host: one core each
     dev = hal.bind_local_device(device)
-    store = hal.connect_store(addr, ports[0], rank, world_size, timeout=120)
     group = hal.new_group_from_store(store, rank, world_size, device=device, timeout=timeout_s, prefix="bench-delta")
-    engine = ckpt.get_checkpoint_engine("collective", rank=rank, world_size=world_size, master_addr=addr,
-                                        master_port=ports[1], bucket_size=bucket, device=device, timeout=timeout_s)
+    engine = ckpt.get_checkpoint_engine("collective", is_master=rank == 0, master_addr=addr, bucket_size=bucket,
+                                        device=device, timeout=timeout_s)
+    join_engine(engine, rank, world_size, store, "delta")
     flat, views = flat_views(tensor_sizes(size_mb << 20), dev)
     if rank == 0:
         gen = torch.Generator().manual_seed(0)
@@ -263,7 +268,7 @@ def run(size_mb: int = 64, device: str = "cpu", rounds: int = 3, bucket_mb: floa
         raise ValueError(f"link_gbit must be in (0, {MAX_LINK_GBIT:g}] Gbit/s, got {link_gbit!r}")
     bucket = mib_to_bytes(bucket_mb, "--bucket-mb")
     if link_gbit is None:
-        results = run_ranks(_rank, 2, free_ports(2), size_mb, list(fractions), device, rounds, bucket,
+        results = run_ranks(_rank, 2, size_mb, list(fractions), device, rounds, bucket,
                             timeout=max(180.0, size_mb * 0.5 * rounds * len(fractions)), name="delta")
     else:
         results = _over_links(size_mb, list(fractions), device, rounds, bucket, link_gbit)

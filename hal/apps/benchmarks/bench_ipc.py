@@ -33,7 +33,7 @@ import torch
 import hal
 from hal.apps.benchmarks import timed_once
 from hal.apps.benchmarks.bench_ckpt import tensor_sizes
-from hal.apps.benchmarks.ranks import free_ports, run_ranks
+from hal.apps.benchmarks.ranks import join_engine, launcher_store, run_ranks
 
 
 class _Targets:
@@ -71,7 +71,7 @@ def _staged(engine: Any, weights: list[tuple[str, torch.Tensor]]) -> list[tuple[
     return out
 
 
-def _rank(rank: int, world_size: int, ports: list[int], endpoint: str, size_mb: int, bucket: int, device: str,
+def _rank(rank: int, world_size: int, endpoint: str, size_mb: int, bucket: int, device: str,
           rounds: int, collective: bool) -> dict[str, Any]:
     import ckpt
 
@@ -79,7 +79,7 @@ def _rank(rank: int, world_size: int, ports: list[int], endpoint: str, size_mb: 
     dev = hal.bind_local_device(device)
     sizes = tensor_sizes(size_mb << 20)
     total = sum(sizes)
-    store = hal.connect_store("127.0.0.1", ports[0], rank, world_size, timeout=120)
+    store = launcher_store()
     group = hal.new_group_from_store(store, rank, world_size, device="cpu", timeout=600, prefix="bench-ipc")
     pids = [0] * world_size
     store.set(f"pid/{rank}", str(__import__("os").getpid()))
@@ -105,8 +105,9 @@ def _rank(rank: int, world_size: int, ports: list[int], endpoint: str, size_mb: 
         if rank == 0:  # staged once, as a trainer's cast would write it: not part of the transfer
             staged = _staged(engines["ipc_in_place"], weights)
         engines["collective"] = ckpt.get_checkpoint_engine(
-            "collective", rank=rank, world_size=world_size, master_addr="127.0.0.1", master_port=ports[1],
-            bucket_size=bucket, device=device, timeout=300)
+            "collective", is_master=rank == 0, master_addr="127.0.0.1", bucket_size=bucket, device=device,
+            timeout=300)
+        join_engine(engines["collective"], rank, world_size, store, "collective")
     step = [0]
     verified: dict[str, bool] = {}
 
@@ -169,9 +170,9 @@ def run(size_mb: int, device: str, rounds: int = 3, bucket_mb: float = 64.0) -> 
         raise ValueError(f"size_mb and rounds must be >= 1 and bucket_mb > 0, got {size_mb}, {rounds}, {bucket_mb}")
     bucket = int(bucket_mb * (1 << 20))
     timeout = max(180.0, size_mb * 0.2 * (rounds + 2) * 4)
-    one = run_ranks(_rank, 2, free_ports(2), default_endpoint(), size_mb, bucket, device, rounds, True,
+    one = run_ranks(_rank, 2, default_endpoint(), size_mb, bucket, device, rounds, True,
                     timeout=timeout, name="ipc1")
-    two = run_ranks(_rank, 3, free_ports(2), default_endpoint(), size_mb, bucket, device, rounds, False,
+    two = run_ranks(_rank, 3, default_endpoint(), size_mb, bucket, device, rounds, False,
                     timeout=timeout, name="ipc2")
     med = statistics.median
     total = one[0]["size_bytes"]

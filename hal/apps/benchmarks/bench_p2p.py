@@ -34,7 +34,7 @@ import torch
 import hal
 from hal.apps.benchmarks import timed_once, transfer_once
 from hal.apps.benchmarks.bench_ckpt import PeakMemory, tensor_sizes, tensor_views
-from hal.apps.benchmarks.ranks import free_ports, run_ranks
+from hal.apps.benchmarks.ranks import join_engine, launcher_store, run_ranks
 from hal.apps.errors import mib_to_bytes
 
 
@@ -47,7 +47,7 @@ def transfer_library_engines() -> list[str]:
     return ckpt.checkpoint_engines_where("uses_transfer_library")
 
 
-def _bench_rank(rank: int, world_size: int, ports: list[int], size_mb: int, bucket: int, device: str, rounds: int,
+def _bench_rank(rank: int, world_size: int, size_mb: int, bucket: int, device: str, rounds: int,
                 engines: list[str]) -> dict:
     import ckpt
 
@@ -55,7 +55,7 @@ def _bench_rank(rank: int, world_size: int, ports: list[int], size_mb: int, buck
     dev = hal.bind_local_device(device)  # one device per rank (LOCAL_RANK's)
     sizes = tensor_sizes(size_mb << 20)
     total = sum(sizes)
-    store = hal.connect_store("127.0.0.1", ports[0], rank, world_size, timeout=120)
+    store = launcher_store()
     group = hal.new_group_from_store(store, rank, world_size, device="cpu", timeout=300, prefix="bench")
     host = torch.zeros(total, dtype=torch.uint8)  # the raw transfers' region (touched: no page faults later)
     if rank == 0:
@@ -63,9 +63,10 @@ def _bench_rank(rank: int, world_size: int, ports: list[int], size_mb: int, buck
     flat = host.to(dev)  # host itself on a host kind
     views = tensor_views(flat, sizes)
     out = {"size_bytes": total, "n_tensors": len(sizes), "engines": {}}
-    for name, port in zip(engines, ports[1:]):
-        engine = ckpt.get_checkpoint_engine(name, rank=rank, world_size=2, master_addr="127.0.0.1",
-                                            master_port=port, bucket_size=bucket, device=device, timeout=300)
+    for name in engines:
+        engine = ckpt.get_checkpoint_engine(name, is_master=rank == 0, master_addr="127.0.0.1", bucket_size=bucket,
+                                            device=device, timeout=300)
+        join_engine(engine, rank, world_size, store, name)
         raw_once, raw = _raw_once(name, rank, store, host)
         out["engines"][name] = _measure(engine, raw_once, rank, group, views, rounds)
         engine.close()
@@ -139,7 +140,7 @@ def run(size_mb: int = 256, bucket_mb: float = 64.0, device: str = "cpu", rounds
         raise ValueError(f"engines must be a non-empty subset of {known}, got {list(engines)}")
     if size_mb < 1 or rounds < 1:
         raise ValueError(f"size_mb and rounds must be >= 1, got {size_mb}, {rounds}")
-    results = run_ranks(_bench_rank, 2, free_ports(1 + len(engines)), size_mb, bucket, device, rounds, list(engines),
+    results = run_ranks(_bench_rank, 2, size_mb, bucket, device, rounds, list(engines),
                         timeout=max(180.0, size_mb * 0.1 * (rounds + 2) * len(engines)), name="p2p")
     send, recv = results[0], results[1]
     if recv["crc32"] != send["crc32"]:

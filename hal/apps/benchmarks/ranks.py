@@ -2,9 +2,9 @@
 
 A benchmark that measures between processes writes one function ``fn(rank, world_size, *args)``, run in
 ``world_size`` fresh (spawned) processes; each returns its figures, and :func:`run_ranks` hands back
-``{rank: figures}``. The ranks find each other on ports the caller picked with :func:`free_ports` (rank 0
-hosts a store there: :func:`hal.connect_store`), not on the launcher's own rendezvous, so a benchmark's
-groups are the same standalone groups the checkpoint engines build.
+``{rank: figures}``. The ranks find each other through the launcher's own store (:func:`launcher_store`), and
+a checkpoint engine's group forms by verl's lifecycle over it (:func:`join_engine`): its master hosts the
+engine's rendezvous on a port the kernel picks, so no port is ever chosen by hand.
 
 Every rank also has a deadline: past ``timeout`` seconds it writes every thread's stack to stderr and
 exits, so a rank waiting on a dead peer fails the run within it (the launcher then stops the others and
@@ -15,27 +15,43 @@ failed and how).
 from __future__ import annotations
 
 import faulthandler
+import json
 import os
 import uuid
 from typing import Any, Callable
 
-from hal.distributed import pick_port
+STORE_PREFIX = "hal-bench"
+"""The benchmark's keys in the launcher's store, apart from the launcher's own (``torchelastic/...``)."""
 
 
-def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
-    """``n`` distinct TCP ports on ``host`` that the operating system reported free a moment ago.
+def launcher_store(timeout: float = 120.0) -> Any:
+    """The store of the elastic agent that started this rank (``MASTER_ADDR:MASTER_PORT``: the workers share the
+    agent's store, ``TORCHELASTIC_USE_AGENT_STORE``), under :data:`STORE_PREFIX`.
 
     Raises:
-        RuntimeError: the operating system handed out fewer than ``n`` distinct ports in ``4 * n`` tries.
+        KeyError: not a rank started by :func:`run_ranks` (or ``torchrun``): no ``MASTER_ADDR``/``MASTER_PORT``.
+        hal.DistributedTimeoutError: the store did not answer within ``timeout`` seconds.
     """
-    ports: list[int] = []
-    for _ in range(4 * n):
-        port = pick_port(host)
-        if port not in ports:
-            ports.append(port)
-        if len(ports) == n:
-            return ports
-    raise RuntimeError(f"could not find {n} distinct free ports on {host} (got {ports})")
+    import torch.distributed as dist
+
+    import hal
+
+    store = hal.connect_store(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), int(os.environ["RANK"]),
+                              int(os.environ["WORLD_SIZE"]), timeout=timeout, is_master=False)
+    return dist.PrefixStore(STORE_PREFIX, store)
+
+
+def join_engine(engine: Any, rank: int, world_size: int, store: Any, key: str) -> None:
+    """Form ``engine``'s group as verl's ``CheckpointEngineManager`` does: ``prepare()`` on every rank, the
+    metadata gathered through ``store`` (under ``key``), ``build_topology(1, world_size - 1, metadata)``, then
+    ``init_process_group`` with this rank's keywords. Rank 0 is the trainer (its engine made with
+    ``is_master=True``, so its ``prepare()`` hosts the rendezvous on a port the kernel picks), the others
+    rollouts. Raises what the engine's lifecycle raises (``ckpt.CheckpointError``)."""
+    store.set(f"{key}/meta/{rank}", json.dumps(engine.prepare()))
+    metadata = [json.loads(store.get(f"{key}/meta/{r}")) for r in range(world_size)]
+    trainer, rollout = type(engine).build_topology(1, world_size - 1, metadata)
+    side, index = (trainer, 0) if rank == 0 else (rollout, rank - 1)
+    engine.init_process_group(**{k: v[index] for k, v in side.items()})
 
 
 def rank_main(fn: Callable[..., Any], timeout: float, args: tuple) -> Any:

@@ -11,7 +11,7 @@ import pytest
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 from hal.apps.benchmarks import bench_import
-from hal.apps.benchmarks.ranks import free_ports, run_ranks
+from hal.apps.benchmarks.ranks import join_engine, launcher_store, run_ranks
 from hal.apps.cli.bench import Bench, execute
 from hal.apps.errors import WorkerFailedError
 
@@ -64,6 +64,35 @@ def test_a_rank_past_its_deadline_fails_the_run_within_it():
     assert time.monotonic() - start < 60  # the deadline, plus starting an interpreter on a loaded machine
 
 
-def test_free_ports_are_distinct():
-    ports = free_ports(4)
-    assert len(set(ports)) == 4 and all(0 < p < 65536 for p in ports)
+def one_update(rank: int, world_size: int) -> tuple[list[list[int]], list[int]]:
+    """Two collective engines formed by verl's lifecycle over the launcher's store, one update through each."""
+    import asyncio
+
+    import torch
+
+    import ckpt
+
+    store = launcher_store()
+    got, ports = [], []
+    for i in range(2):
+        engine = ckpt.get_checkpoint_engine("collective", is_master=rank == 0, master_addr="127.0.0.1",
+                                            bucket_size=1 << 16, device="cpu", timeout=60)
+        join_engine(engine, rank, world_size, store, f"e{i}")
+        weights = [("w", torch.arange(10 * (i + 1), dtype=torch.int32))]
+
+        async def go(engine=engine, weights=weights, step=i + 1):
+            if rank == 0:
+                await engine.send_weights(iter(weights), global_steps=step)
+                return weights[0][1].tolist()
+            return [t.tolist() async for _, t in engine.receive_weights(global_steps=step)][0]
+        got.append(asyncio.run(go()))
+        ports.append(engine.master_port)
+        engine.finalize()
+        engine.close()
+    return got, ports
+
+
+def test_engines_form_by_verls_lifecycle_over_the_launchers_store_on_kernel_picked_ports():
+    results = run_ranks(one_update, 2, timeout=120, name="test")
+    assert results[0][0] == results[1][0] == [list(range(10)), list(range(20))]  # the bytes arrived, per engine
+    assert results[0][1] == results[1][1] and results[0][1][0] != results[0][1][1]  # a port each, agreed on
