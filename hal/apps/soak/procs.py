@@ -42,16 +42,24 @@ START_LIMIT_S = 180.0
 """Seconds a worker process may take to start (import torch, build its model) and answer its first call."""
 EXIT_WAIT_S = 10.0
 """Seconds a worker asked to stop may take to exit before it is killed."""
-WORKER_ENV_DEFAULTS = {"TORCH_FR_BUFFER_SIZE": "64"}
-"""What each worker's environment holds unless ``hal soak``'s own sets it.
+WORKER_ENV_DEFAULTS = {"TORCH_FR_BUFFER_SIZE": "64", "MALLOC_ARENA_MAX": "1"}
+"""What each worker's environment holds unless ``hal soak``'s own sets it, so that the leak rule
+(:func:`hal.apps.soak.checker.check_leaks`) reads what the program holds, not what a ring or an allocator keeps.
 
 ``TORCH_FR_BUFFER_SIZE``: entries of torch's flight recorder (c10d's ring of the last collectives, each with
 its captured Python and C++ stacks), on for gloo with 2000 entries in torch 2.13. Measured: one gloo process's
 ``RssAnon`` grows about 0.8 KiB per collective until the ring is full (+1.6 MB after 2000 broadcasts), then
 stays flat. The collective engine's processes grew 8 to 10 KiB per update (their rings fill after about 200
-updates), and the leak rule (growth between two windows, :func:`hal.apps.soak.checker.check_leaks`) read the
-filling ring as a leak (the trainer's +1.5 MB in a 300-update run). 64 entries (about 50 KB) keep the recorder
-on and its growth far under one bucket."""
+updates), and the leak rule (growth between two windows) read the filling ring as a leak (the trainer's +1.5 MB
+in a 300-update run). 64 entries (about 50 KB) keep the recorder on and its growth far under one bucket.
+
+``MALLOC_ARENA_MAX``: glibc gives threads their own malloc arenas, up to 8 per core, each a heap of its own
+(mapped on a 64 MiB boundary). A burst of threads (a failed update's teardown, UCX's and asyncio's workers)
+spreads allocations over more arenas, and each keeps partly used pages resident after everything is freed and
+``malloc_trim`` ran: measured, 16 threads that free all they allocated left 1.8 MB held in 15 arenas, 0.1 MB
+with one arena. The nixl rollouts' held memory stepped up at faults by new 1.7 MB arena heaps (+0.3 to 0.5 MB
+resident each), and one 300-update run failed at +1.3 MB; with one arena the same seed grew -16 KB. One arena
+costs lock contention between threads, nothing a soak measures."""
 
 
 class WorkerDied(hal.HalError, RuntimeError):
