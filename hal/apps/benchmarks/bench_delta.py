@@ -163,7 +163,6 @@ def _measure(rank: int, world_size: int, addr: str, store, size_mb: int, fractio
         hal.synchronize(device)
         return time.perf_counter() - t0
 
-    engine.init_process_group()
     run(full_once)   # warm-up: buffers and first transfers outside the timings
     run(delta_once)  # the seed
     rows = []

@@ -3,8 +3,9 @@
 A benchmark that measures between processes writes one function ``fn(rank, world_size, *args)``, run in
 ``world_size`` fresh (spawned) processes; each returns its figures, and :func:`run_ranks` hands back
 ``{rank: figures}``. The ranks find each other through the launcher's own store (:func:`launcher_store`), and
-a checkpoint engine's group forms by verl's lifecycle over it (:func:`join_engine`): its master hosts the
-engine's rendezvous on a port the kernel picks, so no port is ever chosen by hand.
+a checkpoint engine's group forms by verl's lifecycle over it (:func:`join_engine`): the engine's master says
+in ``prepare()`` where its rendezvous is, so the benchmark chooses no port (the collective and transfer-library
+engines host it on a port the kernel picks; kimi still picks a free one for its ParameterServer's store).
 
 Every rank also has a deadline: past ``timeout`` seconds it writes every thread's stack to stderr and
 exits, so a rank waiting on a dead peer fails the run within it (the launcher then stops the others and
@@ -25,28 +26,23 @@ STORE_PREFIX = "hal-bench"
 
 
 def launcher_store(timeout: float = 120.0) -> Any:
-    """The store of the elastic agent that started this rank (``MASTER_ADDR:MASTER_PORT``: the workers share the
-    agent's store, ``TORCHELASTIC_USE_AGENT_STORE``), under :data:`STORE_PREFIX`.
+    """The launcher's store, as the job's ranks reach it (:func:`hal.apps.weightsync.launchers.torchrun.job_store`:
+    the elastic agent's, or rank 0's where the agent does not share it), under :data:`STORE_PREFIX`.
 
     Raises:
-        KeyError: not a rank started by :func:`run_ranks` (or ``torchrun``): no ``MASTER_ADDR``/``MASTER_PORT``.
+        KeyError: not a rank :func:`run_ranks` (or ``torchrun``) started.
         hal.DistributedTimeoutError: the store did not answer within ``timeout`` seconds.
     """
-    import torch.distributed as dist
+    from hal.apps.weightsync.launchers.torchrun import job_store
 
-    import hal
-
-    store = hal.connect_store(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), int(os.environ["RANK"]),
-                              int(os.environ["WORLD_SIZE"]), timeout=timeout, is_master=False)
-    return dist.PrefixStore(STORE_PREFIX, store)
+    return job_store(timeout, STORE_PREFIX)
 
 
 def join_engine(engine: Any, rank: int, world_size: int, store: Any, key: str) -> None:
     """Form ``engine``'s group as verl's ``CheckpointEngineManager`` does: ``prepare()`` on every rank, the
     metadata gathered through ``store`` (under ``key``), ``build_topology(1, world_size - 1, metadata)``, then
     ``init_process_group`` with this rank's keywords. Rank 0 is the trainer (its engine made with
-    ``is_master=True``, so its ``prepare()`` hosts the rendezvous on a port the kernel picks), the others
-    rollouts. Raises what the engine's lifecycle raises (``ckpt.CheckpointError``)."""
+    ``is_master=True``, so its ``prepare()`` reports where its rendezvous is), the others rollouts. Raises what the engine's lifecycle raises (``ckpt.CheckpointError``)."""
     store.set(f"{key}/meta/{rank}", json.dumps(engine.prepare()))
     metadata = [json.loads(store.get(f"{key}/meta/{r}")) for r in range(world_size)]
     trainer, rollout = type(engine).build_topology(1, world_size - 1, metadata)

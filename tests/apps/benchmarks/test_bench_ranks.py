@@ -73,8 +73,8 @@ def one_update(rank: int, world_size: int) -> tuple[list[list[int]], list[int]]:
     import ckpt
 
     store = launcher_store()
-    got, ports = [], []
-    for i in range(2):
+    got, ports, engines = [], [], []
+    for i in range(2):  # both open until the end: two live rendezvous, so their ports must differ
         engine = ckpt.get_checkpoint_engine("collective", is_master=rank == 0, master_addr="127.0.0.1",
                                             bucket_size=1 << 16, device="cpu", timeout=60)
         join_engine(engine, rank, world_size, store, f"e{i}")
@@ -88,6 +88,8 @@ def one_update(rank: int, world_size: int) -> tuple[list[list[int]], list[int]]:
         got.append(asyncio.run(go()))
         ports.append(engine.master_port)
         engine.finalize()
+        engines.append(engine)
+    for engine in engines:
         engine.close()
     return got, ports
 

@@ -59,12 +59,13 @@ class RemoteCallError(hal.HalError, RuntimeError):
     """A call on a serving rank raised; the message is its ``"ExceptionType: message"``."""
 
 
-def job_store(timeout: float) -> Any:
+def job_store(timeout: float, prefix: str = STORE_PREFIX) -> Any:
     """The elastic agent's store (``TORCHELASTIC_USE_AGENT_STORE``: the rendezvous hosts it at
-    ``MASTER_ADDR:MASTER_PORT``; else rank 0 hosts one there, as torch's ``env://`` does), under
-    :data:`STORE_PREFIX`.
+    ``MASTER_ADDR:MASTER_PORT``; else rank 0 hosts one there, as torch's ``env://`` does), under ``prefix``
+    (:data:`STORE_PREFIX`: the job's keys).
 
     Raises:
+        KeyError: not a rank the launcher started: no ``MASTER_ADDR``, ``MASTER_PORT``, ``RANK`` or ``WORLD_SIZE``.
         hal.DistributedTimeoutError: the store did not answer within ``timeout`` seconds.
     """
     import torch.distributed as dist
@@ -74,7 +75,7 @@ def job_store(timeout: float) -> Any:
     agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     store = hal.connect_store(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), int(os.environ["RANK"]),
                               int(os.environ["WORLD_SIZE"]), timeout=timeout, is_master=False if agent else None)
-    return dist.PrefixStore(STORE_PREFIX, store)
+    return dist.PrefixStore(prefix, store)
 
 
 def bind_calls(context: Any, store: Any, rank: int) -> Any:
