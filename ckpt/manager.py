@@ -45,6 +45,24 @@ class UpdateError(CheckpointEngineError, RuntimeError):
     """A call on the workers failed: names each failed worker (role, rank, node, device) and why."""
 
 
+def rank_kwargs(engine_cls: type, trainers: int, rollouts: int, metadata: list) -> list[dict[str, Any]]:
+    """Each global rank's ``init_process_group`` keywords (trainer ranks first, then rollout ranks) from
+    ``engine_cls.build_topology(trainers, rollouts, metadata)``, whose sides give one list entry per rank.
+
+    Raises:
+        UpdateError: ``build_topology`` gave a side a list of the wrong length.
+    """
+    sides = engine_cls.build_topology(trainers, rollouts, metadata)
+    per_rank: list[dict[str, Any]] = []
+    for (side, n), kwargs in zip((("trainer", trainers), ("rollout", rollouts)), sides):
+        for key, values in kwargs.items():
+            if len(values) != n:
+                raise UpdateError(f"{engine_cls.__name__}.build_topology gave {side} key {key!r} "
+                                  f"{len(values)} entries for {n} ranks")
+        per_rank += [{k: v[i] for k, v in kwargs.items()} for i in range(n)]
+    return per_rank
+
+
 @runtime_checkable
 class WorkerGroup(Protocol):
     """Workers ``0 .. trainer_world_size + rollout_world_size - 1``, trainer ranks first, as a launcher
@@ -203,15 +221,8 @@ class CheckpointEngineManager:
         everyone = list(range(self.world_size))
         metadata = await self.call(everyone, "execute_checkpoint_engine", [("prepare",)] * self.world_size,
                                    what="prepare")
-        trainers, rollouts = self.group.trainer_world_size, self.group.rollout_world_size
-        sides = self.engine_cls.build_topology(trainers, rollouts, metadata)
-        per_rank: list[dict[str, Any]] = []
-        for (side, n), kwargs in zip((("trainer", trainers), ("rollout", rollouts)), sides):
-            for key, values in kwargs.items():
-                if len(values) != n:
-                    raise UpdateError(f"{self.engine_cls.__name__}.build_topology gave {side} key {key!r} "
-                                      f"{len(values)} entries for {n} ranks")
-            per_rank += [{k: v[i] for k, v in kwargs.items()} for i in range(n)]
+        per_rank = rank_kwargs(self.engine_cls, self.group.trainer_world_size, self.group.rollout_world_size,
+                               metadata)
         futures = [asyncio.ensure_future(self.group.submit(i, "execute_checkpoint_engine", "init_process_group",
                                                            **kwargs)) for i, kwargs in enumerate(per_rank)]
         await self.settle(futures, "init_process_group", everyone)
@@ -251,4 +262,5 @@ class CheckpointEngineManager:
         await self.group.replace(index)
 
 
-__all__ = ["CheckpointEngineManager", "ERROR_GRACE_S", "LIFECYCLE_METHODS", "UpdateError", "WorkerGroup"]
+__all__ = ["CheckpointEngineManager", "ERROR_GRACE_S", "LIFECYCLE_METHODS", "UpdateError", "WorkerGroup",
+           "rank_kwargs"]

@@ -41,13 +41,14 @@ def launcher_store(timeout: float = 120.0) -> Any:
 def join_engine(engine: Any, rank: int, world_size: int, store: Any, key: str) -> None:
     """Form ``engine``'s group as verl's ``CheckpointEngineManager`` does: ``prepare()`` on every rank, the
     metadata gathered through ``store`` (under ``key``), ``build_topology(1, world_size - 1, metadata)``, then
-    ``init_process_group`` with this rank's keywords. Rank 0 is the trainer (its engine made with
-    ``is_master=True``, so its ``prepare()`` reports where its rendezvous is), the others rollouts. Raises what the engine's lifecycle raises (``ckpt.CheckpointError``)."""
+    ``init_process_group`` with this rank's keywords (:func:`ckpt.manager.rank_kwargs`). Rank 0 is the trainer
+    (its engine made with ``is_master=True``, so its ``prepare()`` reports where its rendezvous is), the others
+    rollouts. Raises what the engine's lifecycle raises (``ckpt.CheckpointError``)."""
+    from ckpt.manager import rank_kwargs
+
     store.set(f"{key}/meta/{rank}", json.dumps(engine.prepare()))
     metadata = [json.loads(store.get(f"{key}/meta/{r}")) for r in range(world_size)]
-    trainer, rollout = type(engine).build_topology(1, world_size - 1, metadata)
-    side, index = (trainer, 0) if rank == 0 else (rollout, rank - 1)
-    engine.init_process_group(**{k: v[index] for k, v in side.items()})
+    engine.init_process_group(**rank_kwargs(type(engine), 1, world_size - 1, metadata)[rank])
 
 
 def rank_main(fn: Callable[..., Any], timeout: float, args: tuple) -> Any:

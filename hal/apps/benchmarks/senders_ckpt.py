@@ -43,6 +43,7 @@ class CkptMultiSenderPath:
     def __init__(self, group: Any, rank: int, trainers: int, rollout_ranks: Sequence[int],
                  shapes: Sequence[tuple[int, ...]], timeout_s: float) -> None:
         from ckpt.collective import CollectiveCheckpointEngine
+        from ckpt.manager import rank_kwargs
         from hal.apps.benchmarks.bench_senders import STORE_PORT
 
         self.rank, self.trainers, self.shapes = rank, trainers, [tuple(s) for s in shapes]
@@ -65,9 +66,8 @@ class CkptMultiSenderPath:
             master = {"is_master": True, "master_addr": addr, "master_port": STORE_PORT + 1 + s, "generation": 0,
                       "joined": None, "multi_sender": True}
             engine = self.engines[s]
-            tkw, rkw = type(engine).build_topology(s, len(self.rollouts), [master] + [{}] * (s - 1 + len(self.rollouts)))
-            side, index = (rkw, self.rollouts.index(rank)) if is_rollout else (tkw, rank)
-            engine.init_process_group(**{k: v[index] for k, v in side.items()})
+            per_rank = rank_kwargs(type(engine), s, len(self.rollouts), [master] + [{}] * (s - 1 + len(self.rollouts)))
+            engine.init_process_group(**per_rank[s + self.rollouts.index(rank) if is_rollout else rank])
             self.steps[s] = 0
 
     def _step(self, senders: int) -> int:
