@@ -10,6 +10,7 @@ memory (``"DRAM"``). Install: ``pip install --no-deps nixl==1.5.1 nixl-cu12==1.5
 from __future__ import annotations
 
 import base64
+import contextlib
 import dataclasses
 import logging
 import os
@@ -93,14 +94,42 @@ class NixlTransport(Transport):
         self.agent.deregister_memory(handle[0])
 
     def start_write(self, peer: int, pieces: list[tuple[int, int, int]]) -> Any:
-        r = self.remote[peer]
-        local = self.agent.get_xfer_descs([(a, n, self.dev) for a, _, n in pieces], self.memory_type)
-        remote = self.agent.get_xfer_descs([(r["addr"] + o, n, r["dev"]) for _, o, n in pieces], r["memory_type"])
+        """Post one WRITE of ``pieces`` to ``peer``; an endpoint UCX failed while the peer's agent may live is
+        made again from the peer's metadata and the write posted once more.
+
+        UCX fails an endpoint for good on a reset connection or a keepalive missed (``NIXL_ERR_REMOTE_DISCONNECT``
+        at post time), and a live peer's agent is then unreachable through it: found by ``hal soak`` (nixl on
+        npu-sim, seed 2: a rollout alive and waiting, its first write of the update refused). A peer whose agent
+        is really gone fails the second post too.
+
+        Raises:
+            TransferError: the write could not be posted (the library's error named).
+        """
+        from nixl._bindings import nixlRemoteDisconnectError
+
         try:
-            handle = self.agent.initialize_xfer("WRITE", local, remote, r["name"])
-            state = self.agent.transfer(handle)
+            try:
+                return self._post(self.remote[peer], pieces)
+            except nixlRemoteDisconnectError:
+                self.add_peer(peer, self.remote[peer])
+                return self._post(self.remote[peer], pieces)
+        except TransferError:
+            raise
         except Exception as exc:  # nixlBind errors: the peer is gone or the descriptors are wrong
             raise TransferError(f"{type(exc).__name__}: {exc}") from exc
+
+    def _post(self, r: dict[str, Any], pieces: list[tuple[int, int, int]]) -> NixlWrite:
+        """``initialize_xfer`` + ``transfer`` of ``pieces`` to the remote agent ``r``; the handle is released
+        when posting fails (nixl raises the library's own errors)."""
+        local = self.agent.get_xfer_descs([(a, n, self.dev) for a, _, n in pieces], self.memory_type)
+        remote = self.agent.get_xfer_descs([(r["addr"] + o, n, r["dev"]) for _, o, n in pieces], r["memory_type"])
+        handle = self.agent.initialize_xfer("WRITE", local, remote, r["name"])
+        try:
+            state = self.agent.transfer(handle)
+        except BaseException:
+            with contextlib.suppress(Exception):  # the post's own error is the one to report
+                self.agent.release_xfer_handle(handle)
+            raise
         if state == "ERR":
             self.agent.release_xfer_handle(handle)
             raise TransferError("NIXL transfer() returned ERR")
