@@ -38,7 +38,7 @@ from ckpt.errors import (CheckpointConfigError, CheckpointEngineUnavailableError
                          TransferError, TransferTimeoutError)
 from ckpt.kimi_library import (CHECKED_VERSIONS, HOST_PROTOCOL, LOGS_ENV, ParameterServerAdapter, World,
                                library_problem, mooncake_protocol)
-from ckpt.one_to_many import DEFAULT_BUCKET_SIZE, OneToManyEngine, host_address, local_address_towards
+from ckpt.one_to_many import DEFAULT_BUCKET_SIZE, OneToManyEngine, local_address_towards
 
 _MARK = "~hal/"  # names of the marker entries; every weight's name is "<8-digit ordinal>/<name>"
 
@@ -62,7 +62,8 @@ class KimiCheckpointEngine(OneToManyEngine):
     Construction, standalone (hal's): ``rank`` (0: the trainer; 1..N: rollouts; -1: a trainer rank that does
     not send), ``world_size`` (N + 1), ``master_addr`` / ``master_port`` (where rank 0 hosts the rendezvous
     store) up front. Driven by verl's ``CheckpointEngineManager``: ``bucket_size`` and ``is_master``;
-    ``prepare()`` on the master picks the store's address, :meth:`build_topology` hands it to every rank.
+    ``prepare()`` on the master hosts the store (on a port the kernel picks), :meth:`build_topology` hands its
+    address to every rank.
 
     Args:
         bucket_size: bytes per bucket a rollout pulls and broadcasts; a tensor larger than it makes that
@@ -123,6 +124,7 @@ class KimiCheckpointEngine(OneToManyEngine):
         self._device: torch.device | None = None
         self._protocol, self._in_place = HOST_PROTOCOL, False
         self._pool_layout: tuple[int, ...] | None = None  # sizes of what the trainer's pinned pool holds
+        self._store: Any = None  # the rendezvous store the trainer hosts (kept until close()), else None
 
     @classmethod
     def availability(cls, device: str | None = None) -> hal.Availability:
@@ -152,11 +154,15 @@ class KimiCheckpointEngine(OneToManyEngine):
         return {"pinned_update_bytes": published_bytes}
 
     def _host_rendezvous(self) -> None:
-        """On the trainer master: pick the rendezvous store's address (the store is made on first use)."""
-        if self.master_addr is None:
-            self.master_addr = self.host or host_address()
-        if self.master_port is None:
-            self.master_port = hal.pick_port(self.master_addr)
+        """On the trainer: host the rendezvous store (once) at ``master_addr:master_port`` (a port the kernel
+        picks when unset), so the address ``prepare()`` reports is already served: no port is picked and bound
+        later, when another process may have taken it.
+
+        Raises:
+            CheckpointConfigError: the trainer's address cannot be bound.
+        """
+        if self._store is None:
+            self._store = self._host_store()
 
     def is_healthy(self) -> bool:
         """Set up, and the rollout group (if any) in step: a failed broadcast breaks it for good, so the next
@@ -165,11 +171,12 @@ class KimiCheckpointEngine(OneToManyEngine):
         return self._ps is not None and not self._group_broken
 
     def _enter(self, membership) -> None:
-        """A new place (rank, world size, store address or generation) gets a new store, engine and group."""
-        self.close()
+        """A new place (rank, world size, store address or generation) gets a new engine and group; the
+        trainer's store stays (its keys are the generation's)."""
+        self._release()
 
     def _leave(self) -> None:
-        self.close()
+        self._release()
 
     def finalize(self) -> None:
         """Nothing to release per update: the store, Mooncake engine, group, the rollout's registered slots
@@ -178,7 +185,12 @@ class KimiCheckpointEngine(OneToManyEngine):
 
     def close(self) -> None:
         """Release everything: the trainer's pinned pool, the rollout's slots, the group, the Mooncake engine,
-        the store."""
+        the store the trainer hosts."""
+        self._release()
+        self._store = None
+
+    def _release(self) -> None:
+        """Release the pinned pool, the slots, the group and the Mooncake engine (the trainer's store stays)."""
         if self._pool_layout is not None and self._ps is not None:
             self._ps.unregister(force=True)
         self._pool_layout = None
@@ -212,10 +224,16 @@ class KimiCheckpointEngine(OneToManyEngine):
         spec = self.local.spec
         device = self.local.bind()
         self._device = device
-        store = hal.connect_store(self.master_addr, int(self.master_port), self.rank, self.world_size, self.timeout)
+        if self.rank == 0:
+            self._host_rendezvous()
+            store = self._store
+        else:
+            store = hal.connect_store(self.master_addr, int(self.master_port), self.rank, self.world_size,
+                                      self.timeout, is_master=False)
         host = self.host or (self.master_addr if self.rank == 0 else local_address_towards(self.master_addr))
         self._protocol, self._in_place = mooncake_protocol(spec)
-        channel = ControlChannel(store, rank=self.rank, namespace=f"{NAMESPACE}/{self._membership.generation if self._membership else 0}",
+        namespace = f"{NAMESPACE}/{self._membership.generation if self._membership else 0}"
+        channel = ControlChannel(store, rank=self.rank, namespace=namespace,
                                  timeout=self.timeout, label=self._label, heartbeat_timeout=self.heartbeat_timeout)
         channel.watch([r for r in range(self.world_size) if r != self.rank])
         world = World(channel, self.world_size)
@@ -223,7 +241,7 @@ class KimiCheckpointEngine(OneToManyEngine):
         self._world = world
         if self.rank > 0 and self.world_size > 2:
             self._group = hal.new_group_from_store(store, self.rank - 1, self.world_size - 1, device=spec,
-                                                   timeout=self.timeout, prefix="kimi-rollouts")
+                                                   timeout=self.timeout, prefix=f"{namespace}/rollouts")
         self._ps = ps
         if self._membership is not None:
             self._joined_now(self._membership)

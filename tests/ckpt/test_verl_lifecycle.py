@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import ckpt
+import hal
 from ckpt.collective import CollectiveCheckpointEngine
 from ckpt.testing import collect, compare, sample_weights, transfer
 
@@ -264,3 +265,33 @@ def test_init_process_group_refuses_an_unknown_keyword():
         engine.init_process_group(ranks=1, world_size=2, master_addr="127.0.0.1", master_port=1)
     with pytest.raises(ckpt.CheckpointConfigError, match="store_addr must be 'host:port', got 'h:'"):
         CollectiveCheckpointEngine(store_addr="h:", device="cpu")
+
+
+@pytest.mark.parametrize("name, device", [("nixl", "cpu"), ("mooncake", "cpu"), ("kimi", "npu-sim")])
+def test_the_masters_prepare_reports_a_store_it_already_serves_and_keeps_across_topologies(name, device):
+    """No port is picked and bound later: the address the master's ``prepare()`` hands verl's manager answers at
+    once (before kimi hosted its store, it picked a free port and bound it at the first send, when another
+    process may have taken it), keeps answering across new generations, and is gone after ``close()``."""
+    ok, reason = ckpt.checkpoint_engine_availability(name, device)
+    if not ok:
+        pytest.skip(f"{name} on {device}: {reason}")
+    engine = ckpt.get_checkpoint_engine(name, is_master=True, master_addr="127.0.0.1", bucket_size=64 << 10,
+                                        device=device, timeout=10)
+
+    def answers(port: int) -> bytes:
+        client = hal.connect_store("127.0.0.1", port, 1, 2, 2.0, is_master=False)
+        client.set("probe", str(port))
+        return client.get("probe")
+
+    try:
+        port = engine.prepare()["master_port"]
+        assert answers(port) == str(port).encode()
+        for generation in (1, 2):  # verl's manager forming new groups: the store stays where it was reported
+            engine.init_process_group(rank=0, world_size=2, master_addr="127.0.0.1", master_port=port,
+                                      generation=generation)
+            assert engine.prepare()["master_port"] == port and answers(port) == str(port).encode()
+    finally:
+        engine.close()
+    gc.collect()
+    with pytest.raises(hal.DistributedTimeoutError):
+        answers(port)

@@ -4,8 +4,8 @@ A benchmark that measures between processes writes one function ``fn(rank, world
 ``world_size`` fresh (spawned) processes; each returns its figures, and :func:`run_ranks` hands back
 ``{rank: figures}``. The ranks find each other through the launcher's own store (:func:`launcher_store`), and
 a checkpoint engine's group forms by verl's lifecycle over it (:func:`join_engine`): the engine's master says
-in ``prepare()`` where its rendezvous is, so the benchmark chooses no port (the collective and transfer-library
-engines host it on a port the kernel picks; kimi still picks a free one for its ParameterServer's store).
+in ``prepare()`` where its rendezvous is, already hosted on a port the kernel picked, so the benchmark chooses
+no port.
 
 Every rank also has a deadline: past ``timeout`` seconds it writes every thread's stack to stderr and
 exits, so a rank waiting on a dead peer fails the run within it (the launcher then stops the others and
