@@ -14,6 +14,7 @@ pytest.importorskip("vllm", reason="vLLM is not installed here: scripts/setup_vl
 from hal.apps.cli.sync import Sync, execute
 from hal.apps.weightsync.launchers import launch
 from hal.apps.weightsync.options import JobOptions
+from hal.apps.weightsync.vllm_role import REFUSE_STEPS_ENV
 
 pytestmark = pytest.mark.timeout(400)
 TIMEOUT_S = 120.0
@@ -37,10 +38,11 @@ def test_hal_sync_rollout_vllm_verifies_every_step():
             assert r["peak_host_bytes"] > 0
 
 
-def test_a_refused_vllm_update_leaves_the_previous_step_serving_and_is_reported_not_served():
+def test_a_refused_vllm_update_leaves_the_previous_step_serving_and_is_reported_not_served(monkeypatch):
+    monkeypatch.setenv(REFUSE_STEPS_ENV, "2")  # the rollout processes inherit it
     # lr large enough that every step changes the greedy tokens (so serving step 1 is told from step 2)
     options = JobOptions(device="cpu", model="qwen2.5-tiny", rollouts=1, steps=3, rollout="vllm", lr=1e-2,
-                         bucket_bytes=4 << 20, timeout=TIMEOUT_S, vllm_fail_steps=(2,))
+                         bucket_bytes=4 << 20, timeout=TIMEOUT_S)
     report = launch(options).report(options.steps)
     rows = {row["global_steps"]: row for row in report["rows"]}
     assert not report["verified"]

@@ -45,9 +45,6 @@ class JobOptions:
     ``rollout="vllm"`` (vLLM's tokens then equal transformers' exactly), else bfloat16 (verl's choice)."""
     vllm_model_dir: str | None = None
     """With ``rollout="vllm"``: the Hugging Face directory vLLM starts from (the launcher writes it)."""
-    vllm_fail_steps: tuple[int, ...] = ()
-    """With ``rollout="vllm"``, for tests: steps whose update every vLLM rollout refuses after receiving it
-    (the announced checksums are corrupted), so the previous step keeps serving."""
     wire_format: str = "full"
     """``full``: every tensor each step; ``delta``: verl's ``delta_flush`` (:mod:`hal.apps.weightsync.delta`)."""
     compare_full: bool = False

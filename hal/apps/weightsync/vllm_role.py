@@ -28,8 +28,29 @@ LOGGING_STREAM_ENV = "VLLM_LOGGING_STREAM"
 """vLLM's log stream (default stdout); the role sends it to stderr."""
 
 FAULT_TENSOR = "hal.fault-injection"
-"""The name a fault-injected update announces (``JobOptions.vllm_fail_steps``): never sent, so the update is
-refused after it was received whole, before anything is loaded."""
+"""The name a fault-injected update announces (:data:`REFUSE_STEPS_ENV`): never sent, so the update is refused
+after it was received whole, before anything is loaded."""
+REFUSE_STEPS_ENV = "HAL_TEST_VLLM_REFUSE_STEPS"
+"""Environment variable, for tests: comma-separated ``global_steps`` whose update every vLLM rollout refuses after
+receiving it (the announced checksums are corrupted), so the previous step keeps serving. A test's fault
+injection, kept out of the job's options."""
+
+
+def refuse_steps() -> frozenset[int]:
+    """The steps :data:`REFUSE_STEPS_ENV` names (empty when unset).
+
+    Raises:
+        ValueError: a value that is not a comma-separated list of integers >= 0, named.
+    """
+    text = os.environ.get(REFUSE_STEPS_ENV, "").strip()
+    try:
+        steps = frozenset(int(part) for part in text.split(",")) if text else frozenset()
+    except ValueError:
+        steps = None
+    if steps is None or any(step < 0 for step in steps):
+        raise ValueError(f"{REFUSE_STEPS_ENV}={text!r}: expected comma-separated global_steps (integers >= 0), "
+                         "such as '2' or '2,5'")
+    return steps
 
 
 def save_initial_model(options: JobOptions, root: str | None = None) -> JobOptions:
@@ -102,13 +123,14 @@ class VllmRolloutRole(Worker):
         self.prompt = models.prompt_ids(options.model)[0].tolist()
         self.received: dict[str, str] = {}
         self.references: dict[int, list[int] | None] = {}
+        self.refuse_steps = refuse_steps()
 
     async def update_weights(self, global_steps: int) -> Received:
         """Receive ``global_steps`` into vLLM's worker, checksum it there and load it (a failed update is
         reported in the result, the previous step serving); vLLM's own times in ``Received.vllm``."""
         started_at = time.time()
         start = time.perf_counter()
-        expected = {FAULT_TENSOR: "00000000"} if global_steps in self.options.vllm_fail_steps else None
+        expected = {FAULT_TENSOR: "00000000"} if global_steps in self.refuse_steps else None
         try:
             result = await self.vllm.receive(global_steps, expected)
         except Exception as exc:  # noqa: BLE001 - reported as this step's error; the previous step serves
@@ -175,4 +197,5 @@ def update_time_comparison(vllm_rows: list[dict[str, Any]], hal_rows: list[dict[
     return {"steps": steps, "ratio_mean": sum(s["ratio"] for s in steps) / len(steps) if steps else None}
 
 
-__all__ = ["FAULT_TENSOR", "VllmRolloutRole", "save_initial_model", "update_time_comparison", "worker_engine"]
+__all__ = ["FAULT_TENSOR", "REFUSE_STEPS_ENV", "VllmRolloutRole", "refuse_steps", "save_initial_model",
+           "update_time_comparison", "worker_engine"]
