@@ -125,6 +125,7 @@ class KimiCheckpointEngine(OneToManyEngine):
         self._protocol, self._in_place = HOST_PROTOCOL, False
         self._pool_layout: tuple[int, ...] | None = None  # sizes of what the trainer's pinned pool holds
         self._store: Any = None  # the rendezvous store the trainer hosts (kept until close()), else None
+        self._store_served: int | None = None  # the highest generation whose keys that store holds
 
     @classmethod
     def availability(cls, device: str | None = None) -> hal.Availability:
@@ -161,7 +162,8 @@ class KimiCheckpointEngine(OneToManyEngine):
         Raises:
             CheckpointConfigError: the trainer's address cannot be bound.
         """
-        if self._store is None:
+        if self._store is None or self._store_moved():
+            self._store = self._store_served = None  # the old one stops first: the new one may take its port
             self._store = self._host_store()
 
     def is_healthy(self) -> bool:
@@ -171,8 +173,13 @@ class KimiCheckpointEngine(OneToManyEngine):
         return self._ps is not None and not self._group_broken
 
     def _enter(self, membership) -> None:
-        """A new place (rank, world size, store address or generation) gets a new engine and group; the
-        trainer's store stays (its keys are the generation's)."""
+        """A new place (rank, world size, store address or generation) gets a new engine and group. The
+        trainer's store stays for a newer generation (its keys are the generation's, and verl's manager
+        raises it for every new group); a group of a generation the store already served (a standalone
+        engine joining generation 0 again) gets a new store, so nobody reads the keys of an update of the
+        group before (its metadata and done markers: a send would end at once, with no rollout there)."""
+        if self._store_served is not None and membership.generation <= self._store_served:
+            self._store = self._store_served = None
         self._release()
 
     def _leave(self) -> None:
@@ -187,7 +194,7 @@ class KimiCheckpointEngine(OneToManyEngine):
         """Release everything: the trainer's pinned pool, the rollout's slots, the group, the Mooncake engine,
         the store the trainer hosts."""
         self._release()
-        self._store = None
+        self._store = self._store_served = None
 
     def _release(self) -> None:
         """Release the pinned pool, the slots, the group and the Mooncake engine (the trainer's store stays)."""
@@ -224,15 +231,17 @@ class KimiCheckpointEngine(OneToManyEngine):
         spec = self.local.spec
         device = self.local.bind()
         self._device = device
+        generation = self._membership.generation if self._membership else 0
         if self.rank == 0:
             self._host_rendezvous()
             store = self._store
+            self._store_served = generation if self._store_served is None else max(self._store_served, generation)
         else:
             store = hal.connect_store(self.master_addr, int(self.master_port), self.rank, self.world_size,
                                       self.timeout, is_master=False)
         host = self.host or (self.master_addr if self.rank == 0 else local_address_towards(self.master_addr))
         self._protocol, self._in_place = mooncake_protocol(spec)
-        namespace = f"{NAMESPACE}/{self._membership.generation if self._membership else 0}"
+        namespace = f"{NAMESPACE}/{generation}"
         channel = ControlChannel(store, rank=self.rank, namespace=namespace,
                                  timeout=self.timeout, label=self._label, heartbeat_timeout=self.heartbeat_timeout)
         channel.watch([r for r in range(self.world_size) if r != self.rank])
@@ -263,7 +272,8 @@ class KimiCheckpointEngine(OneToManyEngine):
         returns when every rollout is done with the update.
 
         Raises:
-            CheckpointConfigError: called on a rollout, or a bad ``global_steps``.
+            CheckpointConfigError: called on a rollout, a bad ``global_steps``, or the trainer's store address
+                cannot be bound.
             TransferTimeoutError, TransferError: a rollout is dead or stuck (named), within ``timeout``.
             Whatever ``weights`` raises: the rollouts are told first (:class:`TransferAbortedError`).
         """

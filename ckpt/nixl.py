@@ -100,13 +100,17 @@ class NixlTransport(Transport):
         UCX fails an endpoint for good on a reset connection or a keepalive missed (``NIXL_ERR_REMOTE_DISCONNECT``
         at post time), and a live peer's agent is then unreachable through it: found by ``hal soak`` (nixl on
         npu-sim, seed 2: a rollout alive and waiting, its first write of the update refused). A peer whose agent
-        is really gone fails the second post too.
+        is really gone fails the second post too. Making the endpoint again fails any other write to that peer
+        still in flight (nixl invalidates it), so the update they belong to fails as it would have.
 
         Raises:
+            KeyError: ``peer`` was never added (:meth:`add_peer`).
             TransferError: the write could not be posted (the library's error named).
         """
         from nixl._bindings import nixlRemoteDisconnectError
 
+        if peer not in self.remote:
+            raise KeyError(f"NIXL has no agent of peer {peer}: add_peer() it first (peers added: {sorted(self.remote)})")
         try:
             try:
                 return self._post(self.remote[peer], pieces)

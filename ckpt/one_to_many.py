@@ -216,6 +216,7 @@ class OneToManyEngine(CheckpointEngine):
         self.local = hal.resolve_local_device(device)  # resolved once: every update binds it (issue 30)
         self.device_kind, self.host = str(self.local), host
         self.master_addr, self.master_port = master_addr, master_port
+        self._store_at: tuple[str, int] | None = None  # where the store this engine hosts listens (_host_store)
         self.rank: int | None = None
         self.world_size: int | None = None
         self.src_rank = 0
@@ -326,7 +327,14 @@ class OneToManyEngine(CheckpointEngine):
         addr = self.master_addr or self.host or host_address()
         store = control.host_store(addr, self.master_port, self.timeout)
         self.master_addr, self.master_port = addr, int(store.port)
+        self._store_at = (self.master_addr, self.master_port)
         return store
+
+    def _store_moved(self) -> bool:
+        """Whether the group now looks for this engine's store elsewhere than :meth:`_host_store` hosted it
+        (``init_process_group`` was given another ``master_addr`` / ``master_port``): it is then hosted anew
+        there, else every peer would wait on an address nobody serves."""
+        return self._store_at != (self.master_addr, self.master_port)
 
     def _prepare_buffers(self) -> None:
         """Allocate this update's buffers, where the engine does so in ``prepare()`` (nothing here)."""

@@ -307,7 +307,8 @@ class P2PCheckpointEngine(OneToManyEngine):
         Raises:
             CheckpointConfigError: the trainer's address cannot be bound.
         """
-        if self._store is None:
+        if self._store is None or self._store_moved():
+            self._store = None  # the old one stops first: the new one may take its port
             self._store = self._host_store()
 
     def _namespace(self) -> str:

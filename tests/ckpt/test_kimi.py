@@ -203,3 +203,31 @@ def test_a_failed_rollout_group_broadcast_makes_the_engine_unhealthy():
     engine.close()
     engine._ps = StubServer()  # set up again: a new group is in step
     assert engine.is_healthy()
+
+
+def test_a_group_joining_a_generation_its_store_served_again_reads_none_of_its_keys():
+    """The trainer keeps its store across newer generations; a standalone engine that leaves and joins
+    generation 0 again must not find the last group's keys there (a review found the send of a trainer with no
+    rollout at all then returning at once, on the earlier update's metadata and done markers)."""
+    ok, reason = ckpt.checkpoint_engine_availability("kimi", "npu-sim")
+    if not ok:
+        pytest.skip(f"kimi on npu-sim: {reason}")
+
+    async def main():
+        common = dict(world_size=2, master_addr="127.0.0.1", master_port=free_port(), bucket_size=64 << 10,
+                      device="npu-sim", timeout=3)
+        sender = ckpt.get_checkpoint_engine("kimi", rank=0, **common)
+        receiver = ckpt.get_checkpoint_engine("kimi", rank=1, **common)
+        try:
+            weights = sample_weights(1)[:4]
+            compare(weights, await transfer(sender, receiver, weights, 1, 1), "the first update")
+            for engine in (sender, receiver):
+                engine.init_process_group(rank=-1)
+            sender.init_process_group(rank=0, world_size=2, master_addr="127.0.0.1", master_port=common["master_port"])
+            with pytest.raises(ckpt.TransferTimeoutError, match="rollout rank 1"):  # no rollout joined
+                await sender.send_weights(iter(sample_weights(2)[:4]), 2)
+        finally:
+            sender.close()
+            receiver.close()
+    asyncio.run(main())
+

@@ -105,5 +105,5 @@ def test_a_write_to_a_peer_whose_agent_closed_still_fails(tcp_agents):
     writer.add_peer(1, gone_info)
     gone.close()
     time.sleep(0.5)
-    with pytest.raises(TransferError):
+    with pytest.raises(TransferError, match="nixl"):  # the library's own error, named
         _write(writer, source)

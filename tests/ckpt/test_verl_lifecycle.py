@@ -295,3 +295,26 @@ def test_the_masters_prepare_reports_a_store_it_already_serves_and_keeps_across_
     gc.collect()
     with pytest.raises(hal.DistributedTimeoutError):
         answers(port)
+
+
+@pytest.mark.parametrize("name, device", [("nixl", "cpu"), ("mooncake", "cpu"), ("kimi", "npu-sim")])
+def test_a_master_told_another_address_hosts_its_store_there(name, device):
+    """``init_process_group`` with another ``master_port`` than the one the store was hosted at: the next
+    ``prepare()`` reports that address, and it is served (a review found it reported, nobody listening)."""
+    ok, reason = ckpt.checkpoint_engine_availability(name, device)
+    if not ok:
+        pytest.skip(f"{name} on {device}: {reason}")
+    from hal.testing import free_port
+
+    engine = ckpt.get_checkpoint_engine(name, is_master=True, master_addr="127.0.0.1", bucket_size=64 << 10,
+                                        device=device, timeout=10)
+    try:
+        first = engine.prepare()["master_port"]
+        other = free_port()
+        engine.init_process_group(rank=0, world_size=2, master_addr="127.0.0.1", master_port=other, generation=1)
+        assert engine.prepare()["master_port"] == other != first
+        client = hal.connect_store("127.0.0.1", other, 1, 2, 2.0, is_master=False)
+        client.set("probe", "1")
+        assert client.get("probe") == b"1"
+    finally:
+        engine.close()

@@ -43,14 +43,11 @@ def refuse_steps() -> frozenset[int]:
         ValueError: a value that is not a comma-separated list of integers >= 0, named.
     """
     text = os.environ.get(REFUSE_STEPS_ENV, "").strip()
-    try:
-        steps = frozenset(int(part) for part in text.split(",")) if text else frozenset()
-    except ValueError:
-        steps = None
-    if steps is None or any(step < 0 for step in steps):
+    parts = [part.strip() for part in text.split(",")] if text else []
+    if not all(part.isascii() and part.isdigit() for part in parts):
         raise ValueError(f"{REFUSE_STEPS_ENV}={text!r}: expected comma-separated global_steps (integers >= 0), "
                          "such as '2' or '2,5'")
-    return steps
+    return frozenset(int(part) for part in parts)
 
 
 def save_initial_model(options: JobOptions, root: str | None = None) -> JobOptions:
@@ -105,7 +102,8 @@ class VllmRolloutRole(Worker):
         vllm: the :class:`~hal.apps.weightsync.vllm_rollout.VllmRollout`.
 
     Raises:
-        ValueError: ``options.vllm_model_dir`` is not set. ImportError: vLLM is not installed.
+        ValueError: ``options.vllm_model_dir`` is not set, or :data:`REFUSE_STEPS_ENV` is malformed.
+        ImportError: vLLM is not installed.
     """
 
     def __init__(self, options: JobOptions, rank: int, where: Where | None = None) -> None:
@@ -114,6 +112,7 @@ class VllmRolloutRole(Worker):
 
         if options.vllm_model_dir is None:
             raise ValueError("VllmRolloutRole needs options.vllm_model_dir (save_initial_model writes it), got None")
+        self.refuse_steps = refuse_steps()  # a bad value is told before vLLM starts
         super().__init__(options, rank, None, where)
         os.environ.setdefault(LOGGING_STREAM_ENV, "ext://sys.stderr")  # stdout is hal sync --json's
         engine_kwargs = dict(bucket_size=options.bucket_bytes, is_master=False, timeout=options.timeout)
@@ -123,7 +122,6 @@ class VllmRolloutRole(Worker):
         self.prompt = models.prompt_ids(options.model)[0].tolist()
         self.received: dict[str, str] = {}
         self.references: dict[int, list[int] | None] = {}
-        self.refuse_steps = refuse_steps()
 
     async def update_weights(self, global_steps: int) -> Received:
         """Receive ``global_steps`` into vLLM's worker, checksum it there and load it (a failed update is
