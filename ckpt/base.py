@@ -164,6 +164,13 @@ class CheckpointEngine(abc.ABC):
     one ``tests/vllm`` runs there. The job refuses any other up front rather than failing inside vLLM."""
 
     @classmethod
+    def transport_words(cls, spec: Any) -> str | None:
+        """How this engine moves an update's bytes on the device kind ``spec`` (a ``hal.DeviceSpec``), in a few
+        words for reports (``hal sync`` prints them beside the engine's name); ``None`` here: nothing to add to
+        the engine's name. Never raises."""
+        return None
+
+    @classmethod
     def send_buffer_bytes(cls, bucket_size: int, published_bytes: int) -> dict[str, int]:
         """What the sending side holds while it sends one update, beyond the caller's tensors.
 

@@ -163,6 +163,15 @@ class IpcCheckpointEngine(CheckpointEngine):
     ranks_may_share_a_device = True  # verl's hybrid engine: the rollout opens the trainer's buffer on its device
     stages_in_shared_memory = True  # the shm transport's buckets, and the simulated npu's shareable buffers
 
+    TRANSPORT_WORDS = {"device": "{kind} IPC handles, read in place", "shm": "shared memory, /dev/shm"}
+    """How :meth:`transport_words` says each of :data:`hal.ipc.TRANSPORTS`."""
+
+    @classmethod
+    def transport_words(cls, spec: Any) -> str:
+        """The kind's transport (``spec.ipc_transport()``, what an engine built without ``transport=`` uses) in
+        words: ``"cuda IPC handles, read in place"``, ``"shared memory, /dev/shm"``."""
+        return cls.TRANSPORT_WORDS[spec.ipc_transport()].format(kind=spec.kind)
+
     @classmethod
     def send_buffer_bytes(cls, bucket_size: int, published_bytes: int) -> dict[str, int]:
         """What the trainer holds beyond its tensors: the shared buffer, ``NUM_BUCKETS * bucket_size`` bytes."""

@@ -115,6 +115,22 @@ def checkpoint_engine_says(name: str, fact: str) -> bool:
     return bool(getattr(checkpoint_engine_factory(name), fact, False))
 
 
+def checkpoint_engine_transport(name: str, spec: Any) -> str | None:
+    """How the class registered as ``name`` moves bytes on the device kind ``spec`` (a ``hal.DeviceSpec``), in
+    words (:meth:`ckpt.CheckpointEngine.transport_words`); ``None`` when it says nothing, or for a factory that
+    is not such a class.
+
+    Raises:
+        UnknownCheckpointEngineError: no such name.
+    """
+    from ckpt.base import CheckpointEngine
+
+    factory = checkpoint_engine_factory(name)
+    if isinstance(factory, type) and issubclass(factory, CheckpointEngine):
+        return factory.transport_words(spec)
+    return None
+
+
 def checkpoint_engines_where(fact: str) -> list[str]:
     """Names of the registered engines whose class states ``fact`` (see :func:`checkpoint_engine_says`),
     sorted; e.g. for a message listing the engines a flag accepts.

@@ -55,3 +55,19 @@ def test_a_third_party_engine_is_asked_like_a_builtin():
         assert ckpt.checkpoint_engines_where("publishes_to_files") == ["file", "third-party-files"]
     finally:
         ckpt.unregister_checkpoint_engine("third-party-files")
+
+
+def test_how_an_engine_moves_bytes_is_its_classes_word_for_the_kind():
+    """``hal sync`` says which transport the ipc engine uses on the kind (a fresh user could not tell whether
+    their buckets went through device IPC or /dev/shm); the other built-in engines add nothing to their name."""
+    import types
+
+    import hal
+
+    cuda_like = types.SimpleNamespace(kind="cuda", ipc_transport=lambda: "device")
+    assert ckpt.checkpoint_engine_transport("ipc", cuda_like) == "cuda IPC handles, read in place"
+    for kind in ("cpu", "npu-sim"):
+        spec = hal.resolve_device(kind)
+        expected = "shared memory, /dev/shm" if spec.ipc_transport() == "shm" else f"{kind} IPC handles, read in place"
+        assert ckpt.checkpoint_engine_transport("ipc", spec) == expected
+        assert all(ckpt.checkpoint_engine_transport(name, spec) is None for name in FACTS if name != "ipc")

@@ -352,6 +352,7 @@ def execute(args: Sync) -> dict[str, Any]:
     naming the trainer or rollout whose process failed and how, and :class:`ckpt.manager.UpdateError` naming
     a worker that failed or died in a call (Ray).
     """
+    import ckpt
     from hal.apps.weightsync.launchers import launch
     from hal.apps.weightsync.raw import RawReference
 
@@ -368,7 +369,9 @@ def execute(args: Sync) -> dict[str, Any]:
 
         hooks.append(FullReference())
     result = launch(options, hooks)
-    out = {"device": options.device, "engine": options.engine, "model": options.model, "offload": options.offload,
+    out = {"device": options.device, "engine": options.engine,
+           "transport": ckpt.checkpoint_engine_transport(options.engine, hal.resolve_device(options.device)),
+           "model": options.model, "offload": options.offload,
            "trainer_ranks": options.trainer_ranks, "hybrid": options.hybrid,
            "rollout_apply": options.rollout_apply, "launcher": options.launcher, "rollout": options.rollout,
            "publish_dtype": options.published_dtype, "wire_format": options.wire_format,
@@ -392,7 +395,9 @@ def print_table(result: dict[str, Any]) -> None:
     rows = result["rows"]
     tensors = rows[0]["tensors"] if rows else 0
     model = result["model"]  # a preset name or the path as the user gave it
-    table = Table(title=f"hal sync: {model} ({tensors} tensors) on {result['device']}, engine {result['engine']}, "
+    transport = f" ({result['transport']})" if result.get("transport") else ""
+    table = Table(title=f"hal sync: {model} ({tensors} tensors) on {result['device']}, engine {result['engine']}"
+                        f"{transport}, "
                         f"rollout {result.get('rollout', 'hal')}, "
                         f"offload {result['offload']}, rollouts {result['rollout_apply']}"
                         + (f", {result['trainer_ranks']} trainer ranks" if result.get("trainer_ranks", 1) > 1 else "")

@@ -48,12 +48,13 @@ def test_colocated_runs_the_job_in_one_process_without_a_raw_reference():
     result = hal_sync("--engine", "colocated")
     check_rows(result, raw=False)
     assert result["ratio_vs_raw_min"] is None and result["engine"] == "colocated"
+    assert result["transport"] is None  # the engine's name says it all
 
 
 def test_the_ipc_engine_runs_the_job_staged_in_its_publish_buffer():
     result = hal_sync("--engine", "ipc", "--bucket-mb", "0.25")
     check_rows(result, raw=True)
-    assert result["engine"] == "ipc"
+    assert result["engine"] == "ipc" and result["transport"] == "shared memory, /dev/shm"  # cpu shares no device
 
 
 def test_hybrid_puts_every_rank_on_device_0_and_offloads_the_trainer_before_the_rollouts_apply():
