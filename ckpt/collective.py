@@ -121,8 +121,7 @@ class CollectiveCheckpointEngine(OneToManyEngine):
         self._metas: list[torch.Tensor] = []
         self._large: torch.Tensor | None = None  # receiver: assembly buffer of tensors larger than a bucket
         self._pending_meta = None  # receiver: the next message's metadata broadcast, posted ahead
-        self._store = None
-        self._store_at: tuple[str, int] | None = None  # where self._store points
+        self._store = None  # where it points: self._store_at (the base's)
         self._store_server = False  # self._store is the server (this rank hosts the rendezvous)
         self._control: ControlChannel | None = None  # the control keys of the joined group (no heartbeat)
         self._group: hal.StoreGroup | None = None
@@ -141,8 +140,8 @@ class CollectiveCheckpointEngine(OneToManyEngine):
         """The master hosts the rendezvous store, once, at ``master_port`` (``None``: a free port)."""
         if self._membership is not None or self._store is not None:
             return
-        self._store = self._host_store()
-        self._store_at, self._store_server = (self.master_addr, self.master_port), True
+        self._store = self._host_store()  # records self._store_at
+        self._store_server = True
 
     def _prepare_buffers(self) -> None:
         if self.rank is not None and self.rank >= 0:

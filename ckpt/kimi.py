@@ -235,7 +235,7 @@ class KimiCheckpointEngine(OneToManyEngine):
         if self.rank == 0:
             self._host_rendezvous()
             store = self._store
-            self._store_served = generation if self._store_served is None else max(self._store_served, generation)
+            self._store_served = max(self._store_served or 0, generation)  # generations are >= 0
         else:
             store = hal.connect_store(self.master_addr, int(self.master_port), self.rank, self.world_size,
                                       self.timeout, is_master=False)

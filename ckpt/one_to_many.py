@@ -216,7 +216,7 @@ class OneToManyEngine(CheckpointEngine):
         self.local = hal.resolve_local_device(device)  # resolved once: every update binds it (issue 30)
         self.device_kind, self.host = str(self.local), host
         self.master_addr, self.master_port = master_addr, master_port
-        self._store_at: tuple[str, int] | None = None  # where the store this engine hosts listens (_host_store)
+        self._store_at: tuple[str, int] | None = None  # where this engine's store is (_host_store records it)
         self.rank: int | None = None
         self.world_size: int | None = None
         self.src_rank = 0

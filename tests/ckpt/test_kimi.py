@@ -230,4 +230,3 @@ def test_a_group_joining_a_generation_its_store_served_again_reads_none_of_its_k
             sender.close()
             receiver.close()
     asyncio.run(main())
-

@@ -267,6 +267,14 @@ def test_init_process_group_refuses_an_unknown_keyword():
         CollectiveCheckpointEngine(store_addr="h:", device="cpu")
 
 
+def _store_answers(port: int) -> bytes:
+    """Set and read back a key in the store at 127.0.0.1:``port`` (``hal.DistributedTimeoutError`` within 2 s
+    when nobody serves it)."""
+    client = hal.connect_store("127.0.0.1", port, 1, 2, 2.0, is_master=False)
+    client.set("probe", str(port))
+    return client.get("probe")
+
+
 @pytest.mark.parametrize("name, device", [("nixl", "cpu"), ("mooncake", "cpu"), ("kimi", "npu-sim")])
 def test_the_masters_prepare_reports_a_store_it_already_serves_and_keeps_across_topologies(name, device):
     """No port is picked and bound later: the address the master's ``prepare()`` hands verl's manager answers at
@@ -277,24 +285,18 @@ def test_the_masters_prepare_reports_a_store_it_already_serves_and_keeps_across_
         pytest.skip(f"{name} on {device}: {reason}")
     engine = ckpt.get_checkpoint_engine(name, is_master=True, master_addr="127.0.0.1", bucket_size=64 << 10,
                                         device=device, timeout=10)
-
-    def answers(port: int) -> bytes:
-        client = hal.connect_store("127.0.0.1", port, 1, 2, 2.0, is_master=False)
-        client.set("probe", str(port))
-        return client.get("probe")
-
     try:
         port = engine.prepare()["master_port"]
-        assert answers(port) == str(port).encode()
+        assert _store_answers(port) == str(port).encode()
         for generation in (1, 2):  # verl's manager forming new groups: the store stays where it was reported
             engine.init_process_group(rank=0, world_size=2, master_addr="127.0.0.1", master_port=port,
                                       generation=generation)
-            assert engine.prepare()["master_port"] == port and answers(port) == str(port).encode()
+            assert engine.prepare()["master_port"] == port and _store_answers(port) == str(port).encode()
     finally:
         engine.close()
     gc.collect()
     with pytest.raises(hal.DistributedTimeoutError):
-        answers(port)
+        _store_answers(port)
 
 
 @pytest.mark.parametrize("name, device", [("nixl", "cpu"), ("mooncake", "cpu"), ("kimi", "npu-sim")])
@@ -313,8 +315,6 @@ def test_a_master_told_another_address_hosts_its_store_there(name, device):
         other = free_port()
         engine.init_process_group(rank=0, world_size=2, master_addr="127.0.0.1", master_port=other, generation=1)
         assert engine.prepare()["master_port"] == other != first
-        client = hal.connect_store("127.0.0.1", other, 1, 2, 2.0, is_master=False)
-        client.set("probe", "1")
-        assert client.get("probe") == b"1"
+        assert _store_answers(other) == str(other).encode()
     finally:
         engine.close()
