@@ -44,7 +44,8 @@ class CollectiveCheckpointEngine(OneToManyEngine):
 
     * hal's standalone use: ``rank``, ``world_size`` and ``master_addr``/``master_port`` (or
       ``store_addr="host:port"``; rank 0 hosts the store) up front; the first ``send_weights`` /
-      ``receive_weights`` joins the group.
+      ``receive_weights`` joins the group. Rank 0 may leave ``master_port`` out: its ``prepare()`` then hosts
+      the store on a port the kernel picks and reports it (``master_port``), for the other ranks to be given.
     * verl's: ``CollectiveCheckpointEngine(bucket_size=..., is_master=..., **engine_kwargs)``, then per
       update ``prepare()`` (the master hosts the store and reports where), the classmethod
       ``build_topology(trainer_world_size, rollout_world_size, metadata)``, ``init_process_group(**one
@@ -112,9 +113,11 @@ class CollectiveCheckpointEngine(OneToManyEngine):
         super().__init__(bucket_size=bucket_size, is_master=is_master, rank=rank, world_size=world_size,
                          master_addr=master_addr, master_port=master_port, store_addr=store_addr, src_rank=src_rank,
                          device=device, timeout=timeout, direct_threshold=direct_threshold, multi_sender=multi_sender)
-        if self._membership is not None and (self.master_addr is None or self.master_port is None):
-            raise CheckpointConfigError("the collective engine needs master_addr and master_port "
-                                        f"(or store_addr='host:port'), got {self.master_addr!r}, {self.master_port!r}")
+        if self._membership is not None and (self.master_addr is None or (
+                self.master_port is None and self._membership.rank != self._membership.src_rank)):
+            raise CheckpointConfigError("the collective engine needs master_addr and, off the sender's rank, "
+                                        "master_port (or store_addr='host:port'), got "
+                                        f"{self.master_addr!r}, {self.master_port!r}")
         self.meta_capacity = meta_capacity
         self.device: torch.device | None = None
         self._buffers: list[torch.Tensor] = []
@@ -137,11 +140,14 @@ class CollectiveCheckpointEngine(OneToManyEngine):
 
     # ---- lifecycle (verl's CheckpointEngine ABC: all synchronous; the sequence is the base's) --------
     def _host_rendezvous(self) -> None:
-        """The master hosts the rendezvous store, once, at ``master_port`` (``None``: a free port)."""
-        if self._membership is not None or self._store is not None:
+        """The master hosts the rendezvous store, once, at ``master_port`` (``None``: a port the kernel picks,
+        reported by ``prepare()``); a standalone sender given its port hosts it when it joins instead."""
+        if self._store is not None or (self._membership is not None and self.master_port is not None):
             return
         self._store = self._host_store()  # records self._store_at
         self._store_server = True
+        if self._membership is not None:  # standalone: the group now meets where the kernel put the store
+            self._set_membership(dataclasses.replace(self._membership, master_port=self.master_port))
 
     def _prepare_buffers(self) -> None:
         if self.rank is not None and self.rank >= 0:
@@ -225,6 +231,9 @@ class CollectiveCheckpointEngine(OneToManyEngine):
 
     def _join(self, m: Membership) -> None:
         self._bind()  # it may run in a worker thread (asyncio.to_thread): the group forms on this rank's device
+        if m.master_port is None:  # a standalone sender told no port, not prepare()d: the kernel picks one now
+            self._host_rendezvous()
+            m = dataclasses.replace(m, master_port=self.master_port)
         self._release_group(keep_store=self._store_at == (m.master_addr, m.master_port))
         self._broken = None
         try:

@@ -28,6 +28,7 @@ objects in this process) provides the group. It imports only hal's API and ``ckp
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from typing import Any, Awaitable, Protocol, Sequence, runtime_checkable
 
@@ -61,6 +62,25 @@ def rank_kwargs(engine_cls: type, trainers: int, rollouts: int, metadata: list) 
                                   f"{len(values)} entries for {n} ranks")
         per_rank += [{k: v[i] for k, v in kwargs.items()} for i in range(n)]
     return per_rank
+
+
+def join_engine(engine: Any, rank: int, world_size: int, store: Any, key: str) -> None:
+    """Form ``engine``'s group as :class:`CheckpointEngineManager` does, for ranks that meet on a shared
+    ``store`` (a ``torch.distributed.Store``, such as :func:`hal.launcher_store`) instead of a manager:
+    ``prepare()`` on every rank, the metadata gathered through ``store`` under ``key`` (JSON), then
+    ``init_process_group`` with this rank's keywords from ``build_topology(1, world_size - 1, metadata)``.
+
+    Rank 0 is the trainer (its engine made with ``is_master=True``, so its ``prepare()`` says where its
+    rendezvous is, hosted on a port the kernel picked), ranks ``1..world_size-1`` the rollouts. A ``key`` used
+    once per group keeps two groups over one store apart.
+
+    Raises:
+        UpdateError: ``build_topology`` gave a side a list of the wrong length.
+        ckpt.CheckpointError: what the engine's lifecycle raises.
+    """
+    store.set(f"{key}/meta/{rank}", json.dumps(engine.prepare()))
+    metadata = [json.loads(store.get(f"{key}/meta/{r}")) for r in range(world_size)]
+    engine.init_process_group(**rank_kwargs(type(engine), 1, world_size - 1, metadata)[rank])
 
 
 @runtime_checkable
@@ -262,5 +282,5 @@ class CheckpointEngineManager:
         await self.group.replace(index)
 
 
-__all__ = ["CheckpointEngineManager", "ERROR_GRACE_S", "LIFECYCLE_METHODS", "UpdateError", "WorkerGroup",
+__all__ = ["CheckpointEngineManager", "ERROR_GRACE_S", "LIFECYCLE_METHODS", "UpdateError", "WorkerGroup", "join_engine",
            "rank_kwargs"]

@@ -30,6 +30,7 @@ next update arrives byte-exact.
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
 from typing import Any, Awaitable, Callable
 
@@ -377,3 +378,40 @@ async def run_contract_suite(make_pair: PairFactory, timeout: float = 60.0) -> d
         except Exception as exc:  # noqa: BLE001 - collected and reported per check
             failures[name] = f"{type(exc).__name__}: {exc}"
     return failures
+
+
+def standalone_engine(name: str | type, rank: int, world_size: int, store: Any, key: str = "engine",
+                      master_addr: str = "127.0.0.1", **kwargs: Any) -> CheckpointEngine:
+    """Engine ``name`` (a registered name, or an engine class) made for hal's standalone use (``rank``, ``world_size``, ``master_addr`` up front) by
+    ranks that meet on ``store`` (a ``torch.distributed.Store``, such as :func:`hal.launcher_store`): rank 0's
+    ``prepare()`` hosts the engine's rendezvous on a port the kernel picks, and the others are given that
+    port through ``store`` (under ``key``), so no port is picked ahead. ``kwargs`` go to the engine.
+
+    Raises:
+        what :func:`ckpt.get_checkpoint_engine` and the engine's ``prepare()`` raise.
+    """
+    from ckpt.registry import get_checkpoint_engine
+
+    make = functools.partial(get_checkpoint_engine, name) if isinstance(name, str) else name
+    if rank == 0:
+        engine = make(rank=0, world_size=world_size, master_addr=master_addr, **kwargs)
+        store.set(f"{key}/master_port", str(engine.prepare()["master_port"]))
+        return engine
+    return make(rank=rank, world_size=world_size, master_addr=master_addr,
+                master_port=int(store.get(f"{key}/master_port")), **kwargs)
+
+
+def standalone_pair(name: str | type, devices: tuple[str | None, str | None] = (None, None),
+                    **kwargs: Any) -> tuple[CheckpointEngine, CheckpointEngine]:
+    """``(sender, receiver)``: ranks 0 and 1 of one standalone group of engine ``name`` in this process
+    (:func:`standalone_engine` over an in-process ``torch.distributed.HashStore``). ``devices`` gives each its
+    own device where one is named (a communicator needs one device per rank); ``kwargs`` go to both.
+
+    Raises:
+        what :func:`standalone_engine` raises.
+    """
+    import torch.distributed as dist
+
+    store = dist.HashStore()
+    return tuple(standalone_engine(name, rank, 2, store, **{**kwargs, **({"device": d} if d else {})})
+                 for rank, d in enumerate(devices))

@@ -358,9 +358,28 @@ def connect_store(host: str, port: int, rank: int, world_size: int, timeout: Tim
         ) from exc
 
 
+def launcher_store(timeout: Timeout | None = None, prefix: str | None = None) -> dist.Store:
+    """The store of the launcher that started this rank, under ``prefix`` when given (``None``: no prefix).
+
+    torch's own ``env://`` rule (``torch.distributed.rendezvous``): where the launcher shares its store
+    (``TORCHELASTIC_USE_AGENT_STORE=True``: torchrun's elastic agent, or :func:`hal.multiprocess.run_multiprocess`)
+    every rank joins the one it hosts at ``MASTER_ADDR:MASTER_PORT``; otherwise rank 0 hosts one there
+    (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``). Ranks that meet here need no port of their own: a checkpoint
+    engine's master hosts its rendezvous on a port the kernel picks and says where in ``prepare()``.
+
+    Raises:
+        KeyError: not a launched rank: no ``MASTER_ADDR``, ``MASTER_PORT``, ``RANK`` or ``WORLD_SIZE``.
+        DistributedTimeoutError: the store did not answer within ``timeout``.
+    """
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = connect_store(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), int(os.environ["RANK"]),
+                          int(os.environ["WORLD_SIZE"]), timeout=timeout, is_master=False if agent else None)
+    return store if prefix is None else dist.PrefixStore(prefix, store)
+
+
 __all__: Sequence[str] = [
     "DEFAULT_TIMEOUT_S", "as_timedelta", "bind_local_device", "init_process_group", "StoreGroup", "PendingWork",
-    "new_group_from_store", "connect_store", "pick_port", "first_bindable_port", "ephemeral_port_range",
+    "new_group_from_store", "connect_store", "launcher_store", "pick_port", "first_bindable_port", "ephemeral_port_range",
 ]
 
 

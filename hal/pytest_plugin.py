@@ -13,7 +13,8 @@ suite's own ``device`` fixture or parametrization (verl's and vLLM's suites have
   default lanes, an unavailable npu or cuda is left out and an unavailable cpu or npu-sim is skipped with
   the probe's reason.
 * ``@pytest.mark.hal_device("npu-sim", "cuda")`` restricts a test to some kinds.
-* ``hal_free_port`` gives a TCP port that is safe under pytest-xdist.
+* ``hal_store`` hosts a ``TCPStore`` for the test on a port the kernel picks (port 0), so processes the test
+  starts meet there with no port picked ahead that another pytest-xdist worker could take.
 * While enabled, npu-sim's strict mode is on (``HAL_SIM_STRICT=1``) for the session and the processes it
   spawns: a stray call into the CUDA module from project code fails the test.
 """
@@ -101,8 +102,10 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 
 
 @pytest.fixture
-def hal_free_port() -> int:
-    """A free TCP port on 127.0.0.1, distinct across pytest-xdist workers."""
-    from hal.testing import free_port as _free_port
+def hal_store():
+    """A ``torch.distributed.TCPStore`` this test process hosts on 127.0.0.1, on a port the kernel picked
+    (``hal_store.port``); other processes join it with ``hal.connect_store("127.0.0.1", port, rank,
+    world_size, is_master=False)``. It is served while the test holds it."""
+    import hal
 
-    return _free_port()
+    return hal.connect_store("127.0.0.1", 0, 0, 1, timeout=60, is_master=True)

@@ -1,4 +1,4 @@
-"""Shared fixtures. The device lanes (``hal_device``, ``--hal-device``) and ``hal_free_port`` come from the
+"""Shared fixtures. The device lanes (``hal_device``, ``--hal-device``) and ``hal_store`` come from the
 project's pytest plugin, which is opt-in: this suite enables it here."""
 
 import os

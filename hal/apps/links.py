@@ -13,7 +13,7 @@ these namespaces, so no traffic leaves them and two networks never collide (each
         net.set_rate("r0", 100e6)                # change a link's rate while it is in use
 
 A process enters an endpoint's namespace with :func:`enter_namespace` (``setns(2)``), e.g. first thing in a
-rank started by :func:`hal.testing.run_multiprocess`; threads and sockets it creates afterwards live there.
+rank started by :func:`hal.multiprocess.run_multiprocess`; threads and sockets it creates afterwards live there.
 
 Needs root (``CAP_NET_ADMIN``), iproute2's ``ip`` and ``tc`` and the kernel's veth, bridge and tbf;
 :func:`links_available` says whether they work here and, if not, why. Namespaces are named

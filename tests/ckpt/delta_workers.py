@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
-import ckpt
 import hal
+from ckpt.testing import standalone_engine
 from ckpt.delta import DeltaReceiver, DeltaRefusedError, DeltaSender, delta_send, receive_delta, wire_tensors
 
 STEPS = 20
@@ -82,10 +82,10 @@ async def send_corrupted(engine: Any, weights: dict[str, torch.Tensor], step: in
     return sender.commit()
 
 
-def collective_config(rank: int, world_size: int, port: int, device: str) -> dict[str, Any]:
-    """The collective engine's arguments for one rank of a local group."""
-    return dict(rank=rank, world_size=world_size, master_addr="127.0.0.1", master_port=port, device=device,
-                timeout=60, bucket_size=64 << 10)
+def collective_engine(rank: int, world_size: int, device: str) -> Any:
+    """The collective engine of one rank of a local group, meeting on the harness's store."""
+    return standalone_engine("collective", rank, world_size, hal.launcher_store(timeout=60), device=device,
+                             timeout=60, bucket_size=64 << 10)
 
 
 def trainer_steps(engine: Any, device: torch.device, kind: str = "cpu", steps: int = STEPS,
@@ -142,9 +142,9 @@ def rollout_steps(engine: Any, device: torch.device, atomic: bool, steps: int = 
     return run()
 
 
-def collective_run(rank: int, world_size: int, port: int, device: str, atomic: bool) -> Any:
+def collective_run(rank: int, world_size: int, device: str, atomic: bool) -> Any:
     """Rank 0 trains and publishes 20 steps as deltas through the collective engine; rank 1 applies them."""
-    engine = ckpt.get_checkpoint_engine("collective", **collective_config(rank, world_size, port, device))
+    engine = collective_engine(rank, world_size, device)
     dev = hal.get_device(device)
     try:
         if rank == 0:

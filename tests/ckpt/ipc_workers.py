@@ -1,4 +1,4 @@
-"""Rank functions for the ipc engine's multi-process tests (run by ``hal.testing.run_multiprocess``).
+"""Rank functions for the ipc engine's multi-process tests (run by ``hal.multiprocess.run_multiprocess``).
 
 Rank 0 is the trainer, ranks 1.. the rollouts, each its own process on one host, as verl's hybrid engine runs
 them. They meet on the harness's store (``port``): the trainer posts its endpoint, everyone its pid.
@@ -32,10 +32,10 @@ def digest(weights) -> list[tuple[str, str, str, list[int]]]:
 _STORES: list = []
 
 
-def meet(rank: int, world_size: int, port: int) -> tuple[str, list[int]]:
+def meet(rank: int, world_size: int) -> tuple[str, list[int]]:
     """The trainer's endpoint and every rank's pid, through the harness's store (kept for the process's life:
     the trainer hosts it, and the others may still read it)."""
-    store = hal.connect_store("127.0.0.1", port, rank, world_size, timeout=60)
+    store = hal.launcher_store(timeout=60)
     _STORES.append(store)
     store.set(f"pid/{rank}", str(os.getpid()))
     if rank == 0:
@@ -72,11 +72,11 @@ async def receive_all(eng, step):
     return [(n, t.clone()) async for n, t in eng.receive_weights(step)]
 
 
-def updates(rank, world_size, port, device, steps, bucket_size, transport=None):
+def updates(rank, world_size, device, steps, bucket_size, transport=None):
     """``steps`` updates of the contract's sample weights (every dtype, one tensor above the bucket); returns the
     trainer's sent digests per step, or a rollout's received digests, steps and device per step, and whether the
     trainer's segment is gone after ``close()``."""
-    endpoint, pids = meet(rank, world_size, port)
+    endpoint, pids = meet(rank, world_size)
     eng = engine(rank, world_size, endpoint, pids, device, bucket_size, transport=transport)
 
     async def go():
@@ -98,10 +98,10 @@ def updates(rank, world_size, port, device, steps, bucket_size, transport=None):
             "segment_left": segment_exists(segment)}
 
 
-def rollout_dies(rank, world_size, port, device):
+def rollout_dies(rank, world_size, device):
     """Update 1 whole; in update 2 rollout rank 1 takes one tensor and dies abruptly. The trainer returns
     the error its send raised, the seconds it took, and whether its segment is left in /dev/shm."""
-    endpoint, pids = meet(rank, world_size, port)
+    endpoint, pids = meet(rank, world_size)
     eng = engine(rank, world_size, endpoint, pids, device, 4096, timeout=60)
 
     async def go():
@@ -123,12 +123,12 @@ def rollout_dies(rank, world_size, port, device):
     return asyncio.run(go())
 
 
-def trainer_dies(rank, world_size, port, device):
+def trainer_dies(rank, world_size, device):
     """Update 1 whole; in update 2 the trainer dies abruptly after its first buckets went out. The rollout
     applies updates all-or-nothing into its served weights (a staging copy, switched when whole) and returns
     the error, the seconds to it, the step it serves and its weights' digest, and whether the trainer's segment
     is gone from /dev/shm within 10 s."""
-    endpoint, pids = meet(rank, world_size, port)
+    endpoint, pids = meet(rank, world_size)
     eng = engine(rank, world_size, endpoint, pids, device, 4096, timeout=60)
 
     def dying():
@@ -172,10 +172,10 @@ def rss_bytes() -> int:
     raise RuntimeError("no VmRSS in /proc/self/status")
 
 
-def many_updates(rank, world_size, port, device, updates, bucket_size):
+def many_updates(rank, world_size, device, updates, bucket_size):
     """``updates`` consecutive updates of a small model; samples of open fds, resident bytes and whether the
     trainer's segment name stayed the same after update 10 and at the end."""
-    endpoint, pids = meet(rank, world_size, port)
+    endpoint, pids = meet(rank, world_size)
     eng = engine(rank, world_size, endpoint, pids, device, bucket_size)
     weights = [(f"w{i}", torch.full((1000 + 37 * i,), float(i), dtype=torch.bfloat16)) for i in range(40)]
     samples = {}
@@ -205,7 +205,7 @@ def many_updates(rank, world_size, port, device, updates, bucket_size):
     return {"samples": samples, "segment_left": left}
 
 
-many_updates.start_method = "spawn"  # it measures its own resident memory (see hal.testing.run_multiprocess)
+many_updates.start_method = "spawn"  # it measures its own resident memory (see hal.multiprocess.run_multiprocess)
 
 
 def staged(eng, weights, device) -> list[tuple[str, torch.Tensor]]:
@@ -227,14 +227,14 @@ def staged(eng, weights, device) -> list[tuple[str, torch.Tensor]]:
     return out
 
 
-def in_place_updates(rank, world_size, port, device, steps, bucket_size, transient, blocks=0):
+def in_place_updates(rank, world_size, device, steps, bucket_size, transient, blocks=0):
     """``steps`` updates staged in the trainer's publish buffer (the contract's sample weights, plus ``blocks``
     tensors of 512 KiB; ``transient``: the engine's ``release_at_finalize``, a new buffer every update); then one
     update with a tensor outside it after the first (refused, the rollouts aborted), then a normal one through
     the buckets. The trainer returns its sent digests, errors, the publish segments it used, and whether the last
     is gone once released; a rollout its received digests (taken as each tensor arrives, nothing kept) and steps,
     and its resident-memory growth over each in-place update (VmHWM, bytes)."""
-    endpoint, pids = meet(rank, world_size, port)
+    endpoint, pids = meet(rank, world_size)
     eng = engine(rank, world_size, endpoint, pids, device, bucket_size, release_at_finalize=transient)
     dev = hal.local_device(device)
 

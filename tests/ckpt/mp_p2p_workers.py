@@ -10,6 +10,7 @@ import torch
 
 import ckpt
 import hal
+from ckpt.testing import standalone_engine
 
 
 def _weights(step: int, device: torch.device) -> list[tuple[str, torch.Tensor]]:
@@ -40,12 +41,11 @@ engine's ``timeout``, and the tests wait 3 s less than with the default (2 s: fo
 of CPU on a loaded machine for a moment is not taken for dead)."""
 
 
-def death_mid_transfer(rank, world_size, port, engine_name, device, victim, timeout):
+def death_mid_transfer(rank, world_size, engine_name, device, victim, timeout):
     """Step 1 completes; in step 2 rank ``victim`` dies mid-transfer. Each survivor reports
     ``(outcome of step 2, seconds it took, error text, step served, weights served equal step 1's)``."""
     dev = hal.get_device(device)
-    engine = ckpt.get_checkpoint_engine(engine_name, rank=rank, world_size=world_size, master_addr="127.0.0.1",
-                                        master_port=port, device=device, timeout=timeout, bucket_size=1 << 20,
+    engine = standalone_engine(engine_name, rank, world_size, hal.launcher_store(timeout=60), device=device, timeout=timeout, bucket_size=1 << 20,
                                         heartbeat_timeout=HEARTBEAT_TIMEOUT)
 
     async def main():
@@ -83,7 +83,7 @@ def death_mid_transfer(rank, world_size, port, engine_name, device, victim, time
 
 
 
-def steps_mismatch_then_death(rank, world_size, port, engine_name, device, timeout):
+def steps_mismatch_then_death(rank, world_size, engine_name, device, timeout):
     """Step 1 of :func:`ckpt.testing.sample_weights` from rank 0; step 2 while the rollouts ask for step 1;
     step 3 (:func:`_weights`, 24 tensors) during which rollout rank 2 exits after its third tensor.
 
@@ -93,8 +93,7 @@ def steps_mismatch_then_death(rank, world_size, port, engine_name, device, timeo
     raises, instead of exiting, if its steps 1 and 2 were not exactly the expected ones."""
     from ckpt.testing import sample_weights, same_bytes
 
-    engine = ckpt.get_checkpoint_engine(engine_name, rank=rank, world_size=world_size, master_addr="127.0.0.1",
-                                        master_port=port, device=device, timeout=timeout, bucket_size=64 << 10,
+    engine = standalone_engine(engine_name, rank, world_size, hal.launcher_store(timeout=60), device=device, timeout=timeout, bucket_size=64 << 10,
                                         heartbeat_timeout=HEARTBEAT_TIMEOUT)
 
     async def main():

@@ -16,7 +16,7 @@ import torch
 
 import ckpt
 import hal
-from ckpt.testing import same_bytes
+from ckpt.testing import same_bytes, standalone_engine
 
 
 def proc_status_bytes(key: str) -> int:
@@ -60,17 +60,18 @@ class FakeTrainEngine:
         return iter(self.weights.items()), None
 
 
-def engine_config(rank, world_size, port, device, **extra):
-    cfg = dict(rank=rank, world_size=world_size, master_addr="127.0.0.1", master_port=port,
-               device=device, timeout=30, bucket_size=4 << 20)
+def make_engine(name, rank, world_size, device, **extra):
+    """Engine ``name`` for hal's standalone use, its rendezvous on a port the kernel picked (told through the
+    harness's store)."""
+    cfg = dict(device=device, timeout=30, bucket_size=4 << 20)
     cfg.update(extra)
-    return cfg
+    return standalone_engine(name, rank, world_size, hal.launcher_store(timeout=60), **cfg)
 
 
-def minilm_three_steps(rank, world_size, port, device, path, engine_name="collective"):
+def minilm_three_steps(rank, world_size, device, path, engine_name="collective"):
     """Rank 0 trains (sends MiniLM at steps 1..3); the others serve it through the rollout adapter."""
     dev = hal.get_device(device)
-    engine = ckpt.get_checkpoint_engine(engine_name, **engine_config(rank, world_size, port, device))
+    engine = make_engine(engine_name, rank, world_size, device)
 
     async def main():
         report = []
@@ -116,10 +117,9 @@ def check_minilm_three_steps(results: dict[int, Any], device: str) -> None:
             assert devices == [hal.resolve_device(device).name], (rank, step, devices)
 
 
-def dies_mid_transfer(rank, world_size, port, device, victim):
+def dies_mid_transfer(rank, world_size, device, victim):
     """Rank ``victim`` exits abruptly in the middle of the second update; the others report what they saw."""
-    engine = ckpt.get_checkpoint_engine("collective", **engine_config(
-        rank, world_size, port, device, timeout=5, bucket_size=1 << 20))
+    engine = make_engine("collective", rank, world_size, device, timeout=5, bucket_size=1 << 20)
     dev = hal.get_device(device)
     weights = [(f"w{i}", torch.full((256, 1024), float(i), device=dev)) for i in range(24)]  # 24 MiB
 
@@ -161,7 +161,7 @@ adds up to a bucket when a freed block is not reused (nixl 14.3 MiB over 3 bucke
 use 32 MiB buckets, so one bucket more than an engine states still exceeds this."""
 
 
-def bounded_memory(rank, world_size, port, bucket_size, model_mib, engine_name="collective"):
+def bounded_memory(rank, world_size, bucket_size, model_mib, engine_name="collective"):
     """Host peak memory added by a transfer on each side, in bytes (VmHWM after a reset, minus VmRSS).
 
     The model: bf16 tensors of 1/8 to 7/8 of a bucket up to ``model_mib`` MiB, plus one of 3 buckets.
@@ -176,8 +176,7 @@ def bounded_memory(rank, world_size, port, bucket_size, model_mib, engine_name="
     def checksum(t):  # CRC-32 of the bytes, read in place (no temporary)
         return zlib.crc32(t.view(torch.int16).numpy().data)
 
-    engine = ckpt.get_checkpoint_engine(engine_name, **engine_config(
-        rank, world_size, port, "cpu", bucket_size=bucket_size))
+    engine = make_engine(engine_name, rank, world_size, "cpu", bucket_size=bucket_size)
 
     async def main():
         engine.init_process_group()
@@ -199,7 +198,7 @@ def bounded_memory(rank, world_size, port, bucket_size, model_mib, engine_name="
     return asyncio.run(main())
 
 
-bounded_memory.start_method = "spawn"  # hal.testing: it measures its own process's memory
+bounded_memory.start_method = "spawn"  # hal.multiprocess: it measures its own process's memory
 
 MEMORY_BUCKET = 32 << 20
 """The memory tests' ``bucket_size`` in bytes: above :data:`FIRST_UPDATE_SLACK`."""
@@ -222,13 +221,12 @@ def check_bounded_memory(results: dict[int, Any], engine_name: str, receiver_byt
     assert held + FIRST_UPDATE_SLACK < total / 3, (held, total)
 
 
-def mixed_dtypes(rank, world_size, port, device):
+def mixed_dtypes(rank, world_size, device):
     """The contract's mixed-dtype sample on the device kind, steps 1..3, small buckets (chunks, runs, packs)."""
     from ckpt.testing import sample_weights
 
     dev = hal.get_device(device)
-    engine = ckpt.get_checkpoint_engine("collective", **engine_config(
-        rank, world_size, port, device, bucket_size=64 << 10, direct_threshold=1024))
+    engine = make_engine("collective", rank, world_size, device, bucket_size=64 << 10, direct_threshold=1024)
 
     async def main():
         out = []
@@ -246,15 +244,14 @@ def mixed_dtypes(rank, world_size, port, device):
     return asyncio.run(main())
 
 
-def recovers_after_a_failed_update(rank, world_size, port, side_port):
+def recovers_after_a_failed_update(rank, world_size):
     """Update 1 works; in update 2 the last rank stalls past the timeout after its first tensor, so every rank
     fails (the sender and the other rollout time out, the stalled one finds the group gone); each calls
     ``finalize()``, then verl's lifecycle (``prepare``, ``build_topology`` on everyone's metadata, exchanged
     over a side store, ``init_process_group``) forms the group again and update 3 must arrive byte-exact."""
     timeout = 5
-    engine = ckpt.get_checkpoint_engine("collective", **engine_config(
-        rank, world_size, port, "cpu", timeout=timeout, bucket_size=1 << 20))
-    side = hal.connect_store("127.0.0.1", side_port, rank, world_size, 60)
+    engine = make_engine("collective", rank, world_size, "cpu", timeout=timeout, bucket_size=1 << 20)
+    side = hal.launcher_store(timeout=60)
 
     def weights(step):  # 16 MiB: more than the sockets buffer, so the sender blocks on the stalled rank
         return [(f"w{i}", torch.full((256, 1024), float(100 * step + i))) for i in range(16)]
@@ -299,13 +296,12 @@ def recovers_after_a_failed_update(rank, world_size, port, side_port):
     return asyncio.run(main())
 
 
-def sender_closes_mid_update(rank, world_size, port, device, side_port, timeout):
+def sender_closes_mid_update(rank, world_size, device, timeout):
     """Update 1 arrives (its sender waits first, so the rollout's wait spans several polls of the store);
     in update 2 the trainer ``close()``s its engine after the first message and stays alive (a process
     that exits closes its sockets, which the receivers notice anyway). Rank 1 returns what it saw."""
-    engine = ckpt.get_checkpoint_engine("collective", **engine_config(rank, world_size, port, device,
-                                                                      timeout=timeout, bucket_size=1 << 20))
-    side = hal.connect_store("127.0.0.1", side_port, rank, world_size, 60)
+    engine = make_engine("collective", rank, world_size, device, timeout=timeout, bucket_size=1 << 20)
+    side = hal.launcher_store(timeout=60)
     dev = hal.get_device(device)
     weights = [("w", torch.arange(1024.0, device=dev))]
 
@@ -344,12 +340,11 @@ def sender_closes_mid_update(rank, world_size, port, device, side_port, timeout)
     return asyncio.run(main())
 
 
-def bucket_size_mismatch(rank, world_size, port, engine_name, device, sizes):
+def bucket_size_mismatch(rank, world_size, engine_name, device, sizes):
     """Rank 0 sends 8 tensors of 3000 float32 (12 KB each) with bucket ``sizes[0]``; rank r > 0 receives with
     ``sizes[r]``. Returns ``("ok", [(name, value), ...])`` or ``("error", type name, message)``."""
     # 60 s: under a loaded CI run a rollout took more than 20 s to connect, and the trainer's wait ended first
-    engine = ckpt.get_checkpoint_engine(engine_name, **engine_config(
-        rank, world_size, port, device, timeout=60, bucket_size=sizes[rank]))
+    engine = make_engine(engine_name, rank, world_size, device, timeout=60, bucket_size=sizes[rank])
     dev = hal.get_device(device)
     weights = [(f"w{i}", torch.full((3000,), float(i), device=dev)) for i in range(8)]
 
@@ -455,7 +450,7 @@ class _RenamedPlacement:
         return self.placement.target(name.replace(".", "_"), dtype, shape)
 
 
-def multi_sender(rank, world_size, port, device, trainers, updates, kill=None):
+def multi_sender(rank, world_size, device, trainers, updates, kill=None):
     """``trainers`` senders (``multi_sender=True``) and ``world_size - trainers`` rollouts over the verl
     lifecycle; rollout ``trainers`` serves through an atomic :class:`ckpt.ModelRolloutAdapter` (parts received in
     place), the others through :class:`ckpt.InMemoryRolloutAdapter` (no placement: parts assembled).
@@ -467,7 +462,7 @@ def multi_sender(rank, world_size, port, device, trainers, updates, kill=None):
 
     dev = hal.get_device(device)
     rollouts = world_size - trainers
-    store = hal.connect_store("127.0.0.1", port, rank, world_size, timeout=60)
+    store = hal.launcher_store(timeout=60)
     engine = ckpt.CollectiveCheckpointEngine(is_master=rank == 0, master_addr="127.0.0.1", device=device,
                                             timeout=8 if kill else 30, bucket_size=MULTI_BUCKET,
                                             multi_sender=True)
@@ -528,7 +523,7 @@ def multi_sender(rank, world_size, port, device, trainers, updates, kill=None):
     return reports
 
 
-def dtensor_rows(rank, world_size, port):
+def dtensor_rows(rank, world_size):
     """FSDP2's parameters as they are (``DTensor`` placed ``Shard(0)`` / ``Replicate()`` on a 1-D mesh) made
     into what a sender publishes (:func:`ckpt.shards.as_row_shard`); per row count: ``(rows, row_start,
     local shape, local equals those rows of the full tensor)``, then whether a replicated one is left to rank 0."""
@@ -539,7 +534,7 @@ def dtensor_rows(rank, world_size, port):
     import ckpt.shards
     from ckpt.shards import as_row_shard
 
-    hal.init_process_group(device="cpu", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+    hal.init_process_group(device="cpu", init_method="env://", rank=rank, world_size=world_size,
                            timeout=60)
     try:
         mesh = init_device_mesh("cpu", (world_size,))

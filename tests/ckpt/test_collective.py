@@ -6,18 +6,16 @@ import pytest
 import torch
 
 import ckpt
+import hal
 from ckpt.bucket import plan_messages
+from ckpt.testing import compare, sample_weights, standalone_pair, transfer
 from ckpt.wire import Segment, WireMessage
-from ckpt.testing import compare, sample_weights, transfer
-from hal.testing import free_port, held_port
+from hal.testing import held_port
 
 
 def _pair(bucket_size, direct_threshold=None, **extra):
-    port = free_port()
-    common = dict(world_size=2, master_addr="127.0.0.1", master_port=port, bucket_size=bucket_size, device="cpu",
-                  timeout=20, direct_threshold=direct_threshold, **extra)
-    return (ckpt.get_checkpoint_engine("collective", rank=0, **common),
-            ckpt.get_checkpoint_engine("collective", rank=1, **common))
+    return standalone_pair("collective", bucket_size=bucket_size, device="cpu", timeout=20,
+                           direct_threshold=direct_threshold, **extra)
 
 
 def _flat_views():
@@ -110,10 +108,23 @@ def test_a_consumer_that_stops_early_leaves_the_group_in_step():
     compare(sample_weights(2), asyncio.run(go()), "after an abandoned update")
 
 
+def test_a_standalone_sender_without_a_port_hosts_its_store_where_the_kernel_put_it():
+    sender = ckpt.get_checkpoint_engine("collective", rank=0, world_size=2, master_addr="127.0.0.1", device="cpu",
+                                        timeout=5)
+    try:
+        port = sender.prepare()["master_port"]
+        assert port > 0 and sender.master_port == port and sender.prepare()["master_port"] == port  # hosted once
+        client = hal.connect_store("127.0.0.1", port, 1, 2, timeout=2, is_master=False)  # served already
+        client.set("probe", "1")
+    finally:
+        sender.close()
+    with pytest.raises(ckpt.CheckpointConfigError, match="off the sender's rank, master_port"):
+        ckpt.get_checkpoint_engine("collective", rank=1, world_size=2, master_addr="127.0.0.1", device="cpu")
+
+
 def test_a_receiver_alone_times_out_with_a_clear_error():
-    port = free_port()
     engine = ckpt.get_checkpoint_engine("collective", rank=0, world_size=2, master_addr="127.0.0.1",
-                                        master_port=port, timeout=1.5, device="cpu")
+                                        timeout=1.5, device="cpu")  # its store on a port the kernel picks
     with pytest.raises(ckpt.TransferTimeoutError, match="could not form the checkpoint group"):
         asyncio.run(engine.send_weights([], 1))
 
@@ -158,10 +169,8 @@ def test_the_sender_may_reuse_its_tensors_only_because_send_weights_waits(hal_de
         monkeypatch.setattr(CollectiveCheckpointEngine, "_wait", without_final_wait)
 
     async def make():
-        common = dict(world_size=2, master_addr="127.0.0.1", master_port=free_port(), bucket_size=64 << 10,
-                      timeout=3, direct_threshold=256)
-        return (ckpt.get_checkpoint_engine("collective", rank=0, device=f"{hal_device}:0", **common),
-                ckpt.get_checkpoint_engine("collective", rank=1, device=f"{hal_device}:1", **common))
+        return standalone_pair("collective", (f"{hal_device}:0", f"{hal_device}:1"), bucket_size=64 << 10,
+                               timeout=3, direct_threshold=256)
 
     check = run_check(make, "sender_may_reuse", timeout=60)
     if final_wait == "kept":

@@ -7,26 +7,24 @@ import concurrent.futures
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import ckpt
 import hal
-from ckpt.testing import collect
-from hal.testing import free_port, run_multiprocess
+from ckpt.testing import collect, standalone_engine, standalone_pair
+from hal.multiprocess import run_multiprocess
 from tests.ckpt import mp_workers
 
 ENGINES = ["collective", "nixl", "mooncake"]
 
 
-def _pair(name, device, bucket_size=4096, direct_threshold=None, sender_device=None, receiver_device=None):
+def _pair(name, device, bucket_size=4096, direct_threshold=None):
     ok, reason = ckpt.checkpoint_engine_availability(name, device)
     if not ok:
         pytest.skip(f"{name}: {reason}")
-    common = dict(world_size=2, master_addr="127.0.0.1", master_port=free_port(), bucket_size=bucket_size,
-                  timeout=20, direct_threshold=direct_threshold)
-    if hal.resolve_device(device).name != "cpu":  # one device per rank, as a communicator requires
-        sender_device, receiver_device = sender_device or f"{device}:0", receiver_device or f"{device}:1"
-    return (ckpt.get_checkpoint_engine(name, rank=0, device=sender_device or device, **common),
-            ckpt.get_checkpoint_engine(name, rank=1, device=receiver_device or device, **common))
+    devices = (None, None) if hal.is_host(device) else (f"{device}:0", f"{device}:1")  # a device per rank
+    return standalone_pair(name, devices, device=device, bucket_size=bucket_size,
+                           timeout=20, direct_threshold=direct_threshold)
 
 
 async def _send_receive(sender, receiver, weights, step=1):
@@ -106,13 +104,18 @@ def test_a_transfer_run_from_an_executor_thread_keeps_the_engines_device(name, h
     of the rank's (npu:1): the simulated HCCL refused two ranks on one device. Each engine is built for the
     device current where it is made and binds it on every call, whatever thread makes the call."""
     torch_device = hal.get_torch_device(hal_device)
+    ok, reason = ckpt.checkpoint_engine_availability(name, hal_device)
+    if not ok:
+        pytest.skip(f"{name}: {reason}")
+    store, common = dist.HashStore(), dict(bucket_size=4096, timeout=20)
+    sender = standalone_engine(name, 0, 2, store, device=f"{hal_device}:0", **common)  # its prepare() hosts the store
 
     def build_receiver():
         torch_device.set_device(1)  # as the rollout worker binds its rank's device before building the engine
-        return _pair(name, hal_device, bucket_size=4096, sender_device=f"{hal_device}:0", receiver_device=hal_device)
+        return standalone_engine(name, 1, 2, store, device=hal_device, **common)
 
     with concurrent.futures.ThreadPoolExecutor(1) as builder:
-        sender, receiver = builder.submit(build_receiver).result()
+        receiver = builder.submit(build_receiver).result()
     assert (sender.device_kind, receiver.device_kind) == ("npu-sim:0", "npu-sim:1")
     weights = [(f"w{i}", torch.full((300,), float(i), device="npu:0")) for i in range(4)]
 

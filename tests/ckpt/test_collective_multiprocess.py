@@ -4,7 +4,7 @@ the bucket size."""
 
 import pytest
 
-from hal.testing import free_port, run_multiprocess
+from hal.multiprocess import run_multiprocess
 from tests.ckpt import mp_workers
 
 pytestmark = pytest.mark.multiprocess
@@ -51,7 +51,7 @@ def test_after_a_failed_update_finalize_and_the_lifecycle_form_a_group_that_work
     """A rollout stalls past the timeout mid-update: every rank fails; finalize() releases the broken group,
     so the next prepare / build_topology / init_process_group forms a new generation (not the broken one)
     and the next update arrives byte-exact with its step."""
-    results = run_multiprocess(mp_workers.recovers_after_a_failed_update, 3, free_port(), timeout=90)
+    results = run_multiprocess(mp_workers.recovers_after_a_failed_update, 3, timeout=90)
     for rank in range(3):
         (outcome, elapsed, message), generation, step3 = results[rank]
         assert outcome in ("TransferError", "TransferTimeoutError"), (rank, outcome, message)
@@ -67,7 +67,7 @@ def test_a_sender_that_closes_mid_update_fails_the_waiting_receiver_at_once():
     """The trainer close()s its engine mid-update and stays alive: the rollout waiting for the next message
     fails at once with TransferError naming the sender and the step, not after its 20 s timeout. On gloo
     (cpu) only: the simulated npu's wait runs a collective to its end, so it is not polled."""
-    results = run_multiprocess(mp_workers.sender_closes_mid_update, 2, "cpu", free_port(), 20, timeout=60)
+    results = run_multiprocess(mp_workers.sender_closes_mid_update, 2, "cpu", 20, timeout=60)
     names, exact, (outcome, elapsed, message) = results[1]
     assert (names, exact) == (["w"], True)  # update 1 arrived byte-exact across several polls of the store
     assert outcome == "TransferError", (outcome, message)

@@ -6,7 +6,7 @@ import pytest
 
 import ckpt
 from ckpt.testing import CONTRACT_CHECKS, ContractFailure, run_check, run_contract_suite
-from hal.testing import free_port
+from ckpt.testing import standalone_pair
 
 
 def _colocated():
@@ -26,11 +26,8 @@ def _file(tmp_path):
 
 def _collective(direct_threshold):
     async def make():
-        port = free_port()
-        common = dict(world_size=2, master_addr="127.0.0.1", master_port=port, bucket_size=64 << 10,
-                      device="cpu", timeout=20, direct_threshold=direct_threshold)
-        return (ckpt.get_checkpoint_engine("collective", rank=0, **common),
-                ckpt.get_checkpoint_engine("collective", rank=1, **common))
+        return standalone_pair("collective", bucket_size=64 << 10, device="cpu", timeout=20,
+                               direct_threshold=direct_threshold)
     return make
 
 
@@ -50,10 +47,7 @@ def _transfer_library(name, device):
         ok, reason = ckpt.checkpoint_engine_availability(name, device)
         if not ok:
             pytest.skip(f"{name}: {reason}")
-        common = dict(world_size=2, master_addr="127.0.0.1", master_port=free_port(), bucket_size=64 << 10,
-                      device=device, timeout=20)
-        return (ckpt.get_checkpoint_engine(name, rank=0, **common),
-                ckpt.get_checkpoint_engine(name, rank=1, **common))
+        return standalone_pair(name, bucket_size=64 << 10, device=device, timeout=20)
     return make
 
 

@@ -10,7 +10,8 @@ import torch
 import ckpt
 import hal
 from ckpt.testing import compare, sample_weights, transfer
-from hal.testing import free_port, run_multiprocess
+from ckpt.testing import standalone_pair
+from hal.multiprocess import run_multiprocess
 from tests.ckpt import mp_p2p_workers
 
 
@@ -48,10 +49,7 @@ def test_a_sender_whose_weights_raise_aborts_the_update_and_the_next_one_works(h
         pytest.skip(f"kimi on {hal_device}: {reason}")
 
     async def main():
-        common = dict(world_size=2, master_addr="127.0.0.1", master_port=free_port(), bucket_size=64 << 10,
-                      device=hal_device, timeout=20)
-        sender = ckpt.get_checkpoint_engine("kimi", rank=0, **common)
-        receiver = ckpt.get_checkpoint_engine("kimi", rank=1, **common)
+        sender, receiver = standalone_pair("kimi", bucket_size=64 << 10, device=hal_device, timeout=20)
 
         def failing():
             yield from sample_weights(1)[:3]
@@ -90,10 +88,7 @@ def test_the_library_logs_no_info_inside_hal_unless_asked_and_stays_as_it_was_ou
         return taken
 
     async def main():
-        common = dict(world_size=2, master_addr="127.0.0.1", master_port=free_port(), bucket_size=64 << 10,
-                      device=hal_device, timeout=20)
-        sender = ckpt.get_checkpoint_engine("kimi", rank=0, **common)
-        receiver = ckpt.get_checkpoint_engine("kimi", rank=1, **common)
+        sender, receiver = standalone_pair("kimi", bucket_size=64 << 10, device=hal_device, timeout=20)
         try:
             weights = sample_weights(1)[:4]
             monkeypatch.delenv("HAL_KIMI_LOGS", raising=False)
@@ -214,16 +209,13 @@ def test_a_group_joining_a_generation_its_store_served_again_reads_none_of_its_k
         pytest.skip(f"kimi on npu-sim: {reason}")
 
     async def main():
-        common = dict(world_size=2, master_addr="127.0.0.1", master_port=free_port(), bucket_size=64 << 10,
-                      device="npu-sim", timeout=3)
-        sender = ckpt.get_checkpoint_engine("kimi", rank=0, **common)
-        receiver = ckpt.get_checkpoint_engine("kimi", rank=1, **common)
+        sender, receiver = standalone_pair("kimi", bucket_size=64 << 10, device="npu-sim", timeout=3)
         try:
             weights = sample_weights(1)[:4]
             compare(weights, await transfer(sender, receiver, weights, 1, 1), "the first update")
             for engine in (sender, receiver):
                 engine.init_process_group(rank=-1)
-            sender.init_process_group(rank=0, world_size=2, master_addr="127.0.0.1", master_port=common["master_port"])
+            sender.init_process_group(rank=0, world_size=2, master_addr="127.0.0.1", master_port=sender.master_port)
             with pytest.raises(ckpt.TransferTimeoutError, match="rollout rank 1"):  # no rollout joined
                 await sender.send_weights(iter(sample_weights(2)[:4]), 2)
         finally:

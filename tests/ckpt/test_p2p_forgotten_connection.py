@@ -17,7 +17,9 @@ import pytest
 import torch
 
 import ckpt
-from hal.testing import run_multiprocess
+import hal
+from ckpt.testing import standalone_engine
+from hal.multiprocess import run_multiprocess
 
 pytestmark = pytest.mark.multiprocess
 TIMEOUT = 3.0
@@ -29,13 +31,12 @@ def _weights(step: int) -> list[tuple[str, torch.Tensor]]:
     return [(f"w{i}", torch.full((16, 1024), float(step * 10 + i))) for i in range(2)]
 
 
-def late_rollout(rank, world_size, port, engine_name, flag):
+def late_rollout(rank, world_size, engine_name, flag):
     """Step 1; step 2 with the rollout starting its receive ``TIMEOUT + 0.5`` s late; step 3 once both ended
     their step 2 (as verl's manager starts an update once every call of the last one ended: the rollout says so
     by creating the file ``flag``). Returns per step ``(step, outcome, seconds)``, and on the rollout the step it
     serves with whether its bytes are that step's."""
-    engine = ckpt.get_checkpoint_engine(engine_name, rank=rank, world_size=world_size, master_addr="127.0.0.1",
-                                        master_port=port, device="cpu", timeout=TIMEOUT, bucket_size=1 << 20)
+    engine = standalone_engine(engine_name, rank, world_size, hal.launcher_store(timeout=60), device="cpu", timeout=TIMEOUT, bucket_size=1 << 20)
 
     async def main():
         rows = []

@@ -24,7 +24,7 @@ import torch
 import ckpt
 import hal
 from ckpt.p2p import P2PCheckpointEngine, Transport
-from hal.testing import free_port
+from ckpt.testing import standalone_pair
 
 TIMEOUT = 2.0
 """The engines' timeout, seconds: the held write makes update 2 fail after it."""
@@ -114,10 +114,7 @@ def _weights(step: int) -> list[tuple[str, torch.Tensor]]:
 def test_a_failed_updates_write_landing_late_does_not_reach_the_next_update():
     lib = Library()
     HeldWritesEngine.library = lib
-    port = free_port()
-    common = dict(world_size=2, master_addr="127.0.0.1", master_port=port, device="cpu", timeout=TIMEOUT,
-                  bucket_size=BUCKET)
-    trainer, rollout = HeldWritesEngine(rank=0, **common), HeldWritesEngine(rank=1, **common)
+    trainer, rollout = standalone_pair(HeldWritesEngine, device="cpu", timeout=TIMEOUT, bucket_size=BUCKET)
     adapter = ckpt.InMemoryRolloutAdapter()
     worker = ckpt.CheckpointEngineWorker(rollout, adapter)
 

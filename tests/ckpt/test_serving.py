@@ -9,7 +9,7 @@ import torch
 
 import ckpt
 from ckpt.testing import same_bytes
-from hal.testing import free_port
+from ckpt.testing import standalone_pair
 from tests.ckpt import tiny_lm
 
 pytest.importorskip("transformers")
@@ -17,10 +17,7 @@ pytest.importorskip("transformers")
 
 def collective_pair(bucket_size):
     """Two ranks of one in-process collective group on cpu: ``(sender, receiver)``."""
-    common = dict(world_size=2, master_addr="127.0.0.1", master_port=free_port(), bucket_size=bucket_size,
-                  device="cpu", timeout=20)
-    return (ckpt.get_checkpoint_engine("collective", rank=0, **common),
-            ckpt.get_checkpoint_engine("collective", rank=1, **common))
+    return standalone_pair("collective", bucket_size=bucket_size, device="cpu", timeout=20)
 
 
 @functools.cache

@@ -110,10 +110,9 @@ def test_verl_lifecycle_keeps_the_communicator_while_the_topology_is_unchanged()
 
 
 def test_standalone_engine_driven_by_verls_lifecycle_reuses_its_group():
-    from hal.testing import free_port
-
-    common = dict(world_size=2, master_addr="127.0.0.1", master_port=free_port(), bucket_size=4096, device="cpu",
-                  timeout=20)
+    # a port the kernel gave a moment ago: the lazy first update has no prepare() to host it and report it
+    common = dict(world_size=2, master_addr="127.0.0.1", master_port=hal.pick_port("127.0.0.1"), bucket_size=4096,
+                  device="cpu", timeout=20)
     sender, receiver = CollectiveCheckpointEngine(rank=0, **common), CollectiveCheckpointEngine(rank=1, **common)
 
     async def lazy_first():  # hal's standalone use: no lifecycle calls at all
@@ -306,13 +305,11 @@ def test_a_master_told_another_address_hosts_its_store_there(name, device):
     ok, reason = ckpt.checkpoint_engine_availability(name, device)
     if not ok:
         pytest.skip(f"{name} on {device}: {reason}")
-    from hal.testing import free_port
-
     engine = ckpt.get_checkpoint_engine(name, is_master=True, master_addr="127.0.0.1", bucket_size=64 << 10,
                                         device=device, timeout=10)
     try:
         first = engine.prepare()["master_port"]
-        other = free_port()
+        other = hal.pick_port("127.0.0.1")
         engine.init_process_group(rank=0, world_size=2, master_addr="127.0.0.1", master_port=other, generation=1)
         assert engine.prepare()["master_port"] == other != first
         assert _store_answers(other) == str(other).encode()

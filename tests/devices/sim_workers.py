@@ -11,10 +11,10 @@ import torch.distributed as dist
 import hal
 
 
-def store_group_collectives(rank: int, world_size: int, port: int) -> dict:
+def store_group_collectives(rank: int, world_size: int) -> dict:
     """hccl through ``hal.new_group_from_store``: broadcast, all_reduce and barrier of npu tensors."""
     hal.bind_local_device("npu-sim")  # one device per rank, or the communicator refuses the pair
-    store = hal.connect_store("127.0.0.1", port, rank, world_size, timeout=30)
+    store = hal.launcher_store(timeout=30)
     group = hal.new_group_from_store(store, rank, world_size, device="npu-sim", timeout=30)
     src = torch.arange(6, dtype=torch.float32, device="npu").reshape(2, 3) * 1.5 if rank == 0 else \
         torch.zeros(2, 3, device="npu")
@@ -26,7 +26,7 @@ def store_group_collectives(rank: int, world_size: int, port: int) -> dict:
     return {"broadcast": src.cpu().tolist(), "all_reduce": summed.cpu().tolist(), "device": str(summed.device)}
 
 
-def default_group_collectives(rank: int, world_size: int, port: int) -> dict:
+def default_group_collectives(rank: int, world_size: int) -> dict:
     """hccl as the default group: all_gather, reduce_scatter, all_reduce (AVG), all_to_all and a DDP backward."""
     backend = hal.init_process_group("npu-sim", timeout=30)
     device = hal.get_device("npu-sim")
@@ -75,7 +75,7 @@ def train_side_by_side(model, reference, rank: int, world_size: int, steps: int,
         ref_opt.zero_grad()
 
 
-def fsdp2_training(rank: int, world_size: int, port: int, steps: int) -> dict:
+def fsdp2_training(rank: int, world_size: int, steps: int) -> dict:
     """FSDP2 (``fully_shard``) on an npu device mesh over hccl vs the same model unsharded on cpu."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -96,7 +96,7 @@ def fsdp2_training(rank: int, world_size: int, port: int, steps: int) -> dict:
     return {"max_abs_diff": diff, "local_device": local_device}
 
 
-def fsdp1_training(rank: int, world_size: int, port: int, steps: int) -> dict:
+def fsdp1_training(rank: int, world_size: int, steps: int) -> dict:
     """FSDP1 (``FullyShardedDataParallel``, which frees its flat parameter's storage with ``resize_(0)`` and
     re-points it with ``set_``) on npu over hccl vs the same model unsharded on cpu."""
     from torch.distributed.fsdp import FullyShardedDataParallel
@@ -115,11 +115,11 @@ def fsdp1_training(rank: int, world_size: int, port: int, steps: int) -> dict:
             "total_numel": sum(v.numel() for v in reference.parameters())}
 
 
-def missing_peer(rank: int, world_size: int, port: int, timeout_s: float) -> dict:
+def missing_peer(rank: int, world_size: int, timeout_s: float) -> dict:
     """Rank 1 never joins the all_reduce: rank 0 must get a DistributedTimeoutError after about timeout_s."""
     import time
 
-    store = hal.connect_store("127.0.0.1", port, rank, world_size, timeout=30)
+    store = hal.launcher_store(timeout=30)
     group = hal.new_group_from_store(store, rank, world_size, device="npu-sim", timeout=timeout_s)
     if rank == 1:
         time.sleep(timeout_s + 4)

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 import hal
-from hal.testing import free_port, run_multiprocess
+from hal.multiprocess import run_multiprocess
 from tests.devices import sim_workers
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
@@ -467,12 +467,12 @@ def test_a_build_lock_left_by_a_killed_build_is_cleared_and_a_fresh_one_kept(tmp
 def _hccl_ranks(timeout: float):
     """Two hccl ranks of one group in this process (rank r on npu:r), each driven from its own thread:
     yields ``([group of rank 0, group of rank 1], thread pool)``."""
-    port = free_port()
+    server = hal.connect_store("127.0.0.1", 0, 0, 2, timeout=30)  # hosted on a port the kernel picks
     pool = concurrent.futures.ThreadPoolExecutor(2)
 
     def join(rank: int):
         hal.get_torch_device("npu-sim").set_device(rank)
-        store = hal.connect_store("127.0.0.1", port, rank, 2, timeout=30)
+        store = server if rank == 0 else hal.connect_store("127.0.0.1", server.port, rank, 2, timeout=30)
         return store, hal.new_group_from_store(store, rank, 2, device="npu-sim", timeout=timeout)
 
     joined = [f.result(60) for f in [pool.submit(join, r) for r in (0, 1)]]

@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 import hal
 from devices import torch_compat
-from hal.testing import run_multiprocess
+from hal.multiprocess import run_multiprocess
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 TD = datetime.timedelta(seconds=30)
@@ -45,7 +45,7 @@ def test_every_accessor_has_a_test_here():
 
 # -- DTensor and FSDP2: two ranks, a parameter whose shard needs padding ------------------------------
 
-def _fsdp_worker(rank, world_size, port, kind):
+def _fsdp_worker(rank, world_size, kind):
     from torch import nn
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard

@@ -6,14 +6,14 @@ import pytest
 import torch
 
 import hal
-from hal.testing import run_multiprocess
+from hal.multiprocess import run_multiprocess
 from tests.engines.models import loss_for, make_model
 
 pytestmark = pytest.mark.multiprocess
 STEPS = 3
 
 
-def _ddp_worker(rank, world_size, port, kind):
+def _ddp_worker(rank, world_size, kind):
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import hal
-from hal.testing import run_multiprocess
+from hal.multiprocess import run_multiprocess
 from tests.engines.models import host_copy, loss_for, make_model
 
 pytestmark = pytest.mark.multiprocess
@@ -55,7 +55,7 @@ def meta_built_copy(engine, kind):
             "equal": torch.equal(got, want)}
 
 
-def _fsdp_worker(rank, world_size, port, kind):
+def _fsdp_worker(rank, world_size, kind):
     import torch.distributed as dist
 
     from engines import FSDPEngine, OffloadError

@@ -7,11 +7,11 @@ import os
 
 import torch
 
-import ckpt
 import hal
+from ckpt.testing import standalone_engine
 
 
-def sync_ranks_devices(rank: int, world_size: int, port: int, explicit: str | None) -> dict:
+def sync_ranks_devices(rank: int, world_size: int, explicit: str | None) -> dict:
     """One trainer (rank 0) and rollouts over the collective engine on npu-sim, as ``hal sync`` runs them.
 
     Each rank binds through hal, builds what ``hal sync`` builds (the trainer a TorchEngine, every rank a
@@ -26,8 +26,8 @@ def sync_ranks_devices(rank: int, world_size: int, port: int, explicit: str | No
         model = torch.nn.Linear(16, 8)
         trainer = TorchEngine(model, torch.optim.AdamW(model.parameters(), lr=1e-3), device=device)
         out["trainer"] = str(trainer.torch_device)
-    engine = ckpt.get_checkpoint_engine("collective", rank=rank, world_size=world_size, master_addr="127.0.0.1",
-                                        master_port=port, bucket_size=1 << 16, device=device, timeout=30)
+    engine = standalone_engine("collective", rank, world_size, hal.launcher_store(timeout=60), bucket_size=1 << 16,
+                               device=device, timeout=30)
     weights = [("w", torch.arange(12, dtype=torch.float32).reshape(3, 4) + 1)]
 
     async def main():
@@ -49,12 +49,12 @@ def sync_ranks_devices(rank: int, world_size: int, port: int, explicit: str | No
     return out
 
 
-def shared_device_group(rank: int, world_size: int, port: int, visible: list[str] | None) -> str:
+def shared_device_group(rank: int, world_size: int, visible: list[str] | None) -> str:
     """A hccl group where no rank binds a device (all on npu:0); ``visible``: per-rank
     ASCEND_RT_VISIBLE_DEVICES, so local index 0 is another physical device on each rank."""
     if visible is not None:
         os.environ["ASCEND_RT_VISIBLE_DEVICES"] = visible[rank]
-    store = hal.connect_store("127.0.0.1", port, rank, world_size, timeout=30)
+    store = hal.launcher_store(timeout=30)
     group = hal.new_group_from_store(store, rank, world_size, device="npu-sim", timeout=30)
     t = torch.full((2,), float(rank + 1), device="npu:0")
     try:
@@ -66,7 +66,7 @@ def shared_device_group(rank: int, world_size: int, port: int, visible: list[str
         group.close()
 
 
-def shared_device_full_tensor(rank: int, world_size: int, port: int) -> str:
+def shared_device_full_tensor(rank: int, world_size: int) -> str:
     """The default hccl group with every rank on npu:0, whose first collective is one C++ starts: the
     all-gather of ``DTensor.full_tensor()`` (a functional collective, not a ``torch.distributed`` call)."""
     import datetime
@@ -76,7 +76,7 @@ def shared_device_full_tensor(rank: int, world_size: int, port: int) -> str:
     from torch.distributed.tensor import Shard, distribute_tensor
 
     hal.get_torch_device("npu-sim")  # registers the sim's hccl; no device bound: every rank is on npu:0
-    dist.init_process_group(hal.get_dist_backend("npu-sim"), init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+    dist.init_process_group(hal.get_dist_backend("npu-sim"), init_method="env://", rank=rank,
                             world_size=world_size, timeout=datetime.timedelta(seconds=30))
     try:
         mesh = init_device_mesh("npu", (world_size,))
@@ -88,7 +88,7 @@ def shared_device_full_tensor(rank: int, world_size: int, port: int) -> str:
         dist.destroy_process_group()
 
 
-def unbound_rank_devices(rank: int, world_size: int, port: int) -> dict:
+def unbound_rank_devices(rank: int, world_size: int) -> dict:
     """A launched rank (LOCAL_RANK set, as ``hal launch`` sets it) that binds nothing: where ``hal`` says its
     device is, where a TorchEngine puts the model, and a forward on an input made on ``hal.get_device()``."""
     from engines import TorchEngine

@@ -6,12 +6,12 @@ import pytest
 import torch
 
 import hal
-from hal.testing import run_multiprocess
+from hal.multiprocess import run_multiprocess
 
 pytestmark = pytest.mark.multiprocess
 
 
-def _default_group(rank, world_size, port):
+def _default_group(rank, world_size):
     import torch.distributed as dist
 
     backend = hal.init_process_group(timeout=20)
@@ -27,8 +27,8 @@ def test_init_process_group_picks_gloo_on_cpu_and_all_reduces():
     assert results[0] == results[1] == ("gloo", "gloo", [3.0] * 4)
 
 
-def _store_group(rank, world_size, port):
-    store = hal.connect_store("127.0.0.1", port, rank, world_size, timeout=20)
+def _store_group(rank, world_size):
+    store = hal.launcher_store(timeout=20)
     group = hal.new_group_from_store(store, rank, world_size, timeout=20)
     t = torch.arange(6, dtype=torch.float32) if rank == 0 else torch.zeros(6)
     group.broadcast(t, src=0)
@@ -45,7 +45,7 @@ def test_store_group_broadcast_and_all_reduce_outside_the_default_world():
         assert results[rank] == ([0.0, 1.0, 2.0, 3.0, 4.0, 5.0], 6.0)
 
 
-def _lonely_rendezvous(rank, world_size, port):
+def _lonely_rendezvous(rank, world_size):
     import os
 
     os.environ["WORLD_SIZE"] = "2"  # a peer that never comes
@@ -65,10 +65,10 @@ def test_rendezvous_with_missing_peer_raises_timeout_error_instead_of_hanging():
     assert "3 s" in message
 
 
-def _dead_peer(rank, world_size, port):
+def _dead_peer(rank, world_size):
     import os
 
-    store = hal.connect_store("127.0.0.1", port, rank, world_size, timeout=20)
+    store = hal.launcher_store(timeout=20)
     group = hal.new_group_from_store(store, rank, world_size, timeout=4)
     group.barrier()
     if rank == 1:
@@ -93,7 +93,7 @@ def test_timeout_must_be_positive():
         hal.new_group_from_store(None, 0, 1, timeout=-1)
 
 
-def _host_pair(rank, world_size, port):
+def _host_pair(rank, world_size):
     import torch.distributed as dist
 
     backend = hal.init_process_group("npu-sim", with_host=True, timeout=30)

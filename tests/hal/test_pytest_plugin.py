@@ -1,4 +1,4 @@
-"""The project's pytest plugin: opt-in, device lanes, refusal of untestable lanes, xdist-safe ports; and a
+"""The project's pytest plugin: opt-in, device lanes, refusal of untestable lanes, a store on a port the kernel picks; and a
 foreign suite that never asked for it runs exactly as it would without hal installed."""
 
 import os
@@ -10,8 +10,6 @@ import pytest
 
 import hal
 from devices.npu_sim.ext import cache_root
-from hal.distributed import ephemeral_port_range
-from hal.testing import free_port
 
 CACHE_ROOT = str(cache_root())  # read before pytester points HOME at a fresh folder
 
@@ -135,27 +133,16 @@ def test_strict_mode_is_set_only_while_the_plugin_is_enabled(pytester, monkeypat
     assert "HAL_SIM_STRICT" not in os.environ
 
 
-def test_free_ports_differ_across_calls_and_xdist_workers(monkeypatch):
-    ports = {free_port() for _ in range(20)}
-    assert len(ports) == 20
-    monkeypatch.setenv("PYTEST_XDIST_WORKER", "gw0")
-    gw0 = free_port()
-    monkeypatch.setenv("PYTEST_XDIST_WORKER", "gw1")
-    gw1 = free_port()
-    assert 21000 <= gw0 < 21500 and 21500 <= gw1 < 22000  # disjoint ranges per worker
-    low, _ = ephemeral_port_range()
-    monkeypatch.setenv("PYTEST_XDIST_WORKER", "gw40")  # past the ranges that fit: wraps, still below the range
-    assert 21000 <= free_port() < low
+def test_hal_store_is_served_on_a_port_the_kernel_picked_for_other_processes_to_join(pytester, monkeypatch):
+    monkeypatch.setenv("HAL_CACHE_DIR", CACHE_ROOT)
+    pytester.makepyfile(test_inner=textwrap.dedent("""
+        import subprocess, sys
 
-
-def test_free_port_ranges_stay_apart_where_the_ephemeral_range_leaves_no_room(tmp_path, monkeypatch):
-    import hal.distributed
-
-    wide = tmp_path / "ip_local_port_range"
-    wide.write_text("1024 65535\n")
-    monkeypatch.setattr(hal.distributed, "EPHEMERAL_RANGE_FILE", str(wide))
-    picked = {}
-    for worker in ("gw0", "gw1", "gw7"):
-        monkeypatch.setenv("PYTEST_XDIST_WORKER", worker)
-        picked[worker] = free_port() // 500
-    assert len(set(picked.values())) == 3, picked  # each worker still in a range of its own
+        def test_join(hal_store):
+            assert hal_store.port > 0
+            subprocess.run([sys.executable, "-c", "import hal; s = hal.connect_store('127.0.0.1', "
+                            f"{hal_store.port}, 1, 2, timeout=30, is_master=False); s.set('k', 'joined')"],
+                           check=True, timeout=120)
+            assert hal_store.get("k") == b"joined"
+    """))
+    pytester.runpytest_inprocess("-p", "no:cacheprovider", "-p", "hal.pytest_plugin").assert_outcomes(passed=1)

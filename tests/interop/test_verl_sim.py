@@ -17,7 +17,6 @@ import sys
 import pytest
 
 import hal
-from hal.testing import free_port
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 
@@ -61,7 +60,7 @@ def test_without_the_variable_verl_sees_no_npu():
 
 @pytest.mark.timeout(900)
 def test_verl_fsdp2_engine_offload_all_flag_combinations_train_bit_identical():
-    result = _run("tests.interop.verl_fsdp_run", str(free_port()), timeout=840)
+    result = _run("tests.interop.verl_fsdp_run", timeout=840)
     assert (result["device"], result["backend"], result["npu"], result["pg_backend"]) == ("npu", "hccl", True, "hccl")
     assert result["module"] == "FSDPQwen2ForCausalLM" and result["param_type"] == "DTensor"  # FSDP2
     assert result["reference"] != result["initial"]  # training changed the weights

@@ -95,14 +95,15 @@ def _exchange(store, key: str, rank: int, world: int, value):
     return [pickle.loads(store.get(f"{key}/{r}")) for r in range(world)]
 
 
-def collective(rank: int, world_size: int, port: int, device: str, updates: int, mismatch_at: int | None):
+def collective(rank: int, world_size: int, device: str, updates: int, mismatch_at: int | None):
     """1 trainer (rank 0) + ``world_size - 1`` rollouts over hal-collective; returns per-update reports."""
     import hal
     from ckpt.testing import same_bytes
 
-    if rank > 0:  # each rollout worker is its own replica: a one-process default group, as under Ray
-        os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_PORT=str(port + rank))
-    store = hal.connect_store("127.0.0.1", port, rank, world_size, timeout=60)
+    store = hal.launcher_store(timeout=60)
+    if rank > 0:  # each rollout worker is its own replica: a one-process default group (hosting its own store), as under Ray
+        os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_PORT=str(hal.pick_port()))
+        os.environ.pop("TORCHELASTIC_USE_AGENT_STORE")
     backend = "hal-collective"
     import ckpt.collective as collective_module
 
@@ -169,7 +170,7 @@ def collective(rank: int, world_size: int, port: int, device: str, updates: int,
     return reports
 
 
-def colocated(rank: int, world_size: int, port: int, device: str, updates: int):
+def colocated(rank: int, world_size: int, device: str, updates: int):
     """1 trainer + 2 rollouts in one process over hal-colocated (a named channel); the manager's sequence."""
     from verl.checkpoint_engine import CheckpointEngineRegistry
 
@@ -244,7 +245,7 @@ class Replica:
         pass
 
 
-def manager_colocated(rank: int, world_size: int, port: int, device: str, updates: int):
+def manager_colocated(rank: int, world_size: int, device: str, updates: int):
     """verl's real ``CheckpointEngineManager.update_weights`` over hal-colocated: 1 trainer + 2 rollouts in
     this process. Ray is replaced where the manager reaches it: ``RayWorkerGroup`` by :class:`_Group`, and
     ``ray.get`` by a function that runs the workers' coroutines concurrently on one event loop."""
@@ -283,8 +284,8 @@ def manager_colocated(rank: int, world_size: int, port: int, device: str, update
     return reports
 
 
-def colocated_then_manager(rank: int, world_size: int, port: int, device: str, updates: int) -> dict:
+def colocated_then_manager(rank: int, world_size: int, device: str, updates: int) -> dict:
     """:func:`colocated`, then :func:`manager_colocated`, in one process (one import of verl for both):
     ``{"colocated": its reports, "manager": its reports}``."""
-    return {"colocated": colocated(rank, world_size, port, device, updates),
-            "manager": manager_colocated(rank, world_size, port, device, updates)}
+    return {"colocated": colocated(rank, world_size, device, updates),
+            "manager": manager_colocated(rank, world_size, device, updates)}

@@ -15,7 +15,6 @@ import hashlib
 import itertools
 import json
 import os
-import sys
 import tempfile
 import warnings
 
@@ -76,7 +75,7 @@ def _storages(engine) -> dict:
     return out
 
 
-def main(port: str) -> dict:
+def main() -> dict:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     folder = tempfile.mkdtemp()
@@ -85,7 +84,9 @@ def main(port: str) -> dict:
                          tie_word_embeddings=False)
     torch.manual_seed(0)
     Qwen2ForCausalLM(config).save_pretrained(folder)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    from hal.distributed import pick_port
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(pick_port()), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     dist.init_process_group("hccl", rank=0, world_size=1)
 
     from verl.trainer.config import CheckpointConfig
@@ -139,4 +140,4 @@ def main(port: str) -> dict:
 
 if __name__ == "__main__":
     warnings.simplefilter("ignore")
-    print("RESULT " + json.dumps(main(sys.argv[1])), flush=True)
+    print("RESULT " + json.dumps(main()), flush=True)

@@ -45,8 +45,8 @@ def weights(step: int, device: str = "cpu"):
 STEPS = (1, 2)
 
 
-def hal_sends_verl_receives(rank, world_size, port, bucket_size):
-    endpoint, pids = meet(rank, world_size, port)
+def hal_sends_verl_receives(rank, world_size, bucket_size):
+    endpoint, pids = meet(rank, world_size)
     if rank == 0:
         eng = engine(0, 2, endpoint, pids, "npu-sim", bucket_size)
         sent = []
@@ -73,8 +73,8 @@ def hal_sends_verl_receives(rank, world_size, port, bucket_size):
 
 
 
-def verl_sends_hal_receives(rank, world_size, port):
-    endpoint, pids = meet(rank, world_size, port)
+def verl_sends_hal_receives(rank, world_size):
+    endpoint, pids = meet(rank, world_size)
     if rank == 0:
         sender_cls = verl_transfer().BucketedWeightSender
         sent = []

@@ -125,7 +125,7 @@ def ray_get(items):
         return pool.submit(asyncio.run, gather()).result(timeout=120)
 
 
-def manager_multi_sender(rank: int, world_size: int, port: int, device: str, updates: int):
+def manager_multi_sender(rank: int, world_size: int, device: str, updates: int):
     """verl's real ``CheckpointEngineManager.update_weights`` over hal-collective with ``multi_sender``; per
     update: the topology each worker got and what each rollout serves (step, byte-exact tensors)."""
     import verl.checkpoint_engine.base as verl_base

@@ -25,7 +25,6 @@ from ckpt.collective import CollectiveCheckpointEngine
 from ckpt.serving import ModelRolloutAdapter
 from hal.apps.weightsync.models import causal_lm, greedy_decode
 from hal.apps.weightsync.vllm_rollout import VllmRollout
-from hal.testing import free_port
 from tests.vllm.trainer import PRESET, Trainer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -80,10 +79,11 @@ def main() -> None:
     out: dict = {"preset": PRESET, "dtype": args.dtype, "steps": []}
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = trainer.save(pathlib.Path(tmp) / PRESET)
-        port_a, port_b = free_port(), free_port()
         kw = dict(world_size=2, master_addr="127.0.0.1", device="cpu", timeout=120.0, bucket_size=1 << 20)
-        sender_a = CollectiveCheckpointEngine(rank=0, master_port=port_a, **kw)
-        sender_b = CollectiveCheckpointEngine(rank=0, master_port=port_b, **kw)
+        sender_a = CollectiveCheckpointEngine(rank=0, **kw)
+        sender_b = CollectiveCheckpointEngine(rank=0, **kw)
+        # their stores, on ports the kernel picked
+        port_a, port_b = sender_a.prepare()["master_port"], sender_b.prepare()["master_port"]
         receiver_b = CollectiveCheckpointEngine(rank=1, master_port=port_b, **kw)
         import vllm  # noqa: F401 - imported before the clock starts: start-up is vLLM's engine, not imports
 

@@ -16,13 +16,12 @@ SCRIPT = r"""
 import asyncio, json, sys, tempfile, pathlib, torch
 from ckpt.collective import CollectiveCheckpointEngine
 from hal.apps.weightsync.vllm_rollout import VllmRollout
-from hal.testing import free_port
 from tests.vllm.trainer import Trainer
 
 trainer = Trainer(torch.float32)
-port = free_port()
-kw = dict(world_size=2, master_addr="127.0.0.1", master_port=port, timeout=120.0, bucket_size=1 << 20)
+kw = dict(world_size=2, master_addr="127.0.0.1", timeout=120.0, bucket_size=1 << 20)
 sender = CollectiveCheckpointEngine(rank=0, device="cpu", **kw)
+kw["master_port"] = sender.prepare()["master_port"]  # its store, on a port the kernel picked
 with tempfile.TemporaryDirectory() as tmp:
     rollout = VllmRollout(trainer.save(pathlib.Path(tmp) / "m"), dict(rank=1, **kw), device="cpu",
                           interface="extension")

@@ -18,7 +18,6 @@ import torch
 
 from ckpt.collective import CollectiveCheckpointEngine
 from hal.apps.weightsync.vllm_rollout import VllmRollout
-from hal.testing import free_port
 from tests.vllm.trainer import Trainer
 
 pytestmark = pytest.mark.timeout(600)
@@ -30,11 +29,11 @@ class Job:
     """The trainer's sending engine, its model and one vLLM rollout, shared by this module's tests."""
 
     def __init__(self, tmp_path) -> None:
-        port = free_port()
         self.trainer = Trainer(torch.float32)
         model_dir = self.trainer.save(tmp_path / "qwen2.5-tiny")
-        self.sender = CollectiveCheckpointEngine(rank=0, world_size=2, master_addr="127.0.0.1", master_port=port,
+        self.sender = CollectiveCheckpointEngine(rank=0, world_size=2, master_addr="127.0.0.1",
                                                  device="cpu", timeout=TIMEOUT_S, bucket_size=1 << 20)
+        port = self.sender.prepare()["master_port"]  # its store, on a port the kernel picked
         self.rollout = VllmRollout(model_dir, dict(rank=1, world_size=2, master_addr="127.0.0.1", master_port=port,
                                                    timeout=TIMEOUT_S, bucket_size=1 << 20), device="cpu",
                                    dtype="float32")

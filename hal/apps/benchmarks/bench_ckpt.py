@@ -29,7 +29,8 @@ import torch
 
 import hal
 from hal.apps.benchmarks import timed_once, transfer_once
-from hal.apps.benchmarks.ranks import join_engine, launcher_store, run_ranks
+from ckpt.manager import join_engine
+from hal.apps.benchmarks.ranks import launcher_store, run_ranks
 from hal.apps.errors import mib_to_bytes
 
 
@@ -183,7 +184,7 @@ def run(size_mb: int, bucket_sizes_mb: list[float], device: str, rounds: int = 3
     Raises:
         UsageError: a bucket size that is not positive (names ``--bucket-mb``).
         ValueError: an unknown layout, or ``size_mb`` / ``rounds`` below 1.
-        ChildFailedError: a rank failed or passed its deadline (see :func:`hal.apps.benchmarks.ranks.run_ranks`).
+        hal.multiprocess.MultiprocessError: a rank failed or passed its deadline (see :func:`hal.apps.benchmarks.ranks.run_ranks`).
     """
     buckets = [mib_to_bytes(b, "--bucket-mb") for b in bucket_sizes_mb]
     bad = [x for x in layouts if x not in LAYOUTS]
@@ -194,7 +195,7 @@ def run(size_mb: int, bucket_sizes_mb: list[float], device: str, rounds: int = 3
     layouts = list(layouts)
     timeout = max(120.0, size_mb * 0.3 * (rounds + 1) * (2 + len(buckets) * len(layouts)))
     results = run_ranks(_bench_rank, 2, size_mb, buckets, device, rounds,
-                        direct_threshold, layouts, timeout=timeout, name="ckpt")
+                        direct_threshold, layouts, timeout=timeout)
     return figures(results[0], results[1], buckets, layouts)
 
 

@@ -44,7 +44,8 @@ import torch
 
 import hal
 from hal.apps.benchmarks import timed_once
-from hal.apps.benchmarks.ranks import join_engine, launcher_store, run_ranks
+from ckpt.manager import join_engine
+from hal.apps.benchmarks.ranks import launcher_store, run_ranks
 from hal.apps.links import MAX_LINK_GBIT
 
 FRACTIONS = (0.005, 0.02, 0.1, 0.5)
@@ -101,8 +102,8 @@ def _rank(rank: int, world_size: int, size_mb: int, fractions: list[float], devi
                     300.0)
 
 
-def _link_rank(rank: int, world_size: int, _port: int, net, endpoints: list[str], plan: dict) -> dict:
-    """A rank in its own network namespace (:func:`hal.testing.run_multiprocess`, as ``bench_senders``):
+def _link_rank(rank: int, world_size: int, net, endpoints: list[str], plan: dict) -> dict:
+    """A rank in its own network namespace (:func:`hal.multiprocess.run_multiprocess`, as ``bench_senders``):
     enters it before any socket or thread, then :func:`_measure` over the trainer's emulated address."""
     net.enter(endpoints[rank])
     addr = net.address(endpoints[0])
@@ -242,7 +243,7 @@ def run(size_mb: int = 64, device: str = "cpu", rounds: int = 3, bucket_mb: floa
 
     Args:
         link_gbit: run over emulated links of this many Gbit/s (each direction), the trainer and the rollout
-            each in a network namespace (spawned by :func:`hal.testing.run_multiprocess`); ``None``: over
+            each in a network namespace (spawned by :func:`hal.multiprocess.run_multiprocess`); ``None``: over
             loopback (spawned by :func:`hal.apps.benchmarks.ranks.run_ranks`).
 
     Raises:
@@ -252,9 +253,7 @@ def run(size_mb: int = 64, device: str = "cpu", rounds: int = 3, bucket_mb: floa
         RuntimeError: the rollout's tensors differ from the trainer's at the end; emulated links asked for
             where they cannot be built (the reason is in the message: see
             :func:`hal.apps.links.links_available`).
-        ChildFailedError: a loopback rank failed or passed its deadline (see
-            :func:`hal.apps.benchmarks.ranks.run_ranks`); ``hal.testing.MultiprocessError``: the same over
-            emulated links.
+        hal.multiprocess.MultiprocessError: a rank failed or passed its deadline, on loopback or over links.
     """
     from hal.apps.errors import mib_to_bytes
 
@@ -268,7 +267,7 @@ def run(size_mb: int = 64, device: str = "cpu", rounds: int = 3, bucket_mb: floa
     bucket = mib_to_bytes(bucket_mb, "--bucket-mb")
     if link_gbit is None:
         results = run_ranks(_rank, 2, size_mb, list(fractions), device, rounds, bucket,
-                            timeout=max(180.0, size_mb * 0.5 * rounds * len(fractions)), name="delta")
+                            timeout=max(180.0, size_mb * 0.5 * rounds * len(fractions)))
     else:
         results = _over_links(size_mb, list(fractions), device, rounds, bucket, link_gbit)
     send, recv = results[0], results[1]
@@ -298,7 +297,7 @@ def _over_links(size_mb: int, fractions: list[float], device: str, rounds: int, 
                 link_gbit: float) -> dict[int, dict]:
     """The two ranks in network namespaces joined by links of ``link_gbit`` Gbit/s; their results by rank."""
     from hal.apps.links import emulated_network, links_available
-    from hal.testing import run_multiprocess
+    from hal.multiprocess import run_multiprocess
 
     ok, reason = links_available()
     if not ok:

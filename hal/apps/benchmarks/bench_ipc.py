@@ -33,7 +33,8 @@ import torch
 import hal
 from hal.apps.benchmarks import timed_once
 from hal.apps.benchmarks.bench_ckpt import tensor_sizes
-from hal.apps.benchmarks.ranks import join_engine, launcher_store, run_ranks
+from ckpt.manager import join_engine
+from hal.apps.benchmarks.ranks import launcher_store, run_ranks
 
 
 class _Targets:
@@ -162,7 +163,7 @@ def run(size_mb: int, device: str, rounds: int = 3, bucket_mb: float = 64.0) -> 
 
     Raises:
         ValueError: ``size_mb`` or ``rounds`` below 1, or ``bucket_mb`` not positive.
-        ChildFailedError: a rank failed or passed its deadline.
+        hal.multiprocess.MultiprocessError: a rank failed or passed its deadline.
     """
     from ckpt.ipc import default_endpoint
 
@@ -171,9 +172,9 @@ def run(size_mb: int, device: str, rounds: int = 3, bucket_mb: float = 64.0) -> 
     bucket = int(bucket_mb * (1 << 20))
     timeout = max(180.0, size_mb * 0.2 * (rounds + 2) * 4)
     one = run_ranks(_rank, 2, default_endpoint(), size_mb, bucket, device, rounds, True,
-                    timeout=timeout, name="ipc1")
+                    timeout=timeout)
     two = run_ranks(_rank, 3, default_endpoint(), size_mb, bucket, device, rounds, False,
-                    timeout=timeout, name="ipc2")
+                    timeout=timeout)
     med = statistics.median
     total = one[0]["size_bytes"]
     t1, t2 = one[0]["times"], two[0]["times"]

@@ -34,7 +34,8 @@ import torch
 import hal
 from hal.apps.benchmarks import timed_once, transfer_once
 from hal.apps.benchmarks.bench_ckpt import PeakMemory, tensor_sizes, tensor_views
-from hal.apps.benchmarks.ranks import join_engine, launcher_store, run_ranks
+from ckpt.manager import join_engine
+from hal.apps.benchmarks.ranks import launcher_store, run_ranks
 from hal.apps.errors import mib_to_bytes
 
 
@@ -130,7 +131,7 @@ def run(size_mb: int = 256, bucket_mb: float = 64.0, device: str = "cpu", rounds
     Raises:
         ValueError: an unknown engine name, ``size_mb`` or ``rounds`` below 1, or ``bucket_mb`` not positive
             (a :class:`hal.apps.errors.UsageError` naming ``--bucket-mb``).
-        ChildFailedError: a rank failed (e.g. the library is not installed) or passed its deadline.
+        hal.multiprocess.MultiprocessError: a rank failed (e.g. the library is not installed) or passed its deadline.
     """
     bucket = mib_to_bytes(bucket_mb, "--bucket-mb")
     known = transfer_library_engines()
@@ -141,7 +142,7 @@ def run(size_mb: int = 256, bucket_mb: float = 64.0, device: str = "cpu", rounds
     if size_mb < 1 or rounds < 1:
         raise ValueError(f"size_mb and rounds must be >= 1, got {size_mb}, {rounds}")
     results = run_ranks(_bench_rank, 2, size_mb, bucket, device, rounds, list(engines),
-                        timeout=max(180.0, size_mb * 0.1 * (rounds + 2) * len(engines)), name="p2p")
+                        timeout=max(180.0, size_mb * 0.1 * (rounds + 2) * len(engines)))
     send, recv = results[0], results[1]
     if recv["crc32"] != send["crc32"]:
         raise RuntimeError("the raw library writes delivered other bytes than the trainer holds")

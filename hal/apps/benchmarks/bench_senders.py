@@ -189,7 +189,7 @@ def _load(path: str) -> Any:
 
 # -- ranks ----------------------------------------------------------------------------------------------------
 
-def _rank(rank: int, world_size: int, _port: int, net: Any, endpoints: list[str], plan: dict) -> dict:
+def _rank(rank: int, world_size: int, net: Any, endpoints: list[str], plan: dict) -> dict:
     import os
 
     import hal
@@ -269,10 +269,10 @@ def bench_senders(size_mb: int = 32, rate_mbit: float = 100.0, rollout_factor: f
         ValueError: a bad count, size or rate, ``senders`` without 1, or ``path`` not ``"module:factory"``.
         ImportError, AttributeError: ``path`` names nothing importable.
         RuntimeError: emulated links are unavailable here (the reason is in the message).
-        hal.testing.MultiprocessError: a rank failed, received wrong bytes, or the run passed its deadline.
+        hal.multiprocess.MultiprocessError: a rank failed, received wrong bytes, or the run passed its deadline.
     """
     from hal.apps.links import emulated_network, links_available
-    from hal.testing import run_multiprocess
+    from hal.multiprocess import run_multiprocess
 
     senders = sorted(set(int(s) for s in senders))
     if not senders or senders[0] != 1 or senders[-1] > 64:

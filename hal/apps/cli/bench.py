@@ -29,7 +29,7 @@ import tyro
 
 import hal
 from hal.apps.cli.helptext import DEVICE_DEFAULT, flowing_help, optional
-from hal.apps.errors import UsageError, mib_to_bytes, require_extra, worker_failed
+from hal.apps.errors import UsageError, WorkerFailedError, mib_to_bytes, require_extra
 
 
 BENCHMARKS = ("offload", "sync", "ipc", "delta", "main", "ray", "import", "senders")
@@ -160,13 +160,16 @@ def execute(args: Bench) -> dict[str, Any]:
         UsageError: what :func:`selection` raises.
         WorkerFailedError: a benchmark's rank failed; names it and how.
     """
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from hal.multiprocess import MultiprocessError
 
     chosen = selection(args)
     try:
         return _execute(chosen, with_defaults(args))
-    except ChildFailedError as exc:
-        raise worker_failed(exc, lambda rank: f"benchmark rank {rank}", "hal bench") from None
+    except MultiprocessError as exc:
+        if not exc.failures:
+            raise
+        raise WorkerFailedError("hal bench: " + "; ".join(f"the benchmark rank {rank} failed: {why.splitlines()[0]}"
+                                                          for rank, why in sorted(exc.failures.items()))) from None
 
 
 def _execute(chosen: list[str], args: Bench) -> dict[str, Any]:

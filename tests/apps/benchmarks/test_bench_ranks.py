@@ -1,19 +1,19 @@
-"""How the benchmarks start their ranks (torch.distributed's elastic launcher): each rank's return value
-comes back by rank, a rank that raises or hangs fails the run naming it, and ``hal bench`` says so in one line."""
+"""How the benchmarks start their ranks (the tests' harness, ``hal.multiprocess.run_multiprocess``, spawning): each
+rank's return value comes back by rank, a rank that raises or hangs fails the run naming it, and ``hal bench``
+says so in one line."""
 
 from __future__ import annotations
 
-import pathlib
-import tempfile
 import time
 
 import pytest
-from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 from hal.apps.benchmarks import bench_import
-from hal.apps.benchmarks.ranks import join_engine, launcher_store, run_ranks
+from ckpt.manager import join_engine
+from hal.apps.benchmarks.ranks import launcher_store, run_ranks
 from hal.apps.cli.bench import Bench, execute
 from hal.apps.errors import WorkerFailedError
+from hal.multiprocess import MultiprocessError
 
 pytestmark = pytest.mark.multiprocess
 
@@ -33,20 +33,13 @@ def sleeps(rank: int, world_size: int, seconds: float) -> None:
 
 
 def test_each_rank_runs_once_and_its_value_comes_back_by_rank():
-    assert run_ranks(echo, 2, "bench", timeout=60, name="test") == {0: (0, 2, "bench"), 1: (1, 2, "bench")}
-
-
-def error_files() -> set[pathlib.Path]:
-    return set(pathlib.Path(tempfile.gettempdir()).glob("pytorch-errorfile-*.pickle"))
+    assert run_ranks(echo, 2, "bench", timeout=60) == {0: (0, 2, "bench"), 1: (1, 2, "bench")}
 
 
 def test_a_rank_that_raises_fails_the_run_and_hal_bench_names_it(monkeypatch):
-    before = error_files()
-    with pytest.raises(ChildFailedError) as info:
-        run_ranks(fails_on_rank_1, 2, timeout=60, name="test")
-    rank, failure = info.value.get_first_failure()
-    assert rank == 1 and "ValueError: rank 1 refuses" in str(failure.message)
-    assert error_files() - before == set()  # torch's per-rank error file went with the launch's scratch directory
+    with pytest.raises(MultiprocessError) as info:
+        run_ranks(fails_on_rank_1, 2, timeout=60)
+    assert list(info.value.failures) == [1] and info.value.failures[1].startswith("ValueError: rank 1 refuses")
 
     def raises(rounds):
         raise info.value
@@ -54,13 +47,14 @@ def test_a_rank_that_raises_fails_the_run_and_hal_bench_names_it(monkeypatch):
     monkeypatch.setattr(bench_import, "run", raises)
     with pytest.raises(WorkerFailedError) as cli:
         execute(Bench(device="cpu", only=("import",)))
-    assert str(cli.value) == "hal bench: the benchmark rank 1 exited with code 1: ValueError: rank 1 refuses"
+    assert str(cli.value) == "hal bench: the benchmark rank 1 failed: ValueError: rank 1 refuses"
 
 
 def test_a_rank_past_its_deadline_fails_the_run_within_it():
     start = time.monotonic()
-    with pytest.raises(ChildFailedError):
-        run_ranks(sleeps, 1, 300.0, timeout=5, name="test")
+    with pytest.raises(MultiprocessError) as info:
+        run_ranks(sleeps, 1, 300.0, timeout=5)
+    assert info.value.failures == {0: "still running at the deadline of 5 s"}
     assert time.monotonic() - start < 60  # the deadline, plus starting an interpreter on a loaded machine
 
 
@@ -95,6 +89,6 @@ def one_update(rank: int, world_size: int) -> tuple[list[list[int]], list[int]]:
 
 
 def test_engines_form_by_verls_lifecycle_over_the_launchers_store_on_kernel_picked_ports():
-    results = run_ranks(one_update, 2, timeout=120, name="test")
+    results = run_ranks(one_update, 2, timeout=120)
     assert results[0][0] == results[1][0] == [list(range(10)), list(range(20))]  # the bytes arrived, per engine
     assert results[0][1] == results[1][1] and results[0][1][0] != results[0][1][1]  # a port each, agreed on

@@ -60,22 +60,13 @@ class RemoteCallError(hal.HalError, RuntimeError):
 
 
 def job_store(timeout: float, prefix: str = STORE_PREFIX) -> Any:
-    """The elastic agent's store (``TORCHELASTIC_USE_AGENT_STORE``: the rendezvous hosts it at
-    ``MASTER_ADDR:MASTER_PORT``; else rank 0 hosts one there, as torch's ``env://`` does), under ``prefix``
-    (:data:`STORE_PREFIX`: the job's keys).
+    """The launcher's store (:func:`hal.launcher_store`) under ``prefix`` (:data:`STORE_PREFIX`: the job's keys).
 
     Raises:
-        KeyError: not a rank the launcher started: no ``MASTER_ADDR``, ``MASTER_PORT``, ``RANK`` or ``WORLD_SIZE``.
+        KeyError: not a rank the launcher started.
         hal.DistributedTimeoutError: the store did not answer within ``timeout`` seconds.
     """
-    import torch.distributed as dist
-
-    # torch's own rule (env:// in torch.distributed.rendezvous): the agent's store where it shares it, else
-    # rank 0 hosts one there (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1)
-    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    store = hal.connect_store(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), int(os.environ["RANK"]),
-                              int(os.environ["WORLD_SIZE"]), timeout=timeout, is_master=False if agent else None)
-    return dist.PrefixStore(prefix, store)
+    return hal.launcher_store(timeout, prefix)
 
 
 def bind_calls(context: Any, store: Any, rank: int) -> Any:

@@ -1,4 +1,4 @@
-"""hal.testing.run_multiprocess: ranks started from the forkserver see what a spawned rank would."""
+"""hal.multiprocess.run_multiprocess: ranks started from the forkserver see what a spawned rank would."""
 
 import multiprocessing
 import os
@@ -8,10 +8,10 @@ import time
 
 import pytest
 
-from hal import testing
+from hal import multiprocess as harness
 
 
-def _report(rank, world_size, port):
+def _report(rank, world_size):
     print(f"rank {rank} on stderr", file=sys.stderr, flush=True)
     return {"env": os.environ.get("OTHER_PROBE"), "cwd": os.getcwd(), "path": sys.path[0], "rank": os.environ["RANK"],
             "extra": os.environ.get("EXTRA")}
@@ -25,9 +25,9 @@ def forkserver_env(monkeypatch):
     (an earlier test in this xdist worker may have set HAL_DEVICE or HAL_SIM_* for its run); these tests
     are about a forkserver whose environment matches, so they put the environment back to its."""
     monkeypatch.delenv("HAL_TEST_START_METHOD", raising=False)
-    testing._start_method()  # starts the forkserver under the current environment if none runs yet
-    started = dict(testing._forkserver_env)
-    for key in testing._import_env():
+    harness._start_method()  # starts the forkserver under the current environment if none runs yet
+    started = dict(harness._forkserver_env)
+    for key in harness._import_env():
         if key not in started:
             monkeypatch.delenv(key)
     for key, value in started.items():
@@ -38,13 +38,13 @@ def forkserver_env(monkeypatch):
 @pytest.mark.skipif("forkserver" not in multiprocessing.get_all_start_methods(), reason="ranks are spawned here")
 def test_forkserver_ranks_get_the_callers_current_environment_directory_path_and_stderr(tmp_path, monkeypatch,
                                                                                        forkserver_env):
-    testing.run_multiprocess(_report, 1, timeout=120)
-    assert testing._start_method() == "forkserver"
+    harness.run_multiprocess(_report, 1, timeout=120)
+    assert harness._start_method() == "forkserver"
     # what torch itself sets in this process while it runs (an in-process torchrun launch, inductor's cache)
     # says nothing about how torch was imported: the forkserver still serves
     monkeypatch.setenv("TORCHELASTIC_SIGNALS_TO_HANDLE", "SIGTERM,SIGINT")
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
-    assert testing._start_method() == "forkserver"
+    assert harness._start_method() == "forkserver"
     monkeypatch.setenv("OTHER_PROBE", "changed")  # not read by import torch: the forkserver still serves
     monkeypatch.chdir(tmp_path)
     monkeypatch.syspath_prepend(str(tmp_path))
@@ -53,7 +53,7 @@ def test_forkserver_ranks_get_the_callers_current_environment_directory_path_and
         saved = os.dup(2)
         os.dup2(stderr.fileno(), 2)
         try:
-            results = testing.run_multiprocess(_report, 2, timeout=120, env={"EXTRA": "1"})
+            results = harness.run_multiprocess(_report, 2, timeout=120, env={"EXTRA": "1"})
         finally:
             os.dup2(saved, 2)
             os.close(saved)
@@ -63,17 +63,17 @@ def test_forkserver_ranks_get_the_callers_current_environment_directory_path_and
     assert "rank 0 on stderr" in err and "rank 1 on stderr" in err, err
     # a variable read while torch imports (HAL_*, TORCH*, OMP_*, ...) that changed: the group is spawned
     monkeypatch.setenv("HAL_TEST_PROBE", "changed")
-    assert testing._start_method() == "spawn"
+    assert harness._start_method() == "spawn"
     monkeypatch.setenv("HAL_TEST_START_METHOD", "spawn")
     monkeypatch.delenv("HAL_TEST_PROBE")
-    assert testing._start_method() == "spawn"
+    assert harness._start_method() == "spawn"
 
 
-def _parent(rank, world_size, port):
+def _parent(rank, world_size):
     return os.getppid()
 
 
-def _parent_spawned(rank, world_size, port):
+def _parent_spawned(rank, world_size):
     return os.getppid()
 
 
@@ -83,11 +83,11 @@ _parent_spawned.start_method = "spawn"  # as a rank measuring its own memory dec
 @pytest.mark.slow
 @pytest.mark.skipif("forkserver" not in multiprocessing.get_all_start_methods(), reason="ranks are spawned here")
 def test_a_rank_function_can_ask_to_be_spawned(forkserver_env):
-    assert testing.run_multiprocess(_parent_spawned, 1, timeout=120) == {0: os.getpid()}  # this process's child
-    assert testing.run_multiprocess(_parent, 1, timeout=120) != {0: os.getpid()}  # the forkserver's
+    assert harness.run_multiprocess(_parent_spawned, 1, timeout=120) == {0: os.getpid()}  # this process's child
+    assert harness.run_multiprocess(_parent, 1, timeout=120) != {0: os.getpid()}  # the forkserver's
 
 
-def _rank_1_hangs(rank, world_size, port):
+def _rank_1_hangs(rank, world_size):
     if rank == 1:
         _waits_for_a_peer_that_never_comes()
     return rank
@@ -102,11 +102,12 @@ def _waits_for_a_peer_that_never_comes():
 @pytest.mark.slow
 def test_a_group_past_its_deadline_raises_with_every_running_ranks_stacks():
     start = time.monotonic()
-    with pytest.raises(testing.MultiprocessError) as info:
-        testing.run_multiprocess(_rank_1_hangs, 2, timeout=10)  # time for both to start under load
+    with pytest.raises(harness.MultiprocessError) as info:
+        harness.run_multiprocess(_rank_1_hangs, 2, timeout=10)  # time for both to start under load
     message = str(info.value)
     assert ("did not finish within 10 s (ranks done with a result: [0], still running: [1], alive after their "
             "result: [])") in message, message
+    assert info.value.failures == {1: "still running at the deadline of 10 s"}  # which rank, for a caller to name
     stacks = message.split("their stacks:\n", 1)[1]
     assert stacks.startswith("--- rank 1 (pid ") and "--- rank 0" not in stacks, stacks
     # the innermost frames of the hung rank, by function name (faulthandler's format)
@@ -114,13 +115,13 @@ def test_a_group_past_its_deadline_raises_with_every_running_ranks_stacks():
     assert time.monotonic() - start < 40  # the deadline, the stacks' grace and the kill; never a hang
 
 
-def _returns_a_megabyte(rank, world_size, port):
+def _returns_a_megabyte(rank, world_size):
     return bytes([rank]) * (1 << 20)
 
 
 def test_results_larger_than_a_pipe_buffer_come_back():
     # a rank's put() blocks once the pipe holds 64 KiB until the caller reads: it must read while they run
-    out = testing.run_multiprocess(_returns_a_megabyte, 2, timeout=30)
+    out = harness.run_multiprocess(_returns_a_megabyte, 2, timeout=30)
     assert out == {0: b"\x00" * (1 << 20), 1: b"\x01" * (1 << 20)}
 
 
@@ -143,7 +144,7 @@ def _refuse_to_load():
     raise RuntimeError("this result does not load here")
 
 
-def _odd_endings(rank, world_size, port, how):
+def _odd_endings(rank, world_size, how):
     if rank == 1:
         if how == "exits":
             os._exit(0)  # no result, exit code 0
@@ -167,11 +168,11 @@ def _odd_endings(rank, world_size, port, how):
 def test_a_rank_without_a_usable_result_is_named_and_nothing_blocks(how, message):
     # the deadline is the outcome only for the frozen rank; the others get room for two torch imports on a
     # loaded machine (10 s was not always enough under xdist)
-    with pytest.raises(testing.MultiprocessError, match=message):
-        testing.run_multiprocess(_odd_endings, 2, how, timeout=10 if how == "stops while sending" else 60)
+    with pytest.raises(harness.MultiprocessError, match=message):
+        harness.run_multiprocess(_odd_endings, 2, how, timeout=10 if how == "stops while sending" else 60)
     if how == "stops while sending":
         return  # the deadline, within its time: there is nothing to return
-    out = testing.run_multiprocess(_odd_endings, 2, how, timeout=30, expect_failure=True)
+    out = harness.run_multiprocess(_odd_endings, 2, how, timeout=30, expect_failure=True)
     assert out[0] == 0
     if how == "exits":
         assert 1 not in out  # left out, as the callers that kill a rank on purpose expect
@@ -179,7 +180,7 @@ def test_a_rank_without_a_usable_result_is_named_and_nothing_blocks(how, message
         assert "rank 1's result could not be" in out[1]
 
 
-def _raises_then_peer_exits_non_zero(rank, world_size, port):
+def _raises_then_peer_exits_non_zero(rank, world_size):
     if rank == 0:
         raise ValueError("the root cause")
     time.sleep(1.0)  # rank 0 has written its failure by now
@@ -187,7 +188,26 @@ def _raises_then_peer_exits_non_zero(rank, world_size, port):
 
 
 def test_a_non_zero_exit_still_reports_what_the_other_ranks_raised():
-    with pytest.raises(testing.MultiprocessError) as info:
-        testing.run_multiprocess(_raises_then_peer_exits_non_zero, 2, timeout=30)
+    with pytest.raises(harness.MultiprocessError) as info:
+        harness.run_multiprocess(_raises_then_peer_exits_non_zero, 2, timeout=30)
     message = str(info.value)
     assert "exit code 3" in message and "rank 0 failed: ValueError: the root cause" in message, message
+
+
+def _meets(rank, world_size):
+    import hal
+
+    store = hal.launcher_store(timeout=30)  # the caller's: no rank hosts one
+    store.set(f"seen/{rank}", str(os.getpid()))
+    return int(os.environ["MASTER_PORT"]), sorted(int(store.get(f"seen/{r}")) for r in range(world_size))
+
+
+def test_ranks_meet_on_the_store_the_caller_hosts_on_a_port_the_kernel_picked():
+    import hal
+
+    out = harness.run_multiprocess(_meets, 3, timeout=120)
+    (port,) = {p for p, _ in out.values()}
+    assert [seen for _, seen in out.values()] == [out[0][1]] * 3 and len(set(out[0][1])) == 3  # three ranks met
+    with pytest.raises(hal.DistributedTimeoutError, match=str(port)):  # served only while the group ran
+        hal.connect_store("127.0.0.1", port, 1, 2, timeout=1, is_master=False)
+

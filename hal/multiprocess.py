@@ -1,0 +1,296 @@
+"""The one process harness of tests and benchmarks: process groups that cannot hang, meeting on a store
+the caller hosts on a port the kernel picks.
+
+``torch.multiprocessing.start_processes`` does the spawning; what it lacks is an overall deadline and a way
+to hand back each rank's return value (pickled to a file the caller reads once the ranks are gone, so a
+result of any size comes back and neither side ever waits on the other), which :func:`run_multiprocess`
+adds. The caller hosts the group's store as torchrun's elastic agent does (on port 0, so the kernel picks the
+port and no other process can take it first), and each rank finds it as a torchrun rank finds the agent's
+(``MASTER_ADDR``/``MASTER_PORT`` with ``TORCHELASTIC_USE_AGENT_STORE=True``): ``hal.launcher_store()``,
+``init_process_group`` by ``env://`` and ``ckpt.manager.join_engine`` work unchanged under ``torchrun``.
+
+Where the platform offers it, ranks start from Python's ``forkserver`` with torch preloaded
+(``multiprocessing.set_forkserver_preload``): a rank then costs a fork instead of a fresh interpreter
+importing torch (seconds of CPU each; a suite spawns hundreds). Each rank still gets the caller's current
+environment, working directory, ``sys.path`` and stdout/stderr, as a spawned one would; if a variable that
+``import torch`` reads differs from what the forkserver imported torch with, the group is spawned instead.
+"""
+
+from __future__ import annotations
+
+import importlib
+import multiprocessing
+import os
+import pickle
+import shutil
+import signal
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from multiprocessing import reduction
+from typing import Any, Callable
+
+import torch.multiprocessing as tmp
+
+from hal.distributed import connect_store
+
+
+class _ParentFd:
+    """One of the caller's file descriptors, handed to a rank as ``reduction.DupFd`` hands a socket over.
+
+    A forkserver rank inherits the forkserver's stdout/stderr (those of whichever test first started it);
+    the rank puts the caller's current ones (pytest's capture of the running test) in their place.
+    """
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def __reduce__(self):
+        return _restore_fd, (reduction.DupFd(self.fd),)
+
+
+def _restore_fd(dup) -> int:
+    return dup.detach()
+
+
+def _entry(rank: int, fn: Callable | tuple[str, str], world_size: int, port: int, env: dict, args: tuple,
+           group_dir: str, parent: dict | None = None) -> None:
+    import faulthandler
+
+    import torch
+
+    # Should the group pass its deadline, the parent asks each rank for its Python stacks (every thread)
+    # before it kills it: a timer here would run from this rank's start, late when spawning was slow. They go
+    # to a file the parent reads into its error, so they reach the test's report (a rerun's too), not only a
+    # captured stderr that a passing rerun discards. Registered first: until then the signal would kill.
+    global _stacks_file
+    _stacks_file = open(_stacks_path(group_dir, rank), "w")  # kept open: faulthandler writes to its fd
+    faulthandler.register(STACKS_SIGNAL, file=_stacks_file, all_threads=True)
+    if parent is not None:  # started from the forkserver: take the caller's state, as spawn would have
+        for target, fd in ((1, parent["stdout"]), (2, parent["stderr"])):
+            if fd != target:
+                os.dup2(fd, target)
+                os.close(fd)
+        os.chdir(parent["cwd"])
+        sys.path[:] = parent["sys_path"]
+        os.environ.clear()
+        os.environ.update(parent["environ"])
+    if isinstance(fn, tuple):  # (module, qualname): imported with the caller's sys.path in place
+        module, qualname = fn
+        target = importlib.import_module(module)
+        for part in qualname.split("."):
+            target = getattr(target, part)
+        fn = target
+    # torch is already imported here, so OMP_NUM_THREADS below comes too late for this process: several
+    # ranks with two threads each on two cores make gloo's busy waits crawl (a test once passed 100 s).
+    torch.set_num_threads(1)
+    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
+                       "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": str(world_size),
+                       "TORCHELASTIC_USE_AGENT_STORE": "True", "OMP_NUM_THREADS": "1"})
+    os.environ.update(env)
+    try:
+        outcome = (True, fn(rank, world_size, *args))
+    except BaseException as exc:  # noqa: BLE001 - reported to the parent, which re-raises
+        outcome = (False, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")
+    try:
+        data = pickle.dumps(outcome, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception as exc:  # noqa: BLE001 - an unpicklable result is this rank's failure
+        data = pickle.dumps((False, f"rank {rank}'s result could not be sent: {type(exc).__name__}: {exc}"))
+    path = _result_path(group_dir, rank)
+    with open(path + ".partial", "wb") as f:
+        f.write(data)
+    os.replace(path + ".partial", path)  # whole or absent: a rank killed while writing leaves no result
+
+
+STACKS_SIGNAL = signal.SIGUSR1
+"""The signal on which a rank started by :func:`run_multiprocess` writes every thread's Python stack to
+its stacks file (``faulthandler.register``), which the parent puts into its :class:`MultiprocessError`."""
+
+_stacks_file = None  # in a rank: the file its stacks go to (open for as long as the rank runs)
+STACKS_CHARS = 6000
+"""At most this many characters of each rank's stacks (the end, where the innermost frames are) go into the
+error message."""
+
+
+def _stacks_path(group_dir: str, rank: int) -> str:
+    return os.path.join(group_dir, f"rank{rank}.stacks")
+
+
+def _result_path(group_dir: str, rank: int) -> str:
+    """Where rank ``rank`` leaves its pickled ``(ok, value)``: a file, not a pipe, so no rank can block on a
+    reader and the caller never reads a message a dead or stopped rank left half-written."""
+    return os.path.join(group_dir, f"rank{rank}.result")
+
+
+def _read_result(group_dir: str, rank: int) -> tuple[bool, Any] | None:
+    """Rank ``rank``'s ``(ok, value)``, ``None`` if it left none; one that does not unpickle here is its failure."""
+    try:
+        with open(_result_path(group_dir, rank), "rb") as f:
+            data = f.read()
+    except FileNotFoundError:
+        return None
+    try:
+        return pickle.loads(data)
+    except Exception as exc:  # noqa: BLE001 - reported as that rank's failure
+        return False, f"rank {rank}'s result could not be read in the calling process: {type(exc).__name__}: {exc}"
+
+
+def _dump_stacks(ranks: dict[int, Any], group_dir: str, wait_s: float = 2.0) -> str:
+    """Ask each live rank (``{rank: process}``) for its stacks (:data:`STACKS_SIGNAL`), give them ``wait_s``
+    seconds to write them, and return them as text, so a hang's report shows where each rank was when the
+    deadline passed."""
+    for p in ranks.values():
+        try:
+            os.kill(p.pid, STACKS_SIGNAL)
+        except OSError:  # exited meanwhile
+            pass
+    time.sleep(wait_s)
+    parts = []
+    for rank in ranks:
+        try:
+            with open(_stacks_path(group_dir, rank), errors="replace") as f:
+                text = f.read()[-STACKS_CHARS:]
+        except OSError as exc:
+            text = f"(no stacks: {exc})"
+        parts.append(f"--- rank {rank} (pid {ranks[rank].pid}) ---\n{text.rstrip() or '(it wrote none)'}")
+    return "\n".join(parts)
+
+
+# Variables read while torch imports (its backend autoload, hal's sim entry point, thread pools, the loader):
+# a forkserver started under other values would hand its ranks a torch imported differently.
+_IMPORT_ENV_PREFIXES = ("HAL_", "TORCH", "PYTORCH", "OMP_", "MKL_", "KMP_", "OPENBLAS", "ASCEND_", "CUDA_",
+                        "PYTHON", "LD_")
+# Not about how torch was imported: this module's own switch, and variables torch sets itself while it runs in
+# the caller's process (the elastic agent's signal list on any in-process torchrun launch, inductor's cache
+# directory). Counted, the first in-process launch sent every later group of that pytest worker to spawn
+# (measured: 194 spawned ranks in a full run instead of the dozen that ask for it, each importing torch afresh).
+_NOT_IMPORT_ENV = ("HAL_TEST_START_METHOD", "TORCHELASTIC_SIGNALS_TO_HANDLE", "TORCHINDUCTOR_CACHE_DIR")
+_forkserver_lock = threading.Lock()
+_forkserver_env: dict[str, str] | None = None
+
+
+def _import_env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items()
+            if k.startswith(_IMPORT_ENV_PREFIXES) and k not in _NOT_IMPORT_ENV}
+
+
+def _start_method() -> str:
+    """``forkserver`` (torch preloaded) when this platform has it and the import environment matches the
+    one the forkserver was started with; ``spawn`` otherwise, or when ``HAL_TEST_START_METHOD=spawn``."""
+    global _forkserver_env
+    if os.environ.get("HAL_TEST_START_METHOD", "forkserver") != "forkserver" or \
+            "forkserver" not in multiprocessing.get_all_start_methods():
+        return "spawn"
+    with _forkserver_lock:
+        if _forkserver_env is None:
+            from multiprocessing import forkserver
+
+            # torch.distributed.tensor too: 0.8 s of CPU to import, in every rank that touches FSDP2 or engines
+            multiprocessing.set_forkserver_preload(["torch", "torch.distributed", "torch.distributed.tensor"])
+            forkserver.ensure_running()
+            _forkserver_env = _import_env()
+        return "forkserver" if _import_env() == _forkserver_env else "spawn"
+
+
+class MultiprocessError(RuntimeError):
+    """A spawned rank raised, died, or the group passed its deadline.
+
+    ``failures`` is ``{rank: why}`` for each rank that failed: its ``"ExceptionType: message"`` and traceback,
+    ``"exited with code N without a result"``, or ``"still running at the deadline of T s"``.
+    """
+
+    def __init__(self, message: str, failures: dict[int, str] | None = None) -> None:
+        super().__init__(message)
+        self.failures = dict(failures or {})
+
+
+def run_multiprocess(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 60.0,
+                     env: dict[str, str] | None = None, expect_failure: bool = False,
+                     start_method: str | None = None) -> dict[int, Any]:
+    """Run ``fn(rank, world_size, *args)`` in ``world_size`` new processes; return ``{rank: result}``.
+
+    The processes start from the forkserver with torch preloaded where possible, else by spawn (see the
+    module docstring); either way each sees the caller's environment, working directory and ``sys.path``.
+
+    ``start_method="spawn"`` (or a ``fn`` with the attribute ``start_method = "spawn"``) always spawns: one
+    that measures its own process's memory (VmHWM, VmRSS) needs it, since a forked rank faults in the library
+    pages it runs (mapped lazily after a fork) and counts them as growth.
+
+    ``fn`` must be importable (a module-level function). Each process gets ``MASTER_ADDR``/``MASTER_PORT``/
+    ``RANK``/``LOCAL_RANK``/``WORLD_SIZE``/``TORCHELASTIC_USE_AGENT_STORE`` set as ``torch.distributed.run``
+    would, plus ``env``: ``MASTER_PORT`` is the group's store, hosted by this process for as long as the
+    call runs.
+
+    Args:
+        timeout: seconds for the whole group, counted from when its processes are started (their imports
+            count); past it every rank's stacks are taken and every process is killed.
+        expect_failure: return ``{rank: error text}`` for ranks that raised instead of raising, and leave
+            out the ranks that died or exited without a result.
+
+    Raises:
+        MultiprocessError: a rank raised or exited without a result (unless ``expect_failure``), or the
+            deadline passed. The message carries each failing rank's traceback; past the deadline, which
+            ranks had returned a result and the Python stacks (every thread) of each rank still running.
+        ValueError: ``start_method`` is neither ``None`` nor ``"spawn"``.
+    """
+    if start_method not in (None, "spawn"):
+        raise ValueError(f"start_method must be None (forkserver where possible) or 'spawn', got {start_method!r}")
+    # a function of the __main__ script is found again only by spawn, which re-runs that script
+    spawn = fn.__module__ == "__main__" or "spawn" in (start_method, getattr(fn, "start_method", None))
+    method = "spawn" if spawn else _start_method()
+    target: Callable | tuple[str, str] = fn
+    parent = None
+    if method == "forkserver":
+        target = (fn.__module__, fn.__qualname__)
+        parent = {"stdout": _ParentFd(1), "stderr": _ParentFd(2), "cwd": os.getcwd(), "sys_path": list(sys.path),
+                  "environ": dict(os.environ)}
+    group_dir, context, exited = None, None, None
+    store = connect_store("127.0.0.1", 0, 0, world_size, timeout=timeout, is_master=True)  # the kernel's port
+    port = store.port
+    try:
+        group_dir = tempfile.mkdtemp(prefix="hal-ranks-")  # each rank's result and, past the deadline, stacks
+        context = tmp.start_processes(_entry, args=(target, world_size, port, dict(env or {}), args, group_dir,
+                                                    parent),
+                                      nprocs=world_size, join=False, start_method=method)
+        deadline = time.monotonic() + timeout
+        # a rank that exits non-zero: torch SIGTERMs the others, and SIGKILLs them 1 s later (not its 30 s)
+        while not context.join(timeout=0.2, grace_period=1.0):
+            if time.monotonic() > deadline:
+                done = [r for r in range(world_size) if os.path.exists(_result_path(group_dir, r))]
+                alive = {r: p for r, p in enumerate(context.processes) if p.is_alive()}
+                stacks = _dump_stacks(alive, group_dir)
+                raise MultiprocessError(
+                    f"{world_size} processes did not finish within {timeout} s (ranks done with a result: {done}, "
+                    f"still running: {[r for r in alive if r not in done]}, alive after their result: "
+                    f"{[r for r in alive if r in done]}); their stacks:\n{stacks}",
+                    {r: f"still running at the deadline of {timeout} s" for r in alive if r not in done})
+    except tmp.ProcessRaisedException as exc:
+        raise MultiprocessError(str(exc), {exc.error_index: str(exc)}) from exc
+    except tmp.ProcessExitedException as exc:
+        exited = str(exc)  # what the other ranks had sent still counts (and names the cause, if one raised)
+    finally:
+        for p in context.processes if context is not None else []:
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+        received = {}
+        if group_dir is not None:
+            received = {r: outcome for r in range(world_size) if (outcome := _read_result(group_dir, r)) is not None}
+            shutil.rmtree(group_dir, ignore_errors=True)
+    out: dict[int, Any] = {}
+    failures: dict[int, str] = {}
+    for rank, (ok, value) in sorted(received.items()):
+        (out if ok else failures)[rank] = value
+    if (failures or exited) and not expect_failure:
+        raise MultiprocessError("\n".join(([exited] if exited else [])
+                                          + [f"rank {r} failed: {t}" for r, t in sorted(failures.items())]), failures)
+    missing = [rank for rank in range(world_size) if rank not in received]
+    if missing and not expect_failure:
+        codes = [context.processes[r].exitcode for r in missing]
+        raise MultiprocessError(f"ranks {missing} exited (exit codes {codes}) without a result",
+                                {r: f"exited with code {c} without a result" for r, c in zip(missing, codes)})
+    if expect_failure:
+        out.update(failures)
+    return out
