@@ -114,8 +114,8 @@ class CollectiveCheckpointEngine(OneToManyEngine):
                          master_addr=master_addr, master_port=master_port, store_addr=store_addr, src_rank=src_rank,
                          device=device, timeout=timeout, direct_threshold=direct_threshold, multi_sender=multi_sender)
         if self._membership is not None and (self.master_addr is None or (
-                self.master_port is None and self._membership.rank != self._membership.src_rank)):
-            raise CheckpointConfigError("the collective engine needs master_addr and, off the sender's rank, "
+                self.master_port is None and not self._hosts_store(self._membership))):
+            raise CheckpointConfigError("the collective engine needs master_addr and, except on rank 0 sending, "
                                         "master_port (or store_addr='host:port'), got "
                                         f"{self.master_addr!r}, {self.master_port!r}")
         self.meta_capacity = meta_capacity
@@ -148,6 +148,12 @@ class CollectiveCheckpointEngine(OneToManyEngine):
         self._store_server = True
         if self._membership is not None:  # standalone: the group now meets where the kernel put the store
             self._set_membership(dataclasses.replace(self._membership, master_port=self.master_port))
+
+    @staticmethod
+    def _hosts_store(m: Membership) -> bool:
+        """Whether the rank of ``m`` hosts the group's store (rank 0, as ``hal.connect_store`` has it) and sends,
+        so that it may host it where the kernel picks: the only rank that can tell the others the port."""
+        return m.rank == 0 == m.src_rank
 
     def _prepare_buffers(self) -> None:
         if self.rank is not None and self.rank >= 0:
@@ -232,6 +238,9 @@ class CollectiveCheckpointEngine(OneToManyEngine):
     def _join(self, m: Membership) -> None:
         self._bind()  # it may run in a worker thread (asyncio.to_thread): the group forms on this rank's device
         if m.master_port is None:  # a standalone sender told no port, not prepare()d: the kernel picks one now
+            if not self._hosts_store(m):
+                raise CheckpointConfigError(f"rank {m.rank} of the collective group needs the master_port of the "
+                                            f"store rank 0 hosts (only rank 0 sending may leave it out), got None")
             self._host_rendezvous()
             m = dataclasses.replace(m, master_port=self.master_port)
         self._release_group(keep_store=self._store_at == (m.master_addr, m.master_port))

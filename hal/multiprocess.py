@@ -56,7 +56,7 @@ def _restore_fd(dup) -> int:
 
 
 def _entry(rank: int, fn: Callable | tuple[str, str], world_size: int, port: int, env: dict, args: tuple,
-           group_dir: str, parent: dict | None = None) -> None:
+           group_dir: str, parent: dict | None = None, fail_fast: bool = True) -> None:
     import faulthandler
 
     import torch
@@ -102,6 +102,8 @@ def _entry(rank: int, fn: Callable | tuple[str, str], world_size: int, port: int
     with open(path + ".partial", "wb") as f:
         f.write(data)
     os.replace(path + ".partial", path)  # whole or absent: a rank killed while writing leaves no result
+    if fail_fast and not outcome[0]:
+        sys.exit(1)  # a non-zero exit: the caller stops the other ranks now, not at their own timeouts
 
 
 STACKS_SIGNAL = signal.SIGUSR1
@@ -198,7 +200,8 @@ class MultiprocessError(RuntimeError):
     """A spawned rank raised, died, or the group passed its deadline.
 
     ``failures`` is ``{rank: why}`` for each rank that failed: its ``"ExceptionType: message"`` and traceback,
-    ``"exited with code N without a result"``, or ``"still running at the deadline of T s"``.
+    ``"exited with code N without a result"``, ``"was killed by SIGNAME without a result"``, or ``"still running
+    at the deadline of T s"``.
     """
 
     def __init__(self, message: str, failures: dict[int, str] | None = None) -> None:
@@ -221,7 +224,12 @@ def run_multiprocess(fn: Callable[..., Any], world_size: int, *args: Any, timeou
     ``fn`` must be importable (a module-level function). Each process gets ``MASTER_ADDR``/``MASTER_PORT``/
     ``RANK``/``LOCAL_RANK``/``WORLD_SIZE``/``TORCHELASTIC_USE_AGENT_STORE`` set as ``torch.distributed.run``
     would, plus ``env``: ``MASTER_PORT`` is the group's store, hosted by this process for as long as the
-    call runs.
+    call runs. As under ``torchrun``, a rank that must host a process group of its own (a one-process default
+    group, say) unsets ``TORCHELASTIC_USE_AGENT_STORE`` first: with it, torch's ``env://`` and ``tcp://`` only
+    join a store.
+
+    A rank that raises exits non-zero once its error is written (unless ``expect_failure``), so the others are
+    stopped at once rather than at their own timeouts.
 
     Args:
         timeout: seconds for the whole group, counted from when its processes are started (their imports
@@ -246,13 +254,13 @@ def run_multiprocess(fn: Callable[..., Any], world_size: int, *args: Any, timeou
         target = (fn.__module__, fn.__qualname__)
         parent = {"stdout": _ParentFd(1), "stderr": _ParentFd(2), "cwd": os.getcwd(), "sys_path": list(sys.path),
                   "environ": dict(os.environ)}
-    group_dir, context, exited = None, None, None
+    group_dir, context, exited, late = None, None, None, None
+    died: dict[int, str] = {}  # a rank that exited non-zero or by a signal: why
     store = connect_store("127.0.0.1", 0, 0, world_size, timeout=timeout, is_master=True)  # the kernel's port
-    port = store.port
     try:
         group_dir = tempfile.mkdtemp(prefix="hal-ranks-")  # each rank's result and, past the deadline, stacks
-        context = tmp.start_processes(_entry, args=(target, world_size, port, dict(env or {}), args, group_dir,
-                                                    parent),
+        context = tmp.start_processes(_entry, args=(target, world_size, store.port, dict(env or {}), args, group_dir,
+                                                    parent, not expect_failure),
                                       nprocs=world_size, join=False, start_method=method)
         deadline = time.monotonic() + timeout
         # a rank that exits non-zero: torch SIGTERMs the others, and SIGKILLs them 1 s later (not its 30 s)
@@ -261,15 +269,17 @@ def run_multiprocess(fn: Callable[..., Any], world_size: int, *args: Any, timeou
                 done = [r for r in range(world_size) if os.path.exists(_result_path(group_dir, r))]
                 alive = {r: p for r, p in enumerate(context.processes) if p.is_alive()}
                 stacks = _dump_stacks(alive, group_dir)
-                raise MultiprocessError(
-                    f"{world_size} processes did not finish within {timeout} s (ranks done with a result: {done}, "
-                    f"still running: {[r for r in alive if r not in done]}, alive after their result: "
-                    f"{[r for r in alive if r in done]}); their stacks:\n{stacks}",
-                    {r: f"still running at the deadline of {timeout} s" for r in alive if r not in done})
+                late = (f"{world_size} processes did not finish within {timeout} s (ranks done with a result: {done}, "
+                        f"still running: {[r for r in alive if r not in done]}, alive after their result: "
+                        f"{[r for r in alive if r in done]}); their stacks:\n{stacks}",
+                        {r: f"still running at the deadline of {timeout} s" for r in alive if r not in done})
+                break
     except tmp.ProcessRaisedException as exc:
-        raise MultiprocessError(str(exc), {exc.error_index: str(exc)}) from exc
+        raise MultiprocessError(str(exc), {exc.error_index: str(exc).strip()}) from exc
     except tmp.ProcessExitedException as exc:
         exited = str(exc)  # what the other ranks had sent still counts (and names the cause, if one raised)
+        how = f"was killed by {exc.signal_name}" if exc.signal_name else f"exited with code {exc.exit_code}"
+        died[exc.error_index] = f"{how} without a result"
     finally:
         for p in context.processes if context is not None else []:
             if p.is_alive():
@@ -279,13 +289,18 @@ def run_multiprocess(fn: Callable[..., Any], world_size: int, *args: Any, timeou
         if group_dir is not None:
             received = {r: outcome for r in range(world_size) if (outcome := _read_result(group_dir, r)) is not None}
             shutil.rmtree(group_dir, ignore_errors=True)
+        store = None  # the port is closed now, even while a raised error (and this frame) is kept
     out: dict[int, Any] = {}
     failures: dict[int, str] = {}
     for rank, (ok, value) in sorted(received.items()):
         (out if ok else failures)[rank] = value
+    if late is not None:  # the ranks that failed first (their peers then waited) come first in the message
+        raise MultiprocessError("\n".join([f"rank {r} failed: {t}" for r, t in sorted(failures.items())] + [late[0]]),
+                                {**late[1], **failures})
     if (failures or exited) and not expect_failure:
         raise MultiprocessError("\n".join(([exited] if exited else [])
-                                          + [f"rank {r} failed: {t}" for r, t in sorted(failures.items())]), failures)
+                                          + [f"rank {r} failed: {t}" for r, t in sorted(failures.items())]),
+                                {**{r: why for r, why in died.items() if r not in received}, **failures})
     missing = [rank for rank in range(world_size) if rank not in received]
     if missing and not expect_failure:
         codes = [context.processes[r].exitcode for r in missing]

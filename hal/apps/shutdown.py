@@ -7,9 +7,10 @@
 * torch.distributed.elastic's logs (:func:`elastic_logs`): without a directory of its own the elastic agent
   makes ``$TMPDIR/torchelastic_*`` and never removes it; hal gives it one of its scratch directories. A rank's
   error file is read into ``ChildFailedError`` before the launcher returns, so nothing is lost with it.
-* Signals, in the launching process (:func:`interrupted_status`, :func:`own_elastic_launch`): SIGINT (Ctrl-C)
-  ends a command with status 130 and one line on stderr (``hal.apps.cli.main``), once its ``finally`` blocks
-  have stopped what it started; so does SIGTERM while torch.distributed.elastic's agent runs (status 143; under
+* Signals, in the launching process (:func:`interrupted_status`, :func:`own_elastic_launch`,
+  :func:`stop_on_signals`): SIGINT (Ctrl-C) ends a command with status 130 and one line on stderr
+  (``hal.apps.cli.main``), once its ``finally`` blocks have stopped what it started; so does SIGTERM while
+  torch.distributed.elastic's agent runs or ``hal bench`` / ``hal soak`` run their processes (status 143; under
   Ray, Ray's driver turns SIGTERM into ``sys.exit(15)``, which runs the same ``finally`` blocks).
 * Signals, in a rank hal launched (:func:`quiet_rank_exit`): SIGINT and SIGTERM end the rank without a word,
   its ``finally`` blocks and exit handlers run, and a rank stuck in a call that does not return to Python ends
@@ -80,6 +81,34 @@ def interrupted_status(exc: BaseException) -> int | None:
     if type(exc).__name__ == "SignalException" and sigval is not None:
         return 128 + int(sigval)
     return None
+
+
+@contextlib.contextmanager
+def stop_on_signals(command: str) -> Iterator[None]:
+    """While the block runs, SIGTERM and SIGHUP raise torch.distributed.elastic's ``SignalException`` in this
+    process (the main thread), as they do while ``hal sync``'s elastic agent runs: the command's ``finally``
+    blocks stop the processes it started and remove what it made, and ``hal`` reports ``stopped by SIGTERM``
+    with status 143 (:func:`interrupted_status`). A signal ignored when the block starts stays ignored; the
+    handlers found are put back after it. Off the main thread (where Python cannot set handlers) it does
+    nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    def raise_signal(signum: int, frame: Any) -> None:
+        raise SignalException(f"{command} got {signal.Signals(signum).name}", sigval=signal.Signals(signum))
+
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    for sig, handler in saved.items():
+        if handler is not signal.SIG_IGN:
+            signal.signal(sig, raise_signal)
+    try:
+        yield
+    finally:
+        for sig, handler in saved.items():
+            if handler is not None:  # None: installed outside Python, cannot be put back
+                signal.signal(sig, handler)
 
 
 @contextlib.contextmanager

@@ -118,8 +118,16 @@ def test_a_standalone_sender_without_a_port_hosts_its_store_where_the_kernel_put
         client.set("probe", "1")
     finally:
         sender.close()
-    with pytest.raises(ckpt.CheckpointConfigError, match="off the sender's rank, master_port"):
-        ckpt.get_checkpoint_engine("collective", rank=1, world_size=2, master_addr="127.0.0.1", device="cpu")
+    for rank, src_rank in ((1, 0), (1, 1)):  # a receiver, or a sender that is not rank 0 (rank 0 hosts the store)
+        with pytest.raises(ckpt.CheckpointConfigError, match="except on rank 0 sending, master_port"):
+            ckpt.get_checkpoint_engine("collective", rank=rank, world_size=2, master_addr="127.0.0.1", device="cpu",
+                                       src_rank=src_rank)
+    receiver = ckpt.get_checkpoint_engine("collective", device="cpu", timeout=5)
+    try:  # verl's lifecycle, no port: refused at once, not after waiting on a store it hosted itself
+        with pytest.raises(ckpt.CheckpointConfigError, match="rank 1 of the collective group needs the master_port"):
+            receiver.init_process_group(rank=1, world_size=2, master_addr="127.0.0.1")
+    finally:
+        receiver.close()
 
 
 def test_a_receiver_alone_times_out_with_a_clear_error():

@@ -105,10 +105,11 @@ class Stopped:
 
 def interrupt_hal(args: list[str], env: dict[str, str], ready: Callable[[str, list[tuple[int, str]]], bool],
                   start_timeout: float, stop_timeout: float = 60.0, settle_s: float = 10.0,
-                  watch: Callable[[], set[str]] | None = None) -> Stopped:
+                  watch: Callable[[], set[str]] | None = None, signum: int = signal.SIGINT) -> Stopped:
     """Start ``hal *args`` in a session of its own, wait until ``ready(stderr so far, its descendants)`` (polled
-    every 0.1 s, at most ``start_timeout`` s), send SIGINT to its process group (a terminal's Ctrl-C), and wait
-    for it to end (at most ``stop_timeout`` s, then it is killed and the test fails).
+    every 0.1 s, at most ``start_timeout`` s), send SIGINT to its process group (a terminal's Ctrl-C; any other
+    ``signum`` goes to the hal process alone, as a process manager sends SIGTERM), and wait for it to end (at
+    most ``stop_timeout`` s, then it is killed and the test fails).
 
     Raises:
         AssertionError: not ready within ``start_timeout`` (stderr included), or not ended within ``stop_timeout``.
@@ -136,11 +137,15 @@ def interrupt_hal(args: list[str], env: dict[str, str], ready: Callable[[str, li
         started, cut = descendants(proc.pid), len(err)
         watched_during = watch() - watched_before
         signalled = time.monotonic()
-        os.killpg(proc.pid, signal.SIGINT)
+        if signum == signal.SIGINT:
+            os.killpg(proc.pid, signum)
+        else:
+            os.kill(proc.pid, signum)
         try:
             proc.wait(stop_timeout)
         except subprocess.TimeoutExpired:
-            raise AssertionError(f"hal {' '.join(args)} still runs {stop_timeout:g} s after SIGINT") from None
+            name = signal.Signals(signum).name
+            raise AssertionError(f"hal {' '.join(args)} still runs {stop_timeout:g} s after {name}") from None
         seconds = time.monotonic() - signalled
     finally:
         if proc.poll() is None:

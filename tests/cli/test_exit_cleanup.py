@@ -111,6 +111,21 @@ def test_ctrl_c_ends_bench_with_status_130_one_line_and_nothing_left(tmpdir_env)
     assert leftovers(tmpdir) == []
 
 
+@pytest.mark.timeout(240)
+def test_sigterm_ends_bench_with_status_143_one_line_and_nothing_left(tmpdir_env):
+    """SIGTERM to hal bench alone (a process manager's stop; its ranks get no signal): the ranks are stopped and
+    nothing is left (before, with no handler, hal bench died at once and left its ranks' directory)."""
+    tmpdir, env = tmpdir_env
+    stopped = interrupt_hal(["bench", "--device", "cpu", "--only", "sync", "--size-mb", "8", "--bucket-mb", "1",
+                             "--rounds", "1000"], env, lambda stderr, processes: ranks_running(processes) == 2,
+                            start_timeout=200, signum=signal.SIGTERM)
+    assert stopped.returncode == 143, stopped.after
+    assert stopped.after == ["hal: stopped by SIGTERM"], stopped.after
+    assert "Traceback" not in stopped.before and stopped.stdout == ""
+    assert stopped.survivors == []
+    assert leftovers(tmpdir) == []
+
+
 SLEEPER = textwrap.dedent("""\
     import os, signal, sys, time
     signal.signal(signal.SIGINT, signal.SIG_DFL)  # the script's own choice: no traceback of its own

@@ -180,18 +180,21 @@ def test_a_rank_without_a_usable_result_is_named_and_nothing_blocks(how, message
         assert "rank 1's result could not be" in out[1]
 
 
-def _raises_then_peer_exits_non_zero(rank, world_size):
+def _returns_then_peer_exits_non_zero(rank, world_size):
     if rank == 0:
-        raise ValueError("the root cause")
-    time.sleep(1.0)  # rank 0 has written its failure by now
+        return "sent"
+    time.sleep(1.0)  # rank 0 has written its result by now
     os._exit(3)
 
 
-def test_a_non_zero_exit_still_reports_what_the_other_ranks_raised():
+def test_a_non_zero_exit_is_named_and_what_the_other_ranks_raised_is_reported():
     with pytest.raises(harness.MultiprocessError) as info:
-        harness.run_multiprocess(_raises_then_peer_exits_non_zero, 2, timeout=30)
+        harness.run_multiprocess(_returns_then_peer_exits_non_zero, 2, timeout=30)
+    assert "exit code 3" in str(info.value) and info.value.failures == {1: "exited with code 3 without a result"}
+    with pytest.raises(harness.MultiprocessError) as info:  # a rank that raises exits non-zero after its report
+        harness.run_multiprocess(_rank_0_raises_rank_1_waits, 2, timeout=60)
     message = str(info.value)
-    assert "exit code 3" in message and "rank 0 failed: ValueError: the root cause" in message, message
+    assert "exit code 1" in message and "rank 0 failed: ValueError: the real cause" in message, message
 
 
 def _meets(rank, world_size):
@@ -211,3 +214,29 @@ def test_ranks_meet_on_the_store_the_caller_hosts_on_a_port_the_kernel_picked():
     with pytest.raises(hal.DistributedTimeoutError, match=str(port)):  # served only while the group ran
         hal.connect_store("127.0.0.1", port, 1, 2, timeout=1, is_master=False)
 
+
+
+def _rank_0_raises_rank_1_waits(rank, world_size):
+    if rank == 0:
+        raise ValueError("the real cause")
+    _waits_for_a_peer_that_never_comes()
+
+
+def test_a_rank_that_raises_stops_its_peers_at_once_and_is_named():
+    start = time.monotonic()
+    with pytest.raises(harness.MultiprocessError) as info:
+        harness.run_multiprocess(_rank_0_raises_rank_1_waits, 2, timeout=120)
+    assert time.monotonic() - start < 60  # not the deadline: the peer is stopped when rank 0 fails
+    assert list(info.value.failures) == [0] and info.value.failures[0].startswith("ValueError: the real cause")
+
+
+def _rank_1_is_killed(rank, world_size):
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return rank
+
+
+def test_a_rank_killed_by_a_signal_is_named_in_the_failures():
+    with pytest.raises(harness.MultiprocessError) as info:
+        harness.run_multiprocess(_rank_1_is_killed, 2, timeout=60)
+    assert info.value.failures == {1: "was killed by SIGKILL without a result"}

@@ -30,6 +30,7 @@ import tyro
 import hal
 from hal.apps.cli.helptext import DEVICE_DEFAULT, flowing_help, optional
 from hal.apps.errors import UsageError, WorkerFailedError, mib_to_bytes, require_extra
+from hal.apps.shutdown import stop_on_signals
 
 
 BENCHMARKS = ("offload", "sync", "ipc", "delta", "main", "ray", "import", "senders")
@@ -164,11 +165,12 @@ def execute(args: Bench) -> dict[str, Any]:
 
     chosen = selection(args)
     try:
-        return _execute(chosen, with_defaults(args))
+        with stop_on_signals("hal bench"):  # SIGTERM: the ranks are stopped before hal bench ends
+            return _execute(chosen, with_defaults(args))
     except MultiprocessError as exc:
         if not exc.failures:
             raise
-        raise WorkerFailedError("hal bench: " + "; ".join(f"the benchmark rank {rank} failed: {why.splitlines()[0]}"
+        raise WorkerFailedError("hal bench: " + "; ".join(f"the benchmark rank {rank} failed: {why.strip().splitlines()[0]}"
                                                           for rank, why in sorted(exc.failures.items()))) from None
 
 

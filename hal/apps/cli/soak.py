@@ -22,6 +22,7 @@ from typing import Annotated, Any, Literal
 
 from hal.apps.cli.helptext import DEVICE_DEFAULT, flowing_help, optional
 from hal.apps.errors import UsageError, mib_to_bytes
+from hal.apps.shutdown import stop_on_signals
 from hal.apps.soak.faults import KINDS
 
 ENGINES = ("collective", "file", "colocated", "ipc", "nixl", "mooncake", "kimi")
@@ -165,32 +166,16 @@ def report_failures(reports: list[dict[str, Any]]) -> None:
         print(f"  replay: {r['replay']}", file=sys.stderr)
 
 
-def stop_on_signals() -> None:
-    """Make SIGTERM and SIGHUP raise torch.distributed.elastic's ``SignalException`` (as they do under ``hal sync``),
-    so the soak's ``finally`` blocks stop its workers and remove its namespaces and scratch directory, and
-    ``hal`` reports ``stopped by SIGTERM`` with status 143 (:func:`hal.apps.shutdown.interrupted_status`)."""
-    import signal
-
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-
-    def raise_signal(signum: int, frame: Any) -> None:
-        raise SignalException(f"hal soak got {signal.Signals(signum).name}", sigval=signal.Signals(signum))
-
-    for sig in (signal.SIGTERM, signal.SIGHUP):
-        if signal.getsignal(sig) is not signal.SIG_IGN:
-            signal.signal(sig, raise_signal)
-
-
 def run(args: Soak) -> int:
     """``hal soak``: every run, then the table (or ``--json``); exit status 0 when every run held, else 1."""
     from hal.apps.soak.run import soak
 
-    stop_on_signals()
     reports = []
-    for options in runs(args):
-        print(f"hal soak: {options.engine} ({options.wire_format}) on {options.device}, seed {options.seed}, "
-              f"{options.updates} updates", file=sys.stderr)
-        reports.append(soak(options, progress=_progress(options.updates)))
+    with stop_on_signals("hal soak"):  # its finally blocks stop the workers, remove namespaces and scratch
+        for options in runs(args):
+            print(f"hal soak: {options.engine} ({options.wire_format}) on {options.device}, seed {options.seed}, "
+                  f"{options.updates} updates", file=sys.stderr)
+            reports.append(soak(options, progress=_progress(options.updates)))
     if args.json:
         print(json.dumps(reports, indent=2))
     else:
