@@ -71,8 +71,12 @@ def join_engine(engine: Any, rank: int, world_size: int, store: Any, key: str) -
     ``init_process_group`` with this rank's keywords from ``build_topology(1, world_size - 1, metadata)``.
 
     Rank 0 is the trainer (its engine made with ``is_master=True``, so its ``prepare()`` says where its
-    rendezvous is, hosted on a port the kernel picked), ranks ``1..world_size-1`` the rollouts. A ``key`` used
-    once per group keeps two groups over one store apart.
+    rendezvous is, hosted on a port the kernel picked), ranks ``1..world_size-1`` the rollouts. Each rank makes
+    its engine verl's way first, e.g. ``ckpt.get_checkpoint_engine("collective", is_master=rank == 0,
+    master_addr="127.0.0.1", bucket_size=1 << 20)``: ``master_addr`` is where the rollouts reach the trainer
+    (loopback on one host; by default the trainer's host address, which must resolve). Every rank calls it with
+    the same ``key``, a new one for each group it forms (a rank's metadata under a reused key may be read
+    before the rank has written the new one).
 
     Raises:
         UpdateError: ``build_topology`` gave a side a list of the wrong length.

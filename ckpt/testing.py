@@ -382,10 +382,12 @@ async def run_contract_suite(make_pair: PairFactory, timeout: float = 60.0) -> d
 
 def standalone_engine(name: str | type, rank: int, world_size: int, store: Any, key: str = "engine",
                       master_addr: str = "127.0.0.1", **kwargs: Any) -> CheckpointEngine:
-    """Engine ``name`` (a registered name, or an engine class) made for hal's standalone use (``rank``, ``world_size``, ``master_addr`` up front) by
-    ranks that meet on ``store`` (a ``torch.distributed.Store``, such as :func:`hal.launcher_store`): rank 0's
-    ``prepare()`` hosts the engine's rendezvous on a port the kernel picks, and the others are given that
-    port through ``store`` (under ``key``), so no port is picked ahead. ``kwargs`` go to the engine.
+    """Engine ``name`` (a registered name, or an engine class) made for hal's standalone use (``rank``,
+    ``world_size``, ``master_addr`` up front) by ranks that meet on ``store`` (a ``torch.distributed.Store``,
+    such as :func:`hal.launcher_store`). On rank 0 this calls the engine's ``prepare()``, which hosts its
+    rendezvous on a port the kernel picks; the others are given that port through ``store`` (under ``key``, a
+    new one for each group), so no port is picked ahead. The engine is returned ready for its first
+    ``send_weights`` / ``receive_weights``: the caller need not call ``prepare()``. ``kwargs`` go to the engine.
 
     Raises:
         what :func:`ckpt.get_checkpoint_engine` and the engine's ``prepare()`` raise.

@@ -241,10 +241,12 @@ def run_multiprocess(fn: Callable[..., Any], world_size: int, *args: Any, timeou
         MultiprocessError: a rank raised or exited without a result (unless ``expect_failure``), or the
             deadline passed. The message carries each failing rank's traceback; past the deadline, which
             ranks had returned a result and the Python stacks (every thread) of each rank still running.
-        ValueError: ``start_method`` is neither ``None`` nor ``"spawn"``.
+        ValueError: ``start_method`` is neither ``None`` nor ``"spawn"``, or ``fn`` is no module-level function.
     """
     if start_method not in (None, "spawn"):
         raise ValueError(f"start_method must be None (forkserver where possible) or 'spawn', got {start_method!r}")
+    if "<" in getattr(fn, "__qualname__", "<"):  # <lambda>, <locals>: the ranks could not import it
+        raise ValueError(f"fn must be a module-level function (a test module's counts), got {fn!r}")
     # a function of the __main__ script is found again only by spawn, which re-runs that script
     spawn = fn.__module__ == "__main__" or "spawn" in (start_method, getattr(fn, "start_method", None))
     method = "spawn" if spawn else _start_method()

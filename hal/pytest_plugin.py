@@ -105,7 +105,8 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 def hal_store():
     """A ``torch.distributed.TCPStore`` this test process hosts on 127.0.0.1, on a port the kernel picked
     (``hal_store.port``); other processes join it with ``hal.connect_store("127.0.0.1", port, rank,
-    world_size, is_master=False)``. It is served while the test holds it."""
+    world_size, is_master=False)`` (``rank``, ``world_size``: the joining process's place among those the test
+    starts; the store waits for no count of them). It is served while the test holds it."""
     import hal
 
     return hal.connect_store("127.0.0.1", 0, 0, 1, timeout=60, is_master=True)

@@ -240,3 +240,12 @@ def test_a_rank_killed_by_a_signal_is_named_in_the_failures():
     with pytest.raises(harness.MultiprocessError) as info:
         harness.run_multiprocess(_rank_1_is_killed, 2, timeout=60)
     assert info.value.failures == {1: "was killed by SIGKILL without a result"}
+
+
+def test_a_function_the_ranks_cannot_import_is_refused_before_any_rank_starts():
+    def local(rank, world_size):
+        return rank
+
+    for fn in (local, lambda rank, world_size: rank):
+        with pytest.raises(ValueError, match="fn must be a module-level function"):
+            harness.run_multiprocess(fn, 2, timeout=10)
