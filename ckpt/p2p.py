@@ -491,6 +491,7 @@ class P2PCheckpointEngine(OneToManyEngine):
         want = set(range(1, self.world_size))
         deadline = time.monotonic() + self.timeout
         bucket_sizes: dict[int, Any] = {}
+        unusable: dict[int, str] = {}  # a rollout whose last hello could not be used: why (for the timeout's text)
         while set(self._peers) != want or ctl.pending("hello") or self._forget_given_up():
             try:
                 hello = await ctl.recv("hello", Hello, None, "hello", max(0.01, deadline - time.monotonic()))
@@ -498,9 +499,11 @@ class P2PCheckpointEngine(OneToManyEngine):
                 if not exc.timed_out:
                     raise
                 missing = sorted(want - set(self._peers))
+                why = "".join(f"; rollout rank {r}'s last hello could not be used: {unusable[r]}"
+                              for r in missing if r in unusable)
                 raise TransferTimeoutError(
                     f"the trainer (rank 0 at {self.master_addr}:{self.master_port}) waited {self.timeout:g} s for "
-                    f"rollout rank(s) {missing} to connect; they are dead, missing or misconfigured") from None
+                    f"rollout rank(s) {missing} to connect; they are dead, missing or misconfigured{why}") from None
             old = self._peers.get(hello.rank)
             if hello.rank not in want or (old is not None and hello.epoch <= old.epoch):
                 continue  # a stray hello, or one of a connection already replaced
@@ -508,7 +511,8 @@ class P2PCheckpointEngine(OneToManyEngine):
                 continue  # its rollout dropped that connection (and closed its agent): a newer hello follows
             try:
                 self._transport.add_peer(hello.rank, hello.transport)
-            except (KeyError, TypeError, ValueError, TransferError):
+            except (KeyError, TypeError, ValueError, TransferError) as exc:
+                unusable[hello.rank] = f"{type(exc).__name__}: {exc}"[:500]
                 continue  # a broken hello: wait for a good one until the deadline
             if old is not None:
                 self._forget(old)

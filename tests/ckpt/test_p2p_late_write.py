@@ -24,7 +24,7 @@ import torch
 import ckpt
 import hal
 from ckpt.p2p import P2PCheckpointEngine, Transport
-from ckpt.testing import standalone_pair
+from ckpt.testing import collect, standalone_pair
 
 TIMEOUT = 2.0
 """The engines' timeout, seconds: the held write makes update 2 fail after it."""
@@ -144,3 +144,35 @@ def test_a_failed_updates_write_landing_late_does_not_reach_the_next_update():
     for name, tensor in _weights(3):
         assert torch.equal(served[name], tensor), (name, served[name][:4])
     assert lib.held == [] and lib.landed == 0  # it arrived at the agent the rollout had closed, not in a slot
+
+
+class UnreadableHelloTransport(HeldTransport):
+    """A trainer's agent that cannot use any rollout's agent metadata (as UCX refusing a connection)."""
+
+    def add_peer(self, peer: int, info: dict[str, Any]) -> None:
+        raise ValueError("the rollout's agent metadata is unreadable")
+
+
+class UnreadableHelloEngine(HeldWritesEngine):
+    def make_transport(self, host: str, in_place: str | None) -> Transport:
+        return UnreadableHelloTransport(self.library)
+
+
+@pytest.mark.hal_device("cpu")
+def test_a_hello_the_trainer_cannot_use_is_named_when_its_wait_times_out():
+    """A CI run once ended "waited 60 s for rollout rank(s) [1] to connect; they are dead, missing or
+    misconfigured" while rank 1 had said hello: the trainer's transport could not use it, and said nothing."""
+    UnreadableHelloEngine.library = Library()
+    trainer, rollout = standalone_pair(UnreadableHelloEngine, device="cpu", timeout=TIMEOUT, bucket_size=BUCKET)
+
+    async def main():
+        return await asyncio.gather(trainer.send_weights(iter(_weights(1)), 1), collect(rollout.receive_weights(1)),
+                                    return_exceptions=True)
+    try:
+        sent, _ = asyncio.run(main())
+    finally:
+        trainer.close()
+        rollout.close()
+    assert isinstance(sent, ckpt.TransferTimeoutError), sent
+    assert "rollout rank 1's last hello could not be used: ValueError: the rollout's agent metadata is unreadable" \
+        in str(sent), sent
