@@ -349,13 +349,15 @@ def connect_store(host: str, port: int, rank: int, world_size: int, timeout: Tim
         DistributedTimeoutError: the server did not come up within ``timeout``.
     """
     td = as_timedelta(timeout)
+    hosting = (rank == 0) if is_master is None else is_master
     try:
-        return dist.TCPStore(host, port, world_size, is_master=(rank == 0) if is_master is None else is_master,
-                             timeout=td, wait_for_workers=False)
+        return dist.TCPStore(host, port, world_size, is_master=hosting, timeout=td, wait_for_workers=False)
     except RENDEZVOUS_ERRORS as exc:
-        raise DistributedTimeoutError(
-            f"could not reach the rendezvous store at {host}:{port} within {td.total_seconds():g} s: {exc}"
-        ) from exc
+        # hosting fails at once (the port is taken): saying "within 30 s" would send the reader the wrong way
+        what = ("could not host the rendezvous store at {}:{} (this process was to serve it: rank 0, or "
+                "is_master=True; to join one another process serves, pass is_master=False)" if hosting else
+                f"could not reach the rendezvous store at {{}}:{{}} within {td.total_seconds():g} s")
+        raise DistributedTimeoutError(f"{what.format(host, port)}: {exc}") from exc
 
 
 def launcher_store(timeout: Timeout | None = None, prefix: str | None = None) -> dist.Store:

@@ -35,6 +35,14 @@ def test_connect_store_unreachable_is_a_timeout_error():
         hal.connect_store("127.0.0.1", port, rank=1, world_size=2, timeout=datetime.timedelta(seconds=1))
 
 
+def test_hosting_a_store_on_a_taken_port_says_it_could_not_host_not_that_it_waited():
+    served = hal.connect_store("127.0.0.1", 0, 0, 2, timeout=5, is_master=True)
+    with pytest.raises(hal.DistributedTimeoutError, match=f"could not host the rendezvous store at 127.0.0.1:"
+                                                          f"{served.port} .*pass is_master=False") as info:
+        hal.connect_store("127.0.0.1", served.port, rank=0, world_size=2, timeout=30)  # rank 0: it hosts
+    assert "within" not in str(info.value)
+
+
 def test_store_group_wait_maps_a_backend_runtime_error():
     class Broken:
         def wait(self, timeout):
