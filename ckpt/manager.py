@@ -29,8 +29,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
 import time
-from typing import Any, Awaitable, Protocol, Sequence, runtime_checkable
+from typing import Any, Awaitable, Callable, Iterable, Protocol, Sequence, runtime_checkable
 
 from ckpt.errors import CheckpointEngineError
 
@@ -87,18 +88,71 @@ def join_engine(engine: Any, rank: int, world_size: int, store: Any, key: str) -
     engine.init_process_group(**rank_kwargs(type(engine), 1, world_size - 1, metadata)[rank])
 
 
+class ManagedWorker:
+    """What :class:`CheckpointEngineManager` calls on every worker of its group: verl's worker-group methods
+    of the same names. A launcher's worker class derives from it, and the manager passes these functions
+    themselves (``ManagedWorker.update_weights``) to :meth:`WorkerGroup.submit`, so a reader, or a tool,
+    follows a call from the manager to the method that runs it (an override runs, as in a method call)."""
+
+    def execute_checkpoint_engine(self, method: str, **kwargs: Any) -> Any:
+        """Run the checkpoint engine's synchronous lifecycle method ``method`` (one of
+        :data:`LIFECYCLE_METHODS`) with ``kwargs``; returns what it returns."""
+        raise NotImplementedError
+
+    async def update_weights(self, global_steps: int | None) -> Any:
+        """This worker's part of the update tagged ``global_steps``: a trainer's send, a rollout's receive and
+        apply; returns what the launcher's job reads of it."""
+        raise NotImplementedError
+
+
+def method_class(method: Callable) -> type:
+    """The class whose body defines ``method`` (a function, e.g. ``ManagedWorker.update_weights``), found by
+    its module and qualified name, as pickle finds it.
+
+    Raises:
+        ValueError: ``method`` is not a public function defined in a module-level class body (a lambda, a
+            nested function, a private method, a bound method).
+    """
+    qualname = getattr(method, "__qualname__", "")
+    owner, _, name = qualname.rpartition(".")
+    if not owner or "<" in qualname or name.startswith("_") or hasattr(method, "__self__"):
+        raise ValueError(f"method must be a public function of a module-level class (e.g. "
+                         f"ManagedWorker.update_weights), got {method!r}")
+    cls: Any = sys.modules[method.__module__]
+    for part in owner.split("."):
+        cls = getattr(cls, part)
+    return cls
+
+
+def bound_method(owners: Iterable[Any], method: Callable) -> Callable:
+    """``method`` (see :func:`method_class`) bound to the first of ``owners`` that is an instance of the
+    class defining it, looked up by name so that a subclass's override is the one bound.
+
+    Raises:
+        ValueError: ``method`` is not a public method (:func:`method_class`).
+        AttributeError: no object of ``owners`` is an instance of that class.
+    """
+    cls = method_class(method)
+    owners = list(owners)
+    for owner in owners:
+        if isinstance(owner, cls):
+            return getattr(owner, method.__name__)
+    raise AttributeError(f"{method.__qualname__}: none of {[type(o).__name__ for o in owners]} is a "
+                         f"{cls.__name__}")
+
+
 @runtime_checkable
 class WorkerGroup(Protocol):
     """Workers ``0 .. trainer_world_size + rollout_world_size - 1``, trainer ranks first, as a launcher
-    provides them. A worker has ``execute_checkpoint_engine(method, **kwargs)`` (one of
-    :data:`LIFECYCLE_METHODS`) and ``async update_weights(global_steps)`` besides its own methods."""
+    provides them; each worker is a :class:`ManagedWorker`."""
 
     trainer_world_size: int
     rollout_world_size: int
 
-    def submit(self, index: int, method: str, *args: Any, **kwargs: Any) -> Awaitable[Any]:
-        """Start ``method(*args, **kwargs)`` on worker ``index``; the awaitable gives its result or raises
-        its failure."""
+    def submit(self, index: int, method: Callable, *args: Any, **kwargs: Any) -> Awaitable[Any]:
+        """Start ``method(*args, **kwargs)`` on worker ``index`` (``method`` a worker class's function, such
+        as ``ManagedWorker.update_weights``: :func:`bound_method` binds it there); the awaitable gives its
+        result or raises its failure."""
 
     def describe(self, index: int) -> str:
         """The worker in words, e.g. ``"rollout rank 2 on node 10.0.0.2, NPU 1, pid 42"``."""
@@ -142,10 +196,11 @@ class CheckpointEngineManager:
         """The rollout workers' indices."""
         return list(range(self.group.trainer_world_size, self.world_size))
 
-    async def call(self, indices: Sequence[int], method: str, args: Sequence[tuple] | None = None, *,
+    async def call(self, indices: Sequence[int], method: Callable, args: Sequence[tuple] | None = None, *,
                    what: str | None = None, limit: float | None = None) -> list[Any]:
-        """``method`` on every worker of ``indices`` (with ``args[i]`` as the positional arguments of the
-        ``i``-th), concurrently; returns their results in order.
+        """``method`` (a worker class's function, e.g. ``ManagedWorker.update_weights``: see
+        :meth:`WorkerGroup.submit`) on every worker of ``indices`` (with ``args[i]`` as the positional arguments
+        of the ``i``-th), concurrently; returns their results in order.
 
         Raises:
             UpdateError: names each worker that failed, died or did not answer within ``limit`` seconds
@@ -155,7 +210,7 @@ class CheckpointEngineManager:
         if len(args) != len(indices):
             raise ValueError(f"args must give one tuple per worker: {len(args)} for {len(indices)} workers")
         futures = [asyncio.ensure_future(self.group.submit(i, method, *a)) for i, a in zip(indices, args)]
-        return await self.settle(futures, what or method, list(indices), limit)
+        return await self.settle(futures, what or method.__qualname__, list(indices), limit)
 
     async def settle(self, futures: list[asyncio.Future], what: str, indices: list[int],
                      limit: float | None = None) -> list[Any]:
@@ -225,8 +280,8 @@ class CheckpointEngineManager:
 
     async def finalize(self, indices: Sequence[int]) -> None:
         """``finalize()`` on the engines of ``indices``; a worker that cannot (dead) is skipped."""
-        futures = [asyncio.ensure_future(self.group.submit(i, "execute_checkpoint_engine", "finalize"))
-                   for i in indices]
+        finalize = ManagedWorker.execute_checkpoint_engine
+        futures = [asyncio.ensure_future(self.group.submit(i, finalize, "finalize")) for i in indices]
         if futures:
             await asyncio.wait(futures, timeout=self.timeout)
         for future in futures:
@@ -243,12 +298,13 @@ class CheckpointEngineManager:
             UpdateError: a worker failed, or ``build_topology`` gave a side a list of the wrong length.
         """
         everyone = list(range(self.world_size))
-        metadata = await self.call(everyone, "execute_checkpoint_engine", [("prepare",)] * self.world_size,
+        metadata = await self.call(everyone, ManagedWorker.execute_checkpoint_engine, [("prepare",)] * self.world_size,
                                    what="prepare")
         per_rank = rank_kwargs(self.engine_cls, self.group.trainer_world_size, self.group.rollout_world_size,
                                metadata)
-        futures = [asyncio.ensure_future(self.group.submit(i, "execute_checkpoint_engine", "init_process_group",
-                                                           **kwargs)) for i, kwargs in enumerate(per_rank)]
+        init = ManagedWorker.execute_checkpoint_engine
+        futures = [asyncio.ensure_future(self.group.submit(i, init, "init_process_group", **kwargs))
+                   for i, kwargs in enumerate(per_rank)]
         await self.settle(futures, "init_process_group", everyone)
 
     async def update_weights(self, global_steps: int | None) -> list[Any]:
@@ -265,7 +321,7 @@ class CheckpointEngineManager:
         everyone = list(range(self.world_size))
         try:
             await self.build_process_group()
-            results = await self.call(everyone, "update_weights", [(global_steps,)] * self.world_size,
+            results = await self.call(everyone, ManagedWorker.update_weights, [(global_steps,)] * self.world_size,
                                       what=f"update to global_steps {global_steps}")
         finally:
             await self.finalize([i for i in everyone if i not in self.unsettled])
@@ -286,5 +342,5 @@ class CheckpointEngineManager:
         await self.group.replace(index)
 
 
-__all__ = ["CheckpointEngineManager", "ERROR_GRACE_S", "LIFECYCLE_METHODS", "UpdateError", "WorkerGroup", "join_engine",
-           "rank_kwargs"]
+__all__ = ["CheckpointEngineManager", "ERROR_GRACE_S", "LIFECYCLE_METHODS", "ManagedWorker", "UpdateError",
+           "WorkerGroup", "bound_method", "join_engine", "method_class", "rank_kwargs"]

@@ -3,6 +3,7 @@
 import asyncio
 import multiprocessing
 import os
+import pathlib
 import signal
 import threading
 import time
@@ -52,6 +53,18 @@ def _spawn(target, *args):
     proc = ctx.Process(target=target, args=args, daemon=True)
     proc.start()
     return proc
+
+
+def _stop(pid):
+    """SIGSTOP ``pid`` and return once every thread of it is stopped: ``kill`` returns before a thread running
+    on another core has stopped, and a loaded CI machine once saw the store host answer a call sent after it."""
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + 10
+    tasks = pathlib.Path(f"/proc/{pid}/task")
+    while any((t / "stat").read_text().rpartition(")")[2].split()[0] != "T" for t in tasks.iterdir()):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"process {pid} did not stop within 10 s of SIGSTOP")
+        time.sleep(0.01)
 
 
 def _reap(proc):
@@ -230,7 +243,7 @@ def test_a_plain_call_to_a_store_host_that_does_not_answer_fails_within_the_boun
         peer = ControlChannel(control.connect_store("127.0.0.1", port, 10, "the host"), rank=1, namespace="t/0", bounded=True,
                               timeout=30, label=_label)
         peer.send("msg/0", Ack(0))  # answered while the host runs
-        os.kill(proc.pid, signal.SIGSTOP)
+        _stop(proc.pid)
         calls = [lambda: peer.add("given-up/1/1", 0),
                  lambda: asyncio.run(peer.recv("msg/1/1", Ack, None, "the metadata of message 0", timeout=30)),
                  lambda: peer.send("ack/1/1", Ack(1))]

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from ckpt.manager import CheckpointEngineManager, UpdateError
+from ckpt.manager import CheckpointEngineManager, ManagedWorker, UpdateError, bound_method, method_class
 
 TIMEOUT = 10.0  # the engine's timeout: a policy that waited it out would take this long
 
@@ -26,7 +26,7 @@ class FakeEngine:
         return {"rank": ranks[:trainer_world_size]}, {"rank": ranks[trainer_world_size:n]}
 
 
-class FakeWorker:
+class FakeWorker(ManagedWorker):
     """A worker whose update can be made to raise, die, or hang (a partner of a broken collective)."""
 
     def __init__(self, index: int, log: list, fail: str | None = None) -> None:
@@ -34,24 +34,27 @@ class FakeWorker:
         self.rank = None
 
     async def invoke(self, method, *args, **kwargs):
-        self.log.append((self.index, method, args, kwargs))
-        if method == "execute_checkpoint_engine":
-            if args[0] == "prepare":
-                return {"id": self.index}
-            if args[0] == "init_process_group":
-                self.rank = kwargs["rank"]
-            return None
-        if method == "update_weights":
-            if self.fail == "raise":
-                raise ValueError(f"worker {self.index} cannot apply step {args[0]}")
-            if self.fail == "die":
-                await asyncio.sleep(0.05)
-                raise Died()
-            if self.fail == "hang":  # waits for a peer that will never come, until its own timeout
-                await asyncio.sleep(TIMEOUT)
-                raise TimeoutError("peer gone")
-            return ("applied", self.index, args[0])
-        raise AttributeError(method)
+        self.log.append((self.index, method.__name__, args, kwargs))
+        result = bound_method([self], method)(*args, **kwargs)
+        return await result if asyncio.iscoroutine(result) else result
+
+    def execute_checkpoint_engine(self, method, **kwargs):
+        if method == "prepare":
+            return {"id": self.index}
+        if method == "init_process_group":
+            self.rank = kwargs["rank"]
+        return None
+
+    async def update_weights(self, global_steps):
+        if self.fail == "raise":
+            raise ValueError(f"worker {self.index} cannot apply step {global_steps}")
+        if self.fail == "die":
+            await asyncio.sleep(0.05)
+            raise Died()
+        if self.fail == "hang":  # waits for a peer that will never come, until its own timeout
+            await asyncio.sleep(TIMEOUT)
+            raise TimeoutError("peer gone")
+        return ("applied", self.index, global_steps)
 
 
 class FakeGroup:
@@ -143,7 +146,7 @@ def test_a_worker_that_does_not_answer_within_the_limit_is_named():
     group = FakeGroup({1: "hang"})
     m = manager(group)
     with pytest.raises(UpdateError, match=r"^slow failed: rollout rank 1 on node 10\.0\.0\.1: no answer within 0\.2 s$"):
-        asyncio.run(m.call([1], "update_weights", [(1,)], what="slow", limit=0.2))
+        asyncio.run(m.call([1], ManagedWorker.update_weights, [(1,)], what="slow", limit=0.2))
 
 
 def test_a_topology_with_a_list_of_the_wrong_length_is_refused():
@@ -155,3 +158,39 @@ def test_a_topology_with_a_list_of_the_wrong_length_is_refused():
     m = CheckpointEngineManager(Wrong, FakeGroup({}), timeout=TIMEOUT)
     with pytest.raises(UpdateError, match="Wrong.build_topology gave rollout key 'rank' 1 entries for 2 ranks"):
         asyncio.run(m.update_weights(1))
+
+
+class Base:
+    def name(self):
+        return "base"
+
+
+class Override(Base):
+    def name(self):
+        return "override"
+
+    def _private(self):
+        return "private"
+
+
+def test_a_call_names_the_method_itself_and_runs_the_subclass_override():
+    assert method_class(Base.name) is Base
+    assert method_class(ManagedWorker.update_weights) is ManagedWorker
+    assert bound_method([object(), Override()], Base.name)() == "override"
+    with pytest.raises(AttributeError, match=r"^Base\.name: none of \['FakeWorker'\] is a Base$"):
+        bound_method([FakeWorker(0, [])], Base.name)
+
+
+@pytest.mark.parametrize("method", [lambda self: None, Override._private, Override().name, print, "update_weights"],
+                         ids=["lambda", "private", "bound", "builtin", "string"])
+def test_a_call_of_something_that_is_not_a_public_method_of_a_class_is_refused(method):
+    with pytest.raises(ValueError, match=r"^method must be a public function of a module-level class \(e\.g\. "
+                                         r"ManagedWorker\.update_weights\), got "):
+        method_class(method)
+
+
+def test_a_failed_call_without_words_is_named_by_its_method():
+    m = CheckpointEngineManager(FakeEngine, FakeGroup({1: "raise"}), timeout=TIMEOUT, grace=0.1)
+    with pytest.raises(UpdateError, match=r"^ManagedWorker\.update_weights failed: rollout rank 1 on node "
+                                          r"10\.0\.0\.1: ValueError: worker 1 cannot apply step 3$"):
+        asyncio.run(m.call([1], ManagedWorker.update_weights, [(3,)]))

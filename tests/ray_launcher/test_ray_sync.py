@@ -16,6 +16,7 @@ from ckpt.manager import UpdateError
 from hal.apps.cli.sync import Sync, job_options
 from hal.apps.weightsync.launchers.ray import RayJob
 from hal.apps.weightsync.raw import RawReference
+from hal.apps.weightsync.rollout import Rollout
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(400)]
 
@@ -55,7 +56,7 @@ def test_steps_then_a_rollout_dies_mid_update_fails_it_at_once_and_is_replaced(c
         assert elapsed < TIMEOUT / 2, (elapsed, str(info.value))
         assert "rollout rank 1" not in str(info.value)  # the survivor did not fail
         # the other rollout keeps serving step 2, byte for byte
-        assert run.call(1, "verify", 2, run.checksums[2]) is None
+        assert run.call(1, Rollout.verify, 2, run.checksums[2]) is None
         # a replacement in the dead one's bundle; the next update reaches both, verified
         run.replace_rollout(2)
         check_row(run.step(4), 4)

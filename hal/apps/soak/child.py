@@ -65,7 +65,7 @@ def serve(conn: Connection) -> None:
             except (BrokenPipeError, ConnectionResetError):
                 return  # the driver is gone
             except Exception as exc:  # noqa: BLE001 - a result that does not pickle: say so instead
-                send(conn, ("reply", seq, False, None, f"the result of {method} does not pickle: {exc}"))
+                send(conn, ("reply", seq, False, None, f"the result of {method.__qualname__} does not pickle: {exc}"))
     finally:
         loop.close()
 

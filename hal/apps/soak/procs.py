@@ -36,7 +36,7 @@ from typing import Any, Callable
 
 import hal
 from hal.apps.weightsync.options import JobOptions
-from hal.apps.weightsync.worker import Where, describe_worker
+from hal.apps.weightsync.worker import Where, Worker, describe_worker
 
 START_LIMIT_S = 180.0
 """Seconds a worker process may take to start (import torch, build its model) and answer its first call."""
@@ -283,8 +283,9 @@ class ProcessGroup:
 
     # -- WorkerGroup ----------------------------------------------------------------------------------------
 
-    def submit(self, index: int, method: str, *args: Any, **kwargs: Any) -> asyncio.Future:
-        """Post ``method(*args, **kwargs)`` to worker ``index``; the future gives its result, or fails with
+    def submit(self, index: int, method: Callable, *args: Any, **kwargs: Any) -> asyncio.Future:
+        """Post ``method(*args, **kwargs)`` (``Host.arm``, ``Trainer.train``: sent by reference, as pickle sends a
+        function) to worker ``index``; the future gives its result, or fails with
         :class:`RemoteError` (it raised there) or :class:`WorkerDied`."""
         future = self.loop.create_future()
         # a call nobody awaits any more (the manager gave up on it, the run was stopped) fails quietly
@@ -326,7 +327,7 @@ class ProcessGroup:
         await self.end(index)
         self.spawn(index)
         self.whereabouts[index] = None
-        self.whereabouts[index] = await asyncio.wait_for(self.submit(index, "where"), START_LIMIT_S)
+        self.whereabouts[index] = await asyncio.wait_for(self.submit(index, Worker.where), START_LIMIT_S)
 
     async def end(self, index: int) -> None:
         """SIGKILL worker ``index``'s process (if it runs) and wait until it is gone (bounded)."""
@@ -370,7 +371,7 @@ class InProcessGroup:
                         for i in range(1 + options.rollouts)]
         self.whereabouts: list[Where | None] = [None] * (1 + options.rollouts)
 
-    def submit(self, index: int, method: str, *args: Any, **kwargs: Any) -> asyncio.Future:
+    def submit(self, index: int, method: Callable, *args: Any, **kwargs: Any) -> asyncio.Future:
         return asyncio.ensure_future(self.workers[index].invoke(method, *args, **kwargs))
 
     def describe(self, index: int) -> str:

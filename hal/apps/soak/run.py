@@ -31,6 +31,7 @@ from hal.apps.soak.child import STACKS_SIGNAL
 from hal.apps.soak.faults import CLEAN_START, applicable, plan
 from hal.apps.soak.options import SoakOptions
 from hal.apps.soak.sandbox import Sandbox, machine_support
+from hal.apps.soak.strike import Host
 
 HANG_GRACE_S = 300.0
 """Seconds the driver waits, after a worker overran its bound (a hang, counted), for it to answer at all before
@@ -123,7 +124,7 @@ class Driver:
         fault = self.faults.get(g)
         self.errors, self.struck = [], []
         if fault is not None:
-            await self.job.manager.call([fault.target], "soak.arm", [(fault,)], what="arm the fault")
+            await self.job.manager.call([fault.target], Host.arm, [(fault,)], what="arm the fault")
         started = time.time()
         row, hung = None, False
         try:
@@ -165,7 +166,7 @@ class Driver:
                 await self.job.replace_rollout(index)
         if fault is not None and not any(f == fault for f, _ in self.struck) and self.group.alive(fault.target):
             with contextlib.suppress(self.UpdateError):  # a fault that never struck stays armed otherwise
-                await self.job.manager.call([fault.target], "soak.disarm", what="disarm the fault")
+                await self.job.manager.call([fault.target], Host.disarm, what="disarm the fault")
         return restarted
 
     async def replace_trainer(self) -> None:
@@ -187,11 +188,11 @@ class Driver:
         rollouts = self.job.manager.rollouts
         try:
             try:
-                seen = await self.job.manager.call(rollouts, "soak.observe", what="observe the rollouts")
+                seen = await self.job.manager.call(rollouts, Host.observe, what="observe the rollouts")
             except self.UpdateError as exc:  # a worker still in a call of the update past every bound: a hang
                 record.hangs.append(f"{exc} (after the update ended)")
                 await self.stacks(f"update {g}")
-                seen = await self.job.manager.call(rollouts, "soak.observe", what="observe the rollouts again",
+                seen = await self.job.manager.call(rollouts, Host.observe, what="observe the rollouts again",
                                                    limit=HANG_GRACE_S)
             record.observed = dict(zip(rollouts, seen))
             for observed in record.observed.values():  # the history keeps a digest where the bytes match
@@ -208,7 +209,7 @@ class Driver:
             if ok and fault is None and not restarted and not record.hangs and g % self.options.sample_every == 0:
                 # in process (colocated) the workers' process is the driver's: sampled once, as the driver
                 record.resources = [] if self.sandbox is None else await self.job.manager.call(
-                    self.job.everyone, "soak.resources", what="sample resources")
+                    self.job.everyone, Host.resources, what="sample resources")
         except self.UpdateError as exc:
             record.hangs.append(str(exc))
             record.stopped = True

@@ -3,12 +3,12 @@ around the job's role (trainer or rollout) that arms it, reports what the role p
 the process holds.
 
 :class:`Host` wraps one :class:`hal.apps.weightsync.worker.Worker` and is what the soak's group calls
-(``invoke``, the same entry point every launcher calls); methods named ``soak.*`` are its own:
+(``invoke``, the same entry point every launcher calls); the calls of its own methods are its own:
 
-* ``soak.arm(fault)`` / ``soak.disarm()``: the :class:`~hal.apps.soak.faults.Fault` to strike during its update;
-* ``soak.observe()``: what the worker serves now (a rollout's ``served_step`` and a CRC-32 per served tensor, the
+* ``Host.arm(fault)`` / ``Host.disarm()``: the :class:`~hal.apps.soak.faults.Fault` to strike during its update;
+* ``Host.observe()``: what the worker serves now (a rollout's ``served_step`` and a CRC-32 per served tensor, the
   step its last ``update_weights`` reported), read by the checker after every update;
-* ``soak.resources()``: the process's pid, open file descriptors and resident bytes.
+* ``Host.resources()``: the process's pid, open file descriptors and resident bytes.
 
 It also tells the soak driver, as notices sent the moment they happen (``notify``), the CRC-32 of every tensor
 the trainer staged for a step (``("published", step, sums)``, before the step is sent) and every strike
@@ -36,7 +36,9 @@ import subprocess
 import time
 from typing import Any, AsyncIterator, Callable, Iterable
 
+from ckpt.manager import ManagedWorker, bound_method, method_class
 from hal.apps.soak.faults import Fault
+from hal.apps.weightsync.trainer import Trainer
 
 BALLAST = "hal-soak-ballast"
 """The file a ``full_disk`` / ``full_shm`` fault fills its filesystem with (removed by the driver afterwards)."""
@@ -141,15 +143,12 @@ class Host:
     def index(self) -> int:
         return self.worker.index
 
-    async def invoke(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        """``soak.<name>``: this host's method; anything else: the worker's
+    async def invoke(self, method: Callable, *args: Any, **kwargs: Any) -> Any:
+        """A :class:`Host` method (``Host.arm``): this host's; anything else: the worker's
         (:meth:`hal.apps.weightsync.worker.Worker.invoke`), with what the soak records around it."""
-        if method.startswith("soak."):
-            name = method[len("soak."):]
-            if name not in ("arm", "disarm", "observe", "resources"):
-                raise AttributeError(f"the soak host has no method {name!r} (arm, disarm, observe, resources)")
-            return getattr(self, name)(*args, **kwargs)
-        if method == "update_weights" and self.index != 0:
+        if issubclass(Host, method_class(method)):
+            return bound_method([self], method)(*args, **kwargs)
+        if method is ManagedWorker.update_weights and self.index != 0:
             self.current = args[0] if args else kwargs.get("global_steps")
             started = time.time()
             try:
@@ -161,15 +160,15 @@ class Host:
             self.reported = {"update": self.current, "served_step": result.served_step, "error": result.error,
                              "raised": False, "started_at": started, "ended_at": time.time()}
             return result
-        if method == "update_weights":
+        if method is ManagedWorker.update_weights:
             self.current = args[0] if args else kwargs.get("global_steps")
-        if method == "train" and self.index == 0:
+        if method is Trainer.train and self.index == 0:
             fault = self.due("before_send", args[0])
             if fault is not None and fault.kind in ("full_disk", "full_shm"):
                 self.strike(fault)  # before the trainer stages the update (it may stage into shared memory)
         result = await self.worker.invoke(method, *args, **kwargs)
-        if method in ("train", "stage") and self.index == 0:
-            step = args[0] if method == "train" else 0
+        if method in (Trainer.train, Trainer.stage) and self.index == 0:
+            step = args[0] if method is Trainer.train else 0
             self.notify(("published", step, {name: crc32(t) for name, t in self.worker.published()}))
         return result
 

@@ -42,7 +42,7 @@ class BankPlacement:
 
 
 class FullMember:
-    """A worker's side of the full reference (attached as ``"full"``; see ``Worker.attach``)."""
+    """A worker's side of the full reference (an add-on: see ``Worker.attach``)."""
 
     def __init__(self, worker: Any) -> None:
         self.worker = worker
@@ -90,11 +90,11 @@ class FullReference:
         """One full publish of step ``global_steps``'s weights; seconds from when every worker was in it
         until the last rollout had it."""
         manager = job.manager
-        everyone = await attach_everywhere(manager, self.attached, "full", FullMember, "full reference")
+        everyone = await attach_everywhere(manager, self.attached, FullMember, "full reference")
         await manager.settle_leftovers()
         try:
             await manager.build_process_group()
-            spans = await manager.call(everyone, "full.publish", [(global_steps,)] * len(everyone),
+            spans = await manager.call(everyone, FullMember.publish, [(global_steps,)] * len(everyone),
                                        what=f"full-publish reference of global_steps {global_steps}")
         finally:
             await manager.finalize([i for i in everyone if i not in manager.unsettled])

@@ -23,20 +23,22 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
-from typing import Any, Protocol, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
-from ckpt.manager import CheckpointEngineManager, UpdateError, WorkerGroup
+from ckpt.manager import CheckpointEngineManager, ManagedWorker, UpdateError, WorkerGroup
 from hal.apps.weightsync.figures import memory_failures, publish_seconds, row_ok, step_row, summary, wire_figures
 from hal.apps.weightsync.messages import Sent, merge_references, merge_sent
 from hal.apps.weightsync.options import JobOptions
+from hal.apps.weightsync.trainer import Trainer
+from hal.apps.weightsync.worker import RolloutRole, Worker
 
 START_MARGIN_S = 150.0
 """Seconds a worker may take to start (import torch and transformers, build its model) besides the timeout."""
 
 
-async def attach_everywhere(manager: CheckpointEngineManager, attached: set[int], name: str, addon_cls: type,
+async def attach_everywhere(manager: CheckpointEngineManager, attached: set[int], addon_cls: type,
                             what: str) -> list[int]:
-    """Attach add-on ``name`` (``addon_cls``, see ``Worker.attach``) on every worker of ``manager`` not yet in
+    """Attach an ``addon_cls`` (see :meth:`Worker.attach`) on every worker of ``manager`` not yet in
     ``attached``, and record them there; returns every worker's index (the hooks' measurements span all).
 
     Raises:
@@ -45,7 +47,7 @@ async def attach_everywhere(manager: CheckpointEngineManager, attached: set[int]
     everyone = list(range(manager.world_size))
     missing = [i for i in everyone if i not in attached]
     if missing:
-        await manager.call(missing, "attach", [(name, addon_cls)] * len(missing), what=what)
+        await manager.call(missing, Worker.attach, [(addon_cls,)] * len(missing), what=what)
         attached.update(missing)
     return everyone
 
@@ -131,15 +133,16 @@ class Job:
         """The trainer ranks' indices (``[0]`` unless the trainer is sharded)."""
         return list(range(self.group.trainer_world_size))
 
-    async def on_trainers(self, method: str, args: tuple = (), what: str | None = None) -> list[Any]:
-        """``method(*args)`` on every trainer rank at once (a sharded trainer's calls are collectives)."""
+    async def on_trainers(self, method: Callable, args: tuple = (), what: str | None = None) -> list[Any]:
+        """``method(*args)`` (a :class:`Trainer` method) on every trainer rank at once (a sharded trainer's
+        calls are collectives)."""
         return await self.manager.call(self.trainers, method, [args] * len(self.trainers), what=what)
 
     async def start(self) -> list[Any]:
         """Wait until every worker is up; returns where each runs (``Worker.where``)."""
-        where = await self.manager.call(self.everyone, "where", what="start",
+        where = await self.manager.call(self.everyone, Worker.where, what="start",
                                         limit=self.options.timeout + START_MARGIN_S)
-        shapes = await self.on_trainers("published_shape")
+        shapes = await self.on_trainers(Trainer.published_shape)
         self.shape = (sum(nbytes for nbytes, _ in shapes), max(tensors for _, tensors in shapes))
         return where
 
@@ -147,11 +150,11 @@ class Job:
         """Settle what a failed step left running; then, if that step could not yet, the trainer onloads."""
         await self.manager.settle_leftovers()
         if self.reseed_pending is not None and self.options.delta:
-            await self.on_trainers("reseed", (self.reseed_pending,))
+            await self.on_trainers(Trainer.reseed, (self.reseed_pending,))
         self.reseed_pending = None
         if self.abandon_pending:
             self.abandon_pending = False
-            await self.on_trainers("abandon", what="onload")
+            await self.on_trainers(Trainer.abandon, what="onload")
 
     async def abandon(self) -> None:
         """After a failed step: the trainer drops its published buffer and onloads, now or once its own call
@@ -161,7 +164,7 @@ class Job:
             self.abandon_pending = True
             return
         with contextlib.suppress(UpdateError):  # the trainer itself failed: the step's error says so
-            await self.on_trainers("abandon", what="onload")
+            await self.on_trainers(Trainer.abandon, what="onload")
 
     async def reseed_if_needed(self, received: Sequence[Any]) -> None:
         """The delta fault policy (:func:`hal.apps.weightsync.delta.reseed_reason`): a rollout whose receiver
@@ -172,14 +175,14 @@ class Job:
 
         reason = reseed_reason(received)
         if reason is not None:
-            await self.on_trainers("reseed", (reason,))
+            await self.on_trainers(Trainer.reseed, (reason,))
 
     async def warmup(self) -> dict[str, Any]:
         """Step 0, untimed: returns ``{"publish_s", "errors": [one sentence per rollout that failed], "wall_s"}``
         and the hooks' fields."""
         start = time.perf_counter()
         await self.settle()
-        await self.on_trainers("stage")
+        await self.on_trainers(Trainer.stage)
         try:
             sent, received = self.split(await self.manager.update_weights(0))
             await self.reseed_if_needed(received)
@@ -191,7 +194,7 @@ class Job:
         except UpdateError:
             await self.abandon()
             raise
-        await self.on_trainers("release")
+        await self.on_trainers(Trainer.release)
         out["wall_s"] = time.perf_counter() - start
         return out
 
@@ -202,15 +205,15 @@ class Job:
             UpdateError: a worker failed or died (named); the trainer onloads (now or before the next step).
         """
         await self.settle()
-        trained, *_ = await self.on_trainers("train", (global_steps,))
+        trained, *_ = await self.on_trainers(Trainer.train, (global_steps,))
         rollouts = self.manager.rollouts
         try:
             for hook in self.hooks:
                 await hook.before_publish(self, global_steps)
             sent, received = self.split(await self.manager.update_weights(global_steps))
             await self.reseed_if_needed(received)
-            reference = merge_references(await self.on_trainers("reference"))
-            checked = await self.manager.call(rollouts, "check", [(global_steps, reference)] * len(rollouts),
+            reference = merge_references(await self.on_trainers(Trainer.reference))
+            checked = await self.manager.call(rollouts, RolloutRole.check, [(global_steps, reference)] * len(rollouts),
                                               what="verify")
             for hook in self.hooks:
                 await hook.after_publish(self, global_steps)
@@ -221,7 +224,7 @@ class Job:
         extra = ({"rollout_banks_bytes": sum(r.held_bytes for r in received)},
                  "the rollouts' banks" + (" and delta receivers" if self.options.delta else "")) \
             if self.options.colocated else (None, "")
-        concluded = await self.on_trainers("conclude", extra, what="onload")
+        concluded = await self.on_trainers(Trainer.conclude, extra, what="onload")
         row = step_row(trained, sent, received, checked, concluded, *self.shape, reference.tokens)
         for hook in self.hooks:
             row.update(hook.figures(global_steps, row["bytes"], row["publish_s"]))
@@ -260,7 +263,8 @@ class Job:
     async def close(self) -> None:
         """End of the run: ``close()`` every worker's checkpoint engine (the group too)."""
         await self.manager.settle_leftovers()
-        await self.manager.call(self.everyone, "execute_checkpoint_engine", [("close",)] * len(self.everyone),
+        everyone = self.everyone
+        await self.manager.call(everyone, ManagedWorker.execute_checkpoint_engine, [("close",)] * len(everyone),
                                 what="close")
 
 

@@ -21,7 +21,7 @@ from hal.apps.weightsync.figures import raw_figures
 
 
 class RawMember:
-    """A worker's side of the raw reference (attached as ``"raw"``; see :meth:`Worker.attach`)."""
+    """A worker's side of the raw reference (an add-on: see :meth:`Worker.attach`)."""
 
     def __init__(self, worker: Any) -> None:
         self.worker = worker
@@ -73,13 +73,13 @@ class RawReference:
     async def ensure_group(self, job: Any) -> None:
         """Attach the raw add-on where it is missing and form the wanted generation of the group."""
         manager = job.manager
-        everyone = await attach_everywhere(manager, self.attached, "raw", RawMember, "raw group")
+        everyone = await attach_everywhere(manager, self.attached, RawMember, "raw group")
         if self.generation == self.wanted:
             return
-        [(addr, port)] = await manager.call([0], "raw.host", what="raw group")
+        [(addr, port)] = await manager.call([0], RawMember.host, what="raw group")
         try:
-            await manager.call(everyone, "raw.join", [(addr, port, rank, len(everyone), self.wanted)
-                                                      for rank in everyone], what="raw group")
+            await manager.call(everyone, RawMember.join, [(addr, port, rank, len(everyone), self.wanted)
+                                                         for rank in everyone], what="raw group")
         except UpdateError:
             self.broken()
             raise
@@ -95,7 +95,7 @@ class RawReference:
         await self.ensure_group(job)
         manager = job.manager
         try:
-            spans = await manager.call(list(range(manager.world_size)), "raw.broadcast", what="raw broadcast")
+            spans = await manager.call(list(range(manager.world_size)), RawMember.broadcast, what="raw broadcast")
         except UpdateError:
             self.broken()
             raise

@@ -13,7 +13,7 @@ from hal.apps.weightsync.messages import Checked, Received, Reference
 from hal.apps.weightsync.options import JobOptions
 from hal.apps.weightsync.trainer import intra_op_threads
 from hal.apps.weightsync.verify import verify, verify_rollout
-from hal.apps.weightsync.worker import Where, Worker
+from hal.apps.weightsync.worker import RolloutRole, Where
 
 
 def rollout_model(options: JobOptions, adapter_cls: Any = None):
@@ -36,7 +36,7 @@ def rollout_model(options: JobOptions, adapter_cls: Any = None):
     return adapter, decode
 
 
-class Rollout(Worker):
+class Rollout(RolloutRole):
     """A rollout rank: the receiving checkpoint engine and the served model it loads into.
 
     Args:

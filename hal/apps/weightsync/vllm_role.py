@@ -22,7 +22,7 @@ from typing import Any
 from hal.apps.weightsync.messages import Checked, Received, Reference
 from hal.apps.weightsync.options import JobOptions
 from hal.apps.weightsync.verify import first_mismatch
-from hal.apps.weightsync.worker import Where, Worker
+from hal.apps.weightsync.worker import RolloutRole, Where
 
 LOGGING_STREAM_ENV = "VLLM_LOGGING_STREAM"
 """vLLM's log stream (default stdout); the role sends it to stderr."""
@@ -91,7 +91,7 @@ def reference_logprobs(reference: Reference) -> tuple[list[int], list[float]] | 
     return list(reference.tokens), [float(logprobs[i, t]) for i, t in enumerate(reference.tokens)]
 
 
-class VllmRolloutRole(Worker):
+class VllmRolloutRole(RolloutRole):
     """A rollout rank served by vLLM (see the module docstring).
 
     Args:

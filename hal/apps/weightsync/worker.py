@@ -1,15 +1,19 @@
-"""What every process of the job hosts: one role (trainer or rollout) with its checkpoint engine, reached by
-name through :meth:`Worker.invoke`, the one entry point every launcher calls."""
+"""What every process of the job hosts: one role (trainer or rollout) with its checkpoint engine, reached
+through :meth:`Worker.invoke`, the one entry point every launcher calls, with the method itself
+(``Trainer.train``, ``RolloutRole.check``, an add-on's ``RawMember.host``), so a reader follows each call."""
 
 from __future__ import annotations
 
 import dataclasses
 import inspect
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any, Callable
 
-from ckpt.manager import LIFECYCLE_METHODS
+from ckpt.manager import LIFECYCLE_METHODS, ManagedWorker, bound_method
 from hal.apps.weightsync.options import JobOptions
+
+if TYPE_CHECKING:
+    from hal.apps.weightsync.messages import Checked, Reference
 
 @dataclasses.dataclass
 class Where:
@@ -74,9 +78,9 @@ def make_engine(options: JobOptions, index: int, node_ip: str) -> Any:
     return ckpt.get_checkpoint_engine(options.engine, **kwargs)
 
 
-class Worker:
+class Worker(ManagedWorker):
     """One role and its checkpoint engine; subclasses are the roles (:class:`~hal.apps.weightsync.trainer.Trainer`,
-    :class:`~hal.apps.weightsync.rollout.Rollout`).
+    :class:`RolloutRole`).
 
     Args:
         options: the job's options.
@@ -89,7 +93,7 @@ class Worker:
         self.options, self.index, self.engine = options, index, engine
         self.kind = options.rank_device  # a kind, or with --hybrid the kind's device 0
         self.whereabouts = where or Where(index, "127.0.0.1", os.getpid(), options.device)
-        self.addons: dict[str, Any] = {}
+        self.addons: dict[type, Any] = {}
 
     def where(self) -> Where:
         """Where this worker runs."""
@@ -108,22 +112,20 @@ class Worker:
             return None
         return getattr(self.engine, method)(**kwargs)
 
-    def attach(self, name: str, addon_cls: type, *args: Any) -> None:
-        """Attach an add-on (``addon_cls(self, *args)``), reached as ``"name.method"`` by :meth:`invoke`."""
-        self.addons[name] = addon_cls(self, *args)
+    def attach(self, addon_cls: type, *args: Any) -> None:
+        """Attach an add-on (``addon_cls(self, *args)``), whose methods :meth:`invoke` then runs."""
+        self.addons[addon_cls] = addon_cls(self, *args)
 
-    async def invoke(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        """Run this worker's public ``method`` (or an add-on's, ``"name.method"``), awaiting it if it is a
-        coroutine function; returns its result.
+    async def invoke(self, method: Callable, *args: Any, **kwargs: Any) -> Any:
+        """Run ``method`` (a public function of this worker's class or a base, e.g. ``Trainer.train``, or of
+        an attached add-on's class, e.g. ``RawMember.host``) on this worker or that add-on, awaiting it if it
+        is a coroutine function; returns its result.
 
         Raises:
-            AttributeError: no such public method. Whatever the method raises.
+            ValueError: ``method`` is not a public method of a class (:func:`ckpt.manager.method_class`).
+            AttributeError: neither this worker nor an add-on is of ``method``'s class. Whatever it raises.
         """
-        owner_name, _, name = method.rpartition(".")
-        owner = self.addons[owner_name] if owner_name else self
-        if name.startswith("_") or not callable(getattr(owner, name, None)):
-            raise AttributeError(f"{type(owner).__name__} has no public method {name!r}")
-        result = getattr(owner, name)(*args, **kwargs)
+        result = bound_method([self, *self.addons.values()], method)(*args, **kwargs)
         return await result if inspect.isawaitable(result) else result
 
     def raw_buffer(self) -> Any:
@@ -131,4 +133,15 @@ class Worker:
         raise NotImplementedError
 
 
-__all__ = ["Where", "Worker", "describe_worker", "make_engine"]
+class RolloutRole(Worker):
+    """A rollout rank: besides its update (:meth:`update_weights`, its receive and apply), it proves what it
+    serves (:meth:`check`). Implemented by :class:`~hal.apps.weightsync.rollout.Rollout` (hal's own adapter)
+    and :class:`~hal.apps.weightsync.vllm_role.VllmRolloutRole` (vLLM)."""
+
+    def check(self, global_steps: int, reference: Reference) -> Checked:
+        """What this rollout proves after receiving ``global_steps``, against the trainer's ``reference``
+        (checksums, greedy decode)."""
+        raise NotImplementedError
+
+
+__all__ = ["RolloutRole", "Where", "Worker", "describe_worker", "make_engine"]

@@ -13,22 +13,25 @@ import zmq
 import zmq.asyncio
 
 import hal
-from ckpt.manager import CheckpointEngineManager, UpdateError
+from ckpt.manager import CheckpointEngineManager, ManagedWorker, UpdateError, bound_method
 from hal.apps.weightsync.launchers import torchrun
 from hal.apps.weightsync.launchers.torchrun import TorchrunGroup, bind_calls, connect_calls, serve
 from hal.apps.weightsync.messages import Sent
+from hal.apps.weightsync.worker import RolloutRole
 
 
-class Echo:
-    """A serving rank's worker: answers with a typed message, or raises."""
+class Echo(ManagedWorker):
+    """A serving rank's worker: answers its update with a typed message; any other call raises."""
 
     async def invoke(self, method, *args, **kwargs):
-        if method == "slow":
-            await asyncio.sleep(0.5)
-            method = "update_weights"
-        if method == "update_weights":
-            return Sent(t0=float(args[0]), send_s=0.5)
-        raise ValueError(f"no method {method!r} here")
+        return await bound_method([self], method)(*args, **kwargs)
+
+    async def update_weights(self, global_steps):
+        return Sent(t0=float(global_steps), send_s=0.5)
+
+    async def slow_update(self, global_steps):
+        await asyncio.sleep(0.5)
+        return await self.update_weights(global_steps)
 
 
 class Local:
@@ -64,10 +67,10 @@ def test_calls_carry_typed_messages_and_a_raising_call_is_named(group):
     manager = CheckpointEngineManager(object, group, timeout=20.0)
 
     async def scenario():
-        results = await manager.call([0, 1], "update_weights", [(7,), (7,)])
-        with pytest.raises(UpdateError, match=r"^check failed: rollout rank 1 \(rank 1\): ValueError: no method "
-                                              r"'check' here$"):
-            await manager.call([1], "check")
+        results = await manager.call([0, 1], ManagedWorker.update_weights, [(7,), (7,)])
+        with pytest.raises(UpdateError, match=r"^RolloutRole\.check failed: rollout rank 1 \(rank 1\): AttributeError: "
+                                              r"RolloutRole\.check: none of \['Echo'\] is a RolloutRole$"):
+            await manager.call([1], RolloutRole.check)
         return results
 
     assert asyncio.run(scenario()) == [Sent(t0=-1.0, send_s=0.0), Sent(t0=7.0, send_s=0.5)]
@@ -79,8 +82,8 @@ def test_a_reply_that_does_not_come_is_an_error_within_the_timeout(monkeypatch, 
     serving, calls = zmq.Context(), zmq.asyncio.Context()
     bind_calls(serving, client(store), 1)  # rank 1's socket is there, but nobody serves it
     silent = TorchrunGroup(Local(), connect_calls(calls, store, 2), world_size=2, timeout=0.3)
-    with pytest.raises(TimeoutError, match=r"^update_weights on rank 1: no reply within 0.5 s$"):
-        asyncio.run(silent.submit(1, "update_weights", 1))
+    with pytest.raises(TimeoutError, match=r"^ManagedWorker\.update_weights on rank 1: no reply within 0.5 s$"):
+        asyncio.run(silent.submit(1, ManagedWorker.update_weights, 1))
     with pytest.raises(TimeoutError, match=r"^the serving ranks did not stop within 0.3 s$"):
         silent.stop(wait=True)
     serving.destroy(linger=0)
@@ -89,7 +92,8 @@ def test_a_reply_that_does_not_come_is_an_error_within_the_timeout(monkeypatch, 
 
 def test_replies_awaited_out_of_order_each_get_their_own(group):
     async def scenario():
-        first, second = group.submit(1, "update_weights", 1), group.submit(1, "update_weights", 2)
+        update = ManagedWorker.update_weights
+        first, second = group.submit(1, update, 1), group.submit(1, update, 2)
         return await second, await first
 
     assert asyncio.run(scenario()) == (Sent(t0=2.0, send_s=0.5), Sent(t0=1.0, send_s=0.5))
@@ -101,10 +105,10 @@ def test_a_call_posted_while_a_reply_is_awaited_does_not_hide_that_reply(group):
     until the deadline."""
 
     async def scenario():
-        first = asyncio.ensure_future(group.submit(1, "update_weights", 1))
+        first = asyncio.ensure_future(group.submit(1, ManagedWorker.update_weights, 1))
         await asyncio.sleep(0)  # first's receive is awaited now
         time.sleep(0.3)  # and its reply arrives while this loop is busy
-        second = group.submit(1, "update_weights", 2)
+        second = group.submit(1, ManagedWorker.update_weights, 2)
         return await asyncio.wait_for(first, 5), await asyncio.wait_for(second, 5)
 
     assert asyncio.run(scenario()) == (Sent(t0=1.0, send_s=0.5), Sent(t0=2.0, send_s=0.5))
@@ -124,7 +128,7 @@ def test_a_serving_rank_whose_caller_is_gone_fails_its_reply_within_the_timeout(
     served = threading.Thread(target=rank_1, daemon=True)
     served.start()
     group = TorchrunGroup(Local(), connect_calls(calls, store, 2), world_size=2, timeout=1.0)
-    group.post(1, torchrun.Call("slow", (1,)))
+    group.post(1, torchrun.Call(Echo.slow_update, (1,)))
     time.sleep(0.1)  # the call reached rank 1
     calls.destroy(linger=0)  # rank 0 is gone before the reply
     served.join(timeout=10)

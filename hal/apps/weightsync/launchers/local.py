@@ -9,7 +9,8 @@ from hal.apps.weightsync.worker import describe_worker
 
 
 class LocalGroup:
-    """A :class:`ckpt.manager.WorkerGroup` of objects in this process, each with ``async invoke(method, ...)``.
+    """A :class:`ckpt.manager.WorkerGroup` of objects in this process, each with ``async invoke(method, ...)``
+    (:meth:`~hal.apps.weightsync.worker.Worker.invoke`).
 
     Args:
         workers: worker 0 (the trainer) first, then the rollouts.
@@ -22,7 +23,7 @@ class LocalGroup:
         self.trainer_world_size = trainer_world_size
         self.rollout_world_size = len(self.workers) - trainer_world_size
 
-    def submit(self, index: int, method: str, *args: Any, **kwargs: Any) -> asyncio.Future:
+    def submit(self, index: int, method: Callable, *args: Any, **kwargs: Any) -> asyncio.Future:
         return asyncio.ensure_future(self.workers[index].invoke(method, *args, **kwargs))
 
     def describe(self, index: int) -> str:

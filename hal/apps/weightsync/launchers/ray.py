@@ -16,14 +16,14 @@ import asyncio
 import contextlib
 import dataclasses
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from hal import ray as hal_ray
 from hal.apps.weightsync.loop import START_MARGIN_S, Job, JobResult, StepHook
 from hal.apps.weightsync.options import JobOptions
 from hal.apps.weightsync.rollout import Rollout
 from hal.apps.weightsync.trainer import Trainer
-from hal.apps.weightsync.worker import Where, describe_worker, make_engine
+from hal.apps.weightsync.worker import Where, Worker, describe_worker, make_engine
 
 CANCEL_S = 10.0
 """Seconds an interrupted step of :class:`RayJob` may take to unwind (its workers' calls settle) before the
@@ -52,7 +52,7 @@ class RayWorker:
         """The device this actor bound (node, Ray's ids, visible devices, local index)."""
         return self.binding
 
-    async def invoke(self, method: str, *args: Any, **kwargs: Any) -> Any:
+    async def invoke(self, method: Callable, *args: Any, **kwargs: Any) -> Any:
         """The worker's :meth:`~hal.apps.weightsync.worker.Worker.invoke`."""
         return await self.worker.invoke(method, *args, **kwargs)
 
@@ -92,7 +92,7 @@ class RayGroup:
         return actor_cls.options(**self.placement.options(index), max_restarts=0,
                                  max_concurrency=4).remote(self.options, index, adapter_cls)
 
-    def submit(self, index: int, method: str, *args: Any, **kwargs: Any) -> asyncio.Future:
+    def submit(self, index: int, method: Callable, *args: Any, **kwargs: Any) -> asyncio.Future:
         return asyncio.wrap_future(self.actors[index].invoke.remote(method, *args, **kwargs).future())
 
     def describe(self, index: int) -> str:
@@ -130,7 +130,7 @@ class RayGroup:
             pass
         self.adapters.pop(index, None)
         self.actors[index] = self.start_actor(index)
-        self.whereabouts[index] = await self.submit(index, "where")
+        self.whereabouts[index] = await self.submit(index, Worker.where)
 
     def close(self) -> None:
         """Kill the actors and release the placement group."""
@@ -188,8 +188,9 @@ class RayJob:
     def step(self, global_steps: int) -> dict[str, Any]:
         return self.sync(self.job.step(global_steps))
 
-    def call(self, index: int, method: str, *args: Any) -> Any:
-        """``method`` on worker ``index`` under the job's fault policy; returns its result."""
+    def call(self, index: int, method: Callable, *args: Any) -> Any:
+        """``method`` (a worker class's function, e.g. ``Rollout.verify``) on worker ``index`` under the job's
+        fault policy; returns its result."""
         return self.sync(self.job.manager.call([index], method, [args]))[0]
 
     def replace_rollout(self, index: int) -> hal_ray.DeviceBinding:

@@ -21,7 +21,7 @@ import functools
 import os
 import time
 import uuid
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import hal
 from hal.apps.weightsync.loop import JobResult, StepHook, run
@@ -39,9 +39,10 @@ STORE_PREFIX = "hal-sync"
 
 @dataclasses.dataclass
 class Call:
-    """One call rank 0 sends a serving rank: ``method(*args, **kwargs)`` on its worker (``"stop"``: end)."""
+    """One call rank 0 sends a serving rank: ``method(*args, **kwargs)`` on its worker (a worker class's
+    function, e.g. ``Trainer.train``, pickled by reference); ``None``: end."""
 
-    method: str
+    method: Callable | None
     args: tuple = ()
     kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
 
@@ -139,15 +140,16 @@ class TorchrunGroup:
             sock.send_pyobj((seq, call))
         return seq
 
-    def submit(self, index: int, method: str, *args: Any, **kwargs: Any):
+    def submit(self, index: int, method: Callable, *args: Any, **kwargs: Any):
         """Start ``method`` on worker ``index``: posted to a serving rank now (so every rank of a collective
         phase is asked before rank 0's own part blocks), awaited by the returned coroutine."""
         if index == 0:
             return self.local.invoke(method, *args, **kwargs)
-        return self.reply(index, self.post(index, Call(method, args, kwargs)), method)
+        return self.reply(index, self.post(index, Call(method, args, kwargs)), method.__qualname__)
 
     async def reply(self, index: int, seq: int, method: str) -> Any:
-        """The reply to call ``seq`` of rank ``index`` (a rank answers its calls in order).
+        """The reply to call ``seq`` (of ``method``, its qualified name) of rank ``index`` (a rank answers its
+        calls in order).
 
         Raises:
             RemoteCallError: the call raised there.
@@ -176,7 +178,7 @@ class TorchrunGroup:
         """
         import zmq
 
-        stops = {index: self.post(index, Call("stop")) for index in self.sockets}
+        stops = {index: self.post(index, Call(None)) for index in self.sockets}
         deadline = time.monotonic() + self.timeout
         for index, seq in stops.items() if wait else ():
             sock = zmq.Socket.shadow(self.sockets[index].underlying)
@@ -201,7 +203,7 @@ class TorchrunGroup:
 
 def serve(worker: Any, sock: Any, rank: int, timeout: float) -> None:
     """A serving rank's loop: run each call rank 0 sends on ``sock`` (:func:`bind_calls`), in order, until
-    ``"stop"``.
+    the stop (a call of ``None``).
 
     Raises:
         hal.DistributedTimeoutError: no call came within ``timeout`` seconds (rank 0 is gone or stuck), or a reply
@@ -223,7 +225,7 @@ def serve(worker: Any, sock: Any, rank: int, timeout: float) -> None:
             if not sock.poll(int(timeout * 1000)):
                 raise hal.DistributedTimeoutError(f"rank {rank}: no call from rank 0 within {timeout:g} s")
             seq, call = sock.recv_pyobj()
-            if call.method == "stop":
+            if call.method is None:
                 answer(seq, Reply(True))
                 return
             try:
