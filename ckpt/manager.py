@@ -203,9 +203,11 @@ class CheckpointEngineManager:
         of the ``i``-th), concurrently; returns their results in order.
 
         Raises:
+            ValueError: ``method`` is not a public method of a class (:func:`method_class`), before any call.
             UpdateError: names each worker that failed, died or did not answer within ``limit`` seconds
                 (default ``timeout + margin``), as soon as the policy allows (see the module docstring).
         """
+        method_class(method)
         args = list(args) if args is not None else [()] * len(indices)
         if len(args) != len(indices):
             raise ValueError(f"args must give one tuple per worker: {len(args)} for {len(indices)} workers")

@@ -21,20 +21,22 @@ def calls_by_string(source: str) -> list[tuple[int, str]]:
             continue
         name = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", None)
         position = METHOD_ARG.get(name)
-        if position is None or len(node.args) <= position:
+        if position is None:
             continue
-        arg = node.args[position]
-        if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
+        given = [node.args[position]] if len(node.args) > position else []
+        given += [k.value for k in node.keywords if k.arg == "method"]
+        if any(isinstance(arg, ast.Constant) and isinstance(arg.value, str) for arg in given):
             found.append((node.lineno, ast.unparse(node)))
     return sorted(found)
 
 
 def test_the_scan_finds_a_method_named_by_a_string():
     source = ('await manager.call([0], "raw.host")\nawait manager.call([0], RawMember.host)\n'
-              'group.submit(1, "update_weights", 1)\nworker.invoke("where")\nCall("stop")\nstore.call("clone")\n')
+              'group.submit(1, "update_weights", 1)\nworker.invoke("where")\nCall("stop")\nstore.call("clone")\n'
+              'await manager.call([0], method="raw.join")\n')
     assert calls_by_string(source) == [(1, "manager.call([0], 'raw.host')"),
                                        (3, "group.submit(1, 'update_weights', 1)"), (4, "worker.invoke('where')"),
-                                       (5, "Call('stop')")]
+                                       (5, "Call('stop')"), (7, "manager.call([0], method='raw.join')")]
 
 
 def test_no_worker_method_is_named_by_a_string():

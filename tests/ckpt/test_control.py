@@ -61,7 +61,13 @@ def _stop(pid):
     os.kill(pid, signal.SIGSTOP)
     deadline = time.monotonic() + 10
     tasks = pathlib.Path(f"/proc/{pid}/task")
-    while any((t / "stat").read_text().rpartition(")")[2].split()[0] != "T" for t in tasks.iterdir()):
+    def state(task):  # a thread that ended in the meantime does not hold the stop up
+        try:
+            return (task / "stat").read_text().rpartition(")")[2].split()[0]
+        except FileNotFoundError:
+            return "T"
+
+    while any(state(t) != "T" for t in tasks.iterdir()):
         if time.monotonic() > deadline:
             raise TimeoutError(f"process {pid} did not stop within 10 s of SIGSTOP")
         time.sleep(0.01)

@@ -194,3 +194,11 @@ def test_a_failed_call_without_words_is_named_by_its_method():
     with pytest.raises(UpdateError, match=r"^ManagedWorker\.update_weights failed: rollout rank 1 on node "
                                           r"10\.0\.0\.1: ValueError: worker 1 cannot apply step 3$"):
         asyncio.run(m.call([1], ManagedWorker.update_weights, [(3,)]))
+
+
+def test_a_call_by_a_string_is_refused_before_any_worker_is_called():
+    group = FakeGroup({})
+    m = CheckpointEngineManager(FakeEngine, group, timeout=TIMEOUT)
+    with pytest.raises(ValueError, match=r"got 'update_weights'$"):
+        asyncio.run(m.call([0, 1, 2], "update_weights", [(1,)] * 3))
+    assert group.log == []

@@ -163,7 +163,9 @@ def test_transfer_library_engine_keeps_agent_buffers_and_connections_across_verl
             fds.append(_open_fds())
         same = [(a == b) if isinstance(a, int) else (a is b) for k in kept[1:] for a, b in zip(kept[0], k)]
         assert all(same), f"an update set something up again: {same}"
-        assert fds[1:] == fds[:1] * 3, fds  # sockets, the library's files and registrations stay flat
+        # sockets, the library's files and registrations: no update adds one (UCX may close one late, after
+        # the first update: CI once saw 119, 117, 117, 117)
+        assert all(later <= earlier for earlier, later in zip(fds, fds[1:])), fds
         # a changed topology (one rollout leaves) releases them: new connections, new agents, still correct
         _lifecycle(trainers, rollouts[:1])
         asyncio.run(_update(trainers, rollouts[:1], 5))

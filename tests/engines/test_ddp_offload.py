@@ -13,33 +13,44 @@ pytestmark = pytest.mark.multiprocess
 STEPS = 3
 
 
-def _ddp_worker(rank, world_size, kind):
-    import torch.distributed as dist
+def _train_both_ways(rank, kind):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from engines import TorchEngine
 
+    out = {"placements": [], "freed": [], "moved": []}
+    memory = hal.get_torch_device(kind)
+    for offload in (False, True):
+        model = make_model(0).to(hal.get_device(kind))
+        ddp = DDP(model)
+        engine = TorchEngine(ddp, torch.optim.AdamW(ddp.parameters(), lr=1e-2), kind)
+        for step in range(STEPS):
+            engine.train_step(loss_for(100 * rank + step, engine.torch_device))  # different data per rank
+            if offload:
+                before = memory.memory_allocated()
+                engine.to("cpu")
+                out["freed"].append(before - memory.memory_allocated())
+                out["moved"].append(engine.last_moved_bytes)
+                out["placements"].append(engine.tensor_home())
+                engine.to(kind)
+        out[offload] = {n: t.detach().cpu().numpy().copy() for n, t in engine.get_per_tensor_param()[0]}
+    return out
+
+
+def _ddp_worker(rank, world_size, kind):
+    import gc
+
+    import torch.distributed as dist
+
     hal.init_process_group(kind, timeout=30)
-    try:
-        out = {"placements": [], "freed": [], "moved": []}
-        memory = hal.get_torch_device(kind)
-        for offload in (False, True):
-            model = make_model(0).to(hal.get_device(kind))
-            ddp = DDP(model)
-            engine = TorchEngine(ddp, torch.optim.AdamW(ddp.parameters(), lr=1e-2), kind)
-            for step in range(STEPS):
-                engine.train_step(loss_for(100 * rank + step, engine.torch_device))  # different data per rank
-                if offload:
-                    before = memory.memory_allocated()
-                    engine.to("cpu")
-                    out["freed"].append(before - memory.memory_allocated())
-                    out["moved"].append(engine.last_moved_bytes)
-                    out["placements"].append(engine.tensor_home())
-                    engine.to(kind)
-            out[offload] = {n: t.detach().cpu().numpy().copy() for n, t in engine.get_per_tensor_param()[0]}
-        return out
-    finally:
-        dist.destroy_process_group()
+    out = _train_both_ways(rank, kind)
+    # DDP's Reducer goes before the group, not after: when the Reducer's destructor drops the gloo group's last
+    # reference, the group's destructor joins its worker thread holding the GIL while that thread needs the GIL
+    # to free its last work item (torch 2.13; py-spy: Reducer::~Reducer -> ~ProcessGroupGloo -> thread::join).
+    # On an error the group is left to the process's exit, for the same reason.
+    gc.collect()
+    dist.destroy_process_group()
+    return out
 
 
 def test_ddp_offload_between_steps_keeps_replicas_equal_and_exact(hal_device):

@@ -36,6 +36,7 @@ from typing import Any, Callable
 
 import hal
 from hal.apps.weightsync.options import JobOptions
+from ckpt.manager import method_class
 from hal.apps.weightsync.worker import Where, Worker, describe_worker
 
 START_LIMIT_S = 180.0
@@ -298,9 +299,13 @@ class ProcessGroup:
         worker.seq += 1
         worker.pending[seq] = future
         try:
+            method_class(method)  # a string or a lambda fails the call, not the worker's connection
             send(worker.conn, ("call", seq, method, args, kwargs))
         except OSError:
             pass  # the process is gone: the reader thread fails the call
+        except (ValueError, pickle.PicklingError, TypeError, AttributeError) as exc:  # nothing was sent
+            worker.pending.pop(seq, None)
+            future.set_exception(exc)
         return future
 
     def describe(self, index: int) -> str:

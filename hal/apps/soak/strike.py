@@ -146,7 +146,10 @@ class Host:
     async def invoke(self, method: Callable, *args: Any, **kwargs: Any) -> Any:
         """A :class:`Host` method (``Host.arm``): this host's; anything else: the worker's
         (:meth:`hal.apps.weightsync.worker.Worker.invoke`), with what the soak records around it."""
-        if issubclass(Host, method_class(method)):
+        if method_class(method) is Host:
+            if method not in HOST_CALLS:
+                raise AttributeError(f"the soak host's calls are {[m.__qualname__ for m in HOST_CALLS]}, got "
+                                     f"{method.__qualname__}")
             return bound_method([self], method)(*args, **kwargs)
         if method is ManagedWorker.update_weights and self.index != 0:
             self.current = args[0] if args else kwargs.get("global_steps")
@@ -288,6 +291,11 @@ class Host:
         elif kind == "stop":
             os.kill(os.getpid(), signal.SIGSTOP)  # the driver sends SIGCONT once the stop outlasted the timeout
         return tensor
+
+
+
+HOST_CALLS = (Host.arm, Host.disarm, Host.observe, Host.resources)
+"""The :class:`Host` methods the soak's driver calls (through :meth:`Host.invoke`); its others are its own."""
 
 
 class StrikingEngine:

@@ -135,3 +135,10 @@ def test_a_serving_rank_whose_caller_is_gone_fails_its_reply_within_the_timeout(
     assert not served.is_alive()
     assert failed == ["rank 1: could not answer rank 0 within 1 s (rank 0 is gone)"]
     serving.destroy(linger=0)
+
+
+def test_a_call_by_a_string_is_refused_before_it_is_posted(group):
+    with pytest.raises(ValueError, match=r"got 'update_weights'$"):
+        group.submit(1, "update_weights", 1)
+    assert group.seq == [0, 0]  # nothing posted: the serving rank's next call is its first
+    group.stop(wait=True)

@@ -24,6 +24,7 @@ import uuid
 from typing import Any, Callable, Sequence
 
 import hal
+from ckpt.manager import method_class
 from hal.apps.weightsync.loop import JobResult, StepHook, run
 from hal.apps.weightsync.options import JobOptions
 from hal.apps.weightsync.rollout import Rollout
@@ -145,6 +146,7 @@ class TorchrunGroup:
         phase is asked before rank 0's own part blocks), awaited by the returned coroutine."""
         if index == 0:
             return self.local.invoke(method, *args, **kwargs)
+        method_class(method)  # a string or a lambda is refused here, not posted
         return self.reply(index, self.post(index, Call(method, args, kwargs)), method.__qualname__)
 
     async def reply(self, index: int, seq: int, method: str) -> Any:
