@@ -76,9 +76,13 @@ def _storages(engine) -> dict:
 
 
 def main() -> dict:
+    with tempfile.TemporaryDirectory(prefix="hal-verl-fsdp-") as folder:  # the model verl loads, removed after
+        return run(folder)
+
+
+def run(folder: str) -> dict:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    folder = tempfile.mkdtemp()
     config = Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                          tie_word_embeddings=False)
