@@ -510,7 +510,8 @@ class IpcCheckpointEngine(CheckpointEngine):
 
         Raises:
             CheckpointConfigError: no place yet, a rollout's engine, or a pair that is not ``(str, Tensor)``.
-            TransferError: a rollout refused the update (its reason) or died (a ``PeerFailure`` naming it, with its pid).
+            TransferError: a rollout refused the update (its reason; the other rollouts are told at once that it
+                is abandoned, and keep their previous step), or died (a ``PeerFailure`` naming it, with its pid).
             TransferTimeoutError: a rollout did not reply within ``timeout``.
             Whatever ``weights`` raised. After any failure the buffer is freed (nothing left in ``/dev/shm``) and
             the next update starts clean.
@@ -537,7 +538,7 @@ class IpcCheckpointEngine(CheckpointEngine):
                     raise msg
                 if self.transport == "device" or not self.spec.host_memory:
                     self._torch_device.synchronize()  # the copies into the bucket are done before it is announced
-                replies = await self._replies(peers, pending, deadline, step)
+                replies = await self._replies(peers, pending, deadline, step, tell_others=True)
                 hello = replies if hello is None else hello
                 deadline = time.monotonic() + self.timeout
                 for peer in peers:
@@ -588,15 +589,27 @@ class IpcCheckpointEngine(CheckpointEngine):
         """Tell every rollout the update is abandoned (a last message with ``"abort"``; a hal rollout raises
         ``TransferAbortedError`` and keeps its previous step); best effort, within ``min(timeout, 5)`` s."""
         deadline = time.monotonic() + min(self.timeout, 5.0)
-        try:
-            await self._replies(peers, pending, deadline, step)
-            why = f"the trainer's weights failed: {type(error).__name__}: {error}"
-            for peer in peers:
-                await self._wait(lambda p=peer: p.sock.send_pyobj(
-                    {"bucket_meta": {}, "is_last": True, "global_steps": step, "abort": why}), peer, "abort", deadline)
-            await self._replies(peers, "reply to the abort", deadline, step)
-        except (TransferError, TransferTimeoutError):
-            pass  # the rollouts time out instead
+        waiting = []
+        for peer in peers:  # every reply read, a refusal too: none is left on its socket
+            try:
+                if not (await self._wait(peer.sock.recv, peer, pending, deadline)).startswith(REFUSED):
+                    waiting.append(peer)  # a refusing rollout expects nothing more of this update
+            except (TransferError, TransferTimeoutError):
+                pass  # this rollout times out instead
+        await self._tell_abort(waiting, step, f"the trainer's weights failed: {type(error).__name__}: {error}")
+
+    async def _tell_abort(self, peers: list[_Peer], step: int | None, why: str) -> None:
+        """Send each of ``peers`` (rollouts whose reply to the last message was read, and not a refusal) the
+        update's abort, and read its reply; best effort, within ``min(timeout, 5)`` s: a rollout that cannot be
+        told times out instead."""
+        deadline = time.monotonic() + min(self.timeout, 5.0)
+        abort = {"bucket_meta": {}, "is_last": True, "global_steps": step, "abort": why}
+        for peer in peers:
+            try:
+                await self._wait(lambda p=peer: p.sock.send_pyobj(abort), peer, "abort", deadline)
+                await self._wait(peer.sock.recv, peer, "reply to the abort", deadline)
+            except (TransferError, TransferTimeoutError):
+                pass
 
     async def _sender_sockets(self) -> list[_Peer]:
         """One REQ socket per rollout, bound at ``endpoint-r`` (for one update)."""
@@ -624,15 +637,25 @@ class IpcCheckpointEngine(CheckpointEngine):
                     raise TransferError(f"cannot bind the ipc engine's endpoint {endpoint}: {exc}") from exc
                 await asyncio.sleep(0.01)
 
-    async def _replies(self, peers: list[_Peer], what: str, deadline: float, step: int | None) -> list[bytes]:
-        replies = []
-        for peer in peers:
-            reply = await self._wait(peer.sock.recv, peer, what, deadline)
-            if reply.startswith(REFUSED):
-                raise TransferError(f"{peer.name} refused the update of global_steps={step}: "
-                                    f"{reply[len(REFUSED):].decode(errors='replace')}")
-            replies.append(reply)
-        return replies
+    async def _replies(self, peers: list[_Peer], what: str, deadline: float, step: int | None,
+                       tell_others: bool = False) -> list[bytes]:
+        """Every rollout's reply to ``what`` (each read, a refusal too, so none is left on its socket).
+
+        Raises:
+            TransferError: a rollout refused the update (the first refusal, its reason); with ``tell_others``
+                (the update goes on after ``what``), the rollouts that did not refuse are told it is abandoned
+                first (:meth:`_tell_abort`), so none waits out its timeout. Or a rollout died.
+            TransferTimeoutError: a rollout did not reply by ``deadline``.
+        """
+        replies = [await self._wait(peer.sock.recv, peer, what, deadline) for peer in peers]
+        refused = [(peer, reply) for peer, reply in zip(peers, replies) if reply.startswith(REFUSED)]
+        if not refused:
+            return replies
+        peer, reply = refused[0]
+        why = f"{peer.name} refused the update of global_steps={step}: {reply[len(REFUSED):].decode(errors='replace')}"
+        if tell_others:
+            await self._tell_abort([p for p, r in zip(peers, replies) if not r.startswith(REFUSED)], step, why)
+        raise TransferError(why)
 
     # ---- a rollout -----------------------------------------------------------------------------------------
     def _open(self, handshake: Any) -> torch.Tensor:

@@ -273,6 +273,32 @@ def test_weights_that_fail_mid_update_abort_the_rollout_at_once_and_the_next_upd
     assert ipc_workers.digest(again) == ipc_workers.digest(weights)
 
 
+def test_a_rollout_that_refuses_an_update_ends_it_for_every_rollout_at_once():
+    """Before, the trainer raised at the first refusal and told the other rollouts nothing: each waited out its
+    timeout for a bucket that never came, and a refusal behind the first was left unread on its socket."""
+    async def go():
+        common = dict(world_size=3, endpoint=default_endpoint(), bucket_size=256, device="cpu", timeout=60)
+        sender, refuses, told = (ckpt.get_checkpoint_engine("ipc", rank=r, **common) for r in range(3))
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        results = await asyncio.gather(sender.send_weights(sample_weights(1), 1),
+                                       _collect(refuses.receive_weights(2)), _collect(told.receive_weights(1)),
+                                       return_exceptions=True)
+        seconds = loop.time() - start
+        weights = sample_weights(2)
+        again = await asyncio.gather(sender.send_weights(weights, 2), _collect(refuses.receive_weights(2)),
+                                     _collect(told.receive_weights(2)))
+        for engine in (sender, refuses, told):
+            engine.close()
+        return results, seconds, again[1:], weights
+    (sent, refused, aborted), seconds, again, weights = asyncio.run(go())
+    assert isinstance(sent, ckpt.TransferError) and "rollout rank 1 refused the update of global_steps=1" in str(sent)
+    assert isinstance(refused, ckpt.VersionMismatchError), refused
+    assert isinstance(aborted, ckpt.TransferAbortedError) and "rollout rank 1 refused" in str(aborted), aborted
+    assert seconds < 10, seconds  # told at once, not after its 60 s timeout
+    assert [ipc_workers.digest(got) for got in again] == [ipc_workers.digest(weights)] * 2
+
+
 def test_a_consumer_that_stops_after_the_last_item_completes_the_update():
     # verl's delta reader (ckpt.delta.transport) stops at the flush marked last, without asking past it
     weights = sample_weights(3)
