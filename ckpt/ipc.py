@@ -586,8 +586,9 @@ class IpcCheckpointEngine(CheckpointEngine):
                 return
 
     async def _abort(self, peers: list[_Peer], pending: str, step: int | None, error: BaseException) -> None:
-        """Tell every rollout the update is abandoned (a last message with ``"abort"``; a hal rollout raises
-        ``TransferAbortedError`` and keeps its previous step); best effort, within ``min(timeout, 5)`` s."""
+        """Tell every rollout that has not refused the update that it is abandoned (a last message with
+        ``"abort"``; a hal rollout raises ``TransferAbortedError`` and keeps its previous step), after reading
+        each one's reply to ``pending``; best effort, within ``min(timeout, 5)`` s."""
         deadline = time.monotonic() + min(self.timeout, 5.0)
         waiting = []
         for peer in peers:  # every reply read, a refusal too: none is left on its socket
@@ -596,13 +597,13 @@ class IpcCheckpointEngine(CheckpointEngine):
                     waiting.append(peer)  # a refusing rollout expects nothing more of this update
             except (TransferError, TransferTimeoutError):
                 pass  # this rollout times out instead
-        await self._tell_abort(waiting, step, f"the trainer's weights failed: {type(error).__name__}: {error}")
+        await self._tell_abort(waiting, step, f"the trainer's weights failed: {type(error).__name__}: {error}",
+                               deadline)
 
-    async def _tell_abort(self, peers: list[_Peer], step: int | None, why: str) -> None:
+    async def _tell_abort(self, peers: list[_Peer], step: int | None, why: str, deadline: float) -> None:
         """Send each of ``peers`` (rollouts whose reply to the last message was read, and not a refusal) the
-        update's abort, and read its reply; best effort, within ``min(timeout, 5)`` s: a rollout that cannot be
-        told times out instead."""
-        deadline = time.monotonic() + min(self.timeout, 5.0)
+        update's abort, and read its reply; best effort, until ``deadline``: a rollout that cannot be told
+        times out instead."""
         abort = {"bucket_meta": {}, "is_last": True, "global_steps": step, "abort": why}
         for peer in peers:
             try:
@@ -654,7 +655,8 @@ class IpcCheckpointEngine(CheckpointEngine):
         peer, reply = refused[0]
         why = f"{peer.name} refused the update of global_steps={step}: {reply[len(REFUSED):].decode(errors='replace')}"
         if tell_others:
-            await self._tell_abort([p for p, r in zip(peers, replies) if not r.startswith(REFUSED)], step, why)
+            await self._tell_abort([p for p, r in zip(peers, replies) if not r.startswith(REFUSED)], step, why,
+                                   time.monotonic() + min(self.timeout, 5.0))
         raise TransferError(why)
 
     # ---- a rollout -----------------------------------------------------------------------------------------

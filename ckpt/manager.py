@@ -28,6 +28,7 @@ objects in this process) provides the group. It imports only hal's API and ``ckp
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 import sys
 import time
@@ -93,6 +94,22 @@ class ManagedWorker:
     of the same names. A launcher's worker class derives from it, and the manager passes these functions
     themselves (``ManagedWorker.update_weights``) to :meth:`WorkerGroup.submit`, so a reader, or a tool,
     follows a call from the manager to the method that runs it (an override runs, as in a method call)."""
+
+    def invoke_targets(self) -> list[Any]:
+        """The objects whose methods :meth:`invoke` runs: this worker (a subclass adds its add-ons)."""
+        return [self]
+
+    async def invoke(self, method: Callable, *args: Any, **kwargs: Any) -> Any:
+        """Run ``method`` (a public function of a class, e.g. ``ManagedWorker.update_weights``) on the first of
+        :meth:`invoke_targets` of that class (:func:`bound_method`), awaiting it if it is a coroutine function;
+        returns its result. The one entry point a launcher calls on a worker.
+
+        Raises:
+            ValueError: ``method`` is not a public method of a class (:func:`method_class`).
+            AttributeError: no target is of ``method``'s class. Whatever ``method`` raises.
+        """
+        result = bound_method(self.invoke_targets(), method)(*args, **kwargs)
+        return await result if inspect.isawaitable(result) else result
 
     def execute_checkpoint_engine(self, method: str, **kwargs: Any) -> Any:
         """Run the checkpoint engine's synchronous lifecycle method ``method`` (one of

@@ -35,8 +35,7 @@ class FakeWorker(ManagedWorker):
 
     async def invoke(self, method, *args, **kwargs):
         self.log.append((self.index, method.__name__, args, kwargs))
-        result = bound_method([self], method)(*args, **kwargs)
-        return await result if asyncio.iscoroutine(result) else result
+        return await super().invoke(method, *args, **kwargs)
 
     def execute_checkpoint_engine(self, method, **kwargs):
         if method == "prepare":

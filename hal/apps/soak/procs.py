@@ -35,8 +35,8 @@ from multiprocessing.connection import Connection
 from typing import Any, Callable
 
 import hal
-from hal.apps.weightsync.options import JobOptions
 from ckpt.manager import method_class
+from hal.apps.weightsync.options import JobOptions
 from hal.apps.weightsync.worker import Where, Worker, describe_worker
 
 START_LIMIT_S = 180.0

@@ -36,7 +36,7 @@ import subprocess
 import time
 from typing import Any, AsyncIterator, Callable, Iterable
 
-from ckpt.manager import ManagedWorker, bound_method, method_class
+from ckpt.manager import ManagedWorker, method_class
 from hal.apps.soak.faults import Fault
 from hal.apps.weightsync.trainer import Trainer
 
@@ -146,11 +146,11 @@ class Host:
     async def invoke(self, method: Callable, *args: Any, **kwargs: Any) -> Any:
         """A :class:`Host` method (``Host.arm``): this host's; anything else: the worker's
         (:meth:`hal.apps.weightsync.worker.Worker.invoke`), with what the soak records around it."""
+        if method in HOST_CALLS:
+            return method(self, *args, **kwargs)
         if method_class(method) is Host:
-            if method not in HOST_CALLS:
-                raise AttributeError(f"the soak host's calls are {[m.__qualname__ for m in HOST_CALLS]}, got "
-                                     f"{method.__qualname__}")
-            return bound_method([self], method)(*args, **kwargs)
+            raise AttributeError(f"the soak host's calls are {[m.__qualname__ for m in HOST_CALLS]}, got "
+                                 f"{method.__qualname__}")
         if method is ManagedWorker.update_weights and self.index != 0:
             self.current = args[0] if args else kwargs.get("global_steps")
             started = time.time()
@@ -291,7 +291,6 @@ class Host:
         elif kind == "stop":
             os.kill(os.getpid(), signal.SIGSTOP)  # the driver sends SIGCONT once the stop outlasted the timeout
         return tensor
-
 
 
 HOST_CALLS = (Host.arm, Host.disarm, Host.observe, Host.resources)

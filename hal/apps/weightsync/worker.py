@@ -5,11 +5,10 @@ through :meth:`Worker.invoke`, the one entry point every launcher calls, with th
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import os
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
-from ckpt.manager import LIFECYCLE_METHODS, ManagedWorker, bound_method
+from ckpt.manager import LIFECYCLE_METHODS, ManagedWorker
 from hal.apps.weightsync.options import JobOptions
 
 if TYPE_CHECKING:
@@ -113,20 +112,13 @@ class Worker(ManagedWorker):
         return getattr(self.engine, method)(**kwargs)
 
     def attach(self, addon_cls: type, *args: Any) -> None:
-        """Attach an add-on (``addon_cls(self, *args)``), whose methods :meth:`invoke` then runs."""
+        """Attach an add-on (``addon_cls(self, *args)``), whose methods :meth:`invoke` then runs (e.g.
+        ``RawMember.host``)."""
         self.addons[addon_cls] = addon_cls(self, *args)
 
-    async def invoke(self, method: Callable, *args: Any, **kwargs: Any) -> Any:
-        """Run ``method`` (a public function of this worker's class or a base, e.g. ``Trainer.train``, or of
-        an attached add-on's class, e.g. ``RawMember.host``) on this worker or that add-on, awaiting it if it
-        is a coroutine function; returns its result.
-
-        Raises:
-            ValueError: ``method`` is not a public method of a class (:func:`ckpt.manager.method_class`).
-            AttributeError: neither this worker nor an add-on is of ``method``'s class. Whatever it raises.
-        """
-        result = bound_method([self, *self.addons.values()], method)(*args, **kwargs)
-        return await result if inspect.isawaitable(result) else result
+    def invoke_targets(self) -> list[Any]:
+        """This worker, then its add-ons: :meth:`invoke` runs a method of any of them."""
+        return [self, *self.addons.values()]
 
     def raw_buffer(self) -> Any:
         """A device buffer of the published bytes' size that a raw broadcast may overwrite or read."""

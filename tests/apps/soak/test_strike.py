@@ -4,7 +4,7 @@ import asyncio
 
 import pytest
 
-from ckpt.manager import ManagedWorker, bound_method
+from ckpt.manager import ManagedWorker
 from hal.apps.soak.faults import Fault
 from hal.apps.soak.strike import Host
 from hal.apps.weightsync.worker import Worker
@@ -12,9 +12,6 @@ from hal.apps.weightsync.worker import Worker
 
 class FakeRollout(ManagedWorker):
     index = 1
-
-    async def invoke(self, method, *args, **kwargs):
-        return await bound_method([self], method)(*args, **kwargs)
 
     async def update_weights(self, global_steps):
         raise ValueError(f"step {global_steps} refused")

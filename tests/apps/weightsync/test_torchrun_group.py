@@ -13,7 +13,7 @@ import zmq
 import zmq.asyncio
 
 import hal
-from ckpt.manager import CheckpointEngineManager, ManagedWorker, UpdateError, bound_method
+from ckpt.manager import CheckpointEngineManager, ManagedWorker, UpdateError
 from hal.apps.weightsync.launchers import torchrun
 from hal.apps.weightsync.launchers.torchrun import TorchrunGroup, bind_calls, connect_calls, serve
 from hal.apps.weightsync.messages import Sent
@@ -22,9 +22,6 @@ from hal.apps.weightsync.worker import RolloutRole
 
 class Echo(ManagedWorker):
     """A serving rank's worker: answers its update with a typed message; any other call raises."""
-
-    async def invoke(self, method, *args, **kwargs):
-        return await bound_method([self], method)(*args, **kwargs)
 
     async def update_weights(self, global_steps):
         return Sent(t0=float(global_steps), send_s=0.5)
