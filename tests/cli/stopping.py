@@ -102,6 +102,11 @@ class Stopped:
     left_behind: set[str]
     seconds: float
 
+    def transcript(self) -> str:
+        """What the command printed on stderr, the signal marked, for a failing assertion's message (the lines
+        before the signal say what was running when it came)."""
+        return f"{self.before[-4000:]}--- signal (exit status {self.returncode}) ---\n" + "\n".join(self.after)
+
 
 def interrupt_hal(args: list[str], env: dict[str, str], ready: Callable[[str, list[tuple[int, str]]], bool],
                   start_timeout: float, stop_timeout: float = 60.0, settle_s: float = 10.0,

@@ -71,8 +71,8 @@ def test_ctrl_c_ends_sync_with_status_130_one_line_and_nothing_left(tmpdir_env, 
     tmpdir, env = tmpdir_env
     stopped = interrupt_hal([*TINY_SYNC, "--engine", engine, "--rollouts", "2", "--steps", "1000", "--timeout", "60"],
                             env, said("hal sync: step 1/1000"), start_timeout=220)
-    assert stopped.returncode == 130, stopped.after
-    assert stopped.after == ["hal: interrupted"], stopped.after  # was: about 80 lines, SignalException, exit status 1
+    assert stopped.returncode == 130, stopped.transcript()
+    assert stopped.after == ["hal: interrupted"], stopped.transcript()  # was: about 80 lines, SignalException, exit status 1
     assert "Traceback" not in stopped.before and stopped.stdout == ""
     assert len(stopped.started) >= 3  # the three ranks were running (and torch's resource tracker)
     assert stopped.survivors == []
@@ -104,8 +104,8 @@ def test_ctrl_c_ends_bench_with_status_130_one_line_and_nothing_left(tmpdir_env)
     stopped = interrupt_hal(["bench", "--device", "cpu", "--only", "sync", "--size-mb", "8", "--bucket-mb", "1",
                              "--rounds", "1000"], env, lambda stderr, processes: ranks_running(processes) == 2,
                             start_timeout=200)
-    assert stopped.returncode == 130, stopped.after
-    assert stopped.after == ["hal: interrupted"], stopped.after
+    assert stopped.returncode == 130, stopped.transcript()
+    assert stopped.after == ["hal: interrupted"], stopped.transcript()
     assert "Traceback" not in stopped.before and stopped.stdout == ""
     assert stopped.survivors == []
     assert leftovers(tmpdir) == []
@@ -119,8 +119,8 @@ def test_sigterm_ends_bench_with_status_143_one_line_and_nothing_left(tmpdir_env
     stopped = interrupt_hal(["bench", "--device", "cpu", "--only", "sync", "--size-mb", "8", "--bucket-mb", "1",
                              "--rounds", "1000"], env, lambda stderr, processes: ranks_running(processes) == 2,
                             start_timeout=200, signum=signal.SIGTERM)
-    assert stopped.returncode == 143, stopped.after
-    assert stopped.after == ["hal: stopped by SIGTERM"], stopped.after
+    assert stopped.returncode == 143, stopped.transcript()
+    assert stopped.after == ["hal: stopped by SIGTERM"], stopped.transcript()
     assert "Traceback" not in stopped.before and stopped.stdout == ""
     assert stopped.survivors == []
     assert leftovers(tmpdir) == []
@@ -142,8 +142,9 @@ def test_ctrl_c_ends_launch_with_status_130_one_line_and_nothing_left(tmpdir_env
     stopped = interrupt_hal(["launch", "--device", "cpu", "--nproc-per-node", "2", "--", str(script)], env,
                             lambda stderr, processes: "rank 0 ready" in stderr and "rank 1 ready" in stderr,
                             start_timeout=150)
-    assert stopped.returncode == 130, stopped.after
-    assert [line for line in stopped.after if not line.endswith(" ready")] == ["hal: interrupted"]
+    assert stopped.returncode == 130, stopped.transcript()
+    assert [line for line in stopped.after if not line.endswith(" ready")] == ["hal: interrupted"], \
+        stopped.transcript()
     assert stopped.after[-1] == "hal: interrupted" and "Traceback" not in stopped.before
     assert len(stopped.started) >= 2 and stopped.survivors == []
     assert leftovers(tmpdir) == []

@@ -96,8 +96,8 @@ def test_ctrl_c_ends_sync_on_ray_with_status_130_one_line_and_nothing_left(tmp_p
     stopped = interrupt_hal([*RAY_SYNC, "--steps", "1000", "--timeout", "60"], hal_env(tmpdir, tmp_path / "cache"),
                             said("hal sync: step 1/1000"), start_timeout=240,
                             watch=lambda: hal_segments() | {str(p) for p in pathlib.Path("/tmp").glob("hal-ray-*")})
-    assert stopped.returncode == 130, stopped.after
-    assert stopped.after == ["hal: interrupted"], stopped.after  # was: a traceback ending in "ImportError: sys.meta_path is None"
+    assert stopped.returncode == 130, stopped.transcript()
+    assert stopped.after == ["hal: interrupted"], stopped.transcript()  # was: a traceback ending in "ImportError: sys.meta_path is None"
     assert "Traceback" not in stopped.before and stopped.stdout == ""
     assert len(stopped.started) >= 4  # ray start, its GCS and raylet, the workers
     assert stopped.survivors == []
