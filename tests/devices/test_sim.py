@@ -574,7 +574,6 @@ class _LateGloo:
 
     def __init__(self, gloo, hold_s: float | None) -> None:
         self.gloo, self.hold_s, self.views = gloo, hold_s, []
-        self.released = threading.Event()
 
     def __getattr__(self, name):
         return getattr(self.gloo, name)
@@ -582,15 +581,18 @@ class _LateGloo:
     def allreduce(self, tensors, opts):
         work = self.gloo.allreduce(tensors, opts)
         work.wait()
-        self.released.clear()
         self.views = [t.view(t.shape) for t in tensors]
         if self.hold_s is not None:
             threading.Timer(self.hold_s, self.release).start()
         return work
 
     def release(self) -> None:
-        self.views = []
-        self.released.set()
+        self.views = []  # the list is replaced before the old one (and its views) is freed
+
+    def holds(self) -> bool:
+        """Whether gloo still holds the op's tensors. (An event set after the release raced the collective,
+        which returns as soon as the views are freed: the check could run between the two.)"""
+        return bool(self.views)
 
 
 def test_hccl_collective_returns_only_once_gloo_has_let_go_of_its_tensors(npu):
@@ -608,7 +610,7 @@ def test_hccl_collective_returns_only_once_gloo_has_let_go_of_its_tensors(npu):
         late = sim._gloo = _LateGloo(sim._gloo, hold_s=0.3)
         start = time.monotonic()
         group.all_reduce(t)
-        assert late.released.is_set(), "the collective returned while gloo still held its tensors"
+        assert not late.holds(), "the collective returned while gloo still held its tensors"
         assert time.monotonic() - start >= 0.3 and t.cpu().tolist() == [2.0] * 4
         late.hold_s = None  # never let go
         start = time.monotonic()
