@@ -73,6 +73,9 @@ SEGMENT_PREFIX = "hal-ipc-"
 """Names of the engine's shared-memory segments (``/dev/shm/hal-ipc-*``)."""
 LIVENESS_S = 0.2
 """Seconds between two looks at whether a peer process still lives, while waiting on it."""
+ABORT_S = 5.0
+"""Seconds at most (or the engine's timeout, if shorter) that an abandoned update spends telling the rollouts
+it is abandoned: a rollout that cannot be told by then times out on its own."""
 REFUSED = b"refused: "
 """Start of a rollout's reply that refuses the update; the rest says why (UTF-8)."""
 HAL_HELLO = b"hal-ipc"
@@ -588,8 +591,8 @@ class IpcCheckpointEngine(CheckpointEngine):
     async def _abort(self, peers: list[_Peer], pending: str, step: int | None, error: BaseException) -> None:
         """Tell every rollout that has not refused the update that it is abandoned (a last message with
         ``"abort"``; a hal rollout raises ``TransferAbortedError`` and keeps its previous step), after reading
-        each one's reply to ``pending``; best effort, within ``min(timeout, 5)`` s."""
-        deadline = time.monotonic() + min(self.timeout, 5.0)
+        each one's reply to ``pending``; best effort, within :meth:`_abort_deadline`."""
+        deadline = self._abort_deadline()
         waiting = []
         for peer in peers:  # every reply read, a refusal too: none is left on its socket
             try:
@@ -599,6 +602,11 @@ class IpcCheckpointEngine(CheckpointEngine):
                 pass  # this rollout times out instead
         await self._tell_abort(waiting, step, f"the trainer's weights failed: {type(error).__name__}: {error}",
                                deadline)
+
+    def _abort_deadline(self) -> float:
+        """The ``time.monotonic()`` by which an abandoned update has told its rollouts: :data:`ABORT_S` from now,
+        or the engine's timeout if shorter."""
+        return time.monotonic() + min(self.timeout, ABORT_S)
 
     async def _tell_abort(self, peers: list[_Peer], step: int | None, why: str, deadline: float) -> None:
         """Send each of ``peers`` (rollouts whose reply to the last message was read, and not a refusal) the
@@ -656,7 +664,7 @@ class IpcCheckpointEngine(CheckpointEngine):
         why = f"{peer.name} refused the update of global_steps={step}: {reply[len(REFUSED):].decode(errors='replace')}"
         if tell_others:
             await self._tell_abort([p for p, r in zip(peers, replies) if not r.startswith(REFUSED)], step, why,
-                                   time.monotonic() + min(self.timeout, 5.0))
+                                   self._abort_deadline())
         raise TransferError(why)
 
     # ---- a rollout -----------------------------------------------------------------------------------------
