@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import faulthandler
+import pickle
 import signal
 import sys
 from multiprocessing.connection import Connection
+from typing import Any
 
 
 PR_SET_PDEATHSIG = 1
@@ -30,6 +32,26 @@ def die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
     except (OSError, AttributeError):
         pass
+
+
+def answer(loop: asyncio.AbstractEventLoop, host: Any, seq: int, call: bytes) -> tuple:
+    """The reply to call ``seq``: ``call`` (the pickle of ``(method, args, kwargs)``, :mod:`hal.apps.soak.procs`'s
+    messages) run on ``host``, its result pickled; or its failure as ``"ExceptionType: message"``, a call that
+    does not load here and a result that does not pickle included (the worker goes on serving)."""
+    from hal.apps.weightsync.messages import load_message
+
+    loaded, why = load_message(call)
+    if why is not None:
+        return "reply", seq, False, None, f"the call does not load in the worker: {why}"
+    method, args, kwargs = loaded
+    try:
+        value = loop.run_until_complete(host.invoke(method, *args, **kwargs))
+    except Exception as exc:  # noqa: BLE001 - every failure goes back to the driver, which names this worker
+        return "reply", seq, False, None, f"{type(exc).__name__}: {exc}"
+    try:
+        return "reply", seq, True, pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL), None
+    except Exception as exc:  # noqa: BLE001 - a result that does not pickle: say so instead
+        return "reply", seq, False, None, f"the result of {method.__qualname__} does not pickle: {exc}"
 
 
 def serve(conn: Connection) -> None:
@@ -54,18 +76,11 @@ def serve(conn: Connection) -> None:
                 return  # the driver is gone
             if message[0] == "stop":
                 return
-            _, seq, method, args, kwargs = message
+            _, seq, call = message
             try:
-                value = loop.run_until_complete(host.invoke(method, *args, **kwargs))
-                reply = ("reply", seq, True, value, None)
-            except Exception as exc:  # noqa: BLE001 - every failure goes back to the driver, which names this worker
-                reply = ("reply", seq, False, None, f"{type(exc).__name__}: {exc}")
-            try:
-                send(conn, reply)
+                send(conn, answer(loop, host, seq, call))
             except (BrokenPipeError, ConnectionResetError):
                 return  # the driver is gone
-            except Exception as exc:  # noqa: BLE001 - a result that does not pickle: say so instead
-                send(conn, ("reply", seq, False, None, f"the result of {method.__qualname__} does not pickle: {exc}"))
     finally:
         loop.close()
 

@@ -8,9 +8,14 @@ connected to the driver by a socket pair carrying messages pickled with the stan
 value; ``multiprocessing.connection``'s framing, not its pickler, whose torch reductions pass tensors as file
 descriptors only between processes ``multiprocessing`` started):
 
-* driver -> worker: ``("call", seq, method, args, kwargs)`` (run in order, one at a time) and ``("stop",)``;
-* worker -> driver: ``("reply", seq, ok, value, error)`` and ``("notice", message)`` (sent the moment it happens:
-  :class:`hal.apps.soak.strike.Host`'s).
+* driver -> worker: ``("call", seq, call)`` (run in order, one at a time), ``call`` the pickle of
+  ``(method, args, kwargs)``, and ``("stop",)``;
+* worker -> driver: ``("reply", seq, ok, value, error)``, ``value`` the pickle of the result, and
+  ``("notice", message)`` (sent the moment it happens: :class:`hal.apps.soak.strike.Host`'s).
+
+A call's and a result's content are pickled apart from the message around them
+(:func:`hal.apps.weightsync.messages.load_message`): one that does not load at the other end fails that call,
+and the worker and its connection go on.
 
 A reader thread per process hands messages to the driver's event loop; when the socket closes (the process
 died: SIGKILL closes it at once) every call in flight fails with :class:`WorkerDied`, which
@@ -36,6 +41,7 @@ from typing import Any, Callable
 
 import hal
 from ckpt.manager import method_class
+from hal.apps.weightsync.messages import load_message
 from hal.apps.weightsync.options import JobOptions
 from hal.apps.weightsync.worker import Where, Worker, describe_worker
 
@@ -121,6 +127,19 @@ def receive(conn: Connection) -> Any:
         EOFError: the other end closed the connection.
     """
     return pickle.loads(conn.recv_bytes())
+
+
+def settle(future: asyncio.Future, ok: bool, value: bytes | None, error: str | None) -> None:
+    """Complete a call's ``future`` from its reply (see the module docstring): the result that ``value`` pickles,
+    or :class:`RemoteError` with ``error``, or with why ``value`` does not load here (the worker goes on)."""
+    if ok:
+        value, error = load_message(value)
+        if error is not None:
+            error = f"its result does not load in the driver: {error}"
+    if error is None:
+        future.set_result(value)
+    else:
+        future.set_exception(RemoteError(error))
 
 
 def explain_exit(returncode: int | None) -> str:
@@ -234,12 +253,8 @@ class ProcessGroup:
             return
         _, seq, ok, value, error = message
         future = worker.pending.pop(seq, None)
-        if future is None or future.done():
-            return  # a call the manager gave up on (cancelled)
-        if ok:
-            future.set_result(value)
-        else:
-            future.set_exception(RemoteError(error))
+        if future is not None and not future.done():  # else a call the manager gave up on (cancelled)
+            settle(future, ok, value, error)
 
     def _on_death(self, worker: Incarnation, how: str) -> None:
         if worker.dead is not None:
@@ -300,7 +315,7 @@ class ProcessGroup:
         worker.pending[seq] = future
         try:
             method_class(method)  # a string or a lambda fails the call, not the worker's connection
-            send(worker.conn, ("call", seq, method, args, kwargs))
+            send(worker.conn, ("call", seq, pickle.dumps((method, args, kwargs), protocol=pickle.HIGHEST_PROTOCOL)))
         except OSError:
             pass  # the process is gone: the reader thread fails the call
         except (ValueError, pickle.PicklingError, TypeError, AttributeError) as exc:  # nothing was sent
@@ -411,4 +426,4 @@ class InProcessGroup:
 
 
 __all__ = ["WORKER_ENV_DEFAULTS", "ChildSpec", "InProcessGroup", "ProcessGroup", "RemoteError", "WorkerDied",
-           "build_host", "explain_exit", "receive", "send"]
+           "build_host", "explain_exit", "receive", "send", "settle"]

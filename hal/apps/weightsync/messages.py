@@ -1,5 +1,5 @@
 """The typed messages of one weight-sync step, as the launchers carry them between the roles (pickled over
-a store under torchrun, Ray's serialization under Ray, as objects in one process when colocated).
+ZeroMQ under torchrun, Ray's serialization under Ray, as objects in one process when colocated).
 
 Times ending in ``_at`` or named ``t0`` are wall-clock (``time.time()``, seconds), comparable across
 processes of one machine; ``*_s`` are durations in seconds; ``*_bytes`` are bytes.
@@ -8,6 +8,7 @@ processes of one machine; ``*_s`` are durations in seconds; ``*_bytes`` are byte
 from __future__ import annotations
 
 import dataclasses
+import pickle
 from typing import Any
 
 import torch
@@ -97,6 +98,17 @@ class Concluded:
     memory: dict[str, Any]
 
 
+def load_message(data: bytes) -> tuple[Any, str | None]:
+    """``(message, None)`` from ``data`` (one message's pickle), or ``(None, why)`` where it does not load in this
+    process (``why``: ``"ExceptionType: message"``): a class only the sender can import (one of its ``__main__``,
+    say) fails that one call or reply, not the process that read it. The launchers pickle a call's or a reply's
+    content apart from its sequence number for this."""
+    try:
+        return pickle.loads(data), None
+    except Exception as exc:  # noqa: BLE001 - any load failure is that one message's, reported to its caller
+        return None, f"{type(exc).__name__}: {exc}"
+
+
 def merge_sent(sent: list[Sent]) -> Sent:
     """The trainer's send of an update from each trainer rank's: the update is in flight once the last sender
     started (``t0``: the latest), and sent when the slowest finished (``send_s``: the longest)."""
@@ -132,5 +144,5 @@ def rollout_row(received: Received, checked: Checked) -> dict[str, Any]:
     return row
 
 
-__all__ = ["Checked", "Concluded", "Received", "Reference", "Sent", "Trained", "merge_references", "merge_sent",
-           "rollout_row"]
+__all__ = ["Checked", "Concluded", "Received", "Reference", "Sent", "Trained", "load_message", "merge_references",
+           "merge_sent", "rollout_row"]

@@ -20,8 +20,19 @@ from hal.apps.weightsync.messages import Sent
 from hal.apps.weightsync.worker import RolloutRole
 
 
+def _cannot_load():
+    raise ModuleNotFoundError("No module named 'notebook_cell'")
+
+
+class LoadsNowhere:
+    """Pickles, but does not load: as a class of the sender's ``__main__`` in another process."""
+
+    def __reduce__(self):
+        return _cannot_load, ()
+
+
 class Echo(ManagedWorker):
-    """A serving rank's worker: answers its update with a typed message; any other call raises."""
+    """A serving rank's worker: answers its update with a typed message, or a result that does not travel."""
 
     async def update_weights(self, global_steps):
         return Sent(t0=float(global_steps), send_s=0.5)
@@ -29,6 +40,12 @@ class Echo(ManagedWorker):
     async def slow_update(self, global_steps):
         await asyncio.sleep(0.5)
         return await self.update_weights(global_steps)
+
+    async def loads_nowhere(self):
+        return LoadsNowhere()
+
+    async def lock(self):
+        return threading.Lock()
 
 
 class Local:
@@ -138,4 +155,25 @@ def test_a_call_by_a_string_is_refused_before_it_is_posted(group):
     with pytest.raises(ValueError, match=r"got 'update_weights'$"):
         group.submit(1, "update_weights", 1)
     assert group.seq == [0, 0]  # nothing posted: the serving rank's next call is its first
+    group.stop(wait=True)
+
+
+def test_a_call_or_result_that_does_not_travel_fails_that_call_and_the_rank_serves_on(group):
+    # before, a call whose pickle did not load ended the serving rank (its loop raised), and rank 0 waited out
+    # the reply's timeout
+    async def scenario():
+        with pytest.raises(torchrun.RemoteCallError, match=r"^the call does not load on rank 1: ModuleNotFoundError: "
+                                                           r"No module named 'notebook_cell'$"):
+            await group.submit(1, Echo.update_weights, LoadsNowhere())
+        with pytest.raises(torchrun.RemoteCallError, match=r"^the reply does not load on rank 0: ModuleNotFoundError"):
+            await group.submit(1, Echo.loads_nowhere)
+        with pytest.raises(torchrun.RemoteCallError, match=r"^the result of Echo\.lock on rank 1 does not "
+                                                           r"pickle: TypeError: cannot pickle '_thread\.lock' object$"):
+            await group.submit(1, Echo.lock)
+        with pytest.raises(TypeError, match="cannot pickle"):  # refused here: nothing posted
+            group.submit(1, Echo.update_weights, threading.Lock())
+        return await group.submit(1, Echo.update_weights, 3)
+
+    assert asyncio.run(scenario()) == Sent(t0=3.0, send_s=0.5)
+    assert group.seq == [0, 4]
     group.stop(wait=True)

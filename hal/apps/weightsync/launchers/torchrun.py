@@ -4,8 +4,8 @@ library behind ``torchrun``) on this machine, one device each.
 Ranks ``0..T-1`` are the trainer (``--trainer-ranks T``; with T > 1 a sharded trainer whose ranks form their own
 default process group for FSDP2, :class:`~hal.apps.weightsync.sharded_trainer.ShardedTrainer`), ranks ``T..``
 the rollouts. Rank 0 runs the step loop and trainer rank 0; every other rank runs :func:`serve`, executing the
-typed calls rank 0 sends it. The calls travel over ZeroMQ (a pickled ``(seq, Call)`` and its ``(seq, Reply)``
-on a pair of DEALER sockets; a serving rank binds a port the kernel picks and publishes it in the elastic
+typed calls rank 0 sends it. The calls travel over ZeroMQ (a ``Call`` and its ``Reply``, each as two frames:
+its sequence number, then its pickle (:func:`frames`), on a pair of DEALER sockets; a serving rank binds a port the kernel picks and publishes it in the elastic
 agent's own store, which every rank reaches at ``MASTER_ADDR:MASTER_PORT``): blocking receives, no polling, no
 port picked by hand. Every wait is bounded by the job's timeout; a rank that raises is named in the error of
 the call, and a rank that dies takes the run down with it (the elastic agent stops the others), reported by
@@ -19,6 +19,7 @@ import contextlib
 import dataclasses
 import functools
 import os
+import pickle
 import time
 import uuid
 from typing import Any, Callable, Sequence
@@ -26,6 +27,7 @@ from typing import Any, Callable, Sequence
 import hal
 from ckpt.manager import method_class
 from hal.apps.weightsync.loop import JobResult, StepHook, run
+from hal.apps.weightsync.messages import load_message
 from hal.apps.weightsync.options import JobOptions
 from hal.apps.weightsync.rollout import Rollout
 from hal.apps.weightsync.trainer import Trainer
@@ -59,6 +61,23 @@ class Reply:
 
 class RemoteCallError(hal.HalError, RuntimeError):
     """A call on a serving rank raised; the message is its ``"ExceptionType: message"``."""
+
+
+def frames(seq: int, message: Call | Reply) -> list[bytes]:
+    """``message`` as it travels: its sequence number (ASCII digits) apart from its pickle, so that one whose
+    pickle does not load at the other end (a class only the sender can import, such as one of its ``__main__``)
+    is still matched to its call there and answered as that call's failure, not the end of the rank.
+
+    Raises:
+        pickle.PicklingError, TypeError, AttributeError: ``message`` does not pickle (nothing is sent).
+    """
+    return [str(seq).encode(), pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)]
+
+
+def unframe(parts: list[bytes]) -> tuple[int, Any, str | None]:
+    """``(seq, message, None)`` from :func:`frames`' two frames, or ``(seq, None, why)`` where the message's
+    pickle does not load here (``why``: ``"ExceptionType: message"``)."""
+    return int(parts[0]), *load_message(parts[1])
 
 
 def job_store(timeout: float, prefix: str = STORE_PREFIX) -> Any:
@@ -127,19 +146,31 @@ class TorchrunGroup:
         self.reading = [asyncio.Lock() for _ in range(world_size)]
 
     def post(self, index: int, call: Call) -> int:
-        """Send ``call`` to serving rank ``index`` now; returns its sequence number."""
+        """Send ``call`` to serving rank ``index`` now; returns its sequence number.
+
+        Raises:
+            pickle.PicklingError, TypeError, AttributeError: ``call`` does not pickle (nothing is sent).
+        """
         import zmq
 
         seq = self.seq[index]
+        message = frames(seq, call)
         self.seq[index] += 1
         sock = self.sockets[index]
         try:
             asyncio.get_running_loop()
         except RuntimeError:  # stop() after the job's loop ended: no receive is pending on the socket
-            zmq.Socket.shadow(sock.underlying).send_pyobj((seq, call))
+            zmq.Socket.shadow(sock.underlying).send_multipart(message)
         else:  # through zmq.asyncio (queued at once), so a receive already awaited on this socket is woken
-            sock.send_pyobj((seq, call))
+            sock.send_multipart(message)
         return seq
+
+    def _keep(self, index: int, parts: list[bytes]) -> None:
+        """File a reply read from rank ``index`` under its sequence number; one whose pickle does not load here
+        becomes that call's failure."""
+        seq, reply, why = unframe(parts)
+        self.early[index][seq] = reply if why is None else Reply(False, error=f"the reply does not load on rank 0: "
+                                                                             f"{why}")
 
     def submit(self, index: int, method: Callable, *args: Any, **kwargs: Any):
         """Start ``method`` on worker ``index``: posted to a serving rank now (so every rank of a collective
@@ -162,11 +193,11 @@ class TorchrunGroup:
         async with self.reading[index]:
             while seq not in self.early[index]:
                 try:
-                    got, reply = await asyncio.wait_for(self.sockets[index].recv_pyobj(),
-                                                        max(0.0, deadline - time.monotonic()))
+                    parts = await asyncio.wait_for(self.sockets[index].recv_multipart(),
+                                                   max(0.0, deadline - time.monotonic()))
                 except asyncio.TimeoutError:
                     raise TimeoutError(f"{method} on rank {index}: no reply within {limit:g} s") from None
-                self.early[index][got] = reply
+                self._keep(index, parts)
             reply = self.early[index].pop(seq)
         if not reply.ok:
             raise RemoteCallError(reply.error)
@@ -187,8 +218,7 @@ class TorchrunGroup:
             while seq not in self.early[index]:
                 if not sock.poll(max(0, int((deadline - time.monotonic()) * 1000))):
                     raise TimeoutError(f"the serving ranks did not stop within {self.timeout:g} s")
-                got, reply = sock.recv_pyobj()
-                self.early[index][got] = reply
+                self._keep(index, sock.recv_multipart())
 
     def describe(self, index: int) -> str:
         return f"{describe_worker(index, None, self.trainer_world_size)} (rank {index})"
@@ -213,9 +243,15 @@ def serve(worker: Any, sock: Any, rank: int, timeout: float) -> None:
     """
     import zmq
 
-    def answer(seq: int, reply: Reply) -> None:
+    def answer(seq: int, reply: Reply, method: Callable | None = None) -> None:
         try:
-            sock.send_pyobj((seq, reply))
+            message = frames(seq, reply)
+        except Exception as exc:  # noqa: BLE001 - a result that does not pickle is the call's failure
+            name = getattr(method, "__qualname__", method)
+            message = frames(seq, Reply(False, error=f"the result of {name} on rank {rank} does not pickle: "
+                                                     f"{type(exc).__name__}: {exc}"))
+        try:
+            sock.send_multipart(message)
         except zmq.Again:
             raise hal.DistributedTimeoutError(f"rank {rank}: could not answer rank 0 within {timeout:g} s (rank 0 "
                                               "is gone)") from None
@@ -226,7 +262,10 @@ def serve(worker: Any, sock: Any, rank: int, timeout: float) -> None:
         while True:
             if not sock.poll(int(timeout * 1000)):
                 raise hal.DistributedTimeoutError(f"rank {rank}: no call from rank 0 within {timeout:g} s")
-            seq, call = sock.recv_pyobj()
+            seq, call, why = unframe(sock.recv_multipart())
+            if why is not None:
+                answer(seq, Reply(False, error=f"the call does not load on rank {rank}: {why}"))
+                continue
             if call.method is None:
                 answer(seq, Reply(True))
                 return
@@ -234,7 +273,7 @@ def serve(worker: Any, sock: Any, rank: int, timeout: float) -> None:
                 reply = Reply(True, loop.run_until_complete(worker.invoke(call.method, *call.args, **call.kwargs)))
             except Exception as exc:  # noqa: BLE001 - every failure goes back to rank 0, which names this rank
                 reply = Reply(False, error=f"{type(exc).__name__}: {exc}")
-            answer(seq, reply)
+            answer(seq, reply, call.method)
     finally:
         loop.close()
 
