@@ -136,3 +136,20 @@ def test_link_gbit_is_refused_where_it_cannot_emulate_the_link_naming_the_flag(g
 def test_link_gbit_becomes_the_jobs_link_rate():
     assert job_options(Sync(device="cpu", model="qwen2.5-tiny", link_gbit=0.5)).link_gbit == 0.5
     assert job_options(Sync(device="cpu", model="qwen2.5-tiny")).link_gbit is None
+
+
+def test_the_step_table_prints_a_decode_of_four_tokens_on_one_line(capsys):
+    # the default job's decode (4 tokens of up to 6 digits) wrapped onto a second line in the 140 columns a
+    # piped table was held to; a new user read it as two rows
+    from hal.apps.cli.sync import print_table
+
+    tokens = [128179, 45288, 105000, 493700]
+    row = {"global_steps": 1, "loss": 12.3549, "bytes": 988_000_000, "tensors": 290, "publish_s": 0.47, "gbps": 2.09,
+           "ratio_vs_raw": 1.05, "offload_s": 0.0, "onload_s": 0.0, "peak_host_bytes": 8.33e9,
+           "memory_bound_bytes": 9.52e9, "tokens": tokens,
+           "rollouts": [{"served_step": 1, "error": None, "peak_host_bytes": 2.35e9, "memory_bound_bytes": 3.32e9}]}
+    print_table({"rows": [row], "model": "qwen2.5-0.5b", "device": "cpu", "engine": "collective",
+                 "offload": "none", "rollout_apply": "atomic", "errors": [], "verified": True, "wall_s": 35.8})
+    out = capsys.readouterr().out
+    lines = [line for line in out.splitlines() if line.startswith("│")]
+    assert len(lines) == 1 and " ".join(map(str, tokens)) in lines[0] and lines[0].split("│")[-2].strip() == "yes", out

@@ -126,8 +126,9 @@ def print_table(reports: list[dict[str, Any]]) -> None:
     """One row per run (rich; at least :data:`TABLE_WIDTH` columns wide, and as wide as the rows need, so no cell
     is cut short), then each run's faults by kind and what it skipped. ``held + KiB``: the largest growth of
     held memory the leak rule judged (``leaks.held_growth_max_bytes``)."""
-    from rich.console import Console
     from rich.table import Table
+
+    from hal.apps.cli.tables import console_for
 
     table = Table(title="hal soak")
     columns = ("engine", "wire", "seed", "updates ok", "faults", "wrong", "hangs", "misrep/unrep", "unrecov",
@@ -142,10 +143,7 @@ def print_table(reports: list[dict[str, Any]]) -> None:
                       str(r["unexpected_deaths"]), f"{r['longest_detection_s']:.1f}", f"{r['longest_recovery_s']:.1f}",
                       str(leaks["fd_growth_max"]), f"{leaks['held_growth_max_bytes'] / 1024:.0f}",
                       "yes" if r["ok"] else "NO")
-    console = Console()
-    needed = max(TABLE_WIDTH, Console(width=1 << 12).measure(table).maximum)  # 15 columns outgrow 132 (cut: "y…")
-    if not console.is_terminal or console.width < needed:
-        console = Console(width=needed)
+    console = console_for(table, TABLE_WIDTH)  # 15 columns outgrow 132 (cut: "y…")
     console.print(table)
     for r in reports:
         faults = ", ".join(f"{kind} {n}" for kind, n in r["faults"].items()) or "none"

@@ -385,11 +385,15 @@ def execute(args: Sync) -> dict[str, Any]:
     return out
 
 
+TABLE_WIDTH = 140
+"""Columns the step table is printed in at least, more where its rows need it (:func:`console_for`)."""
+
+
 def print_table(result: dict[str, Any]) -> None:
     """Print :func:`execute`'s result as a rich table (a row per step), its mismatches and the verdict."""
-    from rich.console import Console
     from rich.table import Table
 
+    from hal.apps.cli.tables import console_for
     from hal.apps.weightsync.figures import row_ok
 
     rows = result["rows"]
@@ -424,9 +428,7 @@ def print_table(result: dict[str, Any]) -> None:
                       f"{max(peaks) / 1e9:.2f}/{max(bounds) / 1e9:.2f}" if peaks and bounds else "-",
                       " ".join(map(str, row.get("tokens") or [])) or "-", ",".join(map(str, served)),
                       "[green]yes[/green]" if ok else "[red]NO[/red]")
-    console = Console()
-    if not console.is_terminal:  # piped or logged: do not squeeze the table into 80 columns
-        console = Console(width=140)
+    console = console_for(table, TABLE_WIDTH)  # 13 columns: a decode of 4 tokens wrapped at 140
     console.print(table)
     if result.get("rollout") == "vllm":
         print_vllm(result, console)
