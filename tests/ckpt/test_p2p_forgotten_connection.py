@@ -86,6 +86,7 @@ def test_the_update_after_one_the_trainer_gave_up_succeeds(engine, tmp_path):
     assert step == 2 and outcome.startswith("TransferTimeoutError") and "rollout rank 1" in outcome, outcome
     step, outcome, _ = rollout[1]  # the late rollout does not apply the step the trainer gave up: it keeps step 1
     assert step == 2 and outcome.startswith("Transfer") and "trainer" in outcome and rollout[2] == 1, rollout
+    # step 3 went through on both sides: before the fix both waited out the timeout and failed (no wall-clock
+    # bound here: a loaded machine may take longer than TIMEOUT for a good update, and a wait that timed out raises)
     assert trainer[2][:2] == (3, "ok") and rollout[3][:2] == (3, "ok"), (trainer[2], rollout[3])
-    assert trainer[2][2] < TIMEOUT and rollout[3][2] < TIMEOUT  # no one waited out a timeout
     assert rollout[4] == (3, True)

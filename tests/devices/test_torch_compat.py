@@ -46,52 +46,61 @@ def test_every_accessor_has_a_test_here():
 # -- DTensor and FSDP2: two ranks, a parameter whose shard needs padding ------------------------------
 
 def _fsdp_worker(rank, world_size, kind):
+    import gc
+
+    hal.init_process_group(kind, timeout=30)
+    out = _fsdp_checks(world_size, kind)
+    # the mesh, DTensors and FSDP model (each holding the group) go before the group, not after, as DDP's Reducer
+    # must (tests/engines/test_ddp_offload.py): rank 0 once ended with SIGABRT here when they outlived it. On an
+    # error the group is left to the process's exit, for the same reason.
+    gc.collect()
+    dist.destroy_process_group()
+    return out
+
+
+def _fsdp_checks(world_size, kind):
     from torch import nn
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    hal.init_process_group(kind, timeout=30)
-    try:
-        spec = hal.resolve_device(kind)
-        device = hal.get_device(spec)
-        mesh = init_device_mesh(spec.name, (world_size,))
-        out = {}  # numpy arrays, not tensors: tensors would travel through shared memory that dies with the rank
-        # a plain DTensor: rows 0-2 on rank 0, rows 3-4 on rank 1
-        full = torch.arange(10.0).reshape(5, 2)
-        dt = distribute_tensor(full.to(device), mesh, [Shard(0)], src_data_rank=None)  # no scatter: each slices
-        local = torch_compat.dtensor_local(dt)
-        out["dtensor_local"] = local.cpu().numpy()
-        out["dtensor_local_is_to_local"] = local.data_ptr() == dt.to_local().data_ptr()
-        replacement = local * 10
-        wrapper = id(dt)
-        torch_compat.set_dtensor_local(dt, replacement)
-        out["set_dtensor_local"] = (id(dt) == wrapper, torch_compat.dtensor_local(dt) is replacement,
-                                    dt.full_tensor().cpu().numpy())
-        # FSDP2: a 5x3 weight is sharded 3 + 2 rows, each shard padded to 3 rows
-        torch.manual_seed(0)
-        model = nn.Sequential(nn.Linear(3, 5), nn.Linear(5, 1)).to(device)
-        before = {n: p.detach().cpu().clone() for n, p in model.state_dict().items()}
-        fully_shard(model, mesh=mesh)
-        fps = list(torch_compat.fsdp_params(model))
-        out["fsdp_params"] = len(fps)
-        out["fsdp_param_name"] = [torch_compat.fsdp_param_name(fp) for fp in fps]
-        params = list(model.parameters())
-        out["fsdp_sharded_param"] = [torch_compat.fsdp_sharded_param(fp) is p for fp, p in zip(fps, params)]
-        weight = fps[0]
-        flat = torch_compat.fsdp_sharded_data(weight)
-        shard = torch_compat.dtensor_local(torch_compat.fsdp_sharded_param(weight))
-        out["fsdp_sharded_data"] = (flat.dim(), flat.numel(), shard.shape, shard.data_ptr() == flat.data_ptr(),
-                                    flat.device.type)
-        new = (flat + 1).cpu().to(device)  # a new tensor, not a view of the old one
-        torch_compat.set_fsdp_sharded_data(weight, new)
-        shard = torch_compat.dtensor_local(torch_compat.fsdp_sharded_param(weight))
-        out["set_fsdp_sharded_data"] = (torch_compat.fsdp_sharded_data(weight) is new,
-                                        shard.data_ptr() == new.data_ptr(), tuple(shard.shape),
-                                        params[0].full_tensor().detach().cpu().numpy(), before["0.weight"].numpy())
-        return out
-    finally:
-        dist.destroy_process_group()
+    spec = hal.resolve_device(kind)
+    device = hal.get_device(spec)
+    mesh = init_device_mesh(spec.name, (world_size,))
+    out = {}  # numpy arrays, not tensors: tensors would travel through shared memory that dies with the rank
+    # a plain DTensor: rows 0-2 on rank 0, rows 3-4 on rank 1
+    full = torch.arange(10.0).reshape(5, 2)
+    dt = distribute_tensor(full.to(device), mesh, [Shard(0)], src_data_rank=None)  # no scatter: each slices
+    local = torch_compat.dtensor_local(dt)
+    out["dtensor_local"] = local.cpu().numpy()
+    out["dtensor_local_is_to_local"] = local.data_ptr() == dt.to_local().data_ptr()
+    replacement = local * 10
+    wrapper = id(dt)
+    torch_compat.set_dtensor_local(dt, replacement)
+    out["set_dtensor_local"] = (id(dt) == wrapper, torch_compat.dtensor_local(dt) is replacement,
+                                dt.full_tensor().cpu().numpy())
+    # FSDP2: a 5x3 weight is sharded 3 + 2 rows, each shard padded to 3 rows
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 5), nn.Linear(5, 1)).to(device)
+    before = {n: p.detach().cpu().clone() for n, p in model.state_dict().items()}
+    fully_shard(model, mesh=mesh)
+    fps = list(torch_compat.fsdp_params(model))
+    out["fsdp_params"] = len(fps)
+    out["fsdp_param_name"] = [torch_compat.fsdp_param_name(fp) for fp in fps]
+    params = list(model.parameters())
+    out["fsdp_sharded_param"] = [torch_compat.fsdp_sharded_param(fp) is p for fp, p in zip(fps, params)]
+    weight = fps[0]
+    flat = torch_compat.fsdp_sharded_data(weight)
+    shard = torch_compat.dtensor_local(torch_compat.fsdp_sharded_param(weight))
+    out["fsdp_sharded_data"] = (flat.dim(), flat.numel(), shard.shape, shard.data_ptr() == flat.data_ptr(),
+                                flat.device.type)
+    new = (flat + 1).cpu().to(device)  # a new tensor, not a view of the old one
+    torch_compat.set_fsdp_sharded_data(weight, new)
+    shard = torch_compat.dtensor_local(torch_compat.fsdp_sharded_param(weight))
+    out["set_fsdp_sharded_data"] = (torch_compat.fsdp_sharded_data(weight) is new,
+                                    shard.data_ptr() == new.data_ptr(), tuple(shard.shape),
+                                    params[0].full_tensor().detach().cpu().numpy(), before["0.weight"].numpy())
+    return out
 
 
 @pytest.fixture(scope="module", params=["cpu", "npu-sim"])
