@@ -172,8 +172,12 @@ class IpcCheckpointEngine(CheckpointEngine):
     @classmethod
     def transport_words(cls, spec: Any) -> str:
         """The kind's transport (``spec.ipc_transport()``, what an engine built without ``transport=`` uses) in
-        words: ``"cuda IPC handles, read in place"``, ``"shared memory, /dev/shm"``."""
-        return cls.TRANSPORT_WORDS[spec.ipc_transport()].format(kind=spec.kind)
+        words: ``"cuda IPC handles, read in place"``, ``"shared memory, /dev/shm"``, and for a device kind
+        whose buckets go through shared memory ``"shared memory, /dev/shm, copied to and from npu memory"``
+        (a fresh user on npu-sim could not tell that each bucket is copied between the device and the segment)."""
+        transport = spec.ipc_transport()
+        words = cls.TRANSPORT_WORDS[transport].format(kind=spec.kind)
+        return words if transport == "device" or spec.host_memory else f"{words}, copied to and from {spec.kind} memory"
 
     @classmethod
     def send_buffer_bytes(cls, bucket_size: int, published_bytes: int) -> dict[str, int]:

@@ -64,10 +64,13 @@ def test_how_an_engine_moves_bytes_is_its_classes_word_for_the_kind():
 
     import hal
 
-    cuda_like = types.SimpleNamespace(kind="cuda", ipc_transport=lambda: "device")
+    cuda_like = types.SimpleNamespace(kind="cuda", ipc_transport=lambda: "device", host_memory=False)
     assert ckpt.checkpoint_engine_transport("ipc", cuda_like) == "cuda IPC handles, read in place"
+    old_cann = types.SimpleNamespace(kind="npu", ipc_transport=lambda: "shm", host_memory=False)
+    assert ckpt.checkpoint_engine_transport("ipc", old_cann) == "shared memory, /dev/shm, copied to and from npu memory"
     for kind in ("cpu", "npu-sim"):
         spec = hal.resolve_device(kind)
-        expected = "shared memory, /dev/shm" if spec.ipc_transport() == "shm" else f"{kind} IPC handles, read in place"
+        expected = ("shared memory, /dev/shm" + ("" if kind == "cpu" else f", copied to and from {kind} memory")
+                    if spec.ipc_transport() == "shm" else f"{kind} IPC handles, read in place")
         assert ckpt.checkpoint_engine_transport("ipc", spec) == expected
         assert all(ckpt.checkpoint_engine_transport(name, spec) is None for name in FACTS if name != "ipc")
