@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import logging
 import os
 import re
 import shutil
@@ -327,12 +328,14 @@ class LocalCluster:
 
     def connect(self, **init_kwargs: Any):
         """``ray.init`` this driver to the cluster (with its token, and the node's ``HAL_RAY_SCHEDULE_AS`` so that
-        hal places workers by the resource the node declares); returns Ray's context."""
+        hal places workers by the resource the node declares); returns Ray's context. Ray's driver logs at
+        WARNING unless ``logging_level`` says otherwise: its INFO line "Connecting to existing Ray cluster at
+        address ..." spoke of a cluster the user never started (this node, started for the run)."""
         ray = require_ray()
         os.environ.update({k: v for k, v in self.env().items() if k.startswith("RAY_AUTH") or k == SCHEDULE_AS_ENV})
         _reload_ray_auth()
         return ray.init(address=self.address, log_to_driver=init_kwargs.pop("log_to_driver", False),
-                        **init_kwargs)
+                        logging_level=init_kwargs.pop("logging_level", logging.WARNING), **init_kwargs)
 
     def pids(self) -> list[int]:
         """Process ids of this node's processes still alive (its ``ray start`` and what that started)."""

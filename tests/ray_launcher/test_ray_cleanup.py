@@ -98,6 +98,7 @@ def test_ctrl_c_ends_sync_on_ray_with_status_130_one_line_and_nothing_left(tmp_p
                             watch=lambda: hal_segments() | {str(p) for p in pathlib.Path("/tmp").glob("hal-ray-*")})
     assert stopped.returncode == 130, stopped.transcript()
     assert stopped.after == ["hal: interrupted"], stopped.transcript()  # was: a traceback ending in "ImportError: sys.meta_path is None"
+    assert "Connecting to existing Ray cluster" not in stopped.before, stopped.transcript()  # hal's own node
     assert "Traceback" not in stopped.before and stopped.stdout == ""
     assert len(stopped.started) >= 4  # ray start, its GCS and raylet, the workers
     assert stopped.survivors == []
