@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import pathlib
+import warnings
 from typing import Any, Callable
 
 import torch
@@ -262,6 +263,10 @@ class TransposedHead(nn.Linear):
         return torch.mm(self.weight, flat.t()).t().reshape(*x.shape[:-1], self.weight.shape[0])
 
 
+FSDP2_VIEW_WARNING = r"FSDP2-wrapped module \(.*\) returned a view tensor"
+"""The start of torch 2.13's warning that an FSDP2 module's output is a view (``fully_shard``'s post-forward)."""
+
+
 def build(model: str, seed: int = 0) -> tuple[nn.Module, Callable[[nn.Module], torch.Tensor]]:
     """The trainer's (module on the host, loss_fn(module) -> scalar) for a preset name or a safetensors path.
 
@@ -282,7 +287,11 @@ def build(model: str, seed: int = 0) -> tuple[nn.Module, Callable[[nn.Module], t
 
         def lm_loss(m: nn.Module) -> torch.Tensor:
             batch = tokens.to(next(m.parameters()).device)
-            logits = m(input_ids=batch[:, :-1], use_cache=False).logits.flatten(0, 1)
+            with warnings.catch_warnings():
+                # TransposedHead's logits are a view (of mm(W, x^T)); FSDP2 warns that an in-place op on a view
+                # it returns would skip its pre-backward hook. This loss only reads them (out of place).
+                warnings.filterwarnings("ignore", FSDP2_VIEW_WARNING, UserWarning)
+                logits = m(input_ids=batch[:, :-1], use_cache=False).logits.flatten(0, 1)
             return F.cross_entropy(logits.float(), batch[:, 1:].flatten())
 
         return module, lm_loss
