@@ -153,3 +153,21 @@ def test_the_step_table_prints_a_decode_of_four_tokens_on_one_line(capsys):
     out = capsys.readouterr().out
     lines = [line for line in out.splitlines() if line.startswith("│")]
     assert len(lines) == 1 and " ".join(map(str, tokens)) in lines[0] and lines[0].split("│")[-2].strip() == "yes", out
+
+
+def test_a_table_in_a_terminal_keeps_its_width_unless_a_cell_that_must_not_wrap_would_be_cut(monkeypatch):
+    from rich.console import Console
+    from rich.table import Table
+
+    from hal.apps.cli.tables import console_for
+
+    monkeypatch.setattr(Console, "is_terminal", property(lambda self: True))  # a terminal 60 columns wide
+    monkeypatch.setenv("COLUMNS", "60")
+    wraps, cut = Table("a", "b"), Table("a", "b")
+    cut.columns[1].no_wrap = True
+    for table in (wraps, cut):
+        table.add_row("x" * 50, "y" * 50)
+    assert console_for(wraps).width == 60  # rich wraps its cells in their boxes
+    assert console_for(cut).width == Console(width=1 << 12).measure(cut).maximum > 100
+    monkeypatch.setattr(Console, "is_terminal", property(lambda self: False))  # piped: as wide as the rows
+    assert console_for(wraps, 140).width == 140 and console_for(wraps).width > 100

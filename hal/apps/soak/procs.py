@@ -131,15 +131,16 @@ def receive(conn: Connection) -> Any:
 
 def settle(future: asyncio.Future, ok: bool, value: bytes | None, error: str | None) -> None:
     """Complete a call's ``future`` from its reply (see the module docstring): the result that ``value`` pickles,
-    or :class:`RemoteError` with ``error``, or with why ``value`` does not load here (the worker goes on)."""
-    if ok:
-        value, error = load_message(value)
-        if error is not None:
-            error = f"its result does not load in the driver: {error}"
-    if error is None:
+    or :class:`RemoteError` with ``error`` (``ok`` false), or with why ``value`` does not load here (the worker
+    goes on)."""
+    if not ok:
+        future.set_exception(RemoteError(error or "the call failed in the worker, which did not say why"))
+        return
+    value, why = load_message(value)
+    if why is None:
         future.set_result(value)
     else:
-        future.set_exception(RemoteError(error))
+        future.set_exception(RemoteError(f"its result does not load in the driver: {why}"))
 
 
 def explain_exit(returncode: int | None) -> str:
@@ -314,13 +315,16 @@ class ProcessGroup:
         worker.seq += 1
         worker.pending[seq] = future
         try:
-            method_class(method)  # a string or a lambda fails the call, not the worker's connection
-            send(worker.conn, ("call", seq, pickle.dumps((method, args, kwargs), protocol=pickle.HIGHEST_PROTOCOL)))
-        except OSError:
-            pass  # the process is gone: the reader thread fails the call
-        except (ValueError, pickle.PicklingError, TypeError, AttributeError) as exc:  # nothing was sent
+            method_class(method)
+            call = pickle.dumps((method, args, kwargs), protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception as exc:  # noqa: BLE001 - a string, a lambda, what does not pickle: this call fails, unsent
             worker.pending.pop(seq, None)
             future.set_exception(exc)
+            return future
+        try:
+            send(worker.conn, ("call", seq, call))
+        except OSError:
+            pass  # the process is gone: the reader thread fails the call
         return future
 
     def describe(self, index: int) -> str:

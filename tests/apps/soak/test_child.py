@@ -71,3 +71,10 @@ def test_a_result_that_does_not_load_in_the_driver_fails_its_call(loop):
                                           r"No module named 'notebook_cell'$"):
         futures[0].result()
     assert futures[1].result() == [7]
+
+
+def test_a_failure_reported_without_a_reason_is_still_a_failure(loop):
+    future = loop.create_future()
+    settle(future, False, None, None)
+    with pytest.raises(RemoteError, match="did not say why"):
+        future.result()

@@ -5,9 +5,9 @@ Ranks ``0..T-1`` are the trainer (``--trainer-ranks T``; with T > 1 a sharded tr
 default process group for FSDP2, :class:`~hal.apps.weightsync.sharded_trainer.ShardedTrainer`), ranks ``T..``
 the rollouts. Rank 0 runs the step loop and trainer rank 0; every other rank runs :func:`serve`, executing the
 typed calls rank 0 sends it. The calls travel over ZeroMQ (a ``Call`` and its ``Reply``, each as two frames:
-its sequence number, then its pickle (:func:`frames`), on a pair of DEALER sockets; a serving rank binds a port the kernel picks and publishes it in the elastic
-agent's own store, which every rank reaches at ``MASTER_ADDR:MASTER_PORT``): blocking receives, no polling, no
-port picked by hand. Every wait is bounded by the job's timeout; a rank that raises is named in the error of
+its sequence number, then its pickle (:func:`frames`), on a pair of DEALER sockets; a serving rank binds a port
+the kernel picks and publishes it in the elastic agent's own store, which every rank reaches at
+``MASTER_ADDR:MASTER_PORT``): blocking receives, no polling, no port picked by hand. Every wait is bounded by the job's timeout; a rank that raises is named in the error of
 the call, and a rank that dies takes the run down with it (the elastic agent stops the others), reported by
 role and cause.
 """
@@ -69,14 +69,22 @@ def frames(seq: int, message: Call | Reply) -> list[bytes]:
     is still matched to its call there and answered as that call's failure, not the end of the rank.
 
     Raises:
-        pickle.PicklingError, TypeError, AttributeError: ``message`` does not pickle (nothing is sent).
+        Exception: whatever pickling ``message`` raises (``pickle.PicklingError``, ``TypeError``, ...).
     """
     return [str(seq).encode(), pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)]
 
 
 def unframe(parts: list[bytes]) -> tuple[int, Any, str | None]:
     """``(seq, message, None)`` from :func:`frames`' two frames, or ``(seq, None, why)`` where the message's
-    pickle does not load here (``why``: ``"ExceptionType: message"``)."""
+    pickle does not load here (``why``: ``"ExceptionType: message"``).
+
+    Raises:
+        ValueError: ``parts`` is not two frames whose first is a sequence number (not :func:`frames`' output:
+            only a foreign sender on the loopback port could send it, and it cannot be answered).
+    """
+    if len(parts) != 2 or not parts[0].isdigit():
+        raise ValueError(f"a call channel message must be 2 frames, a sequence number then a pickle; got "
+                         f"{len(parts)} frame(s) starting {parts[0][:20]!r}" if parts else "an empty message")
     return int(parts[0]), *load_message(parts[1])
 
 
@@ -149,7 +157,7 @@ class TorchrunGroup:
         """Send ``call`` to serving rank ``index`` now; returns its sequence number.
 
         Raises:
-            pickle.PicklingError, TypeError, AttributeError: ``call`` does not pickle (nothing is sent).
+            Exception: whatever pickling ``call`` raises (nothing is sent; :func:`frames`).
         """
         import zmq
 
@@ -406,5 +414,5 @@ def launch(options: JobOptions, hooks: Sequence[StepHook] = ()) -> JobResult:
     return JobResult(**per_rank[0])
 
 
-__all__ = ["Call", "RemoteCallError", "Reply", "TorchrunGroup", "bind_calls", "connect_calls", "job_store", "launch",
-           "link_endpoint", "rank_main", "role", "serve", "trainer_rank"]
+__all__ = ["Call", "RemoteCallError", "Reply", "TorchrunGroup", "bind_calls", "connect_calls", "frames", "job_store",
+           "launch", "link_endpoint", "rank_main", "role", "serve", "trainer_rank", "unframe"]
