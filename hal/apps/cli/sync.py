@@ -401,7 +401,7 @@ def print_table(result: dict[str, Any]) -> None:
     model = result["model"]  # a preset name or the path as the user gave it
     transport = f" ({result['transport']})" if result.get("transport") else ""
     table = Table(title=f"hal sync: {model} ({tensors} tensors) on {result['device']}, engine {result['engine']}"
-                        f"{transport}, "
+                        f"{transport}, launcher {result.get('launcher', 'torchrun')}, "
                         f"rollout {result.get('rollout', 'hal')}, "
                         f"offload {result['offload']}, rollouts {result['rollout_apply']}"
                         + (f", {result['trainer_ranks']} trainer ranks" if result.get("trainer_ranks", 1) > 1 else "")
