@@ -311,16 +311,15 @@ class ProcessGroup:
         if worker is None or worker.dead is not None:
             future.set_exception(WorkerDied(f"the worker died ({worker.dead if worker else 'never started'})"))
             return future
-        seq = worker.seq
-        worker.seq += 1
-        worker.pending[seq] = future
         try:
             method_class(method)
             call = pickle.dumps((method, args, kwargs), protocol=pickle.HIGHEST_PROTOCOL)
         except Exception as exc:  # noqa: BLE001 - a string, a lambda, what does not pickle: this call fails, unsent
-            worker.pending.pop(seq, None)
             future.set_exception(exc)
             return future
+        seq = worker.seq
+        worker.seq += 1
+        worker.pending[seq] = future
         try:
             send(worker.conn, ("call", seq, call))
         except OSError:

@@ -11,17 +11,7 @@ import pytest
 
 from hal.apps.soak.child import answer
 from hal.apps.soak.procs import RemoteError, settle
-
-
-def _cannot_load():
-    raise ModuleNotFoundError("No module named 'notebook_cell'")
-
-
-class LoadsNowhere:
-    """Pickles, but does not load: as a class of the sender's ``__main__`` in another process."""
-
-    def __reduce__(self):
-        return _cannot_load, ()
+from tests.apps.weightsync.unloadable import LoadsNowhere
 
 
 class Stub:

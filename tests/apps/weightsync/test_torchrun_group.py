@@ -18,17 +18,7 @@ from hal.apps.weightsync.launchers import torchrun
 from hal.apps.weightsync.launchers.torchrun import TorchrunGroup, bind_calls, connect_calls, serve
 from hal.apps.weightsync.messages import Sent
 from hal.apps.weightsync.worker import RolloutRole
-
-
-def _cannot_load():
-    raise ModuleNotFoundError("No module named 'notebook_cell'")
-
-
-class LoadsNowhere:
-    """Pickles, but does not load: as a class of the sender's ``__main__`` in another process."""
-
-    def __reduce__(self):
-        return _cannot_load, ()
+from tests.apps.weightsync.unloadable import LoadsNowhere
 
 
 class Echo(ManagedWorker):

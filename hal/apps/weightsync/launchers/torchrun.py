@@ -7,9 +7,9 @@ the rollouts. Rank 0 runs the step loop and trainer rank 0; every other rank run
 typed calls rank 0 sends it. The calls travel over ZeroMQ (a ``Call`` and its ``Reply``, each as two frames:
 its sequence number, then its pickle (:func:`frames`), on a pair of DEALER sockets; a serving rank binds a port
 the kernel picks and publishes it in the elastic agent's own store, which every rank reaches at
-``MASTER_ADDR:MASTER_PORT``): blocking receives, no polling, no port picked by hand. Every wait is bounded by the job's timeout; a rank that raises is named in the error of
-the call, and a rank that dies takes the run down with it (the elastic agent stops the others), reported by
-role and cause.
+``MASTER_ADDR:MASTER_PORT``): blocking receives, no polling, no port picked by hand. Every wait is bounded by
+the job's timeout; a rank that raises is named in the error of the call, and a rank that dies takes the run
+down with it (the elastic agent stops the others), reported by role and cause.
 """
 
 from __future__ import annotations
@@ -83,8 +83,8 @@ def unframe(parts: list[bytes]) -> tuple[int, Any, str | None]:
             only a foreign sender on the loopback port could send it, and it cannot be answered).
     """
     if len(parts) != 2 or not parts[0].isdigit():
-        raise ValueError(f"a call channel message must be 2 frames, a sequence number then a pickle; got "
-                         f"{len(parts)} frame(s) starting {parts[0][:20]!r}" if parts else "an empty message")
+        got = f"{len(parts)} frame(s) starting {parts[0][:20]!r}" if parts else "no frame"
+        raise ValueError(f"a call channel message must be 2 frames, a sequence number then a pickle; got {got}")
     return int(parts[0]), *load_message(parts[1])
 
 
@@ -177,8 +177,9 @@ class TorchrunGroup:
         """File a reply read from rank ``index`` under its sequence number; one whose pickle does not load here
         becomes that call's failure."""
         seq, reply, why = unframe(parts)
-        self.early[index][seq] = reply if why is None else Reply(False, error=f"the reply does not load on rank 0: "
-                                                                             f"{why}")
+        if why is not None:
+            reply = Reply(False, error=f"the reply does not load on rank 0: {why}")
+        self.early[index][seq] = reply
 
     def submit(self, index: int, method: Callable, *args: Any, **kwargs: Any):
         """Start ``method`` on worker ``index``: posted to a serving rank now (so every rank of a collective
