@@ -1,10 +1,5 @@
-"""Errors and argument checks shared by hal's applications (the command line, the weight-sync job, the
-benchmarks): a wrong argument, a missing file or extra, a failed worker process, and sizes in MiB.
-
-Each error derives from :class:`hal.HalError` and from the built-in a caller would catch (``ValueError``,
-``FileNotFoundError``, ``ImportError``, ``RuntimeError``). ``hal.apps.cli.main`` prints errors of the
-``HalError`` tree as one line with exit status 2, no traceback; anything else is a bug and keeps its traceback.
-"""
+"""Errors and argument checks shared by hal's applications; each error derives from :class:`hal.HalError` and
+the built-in a caller would catch. ``hal.apps.cli.main`` prints a ``HalError`` as one line, exit status 2."""
 
 from __future__ import annotations
 
@@ -18,16 +13,11 @@ class UsageError(HalError, ValueError):
     """A command-line argument is wrong (a count below 1, an unknown name); the message names the flag."""
 
 
-MIB = 1 << 20
-"""Bytes in a MiB: the unit of every ``*-mb`` size flag (``--bucket-mb``, ``--size-mb``)."""
+MIB = 1 << 20  # bytes in a MiB, the unit of every *-mb flag
 
 
 def mib_to_bytes(mib: float, flag: str) -> int:
-    """The bytes of a size given in MiB as ``flag`` (fractions allowed: 0.5 is 524288 bytes).
-
-    Raises:
-        UsageError: ``mib`` is not a finite positive number, or is under one byte; names the flag and value.
-    """
+    """The bytes of a size given in MiB as ``flag`` (fractions allowed); UsageError unless finite and >= 1 byte."""
     if not 0 < mib < math.inf:  # NaN fails both comparisons
         raise UsageError(f"{flag} must be positive, got {mib} (a size in MiB)")
     if int(mib * MIB) < 1:
@@ -43,13 +33,11 @@ class MissingExtraError(HalError, ImportError):
     """An option needs an optional dependency that is not installed; the message says what to install."""
 
 
-DISTRIBUTION = "hal-posttrain"
-"""hal's distribution name (``pyproject.toml``), whose metadata lists each extra's requirements."""
+DISTRIBUTION = "hal-posttrain"  # distribution name, whose metadata lists the extras
 
 
 def extra_requirements(extra: str) -> list[str]:
-    """The requirements of hal's optional extra ``extra`` as pip takes them (e.g. ``["ray==2.60.0"]`` for
-    ``ray``), read from the installed distribution's metadata; ``[]`` when it lists none or hal is not installed."""
+    """The requirements of hal's extra ``extra`` as pip takes them; ``[]`` when none or hal is not installed."""
     from importlib import metadata
 
     from packaging.requirements import Requirement
@@ -68,18 +56,8 @@ def extra_requirements(extra: str) -> list[str]:
 
 
 def require_extra(module: str, extra: str, what: str) -> None:
-    """Raise :class:`MissingExtraError` unless ``module`` can be imported; checked before any work starts.
-
-    Args:
-        module: the import name (``"matplotlib"``).
-        extra: hal's extra that holds it (``"plot"``); its requirements make the pip command of the message.
-        what: what needs it, as the user asked for it (``"--plot"``).
-
-    Raises:
-        MissingExtraError: e.g. ``"--plot needs matplotlib, which is not installed here: pip install
-            matplotlib (hal's 'plot' extra)"``. The command names the packages, not ``'.[plot]'``, which
-            would reinstall hal itself over an editable install.
-    """
+    """Raise :class:`MissingExtraError` unless ``module`` imports; the message names ``what`` needs it and the pip
+    command for ``extra``'s packages."""
     import importlib.util
 
     if importlib.util.find_spec(module) is None:
@@ -99,12 +77,7 @@ _OOM_HINT = ("SIGKILL from outside the job is usually the kernel's out-of-memory
 
 
 def describe_failure(failure: Any) -> str:
-    """One line for a ``torch.distributed.elastic`` ``ProcessFailure``: the exception, the signal or the exit code.
-
-    ``failure.message`` is the dict the worker's error handler wrote (its ``"message"`` key holds
-    ``"ExcType: text"``), a ``"Signal N (NAME) received by PID P"`` string, or torch's generic pointer to
-    its docs when the worker left no error file; only the first two say anything, so the third is dropped.
-    """
+    """One line for an elastic ``ProcessFailure``: the exception, the signal or the exit code."""
     message = failure.message
     if isinstance(message, dict):
         message = message.get("message", "")
@@ -122,10 +95,7 @@ def describe_failure(failure: Any) -> str:
 
 def worker_failed(exc: Any, role: Callable[[int], str], command: str) -> WorkerFailedError:
     """A :class:`WorkerFailedError` for a ``ChildFailedError``: the first rank to fail first, then the rest.
-
-    ``role(rank)`` names a global rank (``"trainer (rank 0)"``); the others usually fail only because their
-    peer went away, so they follow on one line each.
-    """
+    ``role(rank)`` names a global rank."""
     first_rank, first = exc.get_first_failure()
     lines = [f"{command}: the {role(first_rank)} {describe_failure(first)}"]
     lines += [f"  then the {role(rank)} {describe_failure(failure)}"

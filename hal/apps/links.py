@@ -1,25 +1,11 @@
 """Emulated per-rank network links: each endpoint (a trainer rank, a rollout) in its own network namespace.
 
-This machine has one loopback, so a transfer's bandwidth cannot grow with the number of senders here by
-itself. :func:`emulated_network` gives every endpoint its own namespace holding one veth (``eth0``, an
-address in ``10.231.0.0/24``) whose peer sits on a bridge in a hub namespace; each link is rate-limited by a
-token bucket (``tc qdisc ... tbf``) on both directions: on the endpoint's ``eth0`` (its upload) and on the
-hub's side of the pair (its download), as a full-duplex NIC of that rate. The addresses exist only inside
-these namespaces, so no traffic leaves them and two networks never collide (each has its own hub).
-
-    with emulated_network({"t0": 100e6, "t1": 100e6, "r0": 400e6}) as net:
-        net.address("t0")                        # '10.231.0.1'
-        net.run(["python", "-c", "..."], "r0")   # ip netns exec <its namespace> ...
-        net.set_rate("r0", 100e6)                # change a link's rate while it is in use
-
-A process enters an endpoint's namespace with :func:`enter_namespace` (``setns(2)``), e.g. first thing in a
-rank started by :func:`hal.multiprocess.run_multiprocess`; threads and sockets it creates afterwards live there.
-
-Needs root (``CAP_NET_ADMIN``), iproute2's ``ip`` and ``tc`` and the kernel's veth, bridge and tbf;
-:func:`links_available` says whether they work here and, if not, why. Namespaces are named
-``hallinks-<pid>-<n>-<endpoint>``: teardown always runs (errors and ``KeyboardInterrupt`` included), and
-namespaces left by a process that died without it are removed by the next :func:`emulated_network` (their
-pid no longer runs).
+:func:`emulated_network` gives every endpoint a namespace with one veth (``eth0``, an address in
+``10.231.0.0/24``) whose peer sits on a bridge in a hub namespace; a token bucket (``tc ... tbf``) limits each
+direction, as a full-duplex NIC of that rate. A process enters an endpoint with :func:`enter_namespace`.
+Needs root (``CAP_NET_ADMIN``), iproute2 and the kernel's veth, bridge and tbf (:func:`links_available` says
+why not). Namespaces are ``hallinks-<pid>-<n>-<endpoint>``; teardown always runs, and those of a dead process
+are removed by the next :func:`emulated_network`.
 """
 
 from __future__ import annotations
@@ -36,14 +22,10 @@ from typing import Iterator, Mapping, Sequence
 
 import hal
 
-PREFIX = "hallinks-"
-"""Prefix of every namespace this module creates (then the creating process's pid)."""
-SUBNET = "10.231.0"
-"""The endpoints' /24: endpoint ``i`` (in the order given) gets ``10.231.0.<i+1>``."""
-IFNAME = "eth0"
-"""The endpoint's interface inside its namespace (the name to give ``GLOO_SOCKET_IFNAME``)."""
-MAX_LINK_GBIT = 400.0
-"""The fastest emulated link accepted, in Gbit/s (a token bucket faster than the host's memory means nothing)."""
+PREFIX = "hallinks-"  # namespace prefix, then the creating pid
+SUBNET = "10.231.0"  # endpoint i gets 10.231.0.<i+1>
+IFNAME = "eth0"  # the endpoint's interface (for GLOO_SOCKET_IFNAME)
+MAX_LINK_GBIT = 400.0  # Gbit/s, the fastest link accepted
 MAX_ENDPOINTS = 250
 CMD_TIMEOUT_S = 30.0
 _NETNS_DIR = "/run/netns"
@@ -68,22 +50,13 @@ def _cmd(argv: Sequence[str], timeout: float = CMD_TIMEOUT_S, check: bool = True
 
 
 def _tbf(rate_bps: float) -> list[str]:
-    """``tc`` arguments of a token bucket of ``rate_bps`` bits/s. Its bucket holds 10 ms of the rate and at
-    least 128 KiB (more than a 64 KiB GSO packet, which tbf would otherwise split, and enough that a busy
-    machine's late timer does not starve the link); its queue holds 200 ms of the rate, so that several senders
-    converging on one receiver's link (incast) lose no packets to it: with a 50 ms queue TCP retransmission
-    timeouts took 5-15% off a receiver-limited transfer here."""
+    """``tc`` arguments of a token bucket of ``rate_bps`` bits/s (bucket >= 128 KiB, queue 200 ms: no incast loss)."""
     burst = max(int(rate_bps / 8 * 0.010), 128 << 10)
     return ["tbf", "rate", f"{int(rate_bps)}bit", "burst", str(burst), "latency", "200ms"]
 
 
 def links_available() -> tuple[bool, str]:
-    """Whether emulated links can be built here: ``(True, "")``, or ``(False, reason)``.
-
-    Checks for root, ``ip`` and ``tc`` on ``PATH``, then builds and removes a probe namespace pair with a
-    veth, a bridge and a tbf qdisc (a container without ``CAP_NET_ADMIN`` or a kernel without those fails
-    here). The answer is cached for the process.
-    """
+    """Whether emulated links can be built here: ``(True, "")``, or ``(False, reason)``; cached per process."""
     global _available
     if _available is not None:
         return _available
@@ -105,13 +78,13 @@ def links_available() -> tuple[bool, str]:
 
 
 def list_namespaces() -> list[str]:
-    """Names of every network namespace on the machine (``ip netns list``), this module's or not."""
+    """Names of every network namespace on the machine (``ip netns list``)."""
     out = _cmd(["ip", "netns", "list"]).stdout
     return [line.split()[0] for line in out.splitlines() if line.strip()]
 
 
 def remove_stale() -> list[str]:
-    """Delete the namespaces of this module whose creating process no longer runs; returns their names."""
+    """Delete this module's namespaces whose creating process no longer runs; returns their names."""
     removed = []
     for name in list_namespaces():
         match = re.match(rf"^{re.escape(PREFIX)}(\d+)-", name)
@@ -123,22 +96,14 @@ def remove_stale() -> list[str]:
 
 @dataclasses.dataclass(frozen=True)
 class EmulatedNetwork:
-    """A built network: endpoint name -> its namespace, address and link rate (picklable, so a rank process
-    can be handed it and change a rate itself).
-
-    Attributes:
-        namespaces: endpoint -> network namespace name (``ip netns`` name).
-        addresses: endpoint -> its IPv4 address on :data:`IFNAME`.
-        hub: the namespace holding the bridge and the hub side of every veth pair.
-        rates: endpoint -> link rate in bits/s at build time (each direction).
-    """
+    """A built network (picklable): endpoint -> ``namespaces``, ``addresses``, ``rates`` (bits/s); ``hub`` holds the
+    bridge."""
 
     namespaces: dict[str, str]
     addresses: dict[str, str]
     hub: str
     rates: dict[str, float]
-    ports: dict[str, str]
-    """endpoint -> its veth peer's name in the hub namespace."""
+    ports: dict[str, str]  # endpoint -> its veth peer in the hub namespace
 
     @property
     def ifname(self) -> str:
@@ -146,36 +111,24 @@ class EmulatedNetwork:
         return IFNAME
 
     def namespace(self, endpoint: str) -> str:
-        """The namespace of ``endpoint``.
-
-        Raises:
-            KeyError: no such endpoint (the message lists them).
-        """
+        """The namespace of ``endpoint``; KeyError lists the endpoints."""
         if endpoint not in self.namespaces:
             raise KeyError(f"no endpoint {endpoint!r} in this network (endpoints: {sorted(self.namespaces)})")
         return self.namespaces[endpoint]
 
     def address(self, endpoint: str) -> str:
-        """The IPv4 address of ``endpoint`` (reachable from every other endpoint of the network)."""
+        """The IPv4 address of ``endpoint``."""
         self.namespace(endpoint)
         return self.addresses[endpoint]
 
     def enter(self, endpoint: str) -> str:
-        """Move the calling thread into ``endpoint``'s namespace (:func:`enter_namespace`: call it before any
-        socket or thread it should use there) and make gloo use its interface; returns its address."""
+        """Move the calling thread into ``endpoint``'s namespace, gloo onto its interface; returns its address."""
         enter_namespace(self.namespace(endpoint))
         os.environ["GLOO_SOCKET_IFNAME"] = self.ifname
         return self.address(endpoint)
 
     def set_rate(self, endpoint: str, rate_bps: float) -> None:
-        """Change ``endpoint``'s link to ``rate_bps`` bits/s in both directions (``tc qdisc replace``), also
-        while traffic flows.
-
-        Raises:
-            ValueError: ``rate_bps`` is not positive.
-            KeyError: no such endpoint.
-            LinksError: ``tc`` failed.
-        """
+        """Change ``endpoint``'s link to ``rate_bps`` bits/s both ways, also while traffic flows."""
         if not rate_bps > 0:
             raise ValueError(f"rate_bps must be > 0 bits/s, got {rate_bps!r}")
         ns = self.namespace(endpoint)
@@ -183,28 +136,16 @@ class EmulatedNetwork:
         _cmd(["tc", "-n", self.hub, "qdisc", "replace", "dev", self.ports[endpoint], "root", *_tbf(rate_bps)])
 
     def run(self, argv: Sequence[str], endpoint: str, timeout: float = 60.0) -> subprocess.CompletedProcess:
-        """Run the command ``argv`` inside ``endpoint``'s namespace (``ip netns exec``); returns it finished,
-        with its stdout and stderr as text.
-
-        Raises:
-            KeyError: no such endpoint.
-            LinksError: it exited non-zero or ran past ``timeout`` seconds (it is then killed).
-        """
+        """Run ``argv`` inside ``endpoint``'s namespace; LinksError when it fails or runs past ``timeout`` seconds."""
         return _cmd(["ip", "netns", "exec", self.namespace(endpoint), *argv], timeout=timeout)
 
     def popen(self, argv: Sequence[str], endpoint: str, **kwargs) -> subprocess.Popen:
-        """Start ``argv`` inside ``endpoint``'s namespace and return it running (``subprocess.Popen`` keywords
-        pass through); the caller waits for it, with a timeout."""
+        """Start ``argv`` inside ``endpoint``'s namespace (``Popen`` keywords pass through); the caller waits for it."""
         return subprocess.Popen(["ip", "netns", "exec", self.namespace(endpoint), *argv], **kwargs)
 
 
 def link_gbit_to_bps(gbit: float, flag: str = "--link-gbit") -> float:
-    """The rate in bits/s of a link given in Gbit/s as ``flag`` (1 Gbit/s is 1e9 bits/s).
-
-    Raises:
-        hal.apps.errors.UsageError: ``gbit`` not in (0, :data:`MAX_LINK_GBIT`] (also nan and inf); names the
-            flag and value.
-    """
+    """The rate in bits/s of a link given in Gbit/s as ``flag``; UsageError outside (0, MAX_LINK_GBIT]."""
     from hal.apps.errors import UsageError
 
     if not 0 < gbit <= MAX_LINK_GBIT:  # NaN fails both comparisons
@@ -213,15 +154,8 @@ def link_gbit_to_bps(gbit: float, flag: str = "--link-gbit") -> float:
 
 
 def enter_namespace(namespace: str) -> None:
-    """Move the calling thread into the network namespace ``namespace`` (``setns(2)``, as ``ip netns exec``).
-
-    Call it in a child process before it opens any socket or starts threads: threads started afterwards
-    inherit the namespace, those running already stay where they were.
-
-    Raises:
-        FileNotFoundError: no namespace of that name.
-        OSError: ``setns`` failed (not root).
-    """
+    """Move the calling thread into network namespace ``namespace`` (``setns(2)``); call before opening sockets or
+    threads."""
     path = os.path.join(_NETNS_DIR, namespace)
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -238,20 +172,10 @@ def enter_namespace(namespace: str) -> None:
 
 @contextlib.contextmanager
 def emulated_network(rates: Mapping[str, float]) -> Iterator[EmulatedNetwork]:
-    """Build a network of one namespace per endpoint, each linked to a shared bridge at its own rate.
+    """Build one namespace per endpoint, each linked to a shared bridge at its rate (bits/s, each direction).
 
-    Args:
-        rates: endpoint name (letters, digits, ``_`` and ``.``; at most 40 characters) -> its link rate in
-            bits/s, applied to each direction. Endpoint ``i`` in this order gets address ``10.231.0.<i+1>``.
-
-    Yields:
-        The :class:`EmulatedNetwork`. On leaving, every namespace it made is deleted (the veth pairs go with
-        them), also on an exception or ``KeyboardInterrupt``; processes still inside keep their namespace
-        alive until they exit, but the name is gone.
-
-    Raises:
-        ValueError: no endpoints, more than 250, a bad name or a rate not > 0.
-        LinksError: an ``ip`` / ``tc`` command failed (see :func:`links_available`).
+    Endpoint names: letters, digits, ``_``, ``.``, at most 40 characters. On leaving, every namespace is deleted,
+    also on an exception; processes still inside keep theirs until they exit.
     """
     if not rates or len(rates) > MAX_ENDPOINTS:
         raise ValueError(f"need 1..{MAX_ENDPOINTS} endpoints, got {len(rates)}")
