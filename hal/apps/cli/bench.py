@@ -1,21 +1,11 @@
-"""``hal bench``: the one entry point of the benchmarks (``hal.apps.benchmarks``), printed as ratio tables
-(and optionally plotted).
+"""``hal bench``: the one entry point of the benchmarks (``hal.apps.benchmarks``), printed as ratio tables.
 
-Every figure is a ratio measured side by side in one run (the machine is shared and noisy): offload+onload
-against a plain single-buffer copy of the same bytes (``hal/apps/benchmarks/bench_offload.py``), and the collective
-checkpoint engine against one single-tensor broadcast and against tensor-by-tensor broadcasts, across
-bucket sizes (``hal/apps/benchmarks/bench_ckpt.py``), the nixl, mooncake and kimi engines, where available on the
-benchmarked kind, each against one raw transfer of the same bytes by its own library (a write; for kimi,
-whose rollouts pull, a Mooncake read) (``hal/apps/benchmarks/bench_p2p.py``), and, only with ``--only main``
-(three processes, minutes), the main job: ``hal sync`` itself, 1 trainer and ``--rollouts`` rollouts applying
-every update into their models, each step against a raw broadcast of the same bytes to the same rollouts
-(``hal/apps/benchmarks/bench_sync.py``). Also only when named: ``--only ray`` (the same job over Ray actors
-against torchrun, ``bench_ray.py``), ``--only ipc`` (the same-host ipc engine into 1 and 2 rollout processes
-against one memcpy and the collective engine, ``bench_ipc.py``), ``--only import`` (what ``import hal`` adds to ``import torch``,
-``bench_import.py``), ``--only delta`` (delta weight sync against full updates of the same tensors at 0.5%,
-2%, 10% and 50% changed, ``bench_delta.py``; over emulated links of R Gbit/s with ``--link-gbit R``) and ``--only senders`` (1, 2 and 4 senders over emulated
-per-rank links, ``bench_senders.py``; needs root and ip netns, else skipped with the reason). Every bucket size is in MiB, as ``hal sync --bucket-mb`` takes it. ``--quick`` means
-one thing for all of them: the small defaults of :data:`QUICK_DEFAULTS`.
+Every figure is a ratio measured side by side in one run: offload+onload against a plain copy
+(``bench_offload``), the collective engine against broadcasts across bucket sizes (``bench_ckpt``), the
+transfer-library engines against their own library's raw transfer (``bench_p2p``); only when named with
+``--only``: the whole ``hal sync`` job (``bench_sync``), over Ray (``bench_ray``), the ipc engine
+(``bench_ipc``), ``import hal`` (``bench_import``), delta updates (``bench_delta``) and 1, 2, 4 senders over
+emulated links (``bench_senders``). Bucket sizes are in MiB; ``--quick`` means :data:`QUICK_DEFAULTS`.
 """
 
 from __future__ import annotations
@@ -33,20 +23,14 @@ from hal.apps.errors import UsageError, WorkerFailedError, mib_to_bytes, require
 from hal.apps.shutdown import stop_on_signals
 
 
-BENCHMARKS = ("offload", "sync", "ipc", "delta", "main", "ray", "import", "senders")
-"""Every benchmark ``--only`` names, in the order they run."""
+BENCHMARKS = ("offload", "sync", "ipc", "delta", "main", "ray", "import", "senders")  # in the order they run
+# a plain hal bench; main, ray, import, ipc, delta and senders run only when named
 DEFAULT_SELECTION = ("offload", "sync")
-"""What a plain ``hal bench`` runs: the two-process ratio benchmarks. ``main`` (hal sync's loop on 1 GiB, three
-processes), ``ray`` (that loop over Ray actors and under torchrun, several runs) and ``import`` run only when
-named: ``--only main``, and so do ``ipc`` (the same-host engine against one memcpy and the collective engine),
-``delta`` (delta against full updates at four changed fractions, about a
-minute at 64 MiB on a loaded host) and ``senders`` (1, 2 and 4 senders over emulated links: root and ip netns)."""
-RAY_STEPS = 3
-"""ray: steps per run (the first a warm-up)."""
+RAY_STEPS = 3  # ray: steps per run (the first a warm-up)
 
 
 def _quick_default(metavar: str, full: str, quick: str) -> Any:
-    """Help for a size flag whose default ``--quick`` changes: its metavar, both defaults (not ``None``)."""
+    """Help for a size flag whose default ``--quick`` changes."""
     return tyro.conf.arg(metavar=metavar, help_behavior_hint=f"(default: {full}; with --quick: {quick})")
 
 
@@ -60,65 +44,43 @@ class Bench:
     size_mb: Annotated[int | None, _quick_default("INT", "1024", "64")] = None
     """Model / tensor-mix size in MiB."""
     bucket_mb: Annotated[tuple[float, ...] | None, _quick_default("FLOAT [FLOAT ...]", "64 256 1024", "4 16")] = None
-    """sync: bucket sizes of the collective engine, in MiB (as hal sync's --bucket-mb); the smallest is the
-    transfer-library engines' (nixl, mooncake, kimi)."""
+    """sync: bucket sizes of the collective engine, in MiB; the smallest is the transfer-library engines'."""
     rounds: Annotated[int | None, _quick_default("INT", "3", "2")] = None
-    """Timed repetitions per figure (medians are reported); main: its steps; ray: runs per launcher;
-    import: fresh interpreters."""
+    """Timed repetitions per figure (medians reported); main: its steps; ray: runs per launcher."""
     quick: bool = False
-    """Small defaults for a smoke run, the same for every benchmark: --size-mb 64, --bucket-mb 4 16,
-    --rounds 2, --main-bucket-mb 4. Only the defaults change: a size, bucket or round flag given with --quick
-    is used as given."""
+    """Small defaults for a smoke run (--size-mb 64, --bucket-mb 4 16, --rounds 2, --main-bucket-mb 4)."""
     only: Annotated[tuple[str, ...], tyro.conf.arg(metavar="{" + ",".join(BENCHMARKS) + "} [...]")] = DEFAULT_SELECTION
-    """Which benchmarks to run: offload, sync (engine against broadcasts, 1 receiver) and, only when named,
-    ipc (the same-host ipc engine into 1 and 2 rollout processes against one memcpy and the collective engine,
-    bucket: the smallest --bucket-mb), delta (delta weight sync against full updates of the same tensors at
-    0.5%, 2%, 10% and 50% changed, bucket: the smallest --bucket-mb), main (hal sync's whole loop: 1 trainer and --rollouts rollout processes,
-    minutes on a host), ray (that loop over Ray actors against torchrun; needs the ray extra), import (import
-    hal's cost) and senders (an update's bandwidth with 1, 2 and 4 senders over emulated per-rank links, 32 MiB;
-    needs root and ip netns, else it says why and is skipped)."""
+    """Benchmarks to run: offload, sync; only when named: ipc, delta, main (hal sync's loop), ray, import, senders."""
     rollouts: int = 2
     """main, ray: rollout ranks, each applying every update into its model."""
     main_bucket_mb: Annotated[float | None, _quick_default("FLOAT", "256", "4")] = None
     """main, ray: bucket size of the collective engine, in MiB (256: hal sync's --bucket-mb default)."""
     main_model: Annotated[str | None, optional("MODEL", "the tensor mix of --size-mb")] = None
-    """main: a hal sync preset or safetensors path instead of the tensor mix of --size-mb (e.g. qwen2.5-0.5b)."""
+    """main: a hal sync preset or safetensors path instead of the tensor mix of --size-mb."""
     apply: Annotated[tuple[str, ...], tyro.conf.arg(metavar="{atomic,in-place} [...]")] = ("atomic",)
     """main: rollout apply modes to run (atomic, in-place), one run each."""
     plot: Annotated[str | None, optional("FILE.png", "no plot")] = None
-    """Write a PNG: sync throughput against bucket size, offload bandwidth against the copy limit
-    (needs matplotlib, hal's plot extra; checked before any benchmark runs)."""
+    """Write a PNG of sync and offload throughput (needs matplotlib, hal's plot extra)."""
     link_gbit: Annotated[float | None, optional("R", "loopback")] = None
-    """delta: run it over emulated links of R Gbit/s each way, the trainer and the rollout each in its own
-    network namespace (as senders; needs root and ip netns, else it says why and is skipped); --json gives
-    delta_vs_full and wire_fraction per changed fraction."""
+    """delta: run it over emulated links of R Gbit/s each way (root and ip netns, else skipped with the reason)."""
     json: bool = False
     """Print the figures as JSON."""
 
 
+# the size flags' values when not given (None); QUICK_DEFAULTS with --quick
 FULL_DEFAULTS = {"size_mb": 1024, "bucket_mb": (64.0, 256.0, 1024.0), "rounds": 3, "main_bucket_mb": 256.0}
-"""The size flags' values when not given (a ``None`` field)."""
 QUICK_DEFAULTS = {"size_mb": 64, "bucket_mb": (4.0, 16.0), "rounds": 2, "main_bucket_mb": 4.0}
-"""The same with ``--quick``."""
 
 
 def with_defaults(args: Bench) -> Bench:
-    """``args`` with every size flag not given (``None``) set to its default, :data:`QUICK_DEFAULTS` under
-    ``--quick``, else :data:`FULL_DEFAULTS`; a flag given explicitly is kept, with or without ``--quick``."""
+    """``args`` with every size flag not given set to its default (:data:`QUICK_DEFAULTS` under ``--quick``)."""
     defaults = QUICK_DEFAULTS if args.quick else FULL_DEFAULTS
     return dataclasses.replace(args, **{k: v for k, v in defaults.items() if getattr(args, k) is None})
 
 
 def selection(args: Bench) -> list[str]:
-    """The benchmarks ``args`` runs, in :data:`BENCHMARKS` order, after checking every size and count.
-
-    Raises:
-        UsageError: an unknown name in ``--only`` or ``--apply``, a size, round or rollout count below 1, a
-            bucket size (``--bucket-mb``, ``--main-bucket-mb``) that is not positive, a ``--plot`` file in a
-            folder that does not exist, a ``--link-gbit`` rate that is not in (0, 400] or given without
-            ``--only delta``; names the flag and value.
-        MissingExtraError: ``--plot`` without matplotlib, ``--only ray`` without ray.
-    """
+    """The benchmarks ``args`` runs, in :data:`BENCHMARKS` order, after checking every flag (UsageError,
+    MissingExtraError)."""
     args = with_defaults(args)
     unknown = sorted(set(args.only) - set(BENCHMARKS))
     if unknown or not args.only:
@@ -153,14 +115,7 @@ def selection(args: Bench) -> list[str]:
 
 
 def execute(args: Bench) -> dict[str, Any]:
-    """Run the chosen benchmarks (:func:`selection`); returns ``{"offload": {...}, "sync": {...},
-    "sync_p2p": {...}, "ipc": {...}, "main": {...}, "ray": {...}, "import": {...}}`` (those chosen and available; see each
-    module's ``run``).
-
-    Raises:
-        UsageError: what :func:`selection` raises.
-        WorkerFailedError: a benchmark's rank failed; names it and how.
-    """
+    """Run the chosen benchmarks; returns ``{name: figures}`` of those chosen and available."""
     from hal.multiprocess import MultiprocessError
 
     chosen = selection(args)
@@ -234,11 +189,7 @@ def _execute(chosen: list[str], args: Bench) -> dict[str, Any]:
 
 
 def plot(result: dict[str, Any], path: pathlib.Path) -> None:
-    """Draw sync GB/s against bucket size and offload GB/s against the plain-copy limit into ``path``.
-
-    Raises:
-        MissingExtraError: matplotlib is not installed (the ``plot`` extra).
-    """
+    """Draw sync GB/s against bucket size and offload GB/s against the plain-copy limit into ``path``."""
     require_extra("matplotlib", "plot", "--plot")
     import matplotlib
 
@@ -300,11 +251,7 @@ def print_tables(result: dict[str, Any]) -> None:
 
 
 def run(args: Bench) -> int:
-    """``hal bench``: run the chosen benchmarks, print their tables (or JSON), write the plot; exit status 0.
-
-    Raises:
-        UsageError, WorkerFailedError: see :func:`execute`; MissingExtraError: see :func:`plot`.
-    """
+    """``hal bench``: run the chosen benchmarks, print their tables (or JSON), write the plot; exit status 0."""
     result = execute(args)
     if args.json:
         print(json.dumps(result, indent=2))

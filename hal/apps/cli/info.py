@@ -1,5 +1,5 @@
-"""``hal info``: which device kind resolves here, its backend, every known kind and every checkpoint engine
-with its availability (and the reason when unavailable)."""
+"""``hal info``: the device kind that resolves here, its backend, every kind and checkpoint engine with its
+availability."""
 
 from __future__ import annotations
 
@@ -34,13 +34,8 @@ def _version(dist: str) -> str | None:
 
 
 def collect(device: str | None = None) -> dict[str, Any]:
-    """The facts ``hal info`` prints, as plain data.
-
-    When the kind asked for (``device``, else ``HAL_DEVICE``) cannot be used here, ``device`` and the fields
-    of the resolved kind are ``None`` and ``device_error`` says why (the :class:`hal.HalError`'s text); every
-    kind's row is still there, with its reason. ``auto_order`` lists the kinds automatic resolution tries, in
-    order (a kind with ``auto_probe`` False, the simulated npu, is used only when named).
-    """
+    """The facts ``hal info`` prints, as plain data; where the kind asked for is unusable, ``device`` is ``None``
+    and ``device_error`` says why."""
     import torch
 
     import ckpt
@@ -69,8 +64,7 @@ def collect(device: str | None = None) -> dict[str, Any]:
 
 
 def run(args: Info) -> int:
-    """``hal info``: print :func:`collect`'s facts (a table, or ``--json``). Exit status 0, or 2 when the kind
-    asked for cannot be used here (after everything else is shown, with ``hal: error:`` and the reason)."""
+    """``hal info``: print :func:`collect`'s facts; exit status 0, or 2 when the kind asked for cannot be used."""
     info = collect(args.device)
     if args.json:
         print(json.dumps(info, indent=2))

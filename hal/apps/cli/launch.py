@@ -2,10 +2,8 @@
 
     hal launch --device npu --nproc-per-node 8 -- train.py --lr 1e-5
 
-The kind is resolved (and refused with a clear message when unavailable) before anything starts; each
-process then gets ``HAL_DEVICE`` and the kind's visible-devices variable, plus the ``RANK``/``LOCAL_RANK``/
-``WORLD_SIZE``/``MASTER_*`` variables that ``torch.distributed.run`` sets, so the same script runs unchanged
-per device kind and across nodes.
+Each process gets ``HAL_DEVICE`` and the kind's visible-devices variable besides torchrun's ``RANK``,
+``LOCAL_RANK``, ``WORLD_SIZE`` and ``MASTER_*``, so the same script runs unchanged on every kind.
 """
 
 from __future__ import annotations
@@ -34,13 +32,11 @@ class Launch:
     nproc_per_node: int = 1
     """Processes on this node."""
     nnodes: str = "1"
-    """Number of nodes N >= 1, or MIN:MAX (1 <= MIN <= MAX) for elastic jobs, passed to torch.distributed.run.
-    More than one node needs --rdzv-endpoint."""
+    """Number of nodes N >= 1, or MIN:MAX for elastic jobs; more than one node needs --rdzv-endpoint."""
     node_rank: int = 0
     """This node's rank (static rendezvous)."""
     rdzv_endpoint: str = ""
-    """host:port of the rendezvous every node joins; required unless --nnodes is 1. Empty: a local
-    standalone rendezvous (one node)."""
+    """host:port of the rendezvous every node joins; empty: a local standalone rendezvous (one node)."""
     rdzv_backend: str = "c10d"
     """torch.distributed.run rendezvous backend."""
     rdzv_id: str = "hal"
@@ -55,12 +51,7 @@ class Launch:
 
 
 def torchrun_argv(args: Launch) -> list[str]:
-    """The ``torch.distributed.run`` argument list for ``args`` (pure; tested directly).
-
-    Raises:
-        UsageError: no script, ``nproc_per_node < 1``, ``nnodes`` not ``N >= 1`` nor ``MIN:MAX`` with
-            ``1 <= MIN <= MAX``, or more than one node without ``rdzv_endpoint`` (a ``ValueError``).
-    """
+    """The ``torch.distributed.run`` argument list for ``args``; UsageError for a bad count or a missing endpoint."""
     if not args.script:
         raise UsageError("hal launch needs a script after '--', e.g. hal launch --nproc-per-node 2 -- train.py")
     if args.nproc_per_node < 1:
@@ -80,12 +71,7 @@ def torchrun_argv(args: Launch) -> list[str]:
 
 
 def parse_nnodes(value: str) -> tuple[int, int]:
-    """``(min, max)`` nodes of an ``--nnodes`` value: ``"N"`` -> ``(N, N)``, ``"MIN:MAX"`` as
-    ``torch.distributed.run`` reads it.
-
-    Raises:
-        UsageError: not an integer or a pair of integers, or not ``1 <= MIN <= MAX``; names the flag and value.
-    """
+    """``(min, max)`` nodes of an ``--nnodes`` value (``"N"`` or ``"MIN:MAX"``)."""
     low, sep, high = str(value).partition(":")
     try:
         pair = (int(low), int(high) if sep else int(low))
@@ -99,15 +85,8 @@ def parse_nnodes(value: str) -> tuple[int, int]:
 def launch_env(args: Launch) -> dict[str, str]:
     """The variables every launched process gets: ``HAL_DEVICE`` and the kind's visible-devices variable.
 
-    Each process's device is that of its ``LOCAL_RANK``: :func:`hal.get_device` and engines name it without
-    any binding, :func:`hal.init_process_group` / :func:`hal.bind_local_device` make it current. So a node
-    needs one visible device per process: the variable's entries (``--visible-devices``, else its value
-    here), or, when it is unset, the devices the kind reports here (host-memory kinds need none).
-
-    Raises:
-        UnknownDeviceError, DeviceUnavailableError: the kind cannot be used here.
-        DeviceIndexError: ``--device`` carries an index, or ``--nproc-per-node`` exceeds the visible
-            devices (names the variable, its value and the count), checked before anything starts.
+    Each process uses the device of its ``LOCAL_RANK``, so a node needs one visible device per process
+    (DeviceIndexError before anything starts).
     """
     spec = hal.resolve_device(args.device)
     if hal.split_device(args.device)[1] is not None:
@@ -125,15 +104,7 @@ def launch_env(args: Launch) -> dict[str, str]:
 
 def require_devices(spec, nproc: int, visible_devices: str | None = None, what: str | None = None) -> str:
     """Check that ``nproc`` processes of one node get a device each; return the visible-devices value to pass.
-
-    The devices are the entries of ``visible_devices``, else of the kind's visible-devices variable here,
-    else (unset) the kind's device count here; the value returned is then ``0,1,...,nproc-1``. Host-memory
-    kinds serve any number of processes. ``what`` names the request in the message (default
-    ``"--nproc-per-node <nproc>"``).
-
-    Raises:
-        DeviceIndexError: more processes than devices; names the variable, its value and the count.
-    """
+    Host-memory kinds serve any number; DeviceIndexError names the variable, its value and the count."""
     key = spec.visible_devices_env
     given = visible_devices if visible_devices is not None else os.environ.get(key) if key else None
     if given is not None:
@@ -151,18 +122,8 @@ def require_devices(spec, nproc: int, visible_devices: str | None = None, what: 
 
 
 def run(args: Launch) -> int:
-    """``hal launch``: run the script through ``torch.distributed.run``; exit status 0, or a failed rank's exit
-    code (1 when it was killed by a signal), after one line per failed rank on stderr.
-
-    The elastic agent's logs go to a directory of hal's (``$TMPDIR/hal-elastic-*``), removed at exit (torchrun's
-    own default, ``torchelastic_*``, stays behind). Ctrl-C or SIGTERM stops the ranks as torchrun does (it
-    forwards the signal, SIGKILL after ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT`` seconds, default 30) and ends with
-    torch's ``SignalException`` (exit status 128 + the signal number in ``hal.apps.cli.main``).
-
-    Raises:
-        UsageError, MissingFileError: see :func:`torchrun_argv`; the script does not exist.
-        UnknownDeviceError, DeviceUnavailableError, DeviceIndexError: see :func:`launch_env`.
-    """
+    """``hal launch``: run the script through ``torch.distributed.run``; exit status 0, or a failed rank's (1 when
+    killed by a signal). Ctrl-C or SIGTERM stops the ranks as torchrun does."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser
     from torch.distributed.run import run as torchrun

@@ -1,12 +1,7 @@
-"""Entry point of the ``hal`` console script.
+"""Entry point of the ``hal`` console script: each subcommand is a tyro dataclass and a ``run(args)``.
 
-Each subcommand is a dataclass parsed by tyro and a ``run(args) -> exit status`` function. Errors the user
-can fix (an unknown device, a missing file, a bad size: the :class:`hal.HalError` tree, which holds the
-``engines`` and ``ckpt`` errors and :mod:`hal.apps.errors`) print one line and exit 2, without a traceback.
-Any other exception is a bug: it propagates with its traceback (exit status 1). Ctrl-C (SIGINT) prints
-``hal: interrupted`` and exits 130 once what the command started has stopped and its temporary directories
-are gone; a SIGTERM torch.distributed.elastic's agent caught, ``hal: stopped by SIGTERM`` and 143
-(:mod:`hal.apps.shutdown`).
+A :class:`hal.HalError` prints one line and exits 2; any other exception is a bug and keeps its traceback.
+Ctrl-C exits 130 (SIGTERM 143) once what the command started has stopped (:mod:`hal.apps.shutdown`).
 """
 
 from __future__ import annotations
@@ -32,13 +27,12 @@ from hal.errors import HalError
 
 SUBCOMMANDS = {"info": Info, "launch": Launch, "sync": Sync, "bench": Bench, "soak": Soak}
 RUNNERS = {Info: run_info, Launch: run_launch, Sync: run_sync, Bench: run_bench, Soak: run_soak}
-INTERRUPTED = 130
-"""Exit status after Ctrl-C (128 + SIGINT, as shells report it)."""
+INTERRUPTED = 130  # exit status after Ctrl-C (128 + SIGINT)
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``hal ARGV``: the exit status (0, 1 for a failed job, 2 for a usage error, 130 after Ctrl-C; 141 when the
-    reader of stdout went away, as ``hal sync --help | head`` does, quietly, as a shell tool killed by SIGPIPE)."""
+    """``hal ARGV``: the exit status (0, 1 for a failed job, 2 for a usage error, 130 after Ctrl-C, 141 for a
+    closed stdout)."""
     try:
         return _main(argv)
     except BrokenPipeError:

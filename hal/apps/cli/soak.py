@@ -1,16 +1,7 @@
 """``hal soak``: the weight-sync job for many updates under seeded faults, judged by a checker over its history.
 
-For each engine, wire format and seed asked for, one run of :func:`hal.apps.soak.run.soak`: a trainer and
-``--rollouts`` rollout processes (the colocated engine: one process) run ``--updates`` updates of the job
-(:mod:`hal.apps.weightsync`; by default on a 2.3 MB checkpoint the run writes, :mod:`hal.apps.soak.model`) while the fault injector, driven by the seed, kills (SIGKILL), stops (SIGSTOP past
-the timeout), flips a byte of an update on its way in, cuts or slows a link, fills the file engine's disk or
-``/dev/shm``, at a moment it draws (before the send, mid-bucket, during a rollout's apply, during finalize). A
-killed process is restarted; the job re-seeds it. The checker then says whether every served step equals what the
-trainer published (CRC-32 per tensor), what was reported equals what is served, every fault ended in an error
-naming its target or the update within ``--timeout + --margin`` seconds, the update after it succeeded, and
-descriptors, ``/dev/shm`` segments, temporary directories and resident memory stayed flat
-(:mod:`hal.apps.soak.checker`). Faults the engine or the machine cannot produce are listed as skipped with the
-reason. A failed run prints its seed and the shortest command that replays it.
+One run of :func:`hal.apps.soak.run.soak` per engine, wire format and seed; see :mod:`hal.apps.soak`. A failed
+run prints its seed and the shortest command that replays it.
 """
 
 from __future__ import annotations
@@ -25,11 +16,10 @@ from hal.apps.errors import UsageError, mib_to_bytes
 from hal.apps.shutdown import stop_on_signals
 from hal.apps.soak.faults import KINDS
 
+# the engines a soak can run, in the order a run of several goes through them
 ENGINES = ("collective", "file", "colocated", "ipc", "nixl", "mooncake", "kimi")
-"""The engines a soak can run, in the order a run of several goes through them."""
 Engine = Literal["collective", "file", "colocated", "ipc", "nixl", "mooncake", "kimi"]
-TABLE_WIDTH = 132
-"""Columns the results table is printed in at least (rich would squeeze it into 80 where stdout is no terminal)."""
+TABLE_WIDTH = 132  # columns at least
 FaultKind = Literal["kill", "stop", "flip", "cut_link", "slow_link", "full_disk", "full_shm"]
 
 
@@ -51,8 +41,7 @@ class Soak:
     updates: int = 40
     """Updates per run (global_steps 1..N, after step 0, the initial weights)."""
     faults: tuple[FaultKind, ...] = KINDS
-    """Fault kinds the plan draws from (those the engine or the machine cannot produce are skipped, with the
-    reason in the report)."""
+    """Fault kinds the plan draws from (those the engine or machine cannot produce are skipped, with the reason)."""
     fault_rate: float = 0.25
     """Probability that an update gets a fault (never the first two, nor the one right after a fault)."""
     rollouts: int = 2
@@ -64,27 +53,17 @@ class Soak:
     bucket_mb: float = 1.0
     """Bucket size of the bucketed engines, in MiB; also the bound on each process's resident-memory growth."""
     model: Literal["tensors", "qwen2.5-tiny", "qwen2.5-0.5b"] = "tensors"
-    """What the trainer trains and publishes: tensors (a 2.3 MB safetensors checkpoint the run writes: bf16, fp32,
-    one tensor larger than a 1 MiB bucket, an int64 buffer; a regression step, so an update costs little),
-    qwen2.5-tiny (a 1.8 MB transformer: a real forward and backward per update, and a greedy decode verified
-    besides the checksums) or qwen2.5-0.5b (1 GB per update)."""
+    """What is trained and published: tensors (a 2.3 MB checkpoint), qwen2.5-tiny (decode verified) or qwen2.5-0.5b."""
     rollout_apply: Literal["atomic", "in-place"] = "atomic"
     """How rollouts apply an update: atomic (a second bank, switched when whole) or in place."""
     sample_every: int = 5
-    """Every how many updates each process's file descriptors and resident memory are sampled (after a clean
-    update; a sample costs a full garbage collection in every process)."""
+    """Every how many updates each process's descriptors and resident memory are sampled (a full gc each)."""
     json: bool = False
     """Print every run's report as JSON on stdout (progress goes to stderr)."""
 
 
 def resolve(args: Soak) -> tuple[str, list[str]]:
-    """The device kind and the engines of ``args``, checked before anything starts.
-
-    Raises:
-        UsageError: a count, size, time or rate out of range, or an engine unavailable on the kind (names it and
-            why).
-        UnknownDeviceError, DeviceUnavailableError: ``--device`` cannot be used here.
-    """
+    """The device kind and the engines of ``args``, checked before anything starts."""
     import ckpt
     import hal
 
@@ -123,9 +102,7 @@ def runs(args: Soak) -> list[Any]:
 
 
 def print_table(reports: list[dict[str, Any]]) -> None:
-    """One row per run (rich; at least :data:`TABLE_WIDTH` columns wide, and as wide as the rows need, so no cell
-    is cut short), then each run's faults by kind and what it skipped. ``held + KiB``: the largest growth of
-    held memory the leak rule judged (``leaks.held_growth_max_bytes``)."""
+    """One row per run, then each run's faults by kind and what it skipped."""
     from rich.table import Table
 
     from hal.apps.cli.tables import console_for
@@ -183,7 +160,7 @@ def run(args: Soak) -> int:
 
 
 def _progress(updates: int):
-    """A callback printing ``update g/N`` on stderr every tenth of the run (and at its end)."""
+    """A callback printing ``update g/N`` on stderr every tenth of the run."""
     every = max(1, updates // 10)
 
     def show(update: int) -> None:

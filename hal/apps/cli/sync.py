@@ -1,36 +1,14 @@
 """``hal sync``: the RL weight-sync job a user runs first, shaped like an RL job's trainer and rollouts.
 
-One trainer rank (``--trainer-ranks N``: hal's FSDP2 engine over N ranks, every rank publishing its own shards)
-and ``--rollouts`` rollout ranks on one device kind. Each of ``--steps`` steps:
-
-1. the trainer takes a real AdamW step on its fp32 master weights (a transformers ``Qwen2ForCausalLM``
-   built from the published Qwen2.5-0.5B configuration for the default preset) and offloads per
-   ``--offload``;
-2. it casts the weights to the published dtype (bf16 for presets, as verl's actor hands its rollout bf16)
-   into one flat buffer and publishes them tagged with ``global_steps`` through the chosen engine, as
-   verl's ``CheckpointEngineManager`` runs an update (:mod:`ckpt.manager`);
-3. every rollout, an inference-server stand-in holding its own bf16 model (``ckpt.ModelRolloutAdapter``),
-   loads the update into that model's existing parameters, all-or-nothing unless ``--rollout-apply in-place``;
-4. off the transfer's critical path, every rollout proves what it serves: a greedy decode of a fixed
-   prompt whose tokens equal, and whose logits are within ``--logits-atol`` of, the trainer's own bf16
-   model at that step, and a per-tensor CRC-32 equal to the trainer's;
-5. the same bytes are broadcast raw (one call, from the trainer's published buffer to the same rollouts,
-   on a group of the same backend), once just before step 2 and once after step 4: the mean of the two
-   is the reference the step's throughput is divided by (:mod:`hal.apps.weightsync.raw`, an add-on this
-   command attaches; none with the colocated engine);
-6. the trainer onloads what it offloaded.
-
-With ``--wire-format delta`` step 2 sends only the bf16 values that changed since the last update (verl's
-``delta_flush``: a full seed at step 0 and after a refused or failed update, :mod:`hal.apps.weightsync.delta`),
-and ``--compare-full`` times a full publish of the same weights around each step's.
-
-The job is the library :mod:`hal.apps.weightsync` (roles, messages, one step loop, launchers); this module
-is its options and a call. Per step, ``--json`` reports the publish-to-all-applied time and throughput, its
-ratio to the raw broadcast, the peak resident (host) memory of every rank against its stated bound, and each
-rollout's verification. ``--engine collective``, ``file``, ``ipc``, ``nixl``, ``mooncake`` and ``kimi`` run the
-ranks as separate processes started by ``torch.distributed.launcher`` (the library behind
-``torch.distributed.run``) or, with ``--launcher ray``, as Ray actors (collective and ipc); ``colocated`` runs
-trainer and rollouts in one process, as a colocated deployment does.
+One trainer (``--trainer-ranks N``: FSDP2 over N ranks, each publishing its own shards) and ``--rollouts``
+rollout ranks on one device kind. Each of ``--steps`` steps: the trainer takes an AdamW step on fp32 master
+weights and offloads per ``--offload``; it publishes them cast to bf16 (presets) with ``global_steps`` through
+the chosen engine, as verl's ``CheckpointEngineManager`` runs an update; every rollout loads the update into
+its model's existing parameters (all-or-nothing unless ``--rollout-apply in-place``), then proves what it
+serves (greedy-decode tokens and logits against the trainer's, a CRC-32 per tensor); a raw broadcast of the same
+bytes before and after is the throughput reference (:mod:`hal.apps.weightsync.raw`); the trainer onloads.
+``--wire-format delta`` sends only changed values (:mod:`hal.apps.weightsync.delta`). The job is the library
+:mod:`hal.apps.weightsync`; this module is its options and a call.
 """
 
 from __future__ import annotations
@@ -59,24 +37,17 @@ class Sync:
     device: Annotated[str | None, optional("KIND", DEVICE_DEFAULT)] = None
     """Device kind (npu, cuda, cpu, npu-sim, a plugin kind; npu:1 picks an index)."""
     model: Annotated[str, tyro.conf.arg(metavar="{qwen2.5-0.5b,qwen2.5-tiny}|PATH")] = "qwen2.5-0.5b"
-    """A preset (qwen2.5-0.5b: transformers' Qwen2 with the Qwen2.5-0.5B configuration, random init, 0.99 GB
-    published per step in bf16; qwen2.5-tiny: same layout, small; in any letter case) or a path to a
-    .safetensors file or a directory of them (model.safetensors.index.json honoured)."""
+    """A preset (qwen2.5-0.5b: Qwen2.5-0.5B's configuration, 0.99 GB in bf16; qwen2.5-tiny) or a safetensors path."""
     rollouts: int = 2
     """Rollout ranks receiving each step."""
     trainer_ranks: int = 1
-    """Trainer ranks. 1: one process holds the whole model. N > 1: hal's FSDP2 engine shards the model over N
-    processes (one device each, offload as with one), and every rank publishes the bf16 values of its own shards
-    straight into the rollouts' rows (the engine's multi_sender topology; no rank gathers the model); --json
-    reports each rank's peak against its bound (trainer_ranks). A preset, --engine collective, --launcher
-    torchrun, --rollout hal, --wire-format full; no raw-broadcast reference (x raw is -)."""
+    """Trainer ranks; N > 1: FSDP2 shards the model over N processes, each publishing its own shards."""
     steps: int = 3
     """Training steps, each published as global_steps 1..steps."""
     offload: Literal["none", "optimizer", "model", "all"] = "none"
     """What the trainer offloads to the host between its step and the next."""
     engine: Literal["collective", "file", "colocated", "ipc", "nixl", "mooncake", "kimi"] = "collective"
-    """Checkpoint engine publishing the weights (ipc: trainer and rollouts on this host, buckets shared in place;
-    nixl, mooncake, kimi: where hal info lists them available)."""
+    """Checkpoint engine publishing the weights (ipc: on this host; nixl, mooncake, kimi: where hal info lists them)."""
     rollout_apply: Literal["atomic", "in-place"] = "atomic"
     """atomic: rollouts load into a second weight bank and switch when the update is whole (a failed update
     leaves the previous step in service; memory 2 x model). in-place: into the served weights (memory
@@ -88,8 +59,7 @@ class Sync:
     decode_tokens: int = 4
     """Tokens of the greedy decode each rollout and the trainer run after every update (presets only)."""
     logits_atol: float = 1e-2
-    """Largest absolute difference allowed between a rollout's decode logits and the trainer's (same bf16
-    weights and kernels give 0; the tolerance covers kernels that differ across processes)."""
+    """Largest absolute difference allowed between a rollout's decode logits and the trainer's."""
     timeout: float = 300.0
     """Seconds any rendezvous, transfer or wait may take before it is an error."""
     file_root: Annotated[str | None, optional("DIR", "a new temporary directory, removed at exit")] = None
@@ -97,62 +67,35 @@ class Sync:
     json: bool = False
     """Print the per-step results as JSON on stdout (progress goes to stderr)."""
     launcher: Literal["torchrun", "ray"] = "torchrun"
-    """Who starts the ranks: torchrun (one machine), or Ray actors placed by the kind's Ray resource (engine
-    collective, or ipc with every actor on one node); see hal.apps.weightsync.launchers.ray."""
+    """Who starts the ranks: torchrun (one machine) or Ray actors (engine collective, or ipc on one node)."""
     address: Annotated[str | None, optional("auto|HOST:PORT", "start a one-node cluster for the run")] = None
     """With --launcher ray: the cluster, 'auto' (the cluster of this node) or HOST:PORT of its head."""
     placement: Annotated[Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] | None,
                          optional("{PACK,SPREAD,STRICT_PACK,STRICT_SPREAD}", "PACK")] = None
     """With --launcher ray: how the trainer's and rollouts' bundles are placed across nodes."""
     rollout: Literal["hal", "vllm"] = "hal"
-    """Who serves each rollout: hal (hal's own server stand-in, a transformers model) or vllm (a vLLM engine
-    in the rollout's process, fed by hal's collective engine inside vLLM's worker; needs vLLM, see
-    scripts/setup_vllm.sh; a preset, --engine collective, --launcher torchrun)."""
+    """Who serves each rollout: hal (a transformers model) or vllm (a vLLM engine; scripts/setup_vllm.sh)."""
     publish_dtype: Literal["auto", "bfloat16", "float32"] = "auto"
-    """The dtype a preset is published and served in; auto: float32 with --rollout vllm (vLLM's greedy
-    tokens then equal the trainer's transformers model's exactly), else bfloat16."""
+    """The dtype a preset is published and served in; auto: float32 with --rollout vllm, else bfloat16."""
     compare_hal: bool = True
-    """With --rollout vllm: run the same job with --rollout hal right after (same bytes, same dtype) and
-    report the update's time inside vLLM (receive + load) against hal's adapter's (receive + apply)."""
+    """With --rollout vllm: run the job with --rollout hal after and compare the update times."""
     wire_format: Literal["full", "delta"] = "full"
-    """full: every tensor each step. delta: only the bf16 values that changed (verl's delta_flush: int32
-    positions + values, a full seed first and after a refused or failed update), diffed against the
-    trainer's host snapshot and applied by each rollout per --rollout-apply; --json adds dense_bytes,
-    sent_bytes, changed_fraction and seed per step."""
+    """full: every tensor each step; delta: only the values that changed (verl's delta_flush, a full seed first)."""
     hybrid: bool = False
-    """verl's hybrid engine: the trainer and the rollouts on one device (the kind's device 0), each in its own
-    process; the trainer offloads its model, gradients and optimizer states before the rollouts apply each
-    update and onloads them after (implies --offload all). An engine that hands over on one device (ipc,
-    file); a device kind (not cpu); no raw-broadcast reference (x raw is -: a communicator refuses two ranks
-    on one device)."""
+    """verl's hybrid engine: trainer and rollouts on device 0, the trainer offloading all around each update."""
     compare_full: bool = False
-    """With --wire-format delta: also publish each step's weights in full through the same engine, once before and once after the
-    step's own publish, and report delta_vs_full (publish_s / the full publishes' mean) per step (engines
-    collective and colocated)."""
+    """With --wire-format delta: also publish each step in full before and after, and report delta_vs_full."""
     link_gbit: Annotated[float | None, optional("R", "the host's loopback")] = None
-    """Put every process in a network namespace of its own, joined by emulated links of R Gbit/s each way (veth
-    pairs on a bridge, tc token buckets; needs root and iproute2), as links between nodes are about 100x slower
-    than device memory; the job's control plane stays on the loopback. --engine collective, --launcher torchrun,
-    --rollout hal. With --wire-format delta --compare-full the steps show where delta pays."""
+    """Give every process a network namespace joined by emulated links of R Gbit/s each way (root, iproute2)."""
 
 
-LINK_ENGINES = ("collective",)
-"""Engines ``--link-gbit`` runs: those whose bytes cross the network (TCP) between the job's processes."""
+LINK_ENGINES = ("collective",)  # bytes cross TCP between processes
+# collective across nodes; ipc with every actor on one node (its build_topology refuses two hosts)
 RAY_ENGINES = ("collective", "ipc")
-"""Engines ``--launcher ray`` runs: the collective one across nodes, the ipc one with every actor on one node
-(its ``build_topology`` refuses workers on two hosts, naming them)."""
 
 
 def validate(args: Sync) -> None:
-    """Check the arguments before any process starts.
-
-    Raises:
-        UsageError: a count or size is not positive (names the flag and value), or ``--file-root`` is a file.
-        MissingFileError: ``--model`` is neither a preset (in any letter case) nor a safetensors
-            file/directory (or its index names a missing shard).
-        UnknownDeviceError, DeviceUnavailableError: ``--device`` cannot be used here.
-        DeviceIndexError: fewer visible devices than local processes (trainer + rollouts).
-    """
+    """Check the arguments before any process starts; raises UsageError, MissingFileError or a device error."""
     from hal.apps.weightsync.models import resolve_model
 
     refuse_flags_without_effect(args)
@@ -202,15 +145,8 @@ def validate(args: Sync) -> None:
 
 
 def refuse_flags_without_effect(args: Sync) -> None:
-    """Refuse a flag the given combination ignores, naming the flag it needs: ``--address`` and
-    ``--placement`` without ``--launcher ray``, ``--compare-full`` without ``--wire-format delta``,
-    ``--file-root`` without ``--engine file``, ``--no-compare-hal`` without ``--rollout vllm``,
-    ``--publish-dtype`` with a ``--model`` that is not a preset (a checkpoint is published as stored).
-
-    Raises:
-        UsageError: the first such flag, e.g. ``"--address has no effect without --launcher ray (got
-            --launcher torchrun)"``.
-    """
+    """Refuse a flag the given combination ignores, naming the flag it needs (``--address`` without ``--launcher
+    ray``, ...)."""
     import ckpt
     from hal.apps.weightsync.models import PRESETS, resolve_model
 
@@ -233,13 +169,7 @@ def refuse_flags_without_effect(args: Sync) -> None:
 
 
 def validate_sharded(args: Sync) -> None:
-    """``--trainer-ranks N > 1``'s own checks.
-
-    Raises:
-        UsageError: an engine without the multi-sender topology (its class's ``supports_multi_sender``), a
-            launcher other than torchrun, a rollout other than hal's, a delta or compared publish, or a model
-            that is not a preset (names the flag and value).
-    """
+    """``--trainer-ranks N > 1``'s own checks."""
     import ckpt
     from hal.apps.weightsync.models import PRESETS, resolve_model
 
@@ -255,13 +185,7 @@ def validate_sharded(args: Sync) -> None:
 
 
 def validate_links(args: Sync) -> None:
-    """``--link-gbit R``'s own checks.
-
-    Raises:
-        UsageError: a rate not in (0, :data:`hal.apps.links.MAX_LINK_GBIT`] Gbit/s, an engine not in
-            :data:`LINK_ENGINES`, ``--hybrid``, a launcher, rollout or trainer other than one torchrun-started hal
-            trainer (names the flag and value), or a machine where emulated links cannot be built (says why).
-    """
+    """``--link-gbit R``'s own checks, including whether this machine can build emulated links."""
     from hal.apps.links import link_gbit_to_bps, links_available
 
     link_gbit_to_bps(args.link_gbit)
@@ -278,13 +202,7 @@ def validate_links(args: Sync) -> None:
 
 
 def validate_hybrid(args: Sync, spec: Any) -> None:
-    """``--hybrid``'s own checks (``spec``: the resolved device kind).
-
-    Raises:
-        UsageError: a host kind (no device to share), an engine whose class does not say
-            ``ranks_may_share_a_device``, ``--offload`` other than ``all`` (or left out), or a launcher, rollout or
-            trainer other than one torchrun-started hal trainer (names the flag and value).
-    """
+    """``--hybrid``'s own checks (``spec``: the resolved device kind)."""
     import ckpt
 
     if spec.host_memory:
@@ -307,13 +225,7 @@ def validate_hybrid(args: Sync, spec: Any) -> None:
 
 
 def validate_vllm(args: Sync) -> None:
-    """``--rollout vllm``'s own checks.
-
-    Raises:
-        UsageError: vLLM is not installed, ``--launcher`` is not torchrun, ``--engine`` not one that receives inside vLLM
-            (``receives_inside_vllm``), or
-            ``--model`` not a preset (names the flag and value).
-    """
+    """``--rollout vllm``'s own checks."""
     import importlib.util
 
     import ckpt
@@ -332,8 +244,7 @@ def validate_vllm(args: Sync) -> None:
 
 
 def job_options(args: Sync) -> JobOptions:
-    """The job's options for ``args``: the device kind resolved, a preset by its key, the bucket in bytes
-    (``file_root`` stays ``None`` without ``--file-root``: the launcher makes a directory and removes it)."""
+    """The job's options for ``args``: the device kind resolved, a preset by its key, the bucket in bytes."""
     from hal.apps.weightsync.models import resolve_model
 
     fields = {f.name: getattr(args, f.name) for f in dataclasses.fields(JobOptions) if hasattr(args, f.name)}
@@ -345,12 +256,9 @@ def job_options(args: Sync) -> JobOptions:
 
 
 def execute(args: Sync) -> dict[str, Any]:
-    """Run the job; returns ``{"rows": [...per step...], "verified": bool, "errors": [...], ...}`` (the
-    ``--json`` output).
+    """Run the job; returns the ``--json`` output (``rows`` per step, ``verified``, ``errors``, ...).
 
-    Raises what :func:`validate` raises, :class:`hal.apps.errors.WorkerFailedError` (a ``RuntimeError``)
-    naming the trainer or rollout whose process failed and how, and :class:`ckpt.manager.UpdateError` naming
-    a worker that failed or died in a call (Ray).
+    Raises what :func:`validate` raises, WorkerFailedError naming a failed process, UpdateError (Ray).
     """
     import ckpt
     from hal.apps.weightsync.launchers import launch
@@ -360,9 +268,7 @@ def execute(args: Sync) -> dict[str, Any]:
     options = job_options(args)
     start = time.perf_counter()
     vllm = options.rollout == "vllm"
-    # the raw broadcast lands in a rollout's staging buffer: hal's adapter has one, vLLM's worker does not
-    # (a sharded trainer has no one buffer to broadcast)
-    # (--hybrid: a communicator refuses two ranks on one device)
+    # the raw broadcast lands in hal's adapter's staging buffer: none in vLLM's worker, a sharded trainer or --hybrid
     hooks: list[Any] = [] if options.colocated or vllm or options.sharded or options.hybrid else [RawReference()]
     if options.compare_full:
         from hal.apps.weightsync.full_reference import FullReference
@@ -385,8 +291,7 @@ def execute(args: Sync) -> dict[str, Any]:
     return out
 
 
-TABLE_WIDTH = 140
-"""Columns the step table is printed in at least, more where its rows need it (:func:`console_for`)."""
+TABLE_WIDTH = 140  # at least; wider where the rows need it
 
 
 def print_table(result: dict[str, Any]) -> None:
@@ -410,8 +315,6 @@ def print_table(result: dict[str, Any]) -> None:
                           "of the same bytes to the same rollouts (mean of one before and one after the publish), "
                           "its time / publish s (above 1: faster than raw); "
                           "MB = 10^6 bytes; GB: peak resident / stated bound")
-    # publish = send until every rollout serves the step; raw = a broadcast of the same bytes (mean of 2);
-    # peak = max resident memory of the trainer (sharded: the rank nearest its bound) / the largest rollout, against its stated bound
     for col in ("step", "loss", "MB", "publish s", "GB/s", "x raw", "offload s", "onload s", "trainer GB",
                 "rollout GB", "tokens", "served", "ok"):
         table.add_column(col, justify="right")
@@ -451,16 +354,14 @@ def print_table(result: dict[str, Any]) -> None:
 
 
 def delta_versus_full(ratio: float) -> str:
-    """``delta_vs_full`` (a delta publish's seconds / a full publish's of the same weights) in words that say
-    which way: ``"delta publish 5.48x slower than a full publish of the same weights"``, or ``... faster``."""
+    """``delta_vs_full`` in words that say which way (``"delta publish 5.48x slower than a full publish ..."``)."""
     if ratio > 1:
         return f"delta publish {ratio:.2f}x slower than a full publish of the same weights"
     return f"delta publish {1 / ratio:.2f}x faster than a full publish of the same weights"
 
 
 def print_vllm(result: dict[str, Any], console: Any) -> None:
-    """With --rollout vllm: per rollout, vLLM's start-up seconds and peak resident memory; per step, the update's
-    time inside vLLM (receive, load) and, with --compare-hal, hal's adapter's on the same bytes."""
+    """With --rollout vllm: vLLM's start-up and peak memory per rollout; the update's time inside vLLM per step."""
     from rich.table import Table
 
     rows = result["rows"]

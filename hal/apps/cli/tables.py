@@ -1,6 +1,5 @@
-"""How the CLI prints a results table whole: rich squeezes a table into the terminal's width, or into 80
-columns where stdout is no terminal (piped, logged), wrapping its cells onto more lines and, where even that
-does not fit, cutting them short ("12…", "y…")."""
+"""How the CLI prints a results table whole (rich would squeeze it into the terminal, or 80 columns when piped,
+cutting cells short)."""
 
 from __future__ import annotations
 
@@ -8,10 +7,8 @@ from typing import Any
 
 
 def console_for(table: Any, least: int = 0) -> Any:
-    """A ``rich.console.Console`` to print ``table`` (a ``rich.table.Table``) with no cell wrapped or cut: the
-    terminal's where the table fits in it, else one as wide as the table's widest row needs (at least ``least``
-    columns). In a narrower terminal the terminal then folds the long lines; every value stays whole (a fresh
-    user's 80-column terminal showed ``hal sync``'s losses as ``12…``)."""
+    """A ``rich.console.Console`` printing ``table`` with no cell wrapped or cut: the terminal's where it fits, else
+    one as wide as the widest row (at least ``least`` columns)."""
     from rich.console import Console
 
     console = Console()
