@@ -1,16 +1,10 @@
 """The full-publish reference ``hal sync --wire-format delta --compare-full`` measures each delta publish
-against: an add-on to the job (a :class:`~hal.apps.weightsync.loop.StepHook`), not part of it.
+against: an add-on to the job (a :class:`~hal.apps.weightsync.loop.StepHook`).
 
-Around each step's publish, the same weights (the trainer's published buffer of that step) are published
-in full through the job's own checkpoint engine, as verl's manager runs an update (``build_process_group``,
-every worker's part concurrently, ``finalize``), once just before the delta publish and once after the
-verification: the mean of the two is the step's ``full_publish_s`` (measured on both sides, so a slow or
-fast spell of a shared machine weighs on both alike), and ``delta_vs_full`` is ``publish_s /
-full_publish_s`` (below 1: the delta publish was faster). Each rollout receives the full update as a full
-rollout does (``ckpt.ModelRolloutAdapter``'s staging: the engine writes into a bank through the placement
-where it can, else the rollout copies each tensor there), into a scratch bank allocated before the timing
-starts and freed after it, so the weights in service and the rollouts' delta receivers are untouched.
-Times run from when every worker was in the update until the last rollout had it.
+The step's published buffer goes out in full through the job's own engine once before the delta publish and
+once after the verification; the mean is ``full_publish_s`` and ``delta_vs_full`` is ``publish_s /
+full_publish_s``. Rollouts receive into a scratch bank, so the served weights and delta receivers are
+untouched.
 """
 
 from __future__ import annotations
@@ -23,9 +17,8 @@ import torch
 import hal
 from hal.apps.weightsync.loop import attach_everywhere
 
+# engines the reference runs over: its update carries the delta update's step, so a step is taken twice
 REFERENCE_FACT = "accepts_repeated_global_steps"
-"""The class fact (:class:`ckpt.CheckpointEngine`) of the engines the reference runs over: the reference's
-update is tagged with the step the delta update also carries, so the engine must take a step twice."""
 
 
 class BankPlacement:
@@ -48,13 +41,8 @@ class FullMember:
         self.worker = worker
 
     async def publish(self, global_steps: int) -> tuple[float, float]:
-        """The trainer sends its published buffer in full; a rollout receives it into a scratch bank.
-        Returns the wall-clock start and end of this worker's part (seconds).
-
-        Raises:
-            WeightMismatchError: a received tensor the rollout does not serve (names it).
-            Whatever the engine raises.
-        """
+        """The trainer sends its published buffer in full; a rollout receives it into a scratch bank. Returns the
+        wall-clock start and end of this worker's part."""
         from ckpt.errors import WeightMismatchError
 
         worker = self.worker
@@ -77,18 +65,14 @@ class FullMember:
 
 
 class FullReference:
-    """The job's hook timing a full publish of each step's weights (see the module docstring).
-
-    Raises (from its calls): :class:`ckpt.manager.UpdateError` naming the worker whose part failed.
-    """
+    """The job's hook timing a full publish of each step's weights (UpdateError names a failed worker)."""
 
     def __init__(self) -> None:
         self.attached: set[int] = set()
         self.samples: dict[int, list[float]] = {}
 
     async def measure(self, job: Any, global_steps: int) -> float:
-        """One full publish of step ``global_steps``'s weights; seconds from when every worker was in it
-        until the last rollout had it."""
+        """One full publish of step ``global_steps``'s weights, in seconds."""
         manager = job.manager
         everyone = await attach_everywhere(manager, self.attached, FullMember, "full reference")
         await manager.settle_leftovers()
@@ -107,8 +91,7 @@ class FullReference:
         self.samples.setdefault(global_steps, []).append(await self.measure(job, global_steps))
 
     def figures(self, global_steps: int, nbytes: int, publish_s: float) -> dict[str, Any]:
-        """``full_publish_s`` (the mean of the step's full publishes), ``full_publish_s_each`` and
-        ``delta_vs_full`` (``publish_s / full_publish_s``); step 0: ``full_publish_s`` only."""
+        """``full_publish_s``, ``full_publish_s_each`` and ``delta_vs_full``; step 0: ``full_publish_s`` only."""
         each = self.samples.pop(global_steps, [])
         if not each:
             return {"full_publish_s": None, "delta_vs_full": None}

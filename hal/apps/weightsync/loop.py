@@ -1,21 +1,11 @@
 """The weight-sync job's one step loop, the same under every launcher.
 
-Each step: the trainer trains, offloads and casts (``train``); the update runs as verl's manager runs it
-(:class:`ckpt.manager.CheckpointEngineManager`: prepare, build_topology, init_process_group, the trainer's send
-and every rollout's receive concurrently, finalize); the trainer computes its reference (``reference``:
-checksums and its own bf16 model's decode) and every rollout checks what it serves against it (``check``);
-the trainer onloads and judges its peak (``conclude``). A step's row is :func:`~hal.apps.weightsync.figures.step_row`'s.
-Step 0, untimed, loads the trainer's initial weights into the rollouts (as an RL job syncs its rollouts
-before their first generation), so one-time costs are paid before step 1 is timed.
-
-Hooks (:class:`StepHook`) add a measurement around each publish (the raw-broadcast reference of ``hal sync``
-is one: :class:`hal.apps.weightsync.raw.RawReference`). A failed call raises :class:`ckpt.manager.UpdateError`
-naming the worker; the trainer then drops its published buffer and onloads, and the next step starts clean
-(the calls still running are settled first).
-
-With ``--wire-format delta`` the loop keeps the delta fault policy (:mod:`hal.apps.weightsync.delta`): a rollout
-whose receiver needs a seed after an update (it refused it, its transfer failed), a failed step and a replaced
-rollout make the trainer re-seed the next update (:meth:`Job.reseed_if_needed`, :meth:`Job.settle`).
+Each step: the trainer trains, offloads and casts; the update runs as verl's
+:class:`ckpt.manager.CheckpointEngineManager` runs it (prepare, build_topology, init_process_group, send and
+receives concurrently, finalize); every rollout checks what it serves against the trainer's reference; the
+trainer onloads and judges its peak. Step 0, untimed, loads the initial weights. Hooks (:class:`StepHook`)
+measure around each publish. A failed call raises :class:`ckpt.manager.UpdateError` naming the worker; the
+trainer drops its buffer and onloads, so the next step starts clean (with ``--wire-format delta``, as a seed).
 """
 
 from __future__ import annotations
@@ -32,18 +22,13 @@ from hal.apps.weightsync.options import JobOptions
 from hal.apps.weightsync.trainer import Trainer
 from hal.apps.weightsync.worker import RolloutRole, Worker
 
+# seconds a worker may take to start (imports, its model) besides the timeout
 START_MARGIN_S = 150.0
-"""Seconds a worker may take to start (import torch and transformers, build its model) besides the timeout."""
 
 
 async def attach_everywhere(manager: CheckpointEngineManager, attached: set[int], addon_cls: type,
                             what: str) -> list[int]:
-    """Attach an ``addon_cls`` (see :meth:`Worker.attach`) on every worker of ``manager`` not yet in
-    ``attached``, and record them there; returns every worker's index (the hooks' measurements span all).
-
-    Raises:
-        UpdateError: a worker failed or died in the call (names it; ``what`` names the phase).
-    """
+    """Attach an ``addon_cls`` on every worker of ``manager`` not yet in ``attached``; returns every worker's index."""
     everyone = list(range(manager.world_size))
     missing = [i for i in everyone if i not in attached]
     if missing:
@@ -70,8 +55,7 @@ class StepHook(Protocol):
 
 @dataclasses.dataclass
 class JobResult:
-    """What a run produced: the warmup (step 0: ``publish_s``, ``errors``, ``wall_s``, hooks' fields), a row
-    per step (:func:`~hal.apps.weightsync.figures.step_row`), and what the launcher adds (``extra``)."""
+    """What a run produced: the warmup (step 0), a row per step, and what the launcher adds (``extra``)."""
 
     warmup: dict[str, Any]
     rows: list[dict[str, Any]]
@@ -79,8 +63,7 @@ class JobResult:
 
     @property
     def errors(self) -> list[str]:
-        """One sentence per rollout that failed a step (step 0 included), and per rank whose peak exceeded
-        its stated bound (:func:`~hal.apps.weightsync.figures.memory_failures`)."""
+        """One sentence per rollout that failed a step, and per rank whose peak exceeded its stated bound."""
         errors = [f"step 0 (initial weights): {e}" for e in self.warmup.get("errors", [])]
         for row in self.rows:
             errors += [f"step {row['global_steps']}, rollout rank {r['rank']}: {r['error']}"
@@ -89,9 +72,7 @@ class JobResult:
         return errors
 
     def report(self, steps: int) -> dict[str, Any]:
-        """The ``--json`` fields of the run: ``warmup``, the launcher's, :func:`summary`'s, ``rows``,
-        ``verified`` (no error and ``steps`` rows) and ``errors``; each row gets ``ok``
-        (:func:`~hal.apps.weightsync.figures.row_ok`)."""
+        """The ``--json`` fields of the run: ``warmup``, ``rows`` (each with ``ok``), ``verified``, ``errors``, ..."""
         for row in self.rows:
             row["ok"] = row_ok(row)
         return {"warmup": self.warmup, **self.extra, **summary(self.rows), "rows": self.rows,
@@ -106,23 +87,17 @@ def engine_class(options: JobOptions) -> Any:
 
 
 class Job:
-    """The job over a launcher's ``group`` (worker 0 the trainer, 1..R the rollouts); see the module docstring.
-
-    Args:
-        options: the job's options.
-        group: the workers (:class:`ckpt.manager.WorkerGroup`).
-        hooks: measurements around each publish.
-    """
+    """The job over a launcher's ``group`` (worker 0 the trainer, 1..R the rollouts)."""
 
     def __init__(self, options: JobOptions, group: WorkerGroup, hooks: Sequence[StepHook] = ()) -> None:
         self.options, self.group, self.hooks = options, group, list(hooks)
         self.manager = CheckpointEngineManager(engine_class(options), group, options.timeout)
+        # {global_steps: {name: checksum}} of the last step every rollout verified
         self.checksums: dict[int, dict[str, str]] = {}
-        """``{global_steps: {name: checksum}}`` of the last step every rollout verified."""
         self.shape: tuple[int, int] = (0, 0)
         self.abandon_pending = False
+        # why the next update must be a full seed (delta), sent to the trainer by settle()
         self.reseed_pending: str | None = None
-        """Why the next update must be a full seed (``--wire-format delta``), sent to the trainer by :meth:`settle`."""
 
     @property
     def everyone(self) -> list[int]:
@@ -134,8 +109,7 @@ class Job:
         return list(range(self.group.trainer_world_size))
 
     async def on_trainers(self, method: Callable, args: tuple = (), what: str | None = None) -> list[Any]:
-        """``method(*args)`` (a :class:`Trainer` method) on every trainer rank at once (a sharded trainer's
-        calls are collectives)."""
+        """``method(*args)`` on every trainer rank at once (a sharded trainer's calls are collectives)."""
         return await self.manager.call(self.trainers, method, [args] * len(self.trainers), what=what)
 
     async def start(self) -> list[Any]:
@@ -157,8 +131,7 @@ class Job:
             await self.on_trainers(Trainer.abandon, what="onload")
 
     async def abandon(self) -> None:
-        """After a failed step: the trainer drops its published buffer and onloads, now or once its own call
-        of the failed phase ended (:meth:`settle`)."""
+        """After a failed step: the trainer drops its published buffer and onloads, now or in :meth:`settle`."""
         self.reseed_pending = "the last update failed"  # a rollout may hold part of it
         if any(i in self.manager.unsettled for i in self.trainers):
             self.abandon_pending = True
@@ -167,8 +140,7 @@ class Job:
             await self.on_trainers(Trainer.abandon, what="onload")
 
     async def reseed_if_needed(self, received: Sequence[Any]) -> None:
-        """The delta fault policy (:func:`hal.apps.weightsync.delta.reseed_reason`): a rollout whose receiver
-        needs a seed (it refused the update, its transfer failed) makes the trainer re-seed the next update."""
+        """Make the trainer re-seed the next update when a rollout's receiver needs a seed (delta)."""
         if not self.options.delta:
             return
         from hal.apps.weightsync.delta import reseed_reason
@@ -178,8 +150,7 @@ class Job:
             await self.on_trainers(Trainer.reseed, (reason,))
 
     async def warmup(self) -> dict[str, Any]:
-        """Step 0, untimed: returns ``{"publish_s", "errors": [one sentence per rollout that failed], "wall_s"}``
-        and the hooks' fields."""
+        """Step 0, untimed: returns ``{"publish_s", "errors", "wall_s"}`` and the hooks' fields."""
         start = time.perf_counter()
         await self.settle()
         await self.on_trainers(Trainer.stage)
@@ -199,11 +170,8 @@ class Job:
         return out
 
     async def step(self, global_steps: int) -> dict[str, Any]:
-        """Train, publish as ``global_steps``, verify every rollout, onload; returns the step's row.
-
-        Raises:
-            UpdateError: a worker failed or died (named); the trainer onloads (now or before the next step).
-        """
+        """Train, publish as ``global_steps``, verify every rollout, onload; returns the step's row (UpdateError:
+        the trainer onloads now or before the next step)."""
         await self.settle()
         trained, *_ = await self.on_trainers(Trainer.train, (global_steps,))
         rollouts = self.manager.rollouts
@@ -232,8 +200,7 @@ class Job:
         return row
 
     def split(self, results: Sequence[Any]) -> tuple[Sent, list[Any]]:
-        """An update's results as ``(the trainer's send, [each rollout's receive])`` (several trainer ranks'
-        sends merged: :func:`~hal.apps.weightsync.messages.merge_sent`)."""
+        """An update's results as ``(the trainer's send, [each rollout's receive])``."""
         trainers = len(self.trainers)
         return merge_sent(results[:trainers]), list(results[trainers:])
 
@@ -269,8 +236,7 @@ class Job:
 
 
 def progress_bar():
-    """A rich progress bar on stderr where stderr is a terminal; elsewhere none (the loop prints one line per
-    step instead, and no bar is drawn at the end, nor after an interrupt)."""
+    """A rich progress bar on stderr where it is a terminal; elsewhere none (one line per step instead)."""
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -280,11 +246,7 @@ def progress_bar():
 
 
 async def run(options: JobOptions, group: WorkerGroup, hooks: Sequence[StepHook] = ()) -> JobResult:
-    """Start the job on ``group`` and run it (:meth:`Job.run_steps`); the one loop every launcher runs.
-
-    Raises:
-        UpdateError: a worker failed or died; the message names it (role, rank, node and device when known).
-    """
+    """Start the job on ``group`` and run it; the one loop every launcher runs (UpdateError names a failed worker)."""
     job = Job(options, group, hooks)
     await job.start()
     return await job.run_steps()

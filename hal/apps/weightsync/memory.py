@@ -1,11 +1,7 @@
-"""Memory of the weight-sync job: each rank's peak, and the stated bounds it is judged by.
-
-A bound is a sum of named terms in bytes (:func:`memory_bound`). The trainer's is its model state (fp32
-parameters and gradients), AdamW's states, what its checkpoint engine holds while sending (a fact of the
-engine's class, :func:`send_buffer`) and :data:`RUNTIME_BYTES`; a rollout's is its weight banks (from its
-adapter's ``memory()``), the engine's receive buckets and :data:`RUNTIME_BYTES`.
-Peaks are the process's resident high-water mark (Linux ``VmHWM``), reset at the start of each window.
-"""
+"""Memory of the weight-sync job: each rank's peak (Linux ``VmHWM``, reset per window) against a stated bound,
+a sum of named terms in bytes (:func:`memory_bound`). The trainer's: model state, AdamW's states, what its
+engine holds while sending (:func:`send_buffer`) and :data:`RUNTIME_BYTES`; a rollout's: its weight banks, the
+engine's receive buckets and :data:`RUNTIME_BYTES`."""
 
 from __future__ import annotations
 
@@ -16,19 +12,13 @@ from typing import Any
 
 import hal
 
+# bytes a rank holds besides model, optimizer and buffers (interpreter, torch, activations of a step or decode)
 RUNTIME_BYTES = 768 << 20
-"""The stated constant of the memory bounds, in bytes: a rank's resident memory besides its model,
-optimizer and buffers (the interpreter, torch and transformers, activations of a step or a decode)."""
+# of RUNTIME_BYTES, what a process holds with hal, torch and transformers imported (244 MB measured), headroom
 IMPORTS_BYTES = 384 << 20
-"""Of :data:`RUNTIME_BYTES`, what a process holds before a job's workers are built: the interpreter with hal,
-torch and transformers imported (measured 244 MB on cpu with torch 2.13), with headroom. What a process holds
-beyond it when the job begins is not the job's (:func:`held_before_terms`)."""
 
-TRAINER_BUCKETS = 3
-"""Buckets a bucketed engine (collective, nixl, mooncake) holds while sending: its two send buffers and one
-bucket of slack."""
-ROLLOUT_BUCKETS = 2
-"""Buckets in a rollout's bound: banks + 2 buckets + constant (the engine's two receive buffers)."""
+TRAINER_BUCKETS = 3  # two send buffers + one of slack
+ROLLOUT_BUCKETS = 2  # the engine's two receive buffers
 
 
 def local_nbytes(tensor: Any) -> int:
@@ -38,28 +28,16 @@ def local_nbytes(tensor: Any) -> int:
 
 
 def memory_bound(peak_bytes: int, form: str, terms: dict[str, int]) -> dict[str, Any]:
-    """A peak judged against a stated bound: ``{"form", "terms", "bound_bytes", "peak_bytes", "within"}``.
-
-    Args:
-        peak_bytes: the measured peak (resident bytes).
-        form: the bound in words (e.g. ``"model + 2 buckets + constant"``).
-        terms: its addends in bytes; ``bound_bytes`` is their sum.
-    """
+    """A peak judged against a stated bound: ``{"form", "terms", "bound_bytes", "peak_bytes", "within"}``;
+    ``form`` is the bound in words, ``terms`` its addends in bytes."""
     bound = sum(terms.values())
     return {"form": form, "terms": dict(terms), "bound_bytes": bound, "peak_bytes": peak_bytes,
             "within": peak_bytes <= bound}
 
 
 def send_buffer(engine_cls: Any, bucket_bytes: int, published_bytes: int) -> tuple[str, dict[str, int]]:
-    """What a trainer's checkpoint engine of class ``engine_cls`` holds while it sends: ``(words, {term: bytes})``.
-
-    The class states it (``ckpt.CheckpointEngine.send_buffer_bytes(bucket_size, published_bytes)`` and
-    ``send_buffer_words``; the ABC's default is nothing held): 3 buckets for collective, nixl and mooncake,
-    the update pinned in host memory for kimi, the update's host copies for file, nothing for colocated.
-
-    Raises:
-        ValueError: a class that does not state it (not a ``ckpt.CheckpointEngine``, and no such attributes).
-    """
+    """What a trainer's engine of class ``engine_cls`` holds while it sends, as the class states it:
+    ``(words, {term: bytes})``; ValueError for a class that states nothing."""
     if not hasattr(engine_cls, "send_buffer_bytes"):
         raise ValueError(f"checkpoint engine class {getattr(engine_cls, '__name__', engine_cls)!r} states no "
                          "send_buffer_bytes (ckpt.CheckpointEngine's classmethod): its memory bound is unknown")
@@ -70,16 +48,8 @@ def send_buffer(engine_cls: Any, bucket_bytes: int, published_bytes: int) -> tup
 def trainer_memory_bound(peak_bytes: int, param_bytes: int, grad_bytes: int, optimizer_bytes: int, engine_cls: Any,
                          bucket_bytes: int, published_bytes: int, device_words: str = "",
                          device_terms: dict[str, int] | None = None, state_words: str = "model") -> dict[str, Any]:
-    """The trainer's peak against model + optimizer + what its engine holds to send + constant
-    (:func:`memory_bound`; the engine's term is :func:`send_buffer`'s).
-
-    The model term is the trainer's model state: its fp32 master parameters and their gradients
-    (``param_bytes + grad_bytes``); the optimizer term is AdamW's states (``optimizer_bytes``). The peak is
-    reached in the backward pass, when every gradient exists beside the parameters and the optimizer states;
-    the published buffer (``published_bytes``: bf16 for presets) exists only after the gradients are freed.
-    ``device_words``/``device_terms`` (:func:`host_device_terms`) are what a host-backed device adds;
-    ``state_words`` names the model state in the form (a sharded trainer's rank: ``"shards"``).
-    """
+    """The trainer's peak against model (fp32 parameters + gradients) + AdamW states + its engine's send buffer +
+    constant (:func:`memory_bound`)."""
     words, sending = send_buffer(engine_cls, bucket_bytes, published_bytes)
     form = (f"{state_words} (parameters + gradients) + optimizer + " + (f"{words} + " if words else "")
             + (f"{device_words} + " if device_words else "") + "constant")
@@ -89,18 +59,9 @@ def trainer_memory_bound(peak_bytes: int, param_bytes: int, grad_bytes: int, opt
 
 def host_device_terms(kind: str, step_temporaries_bytes: int = 0,
                       offloaded_bytes: int = 0, working_bytes: int = 0) -> tuple[str, dict[str, int]]:
-    """What a kind whose device memory is host memory (the simulated npu: ``DeviceSpec.device_memory_in_host``)
-    adds to a host bound: ``(words, {term: bytes})``; ``("", {})`` for every other kind.
-
-    The terms: the device allocator's resident cache (``device_cache_bytes``: freed blocks it may keep
-    resident, ``DeviceSpec.host_cached_bytes()``); when given, the optimizer step's temporaries
-    (``optimizer_step_bytes``: on a device they are device memory, here they are the host's); and the host
-    buffers an engine offloads into (``offload_buffers_bytes``: the bytes it offloads; it keeps them for the
-    next offload, ``engines.host_buffers``, so here they stand beside the onloaded tensors); and when given, the
-    step's device working memory (``device_working_bytes``: what the device's own allocator counted at its peak
-    beyond the states and the temporaries above: activations and the backward's transients, about 1.2 GB for the
-    0.5B preset; on a device it is device memory, here the host's, on top of what :data:`RUNTIME_BYTES` holds).
-    """
+    """What a kind whose device memory is host memory (the simulated npu) adds to a host bound: ``(words,
+    {term: bytes})`` (allocator cache, step temporaries, offload buffers, device working memory); ``("", {})``
+    for every other kind."""
     spec = hal.resolve_device(kind)
     if not spec.device_memory_in_host:
         return "", {}
@@ -120,17 +81,8 @@ def host_device_terms(kind: str, step_temporaries_bytes: int = 0,
 def rollout_memory_bounds(peak_bytes: int, model_bytes: int, banks: int, bucket_bytes: int,
                           device_words: str = "", device_terms: dict[str, int] | None = None,
                           senders: int = 1) -> dict[str, Any]:
-    """A rollout's peak against the bound of its apply mode, and against the single-bank form.
-
-    Returns:
-        ``{"mode", "judged_by": memory_bound(...), "model_plus_2_buckets": memory_bound(...)}``:
-        ``judged_by`` is the bound the rollout is held to: ``model + 2 buckets + constant`` in place (one
-        bank), ``2 x model + 2 buckets + constant`` atomic (a second bank receives the update, so a failed
-        one leaves the previous weights in service); ``model_plus_2_buckets`` is the single-bank form,
-        reported for both modes (an atomic rollout exceeds it by design). ``device_words``/``device_terms``
-        (:func:`host_device_terms`) are added to both forms. With ``senders`` trainer ranks sending (a sharded
-        trainer), the engine receives every sender's lane at once: 2 buckets per sender (``ckpt.multi_sender``).
-    """
+    """A rollout's peak against its apply mode's bound (``judged_by``: 1 bank in place, 2 atomic, + 2 buckets per
+    sender + constant) and the single-bank form (``model_plus_2_buckets``)."""
     count = ROLLOUT_BUCKETS * senders
     buckets = {"buckets_bytes": count * bucket_bytes, **(device_terms or {}), "constant_bytes": RUNTIME_BYTES}
     tail = f" + {count} buckets + " + (f"{device_words} + " if device_words else "") + "constant"
@@ -141,15 +93,8 @@ def rollout_memory_bounds(peak_bytes: int, model_bytes: int, banks: int, bucket_
 
 
 def held_before_terms(resident_before: int) -> tuple[str, dict[str, int]]:
-    """What the process held, when the job's worker was built, beyond :data:`IMPORTS_BYTES`: ``(words,
-    {"held_before_bytes": bytes})``, or ``("", {})`` when it held no more (a process of its own, as every
-    launcher but the colocated one starts). A job run inside a longer-lived process (a pytest worker, which
-    keeps what earlier tests left, up to 1.1 GB measured; an application calling ``run``) is judged by what it
-    adds, not by what its host already held.
-
-    Args:
-        resident_before: the process's resident bytes (:func:`resident_bytes`) before the worker built anything.
-    """
+    """What the process held beyond :data:`IMPORTS_BYTES` when the job's worker was built (a pytest worker, say):
+    ``(words, {"held_before_bytes": bytes})``, or ``("", {})``."""
     held = resident_before - IMPORTS_BYTES
     return ("what the process held before the job", {"held_before_bytes": held}) if held > 0 else ("", {})
 
@@ -164,8 +109,7 @@ def reset_peak(kind: str) -> None:
 
 
 def proc_status_bytes(field: str) -> int | None:
-    """A size field of ``/proc/self/status`` (``"VmRSS"``, ``"VmHWM"``: kB there), in bytes; ``None`` where
-    ``/proc`` is unavailable (not Linux)."""
+    """A size field of ``/proc/self/status`` (``"VmRSS"``, ``"VmHWM"``) in bytes; ``None`` without ``/proc``."""
     with contextlib.suppress(OSError):
         for line in pathlib.Path("/proc/self/status").read_text().splitlines():
             if line.startswith(f"{field}:"):
@@ -174,28 +118,19 @@ def proc_status_bytes(field: str) -> int | None:
 
 
 def resident_bytes() -> int:
-    """This process's resident memory now (Linux ``VmRSS``), in bytes; 0 where ``/proc`` is unavailable."""
+    """This process's resident memory now (Linux ``VmRSS``), in bytes; 0 without ``/proc``."""
     return proc_status_bytes("VmRSS") or 0
 
 
 def held_resident_bytes() -> int:
-    """This process's resident memory less its file-backed pages (Linux ``RssAnon + RssShmem``: heap, anonymous
-    and shared-memory maps), in bytes; 0 where ``/proc`` is unavailable. What a leak can hold: ``VmRSS`` also
-    counts the mapped libraries' pages, which grow once when first touched (measured: the first C++ exception
-    torch raises in a process makes the unwinder read libtorch's unwind tables, ``RssFile`` +6.2 MB,
-    ``RssAnon`` unchanged) and are the kernel's to reclaim."""
+    """This process's anonymous and shared-memory resident bytes (``RssAnon + RssShmem``: what a leak can hold,
+    unlike library pages); 0 without ``/proc``."""
     return (proc_status_bytes("RssAnon") or 0) + (proc_status_bytes("RssShmem") or 0)
 
 
 def device_cache_in_host_bytes(kind: str) -> int:
-    """Host bytes this process's device of ``kind`` holds resident for freed blocks its caching allocator keeps
-    (a kind whose device memory is host memory, ``DeviceSpec.device_memory_in_host``: the simulated npu); 0 for
-    every other kind. On a real device that cache is device memory torch's caching allocators keep reserved,
-    not host memory a leak holds.
-
-    Raises:
-        hal.HalError: the kind is unknown or unusable here.
-    """
+    """Host bytes the caching allocator of a device of ``kind`` keeps resident for freed blocks, where device
+    memory is host memory (the simulated npu); 0 for every other kind."""
     local = hal.resolve_local_device(kind)
     return local.spec.host_cache_resident_bytes(local.device.index or 0)  # the spec says 0 where it is not host memory
 
@@ -216,8 +151,7 @@ def peak_device_bytes(kind: str) -> int:
 
 
 def trim_host_heap() -> None:
-    """Hand freed heap memory back to the OS (glibc ``malloc_trim``), so memory a step freed (gradients)
-    is not counted again beside what the next phase allocates; nothing happens where it is unavailable."""
+    """Hand freed heap memory back to the OS (glibc ``malloc_trim``) where available."""
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL("libc.so.6").malloc_trim(0)
 

@@ -1,8 +1,7 @@
-"""The typed messages of one weight-sync step, as the launchers carry them between the roles (pickled over
-ZeroMQ under torchrun, Ray's serialization under Ray, as objects in one process when colocated).
+"""The typed messages of one weight-sync step, as the launchers carry them between the roles.
 
-Times ending in ``_at`` or named ``t0`` are wall-clock (``time.time()``, seconds), comparable across
-processes of one machine; ``*_s`` are durations in seconds; ``*_bytes`` are bytes.
+Times ending in ``_at`` or named ``t0`` are wall-clock (``time.time()``) seconds; ``*_s`` are durations in
+seconds; ``*_bytes`` are bytes.
 """
 
 from __future__ import annotations
@@ -22,8 +21,8 @@ class Trained:
     loss: float
     train_s: float
     offload_s: float
+    # where model, gradients and optimizer states live after the offload (engines.TensorHome as a dict)
     tensor_home: dict[str, Any]
-    """Where the model, gradients and optimizer states live after the offload (engines.TensorHome as a dict)."""
     stage_s: float
 
 
@@ -33,15 +32,13 @@ class Sent:
 
     t0: float
     send_s: float
-    delta: dict[str, Any] | None = None
-    """``--wire-format delta``: the update's ``ckpt.delta.UpdateStats`` as a dict (``None``: a full update)."""
+    delta: dict[str, Any] | None = None  # delta: ckpt.delta.UpdateStats as a dict
 
 
 @dataclasses.dataclass
 class Reference:
-    """What the rollouts are checked against: the trainer's CRC-32 per tensor (``sums``, ``{name: hex}``)
-    and, for presets, its own bf16 model's greedy decode (``tokens``; ``logits``: ``(len(tokens), vocab)``
-    float32 on the host)."""
+    """What the rollouts are checked against: the trainer's CRC-32 per tensor (``sums``) and, for presets, its
+    greedy decode (``tokens``; ``logits`` float32 on the host)."""
 
     sums: dict[str, str]
     tokens: list[int] | None = None
@@ -50,9 +47,8 @@ class Reference:
 
 @dataclasses.dataclass
 class Received:
-    """A rollout's ``update_weights`` result: the step it serves, the transfer's error (``None``: none) and
-    its figures. ``memory`` (its peak against :func:`hal.apps.weightsync.memory.rollout_memory_bounds`) is
-    ``None`` where the rollout shares its process (colocated). ``held_bytes`` is what its weight banks hold."""
+    """A rollout's ``update_weights`` result: the step it serves, the transfer's error and its figures
+    (``memory`` is ``None`` when colocated)."""
 
     rank: int
     served_step: int | None
@@ -68,13 +64,10 @@ class Received:
     memory_bound_bytes: int | None = None
     node_ip: str | None = None
     device_id: str | None = None
+    # a vLLM rollout's figures measured inside its worker (startup_s, receive_s, load_s, bytes)
     vllm: dict[str, Any] | None = None
-    """A vLLM rollout's own figures (:class:`~hal.apps.weightsync.vllm_role.VllmRolloutRole`): ``startup_s``,
-    ``receive_s`` and ``load_s`` measured inside vLLM's worker, ``bytes``; ``None`` for hal's rollout."""
-    needs_seed: bool | None = None
-    """``--wire-format delta``: the receiver takes only a full seed next (``None``: full updates)."""
-    device: str | None = None
-    """The device the rollout serves on (``"npu:1"``; every rollout's ``"npu:0"`` with ``--hybrid``)."""
+    needs_seed: bool | None = None  # delta: the receiver takes only a seed next
+    device: str | None = None  # "npu:1"
 
 
 @dataclasses.dataclass
@@ -99,10 +92,8 @@ class Concluded:
 
 
 def load_message(data: bytes) -> tuple[Any, str | None]:
-    """``(message, None)`` from ``data`` (one message's pickle), or ``(None, why)`` where it does not load in this
-    process (``why``: ``"ExceptionType: message"``): a class only the sender can import (one of its ``__main__``,
-    say) fails that one call or reply, not the process that read it. The launchers pickle a call's or a reply's
-    content apart from its sequence number for this."""
+    """``(message, None)`` from one message's pickle, or ``(None, "ExceptionType: message")`` where it does not
+    load in this process: that one call fails, not the process that read it."""
     try:
         return pickle.loads(data), None
     except Exception as exc:  # noqa: BLE001 - any load failure is that one message's, reported to its caller
@@ -110,16 +101,14 @@ def load_message(data: bytes) -> tuple[Any, str | None]:
 
 
 def merge_sent(sent: list[Sent]) -> Sent:
-    """The trainer's send of an update from each trainer rank's: the update is in flight once the last sender
-    started (``t0``: the latest), and sent when the slowest finished (``send_s``: the longest)."""
+    """The trainer's send of an update from each rank's: ``t0`` the latest start, ``send_s`` the longest."""
     if len(sent) == 1:
         return sent[0]
     return Sent(t0=max(s.t0 for s in sent), send_s=max(s.send_s for s in sent), delta=sent[0].delta)
 
 
 def merge_references(references: list[Reference]) -> Reference:
-    """The trainer's reference from each trainer rank's: every rank's checksums (their keys are disjoint: each
-    names a rank's rows), rank 0's decode (every rank decodes the same published module)."""
+    """The trainer's reference from each rank's: every rank's checksums (disjoint keys), rank 0's decode."""
     if len(references) == 1:
         return references[0]
     sums: dict[str, str] = {}
@@ -129,14 +118,13 @@ def merge_references(references: list[Reference]) -> Reference:
     return Reference(sums, first.tokens, first.logits)
 
 
+# fields of Received that serve the timing and the colocated bound, not the row
 WHEN_FIELDS = ("started_at", "applied_at", "held_bytes")
-"""Fields of :class:`Received` that serve the timing and the colocated bound, not the row."""
 
 
 def rollout_row(received: Received, checked: Checked) -> dict[str, Any]:
-    """A rollout's entry in a step's row (``--json``): :class:`Received`'s fields but the timing ones and
-    those left unset (``None``: no memory colocated, no node outside Ray), then :class:`Checked`'s; a
-    transfer error stays the error reported."""
+    """A rollout's entry in a step's row: :class:`Received`'s fields but the timing and unset ones, then
+    :class:`Checked`'s."""
     row = {k: v for k, v in dataclasses.asdict(received).items()
            if k not in WHEN_FIELDS and (v is not None or k in ("served_step", "error"))}
     row.update(dataclasses.asdict(checked))

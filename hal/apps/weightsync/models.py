@@ -1,15 +1,10 @@
 """Models for ``hal sync``: transformers' Qwen2 built from a published configuration, or a safetensors checkpoint.
 
-* Presets are ``transformers.Qwen2ForCausalLM`` built from the values of a published ``config.json``
-  (``qwen2.5-0.5b``: Qwen/Qwen2.5-0.5B, 494M parameters; ``qwen2.5-tiny``: the same layout scaled down for
-  tests), randomly initialised as Hugging Face's ``_init_weights`` does (normal(0, ``initializer_range``)
-  weights, zero biases, unit norms), so nothing is downloaded. The trainer keeps fp32 master weights and
-  publishes bf16 (as verl's actor hands its rollout bf16 weights); a rollout serves the bf16 model.
-* A path (a ``.safetensors`` file, or a directory of them as Hugging Face ships, honouring
-  ``model.safetensors.index.json``) loads tensors whose architecture the tool need not know. Its loss pulls
-  every floating-point tensor toward fixed random targets, so each optimizer step changes every one.
-
-transformers is the ``models`` extra (``pip install 'hal-posttrain[models]'``; ``scripts/setup.sh`` installs it).
+Presets (``qwen2.5-0.5b``: Qwen/Qwen2.5-0.5B, 494M parameters; ``qwen2.5-tiny``: the same layout scaled down)
+are randomly initialised as Hugging Face's ``_init_weights`` does, so nothing is downloaded; the trainer keeps
+fp32 master weights and publishes bf16. A path (a ``.safetensors`` file or a directory of them, with
+``model.safetensors.index.json`` honoured) trains every floating-point tensor toward fixed random targets.
+transformers is the ``models`` extra.
 """
 
 from __future__ import annotations
@@ -40,7 +35,6 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 INDEX_NAME = "model.safetensors.index.json"
-"""The file naming which shard holds which tensor in a sharded Hugging Face checkpoint."""
 
 
 def _transformers():
@@ -51,37 +45,25 @@ def _transformers():
 
 
 def qwen2_config(preset: str):
-    """``transformers.Qwen2Config`` of a preset (eager attention: the same kernels on trainer and rollouts).
-
-    Raises:
-        KeyError: ``preset`` is not one of :data:`PRESETS`.
-    """
+    """``transformers.Qwen2Config`` of a preset (eager attention: the same kernels on trainer and rollouts)."""
     return _transformers().Qwen2Config(**PRESETS[preset], attn_implementation="eager")
 
 
 def meta_causal_lm(preset: str, dtype: torch.dtype) -> nn.Module:
-    """A ``Qwen2ForCausalLM`` of ``preset`` with parameters of ``dtype`` on the meta device: no memory until it
-    is materialised (:func:`causal_lm`; a sharded engine materialises only its own shards), then
-    :func:`rebuild_rotary`."""
+    """A ``Qwen2ForCausalLM`` of ``preset`` in ``dtype`` on the meta device."""
     with torch.device("meta"):
         module = _transformers().Qwen2ForCausalLM(qwen2_config(preset))
     return module.to(dtype)
 
 
 def rebuild_rotary(module: nn.Module, device: torch.device | str) -> None:
-    """Compute a materialised Qwen2 model's rotary frequencies (non-persistent buffers, computed at construction:
-    garbage after ``to_empty``) on ``device``."""
+    """Recompute a materialised Qwen2 model's rotary frequencies (garbage after ``to_empty``) on ``device``."""
     module.model.rotary_emb = type(module.model.rotary_emb)(config=module.config).to(device)
 
 
 def causal_lm(preset: str, dtype: torch.dtype, device: torch.device | str = "cpu", seed: int | None = 0) -> nn.Module:
-    """A ``Qwen2ForCausalLM`` of ``preset`` with parameters of ``dtype`` on ``device``.
-
-    Built on the meta device, then materialised once (no default initialisation that would be overwritten:
-    494M parameters for the 0.5B preset). With ``seed`` the weights are initialised as Hugging Face's
-    ``_init_weights`` does, deterministically; with ``None`` they are zeros (a rollout before its first
-    update). Tied embeddings stay one tensor (``lm_head.weight is model.embed_tokens.weight``).
-    """
+    """A ``Qwen2ForCausalLM`` of ``preset`` in ``dtype`` on ``device``, materialised once: initialised as Hugging
+    Face does from ``seed``, zeros for ``None``. Tied embeddings stay one tensor."""
     config = qwen2_config(preset)
     module = meta_causal_lm(preset, dtype).to_empty(device=device)
     if config.tie_word_embeddings:  # to_empty materialises the two names separately: tie them again
@@ -112,12 +94,8 @@ def prompt_ids(preset: str, length: int = 8, seed: int = 1234) -> torch.Tensor:
 
 @torch.no_grad()
 def greedy_decode(module: nn.Module, prompt: torch.Tensor, new_tokens: int) -> tuple[list[int], torch.Tensor]:
-    """Greedy decode ``new_tokens`` tokens after ``prompt`` ((1, n) int64) with a fresh KV cache, as a
-    server's generate does; only the last position's logits are computed (``logits_to_keep=1``).
-
-    Returns:
-        ``(tokens, logits)``: the chosen ids and their step logits, (new_tokens, vocab) float32 on the host.
-    """
+    """Greedy decode ``new_tokens`` tokens after ``prompt`` with a fresh KV cache; returns ``(tokens, logits)``,
+    the logits (new_tokens, vocab) float32 on the host."""
     import inspect
 
     device = next(module.parameters()).device
@@ -136,10 +114,7 @@ def greedy_decode(module: nn.Module, prompt: torch.Tensor, new_tokens: int) -> t
 
 
 class TensorModel(nn.Module):
-    """Tensors of a checkpoint as parameters (floating point) and buffers (the rest), under their own names.
-
-    Submodules are created along each dotted name, so ``state_dict()`` keys equal the checkpoint's keys.
-    """
+    """Tensors of a checkpoint as parameters (floating point) and buffers (the rest), under their own names."""
 
     def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
         super().__init__()
@@ -164,19 +139,8 @@ def _target(name: str, like: torch.Tensor) -> torch.Tensor:
 
 
 def safetensors_files(path: pathlib.Path) -> list[pathlib.Path]:
-    """The ``.safetensors`` files that make up the checkpoint at ``path``.
-
-    A file is itself. A directory with ``model.safetensors.index.json`` is exactly the shards its
-    ``weight_map`` names (in index order; any other ``.safetensors`` file there is not part of the model,
-    as Hugging Face's loaders read it); a directory without an index is every ``.safetensors`` file in it,
-    sorted.
-
-    Raises:
-        MissingFileError: ``path`` does not exist or holds no ``.safetensors`` file, or the index names a
-            shard the directory lacks (the message names the shard).
-        UsageError: the index is not valid JSON with a ``weight_map``, or a file's safetensors header cannot
-            be read.
-    """
+    """The ``.safetensors`` files of the checkpoint at ``path``: a file, the shards an index names, or every one
+    in a directory, sorted. MissingFileError or UsageError name what is wrong."""
     index = path / INDEX_NAME if path.is_dir() else None
     if index is not None and index.is_file():
         try:
@@ -206,14 +170,8 @@ def safetensors_files(path: pathlib.Path) -> list[pathlib.Path]:
 
 
 def resolve_model(model: str) -> str:
-    """The model ``--model`` names: a :data:`PRESETS` key, or the safetensors checkpoint path as given.
-
-    A preset key matches exactly, and also in any letter case (``Qwen2.5-0.5B``, as the published
-    checkpoint is named) when no file or directory of that name exists; the key is returned then.
-
-    Raises:
-        What :func:`safetensors_files` raises, for a name that is neither a preset nor a checkpoint.
-    """
+    """The model ``--model`` names: a :data:`PRESETS` key (also in any letter case when no such path exists), or
+    the checkpoint path as given; raises what :func:`safetensors_files` raises."""
     if model in PRESETS:
         return model
     path = pathlib.Path(model)
@@ -226,13 +184,8 @@ def resolve_model(model: str) -> str:
 
 
 def load_checkpoint(path: pathlib.Path) -> dict[str, torch.Tensor]:
-    """Every tensor of the checkpoint at ``path`` (see :func:`safetensors_files`), on the host.
-
-    With an index, only the tensors its ``weight_map`` names are kept, each from the shard it names.
-
-    Raises:
-        What :func:`safetensors_files` raises; ``UsageError`` when a shard lacks a tensor the index assigns it.
-    """
+    """Every tensor of the checkpoint at ``path`` on the host (with an index, those it names, each from its
+    shard)."""
     from safetensors.torch import load_file
 
     files = safetensors_files(path)
@@ -253,30 +206,22 @@ def load_checkpoint(path: pathlib.Path) -> dict[str, torch.Tensor]:
 
 
 class TransposedHead(nn.Linear):
-    """A bias-free ``nn.Linear`` head computing its logits as ``(W @ x^T)^T``: the same values as ``F.linear``,
-    but autograd then hands a tied embedding a gradient that is summed in place with the embedding's own,
-    where ``F.linear``'s gradient is summed out of place (measured with torch 2.13 on cpu: one more vocab x
-    hidden fp32 tensor at the trainer's peak, 0.55 GB for Qwen2.5-0.5B)."""
+    """A bias-free ``nn.Linear`` head computing ``(W @ x^T)^T``: a tied embedding's gradient is then summed in
+    place (``F.linear`` costs one more vocab x hidden fp32 tensor at the trainer's peak)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
         return torch.mm(self.weight, flat.t()).t().reshape(*x.shape[:-1], self.weight.shape[0])
 
 
-FSDP2_VIEW_WARNING = r"FSDP2-wrapped module \(.*\) returned a view tensor"
-"""The start of torch 2.13's warning that an FSDP2 module's output is a view (``fully_shard``'s post-forward)."""
+FSDP2_VIEW_WARNING = r"FSDP2-wrapped module \(.*\) returned a view tensor"  # torch 2.13
 
 
 def build(model: str, seed: int = 0) -> tuple[nn.Module, Callable[[nn.Module], torch.Tensor]]:
-    """The trainer's (module on the host, loss_fn(module) -> scalar) for a preset name or a safetensors path.
+    """The trainer's (module on the host, loss_fn(module) -> scalar) for a preset or a safetensors path.
 
-    Presets are fp32 master weights (published as bf16) training on a fixed synthetic batch of 2 x 16
-    tokens, through the module's own forward (FSDP2's root unshards the embedding, final norm and head in its
-    forward hook) with a :class:`TransposedHead`; checkpoints keep their own dtypes and regress toward fixed
-    random targets.
-
-    Raises:
-        MissingFileError, UsageError: from :func:`safetensors_files` for a bad path.
+    Presets: fp32 master weights on a fixed batch of 2 x 16 tokens, with a :class:`TransposedHead`; checkpoints
+    keep their dtypes and regress toward fixed random targets.
     """
     torch.manual_seed(seed)
     if model in PRESETS:
@@ -301,8 +246,7 @@ def build(model: str, seed: int = 0) -> tuple[nn.Module, Callable[[nn.Module], t
     def regression_loss(m: nn.Module) -> torch.Tensor:
         total = None
         for name, p in m.named_parameters():
-            # in the tensor's own dtype (reductions accumulate in fp32): backward keeps the target of each
-            # tensor, not fp32 copies of the tensor and its target (4 x the weights' bytes for bf16)
+            # in the tensor's own dtype: backward keeps no fp32 copies (4 x the weights' bytes for bf16)
             term = F.mse_loss(p, _target(name, p)).float()
             total = term if total is None else total + term
         if total is None:
@@ -313,8 +257,8 @@ def build(model: str, seed: int = 0) -> tuple[nn.Module, Callable[[nn.Module], t
 
 
 def serving_model(model: str, device: torch.device | str = "cpu", dtype: torch.dtype = torch.bfloat16) -> nn.Module:
-    """A rollout's model before its first update: a preset's ``Qwen2ForCausalLM`` in ``dtype`` (zeros), or for a
-    checkpoint path a :class:`TensorModel` of its names, shapes and dtypes (zeros; no tensor data read)."""
+    """A rollout's model before its first update (zeros): a preset's ``Qwen2ForCausalLM`` in ``dtype``, or a
+    :class:`TensorModel` of a checkpoint's names, shapes and dtypes."""
     if model in PRESETS:
         return causal_lm(model, dtype, device=device, seed=None)
     from safetensors import safe_open
@@ -341,8 +285,8 @@ _SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.
 
 
 def published(module: nn.Module, dtype: torch.dtype | None = None):
-    """``(name, tensor)`` pairs a trainer publishes: parameters (tied ones once, under their first name, as
-    ``named_parameters`` gives them) then persistent buffers, floating-point ones cast to ``dtype``."""
+    """``(name, tensor)`` pairs a trainer publishes: parameters (tied ones once) then persistent buffers,
+    floating-point ones cast to ``dtype``."""
     for name, p in module.named_parameters():
         t = p.detach()
         yield name, t if dtype is None or not t.is_floating_point() or t.dtype == dtype else t.to(dtype)

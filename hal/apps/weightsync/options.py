@@ -15,11 +15,8 @@ OFFLOAD_FLAGS: dict[str, dict[str, bool]] = {
 
 @dataclasses.dataclass(frozen=True)
 class JobOptions:
-    """One weight-sync job (``hal sync --help`` describes each field as a flag).
-
-    ``device`` is a resolved device kind (``"cpu"``, ``"npu-sim"``, ...); ``model`` a preset key or a
-    safetensors path; sizes are in bytes, times in seconds.
-    """
+    """One weight-sync job (``hal sync --help`` describes each field): ``device`` a resolved kind, ``model`` a preset
+    key or a safetensors path; sizes in bytes, times in seconds."""
 
     device: str
     model: str
@@ -37,36 +34,22 @@ class JobOptions:
     launcher: str = "torchrun"
     address: str | None = None
     placement: str = "PACK"
-    rollout: str = "hal"
-    """``"hal"``: hal's own server stand-in (:class:`~hal.apps.weightsync.rollout.Rollout`); ``"vllm"``: a vLLM
-    engine per rollout (:class:`~hal.apps.weightsync.vllm_role.VllmRolloutRole`)."""
+    rollout: str = "hal"  # or "vllm"
+    # None: float32 with rollout="vllm", else bfloat16
     publish_dtype: str | None = None
-    """The dtype the trainer publishes presets in (``"bfloat16"``, ``"float32"``); ``None``: float32 with
-    ``rollout="vllm"`` (vLLM's tokens then equal transformers' exactly), else bfloat16 (verl's choice)."""
+    # with rollout="vllm": the directory vLLM starts from (the launcher writes it)
     vllm_model_dir: str | None = None
-    """With ``rollout="vllm"``: the Hugging Face directory vLLM starts from (the launcher writes it)."""
     wire_format: str = "full"
-    """``full``: every tensor each step; ``delta``: verl's ``delta_flush`` (:mod:`hal.apps.weightsync.delta`)."""
     compare_full: bool = False
-    """Also time a full publish of the same weights around each step's (:mod:`hal.apps.weightsync.full_reference`)."""
-    hybrid: bool = False
-    """verl's hybrid engine: the trainer and every rollout on one device (the kind's device 0), each in its own
-    process; the trainer offloads its model, gradients and optimizer states before the rollouts apply an update
-    (``offload="all"``) and onloads them after. Needs an engine whose class says ``ranks_may_share_a_device``."""
+    hybrid: bool = False  # trainer and rollouts on device 0
     trainer_ranks: int = 1
-    """Trainer ranks: 1, one process with the whole model (:class:`~hal.apps.weightsync.trainer.Trainer`); more,
-    hal's FSDP2 engine over that many processes, every rank publishing its own shards
-    (:class:`~hal.apps.weightsync.sharded_trainer.ShardedTrainer`, the engine's ``multi_sender`` topology)."""
 
+    # None: the host's loopback; the control plane always stays there
     link_gbit: float | None = None
-    """Each process in a network namespace of its own, joined to the others by an emulated link of this many
-    Gbit/s each way (:mod:`hal.apps.links`; the torchrun launcher); ``None``: the host's loopback. The job's
-    control plane stays on the loopback: only the engine's (and the raw reference's) bytes cross the links."""
 
     @property
     def colocated(self) -> bool:
-        """Trainer and rollouts share one process (an engine whose class says ``one_process``: the colocated
-        one)."""
+        """Trainer and rollouts share one process (an engine whose class says ``one_process``)."""
         import ckpt
 
         return ckpt.checkpoint_engine_says(self.engine, "one_process")
@@ -83,8 +66,8 @@ class JobOptions:
 
     @property
     def rank_device(self) -> str:
-        """The device every rank resolves: the kind (each rank then takes its ``LOCAL_RANK``'s device, see
-        :func:`hal.local_device`), or with :attr:`hybrid` the kind's device 0 for every rank."""
+        """The device every rank resolves: the kind (each rank takes its ``LOCAL_RANK``'s), or device 0 with
+        :attr:`hybrid`."""
         return f"{self.device}:0" if self.hybrid else self.device
 
     @property
@@ -94,7 +77,7 @@ class JobOptions:
 
     @property
     def published_dtype(self) -> str:
-        """The dtype a preset is published in (:attr:`publish_dtype`, resolved): ``"bfloat16"`` or ``"float32"``."""
+        """The dtype a preset is published in: ``"bfloat16"`` or ``"float32"``."""
         if self.publish_dtype is not None:
             return self.publish_dtype
         return "float32" if self.rollout == "vllm" else "bfloat16"

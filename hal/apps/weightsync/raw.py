@@ -1,11 +1,8 @@
 """The raw-broadcast reference ``hal sync`` measures each publish against: an add-on to the job, not part of it.
 
-The same bytes as the update, one ``broadcast`` from the trainer's published buffer to every rollout (into
-its staging area, so the weights in service stay as they are), on a group of the engine's backend beside
-the engine's own. It runs just before each publish and again after the verification: the mean of the two is
-the step's reference (measured on both sides of the publish, so a slow or fast spell of a shared machine
-weighs on both alike), and once after step 0, when every one-time cost is paid. Each broadcast's time runs
-from when every worker was in it until the last rollout has the bytes.
+One ``broadcast`` of the same bytes from the trainer's published buffer into every rollout's staging area, on
+a group of the engine's backend, just before each publish and after the verification (the mean is the
+step's reference), and once after step 0.
 """
 
 from __future__ import annotations
@@ -35,8 +32,8 @@ class RawMember:
         return self.worker.where().node_ip, int(self.store.port)
 
     def join(self, addr: str, port: int, rank: int, world_size: int, generation: int) -> None:
-        """Be rank ``rank`` of generation ``generation`` of the raw group over the store at ``addr:port``;
-        blocks until every member joined, at most the job's timeout (then :class:`hal.DistributedTimeoutError`)."""
+        """Be rank ``rank`` of generation ``generation`` of the raw group at ``addr:port``; blocks until every member
+        joined, at most the job's timeout."""
         self.close()
         timeout = self.worker.options.timeout
         if self.store is None:
@@ -58,11 +55,8 @@ class RawMember:
 
 
 class RawReference:
-    """The job's hook (:class:`hal.apps.weightsync.loop.StepHook`) measuring the raw reference of each step.
-
-    A failed broadcast or join fails the step (:class:`ckpt.manager.UpdateError`, naming the worker) and the
-    next step forms a new generation of the group, as does a replaced worker.
-    """
+    """The job's hook measuring the raw reference of each step; a failed broadcast fails the step, and the
+    next step forms a new generation of the group."""
 
     def __init__(self) -> None:
         self.generation = 0
@@ -90,8 +84,7 @@ class RawReference:
         self.wanted = max(self.wanted, self.generation) + 1
 
     async def measure(self, job: Any) -> float:
-        """One raw broadcast to every rollout: seconds from when every worker was in it until the last rollout
-        has the bytes."""
+        """One raw broadcast to every rollout, in seconds."""
         await self.ensure_group(job)
         manager = job.manager
         try:

@@ -1,6 +1,5 @@
-"""A rollout's role in a weight-sync step: an inference-server stand-in holding its own model
-(``ckpt.ModelRolloutAdapter`` by default), loading each update through its checkpoint engine, and proving
-what it serves against the trainer's reference (checksums, greedy decode)."""
+"""A rollout's role in a weight-sync step: a server stand-in holding its own model, loading each update
+through its checkpoint engine and proving what it serves."""
 
 from __future__ import annotations
 
@@ -17,8 +16,8 @@ from hal.apps.weightsync.worker import RolloutRole, Where
 
 
 def rollout_model(options: JobOptions, adapter_cls: Any = None):
-    """A rollout's served model in an adapter (``adapter_cls(module, atomic=...)``, default
-    :class:`ckpt.ModelRolloutAdapter`) and its greedy decode (``None`` for a model that is not a preset)."""
+    """A rollout's served model in an adapter (default :class:`ckpt.ModelRolloutAdapter`) and its greedy decode
+    (``None`` unless a preset)."""
     import ckpt
 
     import torch
@@ -37,14 +36,7 @@ def rollout_model(options: JobOptions, adapter_cls: Any = None):
 
 
 class Rollout(RolloutRole):
-    """A rollout rank: the receiving checkpoint engine and the served model it loads into.
-
-    Args:
-        options: the job's options.
-        engine: this rank's receiving checkpoint engine.
-        rank: the rollout's rank (1..R).
-        adapter_cls: the server adapter's class (see :func:`rollout_model`).
-    """
+    """A rollout rank (1..R): the receiving checkpoint engine and the served model it loads into."""
 
     def __init__(self, options: JobOptions, engine: Any, rank: int, adapter_cls: Any = None,
                  where: Where | None = None) -> None:
@@ -61,8 +53,7 @@ class Rollout(RolloutRole):
         self.receiver = ckpt.CheckpointEngineWorker(engine, self.adapter)
 
     async def update_weights(self, global_steps: int) -> Received:
-        """Receive and apply ``global_steps`` (a transfer error is reported in the result, not raised); with a
-        process of its own, this rank's peak memory since the receive began against its bounds."""
+        """Receive and apply ``global_steps`` (a transfer error is reported in the result, not raised)."""
         started_at = time.time()
         memory.reset_peak(self.kind)
         error = None
@@ -112,9 +103,7 @@ class Rollout(RolloutRole):
         return verify(self.adapter, global_steps, expected)
 
     def raw_buffer(self):
-        """The adapter's staging area, the update's size (a raw broadcast lands there; the weights in service
-        stay as they are). The raw reference is the only reader of an adapter's buffers outside ``ckpt``:
-        a buffer of its own would stay resident and count in every later peak."""
+        """The adapter's staging area (a raw broadcast lands there; the weights in service stay as they are)."""
         return self.adapter.staging[:self.adapter.memory().bank_bytes]
 
 

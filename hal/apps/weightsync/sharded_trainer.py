@@ -1,24 +1,11 @@
 """A sharded trainer rank of the weight-sync job (``--trainer-ranks N``): hal's FSDP2 engine over N ranks, every
 rank publishing its own shards, no rank gathering another's.
 
-Each trainer rank holds, between steps, only its shards: the fp32 master parameters, their gradients and
-AdamW's states (:class:`engines.FSDPEngine`, one ``fully_shard`` per decoder layer and one for the root:
-embedding, final norm and the tied head), training with verl's FSDP mixed precision (all-gathers and compute
-in the published dtype, bf16 for presets; gradients reduced in fp32). What it publishes is a second FSDP2
-module in the published dtype, built on the meta device and materialised shard by shard (``to_empty``), so its
-bf16 values exist only as this rank's rows, and only from each step's stage to its reference
-(:meth:`engines.FSDPEngine.free_shards` in between): the master shards are cast into it
-(:meth:`ShardedTrainer.stage`), its shards go out as ``ckpt.RowShard`` parts through the engine's
-``multi_sender`` topology (every trainer rank a sender; :mod:`ckpt.multi_sender`), and the rollouts receive
-every part straight into its rows of the served tensor. The same module gives the trainer's reference
-decode: its forward all-gathers one FSDP unit at a time (the root's embedding stays gathered through a
-forward), as any FSDP2 forward does, on every trainer rank at once.
-
-The reference checksums are per part: ``"name[start:stop]"`` for a rank's rows of a tensor
-(:func:`hal.apps.weightsync.verify.checksums`), so a rollout checks each rank's rows of what it serves without
-any rank ever holding a whole tensor. The memory bound of a rank is its shards (parameters, gradients,
-optimizer states, the published copy), the engine's buckets, the FSDP units gathered at once during a
-step, and the constant (:meth:`ShardedTrainer.memory_bound`).
+A rank holds only its shards (:class:`engines.FSDPEngine`, one ``fully_shard`` per decoder layer plus the root)
+and trains with verl's FSDP mixed precision. It publishes a second FSDP2 module in the published dtype, its
+shards materialised only from each step's stage to its reference, as ``ckpt.RowShard`` parts through the
+engine's ``multi_sender`` topology; rollouts receive each part into its rows. Reference checksums are per part,
+``"name[start:stop]"``.
 """
 
 from __future__ import annotations
@@ -38,20 +25,16 @@ from hal.apps.weightsync.trainer import Trainer, intra_op_threads
 from hal.apps.weightsync.verify import checksums
 from hal.apps.weightsync.worker import Where, Worker
 
+# copies of the root FSDP unit in compute dtype at once (measured: 0.5B preset, 2 cpu ranks): gathered
+# parameters, their gradient, the tied head's second gradient; plus one fp32 reduce-scatter input
 ROOT_COMPUTE_COPIES = 3
-"""Copies of the root FSDP unit in the compute dtype a rank may hold at once during a step (measured: the
-backward peak of the 0.5B preset on 2 cpu ranks): its parameters, all-gathered for the whole forward and
-backward; its unsharded gradient; and, for the tied embedding and head (most of the root's bytes), the second
-use's gradient before autograd sums the two. Besides them, one fp32 copy: the flat input of FSDP2's
-reduce-scatter (``reduce_dtype`` fp32)."""
+# copies of the largest layer at once: computing and prefetched, each with its gradient (+ one fp32 input)
 LAYER_COMPUTE_COPIES = 4
-"""Copies of the largest decoder layer in the compute dtype at once: the layer computing and the one FSDP2
-prefetches, each with its unsharded gradient (besides one fp32 reduce-scatter input)."""
 
 
 def unit_numels(module: torch.nn.Module, layer_cls: type) -> tuple[int, int]:
-    """``(root, largest layer)``: elements of the parameters the root FSDP unit owns (every parameter outside
-    the ``layer_cls`` submodules; a tied weight once) and of the largest ``layer_cls`` submodule."""
+    """``(root, largest layer)``: elements of the parameters the root FSDP unit owns (a tied weight once) and of
+    the largest ``layer_cls`` submodule."""
     layers = [m for m in module.modules() if isinstance(m, layer_cls)]
     in_layers = {id(p) for m in layers for p in m.parameters()}
     root = sum(p.numel() for p in module.parameters() if id(p) not in in_layers)
@@ -60,24 +43,15 @@ def unit_numels(module: torch.nn.Module, layer_cls: type) -> tuple[int, int]:
 
 
 def gathered_bytes(root_numel: int, layer_numel: int, compute_itemsize: int) -> int:
-    """Bytes of FSDP units a rank holds unsharded at once during a step (:data:`ROOT_COMPUTE_COPIES`,
-    :data:`LAYER_COMPUTE_COPIES`, plus one fp32 reduce-scatter input of each), for ``compute_itemsize``-byte
-    compute (2: bf16)."""
+    """Bytes of FSDP units a rank holds unsharded at once during a step, for ``compute_itemsize``-byte compute."""
     return ((ROOT_COMPUTE_COPIES * compute_itemsize + 4) * root_numel
             + (LAYER_COMPUTE_COPIES * compute_itemsize + 4) * layer_numel)
 
 
 class ShardedTrainer(Trainer):
-    """Trainer rank ``rank`` of ``options.trainer_ranks`` (see the module docstring); the default process group
-    must span the trainer ranks only (the launcher initialises it).
+    """Trainer rank ``rank`` of ``options.trainer_ranks``; the default process group spans the trainer ranks only.
 
-    Args:
-        options: the job's options (``model`` a preset).
-        engine: this rank's sending checkpoint engine (built with ``multi_sender=True``).
-        rank: this rank's index among the trainer ranks (its FSDP2 mesh coordinate).
-
-    Raises:
-        UsageError: ``options.model`` is not a preset (a checkpoint path has no decoder layers to shard by).
+    ``engine`` is built with ``multi_sender=True``; UsageError unless ``options.model`` is a preset.
     """
 
     def __init__(self, options: JobOptions, engine: Any, rank: int, where: Where | None = None) -> None:
@@ -135,8 +109,7 @@ class ShardedTrainer(Trainer):
         return time.perf_counter() - start
 
     def published(self):
-        """``(name, ckpt.RowShard)`` of this rank's rows of every tensor (a tensor every rank holds whole, from
-        rank 0 only): what this rank sends (:func:`ckpt.local_parts`)."""
+        """``(name, ckpt.RowShard)`` of this rank's rows of every tensor (one held whole: from rank 0 only)."""
         import ckpt
 
         # the sharded parameters themselves: a module attribute is the unsharded tensor while a unit is gathered
@@ -146,8 +119,7 @@ class ShardedTrainer(Trainer):
         raise NotImplementedError("a sharded trainer has no one published buffer to broadcast raw")
 
     def reference(self) -> Reference:
-        """Checksums of this rank's parts (``"name[start:stop]"``) and the published module's greedy decode
-        (a collective: every trainer rank runs it at once; each gets the same tokens)."""
+        """Checksums of this rank's parts and the published module's greedy decode (a collective on every rank)."""
         sums = checksums(self.published())
         with intra_op_threads(1):
             tokens, logits = models.greedy_decode(self.skeleton, self.prompt, self.options.decode_tokens)
@@ -161,9 +133,7 @@ class ShardedTrainer(Trainer):
     state_words = "shards"
 
     def role_terms(self) -> tuple[str, dict[str, int]]:
-        """The published copy of this rank's shards (from the stage to the reference) and the FSDP units gathered
-        at once (:func:`gathered_bytes`), besides its shards (fp32 parameters and gradients, AdamW's states), the
-        engine's buffers and the constant (:meth:`Trainer.memory_bound`)."""
+        """The published copy of this rank's shards and the FSDP units gathered at once (:func:`gathered_bytes`)."""
         return ("the published copy of the shards + the FSDP units gathered at once",
                 {"published_shard_bytes": self.published_bytes, "gathered_units_bytes": self.gathered_bytes})
 

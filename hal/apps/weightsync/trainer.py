@@ -1,6 +1,5 @@
-"""The trainer's role in a weight-sync step: fp32 master weights in a TorchEngine with AdamW, a real
-optimizer step, offload, a cast into one flat published buffer (bf16 for presets, as verl's actor hands its
-rollout bf16), the send tagged with ``global_steps``, the reference the rollouts are checked against, onload."""
+"""The trainer's role in a weight-sync step: fp32 master weights in a TorchEngine with AdamW, an optimizer
+step, offload, a cast into one flat published buffer, the send tagged with ``global_steps``, onload."""
 
 from __future__ import annotations
 
@@ -32,12 +31,7 @@ def intra_op_threads(n: int) -> Iterator[None]:
 
 
 class Trainer(Worker):
-    """Worker 0: the model being trained and the sending checkpoint engine (see the module docstring).
-
-    Args:
-        options: the job's options (``model``: a preset key or a safetensors path).
-        engine: the sending checkpoint engine.
-    """
+    """Worker 0: the model being trained (``options.model``) and the sending checkpoint engine."""
 
     def __init__(self, options: JobOptions, engine: Any, where: Where | None = None) -> None:
         import ckpt
@@ -76,10 +70,8 @@ class Trainer(Worker):
         return self.layout.nbytes, len(self.layout.slots)
 
     def train(self, global_steps: int) -> Trained:
-        """Start step ``global_steps``: a new peak-memory window, one optimizer step, the offload, the cast into
-        a fresh published buffer (:meth:`stage`)."""
-        # the last step's gradients (kept for the offload to move): freed now, as train_step would, and the heap
-        # trimmed, so this backward's gradients reuse their memory instead of growing the heap beside it
+        """Start step ``global_steps``: a new peak-memory window, one optimizer step, the offload, :meth:`stage`."""
+        # the last step's gradients: freed now and the heap trimmed, so this backward reuses their memory
         self.torch_engine.optimizer.zero_grad(set_to_none=True)
         memory.trim_host_heap()
         memory.reset_peak(self.kind)
@@ -101,9 +93,7 @@ class Trainer(Worker):
                        tensor_home=dataclasses.asdict(self.torch_engine.tensor_home()), stage_s=self.stage())
 
     def stage(self) -> float:
-        """Cast the weights into a fresh published buffer (the trainer's bf16 model views it); seconds. The buffer
-        is the engine's ``publish_buffer`` (plain memory, or for the ipc engine memory the rollouts read in place,
-        so the update is sent without a copy)."""
+        """Cast the weights into a fresh published buffer (the engine's ``publish_buffer``); returns seconds."""
         from ckpt.layout import named_weights
 
         start = time.perf_counter()
@@ -115,7 +105,7 @@ class Trainer(Worker):
         return time.perf_counter() - start
 
     def published(self):
-        """``(name, tensor)`` views of the published buffer, back to back (the engine sends them as runs)."""
+        """``(name, tensor)`` views of the published buffer, back to back."""
         return self.layout.views(self.bank)
 
     def raw_buffer(self) -> torch.Tensor:
@@ -155,17 +145,14 @@ class Trainer(Worker):
         self.engine.release_publish_buffer()
 
     def offloaded_bytes(self) -> int:
-        """Bytes ``--offload`` moves to the host each step (parameters and gradients with the model, the
-        optimizer's states): what the engine's host buffers hold."""
+        """Bytes ``--offload`` moves to the host each step (what the engine's host buffers hold)."""
         moved = self.state_bytes["param_bytes"] + self.state_bytes["grad_bytes"] if self.flags.get("model") else 0
         return moved + (self.state_bytes["optimizer_bytes"] if self.flags.get("optimizer") else 0)
 
-    state_words = "model"
-    """What the model state is called in the bound's form."""
+    state_words = "model"  # the model state in the bound's form
 
     def role_terms(self) -> tuple[str, dict[str, int]]:
-        """What this role holds besides the model state, the optimizer and the engine: ``(words, {term: bytes})``
-        (``--wire-format delta``: the sender's snapshot, counted from the first update on, which the seed builds)."""
+        """What this role holds besides model, optimizer and engine: ``(words, {term: bytes})``."""
         if self.sender is None:
             return "", {}
         largest = max(e.nbytes for e in self.layout.entries.values())
@@ -173,11 +160,8 @@ class Trainer(Worker):
 
     def memory_bound(self, peak_bytes: int, extra: dict[str, int] | None = None, words: str = "",
                      peak_device_bytes: int = 0) -> dict[str, Any]:
-        """The step's peak against model (parameters + gradients) + optimizer + what the engine holds to send
-        + constant (:func:`hal.apps.weightsync.memory.trainer_memory_bound`), plus :meth:`role_terms` and
-        ``extra`` terms described by ``words`` (colocated: the rollouts' banks, in this process). On a kind whose
-        device memory is host memory, the device's peak (``peak_device_bytes``, its allocator's counter) beyond
-        the states is the step's working memory, counted there (:func:`~hal.apps.weightsync.memory.host_device_terms`)."""
+        """The step's peak against :func:`hal.apps.weightsync.memory.trainer_memory_bound`, plus :meth:`role_terms`
+        and ``extra`` (colocated: the rollouts' banks)."""
         # a fused AdamW updates in one pass; the foreach one keeps about one fp32 model of temporaries
         temporaries = 0 if self.fused else self.state_bytes["param_bytes"]
         working = peak_device_bytes - temporaries - sum(self.state_bytes.values())
@@ -195,8 +179,7 @@ class Trainer(Worker):
         return bound
 
     def conclude(self, extra: dict[str, int] | None = None, words: str = "") -> Concluded:
-        """End a step: drop the published buffer, onload what the step offloaded, and judge the step's peak
-        (:meth:`memory_bound` with ``extra``/``words``)."""
+        """End a step: drop the published buffer, onload, and judge the step's peak."""
         self.release()
         start = time.perf_counter()
         if self.flags:
@@ -207,8 +190,7 @@ class Trainer(Worker):
                          memory=self.memory_bound(peak, extra, words, device_peak))
 
     def abandon(self) -> None:
-        """After a failed update: drop the published buffer and onload what the step offloaded, so the
-        next step starts as usual."""
+        """After a failed update: drop the published buffer and onload, so the next step starts as usual."""
         self.release()
         if self.flags:
             self.torch_engine.to(self.kind, **self.flags)

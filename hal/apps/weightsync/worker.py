@@ -1,6 +1,5 @@
 """What every process of the job hosts: one role (trainer or rollout) with its checkpoint engine, reached
-through :meth:`Worker.invoke`, the one entry point every launcher calls, with the method itself
-(``Trainer.train``, ``RolloutRole.check``, an add-on's ``RawMember.host``), so a reader follows each call."""
+through :meth:`Worker.invoke`, the one entry point every launcher calls."""
 
 from __future__ import annotations
 
@@ -16,8 +15,7 @@ if TYPE_CHECKING:
 
 @dataclasses.dataclass
 class Where:
-    """Where a worker runs: its role's index (0: the trainer; 1..R: rollout rank), node, process and device
-    (``resource``/``device_id``: Ray's, when Ray placed it)."""
+    """Where a worker runs: its index (0: the trainer; 1..R: rollout rank), node, process and device."""
 
     index: int
     node_ip: str
@@ -28,8 +26,7 @@ class Where:
 
 
 def describe_worker(index: int, where: Where | None, trainers: int = 1) -> str:
-    """A worker in words: ``"trainer"`` (``"trainer rank 1"`` among ``trainers`` > 1) / ``"rollout rank 2"``
-    (workers are numbered trainer ranks first, as the job's processes), then where it runs when known."""
+    """A worker in words (``"trainer rank 1"``, ``"rollout rank 2"``), then where it runs when known."""
     role = ("trainer" if trainers == 1 else f"trainer rank {index}") if index < trainers else f"rollout rank {index}"
     if where is None:
         return role
@@ -38,21 +35,8 @@ def describe_worker(index: int, where: Where | None, trainers: int = 1) -> str:
 
 
 def make_engine(options: JobOptions, index: int, node_ip: str) -> Any:
-    """Worker ``index``'s checkpoint engine, built as verl's registry builds one (the manager then runs its
-    lifecycle), with the keywords its class's facts (:class:`ckpt.CheckpointEngine`) call for:
-
-    * ``bucketed``: ``bucket_size`` and ``is_master`` on the trainer (trainer rank 0 when sharded);
-    * ``hosts_rendezvous``: ``master_addr=node_ip`` on the master;
-    * ``supports_multi_sender``: ``multi_sender`` on every rank of a sharded trainer (verl's topology option);
-    * ``stages_in_shared_memory``: ``release_at_finalize``, the buffer freed at each update's finalize, as
-      verl's hybrid engine frees its bucket, so the trainer's next backward pass (its peak) does not carry it;
-    * ``publishes_to_files``: ``root=options.file_root`` (which must be set), the last two steps kept;
-    * ``device`` (:attr:`JobOptions.rank_device`) for every engine but a ``one_process`` one (which hands the
-      trainer's own tensors over).
-
-    Raises:
-        ValueError: an engine that publishes to files without ``options.file_root``.
-    """
+    """Worker ``index``'s checkpoint engine, built as verl's registry builds one, with the keywords its class's
+    facts call for (bucket, master, multi_sender, file root, device)."""
     import ckpt
 
     def says(fact: str) -> bool:
@@ -78,15 +62,7 @@ def make_engine(options: JobOptions, index: int, node_ip: str) -> Any:
 
 
 class Worker(ManagedWorker):
-    """One role and its checkpoint engine; subclasses are the roles (:class:`~hal.apps.weightsync.trainer.Trainer`,
-    :class:`RolloutRole`).
-
-    Args:
-        options: the job's options.
-        index: 0 for the trainer, the rollout's rank otherwise.
-        engine: this worker's checkpoint engine.
-        where: where it runs (default: this process on the loopback address).
-    """
+    """One role (index 0 the trainer, else the rollout's rank) and its checkpoint engine."""
 
     def __init__(self, options: JobOptions, index: int, engine: Any, where: Where | None = None) -> None:
         self.options, self.index, self.engine = options, index, engine
@@ -99,11 +75,7 @@ class Worker(ManagedWorker):
         return self.whereabouts
 
     def execute_checkpoint_engine(self, method: str, **kwargs: Any) -> Any:
-        """Call one of the engine's synchronous lifecycle methods (verl's worker method of the same name).
-
-        Raises:
-            ValueError: ``method`` is not one of ``prepare``, ``init_process_group``, ``finalize``, ``close``.
-        """
+        """Call one of the engine's synchronous lifecycle methods (verl's worker method of the same name)."""
         if method not in LIFECYCLE_METHODS:
             raise ValueError(f"method must be a lifecycle method of the checkpoint engine {LIFECYCLE_METHODS}, "
                              f"got {method!r}")
@@ -112,8 +84,7 @@ class Worker(ManagedWorker):
         return getattr(self.engine, method)(**kwargs)
 
     def attach(self, addon_cls: type, *args: Any) -> None:
-        """Attach an add-on (``addon_cls(self, *args)``), whose methods :meth:`invoke` then runs (e.g.
-        ``RawMember.host``)."""
+        """Attach an add-on (``addon_cls(self, *args)``), whose methods :meth:`invoke` then runs."""
         self.addons[addon_cls] = addon_cls(self, *args)
 
     def invoke_targets(self) -> list[Any]:
@@ -126,13 +97,10 @@ class Worker(ManagedWorker):
 
 
 class RolloutRole(Worker):
-    """A rollout rank: besides its update (:meth:`update_weights`, its receive and apply), it proves what it
-    serves (:meth:`check`). Implemented by :class:`~hal.apps.weightsync.rollout.Rollout` (hal's own adapter)
-    and :class:`~hal.apps.weightsync.vllm_role.VllmRolloutRole` (vLLM)."""
+    """A rollout rank: its update (:meth:`update_weights`) and the proof of what it serves (:meth:`check`)."""
 
     def check(self, global_steps: int, reference: Reference) -> Checked:
-        """What this rollout proves after receiving ``global_steps``, against the trainer's ``reference``
-        (checksums, greedy decode)."""
+        """What this rollout proves after receiving ``global_steps``, against the trainer's ``reference``."""
         raise NotImplementedError
 
 

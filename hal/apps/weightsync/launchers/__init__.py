@@ -1,10 +1,6 @@
 """Launchers of the weight-sync job: each starts the workers and carries the job's calls to them
-(:class:`ckpt.manager.WorkerGroup`); the step loop (:func:`hal.apps.weightsync.loop.run`) is the same.
-
-* :mod:`~hal.apps.weightsync.launchers.torchrun`: one process per worker on this machine (the default);
-* :mod:`~hal.apps.weightsync.launchers.colocated`: every worker in this process (the colocated engine);
-* :mod:`~hal.apps.weightsync.launchers.ray`: Ray actors placed by the kind's Ray resource.
-"""
+(:class:`ckpt.manager.WorkerGroup`): torchrun (one process per worker, the default), colocated (this process),
+Ray (actors placed by the kind's Ray resource). The step loop is the same."""
 
 from __future__ import annotations
 
@@ -15,13 +11,8 @@ from hal.apps.weightsync.options import JobOptions
 
 
 def launch(options: JobOptions, hooks: Sequence[StepHook] = ()) -> JobResult:
-    """Run the job with the launcher ``options`` asks for: Ray (``launcher="ray"``), in this process (the
-    colocated engine), else torchrun; ``hooks`` run around each publish.
-
-    Raises:
-        ValueError: ``rollout="vllm"`` with a launcher other than torchrun or an engine whose class does not
-            state ``receives_inside_vllm``.
-    """
+    """Run the job with the launcher ``options`` asks for (Ray, this process for the colocated engine, else
+    torchrun); ``hooks`` run around each publish."""
     import ckpt
 
     if options.rollout == "vllm" and (options.launcher != "torchrun"

@@ -1,5 +1,5 @@
 """The colocated launcher: the trainer and ``options.rollouts`` rollouts in this process, sharing one
-colocated checkpoint engine (a hand-over of the trainer's own tensors, as a colocated deployment does)."""
+colocated checkpoint engine."""
 
 from __future__ import annotations
 
@@ -16,8 +16,7 @@ from hal.apps.weightsync.worker import make_engine
 
 
 def local_group(options: JobOptions) -> LocalGroup:
-    """The trainer and the rollouts of ``options`` in this process (one engine: the colocated engine is one
-    object that every worker holds; any other engine: one per worker)."""
+    """The trainer and the rollouts of ``options`` in this process (the colocated engine is one shared object)."""
     shared = make_engine(options, 0, "127.0.0.1") if options.colocated else None
 
     def build(index: int):

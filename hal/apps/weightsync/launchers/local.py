@@ -9,13 +9,8 @@ from hal.apps.weightsync.worker import describe_worker
 
 
 class LocalGroup:
-    """A :class:`ckpt.manager.WorkerGroup` of objects in this process, each with ``async invoke(method, ...)``
-    (:meth:`~hal.apps.weightsync.worker.Worker.invoke`).
-
-    Args:
-        workers: worker 0 (the trainer) first, then the rollouts.
-        factory: ``factory(index) -> worker`` for :meth:`replace` (``None``: replacing is refused).
-    """
+    """A :class:`ckpt.manager.WorkerGroup` of objects in this process (worker 0 the trainer); ``factory(index)``
+    builds a replacement (``None``: replacing is refused)."""
 
     def __init__(self, workers: Sequence[Any], factory: Callable[[int], Any] | None = None,
                  trainer_world_size: int = 1) -> None:
@@ -36,11 +31,7 @@ class LocalGroup:
         return f"{type(error).__name__}: {error}"
 
     async def replace(self, index: int) -> None:
-        """Build a new worker ``index`` with the factory.
-
-        Raises:
-            ValueError: the group has no factory.
-        """
+        """Build a new worker ``index`` with the factory (ValueError without one)."""
         if self.factory is None:
             raise ValueError("this LocalGroup was built without a factory: it cannot replace a worker")
         self.workers[index] = self.factory(index)

@@ -1,13 +1,8 @@
 """The Ray launcher: the trainer and the rollouts as Ray actors, placed by the kind's Ray resource.
 
-One trainer actor and ``options.rollouts`` rollout actors, each in its own bundle of one placement group
-(:func:`hal.ray.place_workers`), each binding the device Ray assigned to it (:func:`hal.ray.bind_assigned_device`)
-and hosting its role (:class:`RayWorker`). The step loop runs in the driver over :class:`RayGroup`; a worker
-Ray reports dead fails the call at once, naming it (role, rank, node, device); :meth:`RayJob.replace_rollout`
-starts a new actor in a dead one's bundle for the next update.
-
-Without ``options.address`` a one-node cluster is started for the run (:class:`hal.ray.LocalCluster`,
-declaring one device of the kind per worker), and stopped at the end.
+Each worker is an actor in its own bundle of one placement group, binding the device Ray assigned it. The step
+loop runs in the driver over :class:`RayGroup`; a worker Ray reports dead fails the call at once, naming it.
+Without ``options.address`` a one-node cluster is started for the run and stopped at the end.
 """
 
 from __future__ import annotations
@@ -25,20 +20,13 @@ from hal.apps.weightsync.rollout import Rollout
 from hal.apps.weightsync.trainer import Trainer
 from hal.apps.weightsync.worker import Where, Worker, describe_worker, make_engine
 
+# seconds an interrupted step may take to unwind before the driver stops the actors
 CANCEL_S = 10.0
-"""Seconds an interrupted step of :class:`RayJob` may take to unwind (its workers' calls settle) before the
-driver goes on stopping the actors."""
 
 
 class RayWorker:
     """An actor hosting worker ``index`` (0: the trainer, else rollout rank ``index``) on the device Ray
-    assigned it.
-
-    Args:
-        options: the job's options.
-        adapter_cls: a rollout's server adapter class (``cls(module, atomic=...)``; default
-            :class:`ckpt.ModelRolloutAdapter`).
-    """
+    assigned it."""
 
     def __init__(self, options: JobOptions, index: int, adapter_cls: Any = None) -> None:
         self.binding = hal_ray.bind_assigned_device(options.device)  # the driver resolved the kind
@@ -64,17 +52,8 @@ def died(ray: Any, error: BaseException) -> bool:
 
 
 class RayGroup:
-    """A :class:`ckpt.manager.WorkerGroup` of :class:`RayWorker` actors in one placement group.
-
-    Args:
-        options: the job's options (``device`` a resolved kind).
-        strategy: placement strategy of the bundles (``PACK``, ``SPREAD``, ...).
-        trainer_node, rollout_node: node IPs the trainer / the rollouts must run on (``None``: anywhere).
-        adapters: ``{rollout rank: adapter class}`` for rollouts whose server adapter is not
-            :class:`ckpt.ModelRolloutAdapter`.
-
-    Needs a connected Ray driver (``ray.init``). :meth:`close` kills the actors and frees the placement group.
-    """
+    """A :class:`ckpt.manager.WorkerGroup` of :class:`RayWorker` actors in one placement group; needs a connected
+    Ray driver. ``trainer_node``/``rollout_node`` pin node IPs; ``adapters`` maps rollout ranks to adapter classes."""
 
     def __init__(self, options: JobOptions, strategy: hal_ray.Strategy = "PACK", trainer_node: str | None = None,
                  rollout_node: str | None = None, adapters: dict[int, Any] | None = None) -> None:
@@ -111,19 +90,14 @@ class RayGroup:
         return f"{type(error).__name__}: {error}"
 
     def bindings(self) -> list[hal_ray.DeviceBinding]:
-        """Every actor's device binding (trainer first), checked to be distinct devices.
-
-        Raises:
-            hal.ray.RayLaunchError: two workers bound one device.
-        """
+        """Every actor's device binding (trainer first); RayLaunchError when two workers bound one device."""
         found = self.ray.get([a.device_binding.remote() for a in self.actors],
                              timeout=self.options.timeout + START_MARGIN_S)
         hal_ray.check_distinct_devices(found)
         return found
 
     async def replace(self, index: int) -> None:
-        """Kill actor ``index`` (it may be dead already) and start a new one in its bundle, with the default
-        server adapter."""
+        """Kill actor ``index`` (it may be dead already) and start a new one in its bundle."""
         try:
             self.ray.kill(self.actors[index], no_restart=True)
         except Exception:  # noqa: BLE001 - it is already dead
@@ -143,11 +117,7 @@ class RayGroup:
 
 
 class RayJob:
-    """The job over Ray actors, step by step from synchronous code (tests, the driver): every method runs
-    the job's coroutine on one event loop kept for the job's life.
-
-    Args: ``options`` and ``placement`` as :class:`RayGroup`'s; ``hooks``: run around each publish.
-    """
+    """The job over Ray actors, step by step from synchronous code, on one event loop kept for the job's life."""
 
     def __init__(self, options: JobOptions, hooks: Sequence[StepHook] = (), **placement: Any) -> None:
         begin = time.perf_counter()
@@ -163,9 +133,8 @@ class RayJob:
         self.start_seconds = time.perf_counter() - begin
 
     def sync(self, coroutine: Any) -> Any:
-        """Run ``coroutine`` on the job's loop; returns its result. If it is interrupted (Ctrl-C) or fails, the
-        task is cancelled and given up to :data:`CANCEL_S` seconds to unwind (the manager settles its calls),
-        so no pending task is left for interpreter shutdown to destroy. Raises what the coroutine raised."""
+        """Run ``coroutine`` on the job's loop; interrupted or failed, it is cancelled and given :data:`CANCEL_S`
+        seconds to unwind."""
         task = self.loop.create_task(coroutine)
         try:
             return self.loop.run_until_complete(task)
@@ -189,8 +158,7 @@ class RayJob:
         return self.sync(self.job.step(global_steps))
 
     def call(self, index: int, method: Callable, *args: Any) -> Any:
-        """``method`` (a worker class's function, e.g. ``Rollout.verify``) on worker ``index`` under the job's
-        fault policy; returns its result."""
+        """``method`` on worker ``index`` under the job's fault policy; returns its result."""
         return self.sync(self.job.manager.call([index], method, [args]))[0]
 
     def replace_rollout(self, index: int) -> hal_ray.DeviceBinding:
@@ -213,16 +181,8 @@ class RayJob:
 
 
 def connect(options: JobOptions) -> tuple[Any, hal_ray.LocalCluster | None]:
-    """Connect to ``options.address`` (``auto`` or ``HOST:PORT``), or start a one-node cluster for the run.
-
-    Returns:
-        ``(ray context, the cluster started here or None)``.
-
-    Raises:
-        hal.ray.RayLaunchError: the cluster at ``options.address`` does not answer within
-            :data:`hal.ray.CONNECT_TIMEOUT_S` seconds or refuses the driver (:func:`hal.ray.connect_cluster`), or the
-            one-node cluster did not start.
-    """
+    """Connect to ``options.address`` or start a one-node cluster; returns ``(ray context, the cluster or None)``.
+    RayLaunchError when the cluster does not answer or start."""
     if options.address:
         return hal_ray.connect_cluster(options.address, log_to_driver=False), None
     resource = hal_ray.resource_name(options.device)
@@ -237,8 +197,7 @@ def connect(options: JobOptions) -> tuple[Any, hal_ray.LocalCluster | None]:
 
 
 def launch(options: JobOptions, hooks: Sequence[StepHook] = ()) -> JobResult:
-    """Run the job with Ray actors (``hooks`` around each publish); the result's ``extra`` has the workers' bindings (``"workers"``) and the
-    cluster/actor start-up seconds (``"startup"``)."""
+    """Run the job with Ray actors; ``extra`` has the workers' bindings and the start-up seconds."""
     ray = hal_ray.require_ray()
     begin = time.perf_counter()
     _, cluster = connect(options)

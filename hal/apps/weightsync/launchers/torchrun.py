@@ -1,15 +1,11 @@
-"""The torchrun launcher: one process per worker, started by torch.distributed's elastic launcher (the
-library behind ``torchrun``) on this machine, one device each.
+"""The torchrun launcher: one process per worker, started by torch.distributed's elastic launcher on this
+machine, one device each.
 
-Ranks ``0..T-1`` are the trainer (``--trainer-ranks T``; with T > 1 a sharded trainer whose ranks form their own
-default process group for FSDP2, :class:`~hal.apps.weightsync.sharded_trainer.ShardedTrainer`), ranks ``T..``
-the rollouts. Rank 0 runs the step loop and trainer rank 0; every other rank runs :func:`serve`, executing the
-typed calls rank 0 sends it. The calls travel over ZeroMQ (a ``Call`` and its ``Reply``, each as two frames:
-its sequence number, then its pickle (:func:`frames`), on a pair of DEALER sockets; a serving rank binds a port
-the kernel picks and publishes it in the elastic agent's own store, which every rank reaches at
-``MASTER_ADDR:MASTER_PORT``): blocking receives, no polling, no port picked by hand. Every wait is bounded by
-the job's timeout; a rank that raises is named in the error of the call, and a rank that dies takes the run
-down with it (the elastic agent stops the others), reported by role and cause.
+Ranks ``0..T-1`` are the trainer (T > 1: a sharded trainer with its own process group), ranks ``T..`` the
+rollouts. Rank 0 runs the step loop; every other rank runs :func:`serve`. Calls travel over ZeroMQ DEALER
+sockets as two frames (sequence number, pickle); a serving rank publishes its kernel-picked port in the elastic
+agent's store. Every wait is bounded by the job's timeout; a rank that raises is named in the call's error,
+and a rank that dies takes the run down, reported by role and cause.
 """
 
 from __future__ import annotations
@@ -34,16 +30,14 @@ from hal.apps.weightsync.trainer import Trainer
 from hal.apps.weightsync.worker import describe_worker, make_engine
 
 LOOPBACK = "127.0.0.1"
+# seconds a reply may take beyond the timeout
 REPLY_MARGIN_S = 30.0
-"""Seconds a reply may take beyond the timeout (a call that waits out the engine's timeout still answers)."""
-STORE_PREFIX = "hal-sync"
-"""The job's keys in the elastic agent's store (the rendezvous' own keys stay apart)."""
+STORE_PREFIX = "hal-sync"  # the job's keys in the elastic agent's store
 
 
 @dataclasses.dataclass
 class Call:
-    """One call rank 0 sends a serving rank: ``method(*args, **kwargs)`` on its worker (a worker class's
-    function, e.g. ``Trainer.train``, pickled by reference); ``None``: end."""
+    """One call rank 0 sends a serving rank: ``method(*args, **kwargs)`` on its worker; ``None``: end."""
 
     method: Callable | None
     args: tuple = ()
@@ -64,24 +58,14 @@ class RemoteCallError(hal.HalError, RuntimeError):
 
 
 def frames(seq: int, message: Call | Reply) -> list[bytes]:
-    """``message`` as it travels: its sequence number (ASCII digits) apart from its pickle, so that one whose
-    pickle does not load at the other end (a class only the sender can import, such as one of its ``__main__``)
-    is still matched to its call there and answered as that call's failure, not the end of the rank.
-
-    Raises:
-        Exception: whatever pickling ``message`` raises (``pickle.PicklingError``, ``TypeError``, ...).
-    """
+    """``message`` as it travels: its sequence number apart from its pickle, so a pickle that does not load at
+    the other end still fails only its call."""
     return [str(seq).encode(), pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)]
 
 
 def unframe(parts: list[bytes]) -> tuple[int, Any, str | None]:
-    """``(seq, message, None)`` from :func:`frames`' two frames, or ``(seq, None, why)`` where the message's
-    pickle does not load here (``why``: ``"ExceptionType: message"``).
-
-    Raises:
-        ValueError: ``parts`` is not two frames whose first is a sequence number (not :func:`frames`' output:
-            only a foreign sender on the loopback port could send it, and it cannot be answered).
-    """
+    """``(seq, message, None)`` from :func:`frames`' two frames, or ``(seq, None, why)`` where the pickle does not
+    load here; ValueError for anything else."""
     if len(parts) != 2 or not parts[0].isdigit():
         got = f"{len(parts)} frame(s) starting {parts[0][:20]!r}" if parts else "no frame"
         raise ValueError(f"a call channel message must be 2 frames, a sequence number then a pickle; got {got}")
@@ -89,18 +73,13 @@ def unframe(parts: list[bytes]) -> tuple[int, Any, str | None]:
 
 
 def job_store(timeout: float, prefix: str = STORE_PREFIX) -> Any:
-    """The launcher's store (:func:`hal.launcher_store`) under ``prefix`` (:data:`STORE_PREFIX`: the job's keys).
-
-    Raises:
-        KeyError: not a rank the launcher started.
-        hal.DistributedTimeoutError: the store did not answer within ``timeout`` seconds.
-    """
+    """The launcher's store under ``prefix`` (DistributedTimeoutError after ``timeout`` seconds)."""
     return hal.launcher_store(timeout, prefix)
 
 
 def bind_calls(context: Any, store: Any, rank: int) -> Any:
-    """A serving rank's end of the call channel: a DEALER socket of ``context`` (a ``zmq.Context``) on a
-    loopback port the kernel picks, published in ``store`` as ``calls/{rank}`` for rank 0 to connect to."""
+    """A serving rank's end of the call channel: a DEALER socket on a kernel-picked loopback port, published in
+    ``store`` as ``calls/{rank}``."""
     import zmq
 
     sock = context.socket(zmq.DEALER)
@@ -111,13 +90,7 @@ def bind_calls(context: Any, store: Any, rank: int) -> Any:
 
 
 def connect_calls(context: Any, store: Any, world_size: int) -> dict[int, Any]:
-    """Rank 0's ends of the call channels: ``{rank: DEALER socket}`` (of ``context``, a ``zmq.asyncio.Context``)
-    connected to each serving rank's (:func:`bind_calls`), whose port is waited for in ``store`` (at most the
-    store's timeout).
-
-    Raises:
-        hal.DistributedTimeoutError: a rank did not publish its port within the store's timeout.
-    """
+    """Rank 0's ends of the call channels, ``{rank: DEALER socket}``, each port waited for in ``store``."""
     import zmq
 
     sockets = {}
@@ -135,15 +108,8 @@ def connect_calls(context: Any, store: Any, world_size: int) -> dict[int, Any]:
 
 
 class TorchrunGroup:
-    """A :class:`ckpt.manager.WorkerGroup` on rank 0: worker 0 here, workers 1..R the serving ranks.
-
-    Args:
-        local: this rank's worker (the trainer).
-        sockets: ``{rank: zmq.asyncio socket}`` for ranks ``1..world_size-1`` (:func:`connect_calls`).
-        world_size: the number of ranks.
-        timeout: the job's timeout; a reply may take ``timeout + REPLY_MARGIN_S`` seconds.
-        trainers: the trainer ranks (``0..trainers-1``); the rest are rollouts.
-    """
+    """A :class:`ckpt.manager.WorkerGroup` on rank 0: worker 0 here, the others serving ranks; a reply may take
+    ``timeout + REPLY_MARGIN_S`` seconds."""
 
     def __init__(self, local: Any, sockets: dict[int, Any], world_size: int, timeout: float,
                  trainers: int = 1) -> None:
@@ -154,11 +120,7 @@ class TorchrunGroup:
         self.reading = [asyncio.Lock() for _ in range(world_size)]
 
     def post(self, index: int, call: Call) -> int:
-        """Send ``call`` to serving rank ``index`` now; returns its sequence number.
-
-        Raises:
-            Exception: whatever pickling ``call`` raises (nothing is sent; :func:`frames`).
-        """
+        """Send ``call`` to serving rank ``index`` now; returns its sequence number."""
         import zmq
 
         seq = self.seq[index]
@@ -174,29 +136,21 @@ class TorchrunGroup:
         return seq
 
     def _keep(self, index: int, parts: list[bytes]) -> None:
-        """File a reply read from rank ``index`` under its sequence number; one whose pickle does not load here
-        becomes that call's failure."""
+        """File a reply from rank ``index`` under its sequence number (a pickle that does not load fails that call)."""
         seq, reply, why = unframe(parts)
         if why is not None:
             reply = Reply(False, error=f"the reply does not load on rank 0: {why}")
         self.early[index][seq] = reply
 
     def submit(self, index: int, method: Callable, *args: Any, **kwargs: Any):
-        """Start ``method`` on worker ``index``: posted to a serving rank now (so every rank of a collective
-        phase is asked before rank 0's own part blocks), awaited by the returned coroutine."""
+        """Start ``method`` on worker ``index``: posted now, awaited by the returned coroutine."""
         if index == 0:
             return self.local.invoke(method, *args, **kwargs)
         method_class(method)  # a string or a lambda is refused here, not posted
         return self.reply(index, self.post(index, Call(method, args, kwargs)), method.__qualname__)
 
     async def reply(self, index: int, seq: int, method: str) -> Any:
-        """The reply to call ``seq`` (of ``method``, its qualified name) of rank ``index`` (a rank answers its
-        calls in order).
-
-        Raises:
-            RemoteCallError: the call raised there.
-            TimeoutError: no reply within ``timeout + REPLY_MARGIN_S`` seconds.
-        """
+        """The reply to call ``seq`` of rank ``index``; RemoteCallError when it raised there, TimeoutError when late."""
         limit = self.timeout + REPLY_MARGIN_S
         deadline = time.monotonic() + limit
         async with self.reading[index]:
@@ -213,11 +167,7 @@ class TorchrunGroup:
         return reply.value
 
     def stop(self, wait: bool) -> None:
-        """Tell every serving rank to return; ``wait``: until each said it does (at most the timeout).
-
-        Raises:
-            TimeoutError: ``wait`` and a serving rank did not answer within the timeout.
-        """
+        """Tell every serving rank to return; ``wait``: until each said so (TimeoutError past the timeout)."""
         import zmq
 
         stops = {index: self.post(index, Call(None)) for index in self.sockets}
@@ -243,13 +193,8 @@ class TorchrunGroup:
 
 
 def serve(worker: Any, sock: Any, rank: int, timeout: float) -> None:
-    """A serving rank's loop: run each call rank 0 sends on ``sock`` (:func:`bind_calls`), in order, until
-    the stop (a call of ``None``).
-
-    Raises:
-        hal.DistributedTimeoutError: no call came within ``timeout`` seconds (rank 0 is gone or stuck), or a reply
-            could not be handed over within it (rank 0 is gone).
-    """
+    """A serving rank's loop: run each call from rank 0 in order until the stop; DistributedTimeoutError when
+    none comes within ``timeout`` seconds."""
     import zmq
 
     def answer(seq: int, reply: Reply, method: Callable | None = None) -> None:
@@ -288,9 +233,8 @@ def serve(worker: Any, sock: Any, rank: int, timeout: float) -> None:
 
 
 def trainer_rank(options: JobOptions, engine: Any, rank: int, store: Any, where: Any = None) -> Trainer:
-    """Trainer rank ``rank``'s role: the whole model (one trainer rank, running at ``where``), or its shards,
-    after joining the trainer ranks' own default process group (FSDP2's) over the job's ``store`` (under a
-    prefix of its own)."""
+    """Trainer rank ``rank``'s role: the whole model, or its shards after joining the trainer ranks' own
+    process group over ``store``."""
     if not options.sharded:
         return Trainer(options, engine, where)
     import torch.distributed as dist
@@ -308,10 +252,8 @@ def link_endpoint(rank: int) -> str:
 
 
 def rank_main(options: JobOptions, hooks: Sequence[StepHook], net: Any = None) -> dict[str, Any] | None:
-    """One process: rank 0 runs the job (with ``hooks``) and returns its result (as a dict); the others serve.
-    With ``net`` (``options.link_gbit``) the rank's engine runs in its own network namespace
-    (:meth:`hal.apps.links.EmulatedNetwork.enter`).
-    SIGINT and SIGTERM end it quietly (:func:`hal.apps.shutdown.quiet_rank_exit`)."""
+    """One process: rank 0 runs the job and returns its result (a dict); the others serve. With ``net`` the rank
+    runs in its own network namespace."""
     import zmq
     import zmq.asyncio
 
@@ -322,8 +264,7 @@ def rank_main(options: JobOptions, hooks: Sequence[StepHook], net: Any = None) -
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     hal.bind_local_device(options.rank_device)  # one device per rank, LOCAL_RANK's (with --hybrid: device 0)
     store = job_store(options.timeout)
-    # The call channel before the namespace: a socket, and ZeroMQ's I/O thread (started with the first
-    # socket), keep the host's loopback.
+    # the call channel before the namespace: its socket and ZeroMQ's I/O thread keep the host's loopback
     context = zmq.asyncio.Context() if rank == 0 else zmq.Context()  # rank 0 awaits replies in its event loop
     try:
         if rank == 0:
@@ -367,15 +308,8 @@ def role(rank: int, trainers: int = 1) -> str:
 def launch(options: JobOptions, hooks: Sequence[StepHook] = ()) -> JobResult:
     """Run the job with one process per worker; ``hooks`` (pickled to rank 0) run around each publish.
 
-    What the run makes for itself is removed when it ends (success, failure or interrupt): the file engine's
-    directory when ``options.file_root`` is ``None`` (``$TMPDIR/hal-sync-*``; a given one is kept), the model
-    vLLM starts from (``hal-sync-vllm-*``) and the elastic agent's logs (``hal-elastic-*``). On SIGINT or
-    SIGTERM the agent stops the ranks with SIGTERM, which end within :data:`hal.apps.shutdown.RANK_EXIT_GRACE_S`
-    seconds (SIGKILL after :data:`hal.apps.shutdown.LAUNCH_SHUTDOWN_TIMEOUT_S`), and the ``KeyboardInterrupt``
-    (SIGINT) or torch's ``SignalException`` (SIGTERM) propagates (:mod:`hal.apps.shutdown`).
-
-    Raises:
-        hal.apps.errors.WorkerFailedError: a rank failed; names it (role) and how (exception, signal, exit code).
+    What the run makes for itself is removed however it ends; SIGINT or SIGTERM stop the ranks and propagate.
+    WorkerFailedError names a failed rank and how.
     """
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
