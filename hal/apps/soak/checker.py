@@ -1,33 +1,19 @@
-"""The soak's checker: reads a run's whole history afterwards (as Jepsen's checker reads its history) and
-says what held and what did not.
+"""The soak's checker: reads a run's whole history afterwards (as Jepsen's checker does) and says what held.
 
-Rules, per update ``g`` of the history:
+Rules, per update ``g``:
 
-* **Bytes served.** Every step a rollout serves equals, tensor by tensor (CRC-32), what the trainer staged for
-  that step (the trainer's checksums are sent the moment it staged them, so a step whose trainer died later is
-  still known). A rollout serving bytes that differ is a wrong serving (``wrong_bytes_served``), also when the
-  job's own verification reported it afterwards (it was served meanwhile).
-* **Reported = served.** What a rollout's ``update_weights`` reported for ``g`` is what it serves after it: a
-  rollout that reported step ``s`` and serves another, or reported no error but does not serve ``g``, is
-  misreported (``misreported_steps``); a rollout that serves ``g`` while its update raised, reported an error,
-  or was never asked, serves an unreported step (``unreported_steps``).
-* **Faults end in errors.** A fault that struck ends in an error naming its target (``trainer``, ``rollout rank
-  i``) or the update (``global_steps g`` / ``step g``), within ``timeout + margin`` seconds of the strike
-  (:attr:`~hal.apps.soak.run.SoakOptions.detection_bound_s`); a kind in
-  :data:`~hal.apps.soak.faults.ABSORBABLE` may instead leave the update verified (``absorbed``).
-* **Only a kill kills.** A process that dies other than by a ``kill`` fault aimed at it (a full ``/dev/shm``
-  that ends in SIGBUS, a crash) is a failure (``unexpected_deaths``): those faults must end in an error.
-* **Recovery.** The update after a fault succeeds (every rollout verified); the longest time from a strike to
-  the end of that update is ``longest_recovery_s``. Every update without a fault succeeds too.
-* **No hang.** No step outlives the driver's watchdog, and no worker is still busy with an update once the
-  manager's bound (``timeout + margin``) passed after the step ended (``hangs``).
-* **Nothing leaks.** Between a process's early clean updates and its last ones (:func:`check_leaks`): its open
-  file descriptors are as many, its resident memory less file-backed pages grew by less than one bucket; the
-  workers' ``/dev/shm`` segments and temporary directories are as many at the end as at the first clean sample,
-  and none is left after the engines closed.
+* **Bytes served.** Every step a rollout serves equals, CRC-32 per tensor, what the trainer staged for it
+  (``wrong_bytes_served``, also when the job's verification caught it afterwards).
+* **Reported = served.** What a rollout reported for ``g`` is what it serves after it
+  (``misreported_steps``); serving ``g`` after an error or without being asked is ``unreported_steps``.
+* **Faults end in errors** naming the target or the update within ``timeout + margin`` seconds of the strike;
+  a kind in :data:`~hal.apps.soak.faults.ABSORBABLE` may instead leave the update verified.
+* **Only a kill kills** (``unexpected_deaths``). **Recovery:** the update after a fault succeeds, as does every
+  update without one. **No hang:** no step outlives the watchdog, no worker is busy past the bound (``hangs``).
+* **Nothing leaks** (:func:`check_leaks`): descriptors, held memory (< one bucket of growth), ``/dev/shm``
+  segments and temporary directories stay flat.
 
-A failure names the update it happened at; the replay command runs the plan up to there
-(:func:`replay_command`).
+A failure names its update; :func:`replay_command` replays the plan up to there.
 """
 
 from __future__ import annotations
@@ -36,31 +22,16 @@ import dataclasses
 import re
 from typing import Any
 
-LEAK_WINDOW = 5
-"""Clean samples per window of the leak verdict (see :func:`check_leaks`)."""
-LEAK_SPAN = 10
-"""Updates between a process's baseline window and its last one, at least, for its leak verdict."""
+LEAK_WINDOW = 5  # clean samples per window of the leak verdict
+LEAK_SPAN = 10  # updates between the first and last window, at least
 
 
 @dataclasses.dataclass
 class UpdateRecord:
-    """What happened in one update (``update`` 0: the initial weights).
+    """What happened in one update (``update`` 0: the initial weights); times are wall-clock seconds.
 
-    Attributes:
-        fault: the planned :class:`~hal.apps.soak.faults.Fault` or ``None``.
-        struck: ``[(fault, wall-clock seconds)]`` of the strikes that happened.
-        started_at, ended_at: wall-clock seconds of the step's start and end (error or not).
-        ok: the step returned and no rollout reported an error.
-        errors: ``[(wall-clock seconds, text)]``: every ``UpdateError`` as raised, and each rollout's error.
-        observed: ``{rollout index: Host.observe()}`` after the update (and after restarts), its ``sums`` replaced
-            by their :func:`digest` where they equal the published step's (kept where they do not).
-        restarted: the workers restarted after the update.
-        resources: after a clean update, each process's ``{"pid", "fds", "rss_bytes", "held_bytes"}`` (the
-            driver's too).
-        shm, temp: the workers' ``/dev/shm`` segments and temporary entries then.
-        hangs: what overran its bound: the step the driver's watchdog, or a worker still busy with the update
-            after the manager's bound (``timeout + margin``) once the step had ended.
-        stopped: the soak stopped here (a worker did not answer at all).
+    ``observed``: ``{rollout index: Host.observe()}``, ``sums`` replaced by their :func:`digest` where they equal
+    the published step's. ``resources``: each process's after a clean update. ``hangs``: what overran its bound.
     """
 
     update: int
@@ -96,9 +67,7 @@ class History:
 
 
 def digest(sums: dict[str, str]) -> str:
-    """One CRC-32 of a ``{name: CRC-32}`` mapping (names and values in name order): equal mappings, equal
-    digests. The history keeps digests of what the rollouts served, and the mapping itself only where its digest
-    differs from the published step's (the driver's memory stays flat over a long run)."""
+    """One CRC-32 of a ``{name: CRC-32}`` mapping in name order (the history keeps digests, so it stays small)."""
     import zlib
 
     text = ";".join(f"{name}={value}" for name, value in sorted(sums.items()))
@@ -106,22 +75,20 @@ def digest(sums: dict[str, str]) -> str:
 
 
 def first_mismatch(expected: dict[str, str], got: dict[str, str]) -> str | None:
-    """The first tensor whose checksum differs, is missing or is extra (:func:`hal.apps.weightsync.verify.first_mismatch`)."""
+    """The first tensor whose checksum differs, is missing or is extra."""
     from hal.apps.weightsync.verify import first_mismatch as mismatch
 
     return mismatch(expected, got)
 
 
 def names(text: str, target: int, update: int) -> bool:
-    """Whether ``text`` names the worker ``target`` (0: ``trainer``; else ``rollout rank i`` / ``rank i``) or the
-    update (``global_steps g``, ``step g``)."""
+    """Whether ``text`` names the worker ``target`` (0: ``trainer``; else ``rollout rank i``) or the update."""
     who = r"\btrainer\b" if target == 0 else rf"\b(rollout rank|rollout|rank) {target}\b"
     return bool(re.search(who, text) or re.search(rf"\b(global_steps|step) {update}\b", text))
 
 
 def replay_command(options: Any, updates: int) -> str:
-    """The shortest ``hal soak`` command that replays ``options``' run up to update ``updates`` (flags at their
-    defaults left out)."""
+    """The shortest ``hal soak`` command that replays ``options``' run up to update ``updates``."""
     from hal.apps.soak.faults import KINDS
     from hal.apps.soak.options import SoakOptions
 
@@ -265,24 +232,10 @@ def median(values: list[int]) -> int:
 def check_leaks(verdict: Verdict, bucket_bytes: int) -> dict[str, Any]:
     """The nothing-leaks rule; returns the ``leaks`` figures.
 
-    A process is judged on its clean samples (taken after updates without a fault): past its warm-up (its
-    first :data:`LEAK_WINDOW` samples, and those before the first failed update it lived through: the first
-    pass through a failure path allocates once, e.g. a new communicator's buffers and threads), the median of
-    its next :data:`LEAK_WINDOW` samples against the median of its last :data:`LEAK_WINDOW` (a sample right
-    after a recovery may still hold what the failed update left for the next ``finalize`` to free), with at
-    least :data:`LEAK_SPAN` updates between the two windows. File descriptors: the fewest the process held over
-    its last window must be no more than the fewest over its first (a leaked descriptor is never given back; a
-    socket of a connection its peer closed over a cut link stays open until TCP delivers the FIN, tens of
-    seconds after the link is back: ``hal soak`` saw a rollout's count go 24, 27, 26, 24 over 20 updates after
-    each cut, as the trainer's Mooncake connections of the failed update drained). Resident memory less
-    file-backed pages (``held_bytes``, Linux ``RssAnon + RssShmem``: what a leak can hold) must have grown by
-    less than one bucket, in every worker process. Resident memory as a whole (``rss_bytes``,
-    ``VmRSS``) is reported beside it, not judged: it also counts the mapped libraries' pages, which a process
-    touches once when it first needs them, whenever that is (the first C++ exception's unwinder reads
-    libtorch's unwind tables: +6 MB of ``RssFile``, see :func:`~hal.apps.weightsync.memory.held_resident_bytes`).
-    Samples without ``held_bytes`` are judged on ``rss_bytes``. The driver's descriptors are judged alike; its
-    memory is reported, not judged (it holds the history, which grows with the run; with the colocated engine
-    the job runs in the driver's process, whose memory is then reported only).
+    Each process is judged on clean samples past its warm-up (and past its first failure path): the median of its
+    next :data:`LEAK_WINDOW` samples against its last, at least :data:`LEAK_SPAN` updates apart. The fewest
+    descriptors must not grow (a closed peer's socket may linger tens of seconds); ``held_bytes`` must grow by less
+    than one bucket. ``rss_bytes`` and the driver's memory are reported, not judged.
     """
     samples: dict[int, list[tuple[int, dict[str, Any]]]] = {}
     failed = [r.update for r in verdict.history.records if r.fault is not None or not r.ok]
@@ -338,12 +291,8 @@ def check_leaks(verdict: Verdict, bucket_bytes: int) -> dict[str, Any]:
 
 
 def judge(history: History, clean_start: int) -> dict[str, Any]:
-    """Read ``history`` against the rules of the module docstring; returns the run's report: ``ok``, ``engine``,
-    ``device``, ``wire_format``, ``seed``, ``updates`` (run), ``updates_ok``, ``faults`` (struck, by kind),
-    ``outcomes`` (``error`` / ``absorbed``), ``not_struck``, ``skipped`` (kind: reason), ``wrong_bytes_served``,
-    ``hangs``, ``unreported_steps``, ``misreported_steps``, ``unrecovered``, ``unexpected_deaths``, ``longest_detection_s``,
-    ``detection_bound_s``, ``longest_recovery_s``, ``leaks``, ``restarts``, ``wall_s``, ``failures`` (sentences,
-    first first), ``stacks`` (the Python stacks of every worker when something hung) and ``replay`` (the shortest command that replays the first failure; ``None`` without one)."""
+    """Read ``history`` against the rules of the module docstring; returns the run's report (``ok``, the tallies,
+    ``failures`` first first, ``stacks`` when something hung, ``replay``)."""
     options = history.options
     verdict = Verdict(history)
     records = history.records

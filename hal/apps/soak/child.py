@@ -1,9 +1,7 @@
 """``python -m hal.apps.soak.child FD``: one soak worker process (see :mod:`hal.apps.soak.procs`).
 
-Reads its :class:`~hal.apps.soak.procs.ChildSpec` from the connection on file descriptor ``FD``, builds its role
-(:func:`~hal.apps.soak.procs.build_host`), then runs each call the driver sends, in order, replying to each,
-until ``("stop",)`` or until the driver's end of the connection closes (the driver is gone: the worker exits,
-so nothing outlives a killed driver).
+Reads its spec from file descriptor ``FD``, builds its role, then answers the driver's calls in order until
+``("stop",)`` or until the driver's end closes (so nothing outlives a killed driver).
 """
 
 from __future__ import annotations
@@ -18,14 +16,12 @@ from typing import Any
 
 
 PR_SET_PDEATHSIG = 1
+# makes a worker write every thread's Python stack to its log (a hung run)
 STACKS_SIGNAL = signal.SIGUSR2
-"""The signal that makes a worker write every thread's Python stack to its log (the driver sends it to the
-workers of a run that hung)."""
 
 
 def die_with_parent() -> None:
-    """Have the kernel SIGKILL this process when the driver that started it ends (``prctl(PR_SET_PDEATHSIG)``),
-    also while it is stopped by a fault; a no-op where ``prctl`` is missing."""
+    """Have the kernel SIGKILL this process when its driver ends (``PR_SET_PDEATHSIG``), where ``prctl`` exists."""
     import ctypes
 
     try:
@@ -35,9 +31,8 @@ def die_with_parent() -> None:
 
 
 def answer(loop: asyncio.AbstractEventLoop, host: Any, seq: int, call: bytes) -> tuple:
-    """The reply to call ``seq``: ``call`` (the pickle of ``(method, args, kwargs)``, :mod:`hal.apps.soak.procs`'s
-    messages) run on ``host``, its result pickled; or its failure as ``"ExceptionType: message"``, a call that
-    does not load here and a result that does not pickle included (the worker goes on serving)."""
+    """The reply to call ``seq`` run on ``host``: its pickled result, or its failure as ``"ExceptionType:
+    message"`` (the worker goes on serving)."""
     from hal.apps.weightsync.messages import load_message
 
     loaded, why = load_message(call)

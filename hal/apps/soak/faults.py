@@ -1,19 +1,11 @@
 """The fault injector's vocabulary and its seeded plan: which fault strikes which worker at which moment of
 which update.
 
-A fault is one of :data:`KINDS`; it strikes at one of :data:`MOMENTS` of an update, from inside the targeted
-worker's process (:mod:`hal.apps.soak.strike`), so the moment is exact: before the first byte is sent (or
-asked for; a full filesystem before the trainer stages the update, which it may stage into shared memory),
-after part of the update went through the engine (``mid_bucket``: a fraction of the update's bytes
-drawn by the plan), when a rollout has received everything and applies it (``during_apply``), or when the
-engine's ``finalize()`` runs. Which faults a run can produce depends on the engine and on the machine
-(:func:`applicable`): a fault it cannot produce is reported as skipped with the reason, never as passed.
-
-The plan (:func:`plan`) is a pure function of the seed and the update's number: update ``g``'s fault is drawn
-from ``random.Random(f"{seed}:{g}")``, and no fault is planned on the first :data:`CLEAN_START` updates nor on
-the update right after a fault (that update must succeed: the checker's recovery rule). A plan is therefore
-prefix-stable: the first ``g`` updates of a run of ``N`` are those of a run of ``g``, so a failure at update
-``g`` replays with ``--updates g`` (Jepsen's nemesis schedule, TigerBeetle's replay from a seed).
+A fault (:data:`KINDS`) strikes from inside its target's process (:mod:`hal.apps.soak.strike`) at one of
+:data:`MOMENTS`. A fault the engine or machine cannot produce is reported skipped with the reason
+(:func:`applicable`), never passed. The plan is a pure function of the seed and the update's number
+(``random.Random(f"{seed}:{g}")``), with no fault on the first :data:`CLEAN_START` updates nor right after a
+fault: it is prefix-stable, so a failure at update ``g`` replays with ``--updates g``.
 """
 
 from __future__ import annotations
@@ -22,17 +14,13 @@ import dataclasses
 import random
 from typing import Sequence
 
+# kill: SIGKILL (restarted); stop: SIGSTOP past the timeout, then SIGCONT; flip: one byte of the update flipped
+# into a rollout; cut_link / slow_link: link down / throttled; full_disk: the file engine's disk; full_shm
 KINDS = ("kill", "stop", "flip", "cut_link", "slow_link", "full_disk", "full_shm")
-"""``kill``: SIGKILL of the target (restarted, re-seeded); ``stop``: SIGSTOP longer than the timeout, then
-SIGCONT; ``flip``: one byte of the update flipped on its way into a rollout; ``cut_link`` / ``slow_link``: the
-target's network link down / throttled (network namespaces and ``tc``); ``full_disk``: the file engine's
-filesystem filled; ``full_shm``: ``/dev/shm`` filled."""
 
-MOMENTS = ("before_send", "mid_bucket", "during_apply", "during_finalize")
-"""When a fault strikes within an update (see the module docstring)."""
+MOMENTS = ("before_send", "mid_bucket", "during_apply", "during_finalize")  # see hal.apps.soak.strike
 
-CLEAN_START = 2
-"""Updates (from 1) that never get a fault: they set the leak baselines."""
+CLEAN_START = 2  # updates without faults: the leak baselines
 
 TRAINER, ROLLOUT = "trainer", "rollout"
 
@@ -49,25 +37,14 @@ MOMENTS_OF: dict[str, dict[str, tuple[str, ...]]] = {
     "full_shm": {TRAINER: ("before_send",)},
 }
 
+# kinds whose update may still succeed, every byte checked; the checker accepts a verified update or an error
 ABSORBABLE = ("slow_link", "stop", "cut_link")
-"""Kinds whose update may still succeed, every byte checked (a slowed link that stays within the timeout;
-a stop whose process resumes before its peers' timeouts end, e.g. during ``finalize``; a link cut once the
-update's last bytes had crossed it): for them the checker accepts a verified update as well as an error."""
 
 
 @dataclasses.dataclass(frozen=True)
 class Fault:
-    """One planned fault.
-
-    Attributes:
-        update: the ``global_steps`` of the update it strikes.
-        kind: one of :data:`KINDS`.
-        target: the worker's index (0: the trainer; 1..R: rollout ranks).
-        moment: one of :data:`MOMENTS`.
-        fraction: for ``mid_bucket``, the fraction of the update's bytes (sent by the trainer, received by the
-            rollout) after which it strikes, in ``[0.2, 0.8]``.
-        byte: for ``flip``, which byte of the tensor received at that point is flipped (taken modulo its size).
-    """
+    """One planned fault on worker ``target`` (0: the trainer) at ``moment`` of update ``update``; ``fraction``
+    (``mid_bucket``, in [0.2, 0.8]) of the bytes, ``byte`` the one a ``flip`` flips (modulo the tensor's size)."""
 
     update: int
     kind: str
@@ -88,29 +65,14 @@ class Fault:
         return f"{self.kind} {who} {self.moment}{where} of update {self.update}"
 
 
+# wire formats whose updates carry checksums a rollout checks before serving: only there can a flip be refused
 FLIP_CHECKED_FORMATS = ("delta",)
-"""Wire formats whose updates carry checksums a rollout checks before it serves (verl's ``delta_flush`` hash):
-only there can a byte flipped in transit be refused. The full format, as verl's, carries none; the job's
-verification names the step only after the switch."""
 
 
 def applicable(kinds: Sequence[str], engine: str, machine: dict[str, str | None],
                wire_format: str = "full") -> tuple[list[str], dict[str, str]]:
-    """Which of ``kinds`` a run of ``engine`` can produce here.
-
-    Args:
-        kinds: the kinds asked for (each one of :data:`KINDS`).
-        engine: the checkpoint engine's registry name.
-        wire_format: ``"full"`` or ``"delta"``: ``flip`` runs only on :data:`FLIP_CHECKED_FORMATS`.
-        machine: what the machine allows, ``{"links": reason or None, "mounts": reason or None}`` (``None``:
-            it works; see :func:`hal.apps.soak.sandbox.machine_support`).
-
-    Returns:
-        ``(kinds that run, {kind: why it is skipped})``.
-
-    Raises:
-        ValueError: a kind that is not one of :data:`KINDS`.
-    """
+    """Which of ``kinds`` a run of ``engine`` can produce here; returns ``(kinds that run, {kind: why
+    skipped})``. ``machine`` is :func:`hal.apps.soak.sandbox.machine_support`'s."""
     import ckpt
 
     runs, skipped = [], {}
@@ -151,14 +113,8 @@ def applicable(kinds: Sequence[str], engine: str, machine: dict[str, str | None]
 
 
 def draw(seed: int, update: int, kinds: Sequence[str], rollouts: int, rate: float) -> Fault | None:
-    """Update ``update``'s fault from its own generator (``random.Random(f"{seed}:{update}")``), or ``None``.
-
-    Args:
-        seed: the run's seed.
-        kinds: the kinds that run (order matters: it is part of what the seed replays).
-        rollouts: rollout ranks (targets ``1..rollouts``).
-        rate: the probability that an update gets a fault, in ``[0, 1]``.
-    """
+    """Update ``update``'s fault from its own generator (``random.Random(f"{seed}:{update}")``), or ``None``;
+    the order of ``kinds`` is part of what the seed replays."""
     rng = random.Random(f"{seed}:{update}")
     if not kinds or rng.random() >= rate:
         return None
@@ -172,11 +128,7 @@ def draw(seed: int, update: int, kinds: Sequence[str], rollouts: int, rate: floa
 
 
 def plan(seed: int, updates: int, kinds: Sequence[str], rollouts: int, rate: float) -> dict[int, Fault]:
-    """The run's faults, ``{update: Fault}``, for updates ``1..updates`` (see the module docstring).
-
-    Raises:
-        ValueError: ``rate`` outside ``[0, 1]`` or ``rollouts`` < 1.
-    """
+    """The run's faults, ``{update: Fault}``, for updates ``1..updates``."""
     if not 0.0 <= rate <= 1.0:
         raise ValueError(f"rate must be a probability in [0, 1], got {rate!r}")
     if rollouts < 1:

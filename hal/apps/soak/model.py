@@ -1,21 +1,14 @@
-"""The soak's default model: a small safetensors checkpoint it writes for the run, trained by the job's
-regression loss (:func:`hal.apps.weightsync.models.build` for a checkpoint path), so that hundreds of updates
-cost seconds each rather than a transformer's forward and backward pass.
-
-Its tensors (:data:`TENSORS`) mix what an engine must carry: bf16 and fp32, 2-D and 1-D, many small ones that
-share a bucket, and one larger than the soak's default bucket (1 MiB), which the bucketed engines send in
-slices; an int64 buffer rides along untrained (the same bytes every update). Rollouts verify it by CRC-32 per
-tensor; a checkpoint has no decode to compare.
-"""
+"""The soak's default model: a small safetensors checkpoint the run writes, trained by the job's regression
+loss, so hundreds of updates cost seconds each. It mixes bf16 and fp32, 2-D and 1-D, many small tensors, one
+larger than a 1 MiB bucket, and an untrained int64 buffer."""
 
 from __future__ import annotations
 
 import os
 
-NAME = "tensors"
-"""``--model`` value of this checkpoint."""
-FILE = "soak-model.safetensors"
-"""Its file name in the run's scratch directory."""
+NAME = "tensors"  # --model value
+FILE = "soak-model.safetensors"  # in the run's scratch directory
+# {name: (shape, dtype)}: 2.3 MB in all; embed.weight (1.25 MiB) is larger than a 1 MiB bucket
 TENSORS: dict[str, tuple[tuple[int, ...], str]] = {
     **{f"layers.{i}.proj.weight": ((256, 256), "bfloat16") for i in range(6)},
     **{f"layers.{i}.norm.weight": ((256,), "float32") for i in range(6)},
@@ -23,15 +16,10 @@ TENSORS: dict[str, tuple[tuple[int, ...], str]] = {
     "embed.weight": ((1024, 640), "bfloat16"),
     "embed.position_ids": ((512,), "int64"),
 }
-"""``{name: (shape, dtype)}``: 2.3 MB in all; ``embed.weight`` (1.25 MiB) is larger than a 1 MiB bucket."""
 
 
 def write(directory: str, seed: int = 0) -> str:
-    """Write the checkpoint (random values from ``seed``) into ``directory``; returns its path.
-
-    Raises:
-        OSError: ``directory`` cannot be written.
-    """
+    """Write the checkpoint (random values from ``seed``) into ``directory``; returns its path."""
     import torch
     from safetensors.torch import save_file
 

@@ -7,32 +7,12 @@ from typing import Any
 
 from hal.apps.soak.faults import KINDS
 
-STOP_EXTRA_S = 2.0
-"""Seconds a ``stop`` fault lasts beyond the timeout (a stop shorter than the timeout is no fault)."""
+STOP_EXTRA_S = 2.0  # seconds a stop fault lasts beyond the timeout
 
 
 @dataclasses.dataclass(frozen=True)
 class SoakOptions:
-    """One soak run (``hal soak --help`` describes each field as a flag; sizes in bytes, times in seconds).
-
-    Attributes:
-        engine: a checkpoint engine's registry name.
-        device: a resolved device kind (``"cpu"``, ``"npu-sim"``).
-        seed: the plan's seed.
-        updates: updates after step 0 (``global_steps`` 1..updates).
-        wire_format: ``"full"`` or ``"delta"``.
-        faults: the fault kinds asked for (those the engine or machine cannot produce are skipped).
-        fault_rate: probability that an update (not one of the first two, not one right after a fault) gets one.
-        rollouts: rollout processes.
-        timeout: the engines' and the job's timeout.
-        margin: seconds beyond ``timeout`` within which a fault must end in an error (the manager's margin).
-        bucket_bytes: the bucketed engines' bucket size; also the bound on resident-memory growth.
-        model: ``"tensors"`` (a 2.3 MB checkpoint the run writes, :mod:`hal.apps.soak.model`) or a preset of
-            :mod:`hal.apps.weightsync.models` (``"qwen2.5-tiny"``: a transformer, whose decode is verified too).
-        rollout_apply: ``"atomic"`` or ``"in-place"``.
-        sample_every: every how many updates each process's descriptors and resident memory are sampled (after a
-            clean update; each sample runs a full garbage collection in every process, about 0.3 s).
-    """
+    """One soak run (``hal soak --help`` describes each field; sizes in bytes, times in seconds)."""
 
     engine: str = "collective"
     device: str = "cpu"
@@ -78,8 +58,7 @@ class SoakOptions:
         return self.timeout + self.margin
 
     def job_options(self, file_root: str | None, model_path: str | None = None) -> Any:
-        """The weight-sync job's options for this run (``model_path``: where the ``"tensors"`` checkpoint was
-        written)."""
+        """The weight-sync job's options for this run (``model_path``: the ``"tensors"`` checkpoint)."""
         import ckpt
         from hal.apps.soak.model import NAME
         from hal.apps.weightsync.options import JobOptions

@@ -1,26 +1,16 @@
 """The soak's workers: one process per worker (the trainer, each rollout), started, killed, stopped and
 restarted by the driver, and the in-process group of the colocated engine.
 
-:class:`ProcessGroup` is a :class:`ckpt.manager.WorkerGroup`: the job's loop (:class:`hal.apps.weightsync.loop.Job`)
-and verl's manager drive it as they drive the torchrun and Ray launchers' groups. Each worker is
-``python -m hal.apps.soak.child FD`` (inside the sandbox's namespaces, :class:`hal.apps.soak.sandbox.Sandbox`),
-connected to the driver by a socket pair carrying messages pickled with the standard :mod:`pickle` (tensors by
-value; ``multiprocessing.connection``'s framing, not its pickler, whose torch reductions pass tensors as file
-descriptors only between processes ``multiprocessing`` started):
+:class:`ProcessGroup` is a :class:`ckpt.manager.WorkerGroup`. Each worker is ``python -m hal.apps.soak.child FD``
+inside the sandbox, joined to the driver by a socket pair carrying standard pickles (tensors by value):
 
-* driver -> worker: ``("call", seq, call)`` (run in order, one at a time), ``call`` the pickle of
-  ``(method, args, kwargs)``, and ``("stop",)``;
-* worker -> driver: ``("reply", seq, ok, value, error)``, ``value`` the pickle of the result, and
-  ``("notice", message)`` (sent the moment it happens: :class:`hal.apps.soak.strike.Host`'s).
+* driver -> worker: ``("call", seq, call)`` (run in order), ``call`` the pickle of ``(method, args, kwargs)``;
+  ``("stop",)``;
+* worker -> driver: ``("reply", seq, ok, value, error)``, ``value`` the result's pickle; ``("notice", message)``.
 
-A call's and a result's content are pickled apart from the message around them
-(:func:`hal.apps.weightsync.messages.load_message`): one that does not load at the other end fails that call,
-and the worker and its connection go on.
-
-A reader thread per process hands messages to the driver's event loop; when the socket closes (the process
-died: SIGKILL closes it at once) every call in flight fails with :class:`WorkerDied`, which
-:meth:`ProcessGroup.is_dead` recognises, so the manager fails the update at once naming the worker. A worker
-that does not answer (stopped) fails its call only at the manager's deadline. Every wait here is bounded.
+Contents are pickled apart from their message, so one that does not load fails only its call. When a
+process dies its socket closes and every call in flight fails with :class:`WorkerDied`; a stopped worker
+fails its call at the manager's deadline.
 """
 
 from __future__ import annotations
@@ -45,28 +35,13 @@ from hal.apps.weightsync.messages import load_message
 from hal.apps.weightsync.options import JobOptions
 from hal.apps.weightsync.worker import Where, Worker, describe_worker
 
+# seconds a worker process may take to start (import torch, build its model) and answer its first call
 START_LIMIT_S = 180.0
-"""Seconds a worker process may take to start (import torch, build its model) and answer its first call."""
-EXIT_WAIT_S = 10.0
-"""Seconds a worker asked to stop may take to exit before it is killed."""
+EXIT_WAIT_S = 10.0  # seconds a stopping worker has before it is killed
+# set in each worker unless hal soak's environment sets them, so the leak rule reads what the program holds:
+# torch's flight recorder ring (2000 gloo entries by default) grows ~0.8 KiB per collective until full, and
+# glibc's per-thread arenas keep freed pages resident (1.8 MB in 15 arenas measured; 0.1 MB with one)
 WORKER_ENV_DEFAULTS = {"TORCH_FR_BUFFER_SIZE": "64", "MALLOC_ARENA_MAX": "1"}
-"""What each worker's environment holds unless ``hal soak``'s own sets it, so that the leak rule
-(:func:`hal.apps.soak.checker.check_leaks`) reads what the program holds, not what a ring or an allocator keeps.
-
-``TORCH_FR_BUFFER_SIZE``: entries of torch's flight recorder (c10d's ring of the last collectives, each with
-its captured Python and C++ stacks), on for gloo with 2000 entries in torch 2.13. Measured: one gloo process's
-``RssAnon`` grows about 0.8 KiB per collective until the ring is full (+1.6 MB after 2000 broadcasts), then
-stays flat. The collective engine's processes grew 8 to 10 KiB per update (their rings fill after about 200
-updates), and the leak rule (growth between two windows) read the filling ring as a leak (the trainer's +1.5 MB
-in a 300-update run). 64 entries (about 50 KB) keep the recorder on and its growth far under one bucket.
-
-``MALLOC_ARENA_MAX``: glibc gives threads their own malloc arenas, up to 8 per core, each a heap of its own
-(mapped on a 64 MiB boundary). A burst of threads (a failed update's teardown, UCX's and asyncio's workers)
-spreads allocations over more arenas, and each keeps partly used pages resident after everything is freed and
-``malloc_trim`` ran: measured, 16 threads that free all they allocated left 1.8 MB held in 15 arenas, 0.1 MB
-with one arena. The nixl rollouts' held memory stepped up at faults by new 1.7 MB arena heaps (+0.3 to 0.5 MB
-resident each), and one 300-update run failed at +1.3 MB; with one arena the same seed grew -16 KB. One arena
-costs lock contention between threads, nothing a soak measures."""
 
 
 class WorkerDied(hal.HalError, RuntimeError):
@@ -79,8 +54,8 @@ class RemoteError(hal.HalError, RuntimeError):
 
 @dataclasses.dataclass
 class ChildSpec:
-    """What a worker process builds: ``options``' role of worker ``index`` (0: the trainer), reached at
-    ``node_ip``, its strikes acting on ``surroundings`` (:class:`hal.apps.soak.strike.Surroundings`)."""
+    """What a worker process builds: ``options``' role of worker ``index`` (0: the trainer) at ``node_ip``, its
+    strikes acting on ``surroundings``."""
 
     options: JobOptions
     index: int
@@ -89,12 +64,7 @@ class ChildSpec:
 
 
 def build_host(spec: ChildSpec, notify: Callable[[tuple], None], in_process: bool = False, engine: Any = None) -> Any:
-    """The role of ``spec`` (trainer or rollout) on a striking engine, in a :class:`~hal.apps.soak.strike.Host`.
-
-    Args:
-        engine: the engine to strike through (the colocated engine shared in one process); default: a new one
-            (:func:`hal.apps.weightsync.worker.make_engine`).
-    """
+    """The role of ``spec`` on a striking ``engine`` (default: a new one), in a :class:`~hal.apps.soak.strike.Host`."""
     from hal.apps.soak.strike import Host, StrikingEngine
     from hal.apps.weightsync.rollout import Rollout
     from hal.apps.weightsync.trainer import Trainer
@@ -112,27 +82,17 @@ def build_host(spec: ChildSpec, notify: Callable[[tuple], None], in_process: boo
 
 
 def send(conn: Connection, message: Any) -> None:
-    """Send ``message`` pickled by the standard pickler (see the module docstring).
-
-    Raises:
-        OSError: the other end is gone.
-    """
+    """Send ``message`` pickled by the standard pickler; OSError when the other end is gone."""
     conn.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
 
 
 def receive(conn: Connection) -> Any:
-    """The next message (blocks until one comes).
-
-    Raises:
-        EOFError: the other end closed the connection.
-    """
+    """The next message (blocks until one comes); EOFError when the other end closed."""
     return pickle.loads(conn.recv_bytes())
 
 
 def settle(future: asyncio.Future, ok: bool, value: bytes | None, error: str | None) -> None:
-    """Complete a call's ``future`` from its reply (see the module docstring): the result that ``value`` pickles,
-    or :class:`RemoteError` with ``error`` (``ok`` false), or with why ``value`` does not load here (the worker
-    goes on)."""
+    """Complete a call's ``future`` from its reply: the result ``value`` pickles, or :class:`RemoteError`."""
     if not ok:
         future.set_exception(RemoteError(error or "the call failed in the worker, which did not say why"))
         return
@@ -155,8 +115,7 @@ def explain_exit(returncode: int | None) -> str:
 
 
 def log_tail(path: str, lines: int = 3, size: int = 4096) -> str:
-    """The last ``lines`` non-empty lines among the last ``size`` bytes of the log at ``path``, joined by
-    ``" | "`` (``""`` when there is none)."""
+    """The last ``lines`` non-empty lines among the last ``size`` bytes of the log at ``path``, joined by ``" | "``."""
     try:
         with open(path, "rb") as log:
             log.seek(0, os.SEEK_END)
@@ -174,8 +133,8 @@ class Incarnation:
         self.index, self.number, self.proc, self.conn, self.log = index, number, proc, conn, log
         self.pending: dict[int, asyncio.Future] = {}
         self.seq = 0
+        # how the process ended (None while it runs)
         self.dead: str | None = None
-        """How the process ended (``None`` while it runs)."""
         self.stopped = False
         self.thread: threading.Thread | None = None
 
@@ -185,15 +144,8 @@ class Incarnation:
 
 
 class ProcessGroup:
-    """A :class:`ckpt.manager.WorkerGroup` of worker processes (see the module docstring).
-
-    Args:
-        options: the job's options (``rollouts`` rollout workers besides the trainer).
-        sandbox: where the processes live (:class:`hal.apps.soak.sandbox.Sandbox`, entered).
-        on_notice: ``on_notice(index, message)``, called on the event loop for each notice a worker sends.
-
-    Call :meth:`start` (on the event loop that drives the group) before anything else; :meth:`close` at the end.
-    """
+    """A :class:`ckpt.manager.WorkerGroup` of worker processes in ``sandbox``; ``on_notice(index, message)`` runs
+    on the event loop. Call :meth:`start` on that loop first and :meth:`close` at the end."""
 
     def __init__(self, options: JobOptions, sandbox: Any, on_notice: Callable[[int, tuple], None]) -> None:
         self.options, self.sandbox, self.on_notice = options, sandbox, on_notice
@@ -301,9 +253,8 @@ class ProcessGroup:
     # -- WorkerGroup ----------------------------------------------------------------------------------------
 
     def submit(self, index: int, method: Callable, *args: Any, **kwargs: Any) -> asyncio.Future:
-        """Post ``method(*args, **kwargs)`` (``Host.arm``, ``Trainer.train``: sent by reference, as pickle sends a
-        function) to worker ``index``; the future gives its result, or fails with
-        :class:`RemoteError` (it raised there) or :class:`WorkerDied`."""
+        """Post ``method(*args, **kwargs)`` to worker ``index``; the future fails with :class:`RemoteError` or
+        :class:`WorkerDied`."""
         future = self.loop.create_future()
         # a call nobody awaits any more (the manager gave up on it, the run was stopped) fails quietly
         future.add_done_callback(lambda f: f.cancelled() or f.exception())
@@ -341,12 +292,8 @@ class ProcessGroup:
         return f"{type(error).__name__}: {error}"
 
     async def replace(self, index: int) -> None:
-        """Kill worker ``index``'s process if it still runs, start a new one and wait until it answers.
-
-        Raises:
-            WorkerDied: the new process died while starting (its log's last lines say why).
-            TimeoutError: it did not answer within :data:`START_LIMIT_S` seconds.
-        """
+        """Kill worker ``index``'s process if it still runs, start a new one and wait until it answers (at most
+        :data:`START_LIMIT_S` seconds)."""
         await self.end(index)
         self.spawn(index)
         self.whereabouts[index] = None
@@ -379,9 +326,8 @@ class ProcessGroup:
 
 
 class InProcessGroup:
-    """The colocated engine's workers, in the driver's process: one shared engine, each worker in a
-    :class:`~hal.apps.soak.strike.Host` (a :class:`ckpt.manager.WorkerGroup`, as
-    :class:`hal.apps.weightsync.launchers.local.LocalGroup`)."""
+    """The colocated engine's workers in the driver's process: one shared engine, each worker in a
+    :class:`~hal.apps.soak.strike.Host`."""
 
     def __init__(self, options: JobOptions, on_notice: Callable[[int, tuple], None]) -> None:
         from hal.apps.weightsync.worker import make_engine

@@ -1,19 +1,10 @@
 """The soak's driver: the weight-sync job for N updates while the plan's faults strike, then the checker.
 
-One run (:func:`soak`) is one engine, one wire format, one seed on one device kind. The job is the library's own
-(:class:`hal.apps.weightsync.loop.Job`: verl's manager, its fault policy, the trainer's and the rollouts' roles)
-over the soak's group (:mod:`hal.apps.soak.procs`). Per update ``g``:
-
-1. the plan's fault for ``g``, if any, is armed in its target (:mod:`hal.apps.soak.strike`);
-2. the job's step runs (train, publish as ``g``, every rollout receives and applies, verify, onload), bounded
-   by a watchdog; every :class:`ckpt.manager.UpdateError` it raises is timestamped as it is raised;
-3. what the fault left is undone: a stopped process is continued (SIGCONT) once the stop outlasted the timeout,
-   a full filesystem emptied, a link restored; a killed process is restarted (a rollout through the job's
-   ``replace_rollout``, which makes the next update re-seed it; the trainer in place);
-4. every rollout is observed (the step it serves, a CRC-32 per served tensor, what its last update reported),
-   and every process's file descriptors and resident memory are sampled after a clean update.
-
-The history then goes to the checker (:mod:`hal.apps.soak.checker`).
+One run (:func:`soak`) is one engine, wire format and seed. The job is the library's own
+(:class:`hal.apps.weightsync.loop.Job`) over the soak's group (:mod:`hal.apps.soak.procs`). Per update ``g``:
+arm the plan's fault in its target; run the step under a watchdog, timestamping every ``UpdateError``; undo
+what the fault left (continue a stopped process, empty a filesystem, restore a link, restart a killed one);
+observe every rollout and, after a clean update, sample every process's descriptors and memory.
 """
 
 from __future__ import annotations
@@ -33,20 +24,16 @@ from hal.apps.soak.options import SoakOptions
 from hal.apps.soak.sandbox import Sandbox, machine_support
 from hal.apps.soak.strike import Host
 
+# seconds the driver waits, after a hang, for the worker to answer at all before the soak stops
 HANG_GRACE_S = 300.0
-"""Seconds the driver waits, after a worker overran its bound (a hang, counted), for it to answer at all before
-the soak stops."""
-STACK_LINES = 40
-"""Lines of a hung worker's log (its stacks, written on SIGUSR2) kept in the report."""
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
-"""Signals that stop a run cleanly (its workers stopped, its namespaces and scratch removed) before it ends."""
+STACK_LINES = 40  # lines of a hung worker's log kept in the report
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)  # stop a run cleanly
+# bounded calls (timeout + margin each) a step may take before it is a hang
 WATCHDOG_CALLS = 5
-"""A step may take this many bounded calls' worth of time (``timeout + margin`` each) before the soak calls it
-a hang: settle, update, finalize, abandon and the next call are each bounded by the manager."""
 
 
 class Driver:
-    """One run's state on the event loop: the job, its group, the sandbox, the history (see the module docstring)."""
+    """One run's state on the event loop: the job, its group, the sandbox, the history."""
 
     def __init__(self, options: SoakOptions, sandbox: Sandbox | None, kinds: Sequence[str],
                  progress: Callable[[int], None] | None = None, faults: dict[int, Any] | None = None,
@@ -170,8 +157,7 @@ class Driver:
         return restarted
 
     async def replace_trainer(self) -> None:
-        """Start a new trainer process in place of a dead one: its engine is new, so the next update forms a new
-        group; its call left running (if any) is forgotten, and a delta sender starts with a seed."""
+        """Start a new trainer process in place of a dead one (a new group next update; a delta sender seeds)."""
         manager = self.job.manager
         leftover = manager.unsettled.pop(0, None)
         if leftover is not None:
@@ -181,8 +167,8 @@ class Driver:
         self.job.reseed_pending = "the trainer was replaced (a new process)"
 
     async def observe(self, g: int, fault: Any, started: float, ended: float, ok: bool, restarted: list[int]) -> bool:
-        """Record update ``g``: what every rollout serves and reported, and (after a clean update) resources.
-        Returns ``False`` when a worker did not answer within the manager's bound (a hang: the soak stops)."""
+        """Record update ``g``: what every rollout serves and reported, and (after a clean update) resources;
+        ``False`` when a worker did not answer within the manager's bound (a hang)."""
         record = checker.UpdateRecord(update=g, fault=fault, struck=list(self.struck), started_at=started,
                                       ended_at=ended, ok=ok, errors=list(self.errors), restarted=restarted)
         rollouts = self.job.manager.rollouts
@@ -256,13 +242,8 @@ class Driver:
                                        f"{log_tail(worker.log, lines=STACK_LINES, size=32768)}")
 
     async def run(self) -> None:
-        """Start, run every update, close the engines and stop the workers (also after a failure, and on SIGTERM or
-        SIGHUP, which then raise torch.distributed.elastic's ``SignalException`` once the workers are stopped,
-        as ``hal sync`` raises it: :func:`hal.apps.shutdown.interrupted_status`).
-
-        Raises:
-            SignalException: SIGTERM or SIGHUP came (the run is given up).
-        """
+        """Start, run every update, close the engines and stop the workers, also after a failure; SIGTERM or SIGHUP
+        then raise ``SignalException``."""
         loop, task, got = asyncio.get_running_loop(), asyncio.current_task(), []
 
         def on_signal(signum: int) -> None:
@@ -306,17 +287,9 @@ def model_path(options: SoakOptions, root: str) -> str | None:
 
 def soak(options: SoakOptions, progress: Callable[[int], None] | None = None,
          faults: dict[int, Any] | None = None) -> dict[str, Any]:
-    """One soak run; returns its report (:func:`hal.apps.soak.checker.judge`: ``ok``, the figures, ``failures``,
-    ``replay``). Faults the engine or the machine cannot produce are in ``skipped`` with the reason.
+    """One soak run; returns its report (:func:`hal.apps.soak.checker.judge`).
 
-    Args:
-        progress: called with each update's number once it ended (and its record was taken).
-        faults: ``{update: Fault}`` to strike instead of the seed's plan (a test's chosen faults; the report's
-            replay command then replays the seed's plan, not these).
-
-    Raises:
-        ValueError: bad options (:class:`SoakOptions`).
-        hal.HalError: the device kind or the engine is unavailable here.
+    ``progress(g)`` is called as each update ends; ``faults`` (``{update: Fault}``) replaces the seed's plan.
     """
     import ckpt
     import hal

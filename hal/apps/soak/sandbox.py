@@ -1,20 +1,11 @@
-"""Where the soak's worker processes live: a scratch directory of the run's own, and, where the machine allows,
-a private mount namespace and an emulated network, so that faults hit only the soak's own processes and what
-they leave behind can be counted exactly.
+"""Where the soak's worker processes live: a scratch directory of the run's own and, where the machine allows,
+a private mount namespace and an emulated network, so faults hit only the soak's processes.
 
-* The scratch directory (``$TMPDIR/hal-soak-*``, removed at the end) holds the workers' ``TMPDIR``, their logs
-  and the file engine's root; the temporary directories the checker counts are those of the workers' ``TMPDIR``.
-* A private mount namespace (``unshare --mount``, entered by every worker with ``nsenter``) gives the workers a
-  ``/dev/shm`` of their own (a ``tmpfs``) and a small ``tmpfs`` for the file engine's root: a ``full_shm`` or
-  ``full_disk`` fault fills those, never the machine's, and ``/dev/shm`` segments are counted there (read
-  through ``/proc/<pid>/root``). The namespace lives as long as a holder process (``cat`` reading a pipe the
-  driver holds, so it ends with the driver however the driver ends).
-* An emulated network (:func:`hal.apps.links.emulated_network`: one network namespace per worker,
-  linked through a bridge, rate-limited by ``tc``), when a link fault is planned: a ``cut_link`` sets the
-  target's link down, a ``slow_link`` throttles it; the driver restores it after the update.
-
-Without root (or without ``unshare``, ``nsenter``, ``ip``, ``tc``) the workers run in the machine's namespaces,
-and the faults that need these are skipped with the reason (:func:`machine_support`).
+The scratch directory (``$TMPDIR/hal-soak-*``) holds the workers' ``TMPDIR``, logs and the file engine's root.
+The mount namespace (``unshare --mount``, entered with ``nsenter``; held by a ``cat`` on the driver's pipe)
+gives the workers a private ``/dev/shm`` and a small disk for ``full_shm`` and ``full_disk``. The emulated
+network (:func:`hal.apps.links.emulated_network`) serves link faults. Without root the faults that need these
+are skipped with the reason (:func:`machine_support`).
 """
 
 from __future__ import annotations
@@ -27,10 +18,8 @@ from typing import Any
 
 from hal.apps.soak.strike import Surroundings, remove_ballast
 
-LINK_RATE_BPS = 10e9
-"""Every emulated link's rate, bits/s, when no fault throttles it."""
-NAMESPACE_START_S = 30.0
-"""Seconds the mount namespace's holder may take to mount its filesystems."""
+LINK_RATE_BPS = 10e9  # bits/s of a link no fault throttles
+NAMESPACE_START_S = 30.0  # seconds for the holder to mount
 _support: dict[str, str | None] | None = None
 
 
@@ -53,8 +42,7 @@ def _mounts_reason() -> str | None:
 
 
 def machine_support() -> dict[str, str | None]:
-    """What this machine allows the soak: ``{"mounts": reason or None, "links": reason or None}`` (``None``: it
-    works), probed once per process."""
+    """What this machine allows the soak: ``{"mounts": reason or None, "links": reason or None}``, probed once."""
     global _support
     if _support is None:
         from hal.apps.links import links_available
@@ -65,16 +53,8 @@ def machine_support() -> dict[str, str | None]:
 
 
 class Sandbox:
-    """The run's scratch directory, and its namespaces where asked for and possible (see the module docstring).
-
-    Args:
-        workers: how many worker processes (trainer first).
-        mounts: make a private mount namespace (``/dev/shm`` of ``shm_bytes``, a disk of ``disk_bytes``).
-        links: build an emulated network.
-        shm_bytes, disk_bytes: sizes of the private ``/dev/shm`` and of the file engine's disk, in bytes.
-
-    Use it as a context manager; on leaving, the namespaces and the scratch directory are removed.
-    """
+    """The run's scratch directory and its namespaces where asked for and possible (sizes in bytes); a context
+    manager that removes them on leaving."""
 
     def __init__(self, workers: int, mounts: bool, links: bool, shm_bytes: int = 256 << 20,
                  disk_bytes: int = 64 << 20) -> None:
@@ -195,8 +175,7 @@ class Sandbox:
         return f"/proc/{self.holder.pid}/root{path}" if self.holder is not None else path
 
     def shm_segments(self) -> list[str]:
-        """The workers' ``/dev/shm`` entries (the private one; else the machine's ``hal-*`` entries, which
-        other runs on this machine may add to)."""
+        """The workers' ``/dev/shm`` entries (the private one; else the machine's ``hal-*`` entries)."""
         path = self.inside("/dev/shm")
         names = sorted(os.listdir(path)) if os.path.isdir(path) else []
         return names if self.mounts else [n for n in names if n.startswith("hal-")]
@@ -206,12 +185,8 @@ class Sandbox:
         return sorted(n for n in os.listdir(self.tmp_dir) if not n.startswith("torchinductor_"))
 
     def repair(self, kind: str, target: int) -> None:
-        """Undo what a fault of ``kind`` on worker ``target`` left: the ballast of a full filesystem, a link down
-        or throttled.
-
-        Raises:
-            hal.apps.links.LinksError: restoring a link failed.
-        """
+        """Undo what a fault of ``kind`` on worker ``target`` left: a full filesystem's ballast, a link down or
+        throttled."""
         if kind == "full_disk":
             remove_ballast(self.inside(self.disk_dir))
         elif kind == "full_shm":

@@ -1,30 +1,16 @@
 """The soak's part inside a worker: a checkpoint engine that strikes an armed fault at its moment, and a host
-around the job's role (trainer or rollout) that arms it, reports what the role published and served, and what
-the process holds.
+around the job's role that arms it and reports what the role published, serves and holds.
 
-:class:`Host` wraps one :class:`hal.apps.weightsync.worker.Worker` and is what the soak's group calls
-(``invoke``, the same entry point every launcher calls); the calls of its own methods are its own:
+:class:`Host` wraps a :class:`hal.apps.weightsync.worker.Worker`; the driver calls ``arm``/``disarm``,
+``observe`` (served step and CRC-32 per tensor) and ``resources`` (pid, descriptors, resident bytes). Notices
+go to the driver at once: ``("published", step, sums)`` before a step is sent, ``("struck", fault, seconds)``
+before a kill or stop takes effect.
 
-* ``Host.arm(fault)`` / ``Host.disarm()``: the :class:`~hal.apps.soak.faults.Fault` to strike during its update;
-* ``Host.observe()``: what the worker serves now (a rollout's ``served_step`` and a CRC-32 per served tensor, the
-  step its last ``update_weights`` reported), read by the checker after every update;
-* ``Host.resources()``: the process's pid, open file descriptors and resident bytes.
-
-It also tells the soak driver, as notices sent the moment they happen (``notify``), the CRC-32 of every tensor
-the trainer staged for a step (``("published", step, sums)``, before the step is sent) and every strike
-(``("struck", fault, wall-clock seconds)``, sent before a kill or a stop takes effect).
-
-:class:`StrikingEngine` stands in front of the role's engine (every attribute read or written is the engine's)
-and strikes at the fault's moment (:data:`hal.apps.soak.faults.MOMENTS`): ``before_send`` at the entry of
-``send_weights`` / ``receive_weights`` (a full filesystem: at the entry of the trainer's ``train``, before it
-stages the update, which it may stage into shared memory), ``mid_bucket`` once ``fraction`` of the update's
-bytes went through the engine (counted on the tensors the trainer hands it, or the rollout receives, of the
-update's own bytes when they are a list, else of the fewest bytes an update carried so far, so that a delta
-update strikes within its own bytes; a stream shorter than that strikes at its end, and a flip at its last
-item, for which the receiver holds one item back, copied), ``during_apply`` when the rollout's receive stream ended and its adapter
-applies and switches, and ``during_finalize`` at the entry of ``finalize()``. A flip corrupts a copy of the
-tensor the rollout receives (the engine's buffers, and with the colocated engine the trainer's tensors, stay
-as they are).
+:class:`StrikingEngine` fronts the role's engine and strikes at the fault's moment: ``before_send`` at the
+entry of ``send_weights``/``receive_weights`` (a full filesystem: at the trainer's ``train``),
+``mid_bucket`` once ``fraction`` of the update's bytes went through (of the fewest an update carried, for a
+stream of unknown length), ``during_apply`` when the receive stream ended, ``during_finalize`` at
+``finalize()``. A flip corrupts a copy of the received tensor.
 """
 
 from __future__ import annotations
@@ -40,30 +26,20 @@ from ckpt.manager import ManagedWorker, method_class
 from hal.apps.soak.faults import Fault
 from hal.apps.weightsync.trainer import Trainer
 
+# the file a full_disk / full_shm fault fills its filesystem with (removed by the driver afterwards)
 BALLAST = "hal-soak-ballast"
-"""The file a ``full_disk`` / ``full_shm`` fault fills its filesystem with (removed by the driver afterwards)."""
+# a slow_link fault's rate, bits/s each way: an update of the tiny preset then outlasts the default timeout
 SLOW_RATE_BPS = 2e6
-"""A ``slow_link`` fault's rate, bits/s (each direction): an update of the tiny preset (1.8 MB) then takes
-about 7 s, longer than the soak's default timeout."""
-LINK_CMD_TIMEOUT_S = 10.0
-"""Seconds an ``ip`` / ``tc`` command of a link fault may take."""
+LINK_CMD_TIMEOUT_S = 10.0  # seconds per ip / tc command
+# a number of frames: every worker traces its Python allocations and says where they grew most
 TRACE_ENV = "HAL_SOAK_TRACEMALLOC"
-"""Environment variable: a number of frames; when set, every worker traces its Python allocations from its first
-resource sample on, and each later sample says where they grew most (a diagnosis of a resident-memory growth)."""
-FLIP_MASK = 0x10
-"""The bit a ``flip`` fault flips in its byte (a high mantissa bit of a bf16 value: the value changes)."""
+FLIP_MASK = 0x10  # a high mantissa bit of a bf16 value
 
 
 @dataclasses.dataclass(frozen=True)
 class Surroundings:
-    """What a worker's strikes act on besides itself (picklable: handed to a child process).
-
-    Attributes:
-        network: the :class:`hal.apps.links.EmulatedNetwork` the workers live in, or ``None``.
-        endpoint: this worker's endpoint in it.
-        disk_dir: the directory a ``full_disk`` fault fills (on the file engine's own small filesystem), or ``None``.
-        shm_dir: the directory a ``full_shm`` fault fills (a private ``/dev/shm``), or ``None``.
-    """
+    """What a worker's strikes act on besides itself (picklable): the ``network`` and this worker's ``endpoint``
+    in it, the directories ``full_disk`` and ``full_shm`` fill (or ``None``)."""
 
     network: Any = None
     endpoint: str | None = None
@@ -72,12 +48,7 @@ class Surroundings:
 
 
 def fill(directory: str) -> int:
-    """Fill the filesystem of ``directory`` with :data:`BALLAST` (``posix_fallocate`` of every free byte, then
-    byte by byte until ``ENOSPC``); returns the bytes allocated.
-
-    Raises:
-        OSError: ``directory`` cannot be written (other than its filesystem being full).
-    """
+    """Fill the filesystem of ``directory`` with :data:`BALLAST` until ``ENOSPC``; returns the bytes allocated."""
     path = os.path.join(directory, BALLAST)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
     try:
@@ -113,15 +84,8 @@ def crc32(tensor: Any) -> str:
 
 
 class Host:
-    """The soak's host around ``worker`` (see the module docstring).
-
-    Args:
-        worker: the job's role (:class:`~hal.apps.weightsync.trainer.Trainer` or
-            :class:`~hal.apps.weightsync.rollout.Rollout`).
-        notify: ``notify(message)`` sends a notice to the driver at once (a tuple, see the module docstring).
-        surroundings: what strikes act on.
-        in_process: the worker shares the driver's process (colocated): kills and stops are refused.
-    """
+    """The soak's host around ``worker``; ``notify(message)`` sends a notice to the driver at once.
+    ``in_process`` (colocated) refuses kills and stops."""
 
     def __init__(self, worker: Any, notify: Callable[[tuple], None], surroundings: Surroundings | None = None,
                  in_process: bool = False) -> None:
@@ -129,23 +93,19 @@ class Host:
         self.surroundings = surroundings or Surroundings()
         self.in_process = in_process
         self.armed: Fault | None = None
+        # the last update_weights as the rollout reported it (update, served_step, error, raised, started/ended_at)
         self.reported: dict[str, Any] | None = None
-        """The last ``update_weights`` as the rollout reported it: ``{"update", "served_step", "error", "raised",
-        "started_at", "ended_at"}`` (wall-clock seconds)."""
-        self.current: int | None = None
-        """The ``global_steps`` of the update in progress (the finalize strike's)."""
+        self.current: int | None = None  # global_steps of the update in progress
         self._first_snapshot: Any = None
+        # fewest bytes an update carried so far: a mid_bucket strike's reference on a stream of unknown length
         self.min_bytes = 0
-        """The fewest bytes an update of this worker carried so far (the reference of a ``mid_bucket`` strike on
-        a stream of unknown length: a delta update; the whole update until one was seen)."""
 
     @property
     def index(self) -> int:
         return self.worker.index
 
     async def invoke(self, method: Callable, *args: Any, **kwargs: Any) -> Any:
-        """A :class:`Host` method (``Host.arm``): this host's; anything else: the worker's
-        (:meth:`hal.apps.weightsync.worker.Worker.invoke`), with what the soak records around it."""
+        """A :class:`Host` method runs here; anything else is the worker's, with what the soak records around it."""
         if method in HOST_CALLS:
             return method(self, *args, **kwargs)
         if method_class(method) is Host:
@@ -176,11 +136,7 @@ class Host:
         return result
 
     def arm(self, fault: Fault) -> None:
-        """Strike ``fault`` at its moment of update ``fault.update``.
-
-        Raises:
-            ValueError: a kill or a stop in the driver's own process (colocated), or a fault for another worker.
-        """
+        """Strike ``fault`` at its moment of update ``fault.update``."""
         if fault.target != self.index:
             raise ValueError(f"fault {fault.describe()} targets worker {fault.target}, not this one ({self.index})")
         if self.in_process and fault.kind in ("kill", "stop"):
@@ -193,8 +149,7 @@ class Host:
         return armed is not None
 
     def observe(self) -> dict[str, Any]:
-        """What this worker serves now: ``{"served_step", "sums": {name: CRC-32}, "reported"}`` for a rollout
-        (``reported``: see :attr:`reported`), ``{}`` for the trainer."""
+        """What this worker serves: ``{"served_step", "sums", "reported"}`` for a rollout, ``{}`` for the trainer."""
         if self.index == 0:
             return {}
         adapter = self.worker.adapter
@@ -202,15 +157,8 @@ class Host:
                 "sums": {name: crc32(t) for name, t in adapter.state_dict().items()}, "reported": self.reported}
 
     def resources(self) -> dict[str, int]:
-        """``{"pid", "fds": open file descriptors, "rss_bytes": resident bytes, "held_bytes": resident bytes less
-        file-backed pages (:func:`~hal.apps.weightsync.memory.held_resident_bytes`) and less the freed blocks a
-        device whose memory is host memory caches (:func:`~hal.apps.weightsync.memory.device_cache_in_host_bytes`),
-        "fds_before_gc"}`` of this process.
-
-        Counted after a full garbage collection (``gc.collect()``) and ``malloc_trim``: what only unreachable
-        objects still hold (a failed collective's sockets, kept by its exception's traceback until Python's
-        collector runs) and freed heap the allocator kept are not a leak; ``fds_before_gc`` is the count before.
-        """
+        """``{"pid", "fds", "rss_bytes", "held_bytes", "fds_before_gc"}`` of this process, counted after a full gc and
+        ``malloc_trim`` (``held_bytes``: anonymous resident bytes less a host-memory device's cache)."""
         import gc
 
         from hal.apps.weightsync.memory import (device_cache_in_host_bytes, held_resident_bytes, resident_bytes,
@@ -228,9 +176,8 @@ class Host:
         return out
 
     def traced_growth(self, top: int = 5) -> list[str] | None:
-        """Where Python allocations grew since this process's first sample, largest first (``top`` lines of
-        ``tracemalloc``'s comparison, by allocation site), when :data:`TRACE_ENV` is set in ``hal soak``'s
-        environment (tracing then starts at the first sample, keeping that many frames); ``None`` otherwise."""
+        """Where Python allocations grew since this process's first sample (``top`` lines), when :data:`TRACE_ENV` is
+        set; ``None`` otherwise."""
         import tracemalloc
 
         frames = os.environ.get(TRACE_ENV, "")
@@ -259,8 +206,7 @@ class Host:
         return fault
 
     def strike(self, fault: Fault, tensor: Any = None) -> Any:
-        """Strike ``fault`` now (it is disarmed first); returns ``tensor``, or its copy with one byte flipped
-        for a ``flip``."""
+        """Strike ``fault`` now (disarmed first); returns ``tensor``, or a copy with one byte flipped for a ``flip``."""
         self.armed = None
         kind = fault.kind
         if kind == "flip":
@@ -293,14 +239,12 @@ class Host:
         return tensor
 
 
+# the Host methods the driver calls (through Host.invoke)
 HOST_CALLS = (Host.arm, Host.disarm, Host.observe, Host.resources)
-"""The :class:`Host` methods the soak's driver calls (through :meth:`Host.invoke`); its others are its own."""
 
 
 class StrikingEngine:
-    """``engine`` with :class:`Host`'s strikes at their moments (see the module docstring); every other
-    attribute, read or written, is ``engine``'s. ``send_buffer_bytes`` / ``send_buffer_words`` are the engine
-    class's (the trainer's memory bound reads them from ``type(engine)``)."""
+    """``engine`` with :class:`Host`'s strikes at their moments; every other attribute is ``engine``'s."""
 
     def __init__(self, engine: Any, host: Host | None = None) -> None:
         object.__setattr__(self, "_engine", engine)
@@ -308,7 +252,7 @@ class StrikingEngine:
 
     @classmethod
     def wrap(cls, engine: Any) -> StrikingEngine:
-        """``engine`` behind a subclass of this class that also carries the engine class's memory figures."""
+        """``engine`` behind a subclass carrying the engine class's memory figures."""
         engine_cls = type(engine)
         attrs = {name: getattr(engine_cls, name) for name in ("send_buffer_bytes", "send_buffer_words")
                  if hasattr(engine_cls, name)}
@@ -337,8 +281,7 @@ class StrikingEngine:
         return await self._engine.send_weights(weights, global_steps, **kwargs)
 
     def _counting(self, weights: Iterable[Any], fault: Fault) -> Iterable[Any]:
-        """``weights`` striking ``fault`` once ``fault.fraction`` of the update's bytes were handed on (of a list's
-        own bytes; of :attr:`Host.min_bytes` for a stream, struck at its end if it is shorter)."""
+        """``weights`` striking ``fault`` once ``fault.fraction`` of the update's bytes were handed on."""
         host = self._host
         items = list(weights) if isinstance(weights, (list, tuple)) else None
         total = byte_count(items) if items is not None else host.min_bytes
@@ -380,8 +323,7 @@ class StrikingEngine:
         threshold = middle.fraction * host.min_bytes if middle is not None else 0.0
         seen = 0
         if middle is not None and middle.kind == "flip":
-            # one item held back, copied (an engine's item may be a view valid only until the next), so that a
-            # stream shorter than the reference (a delta update) still has its last item flipped
+            # one item held back, copied (it may be a view valid until the next): a short stream's last is flipped
             held = None
             async for name, tensor in stream:
                 seen += tensor.numel() * tensor.element_size()
