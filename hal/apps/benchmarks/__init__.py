@@ -1,9 +1,8 @@
 """Benchmarks: each prints ratios measured side by side in one run (the machine is shared and noisy).
 
-One entry point, ``hal bench`` (:mod:`hal.apps.cli.bench`), chooses them and their sizes; each module here
-offers ``run(...) -> dict`` (the figures) and ``print_table(dict)``, and imports nothing from the command
-line. Ranks start through torch.distributed's elastic launcher (:mod:`hal.apps.benchmarks.ranks`); the
-weight-sync job is reached through one function (:mod:`hal.apps.benchmarks.job`).
+``hal bench`` chooses them and their sizes; each module offers ``run(...) -> dict`` and ``print_table(dict)``
+and imports nothing from the command line. Ranks start through :mod:`hal.apps.benchmarks.ranks`; the
+weight-sync job is reached through :mod:`hal.apps.benchmarks.job`.
 """
 
 from __future__ import annotations
@@ -23,15 +22,8 @@ def timed_once(group: Any, fn: Callable[[], Any]) -> float:
 
 
 def transfer_once(engine: Any, rank: int, tensors: Sequence[tuple[str, Any]], step: int) -> int:
-    """One update through a checkpoint ``engine``: rank 0 sends ``tensors`` (``(name, tensor)`` pairs) tagged
-    ``global_steps=step``, every other rank receives it (the yielded views are dropped).
-
-    Returns:
-        The bytes this rank sent (rank 0) or received (the others): the sum of ``numel * element_size``.
-
-    Raises:
-        RuntimeError: a receiver got another number of tensors than ``len(tensors)``.
-    """
+    """One update through ``engine``: rank 0 sends ``tensors`` as ``step``, the others receive (views dropped);
+    returns the bytes this rank sent or received."""
     async def go() -> int:
         if rank == 0:
             await engine.send_weights(iter(tensors), step)

@@ -1,31 +1,15 @@
 """The prepared accelerator check: what to run, in one go, on a host lent with a GPU or an NPU.
 
-Five steps, each in its own process with its own deadline, so that a hung or crashed step is reported and the
-check goes on; the whole fits a time budget (480 s by default, under the 8 minutes a lent host allows):
+Steps ``info`` (environment, kind, engines), ``tests`` (the device lane: ``pytest --hal-device KIND``, only
+tests parametrized over the kind), ``offload``, ``sync`` and ``ipc`` (:mod:`.bench_offload`, :mod:`.bench_sync`,
+:mod:`.bench_ipc`, each a key ratio), each in its own process with its own deadline within a budget (480 s).
+Each ends ``pass``, ``fail``, ``timeout`` or ``skip`` (with the reason); the check passes when none failed or
+timed out. Where ``$OUT`` is set, the JSON and the tests' log are written there too.
 
-* ``info``: the environment (torch and Python versions, the resolved device kind, how many devices and their
-  names, the checkpoint engines available on the kind);
-* ``tests``: the device lane of the test suite: ``pytest --hal-device KIND -n auto``, keeping only the tests
-  parametrized over the device kind (``hal_device``), the rest being the same on every host;
-* ``offload``: offload + onload of a model against a plain pinned copy of its bytes (:mod:`.bench_offload`;
-  key ratio: the warm round trip's bandwidth over the plain copy's);
-* ``sync``: the main job's weight sync against a raw broadcast of the same bytes (:mod:`.bench_sync`; key
-  ratio: raw time / publish time, median over the steps);
-* ``ipc``: the same-host ipc checkpoint engine against one memcpy and the collective engine (:mod:`.bench_ipc`;
-  key ratio: ipc throughput / memcpy throughput), where the kind's ipc engine is available.
-
-Each step ends ``pass``, ``fail``, ``timeout`` or ``skip`` (with the reason: nothing moves on a host-memory kind,
-too few devices for one rank per device, the ipc engine unavailable); the check passes when no step failed or
-timed out. One table sums it up (:func:`print_table`); :func:`run_check` returns the same as plain data.
-
-    python scripts/accel_check.py                          # the resolved kind, 480 s, 1 GiB on an accelerator
     python scripts/accel_check.py --device npu-sim --size-mb 8 --tests-k offload --json check.json
 
-Sizes: 1024 MiB on an accelerator, 64 MiB on cpu and on a simulated device (``--size-mb`` overrides). Where
-``$OUT`` is set (a lent host's results folder), the JSON and the tests' log are also written there.
-
-This module is also a pytest plugin (``-p hal.apps.benchmarks.accel_check``, as the ``tests`` step loads it):
-it deselects every test not parametrized over a kind named by ``--hal-device``.
+Also a pytest plugin (``-p hal.apps.benchmarks.accel_check``): it deselects tests not parametrized over a kind
+``--hal-device`` names.
 """
 
 from __future__ import annotations
@@ -46,21 +30,14 @@ import tempfile
 import time
 from typing import Any
 
-STEPS = ("info", "tests", "offload", "sync", "ipc")
-"""Every step, in the order they run."""
+STEPS = ("info", "tests", "offload", "sync", "ipc")  # in the order they run
+# each step's share of the budget among the steps still to run (time left unused goes to later ones)
 WEIGHTS = {"info": 1.0, "tests": 8.0, "offload": 3.0, "sync": 4.0, "ipc": 4.0}
-"""Each step's share of the budget, relative to the steps still to run: time a step leaves unused goes to
-the later ones."""
-FLOOR_S = 30.0
-"""The least deadline a step gets (seconds), budget permitting: a start-up costs seconds on a loaded host."""
-GRACE_S = 5.0
-"""Seconds a step past its deadline gets between SIGTERM and SIGKILL (to remove its shared memory)."""
-ROOT = pathlib.Path(__file__).resolve().parents[3]
-"""The checkout this module lives in (the ``tests`` step runs its suite from there)."""
-TAIL_CHARS = 4000
-"""How much of a step's output (stdout and stderr) the result keeps."""
-MODULE = "hal.apps.benchmarks.accel_check"
-"""This module's name: the steps' child processes run it, and pytest loads it as a plugin."""
+FLOOR_S = 30.0  # seconds, the least deadline a step gets
+GRACE_S = 5.0  # seconds between SIGTERM and SIGKILL
+ROOT = pathlib.Path(__file__).resolve().parents[3]  # the checkout: the tests step runs from there
+TAIL_CHARS = 4000  # of a step's output
+MODULE = "hal.apps.benchmarks.accel_check"  # run by the steps' children; a pytest plugin
 
 
 @dataclasses.dataclass
@@ -68,27 +45,16 @@ class Options:
     """What to check and how long it may take."""
 
     device: str | None = None
-    """Device kind; ``None``: ``$HAL_DEVICE``, else the first available (as ``hal`` resolves it)."""
-    budget_s: float = 480.0
-    """Seconds the whole check may take (each step gets a share of what is left; see :data:`WEIGHTS`)."""
-    size_mb: int | None = None
-    """MiB moved by each benchmark; ``None``: 1024 on an accelerator, 64 on cpu and on a simulated device."""
+    budget_s: float = 480.0  # each step gets a share of what is left
+    size_mb: int | None = None  # None: 1024 on an accelerator, else 64
     rounds: int = 3
-    """Timed repetitions per benchmark figure (medians are reported); sync: its timed steps."""
-    rollouts: int = 1
-    """sync: rollout processes (each needs its own device on an accelerator kind, as NCCL and HCCL require)."""
-    bucket_mb: float | None = None
-    """sync, ipc: the engines' bucket size in MiB; ``None``: a quarter of the size, between 1 and 256."""
-    steps: tuple[str, ...] = STEPS
-    """The steps to run (a subset of :data:`STEPS`, run in that order; ``info`` always runs)."""
-    tests: tuple[str, ...] = ("tests",)
-    """tests: pytest's paths, relative to the checkout."""
+    rollouts: int = 1  # sync: one device each on an accelerator
+    bucket_mb: float | None = None  # None: a quarter of the size, 1 to 256
+    steps: tuple[str, ...] = STEPS  # info always runs
+    tests: tuple[str, ...] = ("tests",)  # relative to the checkout
     tests_k: str | None = None
-    """tests: a pytest ``-k`` expression narrowing the device lane."""
-    workers: str = "auto"
-    """tests: pytest-xdist's ``-n`` (``auto``: one worker more than the cores; ``0``: in one process)."""
-    json_path: str | None = None
-    """Where to write the result as JSON (also ``$OUT/accel_check.json`` where ``$OUT`` is set)."""
+    workers: str = "auto"  # pytest-xdist's -n
+    json_path: str | None = None  # also $OUT/accel_check.json
 
 
 @dataclasses.dataclass
@@ -96,22 +62,14 @@ class StepResult:
     """How one step ended."""
 
     name: str
-    status: str
-    """``pass``, ``fail``, ``timeout`` or ``skip``."""
-    seconds: float
-    """Wall seconds the step ran (0 when it did not start)."""
+    status: str  # pass, fail, timeout or skip
+    seconds: float  # 0 when it did not start
     deadline_s: float
-    """Seconds it was given."""
-    key: str = ""
-    """What :attr:`ratio` is (``warm / plain copy``), or the step's one-line outcome."""
-    ratio: float | None = None
-    """The step's key ratio (above 1: faster than the reference), where it has one."""
-    note: str = ""
-    """Further figures, or why it failed or was skipped."""
-    figures: dict[str, Any] = dataclasses.field(default_factory=dict)
-    """Everything the step measured (its benchmark's ``run`` result)."""
-    log_tail: str = ""
-    """The end of its output, kept when it did not pass."""
+    key: str = ""  # what ratio is, or the one-line outcome
+    ratio: float | None = None  # above 1: faster than the reference
+    note: str = ""  # further figures, or why it failed or was skipped
+    figures: dict[str, Any] = dataclasses.field(default_factory=dict)  # the benchmark's run result
+    log_tail: str = ""  # kept when it did not pass
 
 
 def default_size_mb(host_memory: bool, simulated: bool) -> int:
@@ -125,12 +83,8 @@ def default_bucket_mb(size_mb: int) -> float:
 
 
 def deadline_for(step: str, remaining_s: float, pending: list[str]) -> float:
-    """The seconds ``step`` may run: its :data:`WEIGHTS` share of ``remaining_s`` among the ``pending`` steps
-    (``step`` among them), at least :data:`FLOOR_S` and at most ``remaining_s`` (0 when nothing is left).
-
-    Raises:
-        ValueError: ``step`` is not in ``pending``.
-    """
+    """The seconds ``step`` may run: its :data:`WEIGHTS` share of ``remaining_s`` among ``pending``, at least
+    :data:`FLOOR_S`, at most ``remaining_s``."""
     if step not in pending:
         raise ValueError(f"step {step!r} is not among the pending steps {pending}")
     if remaining_s <= 0:
@@ -140,10 +94,8 @@ def deadline_for(step: str, remaining_s: float, pending: list[str]) -> float:
 
 
 def skip_reason(step: str, facts: dict[str, Any], opts: Options) -> str | None:
-    """Why ``step`` cannot measure anything on the kind ``facts`` (the ``info`` step's figures) describe, or
-    ``None``: nothing moves on a host-memory kind (offload), one rank per device is more than the kind has
-    (sync: 1 + ``rollouts`` ranks, ipc: 3), the kind's ipc engine is unavailable. Without facts (``info``
-    failed), ``None``: the step runs and reports for itself."""
+    """Why ``step`` cannot measure anything on the kind ``facts`` describe (host memory, too few devices, no ipc
+    engine), or ``None``."""
     if not facts:
         return None
     kind, count = facts["device"], facts["device_count"]
@@ -165,13 +117,8 @@ def _finite_positive(x: Any) -> bool:
 
 
 def summarize(step: str, figures: dict[str, Any]) -> tuple[str, str, float | None, str]:
-    """``(status, key, ratio, note)`` of a benchmark step that returned ``figures`` (its ``run``'s dict):
-    ``fail`` when a figure it promises is missing, not a positive finite number, or the bytes did not arrive
-    byte-exact (ipc's ``verified``); else ``pass``.
-
-    Raises:
-        ValueError: ``step`` is not ``info``, ``offload``, ``sync`` or ``ipc``.
-    """
+    """``(status, key, ratio, note)`` of a benchmark step that returned ``figures``: ``fail`` when a promised
+    figure is missing, not positive and finite, or the bytes were not byte-exact."""
     if step == "info":
         names = ", ".join(sorted(set(figures["names"]))) or "-"
         return ("pass", f"{figures['device_count']} x {names}",
@@ -219,7 +166,7 @@ def _cpu_name() -> str:
 
 
 def _ipc_engine(kind: str) -> list[Any]:
-    """``[ok, reason]`` of the ipc checkpoint engine on ``kind``; ``[False, why]`` where it is not registered."""
+    """``[ok, reason]`` of the ipc checkpoint engine on ``kind``."""
     import ckpt
 
     try:
@@ -258,16 +205,8 @@ def _facts(device: str | None) -> dict[str, Any]:
 
 
 def run_step(step: str, params: dict[str, Any]) -> dict[str, Any]:
-    """Run one benchmark step in this process; returns its figures (see each benchmark's ``run``).
-
-    Args:
-        step: ``info``, ``offload``, ``sync`` or ``ipc``.
-        params: ``device`` (a kind), and for the benchmarks ``size_mb``, ``rounds``, ``rollouts``, ``bucket_mb``
-            (MiB) and ``timeout_s`` (seconds a rendezvous or transfer may take).
-
-    Raises:
-        ValueError: an unknown step; whatever the benchmark raises.
-    """
+    """Run one benchmark step in this process; returns its figures. ``params``: ``device``, and for the
+    benchmarks ``size_mb``, ``rounds``, ``rollouts``, ``bucket_mb`` (MiB), ``timeout_s``."""
     device = params.get("device")
     if step == "info":
         return _facts(device)
@@ -296,8 +235,8 @@ def _child_env() -> dict[str, str]:
 
 
 def _run_process(argv: list[str], deadline_s: float, log: pathlib.Path) -> tuple[int | None, float]:
-    """Run ``argv`` from the checkout in a new process group, output to ``log``; ``(exit code, seconds)``, the
-    code ``None`` when it passed ``deadline_s``: then its group got SIGTERM, and SIGKILL :data:`GRACE_S` later."""
+    """Run ``argv`` in a new process group, output to ``log``; ``(exit code, seconds)``, the code ``None`` when it
+    passed ``deadline_s`` (then SIGTERM, SIGKILL :data:`GRACE_S` later)."""
     start = time.monotonic()
     with open(log, "wb") as out:
         proc = subprocess.Popen(argv, cwd=ROOT, env=_child_env(), stdout=out, stderr=subprocess.STDOUT,
@@ -358,16 +297,14 @@ def _bench_step(step: str, params: dict[str, Any], deadline_s: float, workdir: p
 
 
 SUMMARY = re.compile(r"(\d+) (passed|failed|errors?|skipped|xfailed|xpassed|deselected|rerun)")
-PROGRESS = re.compile(r"^([.sFExXR]+)\s*(\[\s*(\d+)%\])?$")
-"""A line of ``pytest -q``'s progress: one letter per test, then the share of the run done."""
+PROGRESS = re.compile(r"^([.sFExXR]+)\s*(\[\s*(\d+)%\])?$")  # a -q progress line
 PROGRESS_LETTERS = {".": "passed", "F": "failed", "E": "error", "s": "skipped", "x": "xfailed", "X": "xpassed",
                     "R": "rerun"}
 
 
 def count_results(output: str) -> dict[str, int]:
-    """The counts of pytest's last summary line in ``output`` (``{"passed": 3, "skipped": 1, "error": 0, ...}``;
-    ``errors`` counted as ``error``) and ``percent`` (100). A run stopped before its summary (past its
-    deadline) is counted from ``-q``'s progress letters instead, ``percent`` being the last share shown."""
+    """The counts of pytest's last summary line in ``output`` and ``percent``; without a summary (past the
+    deadline), counted from ``-q``'s progress letters."""
     counts = dict.fromkeys(("passed", "failed", "error", "skipped", "xfailed", "xpassed", "deselected", "rerun",
                             "percent"), 0)
     for line in reversed(output.splitlines()):
@@ -388,10 +325,8 @@ def count_results(output: str) -> dict[str, int]:
 
 
 def lane_argv(kind: str, opts: Options) -> list[str]:
-    """The command line of the ``tests`` step: pytest on ``opts.tests`` with ``--hal-device kind`` and this
-    module as a plugin (only tests parametrized over the kind), ``-n opts.workers`` where pytest-xdist is
-    installed, ``-k opts.tests_k`` if given. Where pytest-rerunfailures is missing (the project's ``addopts``
-    need it) its options are replaced by ``-raR``."""
+    """The ``tests`` step's command line: pytest on ``opts.tests`` with ``--hal-device kind`` and this plugin
+    (``-raR`` where pytest-rerunfailures is missing)."""
     argv = [sys.executable, "-m", "pytest", *opts.tests, "--hal-device", kind, "-p", MODULE, "-q", "-rfE",
             "-p", "no:cacheprovider"]
     if opts.workers not in ("", "0") and importlib.util.find_spec("xdist") is not None:
@@ -429,15 +364,8 @@ def _tests_step(kind: str, opts: Options, deadline_s: float, workdir: pathlib.Pa
 
 
 def run_check(opts: Options, workdir: pathlib.Path | None = None) -> dict[str, Any]:
-    """Run the check's steps within ``opts.budget_s``; returns ``{"ok", "device", "budget_s", "elapsed_s",
-    "size_mb", "bucket_mb", "steps": [StepResult as a dict, ...]}`` (``ok``: no step failed or timed out).
-
-    Args:
-        workdir: where each step's log and figures go (a temporary folder, removed after, when ``None``).
-
-    Raises:
-        ValueError: an unknown step in ``opts.steps``, or a budget, size, round or rollout count below 1.
-    """
+    """Run the check's steps within ``opts.budget_s``; returns ``{"ok", "device", ..., "steps": [...]}``. Logs go
+    to ``workdir`` (a temporary folder when ``None``)."""
     unknown = sorted(set(opts.steps) - set(STEPS))
     if unknown or opts.budget_s <= 0 or min(opts.rounds, opts.rollouts) < 1 or (opts.size_mb or 1) < 1:
         raise ValueError(f"steps must be among {STEPS} (got {list(opts.steps)}), budget_s, rounds, rollouts and "
@@ -486,8 +414,7 @@ def run_check(opts: Options, workdir: pathlib.Path | None = None) -> dict[str, A
 
 
 def print_table(result: dict[str, Any], console: Any = None) -> None:
-    """Print :func:`run_check`'s result as one table: each step's status, seconds (of its deadline), key
-    figure and note, then PASS or FAIL."""
+    """Print :func:`run_check`'s result as one table, then PASS or FAIL."""
     from rich.console import Console
     from rich.table import Table
 
@@ -515,11 +442,7 @@ def print_table(result: dict[str, Any], console: Any = None) -> None:
 
 
 def parse_args(argv: list[str] | None = None) -> Options:
-    """The script's command line as :class:`Options` (argparse: the check runs where the CLI's extras may not).
-
-    Raises:
-        SystemExit: a malformed command line (argparse's usage message, exit status 2) or ``--help``.
-    """
+    """The script's command line as :class:`Options` (argparse: the check runs where the CLI's extras may not)."""
     p = argparse.ArgumentParser(prog="accel_check.py", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", help="device kind (default: $HAL_DEVICE, else the first available)")
@@ -540,8 +463,8 @@ def parse_args(argv: list[str] | None = None) -> Options:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``scripts/accel_check.py``: run the check, print its table, write its JSON; exit status 0 when every step
-    passed or was skipped with its reason, 1 otherwise, 2 for a malformed command line."""
+    """``scripts/accel_check.py``: exit status 0 when every step passed or was skipped, 1 otherwise, 2 for a bad
+    command line."""
     opts = parse_args(argv)
     out = os.environ.get("OUT")
     out = pathlib.Path(out) if out and os.path.isdir(out) else None
@@ -564,8 +487,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def pytest_collection_modifyitems(config: Any, items: list[Any]) -> None:
-    """As a pytest plugin: keep only the tests parametrized (``hal_device``) over a kind ``--hal-device`` names;
-    the others are deselected (they run the same on every host)."""
+    """As a pytest plugin: keep only the tests parametrized over a kind ``--hal-device`` names."""
     from hal.pytest_plugin import requested_kinds
 
     kinds = set(requested_kinds(config)[0])
@@ -579,8 +501,8 @@ def pytest_collection_modifyitems(config: Any, items: list[Any]) -> None:
 
 
 def _child(argv: list[str]) -> int:
-    """``python -m hal.apps.benchmarks.accel_check STEP PARAMS_JSON RESULT_PATH``: one step, run by
-    :func:`run_check` in its own process; the figures go to ``RESULT_PATH`` as JSON."""
+    """``python -m hal.apps.benchmarks.accel_check STEP PARAMS_JSON RESULT_PATH``: one step, figures to
+    ``RESULT_PATH``."""
     step, params, path = argv
     figures = run_step(step, json.loads(params))
     pathlib.Path(path).write_text(json.dumps(figures, default=str))

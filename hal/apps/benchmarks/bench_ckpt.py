@@ -1,19 +1,10 @@
 """Throughput of the collective checkpoint engine, as a ratio of plain broadcasts of the same bytes.
 
-One run, two processes (1 trainer, 1 rollout) on one device kind, measures side by side:
+Two processes (1 trainer, 1 rollout) measure side by side: ``single`` (one broadcast of all the bytes),
+``per-tensor`` (one broadcast per tensor) and ``engine`` (``send_weights`` / ``receive_weights`` per bucket
+size, with each side's peak memory against ``bucket_size``). The tensors are bf16, log-uniform between 2 KiB
+and 18 MiB, seeded. Timings run barrier to barrier; rounds interleave every measurement; medians.
 
-* ``single``: one broadcast of one preallocated tensor holding all the bytes: the best the backend does;
-* ``per-tensor``: the same tensors broadcast one by one into preallocated receive tensors;
-* ``engine``: ``CollectiveCheckpointEngine.send_weights`` / ``receive_weights`` for each bucket size (the
-  receiver iterates the yielded views without copying: the engine's share of the work only), with the
-  peak memory each side adds during a transfer (host: ``VmHWM`` after a reset, minus the resident size
-  before; device kinds: the allocator's peak) against ``bucket_size``.
-
-The tensor mix: bf16 tensors whose sizes are log-uniform between 2 KiB and 18 MiB (hundreds of them for
-1 GiB), seeded. Each timing is from a barrier to a barrier; after a warm-up, ``rounds`` rounds each run
-every measurement once (so a noisy neighbour slows all alike); times and per-round ratios are medians.
-
-    hal bench --only sync                                   # 1024 MiB, buckets 64, 256, 1024 MiB
     hal bench --only sync --quick --device npu-sim          # 64 MiB, buckets 4 and 16 MiB
 """
 
@@ -51,12 +42,8 @@ def tensor_sizes(total_bytes: int, seed: int = 0, low: int = 2 << 10, high: int 
 
 
 def tensor_views(flat: torch.Tensor, sizes: list[int]) -> list[tuple[str, torch.Tensor]]:
-    """``("layer{i}.weight", view)`` pairs: bf16 views laid end to end in the uint8 buffer ``flat``, the i-th
-    of ``sizes[i]`` bytes (even), as FSDP1 or Megatron flat parameters are views into one buffer.
-
-    Raises:
-        ValueError: ``flat`` is not a 1-d uint8 tensor of at least ``sum(sizes)`` bytes.
-    """
+    """``("layer{i}.weight", view)`` pairs: bf16 views laid end to end in the uint8 buffer ``flat`` (as FSDP1 or
+    Megatron flat parameters)."""
     if flat.dtype != torch.uint8 or flat.dim() != 1 or flat.numel() < sum(sizes):
         raise ValueError(f"flat must be a 1-d uint8 tensor of >= {sum(sizes)} bytes, got {flat.dtype} "
                          f"{tuple(flat.shape)}")
@@ -68,7 +55,7 @@ def tensor_views(flat: torch.Tensor, sizes: list[int]) -> list[tuple[str, torch.
 
 
 def proc_status_bytes(key: str) -> int:
-    """A ``/proc/self/status`` memory field (``VmRSS``, ``VmHWM``, ...) in bytes (Linux; the file gives KiB)."""
+    """A ``/proc/self/status`` memory field (``VmRSS``, ``VmHWM``, ...) in bytes (Linux)."""
     return int(re.search(rf"{key}:\s+(\d+)", Path("/proc/self/status").read_text()).group(1)) * 1024
 
 
@@ -142,8 +129,6 @@ def _bench_rank(rank: int, world_size: int, size_mb: int, bucket_sizes: list[int
         for layout in layouts[1:]:
             timed_once(group, functools.partial(transfer, engine, layout))
         engines.append(engine)
-    # rounds interleave every measurement (single, per-tensor, each engine) so that a noisy neighbour
-    # slows them alike; ratios are taken per round, then the median
     timed_once(group, single)
     timed_once(group, per_tensor)
     times: dict[str, list[float]] = {"single": [], "per_tensor": []}
@@ -166,25 +151,9 @@ def run(size_mb: int, bucket_sizes_mb: list[float], device: str, rounds: int = 3
         direct_threshold: int | None = None, layouts: tuple[str, ...] | list[str] = LAYOUTS) -> dict:
     """Measure in two spawned processes; returns the figures (seconds, bytes, GB/s = 1e9 bytes/s, ratios).
 
-    Args:
-        bucket_sizes_mb: the engine's bucket sizes to measure, in MiB (fractions allowed).
-        direct_threshold: the engine's ``direct_threshold`` in bytes (``None``: its default, bucket/8).
-        layouts: ``"separate"`` (one allocation per tensor, as FSDP2 ``full_tensor()`` gathers give: the
-            engine packs all but the large ones) and/or ``"flat"`` (views into one flat buffer, as FSDP1 or
-            Megatron keep parameters: the engine sends runs of adjacent tensors from their storage).
-
-    Returns:
-        ``{"device", "backend", "size_bytes", "n_tensors", "moved_bytes", "single_s", "single_gbps", "per_tensor_s",
-        "per_tensor_gbps", "per_tensor_ratio", "buckets": [{"layout", "bucket_bytes", "s", "gbps", "ratio_vs_single",
-        "ratio_vs_per_tensor", "send_peak_bytes", "recv_peak_bytes", "send_peak_buckets",
-        "recv_peak_buckets"}]}``. Times are medians; ratios are medians of per-round throughput ratios
-        (higher is better for the engine; 1.0 = as fast as one single-tensor broadcast). ``moved_bytes``: the
-        bytes the receiver got in each engine transfer (one value: every transfer moved the whole mix).
-
-    Raises:
-        UsageError: a bucket size that is not positive (names ``--bucket-mb``).
-        ValueError: an unknown layout, or ``size_mb`` / ``rounds`` below 1.
-        hal.multiprocess.MultiprocessError: a rank failed or passed its deadline (see :func:`hal.apps.benchmarks.ranks.run_ranks`).
+    ``layouts``: ``"separate"`` (one allocation per tensor) and/or ``"flat"`` (views into one buffer).
+    ``direct_threshold`` in bytes (``None``: the engine's default). Times are medians; ratios are medians of
+    per-round ratios (1.0: as fast as one single-tensor broadcast).
     """
     buckets = [mib_to_bytes(b, "--bucket-mb") for b in bucket_sizes_mb]
     bad = [x for x in layouts if x not in LAYOUTS]
@@ -200,13 +169,8 @@ def run(size_mb: int, bucket_sizes_mb: list[float], device: str, rounds: int = 3
 
 
 def figures(send: dict, recv: dict, buckets: list[int], layouts: list[str]) -> dict:
-    """The figures of :func:`run` from what the sending rank (``send``) and the receiving rank (``recv``)
-    measured: each a dict with ``times`` (``{"single": [s, ...], "per_tensor": [...], "<layout>:<bucket>":
-    [...]}``, one entry per round, seconds), ``peaks`` (bytes, one per bucket size) and the run's facts.
-
-    Times are medians over the rounds; a ratio is the median of the per-round ratios (a round's reference
-    time over the engine's in that same round), not the ratio of the medians.
-    """
+    """The figures of :func:`run` from what each rank measured (``times`` per round, ``peaks`` per bucket); a
+    ratio is the median of per-round ratios."""
     total, times = send["size_bytes"], send["times"]
     med = statistics.median
 

@@ -1,36 +1,14 @@
 """Delta weight sync vs full updates, side by side in one run, through the collective engine.
 
-Two processes (1 trainer, 1 rollout) on one device kind (gloo on ``cpu``). The trainer publishes bf16
-views into one flat buffer, each at a 64-byte aligned offset (as ``hal sync``'s trainer does; sizes from
-:func:`hal.apps.benchmarks.bench_ckpt.tensor_sizes`); the rollout holds its own tensors. After the trainer
-flips one bit of a given fraction of the values (0.5%, 2%, 10%, 50% by default) the same tensors are
-published both ways:
-
-* ``full``: ``send_weights`` of every tensor; the rollout copies each into its own tensor (``copy_``);
-* ``delta``: :func:`ckpt.delta.delta_send` (diff against the host snapshot, verl ``delta_flush``
-  flushes) and :func:`ckpt.delta.receive_delta` applying them in place, verified by per-tensor checksums.
-
-Each timing runs from a barrier to a barrier (publish to applied on the rollout). Per fraction, ``rounds``
-rounds each change the values then time delta and full once; the table gives medians and the median of
-the per-round delta/full ratios. Also per round, on the trainer alone: ``read``, one pass comparing the
-published buffer with a copy of it (``torch.ne`` on 64-bit words: one read of the weights and one of a
-snapshot), the floor under the delta's time on this machine. The rollout's tensors are checked against the
-trainer's (CRC-32) after the timed rounds.
-
-Then, on the trainer alone (one thread, as the ranks run), the **diff pass**: the sender's whole work for
-an update (:meth:`ckpt.delta.DeltaSender.flushes` consumed and committed: the diff, the snapshot update, the
-checksums, the flushes assembled; no transport) against one memcpy (``copy_`` of the published buffer into
-a buffer already touched) of the same bytes, timed right before and right after it; the ratio is the diff's
-cost in memcpys of the model (also by the trainer thread's CPU time, robust to a loaded host).
-
-Where the wire is memory-speed loopback, full updates cost about a memcpy and delta rarely wins; across
-nodes the wire is about 100x slower than device memory (25-50 GB/s NICs against 3-5 TB/s HBM), which
-``link_gbit`` emulates here (memory about 14 GB/s, a link of about 1 Gbit/s): the trainer and the rollout
-each run in their own network namespace, joined by links rate-limited to ``link_gbit`` Gbit/s in each
-direction (:mod:`hal.apps.links`, as ``hal bench --only senders``; needs root and iproute2).
+Two processes (1 trainer, 1 rollout). The trainer publishes bf16 views into one flat, 64-byte aligned buffer;
+after it flips one bit of a fraction of the values (0.5%, 2%, 10%, 50%) the same tensors go both ways: ``full``
+(``send_weights``, the rollout copies each tensor) and ``delta`` (:func:`ckpt.delta.delta_send` and
+:func:`ckpt.delta.receive_delta`, checksummed). Timings run barrier to barrier; medians over ``rounds``. Also
+on the trainer: ``read`` (one compare pass over the buffer, the floor under the delta) and the diff pass alone
+against a memcpy of the same bytes. ``link_gbit`` runs the two ranks in network namespaces joined by emulated
+links (:mod:`hal.apps.links`; root), as links between nodes are about 100x slower than device memory.
 
     hal bench --only delta --quick                               # 64 MiB over loopback
-    hal bench --only delta --size-mb 1024
     hal bench --only delta --link-gbit 1 --size-mb 256           # over emulated 1 Gbit/s links
 """
 
@@ -49,18 +27,14 @@ from hal.apps.benchmarks.ranks import launcher_store, run_ranks
 from hal.apps.links import MAX_LINK_GBIT
 
 FRACTIONS = (0.005, 0.02, 0.1, 0.5)
+# diff passes timed per fraction (at least): medians of per-pass ratios, and the fastest of each (timeit)
 DIFF_REPEATS = 7
-"""Diff passes timed per fraction (at least; ``rounds`` if more): this machine's memory bandwidth is shared, and
-a pass or a memcpy caught by a neighbour's burst takes up to 2-3x its time, so the figures are the median of
-the per-pass ratios and, as timeit reports, the ratio of the fastest of each (interference only adds time)."""
+# the ranks' store's port on the trainer's emulated address (private namespaces: no clash)
 STORE_PORT = 29541
-"""The ranks' store's port on the trainer's emulated address over emulated links (private namespaces: no clash;
-the engine's rendezvous takes a port the kernel picks)."""
 
 
 def flat_views(sizes: list[int], device: torch.device) -> tuple[torch.Tensor, list[tuple[str, torch.Tensor]]]:
-    """A zeroed flat uint8 buffer and ``("layer{i}.weight", bf16 view)`` pairs into it, the i-th of ``sizes[i]``
-    bytes (even) at the next 64-byte aligned offset (``ckpt.layout``'s alignment, as ``hal sync`` publishes)."""
+    """A zeroed flat uint8 buffer and ``("layer{i}.weight", bf16 view)`` pairs into it, 64-byte aligned."""
     from ckpt.layout import align
 
     offsets, end = [], 0
@@ -81,8 +55,7 @@ def pick_positions(views: list[tuple[str, torch.Tensor]], fraction: float, gen: 
 
 
 def flip(views: list[tuple[str, torch.Tensor]], positions: list[torch.Tensor]) -> None:
-    """Flip the lowest bit of each view's values at ``positions`` (in place): flipping the same positions
-    again changes them back, so against a snapshot taken in between the same values differ again."""
+    """Flip the lowest bit of each view's values at ``positions`` in place (twice restores them)."""
     for (_, t), idx in zip(views, positions):
         bits = t.view(torch.int16)
         bits[idx] ^= 1
@@ -96,15 +69,13 @@ def change_fraction(flat: torch.Tensor, views: list[tuple[str, torch.Tensor]], f
 
 def _rank(rank: int, world_size: int, size_mb: int, fractions: list[float], device: str, rounds: int,
           bucket: int) -> dict:
-    """A loopback rank (:func:`hal.apps.benchmarks.ranks.run_ranks`): :func:`_measure` on 127.0.0.1, through
-    the launcher's store."""
+    """A loopback rank: :func:`_measure` on 127.0.0.1, through the launcher's store."""
     return _measure(rank, world_size, "127.0.0.1", launcher_store(), size_mb, fractions, device, rounds, bucket,
                     300.0)
 
 
 def _link_rank(rank: int, world_size: int, net, endpoints: list[str], plan: dict) -> dict:
-    """A rank in its own network namespace (:func:`hal.multiprocess.run_multiprocess`, as ``bench_senders``):
-    enters it before any socket or thread, then :func:`_measure` over the trainer's emulated address."""
+    """A rank in its own network namespace (entered before any socket), then :func:`_measure`."""
     net.enter(endpoints[rank])
     addr = net.address(endpoints[0])
     store = hal.connect_store(addr, STORE_PORT, rank, world_size, timeout=120)
@@ -197,11 +168,11 @@ def _measure(rank: int, world_size: int, addr: str, store, size_mb: int, fractio
 
 def diff_pass(sender, views: list[tuple[str, torch.Tensor]], positions: list[torch.Tensor], flat: torch.Tensor,
               copy: torch.Tensor, step: list[int], device: str) -> tuple[float, ...]:
-    """Flip the values at ``positions`` (:func:`flip`), then time one memcpy of ``flat`` into ``copy`` (already
-    touched), the sender's whole pass over the update (``flushes`` consumed, ``commit``; no transport) and one
-    more memcpy, each by the wall clock and by this thread's CPU time (both run on this thread: one torch
-    thread, the C loop called in it). Returns ``(diff seconds, memcpy seconds: the mean of the two, diff CPU
-    seconds, memcpy CPU seconds)``."""
+    """Flip the values at ``positions``, then time a memcpy of ``flat`` into ``copy``, the sender's whole pass
+    (no transport) and another memcpy, by wall clock and thread CPU time.
+
+    Returns ``(diff s, memcpy s (mean of two), diff CPU s, memcpy CPU s)``.
+    """
     flip(views, positions)
 
     def timed(fn) -> tuple[float, float]:
@@ -229,31 +200,10 @@ def run(size_mb: int = 64, device: str = "cpu", rounds: int = 3, bucket_mb: floa
         fractions: tuple[float, ...] | list[float] = FRACTIONS, link_gbit: float | None = None) -> list[dict]:
     """Delta vs full at each changed fraction, in two processes; returns one row per fraction.
 
-    Each row: ``fraction`` (asked), ``changed`` (measured fraction of values changed), ``dense_bytes`` (a
-    full update's bytes), ``sent_bytes`` (the delta's bytes on the wire: positions, values, specs),
-    ``wire_fraction`` (sent / dense), ``full_s``, ``delta_s`` (median seconds, publish to applied) and
-    ``read_s`` (one read of the weights and of a snapshot, on the trainer), ``delta_vs_full`` and
-    ``read_ratio`` (medians of the per-round delta/full and read/full ratios; < 1: faster than full),
-    ``diff_s`` and ``memcpy_s`` (medians: the sender's pass alone and one memcpy of the same bytes, see the
-    module docstring; :data:`DIFF_REPEATS` passes), ``diff_vs_memcpy`` (the median of their per-pass ratio),
-    ``diff_vs_memcpy_best`` (the fastest pass / the fastest memcpy) and ``diff_vs_memcpy_cpu``
-    (the same by the trainer thread's CPU time, which other processes on the host do not inflate), plus ``device``,
-    ``backend``, ``size_bytes``, ``n_tensors``, ``snapshot_bytes`` (the trainer's snapshot) and
-    ``link_gbit`` (``None``: loopback).
-
-    Args:
-        link_gbit: run over emulated links of this many Gbit/s (each direction), the trainer and the rollout
-            each in a network namespace (spawned by :func:`hal.multiprocess.run_multiprocess`); ``None``: over
-            loopback (spawned by :func:`hal.apps.benchmarks.ranks.run_ranks`).
-
-    Raises:
-        ValueError: a fraction outside (0, 1], ``size_mb`` / ``rounds`` below 1, or ``link_gbit`` not in
-            (0, :data:`MAX_LINK_GBIT`].
-        UsageError: a bucket size that is not positive (names ``--bucket-mb``).
-        RuntimeError: the rollout's tensors differ from the trainer's at the end; emulated links asked for
-            where they cannot be built (the reason is in the message: see
-            :func:`hal.apps.links.links_available`).
-        hal.multiprocess.MultiprocessError: a rank failed or passed its deadline, on loopback or over links.
+    A row: ``fraction``, ``changed``, ``dense_bytes``, ``sent_bytes``, ``wire_fraction``, ``full_s``, ``delta_s``,
+    ``read_s`` (median seconds), ``delta_vs_full`` and ``read_ratio`` (< 1: faster than full), ``diff_s``,
+    ``memcpy_s``, ``diff_vs_memcpy`` (``_best``, ``_cpu``), and the run's facts. ``link_gbit``: over emulated
+    links of that many Gbit/s, ``None``: loopback.
     """
     from hal.apps.errors import mib_to_bytes
 

@@ -1,9 +1,5 @@
-"""How much ``import hal`` adds to ``import torch``.
-
-Each round starts a fresh interpreter that times ``import torch`` and then ``import hal`` with
-``time.perf_counter`` inside the process, so both figures come from the same process and start-up noise
-of the interpreter itself is left out. The ratio of the medians, (torch + hal) / torch, is the figure to
-report; ``hal_ms`` is what ``import hal`` costs once torch is loaded.
+"""How much ``import hal`` adds to ``import torch``: each round a fresh interpreter times both in-process;
+the figure is the ratio of the medians, (torch + hal) / torch.
 
     hal bench --only import --rounds 10
 """
@@ -14,10 +10,9 @@ import statistics
 import subprocess
 import sys
 
+# python -c PROBE VENDOR_MODULE...: prints torch seconds, hal seconds, whether a vendor module got imported
 PROBE = ("import time; t0 = time.perf_counter(); import torch; t1 = time.perf_counter(); import hal; "
          "t2 = time.perf_counter(); import sys; print(t1 - t0, t2 - t1, any(m in sys.modules for m in sys.argv[1:]))")
-"""Run as ``python -c PROBE VENDOR_MODULE...``; prints torch seconds, hal seconds, and whether any of the
-named vendor modules was imported by then."""
 
 
 def vendor_modules() -> list[str]:
@@ -30,16 +25,8 @@ def vendor_modules() -> list[str]:
 
 
 def run(rounds: int = 8, env: dict[str, str] | None = None) -> dict:
-    """Median seconds of ``import torch`` and of the ``import hal`` that follows, over ``rounds`` interpreters.
-
-    Returns:
-        ``{"torch_s", "hal_s", "ratio", "rounds", "imports_vendor"}``; ratio = (torch_s + hal_s) / torch_s;
-        imports_vendor is True if any round found a vendor package (:func:`vendor_modules`) imported by
-        then. ``env``: the interpreters' environment (default: this process's).
-
-    Raises:
-        ValueError: ``rounds < 1``.
-    """
+    """Median seconds of ``import torch`` and the ``import hal`` after it over ``rounds`` interpreters:
+    ``{"torch_s", "hal_s", "ratio", "rounds", "imports_vendor"}``."""
     if rounds < 1:
         raise ValueError(f"rounds must be >= 1, got {rounds}")
     torch_s, hal_s, vendor = [], [], False

@@ -1,24 +1,11 @@
 """The ipc checkpoint engine (same host, separate processes) against one memcpy and the collective engine.
 
-One run measures side by side, on one device kind, the same bytes (bf16 tensors of mixed sizes, log-uniform
-2 KiB to 18 MiB, seeded; ``size_mb`` in all):
+Side by side, the same bytes (bf16, log-uniform 2 KiB to 18 MiB, seeded): ``memcpy`` (one ``copy_`` into a
+touched buffer, the unit), ``ipc`` into 1 and 2 rollout processes that copy into their own tensors,
+``ipc in place`` (staged in the engine's ``publish_buffer``, so the trainer copies nothing) and ``collective``
+(same bucket). Barrier to barrier, rounds interleaved, ratios as medians of per-round ratios; every engine's
+first update is checked byte for byte (``verified``).
 
-* ``memcpy``: one ``copy_`` of all the bytes into a buffer already touched, in the trainer's process: the
-  most a host moves per copy, and the unit the ipc engine's throughput is given in;
-* ``ipc``: ``IpcCheckpointEngine.send_weights`` in the trainer, ``receive_weights`` in 1 rollout process and,
-  in a second group, in 2, each rollout copying every tensor into its own model tensors (the engine's
-  ``placement``): the update as a rollout server sees it;
-* ``ipc in place``: the same, with the trainer's tensors staged in the engine's ``publish_buffer`` (as a trainer
-  that casts its weights straight into it holds them, ``hal sync``'s does): the trainer copies nothing, each
-  rollout copies once out of the trainer's memory (1 rollout);
-* ``collective``: ``CollectiveCheckpointEngine`` with the same bucket size into the same rollout tensors (one
-  rollout).
-
-Each timing runs from a barrier to a barrier; after a warm-up, ``rounds`` rounds each run every measurement
-once (a noisy neighbour slows them alike), and ratios are medians of per-round throughput ratios. The first
-update of each engine is checked byte for byte in every rollout (``verified``).
-
-    hal bench --only ipc                       # 1024 MiB, bucket 64 MiB (the smallest --bucket-mb)
     hal bench --only ipc --quick --device npu-sim
 """
 
@@ -150,21 +137,8 @@ def _rank(rank: int, world_size: int, endpoint: str, size_mb: int, bucket: int, 
 
 
 def run(size_mb: int, device: str, rounds: int = 3, bucket_mb: float = 64.0) -> dict[str, Any]:
-    """Measure in 2 processes (trainer, 1 rollout: memcpy, ipc, collective) then 3 (trainer, 2 rollouts: memcpy,
-    ipc); returns the figures (seconds, bytes, GB/s = 1e9 bytes/s).
-
-    Returns:
-        ``{"device", "transport", "size_bytes", "n_tensors", "bucket_bytes", "rounds", "memcpy_gbps", "ipc_gbps",
-        "ipc2_gbps", "ipc_in_place_gbps", "collective_gbps", "ipc_vs_memcpy", "ipc_vs_collective", "ipc2_vs_memcpy",
-        "ipc_in_place_vs_memcpy", "ipc_in_place_vs_collective", "verified"}``:
-        throughputs of the medians; the ``*_vs_*`` ratios are medians of per-round throughput ratios (above 1:
-        the first is faster); ``ipc2``: the same update into 2 rollouts (every rollout gets all the bytes; the
-        throughput counts them once); ``verified``: every rollout's first update of each engine was byte-exact.
-
-    Raises:
-        ValueError: ``size_mb`` or ``rounds`` below 1, or ``bucket_mb`` not positive.
-        hal.multiprocess.MultiprocessError: a rank failed or passed its deadline.
-    """
+    """Measure in 2 processes (trainer, 1 rollout), then 3 (2 rollouts); returns GB/s (1e9 bytes/s) of the
+    medians, ``*_vs_*`` ratios (medians of per-round ratios; above 1: the first faster) and ``verified``."""
     from ckpt.ipc import default_endpoint
 
     if size_mb < 1 or rounds < 1 or not bucket_mb > 0:

@@ -1,25 +1,12 @@
 """Offload + onload bandwidth of an engine, as a ratio of a plain single-buffer copy of the same bytes.
 
-One run measures, side by side on the same machine and device kind:
+Measured side by side: ``plain`` (one buffer copied to an already touched pinned host buffer and back),
+``plain cold`` (a first ``.to("cpu")`` and back, fresh memory), ``engine cold`` (the first
+``TorchEngine.to`` round trip, which allocates the host buffers), ``engine warm`` (later round trips, each
+timed right before a plain one), and ``host alloc`` (the engine's host slabs alone: with a plain round trip,
+the floor of any cold round trip). The model is transformer-like blocks of about ``size_mb``.
 
-* ``plain``: one contiguous device buffer of the model's size copied to one pinned (where supported),
-  already-touched host buffer and back with ``copy_``: the best a transfer of those bytes can do;
-* ``plain cold``: what a user's first ``.to("cpu")`` of that buffer and ``.to(<device>)`` back cost: fresh
-  pageable host memory (first-touch page faults paid by the copy) and device memory from the caching
-  allocator (what the engine's onload gets too, since its offload emptied the cache); measured once;
-* ``engine cold``: the first ``TorchEngine.to("cpu")`` + ``to(<device>)``, which allocates the host buffers;
-* ``engine warm``: later round trips, which reuse them (the steady state of RL post-training), each timed
-  right before a plain round trip so that both see the same load on a shared machine;
-* ``host alloc``: allocating the engine's host slabs for the same tensors on their own
-  (:meth:`engines.host_buffers.HostBufferPool.reserve`), no copy. A first offload must allocate them, so
-  ``host alloc + plain round trip`` is the floor of any cold round trip that allocates its host memory at
-  first use; ``cold_floor_ratio`` is the best ``cold_ratio`` that floor allows on this machine.
-
-The model is a stack of transformer-like blocks (hundreds of fp32 tensors from a few KiB to several MiB)
-sized to about ``size_mb``. Peak host RSS is the process's ``ru_maxrss``.
-
-    hal bench --only offload --device npu-sim                # 1024 MiB
-    hal bench --only offload --device npu-sim --quick        # 64 MiB, for smoke tests
+    hal bench --only offload --device npu-sim --quick        # 64 MiB
 """
 
 from __future__ import annotations
@@ -66,8 +53,7 @@ def _rss_peak_bytes() -> int:
 
 
 def _minor_faults() -> int:
-    """This process's minor page faults so far (``ru_minflt``): each one a host page made resident (4 KiB, or
-    2 MiB where the memory is backed by huge pages), which a copy into memory already touched never pays."""
+    """This process's minor page faults so far (``ru_minflt``): host pages made resident."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
@@ -81,36 +67,12 @@ def _timed(fn: Callable[[], Any], spec: Any) -> float:
 
 
 def run(size_mb: int, device: str | None = None, rounds: int = 3, threads: int | None = 1) -> dict:
-    """Measure offload + onload of a ``size_mb`` MiB model on ``device`` against plain copies of its bytes.
+    """Measure offload + onload of a ``size_mb`` MiB fp32 model on ``device`` against plain copies of its bytes.
 
-    Args:
-        size_mb: model size in MiB (fp32).
-        device: device kind; ``None`` resolves through ``hal``.
-        rounds: timed repetitions per figure (median taken).
-        threads: torch intra-op threads during the run (restored after); 1 by default, since a
-            host-side copy split over busy shared cores waits for its slowest thread; ``None`` keeps them.
-
-    Returns:
-        A dict with ``device``, ``tensors``, ``bytes``, ``pinned``, ``moves`` and GB/s figures (bytes over
-        wall seconds; round trips count 2 x bytes): ``plain_d2h_gbps`` / ``plain_h2d_gbps`` (one contiguous
-        buffer, ``copy_`` into existing memory), ``plain_h2d_fresh_gbps`` (``.to(device)`` into new device
-        memory, which every onload must do after an offload freed it), ``plain_gbps`` (round trip),
-        ``offload_gbps`` / ``onload_gbps`` (warm engine), ``cold_gbps`` / ``warm_gbps`` (engine round trip,
-        first one allocating the host buffers), ``cold_ratio`` / ``warm_ratio`` (engine / plain round
-        trip), ``plain_cold_gbps`` (plain ``.to("cpu")`` into fresh host memory and ``.to(device)`` back),
-        ``cold_vs_plain_cold`` (engine cold / plain cold round trip), ``host_alloc_gbps`` (allocating the
-        engine's host slabs for the same tensors, no copy; median of ``rounds`` fresh allocations),
-        ``cold_floor_ratio`` (plain round trip / (host alloc + plain round trip): the best ``cold_ratio``
-        an offload that allocates its host memory at first use can reach here), ``cold_vs_floor`` (that
-        floor's time / engine cold), ``rss_peak_bytes`` (``ru_maxrss``), ``host_buffer_bytes``, and
-        ``warm_faults_per_mib`` / ``plain_faults_per_mib`` (the process's minor page faults over one warm engine
-        round trip / one plain round trip, median, per MiB of ``bytes``: host pages the move had to make
-        resident, 0 for copies between memory already touched). Each warm engine round trip is timed right
-        before a plain one, so both sides of a ratio see the same load. On a host-memory kind (cpu) nothing
-        moves: ``moves`` is False and every rate and fault figure is 0.
-
-    Raises:
-        ValueError: ``size_mb`` or ``rounds`` below 1.
+    ``threads``: torch intra-op threads during the run (1: a split host copy waits for its slowest thread;
+    ``None`` keeps them). Returns GB/s figures (round trips count 2 x bytes), ``cold_ratio`` / ``warm_ratio``
+    (engine / plain round trip), ``cold_floor_ratio``, fault counts per MiB and ``rss_peak_bytes``; on a
+    host-memory kind nothing moves (``moves`` False, every rate 0).
     """
     if size_mb < 1 or rounds < 1:
         raise ValueError(f"size_mb and rounds must be >= 1, got size_mb={size_mb}, rounds={rounds}")
@@ -184,32 +146,21 @@ def _run(size_mb: int, device: str | None, rounds: int) -> dict:
 
 @dataclasses.dataclass(frozen=True)
 class Timings:
-    """What :func:`run` measured, in seconds; the ``d2h``/``h2d``/``h2d_fresh``/``host_alloc`` figures are
-    already medians over the rounds."""
+    """What :func:`run` measured, in seconds (``d2h``, ``h2d``, ``h2d_fresh``, ``host_alloc``: medians)."""
 
-    cold_s: float
-    """The first ``to("cpu")`` + ``to(device)`` round trip (allocates the engine's host buffers)."""
-    warm_s: list[tuple[float, float]]
-    """Each later round trip as its ``(offload, onload)`` seconds."""
-    d2h_s: float
-    """Plain device-to-host ``copy_`` of all the bytes into a touched host buffer."""
+    cold_s: float  # first round trip: allocates the host buffers
+    warm_s: list[tuple[float, float]]  # later round trips, (offload, onload)
+    d2h_s: float  # plain copy_ into a touched host buffer
     h2d_s: float
-    """Plain host-to-device ``copy_`` into an existing device buffer."""
-    cold_d2h_s: float
-    """Plain ``.to("cpu")`` into fresh pageable host memory (once)."""
+    cold_d2h_s: float  # plain .to("cpu") into fresh host memory, once
     cold_h2d_s: float
-    """Plain ``.to(device)`` of that copy back (once)."""
     h2d_fresh_s: float
-    """Plain ``.to(device)`` into fresh device memory."""
-    host_alloc_s: float
-    """Allocating the engine's host slabs for the same tensors, no copy."""
+    host_alloc_s: float  # the engine's host slabs, no copy
 
 
 def figures(nbytes: int, t: Timings) -> dict[str, float]:
-    """The rates (GB/s: 1e9 bytes/s; a round trip moves ``2 * nbytes``) and ratios of :func:`run` from
-    ``t``. The warm figures are those of the median warm round trip (by its total), so offload and onload
-    are the two halves of one round trip, not medians taken apart.
-    """
+    """The rates (GB/s; a round trip moves ``2 * nbytes``) and ratios of :func:`run` from ``t``, warm figures
+    from the median warm round trip."""
     warm_total, offload, onload = sorted((a + b, a, b) for a, b in t.warm_s)[len(t.warm_s) // 2]
     plain = t.d2h_s + t.h2d_s
     plain_cold = t.cold_d2h_s + t.cold_h2d_s

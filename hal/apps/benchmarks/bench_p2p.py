@@ -1,25 +1,10 @@
 """Throughput of the transfer-library checkpoint engines (``nixl``, ``mooncake``, ``kimi``) against their own library.
 
-One run, two processes (1 trainer, 1 rollout), for each engine, measured side by side in those processes:
-
-* ``raw``: one transfer by the library of the same bytes, between one registered region holding the whole
-  tensor mix on the trainer and one registered region of that size on the rollout (NIXL ``WRITE``; Mooncake
-  ``transfer_sync_write``; for ``kimi``, which pulls, Mooncake ``transfer_sync_read`` by the rollout): the
-  best the library does between these two processes;
-* ``engine``: ``send_weights`` / ``receive_weights`` of the tensor mix (bf16 views into that region, sizes
-  log-uniform 2 KiB .. 18 MiB as in :mod:`hal.apps.benchmarks.bench_ckpt`); the receiver iterates the yielded
-  views without copying. Its peak memory on each side (host: ``VmHWM`` after a reset, minus the resident
-  size before; the first transfer, buffers included) is reported against ``bucket_size``.
-
-After a warm-up, every round times raw and engine once each (barrier to barrier; raw first in even rounds,
-engine first in odd ones), so a noisy neighbour or a drift slows both alike; the ratio ``engine GB/s / raw
-GB/s`` is taken per round, and medians are reported. Each engine update ends with ``finalize()``, as under
-verl's manager, and the next one reuses the connections and registered buffers.
-
-``hal bench --only sync`` runs it after the collective engine's figures, for each of these engines available
-on the benchmarked kind (kimi runs on npu-sim, not cpu), at the smallest ``--bucket-mb``:
-
-    hal bench --only sync --quick --device npu-sim
+Two processes (1 trainer, 1 rollout) per engine, side by side: ``raw`` (one library transfer of the same bytes
+between two registered regions: NIXL ``WRITE``, Mooncake ``transfer_sync_write``; kimi pulls, so a Mooncake
+read) and ``engine`` (``send_weights`` / ``receive_weights`` of the bench_ckpt tensor mix, with each side's
+peak memory against ``bucket_size``). Rounds alternate which goes first; ratios per round, medians. Run by
+``hal bench --only sync`` for every such engine available on the kind, at the smallest ``--bucket-mb``.
 """
 
 from __future__ import annotations
@@ -41,8 +26,7 @@ from hal.apps.errors import mib_to_bytes
 
 
 def transfer_library_engines() -> list[str]:
-    """The registered engines that move bytes with a transfer library (their class's
-    ``uses_transfer_library``), each measured here against that library: nixl, kimi and mooncake built in."""
+    """The registered engines whose class says ``uses_transfer_library``."""
     import ckpt
 
     return ckpt.checkpoint_engines_where("uses_transfer_library")
@@ -79,8 +63,7 @@ def _bench_rank(rank: int, world_size: int, size_mb: int, bucket: int, device: s
 
 def _raw_once(name: str, rank: int, store, host: torch.Tensor) -> tuple[Callable[[], None], Any]:
     """One raw transfer of all of ``host`` by ``name``'s library between the two ranks, as a call, and the
-    transport to close after (the regions registered and the peer added here, once): the trainer writes, or
-    for an engine whose rollouts pull (``rollout_pulls``), the rollout reads."""
+    transport to close after; for an engine whose rollouts pull, the rollout reads."""
     import ckpt
 
     engine_class = ckpt.checkpoint_engine_factory(name)
@@ -121,17 +104,8 @@ def run(size_mb: int = 256, bucket_mb: float = 64.0, device: str = "cpu", rounds
         engines: list[str] | tuple[str, ...] | None = None) -> dict:
     """Measure in two spawned processes; ``bucket_mb``: the engines' bucket size in MiB (fractions allowed).
 
-    Returns:
-        ``{"device", "size_bytes", "n_tensors", "bucket_bytes", "rounds", "engines": [{"engine", "raw_s",
-        "raw_gbps", "s", "gbps", "ratio_vs_raw", "send_peak_bytes", "recv_peak_bytes", "send_peak_buckets",
-        "recv_peak_buckets", "round_ratios"}]}``; times are medians, ``ratio_vs_raw`` the median of per-round
-        ``raw_s / engine_s`` (1.0: as fast as one raw write, for kimi one raw read, of the same bytes).
-        GB/s = 1e9 bytes/s.
-
-    Raises:
-        ValueError: an unknown engine name, ``size_mb`` or ``rounds`` below 1, or ``bucket_mb`` not positive
-            (a :class:`hal.apps.errors.UsageError` naming ``--bucket-mb``).
-        hal.multiprocess.MultiprocessError: a rank failed (e.g. the library is not installed) or passed its deadline.
+    Returns per engine ``raw_s``, ``s``, GB/s (1e9 bytes/s), ``ratio_vs_raw`` (median of per-round ``raw_s /
+    engine_s``) and peak bytes per side.
     """
     bucket = mib_to_bytes(bucket_mb, "--bucket-mb")
     known = transfer_library_engines()

@@ -1,20 +1,9 @@
 """Weight-sync throughput of one checkpoint engine over Ray actors vs under torchrun, and Ray's start-up time.
 
-One run, one device kind, the same bytes: a safetensors file of bf16 tensors (sizes log-uniform, seeded,
-as in :mod:`hal.apps.benchmarks.bench_ckpt`) is the model of ``hal sync`` under both launchers, collective
-engine, same bucket size, 1 trainer and ``--rollouts`` rollouts:
+The same ``hal sync`` job (collective engine, a safetensors model of bf16 tensors) under both launchers, runs
+alternating; a step's throughput is its bytes over its publish time, the first step of a run a warm-up;
+medians. The figure of merit is ``ray / torchrun`` (goal >= 0.9); start-up is ``cluster_s`` and ``actors_s``.
 
-* ``torchrun``: the job (:func:`hal.apps.benchmarks.job.run_sync_job`) with the default launcher
-  (processes on this machine);
-* ``ray``: the same with ``--launcher ray`` on a one-node :class:`hal.ray.LocalCluster` started here.
-
-Each launcher runs ``steps`` steps per run, ``rounds`` runs alternating (a noisy neighbour slows
-both alike). The throughput of a step is bytes / its publish time (from the send's start until the last
-rollout applied the step, as ``hal sync`` reports it); the first step of every run is a warm-up and not
-counted; figures are medians. The ratio ``ray / torchrun`` is the figure of merit (goal >= 0.9). Start-up:
-seconds until the Ray node serves (``cluster_s``) and until every actor bound its device (``actors_s``).
-
-    hal bench --only ray --size-mb 256                       # cpu, 2 rollouts
     hal bench --only ray --quick --device npu-sim --json
 """
 
@@ -44,18 +33,14 @@ def write_model(path: Path, size_mb: int, seed: int = 0) -> int:
 
 
 def step_gbps(rows: list[dict]) -> list[float]:
-    """GB/s (1e9 bytes/s) of each step of a run but the first (the warm-up): its bytes over its publish time."""
+    """GB/s of each step of a run but the first (the warm-up)."""
     return [row["bytes"] / row["publish_s"] / 1e9 for row in rows[1:]]
 
 
 def run(size_mb: int, device: str = "cpu", rollouts: int = 2, steps: int = 4, rounds: int = 2,
         bucket_mb: float = 64.0, threads: int = 1) -> dict:
-    """Measure both launchers; returns medians, the ratio and Ray's start-up seconds.
-
-    Raises:
-        RuntimeError: a run did not verify every step byte-exact (the figures would mean nothing).
-        ValueError: fewer than 2 steps.
-    """
+    """Measure both launchers; returns medians, the ratio and Ray's start-up seconds (RuntimeError unless every
+    step verified)."""
     if steps < 2:
         raise ValueError(f"steps must be >= 2 (the first is a warm-up), got {steps}")
     previous = os.environ.get("OMP_NUM_THREADS")

@@ -1,31 +1,14 @@
 """An update's bandwidth with 1, 2 and 4 senders over emulated per-rank links (issue 22).
 
-One sender's transfer is capped by its one NIC; when every rank of a sharded trainer sends its own shards,
-the NICs add up. This machine has one loopback, so each trainer rank and each rollout runs in its own network
-namespace with a rate-limited link (:mod:`hal.apps.links`): trainer links at ``R``, rollout links
-at ``rollout_factor * R``. Every sender rank holds ``1/S`` of the rows of every tensor (FSDP2's dim-0 shard:
-``torch.chunk(full, S, dim=0)[s]``, the trailing ranks possibly empty) and sends it to every rollout with
-gloo point-to-point sends over TCP (``GLOO_SOCKET_IFNAME`` = its namespace's veth); each rollout receives
-each sender's part straight into that part's slice of one flat bf16 buffer (the rows of a dim-0 shard are
-a contiguous range of the full tensor), then checks the buffer against the full model, byte for byte.
+Each trainer rank and rollout runs in its own network namespace (:mod:`hal.apps.links`): trainer links at
+``R``, rollout links at ``rollout_factor * R``. Every sender holds ``1/S`` of each tensor's rows (FSDP2's dim-0
+shard) and sends it to every rollout, which receives each part into its slice of one flat bf16 buffer and
+checks it byte for byte. One run measures S = 1, 2, 4 side by side, then the largest S with rollout links at
+``R`` (the receivers then limit). Throughput: the update's bytes over barrier-to-barrier seconds. Needs root
+and iproute2.
 
-One run measures, side by side, the same bytes to the same rollouts with ``S`` = 1, 2, 4 senders (rounds
-alternate the order), then, with the rollout links lowered to ``R``, ``S`` = max senders: the receivers'
-links are then the limit, and each rollout should receive at close to ``R``. Throughput is the update's
-bytes (what each rollout receives: the whole model) over the seconds from a barrier before the first send
-to a barrier after the last receive.
-
-    hal bench --only senders                                       # 32 MiB, R = 100 Mbit/s, 2 rollouts
-
-Needs root and iproute2 (see :func:`hal.apps.links.links_available`).
-
-What moves the bytes is a :class:`SenderPath`, named by ``path`` (``"module:factory"``, imported in each
-rank, with ``MASTER_ADDR`` set to trainer rank 0's address): the default, :class:`GlooP2PPath`, is the gloo
-point-to-point sends above; :data:`CKPT_PATH` is the collective checkpoint engine's. An engine's multi-sender
-path plugs in as another factory whose ``send`` publishes a sender's shards (e.g. through the engine's
-``send_weights`` after ``build_topology`` gave every trainer rank a sender role) and whose ``receive``
-lands every sender's part in the given views (the engine's ``receive_weights(placement=...)``); the layout,
-the timing, the links and the byte-for-byte check stay the benchmark's.
+What moves the bytes is a :class:`SenderPath` named by ``path`` (``"module:factory"``): :class:`GlooP2PPath`
+by default, :data:`CKPT_PATH` the collective engine's; the layout, timing, links and check stay here.
 """
 
 from __future__ import annotations
@@ -38,24 +21,16 @@ from typing import Any, Protocol, Sequence
 import torch
 
 
-STORE_PORT = 29531
-"""The rendezvous store's port on trainer rank 0's emulated address (the namespaces are private: no clash)."""
+STORE_PORT = 29531  # on trainer rank 0's emulated address
 DEFAULT_PATH = "hal.apps.benchmarks.bench_senders:GlooP2PPath"
-"""The :class:`SenderPath` factory measured unless another is named: gloo point-to-point sends."""
 CKPT_PATH = "hal.apps.benchmarks.senders_ckpt:ckpt_multi_sender_path"
-"""The collective checkpoint engine's multi-sender path (:mod:`hal.apps.benchmarks.senders_ckpt`)."""
 
 
 # -- layout ---------------------------------------------------------------------------------------------------
 
 def model_shapes(size_bytes: int) -> list[tuple[int, ...]]:
-    """Shapes of a bf16 model of about ``size_bytes`` bytes: 2-D weights of 1024 columns whose row counts are
-    not multiples of 4 (so the dim-0 shards of 2 and 4 senders are uneven, as FSDP2's can be) and small 1-D
-    vectors (norms, biases; their rows are single elements).
-
-    Raises:
-        ValueError: ``size_bytes`` under 1 MiB.
-    """
+    """Shapes of a bf16 model of about ``size_bytes`` bytes (>= 1 MiB): 2-D weights of 1024 columns with row
+    counts not multiples of 4 (uneven shards) and small 1-D vectors."""
     if size_bytes < 1 << 20:
         raise ValueError(f"size_bytes must be at least 1 MiB, got {size_bytes}")
     cols, weights = 1024, (4, 3, 2, 2, 1, 1, 1, 1)  # relative sizes, as attention / MLP projections
@@ -70,17 +45,14 @@ def model_shapes(size_bytes: int) -> list[tuple[int, ...]]:
 
 
 def shard_rows(rows: int, senders: int, sender: int) -> tuple[int, int]:
-    """Rows ``[start, stop)`` of a tensor of ``rows`` rows that sender ``sender`` of ``senders`` holds:
-    FSDP2's dim-0 chunking (``torch.chunk``: chunks of ``ceil(rows / senders)`` rows, the last ones shorter
-    or empty)."""
+    """Rows ``[start, stop)`` of a ``rows``-row tensor that sender ``sender`` of ``senders`` holds (``torch.chunk``)."""
     chunk = -(-rows // senders)
     start = min(rows, sender * chunk)
     return start, min(rows, start + chunk)
 
 
 def shard_ranges(shapes: Sequence[tuple[int, ...]], senders: int, sender: int) -> list[tuple[int, int, int]]:
-    """``(tensor index, start, stop)`` element ranges, in the flat buffer of the whole model (tensors back to
-    back in order), of the non-empty dim-0 shards that ``sender`` of ``senders`` holds."""
+    """``(tensor index, start, stop)`` element ranges in the model's flat buffer of ``sender``'s non-empty shards."""
     out, offset = [], 0
     for i, shape in enumerate(shapes):
         row = 1
@@ -108,58 +80,40 @@ def _wait(work: Any, what: str, timeout_s: float) -> None:
 
 def send_shards(group: Any, parts: Sequence[tuple[int, torch.Tensor]], rollout_ranks: Sequence[int],
                 timeout_s: float) -> None:
-    """On a sender: send each of its ``parts`` (``(tensor index, contiguous bf16 shard)``) to every rollout
-    (gloo ``send``, tagged with the tensor index), all posted at once; blocks until every send completed.
-
-    Raises:
-        DistributedTimeoutError: a send did not complete within ``timeout_s`` seconds (names the rollout).
-    """
+    """On a sender: send each ``(tensor index, shard)`` to every rollout, all posted at once; blocks until done
+    (DistributedTimeoutError after ``timeout_s`` seconds)."""
     works = [(group.backend.send([part], dst, index), dst, index) for index, part in parts for dst in rollout_ranks]
     for work, dst, index in works:
         _wait(work, f"send of tensor {index} from rank {group.rank} to rollout rank {dst}", timeout_s)
 
 
 def receive_shards(group: Any, views: Sequence[tuple[int, int, torch.Tensor]], timeout_s: float) -> None:
-    """On a rollout: receive each ``(sender rank, tensor index, view)`` straight into ``view`` (a contiguous
-    slice of the served buffer), all posted at once; blocks until every receive completed.
-
-    Raises:
-        DistributedTimeoutError: a receive did not complete within ``timeout_s`` seconds (names the sender).
-    """
+    """On a rollout: receive each ``(sender rank, tensor index, view)`` straight into ``view``, all posted at once;
+    blocks until done (DistributedTimeoutError after ``timeout_s`` seconds)."""
     works = [(group.backend.recv([view], src, index), src, index) for src, index, view in views]
     for work, src, index in works:
         _wait(work, f"receive of tensor {index} on rank {group.rank} from sender rank {src}", timeout_s)
 
 
 class SenderPath(Protocol):
-    """What carries an update from S sender ranks to every rollout, made once per rank by the factory that
-    ``path`` names: ``factory(group, rank, trainers, rollout_ranks, shapes, timeout_s)``, where ``group`` is
-    a gloo :class:`hal.StoreGroup` over every rank (trainer ranks ``0..trainers-1``, then the rollouts, each
-    in its own namespace; for the path's own rendezvous or control messages) and ``shapes`` the full bf16
-    tensors' shapes, by tensor index (an engine names them, e.g. ``f"w{index}"``, and finds a shard's rows
-    with :func:`shard_rows`).
-
-    Every call is made by every rank of its role together, between two barriers that time it; a call must
-    not return before its part of the update is done, and must raise (naming the peer) rather than wait past
-    ``timeout_s`` seconds.
+    """What carries an update from S sender ranks to every rollout, built per rank by
+    ``factory(group, rank, trainers, rollout_ranks, shapes, timeout_s)`` (``group``: a gloo ``hal.StoreGroup`` over
+    every rank). Calls are made by every rank of a role between two timing barriers; one returns when its part is
+    done and raises, naming the peer, rather than wait past ``timeout_s`` seconds.
     """
 
     def send(self, parts: Sequence[tuple[int, torch.Tensor]], senders: int) -> None:
-        """On sender rank ``s < senders``: publish ``parts``, ``(tensor index, contiguous bf16 tensor)``: rows
-        ``shard_rows(shape[0], senders, s)`` of each full tensor (FSDP2's dim-0 shard; empty ones left out),
-        to every rollout."""
+        """On sender rank ``s``: publish ``(tensor index, shard)`` parts (rows ``shard_rows(rows, senders, s)``)."""
 
     def receive(self, views: Sequence[tuple[int, int, torch.Tensor]], senders: int) -> None:
-        """On a rollout: land every ``(sender rank, tensor index, view)``: that sender's shard of that tensor,
-        straight into ``view``, a contiguous slice of the rollout's flat buffer."""
+        """On a rollout: land every ``(sender rank, tensor index, view)`` straight into ``view``."""
 
     def close(self) -> None:
         """Release what the path holds (after the last update)."""
 
 
 class GlooP2PPath:
-    """The default :class:`SenderPath`: gloo ``send``/``recv`` on the benchmark's group (:func:`send_shards`,
-    :func:`receive_shards`)."""
+    """The default :class:`SenderPath`: gloo ``send``/``recv`` on the benchmark's group."""
 
     def __init__(self, group: Any, rank: int, trainers: int, rollout_ranks: Sequence[int],
                  shapes: Sequence[tuple[int, ...]], timeout_s: float) -> None:
@@ -253,23 +207,11 @@ def _sender_label(senders: int) -> str:
 def bench_senders(size_mb: int = 32, rate_mbit: float = 100.0, rollout_factor: float = 4.0, rollouts: int = 2,
                   senders: Sequence[int] = (1, 2, 4), rounds: int = 2, rollout_limited: bool = True,
                   path: str = DEFAULT_PATH) -> dict:
-    """Measure the update's throughput with each count in ``senders`` against the same ``rollouts``, same
-    bytes, in one run over emulated links (trainer links ``rate_mbit``, rollout links ``rollout_factor``
-    times that), and, when ``rollout_limited``, with rollout links lowered to ``rate_mbit`` and the largest
-    sender count. ``path`` names the :class:`SenderPath` factory that moves the bytes (``"module:factory"``).
+    """Measure the update's throughput with each count in ``senders`` over emulated links (trainer links
+    ``rate_mbit``, rollout links ``rollout_factor`` times that), plus the rollout-limited row.
 
-    Returns:
-        ``{"path", "bytes", "rate_bps", "rollout_rate_bps", "rollouts", "rounds", "seconds", "rows": [{"what", "senders",
-        "rollout_rate_bps", "bytes", "s", "gbps", "ratio", "vs"}]}``: ``s`` the median seconds, ``gbps`` the
-        update's bytes per second / 1e9, ``ratio`` the median per-round throughput ratio to 1 sender (or, on
-        the rollout-limited row, ``vs == "R"``, throughput over the rollout link's rate in bytes/s);
-        ``"seconds"``: every round's time by row label (``"1 sender"``, ..., ``"rollout-limited"``).
-
-    Raises:
-        ValueError: a bad count, size or rate, ``senders`` without 1, or ``path`` not ``"module:factory"``.
-        ImportError, AttributeError: ``path`` names nothing importable.
-        RuntimeError: emulated links are unavailable here (the reason is in the message).
-        hal.multiprocess.MultiprocessError: a rank failed, received wrong bytes, or the run passed its deadline.
+    Returns ``{"path", "bytes", ..., "rows": [{"what", "senders", "s", "gbps", "ratio", "vs", ...}]}``: ``s`` the
+    median seconds, ``ratio`` against 1 sender (rollout-limited row: against the link's rate).
     """
     from hal.apps.links import emulated_network, links_available
     from hal.multiprocess import run_multiprocess
@@ -295,8 +237,7 @@ def bench_senders(size_mb: int = 32, rate_mbit: float = 100.0, rollout_factor: f
     if rollout_limited:
         phases.append({"label": "rollout-limited", "senders": trainers, "rollout_rate": rate})
         phases += [{"label": "rollout-limited", "senders": trainers} for _ in range(rounds - 1)]
-    # seconds the links allow: a sender's link carries its shard once per rollout, and a rollout's link the
-    # whole update (at R in the rollout-limited phases)
+    # seconds the links allow: a sender's link carries its shard per rollout, a rollout's the whole update
     expect = sum(max(nbytes * 8 * rollouts / (rate * p["senders"]),
                      nbytes * 8 / (rate * (1 if p["label"] == "rollout-limited" else rollout_factor)))
                  for p in phases)

@@ -1,23 +1,11 @@
 """The main job's weight sync, as ``hal sync`` runs it, against a raw broadcast of the same bytes.
 
-1 trainer and ``rollouts`` rollouts (2 by default) on one device kind, collective engine: this *is*
-:func:`hal.apps.benchmarks.job.run_sync_job` (the same ranks, rollout adapter and timing), run on a safetensors model of
-bf16 tensors (sizes log-uniform, seeded, as in :mod:`hal.apps.benchmarks.bench_ckpt`) or on a preset. Every
-rollout applies each update into its model's existing parameters (``ckpt.ModelRolloutAdapter``, atomic or
-in place). Per step, side by side in one run:
+1 trainer and ``rollouts`` rollouts, collective engine, via :func:`hal.apps.benchmarks.job.run_sync_job` on a
+bf16 tensor mix or a preset. Per step, ``publish`` (send until every rollout applied) against ``raw`` (one
+broadcast of the same bytes to the same rollouts); an untimed step 0 pays one-time costs. Reports the median
+and smallest raw / publish ratio and each rank's peak against its bound.
 
-* ``publish``: from the trainer's ``send_weights`` until every rollout has applied the step;
-* ``raw``: one broadcast of the same bytes from the trainer's published buffer to the same rollouts, on a
-  group of the same backend, right after (every rollout's receive posted first).
-
-Before step 1 an untimed step 0 (the trainer's initial weights) pays every one-time cost, for both. The
-figure of merit is the ratio raw / publish per step (1.0: the engine and the rollouts' apply add nothing to
-a raw broadcast); the median and the smallest over the steps are reported, with each rank's peak resident
-memory against the bound it is judged by.
-
-    hal bench --only main                                    # 1024 MiB, 2 rollouts
     hal bench --only main --main-model qwen2.5-0.5b          # the README's hal sync
-    hal bench --only main --quick --json
 """
 
 from __future__ import annotations
@@ -35,25 +23,8 @@ from hal.apps.errors import mib_to_bytes
 def run(size_mb: int, device: str = "cpu", rollouts: int = 2, steps: int = 3, bucket_mb: float = 256.0,
         applies: tuple[str, ...] | list[str] = ("atomic",), model: str | None = None,
         timeout: float = 600.0) -> dict[str, Any]:
-    """Run ``hal sync`` once per apply mode; returns per-step and summary figures.
-
-    Args:
-        size_mb: MiB of the bf16 tensor mix used as the model when ``model`` is ``None``.
-        model: a ``hal sync`` preset name or safetensors path instead.
-        applies: rollout apply modes (``"atomic"``, ``"in-place"``), one ``hal sync`` run each.
-        timeout: seconds any rendezvous or transfer of a run may take.
-
-    Returns:
-        ``{"device", "model", "bytes", "tensors", "rollouts", "bucket_bytes", "runs": [{"rollout_apply",
-        "steps": [{"global_steps", "publish_s", "raw_s", "gbps", "raw_gbps", "ratio_vs_raw"}], "gbps",
-        "raw_gbps", "ratio_vs_raw" (medians), "ratio_vs_raw_min", "warmup", "trainer_memory",
-        "rollout_memory" (each rank's worst step: the ``memory`` records of hal sync), "memory_within"}]}``.
-        GB/s are 1e9 bytes per second.
-
-    Raises:
-        RuntimeError: a run did not verify every step byte-exact (its figures would mean nothing).
-        ValueError: ``steps``, ``rollouts`` or ``size_mb`` below 1, or an unknown apply mode.
-    """
+    """Run ``hal sync`` once per apply mode in ``applies``; returns per-step and summary figures (GB/s = 1e9
+    bytes/s). RuntimeError when a run did not verify every step."""
     if min(steps, rollouts, size_mb) < 1 or not applies or set(applies) - {"atomic", "in-place"}:
         raise ValueError(f"steps, rollouts and size_mb must be >= 1 and applies a non-empty subset of "
                          f"('atomic', 'in-place'), got {steps}, {rollouts}, {size_mb}, {list(applies)}")

@@ -1,8 +1,4 @@
-"""The one call from the benchmarks into the weight-sync job (``hal.apps.weightsync``, what ``hal sync`` runs).
-
-``bench_sync`` and ``bench_ray`` measure the job as users run it, with the raw-broadcast reference attached
-(:class:`hal.apps.weightsync.raw.RawReference`), through :func:`run_sync_job`.
-"""
+"""The one call from the benchmarks into the weight-sync job, with the raw-broadcast reference attached."""
 
 from __future__ import annotations
 
@@ -11,22 +7,8 @@ from typing import Any, Callable
 
 def run_sync_job(*, device: str, model: str, rollouts: int, steps: int, bucket_mb: float, timeout: float,
                  launcher: str = "torchrun", rollout_apply: str = "atomic") -> dict[str, Any]:
-    """One ``hal sync`` run: 1 trainer and ``rollouts`` rollouts, collective engine, ``steps`` steps.
-
-    Args:
-        model: a ``hal sync`` preset name or a safetensors path.
-        bucket_mb: the engine's bucket size in MiB; ``timeout``: seconds any rendezvous or transfer may take.
-        launcher: ``"torchrun"`` (processes on this machine) or ``"ray"``; ``rollout_apply``: ``"atomic"``
-            or ``"in-place"``.
-
-    Returns:
-        The job's result: ``rows`` (one per step: ``bytes``, ``tensors``, ``publish_s``, ``raw_s``, ``gbps``,
-        ``raw_gbps``, ``ratio_vs_raw``, ``memory``, ``rollouts``), ``verified``, ``errors``,
-        ``ratio_vs_raw_min``, ``memory_within``, ``warmup`` and, under Ray, ``startup``.
-
-    Raises:
-        UsageError: an option the job refuses; RuntimeError: a trainer or rollout process failed.
-    """
+    """One ``hal sync`` run: 1 trainer and ``rollouts`` rollouts, collective engine, ``steps`` steps; returns the
+    job's ``--json`` result (``bucket_mb`` in MiB, ``timeout`` in seconds)."""
     import hal
     from hal.apps.errors import mib_to_bytes
     from hal.apps.weightsync.launchers import launch
@@ -41,12 +23,8 @@ def run_sync_job(*, device: str, model: str, rollouts: int, steps: int, bucket_m
 
 
 def retry_port_taken(call: Callable[[], dict[str, Any]], attempts: int = 2) -> dict[str, Any]:
-    """``call()``, again (up to ``attempts`` calls in all) while it fails only because a rendezvous port it
-    picked was taken meanwhile (``EADDRINUSE`` in the error: a shared machine); any other error passes.
-
-    Raises:
-        ValueError: ``attempts`` below 1; whatever the last ``call()`` raised.
-    """
+    """``call()``, again (up to ``attempts`` calls) while it fails only because a rendezvous port was taken
+    meanwhile (``EADDRINUSE``)."""
     if attempts < 1:
         raise ValueError(f"attempts must be >= 1, got {attempts}")
     for _ in range(attempts - 1):

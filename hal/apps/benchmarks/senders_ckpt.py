@@ -1,14 +1,10 @@
 """The collective checkpoint engine's multi-sender path as a :class:`~hal.apps.benchmarks.bench_senders.SenderPath`,
-so ``bench_senders(path="hal.apps.benchmarks.senders_ckpt:ckpt_multi_sender_path")`` measures the engine
-(``CollectiveCheckpointEngine(multi_sender=True)``: one lane per sender, buckets, metadata, double-buffered
-receive, parts received into the rollout's buffer through a ``placement``), not raw gloo sends.
+so ``bench_senders`` measures the engine (``multi_sender=True``: a lane per sender, parts received through a
+``placement``), not raw gloo sends.
 
-Every rank forms, when the path is built (outside the timed rounds), one engine group per sender count
-``S = 1..trainers`` (trainer ranks ``0..S-1`` send, every rollout receives; ``S = 1`` is the engine's
-one-sender topology, as verl's multi-sender degrades to it), each with its own rendezvous store on trainer
-rank 0 (port ``STORE_PORT + 1 + S``), through the engine's own ``build_topology`` / ``init_process_group``.
-A round with ``S`` senders is then one ``send_weights`` per sender and one ``receive_weights(placement=...)``
-per rollout on group ``S``, tagged with that group's next step.
+When the path is built, every rank forms one engine group per sender count ``S = 1..trainers`` through the
+engine's own ``build_topology`` / ``init_process_group`` (store port ``STORE_PORT + 1 + S``). A round with ``S``
+senders is one ``send_weights`` per sender and one ``receive_weights(placement=...)`` per rollout.
 """
 
 from __future__ import annotations
@@ -19,10 +15,8 @@ from typing import Any, Sequence
 
 import torch
 
-BUCKET_SIZE = 4 << 20
-"""Bytes per bucket of the measured engines."""
-META_CAPACITY = 8 << 10
-"""Bytes of the engines' per-message metadata record (broadcast with every message)."""
+BUCKET_SIZE = 4 << 20  # bytes per bucket of the measured engines
+META_CAPACITY = 8 << 10  # bytes of the per-message metadata record
 
 
 class _Placement:
@@ -37,8 +31,7 @@ class _Placement:
 
 
 class CkptMultiSenderPath:
-    """See the module docstring; built by :func:`ckpt_multi_sender_path` with the ``SenderPath`` factory's
-    arguments. The master address is ``MASTER_ADDR`` (trainer rank 0's address, set by the benchmark)."""
+    """See the module docstring; the master address is ``MASTER_ADDR`` (trainer rank 0's)."""
 
     def __init__(self, group: Any, rank: int, trainers: int, rollout_ranks: Sequence[int],
                  shapes: Sequence[tuple[int, ...]], timeout_s: float) -> None:
@@ -123,19 +116,12 @@ def ckpt_multi_sender_path(group: Any, rank: int, trainers: int, rollout_ranks: 
 
 
 ROTATING_PATH = "hal.apps.benchmarks.senders_ckpt:rotating_broadcast_path"
-"""The one-group, rotating-source alternative (:class:`RotatingBroadcastPath`)."""
 
 
 def compare(size_mb: int = 32, rate_mbit: float = 100.0, rounds: int = 2, rollouts: int = 2,
             senders: Sequence[int] = (1, 2, 4), rotating: bool = False) -> dict[str, dict]:
-    """Run :func:`~hal.apps.benchmarks.bench_senders.bench_senders` with the raw gloo path, then the engine's
-    path (and, with ``rotating``, the one-group rotating-source layout), same sizes and links, one after the
-    other in this process (32 MiB, 2 rounds: about 80 s for the two, 40 s more for the third).
-
-    Returns:
-        ``{"gloo-p2p": result, "ckpt-multi-sender": result[, "rotating-broadcast": result]}`` (each as
-        ``bench_senders`` returns it).
-    """
+    """Run :func:`~hal.apps.benchmarks.bench_senders.bench_senders` with the gloo path, then the engine's (and with
+    ``rotating`` the rotating-source one), same sizes and links; returns each result by path name."""
     from hal.apps.benchmarks.bench_senders import CKPT_PATH, DEFAULT_PATH, bench_senders
 
     paths = [("gloo-p2p", DEFAULT_PATH), ("ckpt-multi-sender", CKPT_PATH)]
@@ -160,12 +146,8 @@ if __name__ == "__main__":
 
 
 class RotatingBroadcastPath:
-    """The alternative to one lane per sender, for comparison: **one** gloo group per sender count holding the
-    ``S`` senders and every rollout, the source rotating per bucket (bucket ``j`` from sender ``j mod S``, each
-    sender's shards cut into ``BUCKET_SIZE`` pieces), two broadcasts in flight. Every member takes part in
-    every broadcast, so a sender also receives the other senders' buckets (into a scratch buffer): what this
-    layout costs is what the measurement shows.
-    """
+    """One gloo group per sender count holding the senders and every rollout, the source rotating per bucket
+    (``j mod S``), two broadcasts in flight; senders also receive the others' buckets, which the figures show."""
 
     def __init__(self, group: Any, rank: int, trainers: int, rollout_ranks: Sequence[int],
                  shapes: Sequence[tuple[int, ...]], timeout_s: float) -> None:
