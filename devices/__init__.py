@@ -1,17 +1,11 @@
 """Device kinds: the only package that knows which hardware exists.
 
-Each built-in kind is one module holding one ``SPEC`` (a frozen :class:`devices.base.DeviceSpec`).
-They are listed here by module path, in automatic-resolution order, and imported only when asked for.
-Third-party kinds come from the entry-point group ``hal.devices`` (see :mod:`hal.registry`).
-
-``Availability`` and ``DeviceSpec`` are loaded on first access: torch imports this package inside every
-``import torch`` (the sim's autoload entry point, :mod:`devices.npu_sim.autoload`), and unasked that must cost
-next to nothing: the sim package's top (its spec on :mod:`devices.base`, whose imports torch has already
-made) and nothing of the extension, ``torch.npu`` or ``hccl``.
+Each built-in kind is one module holding one ``SPEC``, imported only when asked for; third-party kinds come
+from the ``hal.devices`` entry points. ``import torch`` imports this package (npu-sim's autoload), so
+``Availability`` and ``DeviceSpec`` load lazily.
 """
 
-# kind -> module holding SPEC. Order is the auto-resolution order (npu, cuda, then cpu last);
-# npu-sim is never picked automatically (auto_probe=False) and must be asked for.
+# kind -> module holding SPEC, in auto-resolution order; npu-sim must be asked for (auto_probe=False).
 BUILTIN_KINDS: dict[str, str] = {
     "npu": "devices.npu",
     "cuda": "devices.cuda",

@@ -1,10 +1,8 @@
-"""The Ascend driver and CANN toolkit versions, read as verl reads them, and the IPC gate they decide.
+"""The Ascend driver and CANN toolkit versions, read as verl 0.9.1 reads them, and the IPC gate they decide.
 
-verl 0.9.1 (``verl/utils/device.py``: ``get_npu_versions``, ``check_ipc_version_support``) shares an NPU bucket
-with torch_npu's IPC only where the driver's ``Software Version`` (``npu-smi info -t board -i <id>``) is at least
-``25.3.rc1`` and the toolkit's ``version=`` (``$ASCEND_HOME_PATH/<arch>-linux/ascend_toolkit_install.info``) at
-least ``8.3.RC1``; older stacks take shared memory plus a host-to-device copy (verl PR 5089, issue 4280). The
-simulated npu writes both answers (:mod:`devices.npu_sim.cann`), so the same reader serves both kinds.
+NPU IPC needs driver ``Software Version`` >= 25.3.rc1 (``npu-smi info -t board -i <id>``) and toolkit
+``version=`` >= 8.3.RC1 (``ascend_toolkit_install.info``); older stacks take shared memory (verl PR 5089).
+The simulated npu writes both answers (:mod:`devices.npu_sim.cann`).
 """
 
 from __future__ import annotations
@@ -14,21 +12,16 @@ import platform
 import re
 import subprocess
 
+# Oldest driver Software Version with NPU IPC (verl check_ipc_version_support).
 IPC_MIN_DRIVER = "25.3.rc1"
-"""Oldest driver ``Software Version`` with NPU IPC (verl ``check_ipc_version_support``)."""
+# Oldest CANN toolkit version with NPU IPC (same source).
 IPC_MIN_CANN = "8.3.rc1"
-"""Oldest CANN toolkit version with NPU IPC (same source)."""
 
 _VERSION = re.compile(r"(\d+\.\d+(?=\.t))|(\d+\.\d+(?:\.(?:rc\d+|\d+))?)", re.IGNORECASE)
 
 
 def base_version(text: str) -> str:
-    """The comparable part of an Ascend version (verl's rule): ``25.3.rc1.2`` -> ``25.3.rc1``, ``25.5.t3.b001`` ->
-    ``25.5``, ``8.3.RC1`` -> ``8.3.rc1``.
-
-    Raises:
-        ValueError: ``text`` does not start with ``major.minor`` (names it).
-    """
+    """Return the comparable part of an Ascend version: ``25.3.rc1.2`` -> ``25.3.rc1``, ``8.3.RC1`` -> ``8.3.rc1``."""
     match = _VERSION.match(text.strip()) if isinstance(text, str) else None
     if not match:
         raise ValueError(f"not an Ascend version: {text!r} (expected e.g. '25.3.rc1' or '8.3.RC1')")
@@ -36,18 +29,16 @@ def base_version(text: str) -> str:
 
 
 def at_least(text: str, minimum: str) -> bool:
-    """Whether Ascend version ``text`` is ``>= minimum`` (both as :func:`base_version` reads them)."""
+    """Return whether Ascend version ``text`` is ``>= minimum`` (both read by :func:`base_version`)."""
     from packaging.version import Version
 
     return Version(base_version(text)) >= Version(base_version(minimum))
 
 
 def driver_version(card: str | None = None, timeout: float = 10.0) -> str:
-    """The driver's ``Software Version`` from ``npu-smi info -t board -i <card>`` (default: the first id of
-    ``ASCEND_RT_VISIBLE_DEVICES``, else 0).
+    """Return the driver's ``Software Version`` from ``npu-smi`` for ``card`` (default: the first visible, or 0).
 
-    Raises:
-        OSError: no ``npu-smi`` on ``PATH``. RuntimeError: it failed or printed no version (its output quoted).
+    ``timeout`` is in seconds. OSError without ``npu-smi``; RuntimeError when it fails or prints no version.
     """
     if card is None:
         card = (os.environ.get("ASCEND_RT_VISIBLE_DEVICES", "").split(",")[0].strip() or "0")
@@ -62,12 +53,7 @@ def driver_version(card: str | None = None, timeout: float = 10.0) -> str:
 
 
 def cann_version() -> str:
-    """``version=`` of ``$ASCEND_HOME_PATH/<arch>-linux/ascend_toolkit_install.info``.
-
-    Raises:
-        OSError: ``ASCEND_HOME_PATH`` unset (a ``FileNotFoundError``) or the file unreadable. RuntimeError: no
-            ``version=`` line in it.
-    """
+    """Return ``version=`` of ``$ASCEND_HOME_PATH/<arch>-linux/ascend_toolkit_install.info``."""
     home = os.environ.get("ASCEND_HOME_PATH")
     if not home:
         raise FileNotFoundError("ASCEND_HOME_PATH is not set (source the CANN toolkit's set_env.sh)")
@@ -81,8 +67,7 @@ def cann_version() -> str:
 
 
 def ipc_supported() -> tuple[bool, str]:
-    """``(ok, why)``: whether this host's driver and toolkit allow NPU IPC, and the versions that decided it
-    (or what could not be read, which counts as not supported)."""
+    """Return ``(ok, why)``: whether this host allows NPU IPC and the versions (or read errors) that decided it."""
     try:
         driver, cann = driver_version(), cann_version()
         ok = at_least(driver, IPC_MIN_DRIVER) and at_least(cann, IPC_MIN_CANN)

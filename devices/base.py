@@ -1,8 +1,7 @@
 """The data every device kind carries, and the result type of its availability probe.
 
-A device kind is one frozen dataclass: plain facts as fields (after vLLM's ``Platform`` class attributes)
-plus two probes, :meth:`DeviceSpec.torch_module` and :meth:`DeviceSpec.availability`. Nothing here imports
-a vendor package; each kind's module does that lazily, inside its probes.
+A device kind is one frozen dataclass of facts plus two probes, :meth:`DeviceSpec.torch_module` and
+:meth:`DeviceSpec.availability`; vendor packages are imported lazily, inside the probes.
 """
 
 from __future__ import annotations
@@ -11,22 +10,18 @@ import dataclasses
 import types
 
 
+# The attribute (true) of a module standing in for a vendor package on a simulated kind (npu-sim's torch_npu).
 SIMULATION_MARKER = "__hal_sim__"
-"""The attribute (true) of a module that stands in for a vendor package on a simulated kind (the simulated
-npu's ``torch_npu``): how a real kind's spec tells the simulation from its hardware without importing it."""
 
 
 def is_simulation(module: object) -> bool:
-    """Whether ``module`` (e.g. an imported vendor package) is a simulation's stand-in (:data:`SIMULATION_MARKER`)."""
+    """Return whether ``module`` is a simulation's stand-in for a vendor package (:data:`SIMULATION_MARKER`)."""
     return module is not None and bool(getattr(module, SIMULATION_MARKER, False))
 
 
 @dataclasses.dataclass(frozen=True)
 class Availability:
-    """Outcome of a device kind's probe: ``ok`` or the ``reason`` it is not usable.
-
-    Truthy when available, so ``if spec.availability(): ...`` reads naturally.
-    """
+    """Outcome of a device kind's probe: ``ok`` or the ``reason`` it is not usable; truthy when available."""
 
     ok: bool
     reason: str = ""
@@ -44,9 +39,7 @@ class Availability:
         return cls(False, reason, 0)
 
     def of_index(self, kind: str, device: int | None) -> Availability:
-        """This result narrowed to device ``device`` of ``kind`` (``None``: unchanged): unavailable, naming
-        the index and the valid range, when the kind is available but the index is outside
-        ``[0, device_count)``."""
+        """Narrow this result to device ``device`` of ``kind``: unavailable if outside ``[0, device_count)``."""
         if device is None or not self.ok:
             return self
         if isinstance(device, bool) or not isinstance(device, int) or not 0 <= device < self.device_count:
@@ -59,102 +52,52 @@ class Availability:
 class DeviceSpec:
     """One device kind, immutable.
 
-    Fields:
-        kind: the name users select it by (``HAL_DEVICE``, ``--device``); usually equal to ``name``,
-            but the simulated Ascend kind is selected as ``"npu-sim"`` and creates ``"npu"`` tensors.
-        name: the ``torch.device`` type of its tensors (``"cuda"``, ``"npu"``, ``"cpu"``).
-        dist_backend: the ``torch.distributed`` backend for tensors of this kind (``"nccl"``, ``"hccl"``,
-            ``"gloo"``), as in ``torch.distributed.Backend.default_device_backend_map``.
-        visible_devices_env: the environment variable that restricts which devices a process sees
-            (``CUDA_VISIBLE_DEVICES``, ``ASCEND_RT_VISIBLE_DEVICES``), ``None`` where there is none.
-        visible_devices_fixed: ``True`` when the kind reads :attr:`visible_devices_env` once, when it is set
-            up in a process (CUDA at its first initialisation, the simulated npu when registered), so that
-            changing the variable afterwards changes nothing; :meth:`is_set_up` says whether that happened.
-        ray_resource: the custom resource name Ray schedules this kind by (``"GPU"``, ``"NPU"``), or ``None``.
-        auto_probe: whether automatic resolution may pick this kind (a simulated kind must be asked for).
-        host_memory: ``True`` when tensors of this kind live in ordinary host memory (the cpu kind), so that
-            offloading to the host moves nothing.
-        supports_pin_memory: whether host memory can be page-locked for copies to and from this kind's
-            devices (``torch.empty(..., pin_memory=True)``); ``False`` for host-memory kinds, where nothing
-            is copied, and by default (unpinned host buffers work everywhere).
-        vendor_package: the distribution that backs the kind (``"torch-npu"``), whose version ``hal info``
-            reports; ``None`` when torch itself provides it.
-        nixl_memory_type: the NIXL memory type this kind's tensors register as (``"DRAM"`` host memory,
-            ``"VRAM"`` GPU memory; see NIXL's ``nixl_agent.register_memory``); ``None`` when NIXL cannot
-            register them, so a transfer stages them through host memory (``"DRAM"``).
-        mooncake_protocol: the Mooncake Transfer Engine protocol that moves this kind's tensors in place
-            (``"tcp"`` host memory, ``"rdma"`` GPU memory, ``"ascend_direct"`` Ascend device memory; see
-            ``TransferEngine.initialize``); ``None``: stage through host memory over ``"tcp"``.
-        fused_adamw: whether torch's fused AdamW (``torch.optim.AdamW(..., fused=True)``: one pass over the
-            states, no step temporaries) runs on this kind as hal has checked it; ``False`` by default (the
-            foreach implementation, torch's default, keeps about one fp32 copy of the parameters while it steps).
-
-    Subclasses override :meth:`torch_module` and :meth:`availability`, :meth:`create_backend` where
-    torch builds the kind's communicator itself (gloo, NCCL) rather than through a registered backend plugin, and
-    :meth:`is_set_up` where :attr:`visible_devices_fixed` is ``True``.
+    Subclasses override :meth:`torch_module` and :meth:`availability`, :meth:`create_backend` where torch builds
+    the communicator itself (gloo, NCCL), and :meth:`is_set_up` where :attr:`visible_devices_fixed` is ``True``.
     """
 
-    kind: str
-    name: str
-    dist_backend: str
-    visible_devices_env: str | None = None
-    visible_devices_fixed: bool = False
-    ray_resource: str | None = None
-    auto_probe: bool = True
-    host_memory: bool = False
-    supports_pin_memory: bool = False
-    vendor_package: str | None = None
-    nixl_memory_type: str | None = None
-    mooncake_protocol: str | None = None
-    fused_adamw: bool = False
-    device_memory_in_host: bool = False
-    """The kind's device allocations live in this process's host memory (a simulated device): a host peak
-    then counts device bytes too, and what the device's caching allocator keeps (:meth:`host_cached_bytes`)."""
+    kind: str  # the name users select it by (HAL_DEVICE); npu-sim creates "npu" tensors
+    name: str  # the torch.device type of its tensors ("cuda", "npu", "cpu")
+    dist_backend: str  # the torch.distributed backend ("nccl", "hccl", "gloo")
+    visible_devices_env: str | None = None  # CUDA_VISIBLE_DEVICES, ASCEND_RT_VISIBLE_DEVICES
+    visible_devices_fixed: bool = False  # read once, when the kind is set up in a process (see is_set_up)
+    ray_resource: str | None = None  # the resource Ray schedules it by ("GPU", "NPU")
+    auto_probe: bool = True  # automatic resolution may pick it (a simulated kind must be asked for)
+    host_memory: bool = False  # tensors live in ordinary host memory: offloading moves nothing
+    supports_pin_memory: bool = False  # host memory can be page-locked for copies to and from it
+    vendor_package: str | None = None  # the distribution backing it ("torch-npu"), for hal info
+    nixl_memory_type: str | None = None  # "DRAM" / "VRAM"; None: NIXL stages through host memory
+    mooncake_protocol: str | None = None  # "tcp", "rdma", "ascend_direct"; None: stage through host over tcp
+    fused_adamw: bool = False  # torch's fused AdamW was checked on this kind (else foreach, one fp32 copy more)
+    device_memory_in_host: bool = False  # device allocations live in host memory (a simulated device)
 
     def torch_module(self) -> types.ModuleType:
-        """The torch module with this kind's runtime calls (``torch.cuda``, ``torch.npu``, ...).
-
-        Raises:
-            NotImplementedError: the kind did not define one.
-            ImportError: the vendor package backing it cannot be imported.
-        """
+        """Return the torch module with this kind's runtime calls (``torch.cuda``, ``torch.npu``, ...)."""
         raise NotImplementedError(f"device kind {self.kind!r} needs a torch_module() probe")
 
     def availability(self, device: int | None = None) -> Availability:
-        """Whether this kind (``device=None``), or its device of index ``device``, can be used in this
-        process; never raises (failures, and an index outside ``[0, device_count)``, become the reason).
-
-        Every kind takes this one signature; :meth:`Availability.of_index` narrows a kind's result to one
-        device.
-        """
+        """Return whether this kind, or its device ``device``, can be used in this process; never raises."""
         raise NotImplementedError(f"device kind {self.kind!r} needs an availability() probe")
 
     def ipc_transport(self) -> str:
-        """How this kind shares a bucket with another process of the same host (:mod:`devices.ipc`): ``"device"``
-        (a device buffer exported as an IPC handle, opened in place) or ``"shm"`` (a shared host segment, copied
-        to the receiver's device). ``"shm"`` here; a kind whose runtime exports device memory says so. Never raises.
+        """Return how this kind shares a bucket with another process of the same host: ``"device"`` or ``"shm"``.
+
+        ``"device"``: a device buffer exported as an IPC handle; ``"shm"`` (the default): a shared host segment.
         """
         return "shm"
 
     def share_device_buffer(self, nbytes: int, device):
-        """A flat ``uint8`` buffer of ``nbytes`` on ``device`` (a ``torch.device`` of this kind) that another
-        process opens from its handle (:class:`devices.ipc.SharedDeviceBuffer`); only where :meth:`ipc_transport`
-        is ``"device"``.
+        """Return a flat ``uint8`` buffer of ``nbytes`` on ``device`` that another process opens from its handle.
 
-        Raises:
-            NotImplementedError: the kind cannot export device memory (its transport is ``"shm"``).
+        Only where :meth:`ipc_transport` is ``"device"``; NotImplementedError otherwise.
         """
         raise NotImplementedError(f"device kind {self.kind!r} shares buckets through shared memory, not device IPC")
 
     def drop_shared_pages(self, mapping, start: int, nbytes: int) -> bool:
-        """After reading ``mapping[start:start + nbytes]`` of a buffer another process shares (a segment mapped
-        here, or a device buffer opened from its handle), stop counting its pages in this process's resident
-        memory; returns whether pages were dropped. A host mapping's pages are dropped
-        (:func:`devices.shared_memory.drop_mapped_pages`); device memory is not host memory, so nothing happens
-        for it here (a kind whose device memory is host memory overrides this).
+        """Stop counting the pages of ``mapping[start:start + nbytes]`` (shared by another process) as resident here.
 
-        Raises:
-            ValueError: the range is not within ``mapping``, or a host ``mapping`` is not a whole mapped segment.
+        Returns whether pages were dropped: a host mapping's are (ValueError for a range outside a whole mapped
+        segment); device memory is not host memory, so nothing happens for it.
         """
         if mapping.device.type != "cpu":
             return False
@@ -163,37 +106,26 @@ class DeviceSpec:
         return drop_mapped_pages(mapping, start, nbytes)
 
     def host_cached_bytes(self) -> int:
-        """Bytes of freed blocks the kind's caching allocator may keep resident in host memory, per device, at
-        most (0 unless :attr:`device_memory_in_host`): what a memory bound adds for that cache."""
+        """Return the most bytes of freed blocks the kind's caching allocator keeps in host memory, per device."""
         return 0
 
     def host_cache_resident_bytes(self, index: int) -> int:
-        """Host bytes the freed blocks of device ``index``'s caching allocator hold resident now (0 unless
-        :attr:`device_memory_in_host`): on a real device that cache is device memory, not the host's."""
+        """Return the host bytes the freed blocks of device ``index``'s caching allocator hold resident now."""
         return 0
 
     def is_set_up(self) -> bool:
-        """Whether this process has already set the kind up (read its visible-devices variable); ``False``
-        by default. Only meaningful where :attr:`visible_devices_fixed` is ``True``; never raises."""
+        """Return whether this process has already set the kind up (read its visible-devices variable)."""
         return False
 
     def visible_devices_read(self) -> bool:
-        """Whether changing :attr:`visible_devices_env` in this process can no longer change which devices
-        it sees: the kind reads it once (:attr:`visible_devices_fixed`) and has done so (:meth:`is_set_up`)."""
+        """Return whether changing :attr:`visible_devices_env` can no longer change which devices this process sees."""
         return self.visible_devices_fixed and self.is_set_up()
 
     def create_backend(self, store, rank: int, world_size: int, timeout):
-        """A c10d backend object for a standalone group of ``world_size`` ranks over ``store``: by default the
-        plugin registered under :attr:`dist_backend` with ``torch.distributed.Backend.register_backend`` (HCCL,
-        which the vendor module registers when :meth:`torch_module` imports it), or gloo's where that is the
-        kind's backend (a plugin kind may name it).
+        """Return a c10d backend for a standalone group of ``world_size`` ranks over ``store``.
 
-        Args:
-            store: a ``torch.distributed.Store`` (prefixed per group); timeout: a ``datetime.timedelta``
-                bounding the rendezvous and every collective.
-
-        Raises:
-            RuntimeError: no backend is registered under :attr:`dist_backend`.
+        By default the plugin registered under :attr:`dist_backend` (RuntimeError if none), or gloo's.
+        ``timeout`` is a ``datetime.timedelta`` bounding the rendezvous and every collective.
         """
         import torch.distributed as dist
 
@@ -213,12 +145,7 @@ class DeviceSpec:
 
 
 def probe_safely(spec_kind: str, probe) -> Availability:
-    """Run ``probe`` (returning :class:`Availability`) and turn any exception into an unavailable reason.
-
-    Vendor stacks fail in many ways when the driver or toolkit is missing (``ImportError``,
-    ``RuntimeError`` from a driver call, ``OSError`` from a missing shared library), so every one of them is
-    caught here and reported as text rather than crashing resolution.
-    """
+    """Run ``probe`` and turn any exception (vendor stacks fail in many ways) into an unavailable reason."""
     try:
         return probe()
     except BaseException as exc:

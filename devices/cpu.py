@@ -10,18 +10,13 @@ from devices.base import Availability, DeviceSpec
 
 
 def _host_mem_get_info() -> tuple[int, int]:
-    """(free, total) host memory in bytes, read from ``os.sysconf`` (the cpu analogue of ``mem_get_info``)."""
+    """Return (free, total) host memory in bytes."""
     page = os.sysconf("SC_PAGE_SIZE")
     return os.sysconf("SC_AVPHYS_PAGES") * page, os.sysconf("SC_PHYS_PAGES") * page
 
 
 def _make_cpu_module() -> types.ModuleType:
-    """``torch.cpu`` completed with the calls ``hal`` makes of an accelerator module.
-
-    ``torch.cpu`` already has ``is_available``, ``device_count``, ``current_device``, ``set_device``,
-    ``synchronize``, ``Stream`` and ``Event``; it lacks the memory and seeding calls, which are filled in
-    with their host meaning: nothing is cached, so there is nothing to empty, and allocation counters are 0.
-    """
+    """Return ``torch.cpu`` completed with the memory and seeding calls hal makes, in their host meaning."""
     import torch
 
     mod = types.ModuleType("hal_cpu_module", "torch.cpu plus the memory/seed calls hal uses")
@@ -60,7 +55,7 @@ class CpuDevice(DeviceSpec):
         return _CPU_MODULE
 
     def availability(self, device: int | None = None) -> Availability:
-        """Always available: one host device (index 0)."""
+        """Return availability: always one host device (index 0)."""
         return Availability.available(1).of_index(self.kind, device)
 
 
@@ -68,6 +63,5 @@ SPEC = CpuDevice()
 
 
 def is_host(device) -> bool:
-    """Whether ``device`` (a ``torch.device``, or a name such as ``"cpu"`` or ``"npu:1"``) is host memory:
-    the cpu kind's ``torch.device`` type, what ``Tensor.is_cpu`` says of a tensor. Never raises."""
+    """Return whether ``device`` (a ``torch.device`` or a name such as ``"npu:1"``) is host memory; never raises."""
     return getattr(device, "type", str(device).partition(":")[0]) == SPEC.name

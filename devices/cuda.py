@@ -27,11 +27,11 @@ class CudaDevice(DeviceSpec):
         return torch.cuda
 
     def availability(self, device: int | None = None) -> Availability:
-        """Available when torch was built with CUDA and sees a GPU (and ``device``, if given, is one of them)."""
+        """Return whether torch has CUDA and sees a GPU (and ``device``, if given, is one of them)."""
         return probe_safely(self.kind, self._probe).of_index(self.kind, device)
 
     def is_set_up(self) -> bool:
-        """Whether CUDA was initialised in this process (it read ``CUDA_VISIBLE_DEVICES`` then)."""
+        """Return whether CUDA was initialised in this process (it read ``CUDA_VISIBLE_DEVICES`` then)."""
         torch = sys.modules.get("torch")
         return bool(torch is not None and torch.cuda.is_initialized())
 
@@ -46,17 +46,17 @@ class CudaDevice(DeviceSpec):
         return Availability.available(count)
 
     def ipc_transport(self) -> str:
-        """``"device"``: CUDA IPC (``cudaIpcGetMemHandle`` through torch's ``reduce_tensor``)."""
+        """Return ``"device"``: CUDA IPC through torch's ``reduce_tensor``."""
         return "device"
 
     def share_device_buffer(self, nbytes: int, device):
-        """A GPU buffer exported with torch's ``reduce_tensor`` (see :func:`devices.ipc.share_with_torch`)."""
+        """Return a GPU buffer exported with torch's ``reduce_tensor``."""
         from devices.ipc import share_with_torch
 
         return share_with_torch(nbytes, device)
 
     def create_backend(self, store, rank: int, world_size: int, timeout):
-        """A ``ProcessGroupNCCL`` over ``store`` whose collectives time out after ``timeout`` (a timedelta)."""
+        """Return a ``ProcessGroupNCCL`` over ``store`` whose collectives time out after ``timeout`` (a timedelta)."""
         import torch.distributed as dist
 
         from devices import torch_compat

@@ -1,7 +1,6 @@
 """The npu kind: Huawei Ascend NPUs through ``torch_npu`` (``torch.npu``), collectives over HCCL.
 
-``torch_npu`` is imported only inside the probes, never at import time: without CANN its import fails,
-and on some installs it has side effects (it renames PrivateUse1 to ``npu`` once per process).
+``torch_npu`` is imported only inside the probes: without CANN its import fails, and it renames PrivateUse1.
 """
 
 from __future__ import annotations
@@ -24,12 +23,7 @@ class NpuDevice(DeviceSpec):
     mooncake_protocol: str | None = "ascend_direct"  # NIXL has no Ascend memory type: it stages via DRAM
 
     def torch_module(self) -> types.ModuleType:
-        """``torch.npu`` after ``import torch_npu``.
-
-        Raises:
-            ImportError: torch_npu cannot be imported, or what imports is hal's npu-sim compatibility module
-                (that is the ``npu-sim`` kind, not real Ascend hardware).
-        """
+        """Return ``torch.npu`` after ``import torch_npu``; ImportError if that fails or finds hal's npu-sim module."""
         import torch
         import torch_npu
 
@@ -39,20 +33,19 @@ class NpuDevice(DeviceSpec):
         return torch.npu
 
     def ipc_transport(self) -> str:
-        """``"device"`` (torch_npu's IPC) where the driver and CANN allow it, else ``"shm"``: verl's gate,
-        :func:`devices.ascend_versions.ipc_supported` (driver >= 25.3.rc1, CANN >= 8.3.RC1)."""
+        """Return ``"device"`` where the driver and CANN allow torch_npu's IPC (verl's gate), else ``"shm"``."""
         from devices import ascend_versions
 
         return "device" if ascend_versions.ipc_supported()[0] else "shm"
 
     def share_device_buffer(self, nbytes: int, device):
-        """An NPU buffer exported with torch's ``reduce_tensor``, which torch_npu extends to npu storages."""
+        """Return an NPU buffer exported with torch's ``reduce_tensor``, which torch_npu extends to npu storages."""
         from devices.ipc import share_with_torch
 
         return share_with_torch(nbytes, device)
 
     def availability(self, device: int | None = None) -> Availability:
-        """Available when torch_npu imports and sees an Ascend device (and ``device``, if given, is one of them)."""
+        """Return whether torch_npu imports and sees an Ascend device (and ``device``, if given, is one of them)."""
         return probe_safely(self.kind, self._probe).of_index(self.kind, device)
 
     def _probe(self) -> Availability:

@@ -1,20 +1,9 @@
 """POSIX shared-memory segments mapped as flat ``uint8`` host tensors: how host memory is shared on one host.
 
-The cpu kind (and Ascend stacks without IPC) share a bucket this way, and the simulated npu backs its
-shareable device buffers with it (:mod:`devices.npu_sim.ipc`). A segment is named as
-``multiprocessing.shared_memory`` names it (``/dev/shm/<name>`` on Linux), so verl's receiver attaches to it
-with ``SharedMemory(name=...)``.
-
-Why not ``SharedMemory.buf`` for the tensor: a tensor from ``torch.frombuffer(shm.buf)`` exports the mapping, and
-``shm.close()`` then raises ``BufferError: cannot close exported pointers exist`` whenever a consumer still
-holds a view (twinkle issue 102). Here the segment is created and registered by the standard library, which
-then lets go of its own mapping, and torch maps the file itself (``torch.from_file(..., shared=True)``): the
-mapping lives exactly as long as the tensors that view it, and closing never raises.
-
-Leaks: the creator's segment is registered with ``multiprocessing``'s resource tracker (a separate process), so
-a creator killed with SIGKILL still has its segment unlinked when the tracker sees it gone; :meth:`unlink`
-removes it at once and unregisters it. An attaching process registers nothing (Python before 3.13 registers
-attached segments too and unlinks them when *that* process exits, under the creator's feet).
+Segments are named as ``multiprocessing.shared_memory`` names them, so verl's receiver attaches with
+``SharedMemory(name=...)``. torch maps the file itself (``torch.from_file``), not ``SharedMemory.buf``, so
+closing never raises BufferError while views live. The creator's segment is registered with the resource
+tracker (unlinked if the creator is killed); an attaching process registers nothing.
 """
 
 from __future__ import annotations
@@ -27,31 +16,19 @@ from multiprocessing import shared_memory
 
 import torch
 
+# Where Linux keeps POSIX shared-memory segments (shm_open names are files here).
 SHM_DIR = "/dev/shm"
-"""Where Linux keeps POSIX shared-memory segments (``shm_open`` names are files here)."""
 
 
 def segment_path(name: str) -> str:
-    """The file of segment ``name`` (``/dev/shm/<name>``)."""
     return os.path.join(SHM_DIR, name.lstrip("/"))
 
 
 class SharedSegment:
-    """A new shared-memory segment of ``nbytes`` bytes, mapped here as :attr:`tensor` and touched once.
+    """A new shared-memory segment of ``nbytes`` bytes, mapped as :attr:`tensor` with every page touched.
 
-    Args:
-        nbytes: size in bytes (> 0).
-        prefix: the start of its name (the rest is random), e.g. ``"hal-ipc-"``.
-
-    Attributes:
-        name: the segment's name, as ``SharedMemory(name=...)`` and :func:`attach` take it.
-        tensor: flat ``uint8`` tensor of ``nbytes`` over the segment (every page touched, so the first update
-            pays no page faults on this side).
-
-    Raises:
-        ValueError: ``nbytes`` is not a positive int (names it).
-        OSError: the segment cannot be created or its pages cannot be reserved (``/dev/shm`` missing, or too full
-            for ``nbytes``: ``ENOSPC``, naming the segment and its size; nothing is left behind).
+    ``prefix`` starts its :attr:`name` (the rest is random). OSError (ENOSPC, naming it) when ``/dev/shm`` is too
+    full; nothing is left behind.
     """
 
     def __init__(self, nbytes: int, prefix: str = "hal-") -> None:
@@ -70,8 +47,7 @@ class SharedSegment:
             raise
 
     def unlink(self) -> None:
-        """Remove the segment's name (idempotent). Mappings already open, here or in other processes, stay valid
-        until their tensors are freed; nothing is left in ``/dev/shm``."""
+        """Remove the segment's name (idempotent); open mappings stay valid until their tensors are freed."""
         shm, self._shm = self._shm, None
         if shm is not None:
             try:
@@ -81,9 +57,7 @@ class SharedSegment:
 
 
 def reserve(path: str, nbytes: int) -> None:
-    """Allocate the first ``nbytes`` bytes of the tmpfs file ``path`` now (``posix_fallocate``), so a filesystem
-    too full for them fails here with ``OSError(ENOSPC)`` instead of killing the process with ``SIGBUS`` at the
-    first touch of a page that tmpfs cannot provide (a mapping's writes have no error return)."""
+    """Allocate the first ``nbytes`` of tmpfs file ``path`` now, so a full filesystem raises ENOSPC, not SIGBUS."""
     fd = os.open(path, os.O_RDWR)
     try:
         os.posix_fallocate(fd, 0, nbytes)
@@ -95,12 +69,7 @@ def reserve(path: str, nbytes: int) -> None:
 
 
 def attach(name: str, nbytes: int) -> torch.Tensor:
-    """Map segment ``name`` (at least ``nbytes`` bytes) as a flat ``uint8`` tensor of ``nbytes``; registers nothing.
-
-    Raises:
-        FileNotFoundError: no such segment (its creator unlinked it, or died and the tracker did).
-        ValueError: the segment is smaller than ``nbytes`` (names both sizes).
-    """
+    """Map segment ``name`` as a flat ``uint8`` tensor of ``nbytes``; registers nothing with the tracker."""
     path = segment_path(name)
     size = os.stat(path).st_size
     if size < nbytes:
@@ -109,8 +78,7 @@ def attach(name: str, nbytes: int) -> torch.Tensor:
 
 
 def unlink(name: str) -> bool:
-    """Remove segment ``name`` if it is still there (a peer that owned it died); returns whether it was.
-    Mappings already open stay valid until their tensors are freed."""
+    """Remove segment ``name`` if still there (a peer that owned it died); return whether it was."""
     try:
         os.unlink(segment_path(name))
         return True
@@ -118,28 +86,15 @@ def unlink(name: str) -> bool:
         return False
 
 
+# madvise advice: drop the range's page-table entries; on a shared mapping the data stays in the segment.
 MADV_DONTNEED = 4
-"""Linux ``madvise`` advice: drop the range's page-table entries (``man 2 madvise``). On a shared file mapping
-(a segment) no data is lost: the pages stay in the segment and a later read maps them again."""
 
 
 def drop_mapped_pages(mapping: torch.Tensor, start: int, nbytes: int) -> bool:
-    """Unmap this process's pages of ``mapping[start:start + nbytes]`` (``madvise(MADV_DONTNEED)``), so a
-    reader's resident memory stops counting a segment it has read: a rollout reading a trainer's update of
-    1 GB in place would otherwise hold the whole of it resident until the mapping goes.
+    """Drop this process's pages of ``mapping[start:start + nbytes]`` (``madvise(MADV_DONTNEED)``) from its RSS.
 
-    The range is widened to whole pages but never beyond the mapping, which is page-aligned (``mmap``).
-
-    Args:
-        mapping: the whole mapped segment, as :func:`attach` or :class:`SharedSegment` give it (flat ``uint8``,
-            starting at the mapping's first byte); any other tensor would lose data, so only those are taken.
-        start, nbytes: the range, in bytes from the mapping's start.
-
-    Returns:
-        Whether pages were dropped (``False`` where ``madvise`` is unavailable or refuses: nothing changes).
-
-    Raises:
-        ValueError: the range is not within ``mapping``, or ``mapping`` does not start on a page (not a mapping).
+    ``mapping`` must be a whole mapped segment (:func:`attach`, :class:`SharedSegment`); ``start``/``nbytes`` in
+    bytes, widened to whole pages. Returns ``False`` where ``madvise`` is unavailable or refuses.
     """
     size, base, page = mapping.numel(), mapping.data_ptr(), mmap.PAGESIZE
     if base % page or start < 0 or nbytes < 0 or start + nbytes > size:
@@ -157,7 +112,7 @@ def drop_mapped_pages(mapping: torch.Tensor, start: int, nbytes: int) -> bool:
 
 
 def segments(prefix: str) -> list[str]:
-    """Names of the segments in ``/dev/shm`` starting with ``prefix`` (what a leak check counts)."""
+    """Return the names of the segments in ``/dev/shm`` starting with ``prefix`` (what a leak check counts)."""
     try:
         return sorted(n for n in os.listdir(SHM_DIR) if n.startswith(prefix))
     except FileNotFoundError:

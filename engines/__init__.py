@@ -1,10 +1,4 @@
-"""Trainer engines whose parameters, gradients and optimizer states move between device and host.
-
-Public names: :class:`BaseEngine` (``to``, ``tensor_home``, ``get_per_tensor_param``, ``train_step``),
-:class:`TorchEngine`, :class:`FSDPEngine`, :class:`TensorHome`, :class:`OffloadError`,
-:class:`EngineStateError`, :class:`HostBufferPool`, :func:`pin_memory_supported`, :class:`TensorHolder` (for
-engine authors).
-"""
+"""Trainer engines whose parameters, gradients and optimizer states move between device and host."""
 
 from engines.base import BaseEngine
 from engines.errors import EngineStateError, OffloadError

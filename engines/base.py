@@ -1,12 +1,8 @@
-"""BaseEngine: ``to()`` offload of parameters, gradients and optimizer states, shared by every engine.
+"""BaseEngine: verl's ``to(device, model=True, optimizer=True, grad=True)`` offload, shared by every engine.
 
-The public method holds the logic (flag rule, target resolution, pinned reusable host buffers, non-blocking
-copies, one synchronize, releasing device memory); a subclass only says which tensors it has, through three
-small hooks that yield :class:`engines.tensor_holders.TensorHolder` objects, as tinygrad backends fill in ``_alloc`` /
-``_copyout`` under a shared ``Allocator.alloc``.
-
-The signature ``to(device, model=True, optimizer=True, grad=True)`` and its one rule (gradient buffers move
-only with the model) are verl's ``BaseEngine.to``.
+The public method holds the logic (flag rule, pinned reusable host buffers, non-blocking copies, one
+synchronize, emptying the cache); a subclass only yields :class:`engines.tensor_holders.TensorHolder` objects
+from three small hooks.
 """
 
 from __future__ import annotations
@@ -30,18 +26,9 @@ _PARTS = ("model", "grad", "optimizer")
 class BaseEngine(abc.ABC):
     """A trainable module plus optimizer that can move its parts between its device and the host.
 
-    Subclasses implement :meth:`_model_holders`, :meth:`_grad_holders`, :meth:`_optimizer_holders` and
-    :meth:`get_per_tensor_param`; instantiating one that lacks any of them raises ``TypeError``.
-
-    Attributes:
-        module: the ``nn.Module`` trained (possibly wrapped: DDP, FSDP2).
-        optimizer: the ``torch.optim.Optimizer``, or ``None`` for a forward-only engine.
-        device: the :class:`hal.DeviceSpec` of the kind it trains on.
-        torch_device: the kind-qualified ``torch.device`` it trains on (``npu:0``, ``cpu``): the index given
-            in ``device`` (``"npu:1"``), else this process's local device (:func:`hal.local_device`:
-            ``LOCAL_RANK``, else the current device).
-        host_buffers: the :class:`engines.host_buffers.HostBufferPool` that offloads copy into.
-        last_moved_bytes: bytes copied by the last :meth:`to` call (0 when nothing moved).
+    Subclasses implement the three ``_*_holders`` hooks and :meth:`_per_tensor_params`. ``torch_device`` is the
+    index given in ``device``, else :func:`hal.local_device`'s; ``last_moved_bytes`` the bytes the last :meth:`to`
+    copied.
     """
 
     module: nn.Module
@@ -60,15 +47,15 @@ class BaseEngine(abc.ABC):
     # ----------------------------------------------------------------- hooks for subclasses
     @abc.abstractmethod
     def _model_holders(self) -> Iterator[TensorHolder]:
-        """Holders of every parameter and buffer (local shards for sharded engines), tied weights once."""
+        """Yield holders of every parameter and buffer (local shards for sharded engines), tied weights once."""
 
     @abc.abstractmethod
     def _grad_holders(self) -> Iterator[TensorHolder]:
-        """Holders of every parameter's gradient (empty holders for parameters without one)."""
+        """Yield holders of every parameter's gradient (empty holders for parameters without one)."""
 
     @abc.abstractmethod
     def _optimizer_holders(self) -> Iterator[TensorHolder]:
-        """Holders of every optimizer-state tensor; nothing when there is no optimizer or no state yet."""
+        """Yield holders of every optimizer-state tensor (none before the first step)."""
 
     @abc.abstractmethod
     def _per_tensor_params(self) -> Iterator[tuple[str, torch.Tensor]]:
@@ -76,49 +63,27 @@ class BaseEngine(abc.ABC):
 
     def get_per_tensor_param(self, layered_summon: bool = False, base_sync_done: bool = True,
                              **kwargs: Any) -> tuple[Iterator[tuple[str, torch.Tensor]], None]:
-        """``(generator of (name, tensor), peft_config)`` for weight sync, the shape verl's engines return.
+        """Return ``(generator of (name, tensor), peft_config)`` for weight sync, as verl's engines do.
 
-        verl's callers unpack the pair and pass ``layered_summon`` / ``base_sync_done`` (LoRA options);
-        hal's engines carry no LoRA adapter, so ``peft_config`` is ``None`` and the options change nothing
-        (every tensor is gathered one at a time already). The generator yields full, unsharded tensors in
-        ``state_dict`` order; see each engine's ``_per_tensor_params`` for devices and collectives.
+        Full, unsharded tensors in ``state_dict`` order; ``peft_config`` is ``None`` and the LoRA options do nothing.
         """
         return self._per_tensor_params(), None
 
     def _before_move(self) -> None:
-        """Called once before tensors move (FSDP reshards here). Default: nothing."""
+        """Run once before tensors move (FSDP reshards here)."""
 
     def _after_move(self) -> None:
-        """Called once after tensors moved and copies completed. Default: nothing."""
+        """Run once after tensors moved and copies completed."""
 
     # ----------------------------------------------------------------- public API
     def to(self, device: str | torch.device | DeviceSpec, model: bool = True, optimizer: bool = True,
            grad: bool = True) -> None:
         """Move parameters (and buffers), gradients and optimizer states to ``device``, each independently.
 
-        Args:
-            device: ``"cpu"`` (offload to host) or this engine's kind, by kind name (``"npu-sim"``), device
-                type (``"npu"``, what ``hal.get_device_name()`` returns), ``torch.device`` or spec. An index
-                (``"npu:0"``) must be the engine's own: ``to()`` moves between the host and the engine's
-                device, never to another device of the kind.
-            model: move parameters and buffers.
-            optimizer: move every tensor of the optimizer state, whatever its key. 0-dim host tensors the
-                optimizer keeps on the host itself (Adam's ``step``) stay there. An optimizer without state
-                gains none.
-            grad: move gradient buffers; requires ``model`` (verl's rule).
-
-        Offloads copy into host buffers kept per tensor and reused by later offloads (pinned where the kind
-        supports it, see :func:`engines.host_buffers.pin_memory_supported`); the buffers one call needs
-        first are views of a few host slabs (:meth:`engines.host_buffers.HostBufferPool.reserve`); copies are issued
-        non-blocking when pinned and the device is synchronized before returning, so tensors are valid on
-        return. After an offload the kind's cache is emptied, so ``memory_allocated`` (and reserved memory)
-        drop by the bytes moved. Parameters keep their identity (the optimizer holds the same objects) and
-        tied weights stay one object. Calling it twice is safe: tensors already on the target are skipped.
-        On the cpu kind nothing moves. Only tensors this engine offloaded are moved back on onload.
-
-        Raises:
-            OffloadError: ``grad=True`` with ``model=False``, ``device`` is neither ``"cpu"`` nor this
-                engine's kind, or names another device index than the engine's (``ValueError`` subclass).
+        ``device`` is ``"cpu"`` or this engine's own device; ``grad`` requires ``model`` (verl's rule); both else
+        raise OffloadError. Offloads copy into reused host buffers (pinned where the kind allows) and empty the
+        kind's cache, so ``memory_allocated`` drops by the bytes moved; tensors are valid on return. Parameters
+        keep their identity; calling it twice is safe. Host scalars like Adam's ``step`` stay on the host.
         """
         if grad and not model:
             raise OffloadError(
@@ -151,7 +116,7 @@ class BaseEngine(abc.ABC):
         self._after_move()
 
     def tensor_home(self) -> TensorHome:
-        """Where parameters, optimizer states and gradients live now (see :class:`engines.TensorHome`)."""
+        """Return where parameters, optimizer states and gradients live now."""
         model = device_type_of(t for t in (s.get() for s in self._model_holders()) if t is not None)
         grad = device_type_of(t for t in (s.get() for s in self._grad_holders()) if t is not None)
         optimizer = None
@@ -166,20 +131,9 @@ class BaseEngine(abc.ABC):
         return TensorHome(model=model, optimizer=optimizer, grad=grad)
 
     def train_step(self, loss_fn: Callable[[nn.Module], torch.Tensor]) -> float:
-        """One optimizer step: ``zero_grad(set_to_none=True)``, ``loss_fn(module)``, backward, ``step()``.
+        """Run one optimizer step (``zero_grad(set_to_none=True)``, ``loss_fn(module)``, backward, ``step()``).
 
-        ``set_to_none=True`` (torch's default) frees gradient memory between steps and lets autograd create
-        each gradient on its parameter's device, whatever a previous ``to(grad=...)`` left behind.
-
-        Args:
-            loss_fn: maps the module to a scalar loss tensor (0-dim, floating point).
-
-        Returns:
-            The loss as a Python float (``loss.item()``, which waits for the device).
-
-        Raises:
-            EngineStateError: no optimizer, or parameters or optimizer states are offloaded (call
-                ``to(<device>)`` first).
+        Returns the loss as a float (waits for the device); EngineStateError without an optimizer or while offloaded.
         """
         if self.optimizer is None:
             raise EngineStateError("train_step needs an optimizer; this engine was built without one")

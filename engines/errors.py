@@ -6,17 +6,8 @@ from hal.errors import HalError
 
 
 class OffloadError(HalError, ValueError):
-    """An invalid request to :meth:`engines.BaseEngine.to`.
-
-    Raised for ``grad=True, model=False`` (gradient buffers move only with the model, the upstream verl
-    rule) and for a target device that is neither ``"cpu"`` nor the engine's own kind. The message names the
-    bad value and what is accepted.
-    """
+    """An invalid request to :meth:`engines.BaseEngine.to` (``grad`` without ``model``, or a foreign device)."""
 
 
 class EngineStateError(HalError, RuntimeError):
-    """An engine was asked to do something its current state forbids.
-
-    Examples: :meth:`engines.BaseEngine.train_step` while parameters or optimizer states are offloaded,
-    or on an engine built without an optimizer. The message says which part is where and what to call.
-    """
+    """An engine was asked for what its state forbids (``train_step`` while offloaded or without an optimizer)."""

@@ -1,14 +1,8 @@
 """FSDPEngine: FSDP2 (``fully_shard``) training whose offload moves this rank's shards.
 
-Each FSDP2 parameter is a ``DTensor`` whose bytes live in one padded flat tensor per parameter
-(``FSDPParam._sharded_param_data``) that the DTensor's local tensor views. Offload swaps that flat tensor for
-a host buffer and points the local tensor at it, which is what FSDP2's own ``reset_sharded_param`` expects
-after a move (torch 2.13, ``torch/distributed/fsdp/_fully_shard/_fsdp_param.py``); these internals are
-reached only through :mod:`hal.torch_compat`. Gradients and optimizer states are DTensors too; their
-local shards move (see :mod:`engines.tensor_holders`).
-
-FSDP2 runs on gloo with a CPU device mesh in torch 2.13, so the cpu kind can train it (where offload moves
-nothing); on accelerators the mesh is of the kind's device type and the kind's backend is used.
+Offload swaps each parameter's padded flat shard (``_sharded_param_data``, through :mod:`hal.torch_compat`)
+for a host buffer and points the DTensor's local tensor at it, as FSDP2's ``reset_sharded_param`` expects.
+The cpu kind runs FSDP2 on gloo; accelerators use the kind's device mesh and backend.
 """
 
 from __future__ import annotations
@@ -32,29 +26,10 @@ from engines.tensor_holders import TensorHolder, data_holder, module_grad_holder
 class FSDPEngine(BaseEngine):
     """A module sharded with FSDP2 ``fully_shard`` over a 1-D device mesh, plus its optimizer.
 
-    Args:
-        module: the model, built on any device; it is moved to ``device`` and sharded in place.
-        optimizer_factory: ``params -> Optimizer``, called on the sharded parameters (DTensors), or
-            ``None`` for a forward-only engine.
-        device: kind name, ``torch.device`` or spec; ``None`` resolves through ``hal``.
-        mesh: the device mesh to shard over; default a 1-D mesh of the kind's device type over the default
-            process group's ``world_size`` ranks.
-        shard: submodule classes to wrap with their own ``fully_shard`` (e.g. transformer blocks) before the
-            root; default none (the root alone, one all-gather per step).
-        mp_policy: FSDP2's ``MixedPrecisionPolicy`` for every unit (e.g. verl's default for its FSDP actor:
-            ``param_dtype=torch.bfloat16, reduce_dtype=torch.float32``: bf16 all-gathers and compute, fp32
-            master shards and gradient reduction); ``None``: compute in the parameters' dtype.
-
-    A module on the meta device (built under ``torch.device("meta")``) is sharded first and then materialised
-    on the device with ``to_empty``, so each rank allocates only its own shards (FSDP2's meta-device
-    initialisation, as in torch's ``fully_shard`` documentation): its values are uninitialised, and
-    non-persistent buffers must be recomputed by the caller.
-
-    Raises:
-        EngineStateError: the default process group is not initialized (``hal.init_process_group()``).
-
-    Collective calls (every rank must make them, in the same order): construction, ``train_step``,
-    ``get_per_tensor_param``. ``to()`` and ``tensor_home()`` are local to each rank.
+    ``optimizer_factory`` takes the sharded parameters; ``shard``: submodule classes wrapped before the root;
+    ``mp_policy``: FSDP2's ``MixedPrecisionPolicy``. A meta-device module is sharded, then materialised with
+    ``to_empty`` (values uninitialised). Construction, ``train_step`` and ``get_per_tensor_param`` are
+    collective; ``to()`` and ``tensor_home()`` are local. EngineStateError without a default process group.
     """
 
     def __init__(self, module: nn.Module, optimizer_factory: Callable[[Iterable[nn.Parameter]],
@@ -83,8 +58,7 @@ class FSDPEngine(BaseEngine):
         super().__init__(module, optimizer, device)
 
     def reshard(self) -> None:
-        """Free every unit's unsharded parameters (FSDP2's ``reshard``), leaving each rank its shards: FSDP2
-        keeps the root unit unsharded after a forward, for the backward that a forward-only pass never runs."""
+        """Free every unit's unsharded parameters (FSDP2's ``reshard``); a forward leaves the root unsharded."""
         for sub in self.module.modules():
             if isinstance(sub, FSDPModule):
                 sub.reshard()
@@ -93,11 +67,7 @@ class FSDPEngine(BaseEngine):
         self.reshard()
 
     def free_shards(self) -> int:
-        """Release the memory of this rank's parameter shards; their values are lost, and the module must not
-        be used until :meth:`alloc_shards` (for a copy refilled before each use, e.g. a published bf16 copy of
-        another engine's shards). Each shard's flat tensor is swapped for a meta tensor of its size, as
-        :meth:`to` swaps it for a host one (a storage resize is not possible for every storage).
-        Returns the bytes released. Local to this rank."""
+        """Release this rank's parameter shards (values lost until :meth:`alloc_shards`); return the bytes released."""
         freed = 0
         for fp in torch_compat.fsdp_params(self.module):
             data = torch_compat.fsdp_sharded_data(fp)
@@ -108,8 +78,7 @@ class FSDPEngine(BaseEngine):
         return freed
 
     def alloc_shards(self) -> None:
-        """Give the shards :meth:`free_shards` released new memory on their device (uninitialised values); the
-        parameters' DTensors are the same objects, each viewing its new local shard."""
+        """Give the shards :meth:`free_shards` released new, uninitialised memory on their device."""
         for fp, device in self._freed_shards:
             data = torch_compat.fsdp_sharded_data(fp)
             torch_compat.set_fsdp_sharded_data(fp, torch.empty_like(data, device=device))
@@ -132,13 +101,9 @@ class FSDPEngine(BaseEngine):
         return optimizer_holders(self.optimizer) if self.optimizer is not None else iter(())
 
     def _per_tensor_params(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Yield ``(name, full tensor)`` in ``state_dict`` order, each all-gathered (``DTensor.full_tensor``).
+        """Yield ``(name, full tensor)`` in ``state_dict`` order, each all-gathered: every rank must iterate to the end.
 
-        Collective: every rank must iterate to the end. Tensors are on the engine's device, new tensors
-        (not views of the shards).
-
-        Raises:
-            EngineStateError: parameters are offloaded (gathering needs them on the device).
+        Tensors are new, on the engine's device; EngineStateError while parameters are offloaded.
         """
         if self._offloaded["model"] and not self.device.host_memory:
             raise EngineStateError("parameters are offloaded to cpu; call to(device) before gathering them")

@@ -1,15 +1,8 @@
 """Reusable (pinned where possible) host buffers for offloading device tensors.
 
-Fresh host memory is slow: the first touch of each page faults (measured on a 2-core x86 host: ``clone()``
-1.66 GB/s against ``copy_`` into an already touched buffer 14.3 GB/s), and pinning costs more. So an
-engine keeps one host buffer per offloaded tensor, keyed by a stable name, and copies into it on every
-later offload.
-
-The buffers a first offload needs are carved out of a few pinned slabs (:meth:`HostBufferPool.reserve`)
-instead of one pinned allocation per tensor: a few calls into the pinned allocator, each making a large
-range resident at once (which the allocator can split over threads), instead of hundreds of small
-allocations; PyTorch's ``CachingHostAllocator`` and DeepSpeed's pinned offload buffers group host memory
-the same way.
+Fresh host memory is slow (first touch faults: 1.66 GB/s against 14.3 GB/s into a touched buffer), so an
+engine keeps one buffer per offloaded tensor, carved on first use from a few large slabs
+(:meth:`HostBufferPool.reserve`), as PyTorch's ``CachingHostAllocator`` groups host memory.
 """
 
 from __future__ import annotations
@@ -20,32 +13,22 @@ import torch
 
 from hal import DeviceSpec
 
+# Bytes each buffer's offset in a slab is rounded up to (a cache line; a multiple of every dtype's size).
 SLAB_ALIGNMENT = 64
-"""Bytes each buffer's offset in a slab is rounded up to (a cache line; a multiple of every dtype's size)."""
 
+# Bytes per slab at most: one bulk allocation, and a power of two, since caching allocators round up to one.
 SLAB_BYTES = 64 << 20
-"""Bytes per slab, at most, an engine's offload asks :meth:`HostBufferPool.reserve` for: large enough that
-each allocation is one bulk call (whose pages an allocator can make resident over several threads), and a
-power of two, since caching host allocators round requests up to one (PyTorch's ``CachingHostAllocator``
-does): a slab never asks for much more than it fills."""
 
 
 def pin_memory_supported(spec: DeviceSpec) -> bool:
-    """Whether an engine on ``spec``'s devices pins its host buffers: the kind's ``supports_pin_memory``
-    fact, and never for host-memory kinds (nothing is copied there)."""
+    """Return whether an engine on ``spec`` pins its host buffers (never for host-memory kinds)."""
     return spec.supports_pin_memory and not spec.host_memory
 
 
 class HostBufferPool:
     """Host tensors keyed by a stable name, allocated once and reused while shape and dtype match.
 
-    Args:
-        pin: allocate page-locked memory (only where :func:`pin_memory_supported` says so).
-
-    Attributes:
-        allocations: how many host buffers were allocated over the pool's life (a reused buffer does not
-            count; each buffer carved out of a slab counts once), so a test can assert that a second
-            offload allocated nothing.
+    ``allocations`` counts the buffers allocated over the pool's life (reuse does not count).
     """
 
     def __init__(self, pin: bool) -> None:
@@ -65,27 +48,10 @@ class HostBufferPool:
         self.allocations += len(layout)
 
     def reserve(self, items: Iterable[tuple[Hashable, torch.Tensor]], slab_bytes: int | None = None) -> int:
-        """Allocate host slabs holding a buffer for every ``(key, like)`` that has no fitting buffer yet.
+        """Allocate host slabs holding a buffer for every ``(key, like)`` without a fitting one; return their bytes.
 
-        Each buffer is a contiguous view of a slab with ``like``'s shape and dtype, at an offset rounded
-        up to :data:`SLAB_ALIGNMENT` bytes, laid out in the order given (the order the caller copies in).
-        Later :meth:`get` calls with the same key and a tensor of that shape and dtype return it. A slab is
-        freed once every buffer carved from it is dropped (see :meth:`clear`). A key given twice gets one
-        buffer.
-
-        Args:
-            items: ``(key, like)`` pairs; ``like`` is any tensor (its device is not used).
-            slab_bytes: ``None``: one slab for everything. Otherwise the buffers are split, in order, into
-                slabs of at most ``slab_bytes`` bytes (a buffer is never split: a larger one gets a slab of
-                its own), so that an allocator that rounds requests up to a power of two (PyTorch's
-                ``CachingHostAllocator``) wastes little.
-
-        Returns:
-            The bytes of all slabs (0 when every key already had a fitting buffer).
-
-        Raises:
-            ValueError: ``slab_bytes`` below 1.
-            RuntimeError: the allocation failed (out of host memory).
+        Buffers are laid out in the order given, aligned to :data:`SLAB_ALIGNMENT`, in slabs of at most
+        ``slab_bytes`` (``None``: one slab; a larger buffer gets its own). A slab is freed with its last buffer.
         """
         if slab_bytes is not None and slab_bytes < 1:
             raise ValueError(f"slab_bytes must be None or >= 1, got {slab_bytes}")
@@ -109,11 +75,7 @@ class HostBufferPool:
         return sum(total for _, total in slabs)
 
     def get(self, key: Hashable, like: torch.Tensor) -> torch.Tensor:
-        """A contiguous host tensor with ``like``'s shape and dtype, reused for the same ``key``.
-
-        Its contents are whatever was copied in last; the caller overwrites them. A key without a fitting
-        buffer (none reserved, or shape or dtype changed) gets one allocation of its own.
-        """
+        """Return a contiguous host tensor with ``like``'s shape and dtype, reused for the same ``key``."""
         if not self._fits(key, like):
             self._buffers[key] = torch.empty(like.shape, dtype=like.dtype, device="cpu", pin_memory=self.pin)
             self.allocations += 1
@@ -121,7 +83,7 @@ class HostBufferPool:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of host memory the pool's buffers take."""
+        """Return the bytes of host memory the pool's buffers take."""
         return sum(b.numel() * b.element_size() for b in self._buffers.values())
 
     def __len__(self) -> int:

@@ -1,13 +1,8 @@
-"""Tensor holders: each one named place that holds a tensor an engine may move (a parameter, a gradient, a state entry).
+"""Tensor holders: each a named place holding a tensor an engine may move (parameter, gradient, state entry).
 
-A holder reads the tensor that holds the bytes and writes a replacement into the same place, so that the
-objects users hold keep their identity: a parameter's ``.data`` is swapped (as ``nn.Module._apply`` does
-for plain tensors, and as verl's offload helpers do), an optimizer-state entry is replaced in its dict, and
-a DTensor keeps its wrapper while its ``_local_tensor`` (this rank's shard) is swapped.
-
-``param.data = host_tensor`` needs torch's ``_has_compatible_shallow_copy_type`` to accept the pair: true for
-CPU and CUDA, and on Ascend because the Ascend plugin registers its own kernel for it (the npu-sim kind
-does the same).
+A holder swaps the bytes while the objects users hold keep their identity: a parameter's ``.data``, an
+optimizer-state dict entry, a DTensor's local shard. ``param.data = host_tensor`` needs torch's
+``_has_compatible_shallow_copy_type`` to accept the pair (the Ascend plugin and npu-sim register it).
 """
 
 from __future__ import annotations
@@ -26,14 +21,8 @@ from hal import torch_compat
 class TensorHolder:
     """A place holding one tensor.
 
-    Fields:
-        key: stable across calls for the same place (e.g. ``("param", "layer.weight")``), used to reuse the
-            host buffer of that place and to remember what was offloaded.
-        get: returns the tensor holding the bytes (a DTensor's local shard), or ``None`` when empty (a
-            parameter without gradient).
-        set: puts a replacement tensor (same shape and dtype, possibly another device) into the place.
-        load: optional onload ``load(host_tensor, device, non_blocking)`` that copies the host bytes back
-            itself; when ``None`` the engine calls ``set(host_tensor.to(device, non_blocking=...))``.
+    ``key`` is stable for the place (reuses its host buffer); ``get`` returns the tensor holding the bytes, or
+    ``None`` when empty; ``set`` puts a replacement in; ``load``, if given, does the onload copy itself.
     """
 
     key: Hashable
@@ -43,14 +32,14 @@ class TensorHolder:
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
-    """The tensor that holds ``t``'s bytes on this rank: a DTensor's local shard, else ``t.data``."""
+    """Return the tensor holding ``t``'s bytes on this rank: a DTensor's local shard, else ``t.data``."""
     if isinstance(t, DTensor):
         return torch_compat.dtensor_local(t)
     return t.data
 
 
 def set_local_tensor(t: torch.Tensor, new: torch.Tensor) -> None:
-    """Make ``t`` hold ``new``'s bytes while keeping the Python object ``t`` (see the module docstring)."""
+    """Make ``t`` hold ``new``'s bytes while keeping the Python object ``t``."""
     if isinstance(t, DTensor):
         torch_compat.set_dtensor_local(t, new)  # the wrapper keeps its metadata; only this rank's storage changes
     else:
@@ -58,7 +47,7 @@ def set_local_tensor(t: torch.Tensor, new: torch.Tensor) -> None:
 
 
 def data_holder(key: Hashable, tensor: torch.Tensor) -> TensorHolder:
-    """A holder for a parameter or buffer object, moved by swapping its storage (identity kept)."""
+    """Return a holder for a parameter or buffer, moved by swapping its storage (identity kept)."""
     return TensorHolder(key, lambda: local_tensor(tensor), lambda new: set_local_tensor(tensor, new))
 
 
@@ -97,13 +86,10 @@ def _storage_load(key: Hashable, tensor: torch.Tensor, holder: FreedStorages, ho
 
 
 def storage_holder(key: Hashable, tensor: torch.Tensor, holder: FreedStorages) -> TensorHolder:
-    """A holder that offloads by freeing ``tensor``'s device storage in place (``resize_(0)``).
+    """Return a holder that offloads by freeing ``tensor``'s device storage in place (``resize_(0)``).
 
-    The tensor keeps its device, its ``TensorImpl`` and so its gradient accumulator: hooks registered on
-    that accumulator (DDP's reducer) keep firing after an onload. ``param.data = cpu_tensor`` would replace
-    the accumulator, since autograd drops it when a tensor changes device. While offloaded the bytes live in
-    the host copy ``get()`` returns, and the tensor itself must not be read. FSDP1 frees its flat
-    parameters the same way. Requires the tensor to own its whole storage.
+    The ``TensorImpl`` and its gradient accumulator (DDP's hooks) survive; the tensor must own its whole storage
+    and must not be read while offloaded.
     """
     return TensorHolder(key,
                 lambda: holder.host.get(key, tensor.data),
@@ -122,15 +108,12 @@ def _grad_set(param: nn.Parameter, new: torch.Tensor) -> None:
 
 
 def grad_holder(key: Hashable, param: nn.Parameter) -> TensorHolder:
-    """A holder for ``param.grad``; empty while the parameter has no gradient."""
+    """Return a holder for ``param.grad``; empty while the parameter has no gradient."""
     return TensorHolder(key, lambda: _grad_get(param), lambda new: _grad_set(param, new))
 
 
 def module_holders(module: nn.Module) -> Iterator[TensorHolder]:
-    """One holder per distinct parameter, then per distinct buffer, in ``named_*`` order.
-
-    Tied weights (one ``Parameter`` registered under two names) give one holder, so they stay one object.
-    """
+    """Yield one holder per distinct parameter, then per distinct buffer (tied weights once)."""
     for name, param in module.named_parameters():
         yield data_holder(("param", name), param)
     for name, buf in module.named_buffers():
@@ -138,7 +121,7 @@ def module_holders(module: nn.Module) -> Iterator[TensorHolder]:
 
 
 def module_grad_holders(module: nn.Module) -> Iterator[TensorHolder]:
-    """One gradient holder per distinct parameter, in ``named_parameters`` order."""
+    """Yield one gradient holder per distinct parameter, in ``named_parameters`` order."""
     for name, param in module.named_parameters():
         yield grad_holder(("grad", name), param)
 
@@ -156,12 +139,7 @@ def _state_set(state: dict, k: Hashable, new: torch.Tensor) -> None:
 
 
 def optimizer_holders(optimizer: torch.optim.Optimizer) -> Iterator[TensorHolder]:
-    """One holder per tensor in the optimizer's per-parameter state, whatever its key.
-
-    Keys are ``("optim", i, state_key)`` with ``i`` the parameter's position across ``param_groups``, so
-    they are stable across steps. Non-tensor values (ints, floats) are left alone. An optimizer that has not
-    stepped has no state and gives no holder, so offloading it creates nothing.
-    """
+    """Yield one holder per tensor of the optimizer's per-parameter state, keyed ``("optim", i, state_key)``."""
     i = 0
     for group in optimizer.param_groups:
         for param in group["params"]:

@@ -15,7 +15,7 @@ from engines.tensor_holders import (TensorHolder, FreedStorages, data_holder, mo
 
 
 def _unwrap(module: nn.Module) -> nn.Module:
-    """The user's module inside a DDP wrapper (whose names carry a ``module.`` prefix), else ``module``."""
+    """Return the user's module inside a DDP wrapper, else ``module``."""
     inner = getattr(module, "module", None)
     if isinstance(module, nn.parallel.DistributedDataParallel) and isinstance(inner, nn.Module):
         return inner
@@ -25,26 +25,9 @@ def _unwrap(module: nn.Module) -> nn.Module:
 class TorchEngine(BaseEngine):
     """A module and an optional optimizer on one device kind, single process or DDP.
 
-    Args:
-        module: the model. Its parameters and buffers are moved to ``device`` in place (``.data`` swap),
-            so an optimizer built before or after this call holds the same ``Parameter`` objects (state an
-            optimizer creates at construction, like Adagrad's ``sum``, is moved too, except 0-dim host
-            scalars such as ``step``, which optimizers keep on the host). For DDP,
-            build the module on the device, wrap it, then pass the wrapper.
-        optimizer: a ``torch.optim.Optimizer`` over ``module``'s parameters, or ``None`` (forward-only;
-            ``to()`` still offloads parameters, ``train_step`` raises).
-        device: kind name, ``torch.device`` or spec; ``None`` resolves through ``hal`` (``$HAL_DEVICE``,
-            then auto).
-
-    Raises:
-        hal.UnknownDeviceError, hal.DeviceUnavailableError: from resolving ``device``.
-
-    With DDP, parameters are offloaded by freeing their device storage in place and keeping the bytes in
-    the host buffer (:func:`engines.tensor_holders.storage_holder`), because DDP's reducer hooks each parameter's
-    gradient accumulator and autograd replaces that accumulator when a parameter changes device (DDP would
-    then silently stop averaging gradients). ``tensor_home().model`` still reports ``"cpu"`` (where the
-    bytes are); the parameter objects must not be read while offloaded. DDP's own gradient buckets stay
-    on the device.
+    Parameters move to ``device`` in place (``.data`` swap), so the optimizer's references stay valid; for DDP
+    wrap a module already on the device. DDP parameters offload by freeing device storage in place
+    (:func:`engines.tensor_holders.storage_holder`) so the reducer's hooks survive.
     """
 
     def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer | None = None,
@@ -81,14 +64,9 @@ class TorchEngine(BaseEngine):
         return optimizer_holders(self.optimizer) if self.optimizer is not None else iter(())
 
     def _per_tensor_params(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Yield ``(name, tensor)`` in ``state_dict`` order (buffers included, tied weights under each name).
+        """Yield ``(name, tensor)`` in ``state_dict`` order: detached views of the live storage, unprefixed names.
 
-        Tensors are detached views of the live storage, on whichever device the model is now; names are
-        the user's module's (no DDP ``module.`` prefix). Copy them if the model may change meanwhile.
-
-        Raises:
-            EngineStateError: a DDP engine's parameters are offloaded (their device storage is freed; call
-                ``to(<device>)`` first). Plain modules yield the host copies instead.
+        EngineStateError while a DDP engine is offloaded.
         """
         if self._storage is not None and self._storage.host:
             raise EngineStateError("this DDP engine's parameters are offloaded (device storage freed); "

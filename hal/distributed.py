@@ -1,13 +1,8 @@
 """Process groups on the resolved device kind, with timeouts that turn a missing peer into an error.
 
-Two ways in:
-
-* :func:`init_process_group` - the default (training) group of ``torch.distributed``, launched by
-  ``torch.distributed.run``: picks the kind's backend and binds ``LOCAL_RANK``'s device.
-* :func:`new_group_from_store` - a standalone group built from a ``torch.distributed`` store, outside the
-  default world. Trainer and rollout processes are usually not one training world, so checkpoint engines
-  form their own group this way and keep it across updates (rebuilding a communicator per update
-  exhausts HCCL resources, a failure reported upstream).
+:func:`init_process_group` sets up the default (training) group under ``torch.distributed.run``;
+:func:`new_group_from_store` forms a standalone group from a store, which checkpoint engines keep across
+updates (rebuilding a communicator per update exhausts HCCL resources).
 """
 
 from __future__ import annotations
@@ -27,18 +22,14 @@ import torch.distributed as dist
 from hal.device import DeviceLike, bind_local_device, get_dist_backend, get_torch_device, resolve_device
 from hal.errors import DistributedTimeoutError
 
+# Default timeout of rendezvous and collectives, in seconds (torch's own default is 10-30 minutes).
 DEFAULT_TIMEOUT_S = 300.0
-"""Default timeout of rendezvous and collectives, in seconds (torch's own default is 10-30 minutes)."""
 
 Timeout = float | int | datetime.timedelta
 
 
 def as_timedelta(timeout: Timeout | None) -> datetime.timedelta:
-    """Seconds (float) or a timedelta -> timedelta; ``None`` -> :data:`DEFAULT_TIMEOUT_S`.
-
-    Raises:
-        ValueError: the timeout is not positive.
-    """
+    """Convert seconds or a timedelta to a positive timedelta (``None``: :data:`DEFAULT_TIMEOUT_S`)."""
     if timeout is None:
         timeout = DEFAULT_TIMEOUT_S
     if not isinstance(timeout, datetime.timedelta):
@@ -48,20 +39,16 @@ def as_timedelta(timeout: Timeout | None) -> datetime.timedelta:
     return timeout
 
 
+# What a rendezvous or store call raises when a peer or the store's host is missing (DistError covers
+# DistStoreError, DistNetworkError, DistBackendError).
 RENDEZVOUS_ERRORS: tuple[type[BaseException], ...] = (TimeoutError, dist.DistError)
-"""What a rendezvous or store call raises when a peer or the store's host is missing, by type: torch's
-``DistStoreError`` (a key not set in time), ``DistNetworkError`` (the store's host unreachable) and
-``DistBackendError`` are all ``torch.distributed.DistError``."""
 
 
 def peer_failure(exc: BaseException) -> bool:
-    """Whether ``exc``, raised by waiting on a collective, means a peer is dead, stuck or gone.
+    """Return whether ``exc``, raised by waiting on a collective, means a peer is dead, stuck or gone.
 
-    Classified by type only: ``TimeoutError``, torch's store and network errors (``DistStoreError``,
-    ``DistNetworkError``), and a plain ``RuntimeError`` (exactly that type), which is what gloo raises for
-    both a timeout and a connection closed by its peer (torch 2.13 gives those no finer type). A backend's
-    own typed error (``DistBackendError``, e.g. the sim's "Duplicate NPU detected") and ``RuntimeError``
-    subclasses such as ``NotImplementedError`` pass through unchanged: they say what is wrong themselves.
+    By type only: TimeoutError, torch's store/network errors and a plain RuntimeError (gloo's timeout and closed
+    connection); a backend's typed error and RuntimeError subclasses pass through.
     """
     return isinstance(exc, (TimeoutError, dist.DistStoreError, dist.DistNetworkError)) or type(exc) is RuntimeError
 
@@ -77,30 +64,11 @@ def init_process_group(
     with_host: bool = False,
     store: dist.Store | None = None,
 ) -> str:
-    """Initialise the default ``torch.distributed`` group on the resolved kind.
+    """Initialise the default ``torch.distributed`` group on the resolved kind and return the backend used.
 
-    Args:
-        device: the kind (see :func:`hal.resolve_device`).
-        backend: override of the backend name; by default the kind's (nccl / hccl / gloo), or with
-            ``with_host`` the pair ``"cpu:gloo,<name>:<backend>"``.
-        timeout: seconds (or timedelta) for the rendezvous and every collective; default
-            :data:`DEFAULT_TIMEOUT_S`.
-        init_method, rank, world_size: as in ``torch.distributed.init_process_group``; by default read
-            from the ``MASTER_ADDR``/``MASTER_PORT``/``RANK``/``WORLD_SIZE`` variables that
-            ``torch.distributed.run`` sets.
-        store: a store to rendezvous over instead of ``init_method`` (with ``rank`` and ``world_size``), e.g.
-            a ``torch.distributed.PrefixStore`` over :func:`connect_store`'s, for a group of some of the
-            launched processes (under ``torch.distributed.run`` a ``tcp://`` ``init_method`` would join the
-            agent's store, not the one it names).
-
-    Returns:
-        The backend string used.
-
-    Raises:
-        DistributedTimeoutError: a peer did not join within ``timeout``.
-        UnknownDeviceError, DeviceUnavailableError: see :func:`hal.resolve_device`.
-        DeviceIndexError: ``LOCAL_RANK`` (or an explicit index) has no device here (see
-            :func:`hal.bind_local_device`).
+    ``timeout`` is in seconds (default :data:`DEFAULT_TIMEOUT_S`); ``init_method``/``rank``/``world_size`` default to
+    torchrun's variables; ``store`` rendezvouses over a given store instead. Binds the local device first;
+    raises DistributedTimeoutError when a peer does not join in time.
     """
     spec = resolve_device(device)
     backend = backend or get_dist_backend(spec, with_host=with_host)
@@ -124,9 +92,8 @@ def init_process_group(
 class StoreGroup:
     """A standalone communicator over ``world_size`` processes, outside the default ``torch.distributed`` world.
 
-    Every collective blocks until done or until ``timeout`` passes, then raises
-    :class:`DistributedTimeoutError` (a dead or missing peer never hangs the caller). Tensors must live on
-    the group's device kind (``device.name``), except on gloo which also takes host tensors.
+    Every collective raises DistributedTimeoutError after ``timeout`` (a dead peer never hangs the caller).
+    Tensors live on the group's device kind; gloo also takes host tensors.
     """
 
     def __init__(self, backend, rank: int, world_size: int, timeout: datetime.timedelta, spec) -> None:
@@ -137,11 +104,7 @@ class StoreGroup:
         self.spec = spec
 
     def wait_for(self, work, what: str) -> None:
-        """Wait for ``work`` (a c10d ``Work`` of this group) within the group's timeout; ``what`` names it in errors.
-
-        Raises:
-            DistributedTimeoutError: it did not complete in time, or a peer is dead or missing.
-        """
+        """Wait for ``work`` within the group's timeout; ``what`` names it in the DistributedTimeoutError."""
         try:
             ok = work.wait(self.timeout)
         except Exception as exc:
@@ -155,14 +118,9 @@ class StoreGroup:
                                           f"{self.timeout.total_seconds():g} s")
 
     def broadcast(self, tensor: torch.Tensor, src: int, async_op: bool = False) -> PendingWork | None:
-        """In-place broadcast of ``tensor`` from rank ``src`` to every rank.
+        """Broadcast ``tensor`` in place from rank ``src``.
 
-        With ``async_op=True`` the call only enqueues the broadcast and returns a :class:`PendingWork`
-        whose ``wait()`` blocks (at most ``timeout``); ``tensor`` must not be touched until then.
-
-        Raises:
-            DistributedTimeoutError: (without ``async_op``) the broadcast did not complete within the group's
-                timeout, or a peer's connection failed or closed (a dead or missing peer).
+        With ``async_op=True`` return a :class:`PendingWork`; leave ``tensor`` alone until its ``wait()``.
         """
         opts = dist.BroadcastOptions()
         opts.rootRank, opts.rootTensor = src, 0
@@ -174,23 +132,14 @@ class StoreGroup:
         return None
 
     def all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM) -> None:
-        """In-place all-reduce of ``tensor``.
-
-        Raises:
-            DistributedTimeoutError: it did not complete within the group's timeout, or a peer's connection
-                failed or closed (a dead or missing peer).
-        """
+        """All-reduce ``tensor`` in place."""
         opts = dist.AllreduceOptions()
         opts.reduceOp = op
         opts.timeout = self.timeout
         self.wait_for(self.backend.allreduce([tensor], opts), "all_reduce")
 
     def barrier(self) -> None:
-        """Block until every rank reaches the barrier, by an all-reduce of one element on the group device.
-
-        Raises:
-            DistributedTimeoutError: see :meth:`all_reduce`.
-        """
+        """Block until every rank reaches the barrier."""
         device = torch.device("cpu") if self.spec.host_memory else torch.device(
             self.spec.name, get_torch_device(self.spec).current_device())
         self.all_reduce(torch.zeros(1, device=device))
@@ -207,12 +156,7 @@ class StoreGroup:
 
 
 class PendingWork:
-    """An enqueued collective of a :class:`StoreGroup`; ``wait()`` blocks at most the group's timeout.
-
-    Raises (from ``wait``):
-        DistributedTimeoutError: the collective did not complete in time, or a peer died.
-        Whatever ``poll`` raises.
-    """
+    """An enqueued collective of a :class:`StoreGroup`; ``wait()`` blocks at most the group's timeout."""
 
     def __init__(self, group: StoreGroup, work, what: str) -> None:
         self._group, self._work, self._what = group, work, what
@@ -220,12 +164,7 @@ class PendingWork:
     def wait(self, poll: Callable[[], None] | None = None, every: float = 0.25) -> None:
         """Block until the collective completes, at most the group's timeout.
 
-        Args:
-            poll: called every ``every`` seconds while the collective is pending; it may raise (e.g. when
-                the peer waited on said elsewhere that it left), which ends the wait with that exception
-                and leaves the collective pending. Polled only on backends whose work completes its
-                future asynchronously (gloo's); the simulated npu's ``get_future`` runs the collective first.
-            every: seconds between polls.
+        ``poll`` runs every ``every`` seconds while pending (gloo only) and may raise to end the wait.
         """
         if self._work is None:
             return
@@ -247,18 +186,9 @@ def new_group_from_store(
     timeout: Timeout | None = None,
     prefix: str = "hal",
 ) -> StoreGroup:
-    """Form a standalone group from a store and the kind's backend (nccl / hccl / gloo).
+    """Form a standalone group of ``world_size`` processes from ``store`` and the kind's backend.
 
-    Args:
-        store: a ``torch.distributed`` store (e.g. ``TCPStore(host, port, world_size, is_master=rank==0)``)
-            shared by the ``world_size`` processes; ``prefix`` namespaces the keys so one store can serve
-            several groups.
-        rank: this process's rank in the group, ``0 <= rank < world_size``.
-        timeout: seconds for the rendezvous and every collective.
-
-    Raises:
-        ValueError: bad rank or world size.
-        DistributedTimeoutError: the peers did not all join within ``timeout``.
+    ``prefix`` namespaces the keys so one store serves several groups; ``timeout`` is in seconds.
     """
     if world_size < 1 or not 0 <= rank < world_size:
         raise ValueError(f"need 0 <= rank < world_size, got rank={rank}, world_size={world_size}")
@@ -274,8 +204,8 @@ def new_group_from_store(
     return StoreGroup(backend, rank, world_size, td, spec)
 
 
+# Where Linux keeps the range it draws the local port of every outgoing connection from (ip-sysctl).
 EPHEMERAL_RANGE_FILE = "/proc/sys/net/ipv4/ip_local_port_range"
-"""Where Linux keeps the range it draws the local port of every outgoing connection from (``ip-sysctl``)."""
 
 _LOWEST_PICKED_PORT = 10_000  # well above the registered ports services are commonly configured on
 # its own generator, seeded by the OS: processes that seeded `random` alike must not draw the same ports, and
@@ -284,8 +214,7 @@ _port_random = random.SystemRandom()
 
 
 def ephemeral_port_range() -> tuple[int, int] | None:
-    """The kernel's ``(low, high)`` ephemeral port range (inclusive), from which it picks the local port of
-    every outgoing TCP connection; ``None`` where :data:`EPHEMERAL_RANGE_FILE` cannot be read (not Linux)."""
+    """Return the kernel's inclusive ``(low, high)`` ephemeral port range, or ``None`` where it cannot be read."""
     try:
         with open(EPHEMERAL_RANGE_FILE) as f:
             low, high = (int(x) for x in f.read().split())
@@ -295,12 +224,7 @@ def ephemeral_port_range() -> tuple[int, int] | None:
 
 
 def first_bindable_port(host: str, candidates: Iterable[int]) -> int | None:
-    """The first of ``candidates`` that a TCP socket on ``host`` (IPv4) can bind right now, ``None`` if none
-    can. A port in use is skipped; any other failure is raised.
-
-    Raises:
-        OSError: ``host`` is not a local IPv4 address.
-    """
+    """Return the first of ``candidates`` that a TCP socket on ``host`` (IPv4) can bind now, or ``None``."""
     for port in candidates:
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             try:
@@ -314,20 +238,10 @@ def first_bindable_port(host: str, candidates: Iterable[int]) -> int | None:
 
 
 def pick_port(host: str = "127.0.0.1") -> int:
-    """A TCP port on ``host`` (an IPv4 address) that was free a moment ago, chosen below the kernel's
-    ephemeral range.
+    """Return a TCP port on ``host`` (IPv4) that was free a moment ago, drawn below the kernel's ephemeral range.
 
-    For a rendezvous whose address must be known before its server starts (a store hosted by rank 0 of
-    processes not started yet). Binding port 0 would return a port from the ephemeral range, which the
-    kernel also hands out as the local port of every outgoing connection on the machine: one of those can
-    take the port before its server binds it (it failed a CI run). So the port is drawn at random from
-    ``[10000, low)``, where ``low`` starts the range in :data:`EPHEMERAL_RANGE_FILE`, and tried by binding it;
-    only where that range cannot be read or offers no free port does the operating system choose (port 0).
-    Another process that picks ports explicitly may still take it before it is bound again; the
-    rendezvous then fails with an error naming the address, never a hang.
-
-    Raises:
-        OSError: ``host`` is not a local IPv4 address.
+    Ports in the ephemeral range can be taken by any outgoing connection before the server binds (it failed a CI
+    run); port 0 is used only where that range is unreadable or full.
     """
     span = ephemeral_port_range()
     if span is not None and span[0] > _LOWEST_PICKED_PORT:
@@ -342,12 +256,7 @@ def pick_port(host: str = "127.0.0.1") -> int:
 
 def connect_store(host: str, port: int, rank: int, world_size: int, timeout: Timeout | None = None,
                   is_master: bool | None = None) -> dist.TCPStore:
-    """A ``TCPStore`` whose rank 0 hosts the server (``is_master``: whether this process does; ``False`` joins a
-    server another process hosts, such as torch's elastic agent); waits at most ``timeout`` for the server.
-
-    Raises:
-        DistributedTimeoutError: the server did not come up within ``timeout``.
-    """
+    """Return a ``TCPStore`` at ``host:port``, hosting its server when ``is_master``; waits at most ``timeout``."""
     td = as_timedelta(timeout)
     hosting = (rank == 0) if is_master is None else is_master
     try:
@@ -361,17 +270,10 @@ def connect_store(host: str, port: int, rank: int, world_size: int, timeout: Tim
 
 
 def launcher_store(timeout: Timeout | None = None, prefix: str | None = None) -> dist.Store:
-    """The store of the launcher that started this rank, under ``prefix`` when given (``None``: no prefix).
+    """Return the store of the launcher that started this rank, under ``prefix`` when given.
 
-    torch's own ``env://`` rule (``torch.distributed.rendezvous``): where the launcher shares its store
-    (``TORCHELASTIC_USE_AGENT_STORE=True``: torchrun's elastic agent, or :func:`hal.multiprocess.run_multiprocess`)
-    every rank joins the one it hosts at ``MASTER_ADDR:MASTER_PORT``; otherwise rank 0 hosts one there
-    (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``). Ranks that meet here need no port of their own: a checkpoint
-    engine's master hosts its rendezvous on a port the kernel picks and says where in ``prepare()``.
-
-    Raises:
-        KeyError: not a launched rank: no ``MASTER_ADDR``, ``MASTER_PORT``, ``RANK`` or ``WORLD_SIZE``.
-        DistributedTimeoutError: the store did not answer within ``timeout``.
+    Follows torch's ``env://`` rule (agent's shared store, else rank 0 hosts one at MASTER_ADDR:MASTER_PORT);
+    raises KeyError outside a launched rank.
     """
     agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     store = connect_store(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), int(os.environ["RANK"]),
@@ -386,8 +288,7 @@ __all__: Sequence[str] = [
 
 
 def process_alive(pid: int) -> bool:
-    """Whether process ``pid`` of this host runs (a zombie, dead but not yet reaped, counts as dead): how a
-    waiting peer tells a dead process from a slow one."""
+    """Return whether process ``pid`` of this host runs (a zombie counts as dead)."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"

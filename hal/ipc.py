@@ -1,9 +1,4 @@
-"""Same-host sharing of buffers between processes, for consumers that may not import ``devices``.
-
-Which transport a kind takes is the kind's fact (``hal.resolve_device(kind).ipc_transport()``, and
-``share_device_buffer`` on the same spec); opening a device handle and the shared host segments are the same
-for every kind, and are re-exported here: see :mod:`devices.ipc` and :mod:`devices.shared_memory`.
-"""
+"""Same-host buffer sharing between processes, re-exported from :mod:`devices.ipc` and :mod:`devices.shared_memory`."""
 
 from devices.ipc import DEVICE_INDEX_ARG, TRANSPORTS, SharedDeviceBuffer, is_handle as is_ipc_handle
 from devices.ipc import open_handle as open_ipc_handle

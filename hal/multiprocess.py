@@ -1,19 +1,10 @@
-"""The one process harness of tests and benchmarks: process groups that cannot hang, meeting on a store
-the caller hosts on a port the kernel picks.
+"""The one process harness of tests and benchmarks: process groups that cannot hang.
 
-``torch.multiprocessing.start_processes`` does the spawning; what it lacks is an overall deadline and a way
-to hand back each rank's return value (pickled to a file the caller reads once the ranks are gone, so a
-result of any size comes back and neither side ever waits on the other), which :func:`run_multiprocess`
-adds. The caller hosts the group's store as torchrun's elastic agent does (on port 0, so the kernel picks the
-port and no other process can take it first), and each rank finds it as a torchrun rank finds the agent's
-(``MASTER_ADDR``/``MASTER_PORT`` with ``TORCHELASTIC_USE_AGENT_STORE=True``): ``hal.launcher_store()``,
-``init_process_group`` by ``env://`` and ``ckpt.manager.join_engine`` work unchanged under ``torchrun``.
-
-Where the platform offers it, ranks start from Python's ``forkserver`` with torch preloaded
-(``multiprocessing.set_forkserver_preload``): a rank then costs a fork instead of a fresh interpreter
-importing torch (seconds of CPU each; a suite spawns hundreds). Each rank still gets the caller's current
-environment, working directory, ``sys.path`` and stdout/stderr, as a spawned one would; if a variable that
-``import torch`` reads differs from what the forkserver imported torch with, the group is spawned instead.
+:func:`run_multiprocess` adds an overall deadline and per-rank return values (pickled to files) to
+``torch.multiprocessing.start_processes``. The caller hosts the group's store on a kernel-picked port, as
+torchrun's elastic agent does, so ``hal.launcher_store()`` and ``env://`` work unchanged. Ranks start from a
+``forkserver`` with torch preloaded where possible, with the caller's environment, cwd, ``sys.path`` and
+stdout/stderr.
 """
 
 from __future__ import annotations
@@ -38,11 +29,7 @@ from hal.distributed import connect_store
 
 
 class _ParentFd:
-    """One of the caller's file descriptors, handed to a rank as ``reduction.DupFd`` hands a socket over.
-
-    A forkserver rank inherits the forkserver's stdout/stderr (those of whichever test first started it);
-    the rank puts the caller's current ones (pytest's capture of the running test) in their place.
-    """
+    """One of the caller's file descriptors, handed to a forkserver rank (as ``reduction.DupFd`` does a socket)."""
 
     def __init__(self, fd: int) -> None:
         self.fd = fd
@@ -61,10 +48,7 @@ def _entry(rank: int, fn: Callable | tuple[str, str], world_size: int, port: int
 
     import torch
 
-    # Should the group pass its deadline, the parent asks each rank for its Python stacks (every thread)
-    # before it kills it: a timer here would run from this rank's start, late when spawning was slow. They go
-    # to a file the parent reads into its error, so they reach the test's report (a rerun's too), not only a
-    # captured stderr that a passing rerun discards. Registered first: until then the signal would kill.
+    # registered first: until then the parent's stacks signal would kill
     global _stacks_file
     _stacks_file = open(_stacks_path(group_dir, rank), "w")  # kept open: faulthandler writes to its fd
     faulthandler.register(STACKS_SIGNAL, file=_stacks_file, all_threads=True)
@@ -83,8 +67,7 @@ def _entry(rank: int, fn: Callable | tuple[str, str], world_size: int, port: int
         for part in qualname.split("."):
             target = getattr(target, part)
         fn = target
-    # torch is already imported here, so OMP_NUM_THREADS below comes too late for this process: several
-    # ranks with two threads each on two cores make gloo's busy waits crawl (a test once passed 100 s).
+    # torch is already imported, so OMP_NUM_THREADS below comes too late here; more threads make gloo crawl
     torch.set_num_threads(1)
     os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
                        "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": str(world_size),
@@ -106,14 +89,12 @@ def _entry(rank: int, fn: Callable | tuple[str, str], world_size: int, port: int
         sys.exit(1)  # a non-zero exit: the caller stops the other ranks now, not at their own timeouts
 
 
+# On this signal a rank writes every thread's Python stack to its stacks file, for the MultiprocessError.
 STACKS_SIGNAL = signal.SIGUSR1
-"""The signal on which a rank started by :func:`run_multiprocess` writes every thread's Python stack to
-its stacks file (``faulthandler.register``), which the parent puts into its :class:`MultiprocessError`."""
 
 _stacks_file = None  # in a rank: the file its stacks go to (open for as long as the rank runs)
+# At most this many characters of each rank's stacks (the end) go into the error message.
 STACKS_CHARS = 6000
-"""At most this many characters of each rank's stacks (the end, where the innermost frames are) go into the
-error message."""
 
 
 def _stacks_path(group_dir: str, rank: int) -> str:
@@ -121,13 +102,12 @@ def _stacks_path(group_dir: str, rank: int) -> str:
 
 
 def _result_path(group_dir: str, rank: int) -> str:
-    """Where rank ``rank`` leaves its pickled ``(ok, value)``: a file, not a pipe, so no rank can block on a
-    reader and the caller never reads a message a dead or stopped rank left half-written."""
+    """Return where rank ``rank`` leaves its pickled ``(ok, value)`` (a file: no rank blocks on a reader)."""
     return os.path.join(group_dir, f"rank{rank}.result")
 
 
 def _read_result(group_dir: str, rank: int) -> tuple[bool, Any] | None:
-    """Rank ``rank``'s ``(ok, value)``, ``None`` if it left none; one that does not unpickle here is its failure."""
+    """Return rank ``rank``'s ``(ok, value)``, ``None`` if it left none."""
     try:
         with open(_result_path(group_dir, rank), "rb") as f:
             data = f.read()
@@ -140,9 +120,7 @@ def _read_result(group_dir: str, rank: int) -> tuple[bool, Any] | None:
 
 
 def _dump_stacks(ranks: dict[int, Any], group_dir: str, wait_s: float = 2.0) -> str:
-    """Ask each live rank (``{rank: process}``) for its stacks (:data:`STACKS_SIGNAL`), give them ``wait_s``
-    seconds to write them, and return them as text, so a hang's report shows where each rank was when the
-    deadline passed."""
+    """Return the Python stacks of each live rank, given ``wait_s`` seconds to write them."""
     for p in ranks.values():
         try:
             os.kill(p.pid, STACKS_SIGNAL)
@@ -160,14 +138,10 @@ def _dump_stacks(ranks: dict[int, Any], group_dir: str, wait_s: float = 2.0) -> 
     return "\n".join(parts)
 
 
-# Variables read while torch imports (its backend autoload, hal's sim entry point, thread pools, the loader):
-# a forkserver started under other values would hand its ranks a torch imported differently.
+# Variables read while torch imports: a forkserver started under other values imported a different torch.
 _IMPORT_ENV_PREFIXES = ("HAL_", "TORCH", "PYTORCH", "OMP_", "MKL_", "KMP_", "OPENBLAS", "ASCEND_", "CUDA_",
                         "PYTHON", "LD_")
-# Not about how torch was imported: this module's own switch, and variables torch sets itself while it runs in
-# the caller's process (the elastic agent's signal list on any in-process torchrun launch, inductor's cache
-# directory). Counted, the first in-process launch sent every later group of that pytest worker to spawn
-# (measured: 194 spawned ranks in a full run instead of the dozen that ask for it, each importing torch afresh).
+# Not about torch's import: this module's switch, and variables torch sets itself in the caller's process.
 _NOT_IMPORT_ENV = ("HAL_TEST_START_METHOD", "TORCHELASTIC_SIGNALS_TO_HANDLE", "TORCHINDUCTOR_CACHE_DIR")
 _forkserver_lock = threading.Lock()
 _forkserver_env: dict[str, str] | None = None
@@ -179,8 +153,7 @@ def _import_env() -> dict[str, str]:
 
 
 def _start_method() -> str:
-    """``forkserver`` (torch preloaded) when this platform has it and the import environment matches the
-    one the forkserver was started with; ``spawn`` otherwise, or when ``HAL_TEST_START_METHOD=spawn``."""
+    """Return ``forkserver`` when available and the import environment matches its own, else ``spawn``."""
     global _forkserver_env
     if os.environ.get("HAL_TEST_START_METHOD", "forkserver") != "forkserver" or \
             "forkserver" not in multiprocessing.get_all_start_methods():
@@ -197,12 +170,7 @@ def _start_method() -> str:
 
 
 class MultiprocessError(RuntimeError):
-    """A spawned rank raised, died, or the group passed its deadline.
-
-    ``failures`` is ``{rank: why}`` for each rank that failed: its ``"ExceptionType: message"`` and traceback,
-    ``"exited with code N without a result"``, ``"was killed by SIGNAME without a result"``, or ``"still running
-    at the deadline of T s"``.
-    """
+    """A spawned rank raised, died, or the group passed its deadline; ``failures`` is ``{rank: why}``."""
 
     def __init__(self, message: str, failures: dict[int, str] | None = None) -> None:
         super().__init__(message)
@@ -214,34 +182,11 @@ def run_multiprocess(fn: Callable[..., Any], world_size: int, *args: Any, timeou
                      start_method: str | None = None) -> dict[int, Any]:
     """Run ``fn(rank, world_size, *args)`` in ``world_size`` new processes; return ``{rank: result}``.
 
-    The processes start from the forkserver with torch preloaded where possible, else by spawn (see the
-    module docstring); either way each sees the caller's environment, working directory and ``sys.path``.
-
-    ``start_method="spawn"`` (or a ``fn`` with the attribute ``start_method = "spawn"``) always spawns: one
-    that measures its own process's memory (VmHWM, VmRSS) needs it, since a forked rank faults in the library
-    pages it runs (mapped lazily after a fork) and counts them as growth.
-
-    ``fn`` must be importable (a module-level function). Each process gets ``MASTER_ADDR``/``MASTER_PORT``/
-    ``RANK``/``LOCAL_RANK``/``WORLD_SIZE``/``TORCHELASTIC_USE_AGENT_STORE`` set as ``torch.distributed.run``
-    would, plus ``env``: ``MASTER_PORT`` is the group's store, hosted by this process for as long as the
-    call runs. As under ``torchrun``, a rank that must host a process group of its own (a one-process default
-    group, say) unsets ``TORCHELASTIC_USE_AGENT_STORE`` first: with it, torch's ``env://`` and ``tcp://`` only
-    join a store.
-
-    A rank that raises exits non-zero once its error is written (unless ``expect_failure``), so the others are
-    stopped at once rather than at their own timeouts.
-
-    Args:
-        timeout: seconds for the whole group, counted from when its processes are started (their imports
-            count); past it every rank's stacks are taken and every process is killed.
-        expect_failure: return ``{rank: error text}`` for ranks that raised instead of raising, and leave
-            out the ranks that died or exited without a result.
-
-    Raises:
-        MultiprocessError: a rank raised or exited without a result (unless ``expect_failure``), or the
-            deadline passed. The message carries each failing rank's traceback; past the deadline, which
-            ranks had returned a result and the Python stacks (every thread) of each rank still running.
-        ValueError: ``start_method`` is neither ``None`` nor ``"spawn"``, or ``fn`` is no module-level function.
+    ``fn`` must be a module-level function; each rank gets torchrun's variables plus ``env``. ``timeout`` (seconds,
+    imports included) covers the whole group; past it each rank's stacks are taken and all are killed.
+    ``start_method="spawn"`` (or ``fn.start_method``) always spawns, for memory measurements. ``expect_failure``
+    returns ``{rank: error text}`` for ranks that raised. Raises MultiprocessError with each failing rank's
+    traceback (and the stacks past the deadline).
     """
     if start_method not in (None, "spawn"):
         raise ValueError(f"start_method must be None (forkserver where possible) or 'spawn', got {start_method!r}")

@@ -1,22 +1,10 @@
 """pytest plugin: run the same tests on every device kind of this machine.
 
-Opt-in, as pytest's conventions ask of a plugin that changes collection: installing hal registers nothing
-with pytest. A suite enables it with ``pytest_plugins = ["hal.pytest_plugin"]`` in its root ``conftest.py``
-(or ``-p hal.pytest_plugin`` on the command line). Every name it adds is prefixed, so it cannot clash with a
-suite's own ``device`` fixture or parametrization (verl's and vLLM's suites have both):
-
-* ``--hal-device cpu,npu-sim`` (or ``HAL_TEST_DEVICES=cpu,npu-sim``) chooses the lanes; by default every
-  available kind among npu, cuda, npu-sim and cpu.
-* A test that takes the ``hal_device`` fixture is parametrized over those kinds (``test_x[npu-sim]``).
-* A kind that was asked for by name but is unknown or unavailable fails the run at start, naming the kind
-  and the reason (a CI lane that cannot test its kind must not pass by skipping everything). Among the
-  default lanes, an unavailable npu or cuda is left out and an unavailable cpu or npu-sim is skipped with
-  the probe's reason.
-* ``@pytest.mark.hal_device("npu-sim", "cuda")`` restricts a test to some kinds.
-* ``hal_store`` hosts a ``TCPStore`` for the test on a port the kernel picks (port 0), so processes the test
-  starts meet there with no port picked ahead that another pytest-xdist worker could take.
-* While enabled, npu-sim's strict mode is on (``HAL_SIM_STRICT=1``) for the session and the processes it
-  spawns: a stray call into the CUDA module from project code fails the test.
+Opt-in: ``pytest_plugins = ["hal.pytest_plugin"]`` or ``-p hal.pytest_plugin``. ``--hal-device cpu,npu-sim``
+(or ``HAL_TEST_DEVICES``) picks the lanes, by default every available kind; the ``hal_device`` fixture
+parametrizes a test over them and ``@pytest.mark.hal_device(...)`` restricts it. A kind named but unavailable
+fails the run. ``hal_store`` hosts a ``TCPStore`` on a kernel-picked port. npu-sim's strict mode
+(``HAL_SIM_STRICT=1``) is on while enabled.
 """
 
 from __future__ import annotations
@@ -39,14 +27,14 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def requested_kinds(config: pytest.Config) -> tuple[list[str], bool]:
-    """(kinds, explicit): the lanes for this run, and whether the user named them."""
+    """Return the lanes for this run and whether the user named them."""
     raw = config.getoption("--hal-device") or os.environ.get(ENV_VAR, "")
     kinds = [k.strip().lower() for k in raw.split(",") if k.strip()]
     return (kinds, True) if kinds else (list(DEFAULT_LANES), False)
 
 
 def _probe(kind: str) -> str | None:
-    """None when ``kind`` is available here, else the reason it is not (unknown kinds included)."""
+    """Return ``None`` when ``kind`` is available here, else the reason it is not."""
     import hal
 
     try:
@@ -103,10 +91,10 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 
 @pytest.fixture
 def hal_store():
-    """A ``torch.distributed.TCPStore`` this test process hosts on 127.0.0.1, on a port the kernel picked
-    (``hal_store.port``); other processes join it with ``hal.connect_store("127.0.0.1", port, rank,
-    world_size, is_master=False)`` (``rank``, ``world_size``: the joining process's place among those the test
-    starts; the store waits for no count of them). It is served while the test holds it."""
+    """Host a ``TCPStore`` on 127.0.0.1 at a kernel-picked ``hal_store.port`` for the test.
+
+    Other processes join with ``hal.connect_store("127.0.0.1", port, rank, world_size, is_master=False)``.
+    """
     import hal
 
     return hal.connect_store("127.0.0.1", 0, 0, 1, timeout=60, is_master=True)

@@ -1,12 +1,11 @@
 """The one registry of device kinds: built-ins from :mod:`devices`, plugins from entry points.
 
-A third-party package adds a kind by declaring, in its own ``pyproject.toml``::
+A package adds a kind in its ``pyproject.toml``::
 
     [project.entry-points."hal.devices"]
     xpu = "my_pkg.xpu:SPEC"      # a devices.base.DeviceSpec instance (or a zero-argument callable)
 
-Plugins are loaded once, on the first lookup, never at ``import hal``. Registering a name twice raises
-:class:`hal.errors.DuplicateDeviceError`, so two packages cannot silently fight over a kind.
+Plugins load on the first lookup, never at ``import hal``; a duplicate name raises DuplicateDeviceError.
 """
 
 from __future__ import annotations
@@ -27,18 +26,7 @@ _plugins_loaded = False
 
 
 def register_device(spec: DeviceSpec) -> DeviceSpec:
-    """Add a device kind under ``spec.kind``.
-
-    Args:
-        spec: the kind's frozen spec.
-
-    Returns:
-        ``spec``, so it can be used as ``SPEC = register_device(MyDevice())``.
-
-    Raises:
-        TypeError: ``spec`` is not a :class:`devices.base.DeviceSpec`.
-        DuplicateDeviceError: a built-in or an already registered kind has that name.
-    """
+    """Add a device kind under ``spec.kind`` and return ``spec``; raises DuplicateDeviceError for a taken name."""
     if not isinstance(spec, DeviceSpec):
         raise TypeError(f"register_device expects a devices.base.DeviceSpec, got {type(spec).__name__}")
     if spec.kind in BUILTIN_KINDS or spec.kind in _plugin_kinds:
@@ -49,11 +37,7 @@ def register_device(spec: DeviceSpec) -> DeviceSpec:
 
 
 def unregister_device(kind: str) -> None:
-    """Remove a plugin kind (tests use this); an unknown kind is ignored.
-
-    Raises:
-        ValueError: ``kind`` is a built-in kind (those cannot be removed).
-    """
+    """Remove a plugin kind (an unknown one is ignored); raises ValueError for a built-in kind."""
     if kind in BUILTIN_KINDS:
         raise ValueError(f"built-in device kind {kind!r} cannot be unregistered")
     if kind in _plugin_kinds:
@@ -88,24 +72,20 @@ def reload_plugins() -> None:
 
 
 def known_kinds() -> list[str]:
-    """Every selectable kind, in automatic-resolution order: npu, cuda, plugins, cpu (npu-sim listed too)."""
+    """Return every selectable kind, in automatic-resolution order: npu, cuda, plugins, cpu (npu-sim listed too)."""
     _load_plugins()
     builtins = [k for k in BUILTIN_KINDS if k != FALLBACK_KIND]
     return builtins + list(_plugin_kinds) + [FALLBACK_KIND]
 
 
 def plugin_errors() -> dict[str, str]:
-    """Entry points of ``hal.devices`` that failed to load, with their error text."""
+    """Return the ``hal.devices`` entry points that failed to load, with their error text."""
     _load_plugins()
     return dict(_plugin_errors)
 
 
 def get_spec(kind: str) -> DeviceSpec:
-    """The spec of ``kind`` (imports the built-in module on first use).
-
-    Raises:
-        UnknownDeviceError: no such kind; the message lists the known kinds and broken plugins.
-    """
+    """Return the spec of ``kind``, importing its built-in module on first use."""
     if not isinstance(kind, str):
         raise UnknownDeviceError(f"device kind must be a string, got {kind!r}")
     kind = kind.strip().lower()

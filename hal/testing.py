@@ -9,11 +9,7 @@ from typing import Iterator
 
 @contextlib.contextmanager
 def held_port(host: str = "127.0.0.1") -> Iterator[int]:
-    """A TCP port on ``host`` kept in use (a socket listening on it) for the ``with`` block; yields its number.
-
-    For tests of what happens when a port is taken: a server that must bind it fails with "Address already
-    in use", and a picker must pass it by.
-    """
+    """Hold a TCP port on ``host`` in use (listening) for the ``with`` block; yields its number."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as busy:
         busy.bind((host, 0))
         busy.listen()

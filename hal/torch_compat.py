@@ -1,8 +1,6 @@
-"""The accessors of torch's private names that trainer engines need (DTensor local shards, FSDP2's
-per-parameter state), as hal's API: ``engines`` and ``ckpt`` import them from here, never from ``devices``.
+"""Accessors of torch's private names that trainer engines need (DTensor shards, FSDP2 state).
 
-Each is :mod:`devices.torch_compat`'s, which holds every private torch name the project touches in one file
-(see its docstring and ``tests/devices/test_torch_compat.py``).
+``engines`` and ``ckpt`` import them from here; each is :mod:`devices.torch_compat`'s.
 """
 
 from devices.torch_compat import (

@@ -1,41 +1,26 @@
 """Per-tensor checksums of raw bytes, computed on the tensor's own device and updated from changed values.
 
-A tensor's bytes (row-major, zero-padded to a multiple of 8) are read as 64-bit words ``w_i`` (little
-endian), and its checksum is the pair, each mod ``2**64``::
-
-    W = sum(w_i * (2 i + 1))      S = sum(w_i)
-
-(odd weights: changing any one word changes ``W``; swapping two different words changes it too, unless
-their difference times twice their distance is a multiple of ``2**64``), packed into one 128-bit int by
-:func:`combine`. ``torch.hash_tensor`` (an XOR of the elements upcast to 64 bits) would be blind to where a
-value sits and, being nonlinear, could not be updated from the changed values alone.
-
-Both parts are linear in the words, so a side that knows which elements changed, and their old and new
-bits, updates the checksum without reading the rest (:func:`element_delta`): the sender from its diff, the
-rollout from the positions it writes. A full computation (:func:`word_parts`, the seed's) is one read:
-on host memory one C loop (:mod:`ckpt.delta.kernel`, where built), else the words are reduced in
-cache-sized blocks ``[rows, K]`` whose row sums and column sums give ``W``; with :func:`parts_and_copy` the
-same read also copies the bytes (the snapshot update, a dense write).
+A tensor's bytes (zero-padded to a multiple of 8) are little-endian 64-bit words ``w_i``; its checksum is,
+mod ``2**64``, ``W = sum(w_i * (2 i + 1))`` and ``S = sum(w_i)``, packed by :func:`combine` into 128 bits.
+Unlike ``torch.hash_tensor`` it sees where a value sits, and being linear it updates from the changed
+elements alone (:func:`element_delta`). A full computation (:func:`word_parts`) is one read: a C loop on host
+memory (:mod:`ckpt.delta.kernel`), else blocked row/column sums; :func:`parts_and_copy` also copies.
 """
 
 from __future__ import annotations
 
 import torch
 
+# Words per row of the blocked reduction.
 K = 512
-"""Words per row of the blocked reduction."""
+# Rows per block (K * BLOCK_ROWS * 8 bytes = 1 MiB stays in cache between its two reductions).
 BLOCK_ROWS = 256
-"""Rows per block (``K * BLOCK_ROWS * 8`` bytes = 1 MiB: a block stays in cache between its two reductions)."""
 _MASK64 = (1 << 64) - 1
 _CONSTS: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
 def raw_words(tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor``'s bytes (row-major) as a 1-D int64 tensor on its device, zero-padded to a multiple of 8.
-
-    A view when ``tensor`` is contiguous, starts on an 8-byte boundary of its storage and has a multiple of
-    8 bytes; else a copy.
-    """
+    """Return ``tensor``'s bytes as 1-D int64 on its device, zero-padded (a view when aligned, else a copy)."""
     raw = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
     pad = (-raw.numel()) % 8
     if pad:
@@ -46,7 +31,7 @@ def raw_words(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _consts(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(2 k + 1 for k < K, r for r < BLOCK_ROWS)`` on ``device`` (int64, cached per device)."""
+    """Return ``(2 k + 1 for k < K, r for r < BLOCK_ROWS)`` on ``device`` (int64, cached per device)."""
     key = str(device)
     cached = _CONSTS.get(key)
     if cached is None or cached[0].device != device:
@@ -56,12 +41,10 @@ def _consts(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def parts_and_copy(words: torch.Tensor, out: torch.Tensor | None = None) -> tuple[int, int]:
-    """``(W, S)`` of 1-D int64 ``words`` (see the module docstring); with ``out`` (int64, same length, any
-    device) also copies ``words`` into ``out``, block by block while each block is in cache. One host sync.
+    """Return ``(W, S)`` of 1-D int64 ``words``; with ``out`` also copy ``words`` into it while in cache.
 
-    With ``i = b * R * K + r * K + k`` (block ``b`` of ``R = BLOCK_ROWS`` rows of ``K`` words),
-    ``sum(w_i (2 i + 1)) = sum_k (2 k + 1) C_k + 2 K sum_b sum_r (b R + r) Rsum_br`` with ``C`` the column sums
-    over all blocks and ``Rsum`` the row sums: two reductions of each block, no product the size of ``words``.
+    ``W`` comes from per-block column sums ``C`` and row sums: ``sum_k (2 k + 1) C_k + 2 K sum_b sum_r (b R + r)
+    Rsum_br``. One host sync.
     """
     n = words.numel()
     if out is not None and out.numel() != n:
@@ -113,7 +96,7 @@ def parts_and_copy(words: torch.Tensor, out: torch.Tensor | None = None) -> tupl
 
 
 def word_parts(words: torch.Tensor) -> tuple[int, int]:
-    """``(W, S)`` of 1-D int64 ``words`` (see the module docstring): one read, one host sync."""
+    """Return ``(W, S)`` of 1-D int64 ``words``: one read, one host sync."""
     return parts_and_copy(words)
 
 
@@ -123,12 +106,10 @@ _LANE_SCALE: dict[tuple[str, int], torch.Tensor] = {}
 
 def element_delta(positions: torch.Tensor, old: torch.Tensor, new: torch.Tensor, element_size: int
                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    """What a tensor's checksum parts ``(W, S)`` change by (two 0-dim int64 tensors, mod ``2**64``) when its
-    elements at flat ``positions`` (int64, each once) change from the raw bits ``old`` to ``new`` (integer
-    tensors of ``element_size`` bytes, e.g. :func:`ckpt.delta.diff.bits` views).
+    """Return the change of ``(W, S)`` (two 0-dim int64) when elements at ``positions`` go from bits ``old`` to ``new``.
 
-    Element ``p`` is lane ``p % per`` of word ``p // per`` (``per = 8 // element_size``, little endian), so
-    the word changes by ``(new - old) << (8 * element_size * lane)``, lane values taken unsigned.
+    Element ``p`` is lane ``p % per`` of word ``p // per`` (``per = 8 // element_size``), so the word changes
+    by ``(new - old) << (8 * element_size * lane)``, lanes unsigned.
     """
     per = 8 // element_size
     if per == 1:
@@ -149,25 +130,23 @@ def element_delta(positions: torch.Tensor, old: torch.Tensor, new: torch.Tensor,
 
 
 def add_parts(parts: tuple[int, int], dw: int, ds: int) -> tuple[int, int]:
-    """``parts`` plus ``(dw, ds)``, mod ``2**64``."""
+    """Return ``parts`` plus ``(dw, ds)``, mod ``2**64``."""
     return (parts[0] + dw) & _MASK64, (parts[1] + ds) & _MASK64
 
 
 def combine(parts: tuple[int, int]) -> int:
-    """The 128-bit checksum (Python int) of ``(W, S)`` parts."""
+    """Return the 128-bit checksum of ``(W, S)`` parts."""
     return ((parts[0] & _MASK64) << 64) | (parts[1] & _MASK64)
 
 
 def tensor_parts(tensor: torch.Tensor) -> tuple[int, int]:
-    """``(W, S)`` of ``tensor``'s raw bytes (a copy first only when it is not word-aligned, see :func:`raw_words`)."""
+    """Return ``(W, S)`` of ``tensor``'s raw bytes."""
     return word_parts(raw_words(tensor))
 
 
 def tensor_checksum(tensor: torch.Tensor) -> int:
-    """A 128-bit checksum (Python int) of ``tensor``'s raw bytes, computed on its device.
+    """Return a 128-bit checksum of ``tensor``'s raw bytes (NaN payloads and signed zeros included), on its device.
 
-    Equal bytes (any dtype, NaN payloads and signed zeros included) give equal checksums; the shape is
-    not hashed (callers check it). Cost: one read of the tensor (a copy first when it does not start on
-    an 8-byte boundary or its bytes are no multiple of 8); one host sync.
+    The shape is not hashed. One read (a copy first when unaligned); one host sync.
     """
     return combine(tensor_parts(tensor))

@@ -1,22 +1,11 @@
 """The sender's diff: published tensors against a host snapshot, on 64-bit words, one region at a time.
 
-A *segment* is one region of memory diffed at once: tensors of one dtype laid out as views into one storage,
-each starting on an 8-byte boundary and less than 64 bytes after the previous one ends (as ``hal sync``'s
-trainer publishes them: one flat buffer, 64-byte aligned views), or a single tensor. The region's words are
-compared with the snapshot's in one pass (one read of each: :func:`diff_segment`); the changed words, and
-within them the changed elements, are found for the whole region at once, mapped to tensors with
-``searchsorted``, and each tensor's count, NaNs and checksum change are reduced with ``index_add_``: a
-handful of torch ops and one host sync per region, not per tensor. Large tensors whose words mostly
-changed are decided dense on counts first and copied into the snapshot while computing their checksum
-(:func:`ckpt.delta.checksum.parts_and_copy`: one more read of those only).
-
-On host memory, where the C loops of :mod:`ckpt.delta.kernel` are built, a region is diffed in one loop
-instead (:func:`diff_segment` picks it): each word of the weights and of the snapshot is read once, a
-changed word is copied into the snapshot and its changed values written as (int32 position, value) pairs
-straight into the update's output, and each tensor's count, NaN test and checksum change are summed on
-the way; a tensor stops writing pairs once it turns dense. Large tensors are sampled first (64 words):
-one that looks dense is counted before its pass, so it writes no pairs. Both paths give the same bits
-(positions, values, dense decisions, checksums, snapshot).
+A *segment* is one region diffed at once: same-dtype views of one storage, each 8-byte aligned and less than
+64 bytes after the previous (``hal sync``'s flat buffer), or a single tensor. The torch path compares the
+region's words in one pass and reduces per-tensor counts, NaNs and checksum changes with ``index_add_`` (one
+host sync per region); large mostly-changed tensors are decided dense on counts. On host memory the C loop of
+:mod:`ckpt.delta.kernel` reads each word once and writes (int32 position, value) pairs straight into the
+output. Both paths give the same bits.
 """
 
 from __future__ import annotations
@@ -32,23 +21,16 @@ from ckpt.delta.wire import POS_WIDTH
 from ckpt.errors import CheckpointConfigError
 
 _INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+# Bytes allowed between two views of one segment (the alignment padding of a flat buffer).
 MAX_GAP = 64
-"""Bytes allowed between two views of one segment (the alignment padding of a flat buffer)."""
+# A segment closes at this many bytes: the diff's temporaries are bounded by a segment, not the model.
 SEGMENT_BYTES = 16 << 20
-"""A segment closes once it holds this many bytes (a larger tensor is a segment of its own): the diff's
-temporaries (a bool per word, the changed words and values) are bounded by a segment, not the model."""
+# Tensors of at least this many words have their changed words counted first (may go dense on counts).
 COUNT_WORDS = 8192
-"""Tensors of at least this many words get their changed words counted before the positions are found:
-one that may go dense is decided on counts (no positions for it)."""
 
 
 def bits(tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor`` (contiguous) flattened and viewed as the signed integer type of its element size, so
-    ``==`` compares raw bits (NaN equals itself, ``-0.0`` differs from ``0.0``).
-
-    Raises:
-        CheckpointConfigError: an element size with no integer type (complex128 and the like).
-    """
+    """Return contiguous ``tensor`` flattened as the signed integer of its element size (``==`` compares bits)."""
     flat = tensor.reshape(-1)
     if flat.dtype == torch.bool:
         return flat.view(torch.uint8)
@@ -59,39 +41,34 @@ def bits(tensor: torch.Tensor) -> torch.Tensor:
                                     f"{flat.element_size()}; accepted sizes: {sorted(_INT_VIEW)})") from None
 
 
+# The largest flat position verl's int32 indices encoding holds: a tensor of more values goes dense.
 MAX_POSITION = 2**31 - 1
-"""The largest flat position verl's int32 ``indices`` encoding holds: a tensor of more values goes dense."""
 
 
 def goes_dense(changed: int, nbytes: int, element_size: int) -> bool:
-    """Whether ``changed`` values as a delta (positions + values) would be at least the tensor's ``nbytes``
-    (or the tensor has more values than an int32 position reaches)."""
+    """Return whether ``changed`` values as positions + values take at least ``nbytes`` (or exceed int32)."""
     return changed * (POS_WIDTH + element_size) >= nbytes or nbytes // element_size > MAX_POSITION + 1
 
 
 def sparse_limit(nbytes: int, element_size: int) -> int:
-    """The most changed values a tensor of ``nbytes`` still sends sparse (``-1``: none, it always goes dense):
-    the largest ``c`` with ``not goes_dense(c, nbytes, element_size)``."""
+    """Return the most changed values a tensor of ``nbytes`` still sends sparse (``-1``: always dense)."""
     if nbytes // element_size > MAX_POSITION + 1:
         return -1
     return (nbytes - 1) // (POS_WIDTH + element_size)
 
 
+# (absmask, infbits) per floating dtype the C diff knows: NaN when bits & absmask > infbits (IEEE 754, OCP
+# FP8 e4m3fn); other float dtypes take the torch path.
 NAN_RULES: dict[torch.dtype, tuple[int, int]] = {
     torch.bfloat16: (0x7FFF, 0x7F80), torch.float16: (0x7FFF, 0x7C00),
     torch.float32: (0x7FFFFFFF, 0x7F800000), torch.float64: (0x7FFF_FFFF_FFFF_FFFF, 0x7FF0_0000_0000_0000),
     torch.float8_e4m3fn: (0x7F, 0x7E), torch.float8_e5m2: (0x7F, 0x7C),
 }
-"""``(absmask, infbits)`` per floating dtype the C diff knows: a value is NaN when ``bits & absmask > infbits``
-(IEEE 754 layouts; float8 e4m3fn has no infinity, only ``S.1111.111`` is NaN, per the OCP FP8 spec). Other
-floating dtypes (float8 ``fnuz``, ``e8m0``) are diffed by the torch path, whose ``torch.isnan`` knows them."""
 
 
 @dataclass
 class Segment:
-    """Tensors diffed as one region: ``names``/``tensors`` in region order, ``offsets`` (bytes from the
-    region's start, multiples of 8), the region's ``words`` (int64, a view of the tensors' storage where it
-    can be, else a padded copy) and ``key`` (what a snapshot must match to be this segment's base)."""
+    """Tensors diffed as one region: ``offsets`` in bytes (multiples of 8), ``words`` (int64), ``key`` (layout)."""
 
     names: list[str]
     tensors: list[torch.Tensor]
@@ -101,15 +78,13 @@ class Segment:
 
 
 def _storage_bytes(t: torch.Tensor) -> tuple[int, int, int]:
-    """``(storage pointer, byte offset of t in it, storage bytes)``."""
+    """Return (storage pointer, byte offset of ``t`` in it, storage bytes)."""
     st = t.untyped_storage()
     return st.data_ptr(), t.storage_offset() * t.element_size(), st.nbytes()
 
 
 def segments(items: list[tuple[str, torch.Tensor]]) -> list[Segment]:
-    """Group ``(name, contiguous tensor)`` pairs, in order, into :class:`Segment` regions (see the module
-    docstring). Tensors that fit no region (not contiguous, not word-aligned, the last one of a storage
-    whose bytes end mid-word) are segments of one, diffed as a padded copy of their words."""
+    """Group ``(name, contiguous tensor)`` pairs, in order, into :class:`Segment` regions (misfits: one each)."""
     out: list[Segment] = []
     run: list[tuple[str, torch.Tensor, int]] = []  # (name, tensor, byte offset in storage)
     run_ptr = run_end = None
@@ -158,8 +133,7 @@ def _region(run: list[tuple[str, torch.Tensor, int]]) -> list[Segment]:
 
 @dataclass
 class TensorDiff:
-    """One tensor's diff: ``changed`` values; ``dense`` (send it whole) or ``positions`` (int32, flat) and
-    ``values`` (the new values there); ``parts``, its checksum parts after the update."""
+    """One tensor's diff: ``changed`` values, ``dense`` or ``positions``/``values``, and its new checksum ``parts``."""
 
     changed: int
     dense: bool
@@ -169,7 +143,7 @@ class TensorDiff:
 
 
 def _rows(seg: Segment) -> np.ndarray:
-    """The C diff's per-tensor rows of ``seg`` (:mod:`ckpt.delta.kernel`): ``W0``, ``NBYTES``, ``CMAX`` filled."""
+    """Return the C diff's per-tensor rows of ``seg`` with ``W0``, ``NBYTES``, ``CMAX`` filled."""
     es = seg.tensors[0].element_size()
     rows = np.zeros((len(seg.tensors), kernel.ROW), dtype=np.int64)
     for row, t, off in zip(rows, seg.tensors, seg.offsets):
@@ -179,7 +153,7 @@ def _rows(seg: Segment) -> np.ndarray:
 
 
 def _kernel_for(seg: Segment, snapshot: torch.Tensor):
-    """The C library when ``seg`` can be diffed by it (host memory, a dtype whose NaN rule it knows), else None."""
+    """Return the C library when it can diff ``seg`` (host memory, a known NaN rule), else ``None``."""
     dtype = seg.tensors[0].dtype
     if not seg.words.is_cpu or not snapshot.is_cpu or (
             dtype.is_floating_point and dtype not in NAN_RULES):
@@ -188,8 +162,7 @@ def _kernel_for(seg: Segment, snapshot: torch.Tensor):
 
 
 def seed_segment(seg: Segment, snapshot: torch.Tensor) -> list[tuple[int, int]]:
-    """Copy ``seg``'s words into ``snapshot`` (host int64, same length) and return each tensor's checksum
-    parts, in one read of the region."""
+    """Copy ``seg``'s words into ``snapshot`` and return each tensor's checksum parts, in one read."""
     lib = _kernel_for(seg, snapshot)
     if lib is not None:
         rows = _rows(seg)
@@ -209,8 +182,7 @@ def seed_segment(seg: Segment, snapshot: torch.Tensor) -> list[tuple[int, int]]:
 
 
 def _tensor_parts_and_copy(words: torch.Tensor, snapshot: torch.Tensor, w0: int, nbytes: int) -> tuple[int, int]:
-    """Parts of the tensor of ``nbytes`` bytes at word ``w0`` of ``words`` (its last word masked to its own
-    bytes), copying its words into ``snapshot``."""
+    """Return the parts of the ``nbytes``-byte tensor at word ``w0`` of ``words``, copying it into ``snapshot``."""
     whole = nbytes // 8
     parts = parts_and_copy(words[w0:w0 + whole], snapshot[w0:w0 + whole])
     rest = nbytes - whole * 8
@@ -223,12 +195,11 @@ def _tensor_parts_and_copy(words: torch.Tensor, snapshot: torch.Tensor, w0: int,
 
 
 class Outputs:
-    """Where the C diff writes an update's (position, value) pairs: one int32 buffer and one byte buffer,
-    filled region after region, so that the pairs of consecutive sparse tensors of one dtype lie back to back
-    (a flush of them is a view, see :func:`join`), and kept from one update to the next (their pages are not
-    faulted in, zeroed, again each update). :meth:`start` rewinds them: the previous update's flushes must
-    have been sent by then. A region that may not fit gets new, larger buffers (the old ones live on as long
-    as views of them do). Memory: the most one update wrote, plus one region's worst case."""
+    """Buffers the C diff writes an update's (position, value) pairs into, kept from update to update.
+
+    Consecutive sparse tensors' pairs lie back to back, so a flush of them is a view (:func:`join`). :meth:`start`
+    rewinds them: the previous update's flushes must have been sent by then.
+    """
 
     def __init__(self) -> None:
         self.pos = torch.empty(0, dtype=torch.int32)
@@ -240,8 +211,7 @@ class Outputs:
         self.at = self.vat = 0
 
     def reserve(self, entries: int, es: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Room for ``entries`` pairs of ``es``-byte values from the cursors: ``(int32 positions, byte
-        values)``, views of the buffers (values aligned to ``es``); :meth:`advance` moves past what was used."""
+        """Return ``(int32 positions, byte values)`` views with room for ``entries`` pairs of ``es``-byte values."""
         self.vat = -(-self.vat // es) * es
         if self.at + entries > self.pos.numel() or self.vat + entries * es > self.vals.numel():
             size = max(2 * self.pos.numel(), entries, 1 << 16)
@@ -256,13 +226,7 @@ class Outputs:
 
 
 def join(parts: list[torch.Tensor], max_gap: int = 0) -> tuple[torch.Tensor, list[int]]:
-    """``parts`` (1-D tensors of one dtype) as one tensor, and where each starts in it (in elements).
-
-    When each part starts at most ``max_gap`` bytes (a whole number of elements) after the one before it
-    ends, in one storage (the pairs of consecutive sparse tensors in :class:`Outputs`; views of one flat
-    buffer, whose alignment padding is then carried along), a view spanning them (no copy); else
-    ``torch.cat``, the parts back to back.
-    """
+    """Return ``parts`` as one tensor (a view where adjacent in one storage, else ``torch.cat``) and offsets."""
     first = parts[0]
     es, start = first.element_size(), first.data_ptr()
     base, at, end = first.untyped_storage().data_ptr(), [], start
@@ -281,12 +245,9 @@ def join(parts: list[torch.Tensor], max_gap: int = 0) -> tuple[torch.Tensor, lis
 
 def diff_segment(seg: Segment, snapshot: torch.Tensor, old_parts: list[tuple[int, int]], pin: bool,
                  outputs: Outputs | None = None) -> list[TensorDiff | None]:
-    """Diff ``seg`` against ``snapshot`` (host int64 words of the region as last published), bring the
-    snapshot up to date, and return each tensor's :class:`TensorDiff` (``None``: unchanged).
+    """Diff ``seg`` against ``snapshot``, bring the snapshot up to date, and return each :class:`TensorDiff`.
 
-    On host memory with the C loops built (:mod:`ckpt.delta.kernel`): one loop over the region, each word
-    of it and of the snapshot read once (:func:`diff_segment_kernel`). Else torch/numpy passes on the
-    tensors' device (:func:`diff_segment_torch`). Both return the same bits.
+    ``None`` for an unchanged tensor. The C loop on host memory, else torch/numpy passes; the same bits.
     """
     lib = _kernel_for(seg, snapshot)
     if lib is not None:
@@ -296,12 +257,7 @@ def diff_segment(seg: Segment, snapshot: torch.Tensor, old_parts: list[tuple[int
 
 def diff_segment_kernel(lib, seg: Segment, snapshot: torch.Tensor, old_parts: list[tuple[int, int]],
                         outputs: Outputs | None = None) -> list[TensorDiff | None]:
-    """:func:`diff_segment` by the C loop ``lib`` (from :func:`ckpt.delta.kernel.library`) on host memory.
-
-    Sparse tensors' ``positions`` (int32) and ``values`` are views into ``outputs`` (a fresh
-    :class:`Outputs` when ``None``), in region order: the region's worst case is reserved, only what is
-    written is used.
-    """
+    """Run :func:`diff_segment` by the C loop ``lib``; sparse results are views into ``outputs``."""
     es = seg.tensors[0].element_size()
     dtype = seg.tensors[0].dtype
     rows = _rows(seg)
@@ -328,11 +284,7 @@ def diff_segment_kernel(lib, seg: Segment, snapshot: torch.Tensor, old_parts: li
 
 def diff_segment_torch(seg: Segment, snapshot: torch.Tensor, old_parts: list[tuple[int, int]], pin: bool
                        ) -> list[TensorDiff | None]:
-    """:func:`diff_segment` by torch/numpy passes, on any device.
-
-    Reads the region's words and the snapshot once (on the tensors' device: the snapshot is copied there
-    first when that is not host memory); large tensors decided dense are read once more while copied.
-    """
+    """Run :func:`diff_segment` by torch/numpy passes on the tensors' device."""
     new = seg.words
     dev = new.device
     old = snapshot if snapshot.device == dev else snapshot.to(dev, non_blocking=pin)
@@ -407,9 +359,7 @@ def diff_segment_torch(seg: Segment, snapshot: torch.Tensor, old_parts: list[tup
 
 def _word_sums(widx: torch.Tensor, new_ws: torch.Tensor, old_ws: torch.Tensor, w0_t: torch.Tensor,
                w1_t: torch.Tensor, nbytes: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each tensor's checksum change ``(dW, dS)`` (int64, one per tensor) from the region's changed words
-    ``widx`` (sorted) going from ``old_ws`` to ``new_ws``; tensor ``t`` holds words ``[w0_t, w1_t)``, its last
-    word only up to its ``nbytes`` (the bytes past it are not its own)."""
+    """Return each tensor's checksum change ``(dW, dS)`` from the region's changed words ``widx``."""
     dev = widx.device
     d = new_ws - old_ws
     cd = torch.zeros(d.numel() + 1, dtype=torch.int64, device=dev)  # running sums with a leading 0
@@ -435,9 +385,7 @@ def _word_sums(widx: torch.Tensor, new_ws: torch.Tensor, old_ws: torch.Tensor, w
 
 
 def _count_if_dense(t: torch.Tensor, old: torch.Tensor, w0: int, words: int, per: int) -> int | None:
-    """How many of ``t``'s values differ from the snapshot ``old`` (int64 words, ``t`` at word ``w0``) if that
-    many make it go dense, else ``None``, knowing ``words`` of its words differ (with one value per word that
-    is the count; else a second read of ``t`` counts them)."""
+    """Return how many of ``t``'s values differ if that many make it go dense, else ``None``."""
     es = t.element_size()
     nbytes = t.numel() * es
     changed = words if per == 1 else count_ne(bits(t), bits(old.view(torch.uint8)[w0 * 8:w0 * 8 + nbytes].view(t.dtype)))
@@ -445,7 +393,7 @@ def _count_if_dense(t: torch.Tensor, old: torch.Tensor, w0: int, words: int, per
 
 
 def ne(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``a != b`` (bool) of integer tensors; on host memory through numpy (vectorized for every width)."""
+    """Return ``a != b`` of integer tensors (through numpy on host memory)."""
     if a.is_cpu:
         import numpy as np
 
@@ -454,8 +402,7 @@ def ne(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def nonzero(mask: torch.Tensor) -> torch.Tensor:
-    """The flat indices (int64, ascending) where the 1-D bool ``mask`` is set; on host memory through numpy
-    (several times faster than torch's ``nonzero`` there when many are set). One host sync on a device."""
+    """Return the ascending flat indices where 1-D bool ``mask`` is set (through numpy on host memory)."""
     if mask.is_cpu:
         import numpy as np
 
@@ -464,7 +411,7 @@ def nonzero(mask: torch.Tensor) -> torch.Tensor:
 
 
 def take(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """``x.index_select(0, index)`` for 1-D integer ``x``; on host memory through numpy."""
+    """Return ``x.index_select(0, index)`` for 1-D integer ``x`` (through numpy on host memory)."""
     if x.is_cpu:
         import numpy as np
 
@@ -473,9 +420,7 @@ def take(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 
 
 def count_ne(a: torch.Tensor, b: torch.Tensor) -> int:
-    """How many elements of the integer tensors ``a`` and ``b`` (same shape and device) differ. On host
-    memory through numpy, whose comparisons of narrow integers are vectorized (torch's int16 ``ne`` runs
-    several times slower than its int64 one there)."""
+    """Return how many elements of integer tensors ``a`` and ``b`` differ (through numpy on host memory)."""
     if a.is_cpu:
         import numpy as np
 

@@ -1,11 +1,5 @@
-"""A checkpoint engine of wire format ``delta_flush`` over any hal engine (verl's ``CheckpointEngine``
-attribute ``wire_format = "delta_flush"``): what verl's rollout adapters take as
-``update_weights(engine.receive_weights(...), wire_format="delta_flush")``.
-
-``DeltaCheckpointEngine(inner)`` sends deltas (:func:`~ckpt.delta.delta_send`) through ``inner`` and yields
-``(named_tensors, is_last)`` flushes from it (:func:`~ckpt.delta.receive_delta_flushes`); the lifecycle
-(``prepare``, ``init_process_group``, ``finalize``, ``close``) is ``inner``'s. For verl's registry, which
-builds engines from a class, :func:`delta_engine_class` makes a subclass bound to one inner engine class.
+"""A checkpoint engine of wire format ``delta_flush`` over any hal engine, for verl's rollout adapters
+(``update_weights(engine.receive_weights(...), wire_format="delta_flush")``); the lifecycle is ``inner``'s.
 """
 
 from __future__ import annotations
@@ -22,21 +16,12 @@ from ckpt.errors import CheckpointConfigError
 
 
 class DeltaCheckpointEngine(CheckpointEngine):
-    """Delta weight sync over ``inner`` (any engine carrying named tensors: collective, file, ...).
+    """Delta weight sync over ``inner``, any engine of ``wire_format = "named_tensors"``.
 
-    Sender: each ``send_weights`` is a delta against ``sender``'s snapshot, or a full seed (the first
-    update, after :meth:`reseed`, after an update that raised, and when ``inner.topology`` changed).
-    Receiver: ``receive_weights`` yields verl ``delta_flush`` flushes, copies owned by the consumer.
-
-    Args:
-        inner: the transport engine (its ``wire_format`` must be ``"named_tensors"``).
-        sender: the trainer's :class:`DeltaSender` (``None``: one is made, with ``flush_bytes`` = half of
-            ``inner.bucket_size`` when it has one).
-
-    Memory: the sender's :attr:`DeltaSender.snapshot_bytes` of host memory plus ``inner``'s own bound.
-
-    Raises:
-        CheckpointConfigError: ``inner`` is not a named-tensor engine.
+    Each ``send_weights`` is a delta against ``sender``'s snapshot, or a full seed (first update, after
+    :meth:`reseed`, after an update that raised, when ``inner.topology`` changed). ``receive_weights`` yields
+    flushes owned by the consumer. ``sender`` defaults to one with ``flush_bytes`` half of ``inner.bucket_size``.
+    Memory: :attr:`DeltaSender.snapshot_bytes` of host memory plus ``inner``'s own.
     """
 
     wire_format = "delta_flush"
@@ -58,24 +43,20 @@ class DeltaCheckpointEngine(CheckpointEngine):
 
     @property
     def snapshot_bytes(self) -> int:
-        """Host bytes of the sender's snapshot (for the memory bound)."""
+        """Return the host bytes of the sender's snapshot."""
         return self.sender.snapshot_bytes
 
     # ---- lifecycle: inner's -------------------------------------------------------------------------
     def prepare(self) -> dict[str, Any]:
-        """``inner.prepare()``."""
         return self.inner.prepare()
 
     def init_process_group(self, **kwargs: Any) -> None:
-        """``inner.init_process_group(**kwargs)``."""
         self.inner.init_process_group(**kwargs)
 
     def finalize(self) -> None:
-        """``inner.finalize()``."""
         self.inner.finalize()
 
     def close(self) -> None:
-        """``inner.close()`` where it has one."""
         close = getattr(self.inner, "close", None)
         if close is not None:
             close()
@@ -83,7 +64,7 @@ class DeltaCheckpointEngine(CheckpointEngine):
     # ---- transfer -----------------------------------------------------------------------------------
     async def send_weights(self, weights: Iterable[tuple[str, torch.Tensor]], global_steps: int | None = None
                            ) -> None:
-        """Publish ``weights`` as a delta (or a seed, see the class docstring) through ``inner``."""
+        """Publish ``weights`` as a delta (or a seed) through ``inner``."""
         topology = getattr(self.inner, "topology", None)
         if topology is not None and self._topology is not None and topology != self._topology:
             self.sender.reseed(f"topology changed: {self._topology} -> {topology}")
@@ -98,8 +79,7 @@ class DeltaCheckpointEngine(CheckpointEngine):
 
 
 def delta_engine_class(inner_cls: type[CheckpointEngine], name: str | None = None) -> type[DeltaCheckpointEngine]:
-    """A :class:`DeltaCheckpointEngine` subclass that builds its own ``inner_cls(**kwargs)`` (verl's registry
-    calls ``cls(bucket_size=..., is_master=..., **engine_kwargs)``) and takes ``inner_cls``'s topology.
+    """Return a :class:`DeltaCheckpointEngine` subclass building its own ``inner_cls(**kwargs)`` (verl's registry).
 
     Example: ``CheckpointEngineRegistry.register("hal-delta")(delta_engine_class(CollectiveCheckpointEngine))``.
     """

@@ -1,22 +1,11 @@
-"""The delta engine's host-memory loops in C: the sender's one-pass diff, the seed's copy-and-checksum, the
-rollout's sparse apply and the integer form of verl's flush hash, built once and loaded with ``ctypes``.
+"""The delta engine's host-memory loops in C (the sender's one-pass diff, the seed's copy-and-checksum, the
+rollout's sparse apply, verl's flush hash), built once and loaded with ``ctypes``.
 
-Why C: on host memory a diff made of numpy/torch passes costs several times one memcpy of the model
-(finding the changed 64-bit words alone, ``not_equal`` then ``flatnonzero``, measured 2.3 ns a word against
-0.63 ns a word for a memcpy on this project's 2-core reference machine); one loop that reads each word of
-the weights and of the snapshot once, and writes only what changed, runs within about 2x of a memcpy.
-
-Build: the source below (:data:`SOURCE`) is compiled with the C compiler named by ``$CC`` or found on
-``PATH`` (``cc``, ``gcc``, ``clang``), ``-O3 -shared -fPIC``, into ``$HAL_CACHE_DIR/delta/<key>/`` (default
-``~/.cache/hal``, the folder the simulated npu's extension uses), keyed by a hash of the source, the
-compiler and the machine; a process that finds the library loads it (milliseconds), a fresh one builds it
-once (about a second). Concurrent builders each write their own file and rename it into place (atomic).
-Where no compiler works, or with ``HAL_DELTA_KERNEL=off``, :func:`library` returns ``None`` and the callers
-(:mod:`ckpt.delta.diff`, :mod:`ckpt.delta.receiver`, :mod:`ckpt.delta.wire`) take their torch/numpy paths,
-which give the same bits (tests compare both); :func:`status` says which is used and why.
-
-Every function here takes host-memory (cpu) arrays only, little-endian 64-bit words (as the checksum of
-:mod:`ckpt.delta.checksum` defines them).
+numpy/torch passes cost several memcpys of the model (2.3 ns a word against 0.63 ns); one loop runs within
+about 2x of a memcpy. :data:`SOURCE` is compiled with ``$CC`` (or ``cc``, ``gcc``, ``clang``) into
+``$HAL_CACHE_DIR/delta/<key>/``, keyed by source, compiler and machine (about a second, once). Without a
+compiler, or with ``HAL_DELTA_KERNEL=off``, :func:`library` returns ``None`` and callers take torch/numpy paths
+giving the same bits; :func:`status` says why. All functions take host little-endian 64-bit words.
 """
 
 from __future__ import annotations
@@ -33,10 +22,10 @@ import threading
 import numpy as np
 import torch
 
+# Set to off (or 0) to use the torch/numpy paths even where the library builds.
 ENV = "HAL_DELTA_KERNEL"
-"""Set to ``off`` (or ``0``) to use the torch/numpy paths even where the library builds."""
+# Seconds a compiler run may take before the build counts as failed.
 BUILD_TIMEOUT_S = 120.0
-"""Seconds a compiler run may take before the build counts as failed."""
 
 # Row of one tensor in hal_delta_diff / hal_delta_seed (int64): inputs, then what the call writes.
 W0, NBYTES, CMAX, CHANGED, DENSE, OUT0, OUT1, DW, DS, ROW = range(10)
@@ -396,7 +385,7 @@ _STATE: dict[str, object] = {}  # "lib": the loaded library or None, "reason": w
 
 
 def cache_root() -> pathlib.Path:
-    """The folder holding built libraries: ``$HAL_CACHE_DIR`` or ``~/.cache/hal``."""
+    """Return the folder holding built libraries: ``$HAL_CACHE_DIR`` or ``~/.cache/hal``."""
     return pathlib.Path(os.environ.get("HAL_CACHE_DIR") or pathlib.Path.home() / ".cache" / "hal")
 
 
@@ -412,12 +401,7 @@ FLAGS = ("-O3", "-shared", "-fPIC", "-std=c99")
 
 
 def _build(compiler: str) -> pathlib.Path:
-    """Compile :data:`SOURCE` (once per source, compiler and machine) and return the library's path.
-
-    Raises:
-        RuntimeError: the compiler failed or ran past :data:`BUILD_TIMEOUT_S` (its output in the message).
-        OSError: the cache folder cannot be written.
-    """
+    """Compile :data:`SOURCE` (once per source, compiler and machine) and return the library's path."""
     key = hashlib.sha256("\0".join((SOURCE, compiler, platform.machine(), platform.system(), *FLAGS)).encode()
                          ).hexdigest()[:16]
     folder = cache_root() / "delta" / key
@@ -456,8 +440,7 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
 
 
 def library() -> ctypes.CDLL | None:
-    """The loaded library, building it on first use; ``None`` where it cannot be built or loaded, or where
-    ``HAL_DELTA_KERNEL=off`` (the reason is in :func:`status`). Cached for the process."""
+    """Return the loaded library, building it on first use; ``None`` where unavailable (see :func:`status`)."""
     if os.environ.get(ENV, "").strip().lower() in ("off", "0", "no", "false"):
         return None
     with _LOCK:
@@ -474,8 +457,7 @@ def library() -> ctypes.CDLL | None:
 
 
 def status() -> tuple[bool, str]:
-    """``(True, "")`` when the C loops are used, else ``(False, why)`` (no compiler, a failed build, or
-    ``HAL_DELTA_KERNEL=off``)."""
+    """Return ``(True, "")`` when the C loops are used, else ``(False, why)``."""
     if library() is not None:
         return True, ""
     if os.environ.get(ENV, "").strip().lower() in ("off", "0", "no", "false"):
@@ -489,12 +471,11 @@ def _ptr(t: torch.Tensor | np.ndarray) -> int:
 
 def diff(lib: ctypes.CDLL, cur: torch.Tensor, snap: torch.Tensor, es: int, rows: np.ndarray,
          pos: torch.Tensor | np.ndarray, vals: torch.Tensor | np.ndarray, nan: tuple[int, int] | None) -> int:
-    """Run ``hal_delta_diff`` over the region ``cur`` (contiguous host int64 words) against ``snap`` (same
-    length, brought up to date): ``rows`` (int64 ``[n, ROW]``, inputs ``W0``, ``NBYTES``, ``CMAX`` filled;
-    the call fills the rest), outputs into ``pos`` (contiguous int32) and ``vals`` (contiguous, room for as
-    many ``es``-byte elements), which must hold :func:`capacity` entries; ``nan``: ``(absmask, infbits)`` of
-    the dtype's NaN rule, or ``None``. Returns the entries written (each sparse tensor's are
-    ``[OUT0, OUT1)`` of its row)."""
+    """Run ``hal_delta_diff`` over host words ``cur`` against ``snap`` (updated); return the entries written.
+
+    ``rows``: ``[n, ROW]`` int64 with ``W0``, ``NBYTES``, ``CMAX`` filled; ``pos`` (int32) and ``vals`` must hold
+    :func:`capacity` entries; ``nan``: the dtype's ``(absmask, infbits)`` or ``None``.
+    """
     need = capacity(rows, es)
     have = min(pos.numel(), vals.numel() // es) if isinstance(pos, torch.Tensor) else min(pos.size, vals.size // es)
     if have < need:
@@ -505,23 +486,20 @@ def diff(lib: ctypes.CDLL, cur: torch.Tensor, snap: torch.Tensor, es: int, rows:
 
 
 def capacity(rows: np.ndarray, es: int) -> int:
-    """Entries :func:`diff` may write for ``rows``: each tensor's sparse bound plus one word of lanes."""
+    """Return how many entries :func:`diff` may write for ``rows``."""
     per = 8 // es
     numel = rows[:, NBYTES] // es
     return int(np.minimum(numel, np.maximum(rows[:, CMAX], 0) + per).sum()) + per
 
 
 def seed(lib: ctypes.CDLL, cur: torch.Tensor, snap: torch.Tensor | None, es: int, rows: np.ndarray) -> None:
-    """Run ``hal_delta_seed``: each row's ``DW``/``DS`` = its tensor's checksum parts; ``snap`` (or none)
-    receives a copy of ``cur``."""
+    """Run ``hal_delta_seed``: fill each row's ``DW``/``DS`` checksum parts; copy ``cur`` into ``snap`` if given."""
     lib.hal_delta_seed(_ptr(cur), 0 if snap is None else _ptr(snap), cur.numel(), es, rows.shape[0], _ptr(rows))
 
 
 def apply(lib: ctypes.CDLL, dst: torch.Tensor, pos: torch.Tensor, vals: torch.Tensor, write: bool
           ) -> tuple[int, int] | int:
-    """Run ``hal_delta_apply`` on host tensors: ``dst`` (contiguous), ``pos`` (int32, contiguous), ``vals``
-    (contiguous, ``dst``'s element size). Returns the checksum change ``(dW, dS)`` (unsigned 64-bit ints),
-    or the index (int) of the first position outside ``dst`` (nothing written)."""
+    """Run ``hal_delta_apply``; return the checksum change ``(dW, dS)``, or the first out-of-range position (int)."""
     out = np.zeros(2, dtype=np.int64)
     bad = lib.hal_delta_apply(_ptr(dst), dst.numel(), dst.element_size(), _ptr(pos), _ptr(vals), pos.numel(),
                               int(write), _ptr(out))
@@ -530,16 +508,13 @@ def apply(lib: ctypes.CDLL, dst: torch.Tensor, pos: torch.Tensor, vals: torch.Te
     return int(out[0]) & (2**64 - 1), int(out[1]) & (2**64 - 1)
 
 
+# Subnormals and NaNs xor_values lists by index; past that many it only counts them.
 ODD_CAP = 1024
-"""Subnormals and NaNs :func:`xor_values` lists by index; past that many it only counts them."""
 
 
 def xor_values(lib: ctypes.CDLL, values: torch.Tensor, exp_mask: int = 0, mant_mask: int = 0
                ) -> tuple[int, int, int, torch.Tensor]:
-    """Run ``hal_delta_xor`` on a contiguous host tensor: ``(XOR of the raw elements, unsigned; elements
-    whose exponent field is neither all zeros nor all ones; edge-exponent elements with a non-zero mantissa
-    (subnormals, NaNs); the flat indices of the first :data:`ODD_CAP` of those, int64)``; the counts are 0
-    without ``exp_mask``."""
+    """Run ``hal_delta_xor``: return (XOR of raw elements, normal count, subnormal/NaN count, their first indices)."""
     out = np.zeros(3, dtype=np.int64)
     odd = torch.empty(ODD_CAP, dtype=torch.int64)
     lib.hal_delta_xor(_ptr(values), values.numel(), values.element_size(), exp_mask, mant_mask, _ptr(out),

@@ -1,24 +1,17 @@
 """The rollout side of delta weight sync: apply verl ``delta_flush`` flushes onto a model's own parameters.
 
-:class:`DeltaReceiver` applies an update's flushes in place into the served tensors, verifying verl's
-per-flush checksum (on ``indices`` flushes) and hal's per-tensor checksum of the result
-(:mod:`ckpt.delta.wire`), in one of two modes, as hal's rollout adapter does for full updates:
+:class:`DeltaReceiver` writes in place into the served tensors, checking verl's per-flush checksum and hal's
+per-tensor checksum of each result (:mod:`ckpt.delta.wire`):
 
-* ``atomic=True``: every tensor's result checksum is computed before anything is written, and what it takes
-  to write it (positions and values, or the dense values) is staged, written into the served tensors only
-  when the last flush has arrived and every checksum matched. A refused update leaves the previous step
-  served, untouched. Memory: the staged update (the wire bytes of the update, the whole model for a seed).
-* ``atomic=False`` (in place): each tensor is written into the served one as its flush arrives, then
-  checked. A refused update leaves the rollout ``degraded`` (part of the step written). Memory: one flush.
+* ``atomic=True``: results are checked and the writes staged; the served tensors change only after the last
+  flush, when every checksum matched, so a refused update leaves the previous step served. Memory: the
+  staged update (the whole model for a seed).
+* ``atomic=False``: each tensor is written as its flush arrives, then checked; a refusal leaves the rollout
+  ``degraded``. Memory: one flush.
 
-The receiver never re-reads the model: it keeps each tensor's running checksum (computed once, from a seed's
-values while they are written, or from the tensor at the first delta) and updates it from the old and new
-bits at the positions a delta writes (:func:`ckpt.delta.checksum.element_delta`). A receiver whose tensors
-differ from the sender's base where a delta writes computes another result and refuses it; bytes changed
-behind its back elsewhere are not read, unless ``full_verify=True`` (every written tensor re-read whole).
-
-Either way a refused update raises a :class:`DeltaRefusedError` naming the tensor, and the receiver then
-takes nothing but a full seed (its sender must :meth:`~ckpt.delta.DeltaSender.reseed`).
+Each tensor's checksum is kept running and updated from the bits a delta writes, so the model is not re-read
+(``full_verify=True`` re-reads written tensors). A refusal raises :class:`DeltaRefusedError` naming the tensor;
+then only a full seed is taken.
 """
 
 from __future__ import annotations
@@ -36,23 +29,11 @@ from ckpt.delta.wire import POS_WIDTH, POSITIONS, SPEC, VALUES, decode_spec, flu
 
 
 class DeltaReceiver:
-    """Applies ``delta_flush`` updates onto ``target_params`` (name -> the served tensor, e.g. a model's
-    ``named_parameters()``), in place.
+    """Applies ``delta_flush`` updates in place onto ``target_params`` (name -> served, contiguous tensor).
 
-    Args:
-        target_params: the served tensors, contiguous, written through ``.detach()`` (their identity and
-            storage are kept). Every name a flush carries must be here with the flush's dtype and shape.
-        atomic: see the module docstring.
-        served_step: the step ``target_params`` already hold, if the caller knows they equal the sender's
-            snapshot; ``None`` (default): unknown, so only a seed is taken.
-        full_verify: re-read every tensor a flush writes to check its checksum (the default updates a
-            running checksum from the written positions only: one read of the model less per update).
-
-    Attributes:
-        served_step: the step served (``None`` before the first seed).
-        needs_seed: only a seed is taken (initially, after a refusal, after :meth:`abort`).
-        degraded: an in-place update was refused part-way: the served tensors hold no consistent step.
-        last_changed: values written by the last applied update.
+    ``served_step``: the step the tensors already hold, if known to equal the sender's snapshot (``None``: only a
+    seed is taken). Attributes: ``served_step``, ``needs_seed``, ``degraded`` (an in-place update refused part-way),
+    ``last_changed`` (values written by the last update).
     """
 
     def __init__(self, target_params: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
@@ -74,20 +55,10 @@ class DeltaReceiver:
     # ---- one flush -----------------------------------------------------------------------------------
     def apply_flush(self, named_tensors: Iterable[tuple[str, torch.Tensor]], is_last: bool | None = None
                     ) -> int | None:
-        """Apply one flush (``[(__delta_spec__, ...), (__positions__, ...)?, (__values__, ...)]``).
+        """Apply one flush; return the step now served when it completed the update, else ``None``.
 
-        Args:
-            named_tensors: the flush, with verl's names.
-            is_last: whether this is the update's last flush; ``None``: as the spec says.
-
-        Returns:
-            the step now served when this flush completed the update, else ``None``.
-
-        Raises:
-            DeltaChecksumError: the flush's bytes, its layout, or a tensor's result disagree with the
-                sender's checksums (names the tensor where one is to blame).
-            DeltaBaseError: a delta onto another step than the one served (or while a seed is needed).
-            DeltaRefusedError: a tensor the rollout does not have, or another dtype / shape / layout.
+        ``is_last`` ``None``: as the spec says. DeltaChecksumError on a checksum mismatch, DeltaBaseError for a delta
+        onto another step, DeltaRefusedError for an unknown tensor or another dtype/shape.
         """
         try:
             return self._apply(dict(named_tensors), is_last)
@@ -96,8 +67,7 @@ class DeltaReceiver:
             raise
 
     def abort(self, reason: str) -> None:
-        """The update in progress will not complete (the transport failed): drop what was staged; an
-        in-place receiver that wrote part of it becomes ``degraded``. Either way a seed is needed next."""
+        """Drop what was staged for an update the transport failed; in place, become ``degraded``; a seed is next."""
         if self._in_update or self._staged:
             self._refuse()
         self.abort_reason = reason
@@ -122,9 +92,7 @@ class DeltaReceiver:
             raise DeltaRefusedError("this delta flush carries no per-tensor checksums (spec key 'hal'): it was "
                                     "not made by ckpt.delta.DeltaSender; apply it with verl's delta_loader")
         step, base = hal_meta.get("step"), hal_meta.get("base_step")
-        # verl's flush checksum (torch.hash_tensor upcasts every value to 64 bits: ~2 ns a value on a core)
-        # guards positions before any is written; a dense flush's values are checked by the per-tensor
-        # checksums instead, computed while they are written (or staged)
+        # verl's flush checksum guards positions before any is written; dense values: per-tensor checksums
         got = flush_checksum(positions, values) if spec.get("encoding") != "dense" else spec.get("checksum")
         if got != spec.get("checksum"):
             raise DeltaChecksumError(f"refused step {step}: flush {hal_meta.get('flush')} (tensors "
@@ -237,9 +205,7 @@ class DeltaReceiver:
         checks.append((name, expected, old_parts, torch.stack([dw, ds])))
 
     def _verify(self, checks: list, step: int | None) -> None:
-        """Compare each tensor's checksum after the flush (running parts plus the change: a 2-element
-        tensor, or a pair of ints from the C loop; or a dense tensor's parts) with the sender's; one host
-        sync for the flush. Raises DeltaChecksumError."""
+        """Compare each tensor's checksum after the flush with the sender's (one host sync); DeltaChecksumError."""
         deltas = [c[3] for c in checks if isinstance(c[3], torch.Tensor)]
         sums = iter(torch.stack(deltas).tolist() if deltas else [])
         for name, expected, parts, delta in checks:
@@ -256,8 +222,7 @@ class DeltaReceiver:
 
 
 def _copy_with_parts(target: torch.Tensor, vals: torch.Tensor) -> tuple[int, int]:
-    """Write ``vals`` into ``target`` bit for bit and return the checksum parts of what ``target`` now holds:
-    block by block in one read when both are word-aligned on one device, else a copy, then a read."""
+    """Write ``vals`` into ``target`` bit for bit and return the checksum parts of what ``target`` now holds."""
     if vals.device != target.device:  # checksum where the bytes arrived, then one copy over
         bits(target).copy_(bits(vals.to(target.device)))
         return tensor_parts(vals)
@@ -271,16 +236,14 @@ def _copy_with_parts(target: torch.Tensor, vals: torch.Tensor) -> tuple[int, int
 
 
 def _host_kernel(target: torch.Tensor, index: torch.Tensor, vals: torch.Tensor):
-    """The C library (:mod:`ckpt.delta.kernel`) when a sparse write of ``vals`` at int32 ``index`` into
-    ``target`` can go through it: all three contiguous host tensors. Else ``None``."""
+    """Return the C library when a sparse write can go through it (three contiguous host tensors), else ``None``."""
     if not all(t.is_cpu and t.is_contiguous() for t in (target, index, vals)):
         return None
     return kernel.library()
 
 
 def _write(target: torch.Tensor, index: torch.Tensor | None, vals: torch.Tensor) -> None:
-    """Write ``vals`` into ``target`` bit for bit: all of it (``index`` None) or at flat ``index`` (int32:
-    as staged from the C loop's path, or int64)."""
+    """Write ``vals`` into ``target`` bit for bit: all of it (``index`` None) or at flat int32/int64 ``index``."""
     dst = bits(target)
     src = bits(vals.to(target.device))
     if index is None:
@@ -296,17 +259,9 @@ def _write(target: torch.Tensor, index: torch.Tensor | None, vals: torch.Tensor)
 def apply_delta_flush(named_tensors: Iterable[tuple[str, torch.Tensor]],
                       target_params: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
                       atomic: bool = True) -> int | None:
-    """Apply one self-contained flush (a whole update in one flush, seed or delta) onto ``target_params``.
+    """Apply one self-contained flush (a whole update) onto ``target_params``; return the step it carries.
 
-    No step bookkeeping: the flush's base step is not checked (use :class:`DeltaReceiver` across
-    updates). ``atomic``: nothing is written unless every tensor's checksum matches; else tensors are
-    written as they come and a refusal leaves the earlier ones written.
-
-    Returns:
-        the step the flush carries.
-
-    Raises:
-        DeltaChecksumError, DeltaRefusedError: as :meth:`DeltaReceiver.apply_flush`.
+    The base step is not checked. ``atomic``: nothing is written unless every checksum matches.
     """
     receiver = DeltaReceiver(target_params, atomic=atomic, served_step=0)
     tensors = dict(named_tensors)

@@ -1,10 +1,8 @@
 """The trainer side of delta weight sync: a host snapshot of the last published values, diffed bit-wise.
 
-:class:`DeltaSender` turns each update's ``(name, tensor)`` pairs into verl's ``delta_flush`` flushes
-(:mod:`ckpt.delta.wire`): a full seed (``dense`` flushes of every tensor) when it holds no valid snapshot,
-then, per tensor, the int32 positions whose bits changed plus their new values (``indices`` flushes), or the
-whole tensor (``dense``) where that is smaller or where a changed value is NaN (verl's SGLang loader marks
-"unchanged" with NaN, so a NaN cannot travel sparse).
+Without a valid snapshot an update is a full seed (``dense`` flushes); else each tensor sends the int32
+positions whose bits changed plus their values (``indices``), or goes ``dense`` where that is smaller or a
+changed value is NaN (verl's SGLang loader marks "unchanged" with NaN).
 """
 
 from __future__ import annotations
@@ -28,9 +26,7 @@ DEFAULT_FLUSH_BYTES = 64 << 20
 
 @dataclass
 class UpdateStats:
-    """What one update sent: ``dense_bytes`` (the published tensors' bytes), ``sent_bytes`` (positions +
-    values + specs), ``changed``/``total`` values, ``dense_tensors``/``sparse_tensors``, ``flushes``, and
-    ``seed`` (a full seed) with its ``reason``."""
+    """What one update sent: dense and sent bytes, changed/total values, tensor and flush counts, seed and reason."""
 
     step: int | None = None
     seed: bool = False
@@ -45,12 +41,12 @@ class UpdateStats:
 
     @property
     def changed_fraction(self) -> float:
-        """Changed values / all values of the update (1.0 for a seed)."""
+        """Return changed values / all values of the update (1.0 for a seed)."""
         return self.changed / self.total if self.total else 0.0
 
     @property
     def sent_ratio(self) -> float:
-        """Bytes sent / dense bytes."""
+        """Return bytes sent / dense bytes."""
         return self.sent_bytes / self.dense_bytes if self.dense_bytes else 0.0
 
 
@@ -70,44 +66,12 @@ class _Bucket:
 class DeltaSender:
     """Diffs each update against the last published one and yields verl ``delta_flush`` flushes.
 
-    State: ``snapshot``, one host tensor per published name (same dtype and shape; pinned where the
-    device kind supports pinned host memory and is not host memory itself), holding the values the
-    receivers were last sent: views into one host buffer per *segment* (views of one flat buffer, each
-    8-byte aligned, as ``hal sync`` publishes, are one segment; other tensors one each; see
-    :mod:`ckpt.delta.diff`). Each segment is diffed on its device against its snapshot in one pass over
-    64-bit words (the snapshot copied over first where the device is not host memory; on host memory one C
-    loop, :mod:`ckpt.delta.kernel`, that reads each word of both once), and the snapshot brought up to date
-    from the changed words; each tensor's checksum is updated from them too. The update
-    counts as published only when :meth:`commit` is called after the transport returned: if the caller does
-    not commit (the send raised, a receiver refused), the snapshot is no longer a valid base and the next
-    update is a full seed, which is what any receiver in an unknown state needs. (Keeping the previous
-    values until the commit instead would double the memory bound.)
-
-    A full seed is sent: on the first update, after :meth:`reseed` (the caller's word that a receiver
-    joined late, failed its last update or restarted, or that the topology changed), and after an update
-    that was not committed. A segment whose layout (names, shapes, dtype, offsets) is new goes dense.
-
-    Memory: :attr:`snapshot_bytes` of host memory (the published bytes plus the alignment padding between
-    views of one buffer), plus while a segment is diffed one bool per 64-bit word and the changed words
-    (on a device also a copy of its snapshot), plus the flushes: the one being filled and the one held back
-    to learn which flush is last, each at most ``max(flush_bytes, the largest tensor's bytes)`` (a dense
-    tensor of at least ``flush_bytes / 2`` is a flush of its own whose values are the tensor itself, not a
-    copy; the dense values of views of one buffer are sent as a view spanning them, padding included),
-    plus what the engine holds. On host memory the sparse positions and values of an update are written
-    into one pair of buffers kept from update to update (:class:`ckpt.delta.diff.Outputs`: as large as
-    the most one update wrote, plus one segment's worst case), and a flush's are views of them.
-    Positions cost 4 bytes per changed value; a tensor goes dense when
-    ``changed * (4 + element size) >= numel * element size``, so an update never sends more than its dense
-    bytes plus the JSON specs (a few hundred bytes per tensor).
-
-    Args:
-        flush_bytes: close a flush once its positions + values reach this many bytes (int >= 1).
-        dtype: cast floating-point tensors to this dtype before diffing (verl's ``rollout_dtype``);
-            ``None`` (default): send them as given.
-        device: device kind of the published tensors, to decide pinning (``None``: hal's resolution).
-
-    Raises:
-        CheckpointConfigError: a bad ``flush_bytes`` / ``dtype``.
+    ``snapshot`` holds the values last sent, in host buffers per segment (:mod:`ckpt.delta.diff`), pinned where
+    the kind allows. An update is published only on :meth:`commit`; without one the next update is a full seed
+    (as after :meth:`reseed` and on the first). Memory: :attr:`snapshot_bytes` of host memory, plus per segment
+    one bool per word, plus two flushes of at most ``max(flush_bytes, largest tensor)``. An update never sends
+    more than its dense bytes plus the JSON specs. ``flush_bytes``: close a flush at this many bytes;
+    ``dtype``: cast floating tensors first (verl's ``rollout_dtype``).
     """
 
     def __init__(self, flush_bytes: int = DEFAULT_FLUSH_BYTES, dtype: torch.dtype | None = None,
@@ -131,25 +95,20 @@ class DeltaSender:
 
     @property
     def snapshot_bytes(self) -> int:
-        """Bytes of host memory the snapshot holds (the published tensors' bytes once seeded)."""
+        """Return the bytes of host memory the snapshot holds."""
         return sum(s.numel() * s.element_size() for s in self._segments.values())
 
     @property
     def seeded(self) -> bool:
-        """Whether the next update will be a delta (a committed snapshot and no reseed asked)."""
+        """Return whether the next update will be a delta (a committed snapshot and no reseed asked)."""
         return self._valid and self._reseed_reason is None
 
     def reseed(self, reason: str = "asked") -> None:
-        """Make the next update a full seed (a receiver joined late, failed its last update or restarted,
-        or the topology changed). ``reason`` is recorded in :attr:`last`."""
+        """Make the next update a full seed; ``reason`` is recorded in :attr:`last`."""
         self._reseed_reason = str(reason)
 
     def commit(self) -> UpdateStats:
-        """Mark the update just produced as delivered: the snapshot becomes the base of the next delta.
-
-        Raises:
-            CheckpointConfigError: no update was produced since the last commit.
-        """
+        """Mark the update just produced as delivered: the snapshot becomes the base of the next delta."""
         if self._pending is None:
             raise CheckpointConfigError("DeltaSender.commit() without an update: iterate flushes(...) "
                                         "(or call delta_send) first")
@@ -160,7 +119,7 @@ class DeltaSender:
         return stats
 
     def abandon(self, reason: str) -> None:
-        """The update just produced was not delivered: invalidate the snapshot (the next update is a seed)."""
+        """Invalidate the snapshot: the update just produced was not delivered (the next update is a seed)."""
         self._pending, self._valid = None, False
         self._reseed_reason = f"last update not delivered: {reason}"
 
@@ -169,24 +128,9 @@ class DeltaSender:
                 ) -> Iterator[Flush]:
         """Diff ``weights`` and yield ``(named_tensors, is_last)`` flushes in verl's ``delta_flush`` format.
 
-        Args:
-            weights: ``(name, tensor)`` pairs of the update (any device; floating tensors in the published
-                dtype, or cast to ``dtype``). Names must be unique. Views into one flat buffer (each on an
-                8-byte boundary, as ``hal sync`` publishes) are diffed as one region (see
-                :mod:`ckpt.delta.diff`).
-            global_steps: the step this update publishes (carried in each spec's ``hal.step``).
-
-        Yields:
-            ``([("__delta_spec__", uint8), ("__positions__", uint8)?, ("__values__", dtype)], is_last)``,
-            on the weights' device; exactly one item has ``is_last=True`` (an update with nothing changed
-            is one empty ``dense`` flush). A dense tensor of at least half ``flush_bytes`` is a flush of its
-            own whose values are the tensor itself (no copy), and dense views of one buffer are sent as a
-            view of it: send each flush before changing the weights. Sparse positions and values may be
-            views of buffers the next update reuses: send (or copy) an update's flushes before the next
-            call of this method.
-
-        Raises:
-            CheckpointConfigError: a name appears twice, or a pair is not ``(str, Tensor)``.
+        Flushes are on the weights' device; exactly one has ``is_last=True``. Dense values may be the weights
+        themselves (send each flush before changing the weights); sparse ones may be views of buffers the next
+        update reuses (send or copy an update's flushes before the next call).
         """
         seed = not self.seeded
         stats = UpdateStats(step=global_steps, seed=seed, reason=self._reseed_reason if seed else None)
@@ -244,9 +188,7 @@ class DeltaSender:
         return items
 
     def _diff(self, seg: Segment, snapshot: torch.Tensor | None, stats: UpdateStats):
-        """``(name, tensor, entry)`` for each tensor of ``seg``: ``entry`` is ``(encoding, positions int32 |
-        None, values, checksum)``, or ``None`` when unchanged. Updates the snapshot, its checksum parts and
-        ``stats``. A segment whose layout is new (no snapshot of the same key) goes dense."""
+        """Return ``(name, tensor, entry)`` per tensor of ``seg`` (entry ``None``: unchanged); update the snapshot."""
         for t in seg.tensors:
             stats.total += t.numel()
             stats.dense_bytes += t.numel() * t.element_size()

@@ -1,10 +1,7 @@
 """Delta flushes over any hal checkpoint engine that carries named tensors (collective, file, p2p, ...).
 
-The engines need no change: a flush is three named tensors to them. :func:`wire_tensors` names flush
-``k``'s tensors ``__delta_flush__/<k>/<key>`` (unique in an update, as the file engine needs);
-:func:`receive_delta_flushes` groups an engine's ``receive_weights`` stream back into verl's
-``(named_tensors, is_last)`` flushes, with verl's names, for verl's rollout adapters
-(``update_weights(..., wire_format="delta_flush")``) or :func:`receive_delta` / :class:`DeltaReceiver`.
+A flush is three named tensors to an engine: :func:`wire_tensors` names flush ``k``'s ``__delta_flush__/<k>/<key>``
+and :func:`receive_delta_flushes` groups them back into verl's ``(named_tensors, is_last)`` flushes.
 """
 
 from __future__ import annotations
@@ -21,8 +18,7 @@ from ckpt.delta.wire import SPEC, VALUES, decode_spec, split_wire_name, wire_nam
 
 
 def wire_tensors(flushes: Iterable[Flush]) -> Iterator[tuple[str, torch.Tensor]]:
-    """Flatten ``(named_tensors, is_last)`` flushes into ``(wire name, tensor)`` pairs, in order: each flush's
-    ``__delta_spec__``, ``__positions__`` (if any), ``__values__``."""
+    """Flatten flushes into ``(wire name, tensor)`` pairs: each flush's spec, positions (if any), values."""
     for index, (named, _is_last) in enumerate(flushes):
         for key, tensor in named:
             yield wire_name(index, key), tensor
@@ -32,14 +28,8 @@ async def delta_send(engine: Any, weights: Iterable[tuple[str, torch.Tensor]], g
                      sender: DeltaSender) -> UpdateStats:
     """Publish ``weights`` through ``engine`` as a delta against ``sender``'s snapshot (a seed when due).
 
-    Calls ``await engine.send_weights(<wire tensors>, global_steps=global_steps)``; commits the sender's
-    snapshot when it returns, abandons it (next update: a seed) when it raises.
-
-    Returns:
-        the update's :class:`UpdateStats` (bytes dense and sent, changed fraction, seed or not).
-
-    Raises:
-        whatever ``engine.send_weights`` or the diff raises (the snapshot is then abandoned).
+    Commits the snapshot when ``engine.send_weights`` returns, abandons it (next update: a seed) when anything
+    raises. Returns the update's :class:`UpdateStats`.
     """
     try:
         await engine.send_weights(wire_tensors(sender.flushes(weights, global_steps)), global_steps=global_steps)
@@ -51,18 +41,11 @@ async def delta_send(engine: Any, weights: Iterable[tuple[str, torch.Tensor]], g
 
 async def receive_delta_flushes(engine: Any, global_steps: int | None = None, *, own_values: bool = True,
                                 **receive_kwargs: Any) -> AsyncIterator[Flush]:
-    """Group ``engine.receive_weights(global_steps, **receive_kwargs)`` back into ``(named_tensors, is_last)``
-    flushes with verl's names (``__delta_spec__``, ``__positions__``, ``__values__``).
+    """Group ``engine.receive_weights(...)`` into ``(named_tensors, is_last)`` flushes with verl's names.
 
-    Each flush's tensors are copies owned by the consumer (engines may yield views of their buffers, valid
-    only until the next item): memory is one flush. With ``own_values=False`` a flush's ``__values__`` (its
-    last tensor) is the engine's own item, valid only until the next flush is asked for: for a consumer
-    that applies each flush at once (an in-place :class:`DeltaReceiver`), saving a copy of every value.
-    Stops after the flush whose spec says ``is_last``.
-
-    Raises:
-        DeltaChecksumError: a tensor name of another format, or the stream ends before ``is_last``.
-        whatever the engine raises (version mismatch, transfer errors).
+    Each flush's tensors are the consumer's copies (memory: one flush); with ``own_values=False`` its
+    ``__values__`` is the engine's item, valid only until the next flush. DeltaChecksumError for a foreign
+    name or a stream that ends before ``is_last``.
     """
     stream = engine.receive_weights(global_steps, **receive_kwargs)
     current: list[tuple[str, torch.Tensor]] = []
@@ -97,14 +80,10 @@ async def receive_delta_flushes(engine: Any, global_steps: int | None = None, *,
 
 async def receive_delta(engine: Any, receiver: DeltaReceiver, global_steps: int | None = None,
                         **receive_kwargs: Any) -> int | None:
-    """Receive one update from ``engine`` and apply it with ``receiver``; return the step now served.
+    """Receive one update from ``engine``, apply it with ``receiver`` and return the step now served.
 
-    On a refusal the rest of the update is still received (and discarded), so the transport stays in step,
-    then the refusal is raised; on a transport error the receiver's update is aborted.
-
-    Raises:
-        DeltaRefusedError (and its subclasses): the update was refused (see :class:`DeltaReceiver`).
-        whatever the engine raises.
+    On a refusal the rest is still received and discarded (the transport stays in step) before the refusal is
+    raised; on a transport error the receiver's update is aborted.
     """
     refused: DeltaRefusedError | None = None
     served = None

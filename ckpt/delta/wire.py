@@ -1,26 +1,20 @@
 """verl 0.9.1's ``delta_flush`` wire format, as its rollout-side decoders read it.
 
-One flush is a list of named tensors (verl ``CheckpointEngine.wire_format = "delta_flush"``; the engine's
-``receive_weights`` yields ``(named_tensors, is_last)``):
+One flush is a list of named tensors:
 
-* ``__delta_spec__``: uint8 tensor of a UTF-8 JSON object ``{"encoding", "params", "checksum", ...}``;
-  ``encoding`` is ``"indices"`` (int32 positions + values) or ``"dense"`` (values only: the seed, and any
-  tensor whose delta would be larger than itself); each entry of ``params`` is a verl ``DeltaParam``
-  (``name, dtype, shape, pos_start, pos_end, pos_width, val_start, val_end``: byte offsets into the
-  positions blob, element offsets into the values).
-* ``__positions__`` (``indices`` only): uint8 blob of little-endian int32 flat positions, 4 bytes each.
-* ``__values__``: the values, all of one dtype per flush.
-* ``checksum``: verl's ``hash_tensor(positions) ^ (hash_tensor(values) << 1)`` (0 for an empty argument),
-  which verl's ``delta_loader.apply_delta`` and vLLM consumer recompute and refuse on mismatch.
+* ``__delta_spec__``: uint8 UTF-8 JSON ``{"encoding", "params", "checksum", ...}``; ``encoding`` is
+  ``"indices"`` (int32 positions + values) or ``"dense"`` (values only: the seed, or a delta larger than its
+  tensor); each ``params`` entry is a verl ``DeltaParam`` (``name, dtype, shape, pos_start, pos_end,
+  pos_width, val_start, val_end``: byte offsets into positions, element offsets into values).
+* ``__positions__`` (``indices`` only): little-endian int32 flat positions as a uint8 blob.
+* ``__values__``: the values, one dtype per flush.
+* ``checksum``: ``hash_tensor(positions) ^ (hash_tensor(values) << 1)`` (0 for an empty one), which verl and
+  vLLM recompute and refuse on mismatch.
 
-hal adds one key to the JSON that verl's decoders do not read (they read only the keys above, plus
-``verify``/``is_last`` on dense flushes): ``"hal"`` = ``{"step", "base_step", "flush", "checksums": {name:
-int}}``, the per-tensor :func:`ckpt.delta.checksum.tensor_checksum` of what each tensor must hold after
-the flush is applied, the step the flush produces and the step it applies onto (``None``: a seed).
-
-Over hal's engines, which carry plain ``(name, tensor)`` pairs and want names unique within an update (the
-file engine keys a safetensors file by them), flush ``k``'s tensors travel as ``__delta_flush__/<k>/<key>``
-(:func:`wire_name`); :func:`split_wire_name` gives ``(k, key)`` back.
+hal adds ``"hal"`` = ``{"step", "base_step", "flush", "checksums": {name: int}}`` (verl's decoders ignore it):
+the :func:`ckpt.delta.checksum.tensor_checksum` each tensor must have after the flush, and the steps it
+produces and applies onto (``None``: a seed). Through hal's engines flush ``k``'s tensors travel as
+``__delta_flush__/<k>/<key>`` (:func:`wire_name`, :func:`split_wire_name`).
 """
 
 from __future__ import annotations
@@ -39,16 +33,7 @@ POS_WIDTH = 4  # int32 positions (verl's "indices" encoding)
 
 
 def flush_checksum(positions: torch.Tensor | None, values: torch.Tensor) -> int:
-    """verl's per-flush checksum (``verl.checkpoint_engine.delta_sync.encode.checksum``), recomputed here:
-    ``hash_tensor(positions) ^ (hash_tensor(values) << 1)``, each term 0 for an empty argument.
-
-    Args:
-        positions: the uint8 positions blob, or ``None``/empty (a dense flush).
-        values: the flush's values (any dtype; ``hash_tensor`` upcasts them to 64 bits before XOR).
-
-    Returns:
-        the same int verl computes (:func:`value_hash` of each, without the float64 upcast on host memory).
-    """
+    """Return verl's per-flush checksum, ``hash_tensor(positions) ^ (hash_tensor(values) << 1)`` (0 if empty)."""
     p = value_hash(positions) if positions is not None and positions.numel() else 0
     v = value_hash(values) if values.numel() else 0
     return p ^ (v << 1)
@@ -77,19 +62,11 @@ _MASK64 = (1 << 64) - 1
 
 
 def value_hash(tensor: torch.Tensor) -> int:
-    """``int(torch.hash_tensor(tensor))`` (an unsigned 64-bit int): the XOR of the elements, each upcast to
-    its 64-bit float or integer equivalent and read as uint64 (torch's documented ``mode=0``).
+    """Return ``int(torch.hash_tensor(tensor))``: the XOR of the elements upcast to 64 bits, as uint64.
 
-    On a contiguous host tensor with :mod:`ckpt.delta.kernel` built, computed on integer views in one read,
-    without the upcast: integers are sign- or zero-extended, and extension commutes with XOR; a float64's
-    bits are its own. bfloat16, float16 and float32 widen to float64 by a map that is linear over bits for
-    every value whose exponent field is neither all zeros nor all ones (the exponent's top bit becomes 4 or
-    3 bits, its other bits and the mantissa move over, IEEE 754 binary64), plus a constant per such value;
-    zeros and infinities follow the same linear part without the constant; so the hash is the linear part
-    of the elements' XOR, the constant if an odd number of them are normal. Subnormals and NaNs (whose
-    payload the upcast may change: x86 sets the quiet bit) are picked out and hashed by ``torch.hash_tensor``
-    (all of them when there are more than :data:`ckpt.delta.kernel.ODD_CAP`), as is every other dtype and
-    device.
+    On a contiguous host tensor with :mod:`ckpt.delta.kernel` built, computed on integer views without the
+    upcast (the float widening is linear over bits plus a constant per normal value); subnormals and NaNs go
+    through ``torch.hash_tensor``, as every other dtype and device.
     """
     from ckpt.delta import kernel
 
@@ -115,17 +92,13 @@ def value_hash(tensor: torch.Tensor) -> int:
 
 
 def encode_spec(spec: dict[str, Any], device: torch.device | str) -> torch.Tensor:
-    """The ``__delta_spec__`` tensor: ``spec`` as UTF-8 JSON in a 1-D uint8 tensor on ``device``."""
+    """Return ``spec`` as a ``__delta_spec__`` tensor (UTF-8 JSON, 1-D uint8) on ``device``."""
     data = bytearray(json.dumps(spec, separators=(",", ":")).encode())
     return torch.frombuffer(data, dtype=torch.uint8).to(device)
 
 
 def decode_spec(tensor: torch.Tensor) -> dict[str, Any]:
-    """The JSON object of a ``__delta_spec__`` tensor (any device).
-
-    Raises:
-        ValueError: not UTF-8 JSON of an object (a corrupted spec).
-    """
+    """Return the JSON object of a ``__delta_spec__`` tensor; ValueError for a corrupted spec."""
     data = bytes(tensor.detach().to("cpu").contiguous().view(torch.uint8).tolist())
     try:
         spec = json.loads(data.decode())
@@ -137,16 +110,12 @@ def decode_spec(tensor: torch.Tensor) -> dict[str, Any]:
 
 
 def wire_name(flush: int, key: str) -> str:
-    """The name flush ``flush``'s tensor ``key`` (one of :data:`KEYS`) travels under through hal's engines."""
+    """Return the name flush ``flush``'s tensor ``key`` travels under through hal's engines."""
     return f"{WIRE_PREFIX}/{flush}/{key}"
 
 
 def split_wire_name(name: str) -> tuple[int, str]:
-    """``(flush, key)`` of a name made by :func:`wire_name`.
-
-    Raises:
-        ValueError: ``name`` is not such a name (the update was not sent in the delta wire format).
-    """
+    """Return ``(flush, key)`` of a :func:`wire_name`; ValueError for any other name."""
     prefix, _, rest = name.partition("/")
     index, _, key = rest.partition("/")
     if prefix != WIRE_PREFIX or not index.isdigit() or key not in KEYS:

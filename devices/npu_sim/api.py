@@ -1,28 +1,8 @@
-"""The rest of ``torch.npu`` that verl 0.9.1 and vllm-ascend call, and :func:`build`, which gathers them with
-:mod:`devices.npu_sim.module`'s calls into the sim's ``torch.npu``.
-
-Each name exists in ``torch_npu.npu`` 2.14.0 (``devices/npu_api_names.txt``) and behaves as torch_npu
-documents it, restricted to what a host-memory simulation can honour:
-
-- ``set_per_process_memory_fraction(fraction, device=None)`` / ``get_per_process_memory_fraction``: the
-  process may hold at most ``fraction * total`` bytes on the device; an allocation past it raises
-  ``torch.OutOfMemoryError`` (the limit is enforced by the extension's capacity check). ``mem_get_info``
-  keeps reporting the device's full total, as the driver does.
-- ``ipc_collect()``: no-op; the sim shares no device memory between processes, so nothing is held for IPC.
-- ``get_device_capability(device=None)``: ``None``. torch_npu documents that CANN has no compute-capability
-  concept and returns ``None``; verl's ``PlatformNPU.get_device_capability`` handles exactly that.
-- ``get_device_properties(device=None)``: ``name``, ``total_memory`` (bytes) and Ascend's core counts.
-- ``memory`` (``torch.npu.memory``): the memory calls plus ``_set_allocator_settings("key:value,...")``,
-  which accepts the keys of ``PYTORCH_NPU_ALLOC_CONF`` and rejects any other, as torch_npu does.
-- ``is_current_stream_capturing()``: ``False`` (the sim has no graph capture; ``NPUGraph`` is absent).
-- ``mstx`` (MindStudio Tools Extension markers: ``mark``, ``range_start`` -> range id, ``range_end``,
-  ``mstx_range`` decorator): markers are recorded only for an attached msprof profiler, which the sim never
-  has, so they do nothing; verl imports ``torch_npu.npu.mstx`` unguarded once it sees an npu.
-- ``set_compile_mode(jit_compile=False)`` and ``config.allow_internal_format`` (``False``): the sim keeps
-  every tensor in its plain (ND) layout, which is what ``allow_internal_format=False`` asks for.
-
-Names torch_npu has and the sim cannot honour (graphs, ``NPUPluggableAllocator``, ``MemPool``, ``mstx``,
-dump and overflow controls, ``torch_npu.profiler``) stay absent, so a consumer's ``hasattr`` check takes its fallback path.
+"""The rest of ``torch.npu`` that verl 0.9.1 and vllm-ascend call, and :func:`build`, which assembles the sim's
+``torch.npu``. Each name exists in ``torch_npu.npu`` 2.14.0 and behaves as torch_npu documents it, as far as a
+host-memory simulation can: ``get_device_capability`` is ``None`` (as on CANN), ``mstx`` markers and
+``ipc_collect`` do nothing, every tensor keeps the plain (ND) layout. Names the sim cannot honour (graphs,
+``MemPool``, ``torch_npu.profiler``, ...) stay absent, so ``hasattr`` checks take their fallback.
 """
 
 from __future__ import annotations
@@ -51,10 +31,7 @@ L2_CACHE_SIZE = 192 << 20
 
 @dataclasses.dataclass(frozen=True)
 class DeviceProperties:
-    """What ``torch.npu.get_device_properties`` returns (torch_npu's ``NPUDeviceProperties`` fields).
-
-    ``total_memory`` is in bytes; ``L2_cache_size`` in bytes.
-    """
+    """What ``torch.npu.get_device_properties`` returns; ``total_memory`` and ``L2_cache_size`` in bytes."""
 
     name: str
     total_memory: int
@@ -64,17 +41,17 @@ class DeviceProperties:
 
 
 class Mstx:
-    """``torch.npu.mstx``: profiler markers, inert without an attached profiler (see the module doc)."""
+    """``torch.npu.mstx``: profiler markers, inert without an attached profiler."""
 
     _next_id = itertools.count(1)
 
     @staticmethod
     def mark(message: str = "", stream: Any = None, domain: str = "default") -> None:
-        """An instant marker: nothing is recorded without a profiler."""
+        """Record an instant marker (nothing, without a profiler)."""
 
     @classmethod
     def range_start(cls, message: str = "", stream: Any = None, domain: str = "default") -> int:
-        """Open a range; returns its id (a positive int) for :meth:`range_end`."""
+        """Open a range; return its id (a positive int) for :meth:`range_end`."""
         return next(cls._next_id)
 
     @staticmethod
@@ -83,7 +60,7 @@ class Mstx:
 
     @staticmethod
     def mstx_range(message: str = "", stream: Any = None, domain: str = "default"):
-        """Decorator: the wrapped function runs inside a range named ``message``."""
+        """Decorate a function to run inside a range named ``message``."""
         def wrap(fn):
             @functools.wraps(fn)
             def ranged(*args: Any, **kwargs: Any):
@@ -96,15 +73,15 @@ class Mstx:
         return wrap
 
 
+# Device index -> its total memory in bytes (the capacity before a process fraction applies).
 _totals: dict[int, int] = {}
-"""Device index -> its total memory in bytes (the extension's capacity before a process fraction applies)."""
+# Device index -> the fraction set by set_per_process_memory_fraction.
 _fractions: dict[int, float] = {}
-"""Device index -> the fraction set by :func:`set_per_process_memory_fraction`."""
+# The allocator settings applied by memory._set_allocator_settings.
 _settings: dict[str, str] = {}
-"""The allocator settings applied by ``memory._set_allocator_settings``."""
 
+# torch.npu.config: the sim keeps every tensor in its plain (ND) layout.
 config = types.SimpleNamespace(allow_internal_format=False, jit_compile=False)
-"""``torch.npu.config``: the sim keeps every tensor in its plain (ND) layout (see the module doc)."""
 
 mstx = Mstx
 
@@ -120,11 +97,7 @@ def _apply_limit(index: int) -> None:
 
 
 def set_per_process_memory_fraction(fraction: float, device: Any = None) -> None:
-    """Limit this process to ``fraction`` (0..1) of the device's total memory.
-
-    Raises:
-        TypeError: ``fraction`` is not a float. ValueError: it is outside [0, 1], or ``device`` is not npu.
-    """
+    """Limit this process to ``fraction`` (0..1) of the device's total memory; past it allocations raise OOM."""
     if not isinstance(fraction, float):
         raise TypeError(f"Invalid type for fraction argument, must be `float`, got {type(fraction).__name__}")
     if not 0.0 <= fraction <= 1.0:
@@ -136,25 +109,19 @@ def set_per_process_memory_fraction(fraction: float, device: Any = None) -> None
 
 
 def get_per_process_memory_fraction(device: Any = None) -> float:
-    """The fraction set by :func:`set_per_process_memory_fraction` (1.0 when never set)."""
+    """Return the fraction set by :func:`set_per_process_memory_fraction` (1.0 when never set)."""
     return _fractions.get(resolve_index(device), 1.0)
 
 
 def mem_get_info(device: Any = None) -> tuple[int, int]:
-    """``(free, total)`` bytes: the device's total (``HAL_SIM_NPU_MEMORY``) minus what is held; cached blocks
-    count as used, as the driver sees them."""
+    """Return ``(free, total)`` bytes of the device (``HAL_SIM_NPU_MEMORY``); cached blocks count as used."""
     index = resolve_index(device)
     total = _total(index)
     return max(0, total - module.memory_reserved(index)), total
 
 
 def set_memory_capacity(nbytes: int, device: Any = None) -> None:
-    """Sim only: the total memory of ``device`` in bytes; an allocation past it (or past a process fraction
-    set earlier, which still applies) raises ``torch.OutOfMemoryError``.
-
-    Raises:
-        ValueError: ``nbytes`` is not positive.
-    """
+    """Sim only: set the total memory of ``device`` in bytes; allocations past it raise ``torch.OutOfMemoryError``."""
     index = resolve_index(device)
     if int(nbytes) <= 0:
         raise ValueError(f"npu-sim: capacity must be a positive number of bytes, got {nbytes}")
@@ -163,23 +130,23 @@ def set_memory_capacity(nbytes: int, device: Any = None) -> None:
 
 
 def ipc_collect() -> None:
-    """No-op: the sim shares no device memory between processes, so none waits to be collected."""
+    """Do nothing: the sim shares no device memory between processes."""
 
 
 def get_device_capability(device: Any = None) -> None:
-    """``None``: CANN has no compute-capability concept (torch_npu returns ``None`` too)."""
+    """Return ``None``: CANN has no compute capability (torch_npu returns ``None`` too)."""
     resolve_index(device)
     return None
 
 
 def get_device_properties(device: Any = None) -> DeviceProperties:
-    """Name, total memory in bytes and core counts of ``device``."""
+    """Return the name, total memory in bytes and core counts of ``device``."""
     index = resolve_index(device)
     return DeviceProperties(name=module.get_device_name(index), total_memory=_total(index))
 
 
 def is_current_stream_capturing() -> bool:
-    """``False``: the sim never captures graphs."""
+    """Return ``False``: the sim never captures graphs."""
     return False
 
 
@@ -189,13 +156,9 @@ def set_compile_mode(jit_compile: bool = False) -> None:
 
 
 def _set_allocator_settings(value: str) -> None:
-    """``torch.npu.memory._set_allocator_settings`` (torch_npu's private name, which verl and vllm-ascend call):
-    apply ``"key:value,key:value"`` allocator settings (PYTORCH_NPU_ALLOC_CONF syntax).
+    """Validate and record ``"key:value,..."`` allocator settings (PYTORCH_NPU_ALLOC_CONF keys), as torch_npu does.
 
-    The sim's allocator reads none of them; they are validated and recorded (``_allocator_settings()``).
-
-    Raises:
-        RuntimeError: a malformed entry or an unknown key (torch_npu raises RuntimeError too).
+    The sim's allocator reads none of them; RuntimeError for a malformed entry or unknown key.
     """
     for item in filter(None, (part.strip() for part in str(value).split(","))):
         key, sep, val = item.partition(":")
@@ -208,25 +171,23 @@ def _set_allocator_settings(value: str) -> None:
 
 
 def _allocator_settings() -> dict[str, str]:
-    """``torch.npu.memory._allocator_settings``: the settings applied so far, ``{key: value}``."""
+    """Return the settings applied so far, ``{key: value}``."""
     return dict(_settings)
 
 
+# The names of torch.npu this module adds to devices.npu_sim.module's.
 __all__ = ["set_per_process_memory_fraction", "get_per_process_memory_fraction", "mem_get_info",
            "set_memory_capacity", "ipc_collect", "get_device_capability", "get_device_properties",
            "is_current_stream_capturing", "set_compile_mode", "config", "mstx"]
-"""The names of ``torch.npu`` this module adds to :mod:`devices.npu_sim.module`'s."""
 
+# The public names of torch.npu.memory (torch_npu/npu/memory.py), all also in torch.npu.
 MEMORY_NAMES = ("memory_allocated", "max_memory_allocated", "memory_reserved", "max_memory_reserved",
                 "memory_stats", "reset_peak_memory_stats", "reset_max_memory_allocated", "empty_cache",
                 "mem_get_info", "set_per_process_memory_fraction", "get_per_process_memory_fraction")
-"""The public names of ``torch.npu.memory`` (torch_npu/npu/memory.py), all also in ``torch.npu``."""
 
 
 def build(ext: types.ModuleType) -> types.ModuleType:
-    """The sim's ``torch.npu``: a fresh module object named ``torch.npu`` holding the ``__all__`` of
-    :mod:`devices.npu_sim.module` and of this module, backed by the loaded extension ``ext``, with its
-    ``memory`` submodule (also registered as ``sys.modules["torch.npu.memory"]``)."""
+    """Return the sim's ``torch.npu`` module over extension ``ext``, with ``memory`` (also in ``sys.modules``)."""
     module.bind(ext)
     npu = types.ModuleType("torch.npu", module.__doc__)
     names = {name: getattr(module, name) for name in module.__all__} | {name: globals()[name] for name in __all__}

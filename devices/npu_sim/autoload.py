@@ -1,18 +1,10 @@
 """Activate the simulated npu inside ``import torch``, before any consumer's first import.
 
-torch loads every entry point of the group ``torch.backends`` at the end of ``import torch`` (its
-out-of-tree backend autoload, ``torch._import_device_backends``; torch_npu registers itself the same
-way). hal declares :func:`autoload` there (``pyproject.toml``), so a process started by torchrun,
-multiprocessing or Ray, where no code of the user's runs before verl's or vLLM's imports, has ``torch.npu``,
-``hccl`` and ``import torch_npu`` from its first ``import torch`` on.
-
-It does nothing unless asked: ``HAL_DEVICE=npu-sim`` (or ``npu-sim:<index>``), or ``HAL_NPU_SIM_AUTOLOAD=1``
-with any ``HAL_DEVICE``. It also gives the process what a CANN install answers (``npu-smi``, the toolkit's
-version file; :mod:`devices.npu_sim.cann`), written under hal's cache folder. ``HAL_NPU_SIM_AUTOLOAD=0`` turns it off even with ``HAL_DEVICE=npu-sim`` (hal then
-registers the sim on first use, as before), and torch's ``TORCH_DEVICE_BACKEND_AUTOLOAD=0`` turns off every
-backend autoload. Unasked, it reads two environment variables and registers nothing: this module imports
-only ``os``, and its package's top (:mod:`devices.npu_sim`) only the spec's dataclass base. A failure (a compiler error on the first build, a real torch_npu present) becomes a
-``RuntimeWarning``, never an exception: ``import torch`` must keep working.
+:func:`autoload` is a ``torch.backends`` entry point (as torch_npu's), so processes started by torchrun,
+multiprocessing or Ray have ``torch.npu``, ``hccl`` and ``import torch_npu`` from their first ``import torch``.
+It acts only with ``HAL_DEVICE=npu-sim[:i]`` or ``HAL_NPU_SIM_AUTOLOAD=1`` (``=0`` turns it off), also writing
+the CANN answers (:mod:`devices.npu_sim.cann`); unasked it imports only ``os``. A failure becomes a
+``RuntimeWarning``: ``import torch`` must keep working.
 """
 
 import os
@@ -23,7 +15,7 @@ _FALSE = ("0", "false", "no", "off")
 
 
 def wanted(environ=None) -> bool:
-    """Whether the environment asks for the sim at ``import torch`` (see the module doc)."""
+    """Return whether the environment asks for the sim at ``import torch``."""
     environ = os.environ if environ is None else environ
     opt_in = environ.get(OPT_IN_ENV, "").strip().lower()
     if opt_in in _FALSE:
@@ -34,11 +26,7 @@ def wanted(environ=None) -> bool:
 
 
 def autoload() -> None:
-    """The ``torch.backends`` entry point: register the sim when :func:`wanted`, else return at once.
-
-    Never raises (except ``KeyboardInterrupt``/``SystemExit``): a failure is reported as a ``RuntimeWarning``
-    naming the cause, and torch goes on without the sim.
-    """
+    """Register the sim when :func:`wanted` (the ``torch.backends`` entry point); failures become a RuntimeWarning."""
     if not wanted():
         return
     try:
@@ -53,6 +41,6 @@ def autoload() -> None:
 
 
 def sim_error_line(exc: BaseException) -> str:
-    """The first line of ``exc``'s message (a compiler's output can be long)."""
+    """Return the first line of ``exc``'s message."""
     lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
     return lines[0] if lines else ""

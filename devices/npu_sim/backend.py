@@ -1,47 +1,20 @@
 """The ``hccl`` collective backend of the simulated NPU: gloo underneath, on the npu tensors' own bytes.
 
-Registered as torch_npu registers HCCL: ``Backend.register_backend("hccl", ..., extended_api=True,
-devices=["npu"])`` (a list: torch 2.13 splits a string into characters). The creator returns
-:class:`SimHcclGroup`, a Python ``torch.distributed.ProcessGroup`` subclass (the pattern of PyTorch's
-``test_c10d_pypg`` and ``multi_threaded_pg``) wrapping a ``ProcessGroupGloo``. npu memory is host memory,
-so each npu tensor is handed to gloo as a cpu tensor over the same bytes (no staging copy).
+Registered as torch_npu registers HCCL (``register_backend("hccl", ..., extended_api=True, devices=["npu"])``);
+:class:`SimHcclGroup` is a Python ``ProcessGroup`` wrapping a ``ProcessGroupGloo``, and hands each npu tensor
+to gloo as a cpu tensor over the same bytes.
 
-Collectives complete asynchronously, as on HCCL's stream, so that a missing ``wait`` shows up on the sim:
-a call only queues the operation (arguments are checked at once) and returns a :class:`SimWork`. Each
-group runs its queued operations in issue order, on every rank alike (ranks must issue them in the same
-order, as with HCCL), and only when one is needed: ``work.wait()`` (which also runs every operation
-issued before it on the group; the synchronous calls, ``async_op=False``, wait at once and behave as
-before), ``work.get_future()`` (a future's own ``wait`` cannot be seen here: DDP's reducer takes one),
-``torch.npu.synchronize(device)`` (every group whose device is ``device``), :meth:`SimHcclGroup.shutdown`
-(``destroy_process_group``; :meth:`SimHcclGroup.abort` drops them instead). Until then the operation has
-not read its input nor written its output: a sender that changes its tensor before waiting sends the
-changed bytes, a receiver that reads before waiting reads what was there before. ``work.is_completed()``
-only reports. An operation runs within the group's timeout or raises ``hal.DistributedTimeoutError`` (a
-missing or dead peer) from ``wait``; the operations queued behind a failed one fail with it, unrun.
+Collectives complete asynchronously, as on HCCL's stream, so a missing ``wait`` shows on the sim: a call
+queues the operation and returns a :class:`SimWork`; each group runs its queue in issue order (ranks must
+issue alike) only when needed: ``work.wait()``, ``work.get_future()``, ``torch.npu.synchronize(device)`` or
+:meth:`SimHcclGroup.shutdown`. Until then input is unread and output unwritten. A run past the group's
+timeout raises ``hal.DistributedTimeoutError`` from ``wait``, and the operations queued behind it fail unrun.
 
-Like NCCL ("Duplicate GPU detected") and HCCL, a communicator refuses two ranks on one device: the
-first collective of a group exchanges each rank's device (host, and the physical id behind
-``ASCEND_RT_VISIBLE_DEVICES``; the host is ``$HAL_SIM_HOST`` where set) and every rank raises
-``torch.distributed.DistBackendError`` naming both ranks if two share one, so code that forgets to bind
-each rank's device fails on any machine. The device is the one current when the collective is issued.
-Covered: broadcast, allreduce (SUM/PRODUCT/MIN/MAX, and AVG as SUM then divide; gloo has no AVG),
-allreduce_coalesced, allgather, all_gather_single (``all_gather_into_tensor``, ``_allgather_base``),
-reduce_scatter, reduce_scatter_single (``reduce_scatter_tensor``, ``_reduce_scatter_base``), barrier,
-send/recv, all_to_all_single, and (called from Python) reduce, gather, scatter; DDP and FSDP2
-(``fully_shard``, ``DTensor.full_tensor()``) run on it in eager mode.
-
-Collectives that C++ starts (functional collectives: ``DTensor.full_tensor()``, redistribution; DDP's
-reducer) reach a Python process group only through the names torch's ``PyProcessGroup`` trampoline
-forwards (``torch/csrc/distributed/c10d/PyProcessGroup.hpp``): allgather, all_gather_single_coalesced,
-allreduce(_coalesced), all_to_all_single, barrier, broadcast, reduce_scatter(_single_coalesced), send,
-recv; all of them are defined here, and those callers wait on the work (``wait_tensor``, the reducer's
-future) themselves. The other names (gather, scatter, reduce when C++ calls them) reach the wrapped gloo
-directly, on the npu tensors' bytes, past this class's checks and queue (so at once, ahead of any queued
-operation). Started from C++, such a call also holds the caller's GIL into gloo: gloo's worker thread
-drops a finished op's tensors while holding its queue lock, dropping a tensor that Python has seen takes
-the GIL (PyTorch keeps a tensor's Python object alive while C++ holds it), so a caller that enqueues with
-the GIL held can deadlock with that thread. Here every gloo call goes through its Python binding, which
-releases the GIL first, whichever thread runs the queue.
+As NCCL and HCCL, a communicator refuses two ranks on one device: the first collective exchanges each rank's
+(host, physical device) and raises ``DistBackendError`` on a clash. DDP and FSDP2 run on it in eager mode.
+Collectives C++ starts reach this class only through the names torch's ``PyProcessGroup`` trampoline
+forwards (all defined here); gather, scatter and reduce from C++ go straight to gloo. Every gloo call goes
+through its Python binding, which releases the GIL (gloo's worker thread may need it).
 """
 
 from __future__ import annotations
@@ -66,17 +39,14 @@ from devices.errors import DistributedTimeoutError
 BACKEND_NAME = "hccl"
 _ext = None
 
+# The live groups of this process by creation number (what synchronize runs, oldest first).
 _groups: weakref.WeakValueDictionary[int, SimHcclGroup] = weakref.WeakValueDictionary()
-"""The live groups of this process by creation number (what :func:`synchronize` runs, oldest first)."""
 _group_ids = itertools.count()
 
 
 class SimWork(torch_compat.Work):
     """One issued collective of a :class:`SimHcclGroup`: queued until needed (see the module doc).
 
-    ``wait()`` runs it (and every operation issued before it on the group) and returns ``True``, or raises
-    what it raised (``hal.DistributedTimeoutError`` for a missing or dead peer); ``get_future()`` does the
-    same and returns a completed future of the output tensors; ``is_completed()`` says whether it has run.
     ``what`` names the collective in errors (``"all_reduce"``).
     """
 
@@ -102,12 +72,7 @@ class SimWork(torch_compat.Work):
         self._fn, self._error, self._done = None, error, True
 
     def wait(self, timeout: datetime.timedelta | None = None) -> bool:
-        """Run this collective (and those issued before it on the group) unless done; ``True`` when done.
-
-        Raises:
-            DistributedTimeoutError: it did not complete within the group's timeout, or a peer died.
-            Whatever else the collective raised (``DistBackendError`` for two ranks on one device).
-        """
+        """Run this collective (and those issued before it on the group) unless done; return ``True``."""
         if not self._done:
             self._group.run_until(self)
         if self._error is not None:
@@ -115,23 +80,23 @@ class SimWork(torch_compat.Work):
         return True
 
     def is_completed(self) -> bool:
-        """Whether the collective has run (it runs only when needed, see the module doc)."""
+        """Return whether the collective has run."""
         return self._done
 
     def is_success(self) -> bool:
-        """Whether the collective has run without error."""
+        """Return whether the collective has run without error."""
         return self._done and self._error is None
 
     def exception(self) -> BaseException | None:
-        """What the collective raised when it ran (``None``: not run yet, or no error)."""
+        """Return what the collective raised when it ran (``None``: not run yet, or no error)."""
         return self._error
 
     def result(self) -> list[torch.Tensor]:
-        """The output tensors (written once the collective has run)."""
+        """Return the output tensors (written once the collective has run)."""
         return self._result
 
     def get_future(self) -> torch.futures.Future:
-        """A completed future of the output tensors (or of the error): the collective runs now."""
+        """Run the collective now and return a completed future of its output tensors (or of its error)."""
         fut: torch.futures.Future = torch.futures.Future()
         try:
             self.wait()
@@ -143,13 +108,10 @@ class SimWork(torch_compat.Work):
 
 
 def without_frames(exc: BaseException) -> BaseException:
-    """``exc`` with the tracebacks of it and of every exception it chains (``__cause__``, ``__context__``) dropped.
+    """Return ``exc`` with the tracebacks of it and every exception it chains dropped.
 
-    For an exception handed to a ``torch.futures.Future``: the future is a C++ object, whose reference to the
-    exception the garbage collector cannot see. A traceback frame of the collective's call stack holds the
-    future (:meth:`SimWork.get_future`'s own, through every deeper frame's ``f_back``) and the group, so the
-    future, the exception, the group and its gloo communicator (sockets, an epoll loop, threads) would form a
-    cycle nothing frees: ``hal soak`` saw each failed receive leak 5 descriptors on npu-sim.
+    For a ``torch.futures.Future``: a traceback would close a cycle (future, group, gloo sockets) the garbage
+    collector cannot see.
     """
     seen, e = set(), exc
     while e is not None and id(e) not in seen:
@@ -160,19 +122,14 @@ def without_frames(exc: BaseException) -> BaseException:
 
 
 def synchronize(index: int) -> None:
-    """Run the queued collectives of every live group of this process whose device is npu ``index``
-    (what ``torch.npu.synchronize`` does on the sim: a device's communication streams are drained too).
-
-    Raises:
-        DistributedTimeoutError: one did not complete within its group's timeout (a missing or dead peer).
-    """
+    """Run the queued collectives of every live group on npu ``index`` (``torch.npu.synchronize`` on the sim)."""
     for _, group in sorted(_groups.items()):
         if group.device_index == index:
             group.flush()
 
 
 def _op(opts: Any) -> dist.ReduceOp:
-    """The reduce op of an options object, SUM when none was passed."""
+    """Return the reduce op of an options object, SUM when none was passed."""
     return dist.ReduceOp.SUM if opts is None else opts.reduceOp
 
 
@@ -184,30 +141,26 @@ def _check_tensors(tensors: Sequence[torch.Tensor]) -> None:
 
 
 def _host(t: torch.Tensor) -> torch.Tensor:
-    """A new contiguous cpu tensor over ``t``'s bytes (a copy only when ``t`` is not contiguous): only the
-    caller and the gloo op it is handed to hold it, so :meth:`SimHcclGroup._run` can tell when gloo let go."""
+    """Return a new contiguous cpu tensor over ``t``'s bytes (a copy only when ``t`` is not contiguous)."""
     _check_tensors((t,))
     alias = t.detach() if t.device.type == "cpu" else _ext.host_alias(t)
     return alias if alias.is_contiguous() else alias.contiguous()
 
 
 def physical_device(index: int) -> int:
-    """The physical id of this process's device ``index``: its entry of ``ASCEND_RT_VISIBLE_DEVICES`` when
-    that is set (``"4,5"``: index 1 is device 5), else ``index`` itself."""
+    """Return the physical id of device ``index``: its ``ASCEND_RT_VISIBLE_DEVICES`` entry, else ``index``."""
     visible = [v.strip() for v in os.environ.get("ASCEND_RT_VISIBLE_DEVICES", "").split(",") if v.strip()]
     if index < len(visible) and visible[index].lstrip("-").isdigit():
         return int(visible[index])
     return index
 
 
+# Names the simulated host of a process (default: the host name): simulated nodes on one machine differ.
 SIM_HOST_ENV = "HAL_SIM_HOST"
-"""Names the simulated host of a process (default: the host name), so that several simulated nodes on one
-machine (a local multi-node Ray cluster) each have their own devices."""
 
 
 def _host_id() -> int:
-    """A 31-bit id of this (simulated) host: CRC-32 of ``$HAL_SIM_HOST``, else of the host name. Ranks on
-    other hosts never share a device."""
+    """Return a 31-bit id of this (simulated) host: CRC-32 of ``$HAL_SIM_HOST``, else of the host name."""
     return zlib.crc32((os.environ.get(SIM_HOST_ENV) or socket.gethostname()).encode()) & 0x7FFFFFFF
 
 
@@ -218,12 +171,7 @@ def _write_back(dst: torch.Tensor, host: torch.Tensor) -> None:
 
 
 class SimHcclGroup(dist.ProcessGroup):
-    """A ``hccl`` process group of the npu-sim kind (see the module doc).
-
-    Args:
-        store: the (prefixed) rendezvous store; rank, size: this process's place in the group.
-        timeout: bound on the rendezvous and on every collective (timedelta), queued ones included.
-    """
+    """A ``hccl`` process group of the npu-sim kind (see the module doc); ``timeout`` bounds every collective."""
 
     def __init__(self, store: dist.Store, rank: int, size: int, timeout: datetime.timedelta) -> None:
         super().__init__(rank, size)
@@ -256,15 +204,7 @@ class SimHcclGroup(dist.ProcessGroup):
     # -- the queue
     def _issue(self, what: str, tensors: Sequence[torch.Tensor], run: Callable[[], None],
                result: Sequence[torch.Tensor], check: bool = True) -> SimWork:
-        """Queue ``run`` (which does the whole collective when called) and return its work.
-
-        ``tensors`` name the device: that of the first npu one, else the current one. ``check``: the
-        collective involves every rank, so it may carry the device check of the group's first one.
-
-        Raises:
-            ValueError: a tensor is neither on npu nor on cpu.
-            torch.distributed.DistBackendError: the group was shut down.
-        """
+        """Queue ``run`` (the whole collective) and return its work; ``check``: may carry the device check."""
         _check_tensors(tensors)
         if self._gloo is None:
             raise dist.DistBackendError(f"npu-sim hccl {what} on rank {self._rank}: the group was shut down")
@@ -283,12 +223,7 @@ class SimHcclGroup(dist.ProcessGroup):
         return work
 
     def run_until(self, work: SimWork) -> None:
-        """Run the queued operations in issue order until ``work`` has run (one thread at a time).
-
-        Raises:
-            DistributedTimeoutError: another thread running this group's queue made no progress within
-                the timeout.
-        """
+        """Run the queued operations in issue order until ``work`` has run (one thread at a time)."""
         seconds = self._timeout.total_seconds()
         while not work.is_completed():
             ran = self._ran
@@ -321,12 +256,7 @@ class SimHcclGroup(dist.ProcessGroup):
             self._ran += 1
 
     def flush(self) -> None:
-        """Run every queued operation now (what synchronizing the group's device does).
-
-        Raises:
-            DistributedTimeoutError: one did not complete within the timeout (then the later ones fail too).
-            Whatever else the last queued one raised.
-        """
+        """Run every queued operation now (what synchronizing the group's device does)."""
         try:
             last = self._queue[-1]
         except IndexError:
@@ -335,24 +265,10 @@ class SimHcclGroup(dist.ProcessGroup):
 
     # -- plumbing
     def _run(self, what: str, start: Callable[[], Any], tensors: Sequence[torch.Tensor] = ()) -> None:
-        """Start a gloo op on ``tensors`` (every tensor ``start`` hands to gloo, its outputs among them) and
-        wait within the timeout, first for the op, then for gloo to let go of ``tensors``.
+        """Start a gloo op on ``tensors`` and wait, within the timeout, for it and then for gloo to let go of them.
 
-        The second wait keeps the group destructible. gloo's worker thread frees an op's work object after
-        the op completed (its ``wait`` may have returned), holding gloo's queue lock; that frees the op's
-        tensors and the thread-local state captured when the op was issued, and either can hold Python
-        objects (a tensor Python has seen; a mode or hook object of the issuing thread), whose release
-        takes the GIL. ``ProcessGroupGloo``'s destructor takes that lock and joins that thread, with the
-        GIL held when the group's last reference goes in Python (a DDP module freed after
-        ``destroy_process_group``: its reducer holds the group): a worker still freeing a work object
-        then deadlocks the process (seen in a DDP rank under load, at the end of its function). The work
-        object frees its outputs last, after its thread-local state, so once gloo holds none of
-        ``tensors`` it is gone; waiting for that gives up the GIL.
-
-        Raises:
-            DistributedTimeoutError: the op did not complete within the group's timeout, or a peer died
-                (gloo reports both as a plain ``RuntimeError``); or gloo still held ``tensors`` a timeout
-                after the op completed.
+        The second wait keeps the group destructible: gloo's worker frees an op's tensors under its queue lock,
+        which may need the GIL, and ``ProcessGroupGloo``'s destructor takes that lock with the GIL held.
         """
         held = [torch_compat.use_count(t) for t in tensors]  # before gloo takes its own references
         try:
@@ -379,8 +295,7 @@ class SimHcclGroup(dist.ProcessGroup):
                 f"{self._timeout.total_seconds():g} s after it completed (its worker thread is stuck)")
 
     def _until_released(self, tensors: Sequence[torch.Tensor], held: Sequence[int]) -> bool:
-        """Sleep (so without the GIL) until each of ``tensors`` is back to ``held`` C++ references, at most
-        the group's timeout; whether they are. See :meth:`_run` for why."""
+        """Sleep until each of ``tensors`` is back to ``held`` C++ references, at most the timeout; return whether."""
         deadline = time.monotonic() + self._timeout.total_seconds()
         pause = 5e-5
         while any(torch_compat.use_count(t) > n for t, n in zip(tensors, held)):
@@ -391,7 +306,7 @@ class SimHcclGroup(dist.ProcessGroup):
         return True
 
     def _reduce_op(self, op: Any) -> tuple[dist.ReduceOp, bool]:
-        """(the gloo op, whether to divide by the group size afterwards) for a ReduceOp or RedOpType."""
+        """Return the gloo op and whether to divide by the group size afterwards (AVG)."""
         kind = getattr(op, "op", op)
         if kind == dist.ReduceOp.AVG:
             return dist.ReduceOp.SUM, True
@@ -401,14 +316,7 @@ class SimHcclGroup(dist.ProcessGroup):
         raise ValueError(f"npu-sim hccl supports SUM, AVG, PRODUCT, MIN, MAX; got {kind}")
 
     def _check_devices(self, index: int) -> None:
-        """On the group's first collective: refuse two ranks on one device, as NCCL and HCCL do.
-
-        ``index`` is this rank's npu device when the collective was issued. Every rank takes part (the
-        first collective is the same call on every rank) and every rank raises on a clash.
-
-        Raises:
-            torch.distributed.DistBackendError: two ranks of this group are on one device of one host.
-        """
+        """On the group's first collective, raise ``DistBackendError`` on every rank if two share one device."""
         if self._device_checked:
             return
         self._device_checked = True
@@ -501,7 +409,7 @@ class SimHcclGroup(dist.ProcessGroup):
                            [t for outs in output_lists for t in outs])
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts=None) -> SimWork:
-        """``output`` (``size * input.numel()`` elements, rank-major) gets every rank's ``input``."""
+        """Gather every rank's ``input`` into ``output`` (``size * input.numel()`` elements, rank-major)."""
         self._gather_sizes(output, input)
         _check_tensors([output])
         return self._issue("all_gather_single", [input], lambda: self._all_gather_single_now(output, input),
@@ -512,10 +420,7 @@ class SimHcclGroup(dist.ProcessGroup):
 
     def all_gather_single_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
                                     opts=None) -> SimWork:
-        """:meth:`all_gather_single` for each ``(output, input)`` pair, in order. The C++ side of a Python
-        process group calls this one (functional collectives, so ``DTensor.full_tensor()`` and DTensor
-        redistribution); without it C++ would run the wrapped gloo on the npu tensors itself (see the
-        module doc)."""
+        """Run :meth:`all_gather_single` for each ``(output, input)`` pair (C++'s functional collectives call it)."""
         for out, inp in zip(outputs, inputs):
             self._gather_sizes(out, inp)
         _check_tensors(outputs)
@@ -541,7 +446,7 @@ class SimHcclGroup(dist.ProcessGroup):
 
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor,
                               opts=None) -> SimWork:
-        """``output`` gets this rank's chunk (rank-major) of the reduction of every rank's ``input``."""
+        """Reduce every rank's ``input`` and give this rank its chunk (rank-major) in ``output``."""
         self._scatter_sizes(output, input)
         _check_tensors([output])
         op, divide = self._reduce_op(_op(opts))
@@ -553,8 +458,7 @@ class SimHcclGroup(dist.ProcessGroup):
 
     def reduce_scatter_single_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
                                         opts=None) -> SimWork:
-        """:meth:`reduce_scatter_single` for each ``(output, input)`` pair, in order (the C++ entry of
-        functional reduce-scatters, as for :meth:`all_gather_single_coalesced`)."""
+        """Run :meth:`reduce_scatter_single` for each ``(output, input)`` pair (C++ functional collectives call it)."""
         for out, inp in zip(outputs, inputs):
             self._scatter_sizes(out, inp)
         _check_tensors(outputs)
@@ -569,8 +473,7 @@ class SimHcclGroup(dist.ProcessGroup):
 
     def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: Sequence[int],
                           input_split_sizes: Sequence[int], opts=None) -> SimWork:
-        """Rank ``r`` sends the ``r``-th slice (along dim 0) of ``input`` to every rank and receives theirs
-        into ``output``; empty split lists mean equal slices (``torch.distributed.all_to_all_single``)."""
+        """Send the ``r``-th dim-0 slice of ``input`` to rank ``r`` and receive theirs (empty splits: equal slices)."""
         _check_tensors([output])
         out_splits, in_splits = list(output_split_sizes), list(input_split_sizes)
 
@@ -586,7 +489,7 @@ class SimHcclGroup(dist.ProcessGroup):
     alltoall_base = all_to_all_single
 
     def reduce(self, tensors: list[torch.Tensor], opts=None) -> SimWork:
-        """``tensors`` on rank ``opts.rootRank`` get the reduction of every rank's (``torch.distributed.reduce``)."""
+        """Reduce every rank's ``tensors`` into rank ``opts.rootRank``'s (``torch.distributed.reduce``)."""
         op, divide = self._reduce_op(_op(opts))
         root, root_tensor = (opts.rootRank, opts.rootTensor) if opts is not None else (0, 0)
 
@@ -603,8 +506,7 @@ class SimHcclGroup(dist.ProcessGroup):
         return self._issue(f"reduce to rank {root}", tensors, run, tensors)
 
     def gather(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts=None) -> SimWork:
-        """Rank ``opts.rootRank``'s ``output_lists[0][r]`` gets rank ``r``'s ``inputs[0]``
-        (``torch.distributed.gather``; other ranks pass no outputs)."""
+        """Gather every rank's ``inputs[0]`` into ``output_lists[0]`` on rank ``opts.rootRank``."""
         root = opts.rootRank if opts is not None else 0
         _check_tensors([t for outs in output_lists for t in outs])
 
@@ -621,8 +523,7 @@ class SimHcclGroup(dist.ProcessGroup):
         return self._issue(f"gather to rank {root}", inputs, run, [t for outs in output_lists for t in outs])
 
     def scatter(self, outputs: list[torch.Tensor], input_lists: list[list[torch.Tensor]], opts=None) -> SimWork:
-        """Rank ``r``'s ``outputs[0]`` gets rank ``opts.rootRank``'s ``input_lists[0][r]``
-        (``torch.distributed.scatter``; other ranks pass no inputs)."""
+        """Scatter rank ``opts.rootRank``'s ``input_lists[0]`` into every rank's ``outputs[0]``."""
         root = opts.rootRank if opts is not None else 0
         _check_tensors([t for ins in input_lists for t in ins])
 
@@ -662,21 +563,14 @@ class SimHcclGroup(dist.ProcessGroup):
         return self._issue(f"recv from {src}", tensors, run, tensors, check=False)
 
     def shutdown(self) -> None:
-        """Run the queued collectives (as a graceful communicator finalize does), then release the gloo
-        communicator.
-
-        Raises:
-            DistributedTimeoutError: a queued collective did not complete within the timeout (a dead peer);
-                the communicator is released all the same.
-        """
+        """Run the queued collectives, then release the gloo communicator (also when one times out)."""
         try:
             self.flush()
         finally:
             self._release()
 
     def abort(self) -> None:
-        """Drop the queued collectives (their ``wait`` raises) and release the gloo communicator; a collective
-        another thread is running ends with an error once the communicator is gone."""
+        """Drop the queued collectives (their ``wait`` raises) and release the gloo communicator."""
         self._release()
         held = self._runner.acquire(timeout=self._timeout.total_seconds())
         try:
@@ -692,8 +586,7 @@ class SimHcclGroup(dist.ProcessGroup):
 
 
 def create(opts: Any, backend_options: Any = None) -> SimHcclGroup:
-    """The ``extended_api`` creator: ``opts`` is a ``_DistributedBackendOptions`` (store, group_rank,
-    group_size, timeout), as ``init_process_group``/``new_group`` and ``hal.new_group_from_store`` pass."""
+    """Create the group from a ``_DistributedBackendOptions`` (the ``extended_api`` creator)."""
     return SimHcclGroup(opts.store, opts.group_rank, opts.group_size, opts.timeout)
 
 

@@ -1,18 +1,9 @@
 """What a CANN install answers, for the simulated npu: an ``npu-smi`` and the toolkit's version file.
 
-verl (``verl.utils.device.get_npu_versions``, behind ``is_support_ipc()``) and other Ascend tooling run
-``npu-smi info -t board -i <card>`` and read ``$ASCEND_HOME_PATH/<arch>-linux/ascend_toolkit_install.info``
-to learn the driver and toolkit versions; without them they fail (``No such file or directory: 'npu-smi'``).
-:func:`prepare` writes both, under hal's cache folder only (``$HAL_CACHE_DIR/npu_sim/cann/<key>``), and
-:func:`activate` points this process's ``PATH`` and ``ASCEND_HOME_PATH`` at them; the sim's autoload does
-that in processes started with ``HAL_DEVICE=npu-sim`` (never where ``ASCEND_HOME_PATH`` is already set, nor
-where an ``npu-smi`` is already on ``PATH``: a real install wins).
-
-Versions: the driver reports :data:`DRIVER_VERSION` and the toolkit :data:`CANN_VERSION`, the last
-releases *before* the ones verl requires for CUDA-style IPC (25.3.rc1 and 8.3.RC1): the sim shares no
-device memory between processes, so ``is_support_ipc()`` must say ``False`` and verl takes its
-shared-memory path. ``npu-smi info`` lists the simulated devices (their ids as ``ASCEND_RT_VISIBLE_DEVICES``
-names them, else 0..n-1); ``npu-smi info -t board -i <id>`` for another id fails as npu-smi does (exit 1).
+verl reads the driver and toolkit versions through them. :func:`prepare` writes both under
+``$HAL_CACHE_DIR/npu_sim/cann/<key>`` and :func:`activate` puts them on ``PATH`` / ``ASCEND_HOME_PATH`` (a real
+install wins). The default versions are the last before verl's IPC gate (25.3.rc1, 8.3.RC1), so verl takes its
+shared-memory path.
 """
 
 from __future__ import annotations
@@ -23,23 +14,23 @@ import pathlib
 import platform
 import shutil
 
+# Software Version of the simulated driver (npu-smi info -t board).
 DRIVER_VERSION = "25.2.0"
-"""``Software Version`` of the simulated driver (``npu-smi info -t board``)."""
+# version= of the simulated toolkit's ascend_toolkit_install.info.
 CANN_VERSION = "8.2.RC1"
-"""``version=`` of the simulated toolkit's ``ascend_toolkit_install.info``."""
+# Overrides DRIVER_VERSION (e.g. 25.3.rc1, to give the sim a driver with IPC).
 DRIVER_VERSION_ENV = "HAL_SIM_DRIVER_VERSION"
-"""Overrides :data:`DRIVER_VERSION` (e.g. ``25.3.rc1``, to give the sim a driver with IPC)."""
+# Overrides CANN_VERSION (e.g. 8.3.RC1).
 CANN_VERSION_ENV = "HAL_SIM_CANN_VERSION"
-"""Overrides :data:`CANN_VERSION` (e.g. ``8.3.RC1``)."""
 
 
 def driver_version() -> str:
-    """The driver version the sim reports: ``$HAL_SIM_DRIVER_VERSION``, else :data:`DRIVER_VERSION`."""
+    """Return the driver version the sim reports: ``$HAL_SIM_DRIVER_VERSION``, else :data:`DRIVER_VERSION`."""
     return os.environ.get(DRIVER_VERSION_ENV, "").strip() or DRIVER_VERSION
 
 
 def cann_version() -> str:
-    """The toolkit version the sim reports: ``$HAL_SIM_CANN_VERSION``, else :data:`CANN_VERSION`."""
+    """Return the toolkit version the sim reports: ``$HAL_SIM_CANN_VERSION``, else :data:`CANN_VERSION`."""
     return os.environ.get(CANN_VERSION_ENV, "").strip() or CANN_VERSION
 
 _SCRIPT = """#!/bin/sh
@@ -82,8 +73,7 @@ exit 1
 
 
 def device_ids(environ=None) -> list[str]:
-    """The simulated devices' ids: the entries of ``ASCEND_RT_VISIBLE_DEVICES``, else ``0..n-1`` for the
-    sim's device count (``HAL_SIM_NPU_COUNT``, default 8)."""
+    """Return the simulated devices' ids: ``ASCEND_RT_VISIBLE_DEVICES``'s entries, else ``0..n-1``."""
     environ = os.environ if environ is None else environ
     listed = [v.strip() for v in environ.get("ASCEND_RT_VISIBLE_DEVICES", "").split(",") if v.strip()]
     if listed:
@@ -93,16 +83,9 @@ def device_ids(environ=None) -> list[str]:
 
 
 def prepare(root: pathlib.Path, ids: list[str], memory_bytes: int, name: str = "Ascend-sim") -> dict[str, str]:
-    """Write ``root/bin/npu-smi`` and ``root/ascend-toolkit/latest/<arch>-linux/ascend_toolkit_install.info``
-    (idempotent: a folder already complete is left as it is) and return the variables that make a process
-    find them: ``{"PATH_PREPEND": root/bin, "ASCEND_HOME_PATH": root/ascend-toolkit/latest}``.
+    """Write ``root/bin/npu-smi`` and the toolkit's version file (idempotent) and return the variables to find them.
 
-    Args:
-        root: the folder to write under (nothing is written outside it).
-        ids: the device ids ``npu-smi`` reports. memory_bytes: each device's memory (shown in MB).
-
-    Raises:
-        OSError: the folder cannot be written.
+    Returns ``{"PATH_PREPEND": ..., "ASCEND_HOME_PATH": ...}``; ``memory_bytes`` is each device's memory.
     """
     home = root / "ascend-toolkit" / "latest"
     info = home / f"{platform.machine()}-linux" / "ascend_toolkit_install.info"
@@ -121,16 +104,9 @@ def prepare(root: pathlib.Path, ids: list[str], memory_bytes: int, name: str = "
 
 
 def activate(cache_root: pathlib.Path, memory_bytes: int) -> dict[str, str]:
-    """Prepare the CANN answers for this process's simulated devices under ``cache_root/npu_sim/cann/<key>``
-    and put them on this process's ``PATH`` / ``ASCEND_HOME_PATH`` (children inherit them). Changes nothing
-    where ``ASCEND_HOME_PATH`` or the ``npu-smi`` on ``PATH`` lies outside that folder (a real install wins);
-    answers of the sim for other versions (``HAL_SIM_DRIVER_VERSION``, ``HAL_SIM_CANN_VERSION``) are replaced.
+    """Prepare the CANN answers under ``cache_root/npu_sim/cann/<key>`` and put them on this process's environment.
 
-    Returns:
-        the variables set (``{}`` when it changed nothing).
-
-    Raises:
-        OSError: the folder cannot be written.
+    Returns the variables set; ``{}`` where a real install's ``ASCEND_HOME_PATH`` or ``npu-smi`` is found.
     """
     ours = cache_root / "npu_sim" / "cann"
     smi, home = shutil.which("npu-smi"), os.environ.get("ASCEND_HOME_PATH")

@@ -1,16 +1,9 @@
 """``import torch_npu`` on the simulated npu, and the guard that tells that module from the real package.
 
-Consumers detect Ascend by importing ``torch_npu`` or asking ``importlib.util.find_spec("torch_npu")``
-(verl's ``PlatformNPU``, accelerate, transformers). Once the sim is registered, :func:`install_finder`
-puts a meta-path finder first on ``sys.meta_path`` that answers ``torch_npu`` with
-``devices/npu_sim/torch_npu.py`` under that name: a real module with a ``__spec__`` (origin: that file), a
-``__version__``, ``torch_npu.npu`` being the sim's ``torch.npu`` (also ``sys.modules["torch_npu.npu"]``),
-and the fused operators of :mod:`devices.npu_sim.ops`. It carries ``__hal_sim__ = True``.
-
-The real package always wins: the sim never registers where :func:`real_torch_npu_origin` finds one, and
-the finder steps aside for it. "Real" means what the torch-npu wheel installs: a regular package whose
-folder holds the compiled ``_C`` extension (``torch_npu/_C.*.so``). An empty ``torch_npu/`` folder on
-``PYTHONPATH`` (a namespace package), a ``torch_npu.py`` file, or this compatibility module are not.
+Once the sim is registered, :func:`install_finder` answers ``torch_npu`` with ``devices/npu_sim/torch_npu.py``
+(a real module with ``__spec__``, ``__version__``, ``torch_npu.npu`` and ``__hal_sim__ = True``), so consumers
+that detect Ascend by importing it (verl, accelerate, transformers) find it. The real package always wins:
+"real" means a regular package holding the compiled ``torch_npu/_C.*.so``.
 """
 
 from __future__ import annotations
@@ -24,15 +17,14 @@ import types
 from devices.base import SIMULATION_MARKER, is_simulation
 
 COMPAT_FILE = pathlib.Path(__file__).with_name("torch_npu.py")
+# torch_npu.__version__ of the compatibility module: the API level it mirrors, with a simulation label.
 VERSION = "2.14.0+hal.sim"
-"""``torch_npu.__version__`` of the compatibility module: the torch_npu API level it mirrors (the committed
-``devices/npu_api_names.txt``), with a local label that marks it as the simulation."""
 
 MARKER = SIMULATION_MARKER
 
 
 def is_compat(module: types.ModuleType | None) -> bool:
-    """Whether ``module`` is this compatibility module (not a real torch_npu)."""
+    """Return whether ``module`` is this compatibility module (not a real torch_npu)."""
     return is_simulation(module)
 
 
@@ -47,11 +39,7 @@ def _is_real_spec(spec: importlib.machinery.ModuleSpec | None) -> bool:
 
 
 def real_torch_npu_origin() -> str | None:
-    """Where the real ``torch_npu`` package would be imported from, or ``None`` when there is none.
-
-    Looks at an already imported ``torch_npu`` first, then asks every finder on ``sys.meta_path`` except
-    this module's; imports nothing.
-    """
+    """Return where the real ``torch_npu`` would be imported from, or ``None``; imports nothing."""
     loaded = sys.modules.get("torch_npu")
     if loaded is not None:
         if is_compat(loaded):

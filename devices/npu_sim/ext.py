@@ -1,10 +1,7 @@
 """Build (once) and load the npu-sim C++ extension, ``devices/npu_sim/csrc/npu_sim.cpp``.
 
-The build is cached under ``$HAL_CACHE_DIR`` (default ``~/.cache/hal``) in a folder keyed by a hash of the
-source, the torch version and the Python version, so a process that finds the built library imports it
-directly (milliseconds), and a fresh clone builds it once (about 25-60 s) on first use. Concurrent first
-uses (pytest-xdist workers, spawned ranks) are serialised by ``torch.utils.cpp_extension``'s file lock in
-the build folder: one builds, the others wait and then load the same file.
+Cached under ``$HAL_CACHE_DIR`` (default ``~/.cache/hal``) by a hash of source, torch and Python versions;
+a fresh build takes about 25-60 s, and concurrent first uses wait on ``cpp_extension``'s file lock.
 """
 
 from __future__ import annotations
@@ -22,12 +19,12 @@ _MODULE: types.ModuleType | None = None
 
 
 def cache_root() -> pathlib.Path:
-    """The folder holding built extensions: ``$HAL_CACHE_DIR`` or ``~/.cache/hal``."""
+    """Return the folder holding built extensions: ``$HAL_CACHE_DIR`` or ``~/.cache/hal``."""
     return pathlib.Path(os.environ.get("HAL_CACHE_DIR") or pathlib.Path.home() / ".cache" / "hal")
 
 
 def build_key() -> str:
-    """A hash of the source bytes, the torch version and the Python ABI: a change of any means a rebuild."""
+    """Return a hash of the source bytes, the torch version and the Python ABI (a change means a rebuild)."""
     import torch
 
     digest = hashlib.sha256(SOURCE.read_bytes())
@@ -36,16 +33,12 @@ def build_key() -> str:
     return digest.hexdigest()[:16]
 
 
+# Age in seconds past which a build lock is taken as left by a killed build (a build takes 25-300 s).
 STALE_LOCK_S = 900.0
-"""Age in seconds past which a build lock is taken as left by a killed build (a build takes 25-300 s)."""
 
 
 def clear_stale_lock(build_dir: pathlib.Path, max_age_s: float = STALE_LOCK_S) -> None:
-    """Remove ``build_dir/lock`` if it is older than ``max_age_s``.
-
-    ``torch.utils.cpp_extension``'s lock (a ``FileBaton``) is a plain file that a killed build leaves
-    behind, and every later build then waits on it forever; no live build holds it that long.
-    """
+    """Remove ``build_dir/lock`` if older than ``max_age_s`` seconds (a killed build leaves it behind)."""
     import time
 
     lock = build_dir / "lock"
@@ -57,12 +50,7 @@ def clear_stale_lock(build_dir: pathlib.Path, max_age_s: float = STALE_LOCK_S) -
 
 
 def load() -> types.ModuleType:
-    """The extension module, building it first if this source/torch pair was never built here.
-
-    Raises:
-        RuntimeError, OSError, ImportError: the compiler or the loader failed (the caller turns this into
-            an "unavailable" reason).
-    """
+    """Return the extension module, building it first if this source/torch pair was never built here."""
     global _MODULE
     if _MODULE is not None:
         return _MODULE

@@ -1,12 +1,8 @@
 """The simulated npu's IPC: a device buffer another process opens in place, as torch_npu's IPC does on Ascend.
 
-The sim's device memory is host memory of one process, so a shareable device buffer is a shared-memory segment
-(:class:`devices.shared_memory.SharedSegment`) viewed as an ``npu`` tensor (the extension's ``device_alias``).
-Its handle follows torch's ``reduce_tensor`` convention (``(rebuild_fn, args)`` with the device index at
-``args[6]``), so a receiver written for CUDA IPC, verl's ``rebuild_ipc`` included, opens it on its own device
-index. Whether the sim takes this path or shared memory plus a host-to-device copy is decided, as on Ascend, by the
-driver and CANN versions it reports (:mod:`devices.npu_sim.cann`, ``HAL_SIM_DRIVER_VERSION``,
-``HAL_SIM_CANN_VERSION``).
+A shareable device buffer is a shared-memory segment viewed as an ``npu`` tensor; its handle follows torch's
+``reduce_tensor`` convention (device index at ``args[6]``), so verl's ``rebuild_ipc`` opens it. The reported
+driver and CANN versions decide, as on Ascend, whether this path or shared memory is taken.
 """
 
 from __future__ import annotations
@@ -16,24 +12,21 @@ import torch
 from devices.ipc import DEVICE_INDEX_ARG, SharedDeviceBuffer
 from devices.shared_memory import SharedSegment, attach
 
+# Names of the segments behind shared simulated device buffers (/dev/shm/hal-npusim-ipc-*).
 SEGMENT_PREFIX = "hal-npusim-ipc-"
-"""Names of the segments behind shared simulated device buffers (``/dev/shm/hal-npusim-ipc-*``)."""
 
 
 def _alias(host: torch.Tensor, index: int) -> torch.Tensor:
-    """An npu view of ``host`` on ``index``; the sim is registered in any process that has npu tensors."""
+    """Return an npu view of ``host`` on device ``index``."""
     from devices.npu_sim import ext
 
     return ext.load().device_alias(host, index)
 
 
 def share_buffer(nbytes: int, device: torch.device) -> SharedDeviceBuffer:
-    """A flat ``uint8`` npu buffer of ``nbytes`` on ``device`` that :func:`open_shared` opens in another process.
+    """Return a flat ``uint8`` npu buffer of ``nbytes`` on ``device`` that :func:`open_shared` opens elsewhere.
 
-    ``release`` unlinks the segment's name; the memory goes when the last tensor over it, here or there, is freed.
-
-    Raises:
-        ValueError: ``nbytes`` not positive. OSError: ``/dev/shm`` cannot hold it.
+    ``release`` unlinks the segment's name; the memory goes with the last tensor over it, in any process.
     """
     segment = SharedSegment(nbytes, SEGMENT_PREFIX)
     index = 0 if device.index is None else device.index
@@ -44,11 +37,7 @@ def share_buffer(nbytes: int, device: torch.device) -> SharedDeviceBuffer:
 
 
 def open_shared(name: str, nbytes: int, _a: int, _b: int, _c: int, _d: int, device_index: int) -> torch.Tensor:
-    """Open a buffer of :func:`share_buffer` as a flat ``uint8`` npu tensor on ``device_index`` of this process.
-
-    Raises:
-        FileNotFoundError: the sender released it (or died). ValueError: the segment is smaller than ``nbytes``.
-    """
+    """Open a buffer of :func:`share_buffer` as a flat ``uint8`` npu tensor on ``device_index``."""
     return _alias(attach(name, nbytes), int(device_index))
 
 

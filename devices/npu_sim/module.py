@@ -1,16 +1,10 @@
 """``torch.npu`` for the simulated Ascend NPU: the calls hal (and FSDP, DDP, autograd) make of a device module.
 
-Names and signatures follow ``torch_npu.npu`` (see ``devices/npu_api_names.txt``, extracted from the
-torch-npu wheel), which in turn mirror ``torch.cuda``. Memory figures are the extension's exact counters,
-in bytes, of its caching allocator (as torch_npu's): ``memory_allocated()`` counts blocks in use,
-``memory_reserved()`` those plus the cached free ones, and ``empty_cache()`` returns the cached ones. Every operator runs synchronously on the host, so streams and
-events are correct as no-ops (an event is complete once recorded); only collectives complete later (see
-``devices.npu_sim.backend``), and ``synchronize`` runs those queued on the device.
-Random numbers come from the host generator (operators fall back to the cpu), so seeding npu seeds it.
-
-The calls are this module's top-level functions (:data:`__all__`); :func:`bind` hands them the loaded
-extension, and :func:`devices.npu_sim.api.build` gathers them, with the rest of torch_npu's calls, into the
-module object registered as ``torch.npu``.
+Names and signatures follow ``torch_npu.npu`` (``devices/npu_api_names.txt``). Memory figures are the
+extension's exact caching-allocator counters, in bytes. Operators run synchronously on the host, so streams
+and events are no-ops; only collectives complete later, and ``synchronize`` runs those queued on the device.
+Random numbers come from the host generator. :func:`bind` hands the calls the loaded extension;
+:func:`devices.npu_sim.api.build` gathers them into the module registered as ``torch.npu``.
 """
 
 from __future__ import annotations
@@ -28,11 +22,11 @@ DeviceArg = int | str | torch.device | None
 
 DEVICE_NAME = "Ascend-sim (npu-sim on host memory)"
 
+# Names of the sim's torch.npu that real torch_npu.npu lacks: portable code must not use them.
 SIM_EXTRAS = ("is_sim", "set_memory_capacity", "host_cache_stats")
-"""Names of the sim's ``torch.npu`` that real ``torch_npu.npu`` lacks: portable code must not use them."""
 
+# The loaded extension (csrc/npu_sim.cpp) behind every call; set once by bind().
 _ext: types.ModuleType | None = None
-"""The loaded extension (``devices/npu_sim/csrc/npu_sim.cpp``) behind every call; set once by :func:`bind`."""
 
 
 def bind(ext: types.ModuleType) -> None:
@@ -42,33 +36,21 @@ def bind(ext: types.ModuleType) -> None:
 
 
 def extension() -> types.ModuleType:
-    """The extension bound by :func:`bind`.
-
-    Raises:
-        RuntimeError: nothing bound yet (the sim is not registered in this process).
-    """
+    """Return the extension bound by :func:`bind`; RuntimeError when the sim is not registered here."""
     if _ext is None:
         raise RuntimeError("npu-sim: torch.npu called before the sim was registered (devices.npu_sim.register)")
     return _ext
 
 
 class InvalidDeviceError(HalError, RuntimeError):
-    """A device index outside the simulated devices (``>= device_count()``, or negative where torch_npu
-    refuses it); a ``RuntimeError``, as torch_npu's device checks raise. The message names the index and
-    the valid range."""
+    """A device index outside the simulated devices; a ``RuntimeError``, as torch_npu's device checks raise."""
 
 
 def resolve_index(device: DeviceArg, current_if_minus_one: bool = False) -> int:
-    """The device index ``device`` names, checked against the simulated devices as torch_npu checks it.
+    """Return the device index ``device`` names, checked against the simulated devices as torch_npu does.
 
-    ``None`` and an index-less ``"npu"`` / ``torch.device("npu")`` mean the current device; ``3``,
-    ``"npu:3"``, ``torch.device("npu", 3)`` mean 3. ``-1`` means the current device only where
-    ``current_if_minus_one`` (torch_npu's stream and synchronize calls); any other negative index, and any
-    index ``>= device_count()``, is refused (torch_npu's caching allocator: "Invalid device argument").
-
-    Raises:
-        InvalidDeviceError: the index is out of range. ValueError: a device of another type (``"cuda:0"``)
-            or not a device at all.
+    ``None`` and index-less ``"npu"`` mean the current device; ``-1`` too only where ``current_if_minus_one``.
+    InvalidDeviceError for other negative or too large indices; ValueError for another device type.
     """
     ext = extension()
     if device is None:
@@ -97,7 +79,7 @@ def _negative(device: DeviceArg) -> bool:
 
 
 def is_available() -> bool:
-    """Always ``True`` once the sim is registered."""
+    """Return ``True`` (the sim is registered)."""
     return True
 
 
@@ -106,36 +88,27 @@ def is_initialized() -> bool:
 
 
 def init() -> None:
-    """Nothing to initialise (kept for torch_npu compatibility)."""
+    """Do nothing (kept for torch_npu compatibility)."""
 
 
 def device_count() -> int:
-    """Number of simulated devices (``HAL_SIM_NPU_COUNT``, else the entries of ASCEND_RT_VISIBLE_DEVICES, else 8)."""
+    """Return the number of simulated devices (``HAL_SIM_NPU_COUNT``, else ASCEND_RT_VISIBLE_DEVICES's, else 8)."""
     return extension().device_count()
 
 
 def current_device() -> int:
-    """This thread's current device index."""
+    """Return this thread's current device index."""
     return extension().current_device()
 
 
 def set_device(device: DeviceArg) -> None:
-    """Make ``device`` this thread's current device; a negative index changes nothing (torch_npu's rule).
-
-    Raises:
-        InvalidDeviceError: an index ``>= device_count()``.
-    """
+    """Make ``device`` this thread's current device; a negative index changes nothing (torch_npu's rule)."""
     if not _negative(device):
         extension().set_device(resolve_index(device))
 
 
 class device:
-    """Context manager that makes ``index`` the current device and restores the previous one; a negative
-    index (or ``None``) changes nothing, as in torch_npu.
-
-    Raises:
-        InvalidDeviceError: an index ``>= device_count()``.
-    """
+    """Context manager making ``index`` the current device; a negative index or ``None`` changes nothing."""
 
     def __init__(self, index: DeviceArg) -> None:
         self.index = -1 if index is None or _negative(index) else resolve_index(index)
@@ -151,62 +124,48 @@ class device:
 
 
 def synchronize(device: DeviceArg = None) -> None:
-    """Block until the device's work is done: run the hccl collectives queued on it (every other operator
-    has finished when it returns).
-
-    Raises:
-        hal.DistributedTimeoutError: a queued collective did not complete within its group's timeout.
-    """
+    """Block until the device's work is done: run the hccl collectives queued on it."""
     backend.synchronize(resolve_index(device, current_if_minus_one=True))
 
 
 def empty_cache() -> None:
-    """Return the cached (free) blocks of every device to the simulated device: :func:`memory_reserved`
-    drops to :func:`memory_allocated`. The device keeps that memory resident (as HBM stays the device's
-    after the driver frees it), so a later allocation of a fitting size reuses it without host page
-    faults, up to the resident limit of :func:`host_cache_stats`; the host memory itself is given back only
-    when the process exits."""
+    """Return the cached free blocks of every device: :func:`memory_reserved` drops to :func:`memory_allocated`.
+
+    The pages stay resident (up to :func:`host_cache_stats`' limit) for reuse until the process exits.
+    """
     ext = extension()
     for index in range(ext.device_count()):
         ext.empty_cache(index)
 
 
 def host_cache_stats(device: DeviceArg = None) -> dict[str, int]:
-    """Sim only: what the caching allocator of ``device`` keeps in host memory, in bytes.
+    """Sim only: return what the caching allocator of ``device`` keeps in host memory, in bytes.
 
-    Blocks not in use (cached, or released by :func:`empty_cache`) keep at most ``HAL_SIM_CACHE_RESIDENT_MB``
-    MiB of host pages (default 1024, per device; read once per process); past it the least recently freed
-    ones give their pages back (``madvise(MADV_DONTNEED)``) and stay reserved at the same address, and taking
-    one again makes it resident in bulk (see ``cache_resident_limit`` in ``csrc/npu_sim.cpp``).
-
-    Returns:
-        ``resident_bytes``: host bytes held now by blocks not in use (at most the limit, plus blocks under
-        1 MiB, which are never given back); ``dropped_bytes``: bytes of blocks whose pages were given back,
-        summed since the process started; ``repopulated_bytes``: bytes of such blocks made resident again
-        when taken back into use, summed likewise (a warm offload round trip of an engine whose blocks fit
-        under the limit adds none).
+    ``resident_bytes``: held now by unused blocks (at most ``HAL_SIM_CACHE_RESIDENT_MB`` MiB per device, default
+    1024, plus blocks under 1 MiB); ``dropped_bytes`` / ``repopulated_bytes``: bytes given back / made resident
+    again since the process started.
     """
     resident, dropped, repopulated = extension().cache_residency(resolve_index(device))
     return {"resident_bytes": resident, "dropped_bytes": dropped, "repopulated_bytes": repopulated}
 
 
 def memory_allocated(device: DeviceArg = None) -> int:
-    """Bytes held by live npu storages on ``device``."""
+    """Return the bytes held by live npu storages on ``device``."""
     return extension().memory_allocated(resolve_index(device))
 
 
 def max_memory_allocated(device: DeviceArg = None) -> int:
-    """Peak of :func:`memory_allocated` since start or :func:`reset_peak_memory_stats`, in bytes."""
+    """Return the peak of :func:`memory_allocated` since start or :func:`reset_peak_memory_stats`, in bytes."""
     return extension().max_memory_allocated(resolve_index(device))
 
 
 def memory_reserved(device: DeviceArg = None) -> int:
-    """Bytes the caching allocator holds on ``device``: blocks in use plus cached free blocks."""
+    """Return the bytes the caching allocator holds on ``device`` (in use plus cached)."""
     return extension().memory_reserved(resolve_index(device))
 
 
 def max_memory_reserved(device: DeviceArg = None) -> int:
-    """Peak of :func:`memory_reserved` since start or :func:`reset_peak_memory_stats`, in bytes."""
+    """Return the peak of :func:`memory_reserved` since start or :func:`reset_peak_memory_stats`, in bytes."""
     return extension().max_memory_reserved(resolve_index(device))
 
 
@@ -219,7 +178,7 @@ reset_max_memory_allocated = reset_peak_memory_stats
 
 
 def memory_stats(device: DeviceArg = None) -> dict[str, int]:
-    """The torch.cuda-style keys that have a meaning here (bytes and counts)."""
+    """Return the torch.cuda-style keys that have a meaning here (bytes and counts)."""
     ext, index = extension(), resolve_index(device)
     allocs, frees = ext.alloc_counts(index)
     segments, released, retries, ooms = ext.segment_counts(index)
@@ -238,7 +197,7 @@ def get_device_name(device: DeviceArg = None) -> str:
 
 
 def get_amp_supported_dtype() -> list[torch.dtype]:
-    """Dtypes ``torch.autocast("npu", ...)`` accepts (those of Ascend: float16, bfloat16)."""
+    """Return the dtypes ``torch.autocast("npu", ...)`` accepts (float16, bfloat16)."""
     return [torch.float16, torch.bfloat16]
 
 
@@ -247,7 +206,7 @@ def is_bf16_supported() -> bool:
 
 
 def manual_seed(seed: int) -> None:
-    """Seed the generator npu operators draw from (the host generator, see the module doc)."""
+    """Seed the generator npu operators draw from (the host generator)."""
     torch.default_generator.manual_seed(int(seed))  # not torch.manual_seed: that calls back here
 
 
@@ -255,7 +214,7 @@ manual_seed_all = manual_seed
 
 
 def _is_in_bad_fork() -> bool:
-    """Never: the sim has no driver state a fork could corrupt (torch.manual_seed asks)."""
+    """Return ``False``: the sim has no driver state a fork could corrupt."""
     return False
 
 
@@ -264,7 +223,7 @@ def seed() -> None:
 
 
 def get_rng_state(device: DeviceArg = "npu") -> torch.Tensor:
-    """The state of the generator npu operators draw from (uint8 tensor on cpu)."""
+    """Return the state of the generator npu operators draw from (uint8 tensor on cpu)."""
     return torch.get_rng_state()
 
 
@@ -297,7 +256,7 @@ def current_stream(device: DeviceArg = None) -> torch.Stream:
 
 
 def default_stream(device: DeviceArg = None) -> torch.Stream:
-    """The stream of id 0 on ``device`` (every stream is equivalent here)."""
+    """Return the stream of id 0 on ``device`` (every stream is equivalent here)."""
     return current_stream(device)
 
 
@@ -321,6 +280,7 @@ def stream(stream: torch.Stream | None):
 
 is_sim = True
 
+# The names of torch.npu this module gives (_is_in_bad_fork: torch.manual_seed asks); api.py adds the rest.
 __all__ = [
     "is_available", "is_initialized", "init", "device_count", "current_device", "set_device", "device",
     "synchronize", "empty_cache", "host_cache_stats", "memory_allocated", "max_memory_allocated",
@@ -329,5 +289,3 @@ __all__ = [
     "manual_seed_all", "_is_in_bad_fork", "seed", "get_rng_state", "set_rng_state", "initial_seed", "Stream",
     "Event", "current_stream", "default_stream", "set_stream", "stream", "is_sim",
 ]
-"""The names of ``torch.npu`` this module gives (``_is_in_bad_fork``: torch.manual_seed asks every device
-module); :mod:`devices.npu_sim.api` adds the rest (``mem_get_info``, ``set_memory_capacity``, ...)."""

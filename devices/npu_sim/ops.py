@@ -1,11 +1,8 @@
 """Fused Ascend operators of ``torch_npu`` that the simulated npu offers, as plain-torch compositions.
 
-Only operators whose definition torch_npu documents and that verl 0.9.1 calls are here; each computes what
-that definition says (autograd included, since it is built from differentiable torch operations), and
-``tests/devices/test_torch_npu_compat.py`` checks each against an independent plain-torch reference.
-``npu_fusion_attention`` is here because transformers imports it unguarded once ``torch_npu`` imports
-(``transformers/integrations/npu_flash_attention.py``). Every other fused operator (``npu_grouped_matmul``,
-MoE permutes, quantisers) is absent from the compatibility module, so consumers that probe with ``hasattr`` take their fallback path.
+Only operators torch_npu documents and verl 0.9.1 calls (``npu_fusion_attention``: transformers imports it
+unguarded), each computing its documented definition with autograd; ``tests/devices/test_torch_npu_compat.py``
+checks each against a plain-torch reference. Other fused operators are absent, so ``hasattr`` probes fall back.
 """
 
 from __future__ import annotations
@@ -15,21 +12,10 @@ import torch.nn.functional as F
 
 
 def npu_rms_norm(x: torch.Tensor, gamma: torch.Tensor, epsilon: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
-    """RMS normalisation over the trailing ``gamma.dim()`` dimensions of ``x``.
+    """Return ``(y, rstd)``: RMS normalisation of ``x`` over the trailing ``gamma.dim()`` dimensions, in float32.
 
-    ``rstd = 1 / sqrt(mean(x**2) + epsilon)``, ``y = x * rstd * gamma``, computed in float32.
-
-    Args:
-        x: ``(..., *gamma.shape)``, float16/bfloat16/float32.
-        gamma: the scale, shape equal to ``x``'s trailing dimensions.
-        epsilon: added to the mean square before the square root.
-
-    Returns:
-        ``(y, rstd)``: ``y`` of ``x``'s shape and dtype; ``rstd`` float32 of shape
-        ``x.shape[:-gamma.dim()] + (1,) * gamma.dim()``.
-
-    Raises:
-        ValueError: ``gamma``'s shape is not ``x``'s trailing shape.
+    ``rstd = 1 / sqrt(mean(x**2) + epsilon)`` (shape ``x.shape[:-gamma.dim()] + (1,) * gamma.dim()``),
+    ``y = x * rstd * gamma`` in ``x``'s dtype.
     """
     nd = gamma.dim()
     if nd == 0 or tuple(x.shape[-nd:]) != tuple(gamma.shape):
@@ -43,18 +29,7 @@ def npu_rms_norm(x: torch.Tensor, gamma: torch.Tensor, epsilon: float = 1e-6) ->
 
 
 def npu_swiglu(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
-    """SwiGLU: ``x`` split in two halves ``a, b`` along ``dim``; returns ``silu(a) * b``.
-
-    Args:
-        x: any float tensor whose size along ``dim`` is even.
-        dim: the dimension to split.
-
-    Returns:
-        ``x``'s shape with ``dim`` halved, ``x``'s dtype.
-
-    Raises:
-        ValueError: the size along ``dim`` is odd.
-    """
+    """Return ``silu(a) * b`` of ``x``'s two halves ``a, b`` along ``dim`` (ValueError if that size is odd)."""
     if x.shape[dim] % 2:
         raise ValueError(f"npu_swiglu: size {x.shape[dim]} along dim {dim} must be even")
     a, b = x.chunk(2, dim=dim)
@@ -63,20 +38,10 @@ def npu_swiglu(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
 
 def npu_rotary_mul(x: torch.Tensor, r1: torch.Tensor, r2: torch.Tensor,
                    rotary_mode: str = "half") -> torch.Tensor:
-    """Rotary position embedding: ``x * r1 + rotate(x) * r2``.
+    """Return the rotary position embedding ``x * r1 + rotate(x) * r2`` (``r1``, ``r2``: cos and sin tables).
 
-    ``rotate`` for ``rotary_mode="half"``: ``cat(-x2, x1)`` of the two halves of the last dimension; for
-    ``"interleave"``: each pair ``(x[2i], x[2i+1])`` becomes ``(-x[2i+1], x[2i])``.
-
-    Args:
-        x: ``(..., D)`` with ``D`` even. r1, r2: the cos and sin tables, broadcastable to ``x``.
-        rotary_mode: ``"half"`` or ``"interleave"``.
-
-    Returns:
-        A tensor of ``x``'s shape (the broadcast dtype of the inputs).
-
-    Raises:
-        ValueError: an unknown ``rotary_mode`` or an odd last dimension.
+    ``rotate``: ``cat(-x2, x1)`` of the last dimension's halves for ``"half"``; each pair ``(x[2i], x[2i+1])`` to
+    ``(-x[2i+1], x[2i])`` for ``"interleave"``.
     """
     if x.shape[-1] % 2:
         raise ValueError(f"npu_rotary_mul: the last dimension of x must be even, got {x.shape[-1]}")
@@ -93,22 +58,10 @@ def npu_rotary_mul(x: torch.Tensor, r1: torch.Tensor, r2: torch.Tensor,
 def npu_cross_entropy_loss(input: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None = None,
                            reduction: str = "mean", ignore_index: int = -100, label_smoothing: float = 0.0,
                            lse_square_scale_for_zloss: float = 0.0, return_zloss: bool = False):
-    """Cross-entropy from logits, also returning the log-probabilities.
+    """Return ``(loss, log_prob, zloss, lse_for_zloss)``: cross-entropy from ``(N, C)`` logits, and log-softmax.
 
-    Args:
-        input: ``(N, C)`` logits, float16/bfloat16/float32. target: ``(N,)`` int64 class indices.
-        weight: optional ``(C,)`` float32 class weights. reduction: ``"mean"``, ``"sum"`` or ``"none"``.
-        ignore_index: targets equal to it contribute 0. label_smoothing: in ``[0, 1]``.
-        lse_square_scale_for_zloss, return_zloss: the z-loss; only ``0.0`` / ``False`` are supported here.
-
-    Returns:
-        ``(loss, log_prob, zloss, lse_for_zloss)``: ``loss`` as ``torch.nn.functional.cross_entropy`` with the
-        same arguments (``(N,)`` for ``"none"``, else a scalar), ``log_prob`` the ``(N, C)`` float32
-        log-softmax of ``input``; ``zloss`` and ``lse_for_zloss`` empty (no z-loss requested).
-
-    Raises:
-        NotImplementedError: a z-loss was requested (the sim does not compute it).
-        ValueError: an unknown ``reduction``.
+    ``loss`` as ``torch.nn.functional.cross_entropy``; ``log_prob`` float32 ``(N, C)``; the z-loss outputs are
+    empty (NotImplementedError if one is requested).
     """
     if lse_square_scale_for_zloss != 0.0 or return_zloss:
         raise NotImplementedError("npu_cross_entropy_loss on npu-sim computes no z-loss "
@@ -126,7 +79,7 @@ _NO_BAND = 2147483647
 
 
 def _heads_first(t: torch.Tensor, layout: str, heads: int) -> torch.Tensor:
-    """``t`` in ``layout`` with ``heads`` heads -> ``(B, N, S, D)``."""
+    """Return ``t`` in ``layout`` with ``heads`` heads as ``(B, N, S, D)``."""
     if layout == "BNSD":
         return t
     if layout == "BSND":
@@ -141,7 +94,7 @@ def _heads_first(t: torch.Tensor, layout: str, heads: int) -> torch.Tensor:
 
 
 def _heads_back(t: torch.Tensor, layout: str) -> torch.Tensor:
-    """``(B, N, S, D)`` -> ``layout``."""
+    """Return ``(B, N, S, D)`` ``t`` in ``layout``."""
     if layout == "BNSD":
         return t
     if layout == "BSND":
@@ -152,7 +105,7 @@ def _heads_back(t: torch.Tensor, layout: str) -> torch.Tensor:
 
 
 def _attend(q, k, v, scale, sparse_mode, atten_mask):
-    """Attention on ``(B, N, Sq, D)`` x ``(B, Nkv, Skv, D)`` in float32; returns (out, row max, row sum)."""
+    """Attend ``(B, N, Sq, D)`` x ``(B, Nkv, Skv, D)`` in float32; return (out, row max, row sum)."""
     if q.shape[1] != k.shape[1]:
         k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
         v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
@@ -176,27 +129,14 @@ def npu_fusion_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Te
                          keep_prob: float = 1.0, pre_tockens: int = _NO_BAND, next_tockens: int = _NO_BAND,
                          inner_precise: int = 0, prefix=None, actual_seq_qlen=None, actual_seq_kvlen=None,
                          sparse_mode: int = 0, gen_mask_parallel: bool = True, sync: bool = False):
-    """Scaled dot-product attention, ``softmax(q @ k^T * scale, masked) @ v`` (torch_npu's fused kernel).
+    """Return torch_npu's fused attention ``softmax(q @ k^T * scale, masked) @ v`` and its softmax statistics.
 
-    Args:
-        query, key, value: in ``input_layout``: ``"BSND"``, ``"BNSD"``, ``"BSH"``, ``"SBH"`` or ``"TND"``
-            (packed sequences, with ``actual_seq_qlen`` / ``actual_seq_kvlen`` the cumulative end offsets).
-            ``key``/``value`` may have fewer heads (grouped-query attention).
-        head_num: query heads. scale: multiplies the scores.
-        atten_mask: bool/uint8, ``True``/1 = masked out, broadcastable to ``(B, N, Sq, Skv)``;
-            used as given with ``sparse_mode=0``.
-        sparse_mode: 0 (the mask as given), 2 (causal aligned top-left) or 3 (causal aligned
-            bottom-right); with 2 and 3 the causal mask is derived (torch_npu takes a 2048x2048 mask there).
-
-    Returns:
-        ``(attention_out, softmax_max, softmax_sum, softmax_out, seed, offset, numels)``: the output in the
-        input layout and dtype; row max and row sum of the scaled scores, float32 ``(B, N, Sq, 8)`` (``(T, N,
-        8)`` for TND); an empty ``softmax_out``; ``0, 0, 0`` (no dropout mask was drawn).
-
-    Raises:
-        NotImplementedError: ``pse``, ``padding_mask``, ``prefix``, dropout (``keep_prob < 1``), a band
-            (``pre_tockens``/``next_tockens``), or another ``sparse_mode``: the sim does not compute them.
-        ValueError: an unknown layout, or TND without the sequence lengths.
+    Layouts: ``"BSND"``, ``"BNSD"``, ``"BSH"``, ``"SBH"``, ``"TND"`` (with ``actual_seq_qlen`` / ``actual_seq_kvlen``
+    cumulative end offsets); ``key``/``value`` may have fewer heads. ``atten_mask``: ``True`` = masked out, used
+    with ``sparse_mode=0``; 2 and 3 derive a causal mask (top-left / bottom-right). Returns ``(attention_out,
+    softmax_max, softmax_sum, softmax_out, seed, offset, numels)``: row max/sum float32 ``(B, N, Sq, 8)``
+    (``(T, N, 8)`` for TND), an empty ``softmax_out``, ``0, 0, 0``. ``pse``, padding, prefix, dropout and bands
+    raise NotImplementedError.
     """
     if pse is not None or padding_mask is not None or prefix is not None:
         raise NotImplementedError("npu_fusion_attention on npu-sim: pse, padding_mask and prefix are not supported")
@@ -232,6 +172,6 @@ def npu_fusion_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Te
     return out, row_max.expand(*row_max.shape[:-1], 8), row_sum.expand(*row_sum.shape[:-1], 8), empty, 0, 0, 0
 
 
+# Name -> implementation of every fused operator the compatibility torch_npu exposes.
 FUSED_OPS = {fn.__name__: fn for fn in (npu_rms_norm, npu_swiglu, npu_rotary_mul, npu_cross_entropy_loss,
                                         npu_fusion_attention)}
-"""Name -> implementation of every fused operator the compatibility ``torch_npu`` exposes."""

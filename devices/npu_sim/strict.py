@@ -1,18 +1,9 @@
 """Strict mode of the npu-sim kind: any call into ``torch.cuda`` from project or user code raises.
 
-On the npu path nothing should touch ``torch.cuda``; on a CPU-only torch such calls often pass quietly
-(``torch.cuda.is_available()`` is just ``False``) and on a CUDA build they would silently use the GPU, so a
-hard-coded CUDA call in ``hal/``, ``engines/``, ``ckpt/`` or a user script would go unnoticed until it
-reaches real Ascend hardware. With ``HAL_SIM_STRICT=1`` (the pytest plugin sets it for test sessions)
-the sim, when registered, wraps every public function of ``torch.cuda`` so that a call raises
-:class:`StrictCudaCallError` naming the caller's ``file:line``.
-
-Allowed callers, by the file of the calling frame: torch itself and other installed packages
-(``site-packages``: autocast, FSDP, safetensors probe ``torch.cuda.is_available()`` legitimately), the
-Python standard library, and ``devices/cuda.py`` (the cuda kind's own probe). Not covered: references
-taken before strict mode was installed (``from torch.cuda import synchronize`` at import time) and
-``torch.cuda`` classes (``Stream``, ``Event``), which stay as they are so ``isinstance`` checks inside
-torch keep working.
+With ``HAL_SIM_STRICT=1`` (the pytest plugin sets it) the registered sim wraps every public ``torch.cuda``
+function so a call raises :class:`StrictCudaCallError` naming the caller's ``file:line``, unless it comes from
+torch, another installed package, the standard library or ``devices/cuda.py``. References taken before
+install and ``torch.cuda`` classes are not covered.
 """
 
 from __future__ import annotations
@@ -36,7 +27,7 @@ class StrictCudaCallError(HalError, RuntimeError):
 
 
 def enabled() -> bool:
-    """Whether ``HAL_SIM_STRICT`` asks for strict mode (``1``, ``true``, ``yes``, ``on``)."""
+    """Return whether ``HAL_SIM_STRICT`` asks for strict mode (``1``, ``true``, ``yes``, ``on``)."""
     return os.environ.get(ENV_VAR, "").strip().lower() in ("1", "true", "yes", "on")
 
 
@@ -89,13 +80,12 @@ def install() -> None:
 
 
 def installed() -> bool:
-    """Whether strict mode is installed in this process."""
+    """Return whether strict mode is installed in this process."""
     return _installed
 
 
 def uninstall() -> None:
-    """Put back every ``torch.cuda`` function :func:`install` wrapped (idempotent); for tests that turn
-    strict mode on for their own duration only."""
+    """Put back every ``torch.cuda`` function :func:`install` wrapped (idempotent)."""
     global _installed
     if not _installed:
         return

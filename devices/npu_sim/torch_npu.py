@@ -1,8 +1,6 @@
 """hal's npu-sim seen as ``torch_npu``: loaded under that name by :mod:`devices.npu_sim.compat`, never directly.
 
-``torch_npu.npu`` is the sim's ``torch.npu``; the fused operators are those of :mod:`devices.npu_sim.ops`
-(each computes its torch_npu definition); ``__hal_sim__`` marks the module as the simulation. What
-torch_npu has and the sim does not implement (``profiler``, ``_C``, other fused operators) is absent.
+``torch_npu.npu`` is the sim's ``torch.npu``; the fused operators are :mod:`devices.npu_sim.ops`'s.
 """
 
 import sys

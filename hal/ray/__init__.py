@@ -1,9 +1,5 @@
-"""hal on Ray: trainer and rollout workers as Ray actors, placed by the device kind's Ray resource and bound to
-the device Ray assigned them (:mod:`hal.ray.placement`), and the clusters hal's jobs start or join
-(:mod:`hal.ray.cluster`).
-
-``import hal`` does not import this package, and it imports ``ray`` only inside its functions: Ray is an
-optional extra (``pip install 'hal-posttrain[ray]'``).
+"""hal on Ray: workers as Ray actors placed by the kind's Ray resource (:mod:`hal.ray.placement`), and the
+clusters hal's jobs start or join (:mod:`hal.ray.cluster`). Imports ``ray`` only inside its functions.
 """
 
 from hal.ray.cluster import (

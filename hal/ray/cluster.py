@@ -1,7 +1,5 @@
-"""Ray clusters for hal's jobs: :class:`LocalCluster`, a Ray node started as a child process with its own
-ports, temporary directory and authentication token, stopped by its process id (never ``ray stop``, which
-ends every Ray process of the machine); :func:`connect_cluster`, a driver's bounded connection to a running
-cluster. This module imports ``ray`` only inside its functions (:func:`hal.ray.require_ray`).
+"""Ray clusters for hal's jobs: :class:`LocalCluster`, a Ray node as a child process stopped by its process id
+(never ``ray stop``), and :func:`connect_cluster`, a bounded connection to a running cluster.
 """
 
 from __future__ import annotations
@@ -25,48 +23,36 @@ from hal import registry
 from hal.device import ENV_VAR
 from hal.ray.placement import SCHEDULE_AS_ENV, RayLaunchError, node_environment, require_ray, resource_name
 
+# Object store of a LocalCluster node, in bytes: weights go through the checkpoint engine, not Ray.
 DEFAULT_OBJECT_STORE_BYTES = 256 << 20
-"""Object store of a :class:`LocalCluster` node (bytes): weights go through the checkpoint engine, not Ray."""
 
 
 # ---- a Ray node as a child process ---------------------------------------------------------------------
-# Every port is 0 (and so is the head's --port): each Ray process binds port 0 itself and publishes the port
-# it got; Ray 2.60, which the `ray` extra pins, documents `--port=0` as "we will allocate an available port".
-# A port picked here and bound later by Ray could be taken in between by any outgoing connection on this
-# machine (the kernel hands those out from the same ephemeral range): that failed a CI run with "Address
-# already in use". 0 also keeps nodes started side by side (pytest-xdist workers) apart, which Ray's fixed
-# default ports would not.
+# Every port is 0: a port picked here and bound later by Ray can be taken in between ("Address already in use").
 _RAY_PORT_OPTIONS = ("node-manager-port", "object-manager-port", "dashboard-agent-listen-port",
                      "dashboard-agent-grpc-port", "runtime-env-agent-port", "metrics-export-port")
 
 
 def _reload_ray_auth() -> None:
-    """Make Ray re-read ``RAY_AUTH_MODE`` / ``RAY_AUTH_TOKEN`` (it caches them when first used in a process), and
-    its other ``RAY_*`` settings."""
+    """Make Ray re-read ``RAY_AUTH_MODE`` / ``RAY_AUTH_TOKEN`` and its other ``RAY_*`` settings (it caches them)."""
     from ray._raylet import AuthenticationTokenLoader, Config
 
     Config.initialize("")
     AuthenticationTokenLoader.instance().reset_cache()
 
 
+# Longest Unix socket path on Linux, in bytes (Ray refuses longer).
 AF_UNIX_PATH_MAX = 107
-"""Longest Unix socket path on Linux, in bytes (Ray refuses longer: "AF_UNIX path length cannot exceed 107 bytes")."""
+# Bytes Ray 2.60 appends to its temporary directory for its longest socket (session dir, plasma_store, .N).
 _RAY_SOCKET_SUFFIX = 67
-"""Bytes Ray appends to its temporary directory for its longest socket (Ray 2.60): 64 for
-``/session_<date>_<time>_<microseconds>_<pid>/sockets/plasma_store`` with a 7-digit process id, plus 3 for the
-``.N`` Ray adds to a name in use."""
+# Where ray_temp_parent looks, in order, when the system's temporary directory is too long for Ray.
 _SHORT_TEMP_PARENTS = ("/tmp", "/var/tmp", "/dev/shm")
-"""Where :func:`ray_temp_parent` looks, in order, when the system's temporary directory is too long for Ray."""
 _TEMP_DIR_PREFIX = "hal-ray-"
 
 
 def ray_temp_parent(base: str | None = None) -> str:
-    """The directory :class:`LocalCluster` makes its temporary directory in: ``base`` (default: the system's
-    temporary directory, ``$TMPDIR``) when Ray's sockets under it stay within :data:`AF_UNIX_PATH_MAX` bytes,
-    else the first of ``/tmp``, ``/var/tmp``, ``/dev/shm`` that is short enough and writable.
-
-    Raises:
-        RayLaunchError: none is (names ``base`` and its length, the limit, and what to set).
+    """Return where :class:`LocalCluster` makes its temporary directory: ``base`` (default ``$TMPDIR``) if Ray's
+    sockets fit :data:`AF_UNIX_PATH_MAX`, else the first short writable one of /tmp, /var/tmp, /dev/shm.
     """
     base = base if base is not None else tempfile.gettempdir()
     room = AF_UNIX_PATH_MAX - _RAY_SOCKET_SUFFIX - len(_TEMP_DIR_PREFIX) - 8 - 1  # mkdtemp adds 8 characters
@@ -79,21 +65,17 @@ def ray_temp_parent(base: str | None = None) -> str:
 
 
 # ---- connecting to a cluster ---------------------------------------------------------------------------
+# Seconds connect_cluster gives a cluster's head to answer, per stage (TCP, then Ray's own client).
 CONNECT_TIMEOUT_S = 10.0
-"""Seconds :func:`connect_cluster` gives a cluster's head to answer, per stage (TCP, then Ray's own client)."""
 _RAY_CONNECT_BOUNDS = {
-    # Ray 2.60's driver retries its GCS connection 20 times (RAY_NUM_REDIS_GET_RETRIES), each attempt waiting
-    # RAY_py_gcs_connect_timeout_s (30 s) after RAY_gcs_rpc_server_connect_timeout_s (5 s): 12 minutes and
-    # 60 log lines for an address nothing answers on. One attempt (read by ray._private.node when it connects);
-    # the client timeout is filled in with the caller's.
+    # Ray 2.60 otherwise retries 20 times for 35 s each; one attempt, the client timeout filled in with the caller's
     "RAY_gcs_server_port_wait_time_s": "1",
     "RAY_py_gcs_connect_timeout_s": None,
 }
 
 
 def _tcp_endpoint(address: str) -> tuple[str, int] | None:
-    """``(host, port)`` of a ``HOST:PORT`` address (``[v6]:PORT`` too); ``None`` for ``auto``, ``ray://...`` and
-    anything else Ray resolves itself."""
+    """Return ``(host, port)`` of a ``HOST:PORT`` address; ``None`` for ``auto``, ``ray://...`` and the like."""
     if "://" in address:
         return None
     host, sep, port = address.strip().rpartition(":")
@@ -103,7 +85,7 @@ def _tcp_endpoint(address: str) -> tuple[str, int] | None:
 
 
 def _unreachable(host: str, port: int, timeout: float) -> str | None:
-    """Why a TCP connection to ``host:port`` fails within ``timeout`` seconds; ``None`` when it opens."""
+    """Return why a TCP connection to ``host:port`` fails within ``timeout`` seconds; ``None`` when it opens."""
     import socket
 
     try:
@@ -121,8 +103,7 @@ def _unreachable(host: str, port: int, timeout: float) -> str | None:
 
 
 class _CapturedStderr:
-    """File descriptor 2 sent to an unnamed temporary file for a ``with`` block: what Ray's C++ core and its
-    Python loggers print while a connection is tried, in :attr:`text` after the block."""
+    """Send file descriptor 2 to a temporary file for a ``with`` block; the output is in :attr:`text` after it."""
 
     text = ""
 
@@ -144,29 +125,11 @@ class _CapturedStderr:
 
 
 def connect_cluster(address: str, timeout: float = CONNECT_TIMEOUT_S, **init_kwargs: Any) -> Any:
-    """``ray.init`` this driver to the running cluster at ``address``, in bounded time, failing in one sentence.
+    """``ray.init`` this driver to the running cluster at ``address`` in bounded time; return Ray's context.
 
-    Args:
-        address: ``HOST:PORT`` of the cluster's head (its GCS port), ``auto`` (the cluster this node runs) or
-            a ``ray://`` client address.
-        timeout: seconds (> 0) the head has to answer, per stage: a ``HOST:PORT`` is first opened as a plain
-            TCP connection (no Ray logs, a refused port fails at once), then Ray connects with one attempt of
-            its client, waiting at most ``timeout`` seconds (about ``timeout + 10`` s in all: Ray's own connect
-            and subscribe waits, 5 s each, come first). ``RAY_gcs_server_port_wait_time_s`` and
-            ``RAY_py_gcs_connect_timeout_s`` set by the user win.
-        init_kwargs: more ``ray.init`` arguments (``log_to_driver=False``, ...).
-
-    What Ray prints while it connects (its C++ core logs each failed try to stderr) is held back: replayed
-    when the connection succeeds, dropped when it fails.
-
-    Returns:
-        Ray's context.
-
-    Raises:
-        ValueError: ``timeout`` is not positive.
-        ImportError: ray is not installed.
-        RayLaunchError: the head does not answer or Ray refuses the connection; the message names the address,
-            why, and what to check.
+    ``address``: ``HOST:PORT`` of the head, ``auto`` or ``ray://``. ``timeout`` (seconds) bounds each stage: a
+    plain TCP connect, then one attempt of Ray's client (about ``timeout + 10`` s in all). Ray's log output is
+    replayed on success, dropped on failure, which raises RayLaunchError naming the address and why.
     """
     import math
 
@@ -204,28 +167,11 @@ def connect_cluster(address: str, timeout: float = CONNECT_TIMEOUT_S, **init_kwa
 class LocalCluster:
     """A Ray node run by ``ray start --block`` as a child process of this one, stopped by its process id.
 
-    Every port is one its process got by binding port 0 (none of Ray's defaults), the temporary directory is
-    its own, the dashboard is off, the object store small, and token authentication is on with a token made
-    for this cluster (passed through ``RAY_AUTH_TOKEN``, never written under the home directory).
-
-    Args:
-        resources: resources the node declares, e.g. ``{"NPU_SIM": 3}``, ``{"NPU": 8}`` or ``{"GPU": 8}``.
-        num_cpus: CPUs the node declares.
-        node_ip: the node's address (Ray replaces ``127.0.0.1`` by the host's address).
-        head: the head's ``host:port`` to join as a worker node; ``None`` starts a head.
-        token: the cluster's token (a worker node must use the head's); default: a new random one.
-        object_store_bytes: object store size in bytes.
-        temp_dir: Ray's temporary directory, at most 40 bytes long (its sockets go under it); default: a new
-            one under the system's, or under ``/tmp`` when that is too long (:func:`ray_temp_parent`), removed
-            by :meth:`stop`.
-        timeout: seconds :meth:`start` waits for the node to come up.
-        node_env: more environment of the node's processes, e.g. ``{"ASCEND_RT_VISIBLE_DEVICES": "4,5"}``
-            (which devices of the host the node's ``NPU`` / ``NPU_SIM`` are).
-        schedule_as: a kind the node runs under another resource, e.g. ``{"npu-sim": "NPU"}`` with
-            ``resources={"NPU": 2}``: verl's own worker groups (which ask Ray for ``NPU``) then place their
-            workers on the simulated npu (see :func:`node_environment`).
-
-    Use :meth:`start`, then :meth:`connect` (the driver), and :meth:`stop`; or as a context manager.
+    All ports are bound as port 0, the temporary directory is its own (``temp_dir``: at most 40 bytes), the
+    dashboard is off and a token made for this cluster is passed through ``RAY_AUTH_TOKEN``. ``head``: the
+    head's ``host:port`` to join (``None`` starts a head). ``node_env``: more environment of the node's
+    processes. ``schedule_as``: kinds run under another resource (``{"npu-sim": "NPU"}``, see
+    :func:`node_environment`). Use :meth:`start`, :meth:`connect`, :meth:`stop`, or a ``with`` block.
     """
 
     resources: dict[str, float] = dataclasses.field(default_factory=dict)
@@ -244,22 +190,18 @@ class LocalCluster:
     log_path: str | None = dataclasses.field(default=None, init=False)
 
     def env(self) -> dict[str, str]:
-        """Variables a process needs to talk to this cluster (auth) plus those its node was started with.
+        """Return the variables a process needs to talk to this cluster plus those its node was started with.
 
-        ``HAL_SIM_HOST`` (the node's address) makes each node of a one-machine cluster its own simulated
-        host, so the simulated npu's communicator tells ``NPU_SIM 0`` of one node from that of another.
+        ``HAL_SIM_HOST`` (the node's address) makes each node of a one-machine cluster its own simulated host.
         """
         kinds = [k for k in registry.known_kinds() if resource_name(k) in self.resources]
         return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": self.token or "", "RAY_USAGE_STATS_ENABLED": "0",
                 "HAL_SIM_HOST": self.node_ip, **node_environment(kinds, self.schedule_as)}
 
     def start(self) -> str:
-        """Start the node and wait until it serves (head) or joined (worker); returns the head's address.
+        """Start the node and wait until it serves (head) or joined (worker); return the head's address.
 
-        Raises:
-            RayLaunchError: ``ray start`` exited or the node did not come up within ``timeout`` (the message
-                ends with the tail of its log; the child is stopped first), or ``temp_dir`` is too long for Ray's
-                sockets, or none is to be found (:func:`ray_temp_parent`).
+        Raises RayLaunchError (ending with the tail of its log) if it does not come up within ``timeout``.
         """
         require_ray()
         if self.process is not None:
@@ -327,10 +269,7 @@ class LocalCluster:
                              f"{self._log_tail()}")
 
     def connect(self, **init_kwargs: Any):
-        """``ray.init`` this driver to the cluster (with its token, and the node's ``HAL_RAY_SCHEDULE_AS`` so that
-        hal places workers by the resource the node declares); returns Ray's context. Ray's driver logs at
-        WARNING unless ``logging_level`` says otherwise: its INFO line "Connecting to existing Ray cluster at
-        address ..." spoke of a cluster the user never started (this node, started for the run)."""
+        """``ray.init`` this driver to the cluster with its token and ``HAL_RAY_SCHEDULE_AS``; return Ray's context."""
         ray = require_ray()
         os.environ.update({k: v for k, v in self.env().items() if k.startswith("RAY_AUTH") or k == SCHEDULE_AS_ENV})
         _reload_ray_auth()
@@ -338,7 +277,7 @@ class LocalCluster:
                         logging_level=init_kwargs.pop("logging_level", logging.WARNING), **init_kwargs)
 
     def pids(self) -> list[int]:
-        """Process ids of this node's processes still alive (its ``ray start`` and what that started)."""
+        """Return the ids of this node's processes still alive (its ``ray start`` and what that started)."""
         if self.process is None:
             return []
         sid, found = self.process.pid, []
@@ -355,8 +294,7 @@ class LocalCluster:
         return found
 
     def stop(self, timeout: float = 30.0) -> None:
-        """Stop this node: SIGTERM to its ``ray start`` (Ray drains and ends its processes), then SIGKILL to
-        any of its processes left after ``timeout`` seconds. Ends only processes of this node, by id."""
+        """Stop this node's processes by id: SIGTERM to ``ray start``, then SIGKILL to any left after ``timeout`` s."""
         if self.process is None:
             return
         if self.process.poll() is None:

@@ -1,23 +1,11 @@
 """Trainer and rollout workers as Ray actors, placed by the device kind's Ray resource.
 
-Ray's terms (https://docs.ray.io/en/latest/ray-core/scheduling/placement-group.html): a *resource* is a
-named quantity a node offers (``CPU``, ``GPU``, ``NPU`` or any custom name); a *bundle* is the resources of
-one worker; a *placement group* reserves bundles on the cluster's nodes, packed onto as few nodes as
-possible (``PACK``, ``STRICT_PACK``) or spread across them (``SPREAD``, ``STRICT_SPREAD``); an actor then
-runs in one bundle.
-
-* :func:`resource_request` - what one worker of a device kind asks Ray for: the kind's ``ray_resource``
-  (``GPU`` for cuda, ``NPU`` for Ascend, the simulated npu's own ``NPU_SIM``) plus CPUs.
-* :func:`place_workers` - one placement group with a trainer bundle and one bundle per rollout.
-* :func:`bind_assigned_device` - first thing inside an actor: the device Ray assigned becomes the local
-  device of the kind, and ``HAL_DEVICE`` is set. Ray itself sets ``CUDA_VISIBLE_DEVICES`` /
-  ``ASCEND_RT_VISIBLE_DEVICES`` for the accelerators it knows (``GPU``, ``NPU``) unless
-  ``RAY_EXPERIMENTAL_NOSET_<VARIABLE>`` is set; for a resource Ray does not know (the simulated npu's) hal
-  does the same, under the same switch.
-
-Ray assigns device ids per node only to resources it tracks per instance: its accelerators, and the
-names listed in ``RAY_custom_unit_instance_resources`` when the node starts. :func:`node_environment`
-gives the variables a node of the simulated npu must be started with; :class:`hal.ray.LocalCluster` sets them.
+A worker's bundle asks for the kind's ``ray_resource`` (``GPU``, ``NPU``, the simulated npu's ``NPU_SIM``)
+plus CPUs (:func:`resource_request`); :func:`place_workers` reserves a trainer bundle and one per rollout in
+one placement group; :func:`bind_assigned_device`, first thing in an actor, binds the device Ray assigned.
+Ray sets the visible-devices variable for its own accelerators, hal does for custom resources (both unless
+``RAY_EXPERIMENTAL_NOSET_<VARIABLE>``). Custom resources get per-device ids only when listed in
+``RAY_custom_unit_instance_resources`` at node start (:func:`node_environment`).
 """
 
 from __future__ import annotations
@@ -30,20 +18,18 @@ from hal import registry
 from hal.device import ENV_VAR
 from hal.errors import HalError
 
+# Ray's placement strategies: pack bundles onto few nodes, or spread them (STRICT_*: or fail).
 STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
-"""Ray's placement strategies: pack bundles onto few nodes, or spread them (``STRICT_*``: or fail)."""
 Strategy = Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"]
 
+# Ray's setting listing the custom resources it assigns per-instance ids for (read when a node starts).
 UNIT_INSTANCE_ENV = "RAY_custom_unit_instance_resources"
-"""Ray's setting listing the custom resources it assigns per-instance ids for (read when a node starts)."""
+# Ray 2.60's default value of that setting (every entry must stay when one is added).
 RAY_UNIT_INSTANCE_DEFAULT = ("neuron_cores", "TPU", "NPU", "HPU", "RBLN", "FURIOSA", "TTNPU", "MBLT")
-"""Ray 2.60's default value of that setting (every entry must stay when one is added)."""
+# RAY_EXPERIMENTAL_NOSET_<VISIBLE_DEVICES_VARIABLE>=1: Ray (and hal) leave that variable alone.
 NOSET_PREFIX = "RAY_EXPERIMENTAL_NOSET_"
-"""``RAY_EXPERIMENTAL_NOSET_<VISIBLE_DEVICES_VARIABLE>=1``: Ray (and hal) leave that variable alone."""
+# kind=RESOURCE[,kind=RESOURCE]: on this node and driver, schedule kind by RESOURCE (npu-sim=NPU).
 SCHEDULE_AS_ENV = "HAL_RAY_SCHEDULE_AS"
-"""``kind=RESOURCE[,kind=RESOURCE]``: on this node (and driver), schedule ``kind`` by ``RESOURCE`` instead of its
-spec's ``ray_resource`` (e.g. ``npu-sim=NPU``: the simulated npu stands in for Ascend NPUs; see
-:func:`node_environment`)."""
 
 
 class RayLaunchError(HalError, RuntimeError):
@@ -51,11 +37,7 @@ class RayLaunchError(HalError, RuntimeError):
 
 
 def require_ray():
-    """The ``ray`` module.
-
-    Raises:
-        ImportError: ray is not installed (the message names the extra that installs it).
-    """
+    """Return the ``ray`` module; the ImportError names the extra that installs it."""
     try:
         import ray
     except ImportError as exc:
@@ -64,13 +46,7 @@ def require_ray():
 
 
 def resource_name(kind: str) -> str | None:
-    """The Ray resource a device of ``kind`` is scheduled by (``GPU``, ``NPU``, ``NPU_SIM``); ``None`` for cpu.
-
-    Reads the spec only (no probe), so a driver without the device can place workers on nodes that have it.
-
-    Raises:
-        UnknownDeviceError: ``kind`` is not a known kind.
-    """
+    """Return the Ray resource ``kind`` is scheduled by (``GPU``, ``NPU``, ``NPU_SIM``; ``None`` for cpu); no probe."""
     spec = registry.get_spec(kind.partition(":")[0].strip().lower())
     if spec.host_memory:
         return None
@@ -78,11 +54,7 @@ def resource_name(kind: str) -> str | None:
 
 
 def schedule_as(environ: Mapping[str, str] | None = None) -> dict[str, str]:
-    """The kinds this process schedules by another Ray resource than their spec's (``HAL_RAY_SCHEDULE_AS``).
-
-    Raises:
-        ValueError: an entry is not ``kind=RESOURCE``.
-    """
+    """Return the kinds this process schedules by another Ray resource (``HAL_RAY_SCHEDULE_AS``)."""
     raw = (os.environ if environ is None else environ).get(SCHEDULE_AS_ENV, "")
     out = {}
     for item in filter(None, (part.strip() for part in raw.split(","))):
@@ -94,38 +66,17 @@ def schedule_as(environ: Mapping[str, str] | None = None) -> dict[str, str]:
 
 
 def ray_sets_visible_devices(resource: str) -> bool:
-    """Whether Ray itself sets the visible-devices variable for actors holding ``resource``.
-
-    True for the accelerators Ray ships a manager for (``GPU``, ``NPU``, ...), false for custom resources.
-    """
+    """Return whether Ray itself sets the visible-devices variable for actors holding ``resource``."""
     from ray._private.accelerators import get_all_accelerator_resource_names  # Ray's own list of them
 
     return resource in set(get_all_accelerator_resource_names())
 
 
 def node_environment(kinds: Sequence[str] = (), schedule_as: Mapping[str, str] | None = None) -> dict[str, str]:
-    """Environment a Ray node needs so that each of ``kinds`` gets per-device ids.
+    """Return the environment a Ray node needs so that each of ``kinds`` gets per-device ids (``{}`` if none).
 
-    Ray numbers the instances of its own accelerators; a custom resource (the simulated npu's
-    ``NPU_SIM``) gets ids only when listed in ``RAY_custom_unit_instance_resources`` at ``ray start``.
-
-    Args:
-        schedule_as: kinds to schedule by another resource, e.g. ``{"npu-sim": "NPU"}``: a node declaring
-            ``NPU`` then runs the simulated npu where Ray (and verl's own worker groups, which ask for
-            ``NPU``) place Ascend workers. Ray sets each such actor's ``ASCEND_RT_VISIBLE_DEVICES`` to the ids
-            it assigned, and ``HAL_DEVICE=<kind>`` (set node-wide for a single such kind) registers the sim
-            inside the worker's ``import torch``, over exactly those devices; :func:`bind_assigned_device`
-            binds by that resource too. The driver needs the same ``HAL_RAY_SCHEDULE_AS`` to place hal's
-            workers (:meth:`LocalCluster.connect` sets it).
-
-    Returns:
-        ``{}`` when every kind is one Ray knows and nothing is rescheduled, else the variables:
-        ``RAY_custom_unit_instance_resources`` (Ray's default list plus the custom resources),
-        ``HAL_RAY_SCHEDULE_AS`` and ``HAL_DEVICE``.
-
-    Raises:
-        ValueError: ``schedule_as`` names more than one kind (a node has one ``HAL_DEVICE``).
-        UnknownDeviceError: a kind is not known.
+    ``schedule_as`` (one kind at most, e.g. ``{"npu-sim": "NPU"}``) runs that kind where Ray and verl place
+    Ascend workers; the result then also sets ``HAL_RAY_SCHEDULE_AS`` and ``HAL_DEVICE``.
     """
     overrides = {registry.get_spec(k.strip().lower()).kind: r for k, r in (schedule_as or {}).items()}
     env: dict[str, str] = {}
@@ -145,12 +96,7 @@ def node_environment(kinds: Sequence[str] = (), schedule_as: Mapping[str, str] |
 
 
 def resource_request(kind: str, cpus: float = 1.0, devices: int = 1) -> dict[str, float]:
-    """The bundle of one worker on ``kind``: ``{"CPU": cpus, <ray_resource>: devices}`` (cpu: CPUs only).
-
-    Raises:
-        ValueError: ``cpus`` is negative or ``devices`` is not a positive integer.
-        UnknownDeviceError: ``kind`` is not a known kind.
-    """
+    """Return the bundle of one worker on ``kind``: ``{"CPU": cpus, <ray_resource>: devices}`` (cpu: CPUs only)."""
     if cpus < 0:
         raise ValueError(f"cpus must be >= 0, got {cpus}")
     if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
@@ -163,11 +109,7 @@ def resource_request(kind: str, cpus: float = 1.0, devices: int = 1) -> dict[str
 
 
 def actor_resources(bundle: Mapping[str, float]) -> dict[str, Any]:
-    """``ray.remote`` options asking for ``bundle``: ``num_cpus``, ``num_gpus`` and the other ``resources``.
-
-    Ray takes ``CPU`` and ``GPU`` only as ``num_cpus`` / ``num_gpus``; asking through them is also what makes
-    Ray assign a GPU and set ``CUDA_VISIBLE_DEVICES``.
-    """
+    """Return the ``ray.remote`` options asking for ``bundle`` (``num_cpus``, ``num_gpus``, ``resources``)."""
     options: dict[str, Any] = {"num_cpus": bundle.get("CPU", 0)}
     if "GPU" in bundle:
         options["num_gpus"] = bundle["GPU"]
@@ -179,14 +121,7 @@ def actor_resources(bundle: Mapping[str, float]) -> dict[str, Any]:
 
 @dataclasses.dataclass
 class WorkerPlacement:
-    """A placement group holding the trainer's bundle (index 0) and one bundle per rollout (1..R).
-
-    Attributes:
-        kind: the device kind every bundle asks for.
-        bundles: the bundles, trainer first.
-        strategy: Ray's strategy (see :data:`STRATEGIES`).
-        group: the ``ray.util.placement_group.PlacementGroup``.
-    """
+    """A placement group holding the trainer's bundle (index 0) and one bundle per rollout (1..R)."""
 
     kind: str
     bundles: list[dict[str, float]]
@@ -198,11 +133,7 @@ class WorkerPlacement:
         return len(self.bundles) - 1
 
     def options(self, bundle_index: int) -> dict[str, Any]:
-        """``ray.remote`` options running an actor in bundle ``bundle_index`` (0: trainer, 1..R: rollouts).
-
-        Raises:
-            ValueError: no such bundle.
-        """
+        """Return the ``ray.remote`` options running an actor in bundle ``bundle_index`` (0: trainer)."""
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         if not 0 <= bundle_index < len(self.bundles):
@@ -213,7 +144,7 @@ class WorkerPlacement:
                     self.group, placement_group_bundle_index=bundle_index)}
 
     def node_ids(self) -> list[str]:
-        """The Ray node id (hex) each bundle was placed on, trainer first."""
+        """Return the Ray node id (hex) each bundle was placed on, trainer first."""
         from ray.util.placement_group import placement_group_table
 
         table = placement_group_table(self.group)
@@ -231,19 +162,8 @@ def place_workers(kind: str, rollouts: int, strategy: Strategy = "PACK", cpus: f
                   timeout: float = 60.0) -> WorkerPlacement:
     """Reserve one trainer bundle and ``rollouts`` rollout bundles of ``kind`` and wait until placed.
 
-    Args:
-        kind: device kind; each bundle asks for one device of it (:func:`resource_request`).
-        rollouts: rollout bundles (>= 1).
-        strategy: ``PACK`` (few nodes), ``SPREAD`` (many nodes), or their ``STRICT_`` forms.
-        cpus: CPUs per bundle.
-        trainer_node, rollout_node: a node IP the trainer's / every rollout's bundle must be placed on
-            (through Ray's ``node:<ip>`` resource); ``None``: anywhere the strategy allows.
-        timeout: seconds to wait for the cluster to satisfy the group.
-
-    Raises:
-        ValueError: bad count or strategy.
-        RayLaunchError: not placed within ``timeout``; the message gives the bundles asked for and what
-            the cluster has (a missing resource name is the usual cause).
+    ``trainer_node`` / ``rollout_node``: a node IP the bundle must go to. ``timeout`` is in seconds; past it
+    RayLaunchError gives the bundles asked for and what the cluster has.
     """
     ray = require_ray()
     from ray.util.placement_group import placement_group, remove_placement_group
@@ -272,18 +192,8 @@ def place_workers(kind: str, rollouts: int, strategy: Strategy = "PACK", cpus: f
 class DeviceBinding:
     """Which device an actor bound, as :func:`bind_assigned_device` found and set it.
 
-    Attributes:
-        kind: the device kind (``HAL_DEVICE`` is set to it).
-        resource: its Ray resource (``None`` on cpu).
-        ray_ids: the device ids Ray assigned to the actor (node-wide numbering, as strings).
-        visible_env: the kind's visible-devices variable (``None`` on cpu).
-        visible: that variable's value after binding (``None``: unset).
-        set_by: who set it: ``"ray"``, ``"hal"`` (a resource Ray does not know), ``"noset"`` (the
-            ``RAY_EXPERIMENTAL_NOSET_`` switch was on: nobody), ``None`` on cpu.
-        local_index: the index the actor's device has in this process (``LOCAL_RANK`` is set to it).
-        device_id: the node-wide id of the bound device (``"cpu"`` on cpu).
-        node_id, node_ip: the Ray node the actor runs on.
-        pid: the actor's process id.
+    ``ray_ids``: Ray's node-wide ids (strings). ``set_by``: who set the visible-devices variable (``"ray"``,
+    ``"hal"``, ``"noset"``, ``None`` on cpu). ``local_index``: the device's index in this process (``LOCAL_RANK``).
     """
 
     kind: str
@@ -300,13 +210,7 @@ class DeviceBinding:
 
 
 def _assigned_ids(ray, resource: str, visible_env: str | None) -> list[str]:
-    """Ids of ``resource`` Ray assigned to this worker (placement-group forms included), as the node names
-    its devices: Ray maps its slot numbers through the visible-devices variable the node started with
-    (e.g. ``ASCEND_RT_VISIBLE_DEVICES=4,5``: slot 0 is device 4); hal does the same for a custom resource.
-
-    Raises:
-        RayLaunchError: a slot number is past the devices the node's variable lists.
-    """
+    """Return the ids of ``resource`` Ray assigned to this worker, mapped through the node's visible-devices list."""
     if ray_sets_visible_devices(resource):
         return list(ray.get_runtime_context().get_accelerator_ids().get(resource, []))
     # The same lookup Ray's get_accelerator_ids() does for its accelerators, for a custom resource.
@@ -326,20 +230,8 @@ def _assigned_ids(ray, resource: str, visible_env: str | None) -> list[str]:
 def bind_assigned_device(kind: str) -> DeviceBinding:
     """Bind the device Ray assigned to this actor as the local device of ``kind``; set ``HAL_DEVICE``.
 
-    Call it first in an actor's ``__init__``, before anything resolves the device. The steps:
-
-    1. the ids Ray assigned for the kind's resource (exactly one is expected per worker; the first is used);
-    2. the visible-devices variable: Ray set it to those ids for its accelerators; for a custom resource hal
-       sets it the same way; with ``RAY_EXPERIMENTAL_NOSET_<VARIABLE>=1`` nobody does;
-    3. the local index: the bound id's position in the visible list, or the id itself when the variable is
-       unset (or the kind had already read it: :meth:`DeviceSpec.visible_devices_read`, the simulated npu
-       registered before the binding);
-    4. ``HAL_DEVICE=<kind>`` and ``LOCAL_RANK=<local index>``, then ``hal.bind_local_device``.
-
-    Raises:
-        RayLaunchError: not inside a Ray worker, or Ray assigned no device of the kind's resource (the
-            actor was not started with :meth:`WorkerPlacement.options`), or the bound id is not visible.
-        UnknownDeviceError, DeviceUnavailableError: the kind cannot be used in this actor.
+    Call it first in an actor's ``__init__``. Sets ``LOCAL_RANK`` to the device's visible index, then calls
+    ``hal.bind_local_device``. Raises RayLaunchError outside a Ray worker or when Ray assigned no device.
     """
     ray = require_ray()
     import hal
@@ -397,11 +289,7 @@ def bind_assigned_device(kind: str) -> DeviceBinding:
 
 
 def check_distinct_devices(bindings: Sequence[DeviceBinding]) -> None:
-    """Raise unless every binding holds its own device (cpu bindings never clash).
-
-    Raises:
-        RayLaunchError: two workers bound one device of one node; names both and the likely cause.
-    """
+    """Raise RayLaunchError if two bindings hold one device of one node (cpu bindings never clash)."""
     seen: dict[tuple[str, str], int] = {}
     for i, b in enumerate(bindings):
         if b.resource is None:
