@@ -1,9 +1,7 @@
 """ckpt: checkpoint engines that publish weights tagged with ``global_steps`` (trainer -> rollout).
 
-Engines (by registry name): ``"colocated"`` (one process, zero copy), ``"collective"`` (bucketed broadcast
-over the backend hal gives: NCCL, HCCL or gloo), ``"file"`` (safetensors per step, atomic rename), ``"nixl"`` and ``"mooncake"`` (one-sided writes by
-those transfer libraries), ``"kimi"`` (Kimi's checkpoint-engine, where it runs).
-"""
+Engines by registry name: ``colocated``, ``collective`` (NCCL, HCCL or gloo), ``file``, ``ipc``, ``nixl``,
+``mooncake``, ``kimi``."""
 
 from ckpt.base import CheckpointEngine, check_async_contract, contract_violations
 from ckpt.errors import (
@@ -39,7 +37,6 @@ from ckpt.workers import CheckpointEngineWorker, TrainerWorker
 
 
 def __getattr__(name: str):
-    """The engine classes, imported on first use (the collective one imports torch.distributed)."""
     lazy = {"ColocatedCheckpointEngine": "ckpt.colocated", "CollectiveCheckpointEngine": "ckpt.collective",
             "FileCheckpointEngine": "ckpt.file", "NixlCheckpointEngine": "ckpt.nixl",
             "MooncakeCheckpointEngine": "ckpt.mooncake", "KimiCheckpointEngine": "ckpt.kimi",

@@ -1,21 +1,10 @@
-"""Packing named tensors into fixed-size byte buckets, and the per-message metadata that describes them.
+"""Packing named tensors into fixed-size byte buckets, as the messages :mod:`ckpt.wire` describes.
 
-A transfer is a sequence of *messages*. Each message is one :class:`ckpt.wire.WireMessage` (its encoding is
-:mod:`ckpt.wire`'s) followed by one or more data *segments*:
-
-* a **bucket** message: ``entries`` (:class:`~ckpt.wire.TensorEntry`, in send order) laid out in a
-  receive buffer of ``bucket_size`` bytes, each at an offset its dtype can be viewed at in place, and
-  ``segments`` (:class:`~ckpt.wire.Segment`) - the byte ranges actually moved: ``[0, front)`` holding every
-  tensor copied into the send buffer, then one range per *run* (tensors back to back in one storage, or
-  one large contiguous tensor) sent straight from the sender's storage, placed from the back;
-* a **chunk** message: a slice ``[start, start + length)`` of the bytes of one tensor larger than a bucket;
-  the receiver reassembles the chunks in a buffer of that tensor's size;
-* an **end** message (``end``) closing the update, or an **abort** message (``abort="reason"``)
-  when the sender failed on its side mid-update.
-
-Every record carries the sender's ``step`` (``global_steps``) and ``bucket_size``. Bytes are the tensor's in-memory bytes
-(``tensor.view(torch.uint8)``), so every dtype, 0-d, empty and non-contiguous tensors round-trip exactly.
-"""
+A bucket message's segments are ``[0, front)``, holding every tensor copied into the send buffer (each at an
+offset its dtype can be viewed at in place), then one range per *run* (tensors back to back in one storage,
+or one large contiguous tensor) sent straight from the sender's storage, placed from the back. A tensor
+larger than a bucket travels as chunk messages. Bytes are the tensors' in-memory bytes, so every dtype, 0-d,
+empty and non-contiguous tensor round-trips exactly."""
 
 from __future__ import annotations
 
@@ -32,7 +21,7 @@ from ckpt.wire import META_HEADER, Chunk, Segment, TensorEntry, WireMessage, dty
 
 
 def as_bytes(t: torch.Tensor) -> torch.Tensor:
-    """The bytes of a contiguous tensor as a flat ``uint8`` view (no copy); 0-d and empty tensors included."""
+    """Return a contiguous tensor's bytes as a flat ``uint8`` view (no copy)."""
     return t.reshape(-1).view(torch.uint8)
 
 
@@ -40,18 +29,15 @@ def as_bytes(t: torch.Tensor) -> torch.Tensor:
 class Message:
     """One planned message of the sender.
 
-    ``meta`` is its wire metadata; ``buffer`` the send buffer its copied bytes were written into (when the
-    tensor was yielded; ``None``: nothing was copied); ``sources`` one entry per segment: a flat ``uint8``
-    tensor to send as is (a run of the caller's own memory), or ``None`` for "``buffer``'s bytes of that
-    segment".
-    """
+    ``buffer``: the send buffer its copied bytes went into (``None``: nothing copied); ``sources``: per segment,
+    a flat ``uint8`` run of the caller's memory to send as is, or ``None`` for ``buffer``'s bytes."""
 
     meta: WireMessage
     buffer: torch.Tensor | None = None
     sources: list[torch.Tensor | None] = dataclasses.field(default_factory=list)
 
     def segment_bytes(self) -> list[tuple[int, int, torch.Tensor]]:
-        """``(offset, nbytes, flat uint8 source)`` of every segment: a slice of :attr:`buffer` or a run."""
+        """Return ``(offset, nbytes, flat uint8 source)`` of every segment."""
         out = []
         for seg, source in zip(self.meta.segments, self.sources):
             if source is None:
@@ -61,7 +47,6 @@ class Message:
 
 
 class _Run:
-    """Tensors that lie back to back in one storage: broadcast as one byte range, zero copy."""
 
     def __init__(self, tensor: torch.Tensor, entry: TensorEntry) -> None:
         self.storage = tensor.untyped_storage()
@@ -79,12 +64,7 @@ class _Run:
 
 
 class _Planner:
-    """Lays tensors out in one bucket; see :func:`plan_messages`.
-
-    Packed tensors fill the bucket from the front (one segment ``[0, front)``), runs sent from their own
-    storage fill it from the back, so a bucket costs one broadcast for everything packed plus one per run.
-    A run is placed once it ends (its length is known then), keeping its in-storage alignment.
-    """
+    """Lays tensors out in one bucket: packed ones from the front, runs from their own storage from the back."""
 
     def __init__(self, step: int | None, bucket_size: int, budget: int, device: torch.device,
                  direct_threshold: int, buffer_for: Callable[[int], torch.Tensor], stable: bool) -> None:
@@ -96,14 +76,12 @@ class _Planner:
         self._reset()
 
     def copy_in(self, offset: int, tensor: torch.Tensor) -> None:
-        """Copy ``tensor``'s bytes into the current bucket's send buffer at ``offset``, now."""
         if self.msg.buffer is None:
             self.msg.buffer = self.buffer_for(self.yielded)
         byte_view(self.msg.buffer, offset, tensor.dtype, tensor.shape).copy_(tensor)
 
     def copy_deferred(self) -> None:
-        """Copy the tensor that closed the previous bucket into the new one (once that bucket was handed to
-        the sender, whose buffer the new one may reuse only then)."""
+        """Copy the tensor that closed the previous bucket into the new one, once that bucket was handed on."""
         for entry, tensor in self.deferred:
             self.copy_in(entry.offset, tensor)
         self.deferred = []
@@ -116,12 +94,10 @@ class _Planner:
         self.closing = False  # the tensor being added closed the previous bucket: its copy waits
 
     def _fits(self, nbytes: int) -> bool:
-        """Whether ``nbytes`` more (plus alignment) fit between the packed front and the direct back."""
         return align(self.cursor.end) + nbytes + ALIGN <= self.back
 
     def _pack_at_front(self, items: list[tuple[TensorEntry, torch.Tensor]], start_ptr: int | None) -> None:
-        """Place ``items`` at the front: one tensor at the next aligned offset, or a run (``start_ptr``: its
-        first byte's address) at its relative in-storage offsets, congruent to its address."""
+        """Place ``items`` at the front: one tensor aligned, or a run (from ``start_ptr``) at its relative offsets."""
         if start_ptr is None:
             (entry, tensor), = items
             entry.offset = self.cursor.place(entry.nbytes)
@@ -165,8 +141,7 @@ class _Planner:
 
     def add(self, name: str, tensor: torch.Tensor, nbytes: int,
             part: tuple[list[int], int] | None = None) -> Message | None:
-        """Add one tensor (at most a bucket); returns the bucket it closed, if it did not fit. ``part``:
-        ``(full_shape, row_start)`` when the tensor is a row part of a larger one (:class:`TensorEntry`)."""
+        """Add one tensor of at most a bucket; return the bucket it closed, if it did not fit."""
         entry = TensorEntry(name, dtype_name(tensor.dtype), list(tensor.shape), 0, nbytes)
         if part is not None:
             entry.full_shape, entry.row_start = list(part[0]), int(part[1])
@@ -205,37 +180,13 @@ def plan_messages(weights: Iterable[tuple[str, torch.Tensor]], step: int | None,
                   meta_capacity: int, device: torch.device, direct_threshold: int,
                   buffer_for: Callable[[int], torch.Tensor] | None = None,
                   parts: Mapping[str, tuple[list[int], int]] | None = None) -> Iterator[Message]:
-    """Group ``weights`` into messages, lazily (one bucket of lookahead, never the whole model).
+    """Group ``weights`` into messages lazily (one bucket of lookahead).
 
-    **Each tensor's bytes are taken when it is yielded**: a sender whose iterator reuses one staging buffer
-    between the tensors it yields (as vLLM's and verl's per-tensor generators may) is sent what each tensor
-    held when it was yielded. Copies go into the send buffer of their message at once (before the next
-    tensor is asked for); tensors larger than a bucket are copied through it chunk by chunk, each chunk
-    before its message is handed on.
-
-    Only when ``weights`` is a collection (a list, a tuple, a dict's ``items()``: every tensor exists at
-    once, so none can be overwritten by the next), tensors that lie back to back in one storage (views into
-    a flat parameter buffer, as FSDP1 or Megatron keep them) form a *run*; a run of at least
-    ``direct_threshold`` bytes, contiguous and on ``device``, is sent straight from that storage (zero
-    copy), laid out in the bucket at the same relative offsets so every tensor keeps its alignment, and a
-    contiguous tensor larger than a bucket on ``device`` is sent from its own memory too.
-
-    Args:
-        weights: ``(name, tensor)`` pairs, any dtype/shape/strides/device.
-        step: the ``global_steps`` to tag every record with.
-        bucket_size: bytes of a bucket; tensors above it are split into chunk messages.
-        meta_capacity: bytes of the metadata tensor; a bucket also closes when its record would overflow it.
-        device: the transfer device.
-        direct_threshold: bytes from which a run is sent from its own storage; ``0`` packs everything.
-        buffer_for: ``buffer_for(k)`` gives message ``k``'s send buffer (flat ``uint8`` of ``bucket_size``
-            bytes), asked for when the first byte is copied into it: after message ``k - 1`` was handed to
-            the caller (so with three buffers in rotation and at most two messages in flight, the one asked
-            for is free). ``None``: a new zero-filled buffer each time.
-
-    Raises:
-        CheckpointConfigError: a name is not a str, a value is not a tensor, or one metadata entry alone
-            exceeds ``meta_capacity``.
-    """
+    Each tensor's bytes are taken when it is yielded, so an iterator that reuses one staging buffer is sent
+    what each tensor held then. Only when ``weights`` is a collection, runs of at least ``direct_threshold``
+    bytes on ``device`` (and contiguous tensors larger than a bucket) are sent from their own storage.
+    ``buffer_for(k)`` gives message k's send buffer, asked for after message k - 1 was handed on (``None``: a
+    new zero-filled one). ``meta_capacity``: bytes of the metadata record; a bucket closes when it is full."""
     if buffer_for is None:
         def buffer_for(k: int) -> torch.Tensor:
             return torch.zeros(bucket_size, dtype=torch.uint8, device=device)
@@ -271,14 +222,9 @@ def plan_messages(weights: Iterable[tuple[str, torch.Tensor]], step: int | None,
 def _chunk_messages(name: str, tensor: torch.Tensor, nbytes: int, step: int | None, bucket_size: int,
                     device: torch.device, stable: bool, next_buffer: Callable[[], torch.Tensor],
                     part: tuple[list[int], int] | None = None) -> Iterator[Message]:
-    """Chunk messages for one tensor larger than a bucket.
+    """Yield chunk messages for one tensor larger than a bucket, from its own storage or through the send buffer.
 
-    A contiguous tensor on ``device`` of a ``stable`` collection is sent from its own storage in byte
-    slices of ``bucket_size``. Any other is copied through the send buffer (``next_buffer()``, asked for
-    right before each message is handed on) a slice of bytes (contiguous) or a block of dim-0 rows at a
-    time, so the sender never holds a second copy of it; only a tensor whose single row exceeds a bucket is
-    made contiguous first (that private copy is then sent from its own memory).
-    """
+    Only a non-contiguous tensor whose single row exceeds a bucket is made contiguous first."""
     head = dict(name=name, dtype=dtype_name(tensor.dtype), shape=list(tensor.shape), nbytes=nbytes)
     if part is not None:
         head.update(full_shape=list(part[0]), row_start=int(part[1]))

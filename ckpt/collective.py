@@ -1,10 +1,12 @@
 """Broadcast of bucketed weights from one trainer rank to rollout ranks, on the backend ``hal`` gives.
 
-One code path for NCCL (cuda), HCCL (npu, and the simulated npu) and gloo (cpu): the engine asks ``hal``
-for this rank's device (``hal.bind_local_device(kind)``) and forms its own group from a rendezvous
-(``hal.connect_store`` + ``hal.new_group_from_store``), separate from any training group, kept across
-updates (rebuilding a communicator per update exhausts HCCL resources). Wire format: :mod:`ckpt.bucket`.
-"""
+One code path for NCCL (cuda), HCCL (npu, npu-sim) and gloo (cpu). The engine forms its own group from a
+rendezvous, separate from any training group, and keeps it across updates (rebuilding a communicator per
+update exhausts HCCL). Wire format: :mod:`ckpt.bucket`.
+
+Order and ownership: tensors arrive in send order. ``send_weights`` returns when every broadcast completed;
+the caller may then reuse its tensors. A tensor yielded by ``receive_weights`` is a view into an engine-owned
+buffer, valid only until the next item is requested, unless it was received into ``placement``'s tensor."""
 
 from __future__ import annotations
 
@@ -24,15 +26,13 @@ from ckpt.one_to_many import DEFAULT_BUCKET_SIZE, Membership, OneToManyEngine, c
 from ckpt.control import ControlChannel, PeerFailure
 from ckpt import multi_sender
 
-POLL_S = 0.25
-"""Seconds between a waiting receiver's looks in the store for word that the sender closed its engine."""
-NAMESPACE = "ckpt-ctl"
-"""Prefix of the engine's control keys (:mod:`ckpt.control`): ``ckpt-ctl/<generation>[/s<sender>]/...``."""
+POLL_S = 0.25  # Seconds between a waiting receiver's looks in the store for word that the sender closed its engine.
+NAMESPACE = "ckpt-ctl"  # Prefix of the engine's control keys: ckpt-ctl/<generation>[/s<sender>]/...
 
 
 @dataclasses.dataclass(frozen=True)
 class SenderClosed:
-    """The sender's word, under the control key ``"closed"``, that it closed its engine (``reason`` says when)."""
+    """The sender's word, under control key ``"closed"``, that it closed its engine."""
 
     reason: str
 
@@ -40,67 +40,18 @@ class SenderClosed:
 class CollectiveCheckpointEngine(OneToManyEngine):
     """Bucketed broadcast from rank ``src_rank`` (the trainer) to every other rank of its own group.
 
-    Two ways to build one:
+    Built standalone (``rank``, ``world_size``, ``master_addr`` / ``master_port`` or ``store_addr``; rank 0
+    hosts the store, on a free port reported by ``prepare()`` when ``master_port`` is left out) or verl's way
+    (``bucket_size``, ``is_master``, then the lifecycle; other trainer ranks get rank -1 and only drain). The
+    group is kept while the topology is unchanged; a failed one is rebuilt; ``close()`` releases all.
+    ``timeout`` (seconds) bounds the rendezvous and every collective. ``meta_capacity``: bytes of the per-message
+    metadata record. ``direct_threshold`` (bytes, default ``bucket_size // 8``): tensors this large, and runs of
+    tensors back to back in one storage, are broadcast from their own memory. ``multi_sender``: every trainer rank
+    sends its own shards (:mod:`ckpt.multi_sender`).
 
-    * hal's standalone use: ``rank``, ``world_size`` and ``master_addr``/``master_port`` (or
-      ``store_addr="host:port"``; rank 0 hosts the store) up front; the first ``send_weights`` /
-      ``receive_weights`` joins the group. Rank 0 may leave ``master_port`` out: its ``prepare()`` then hosts
-      the store on a port the kernel picks and reports it (``master_port``), for the other ranks to be given.
-    * verl's: ``CollectiveCheckpointEngine(bucket_size=..., is_master=..., **engine_kwargs)``, then per
-      update ``prepare()`` (the master hosts the store and reports where), the classmethod
-      ``build_topology(trainer_world_size, rollout_world_size, metadata)``, ``init_process_group(**one
-      rank's entries)``, the transfer, ``finalize()``. Trainer rank 0 sends; other trainer ranks get
-      rank -1 (their ``send_weights`` only drains the iterator).
-
-    Either way the communicator is formed once and **kept while the topology is unchanged**
-    (``finalize()`` frees only the buffers; rebuilding a communicator per update exhausts HCCL); a changed
-    topology forms a new generation of the group, and a failed one is rebuilt. ``close()`` releases all.
-
-    Args:
-        rank, world_size: this process's place in the checkpoint group (trainer + rollout ranks).
-        master_addr, master_port: the rendezvous store (hosted by rank 0); or ``store_addr="host:port"``.
-            With ``is_master`` and no rank, the store's host name and port (``None``: this host, a free port).
-        src_rank: the sending rank (default 0).
-        bucket_size: bytes per bucket; bounds memory (see below).
-        device: kind name (``"cpu"``, ``"npu-sim"``, ...) or ``None`` for hal's resolution.
-        timeout: seconds for the rendezvous and for every collective; a dead or stuck peer becomes a
-            :class:`TransferTimeoutError` / :class:`TransferError` within it, never a hang.
-        meta_capacity: bytes of the per-message metadata record (a bucket closes early when it is full).
-        direct_threshold: contiguous tensors on the transfer device of at least this many bytes are
-            broadcast from their own storage instead of being copied into a bucket, as are runs of
-            tensors lying back to back in one storage (default ``bucket_size // 8``; 0 packs everything; else an
-            int >= 0, or :class:`CheckpointConfigError`).
-        is_master: this is verl's trainer rank 0 (hosts the store, sends).
-        multi_sender: every trainer rank sends its own shards (one lane per sender, :mod:`ckpt.multi_sender`:
-            ``send_weights`` takes whole tensors, :class:`ckpt.RowShard` or FSDP2 ``DTensor`` values, and a
-            rollout yields full tensors assembled from every sender's rows); default ``False``, one sender.
-
-    Order: tensors arrive in the order the sender's iterable produced them.
-
-    Overlap: every broadcast is issued asynchronously and waited on (off the event loop) only when its
-    buffer is needed again, so packing bucket k+1 overlaps the transfer of bucket k on backends with
-    asynchronous collectives (gloo, NCCL, HCCL); the receiver posts the next message's metadata broadcast
-    before waiting for the current data. A backend whose collectives complete before returning (the
-    simulated npu's hccl) runs the same code serially.
-
-    Memory: the sender holds at most three bucket buffers of ``bucket_size`` (it copies bucket k's tensors
-    as they are yielded while buckets k-1 and k-2 may be in flight), a receiver two (it receives message
-    k+1 while message k's tensors are read), allocated on first need, plus the sender's references to at
-    most two buckets' worth of directly sent tensors. When ``weights`` is a collection (list, tuple,
-    ``dict.items()``), runs of tensors adjacent in one storage of at least ``direct_threshold`` bytes are
-    broadcast from that storage, without packing, and a receiver given a ``placement`` receives straight
-    into the consumer's memory: a flat published buffer sent to a rollout's weight bank needs no bucket at
-    all. The bytes of a tensor from any other iterable are copied when it is yielded (see
-    :func:`ckpt.bucket.plan_messages`). A tensor larger than a bucket is split into chunks of
-    ``bucket_size``; without a placement the receiver assembles it in one more buffer of the largest such
-    tensor's size, kept across updates. A receiver lays buckets out at the sender's ``bucket_size`` (every
-    message carries it), whatever its own.
-
-    Ownership: ``send_weights`` returns when every broadcast has completed; the caller may then reuse or
-    free its tensors. Every tensor yielded by ``receive_weights`` is a **view into an engine-owned buffer,
-    valid only until the next item is requested**: copy it (``param.copy_(t)``, as a rollout's
-    ``load_weights`` does) before advancing if it must outlive that.
-    """
+    Memory: the sender holds at most three buckets of ``bucket_size``, a receiver two, allocated on first need
+    and kept across updates, plus one buffer for the largest tensor above a bucket when it has no placement.
+    Packing bucket k+1 overlaps the transfer of bucket k where collectives are asynchronous."""
 
     def __init__(self, rank: int | None = None, world_size: int | None = None, master_addr: str | None = None,
                  master_port: int | None = None, store_addr: str | None = None, src_rank: int = 0,
@@ -140,8 +91,7 @@ class CollectiveCheckpointEngine(OneToManyEngine):
 
     # ---- lifecycle (verl's CheckpointEngine ABC: all synchronous; the sequence is the base's) --------
     def _host_rendezvous(self) -> None:
-        """The master hosts the rendezvous store, once, at ``master_port`` (``None``: a port the kernel picks,
-        reported by ``prepare()``); a standalone sender given its port hosts it when it joins instead."""
+        """Host the rendezvous store once, at ``master_port`` (``None``: a port the kernel picks)."""
         if self._store is not None or (self._membership is not None and self.master_port is not None):
             return
         self._store = self._host_store()  # records self._store_at
@@ -151,8 +101,7 @@ class CollectiveCheckpointEngine(OneToManyEngine):
 
     @staticmethod
     def _hosts_store(m: Membership) -> bool:
-        """Whether the rank of ``m`` hosts the group's store (rank 0, as ``hal.connect_store`` has it) and sends,
-        so that it may host it where the kernel picks: the only rank that can tell the others the port."""
+        """Return whether ``m``'s rank hosts the store and sends, so it may pick the port."""
         return m.rank == 0 == m.src_rank
 
     def _prepare_buffers(self) -> None:
@@ -179,24 +128,17 @@ class CollectiveCheckpointEngine(OneToManyEngine):
     # ---- lanes: this class's engines that a multi-sender rank runs, one per sender (ckpt/multi_sender.py) ----
     def join_as_lane(self, suffix: str, store: Any, hosted: bool, store_at: tuple[str, int],
                      membership: Membership) -> None:
-        """Join as one lane of a multi-sender rank: its keys under ``suffix``, on ``store`` (hosted by this
-        process when ``hosted``) at ``store_at``, as ``membership``'s rank of the one-sender group.
-
-        Raises:
-            hal.DistributedTimeoutError: the lane's group did not form within the timeout.
-        """
+        """Join as one lane of a multi-sender rank: keys under ``suffix``, on ``store``, as ``membership``'s rank."""
         self._lane, self._store, self._store_server, self._store_at = suffix, store, hosted, store_at
         self._set_membership(membership)
         self._join(membership)
 
     @property
     def group_formed(self) -> bool:
-        """Whether this engine's process group is formed (``False`` after a failure released it)."""
         return self._group is not None
 
     def received_part(self, name: str) -> tuple[list[int], int] | None:
-        """The row part of tensor ``name`` in the update being received, ``(full_shape, row_start)``, or
-        ``None`` for a whole tensor (see :func:`ckpt.bucket.plan_messages`)."""
+        """Return tensor ``name``'s row part in the update being received, ``(full_shape, row_start)``, or ``None``."""
         return self._parts.get(name)
 
     def _close_lanes(self) -> None:
@@ -205,9 +147,7 @@ class CollectiveCheckpointEngine(OneToManyEngine):
             lane.close()
 
     def _join_lanes(self, m: Membership) -> None:
-        """Form this rank's lanes of a multi-sender group: on sender ``s`` its own lane (rank 0 of it), on a
-        rollout one lane per sender (rank ``1 + rollout index`` in each), all on the store trainer rank 0
-        hosts, joined in sender order (every rollout in the same order, so no two wait on each other)."""
+        """Form this rank's lanes of a multi-sender group, joined in sender order."""
         self._bind()
         self._close_lanes()
         self._release_group(keep_store=self._store_at == (m.master_addr, m.master_port) and self._store_server)
@@ -272,11 +212,7 @@ class CollectiveCheckpointEngine(OneToManyEngine):
             self._store_server = False
 
     def _allocate(self) -> None:
-        """Bind this rank's device (:func:`hal.bind_local_device`: the index in ``device``, else ``LOCAL_RANK``'s)
-        and put the metadata records there (2 on the sender, 1 on a receiver, of ``meta_capacity`` bytes).
-        The bucket buffers (three on the sender, two on a receiver) are allocated (zero-filled, so
-        their pages are resident) on first need by :meth:`_slot` and kept until ``finalize()``: an update
-        sent from runs of one storage and received into placements needs none."""
+        """Bind this rank's device and allocate the metadata records (bucket buffers come on first need)."""
         if self._metas:
             return
         self.device = self.local.bind()
@@ -285,8 +221,7 @@ class CollectiveCheckpointEngine(OneToManyEngine):
 
     @property
     def buffer_bytes(self) -> int:
-        """Bytes of the buffers this engine holds now (buckets, metadata records, the assembly buffer; with
-        several senders, every lane's)."""
+        """Bytes of the buffers this engine holds now, every lane's included."""
         held = [*self._buffers, *self._metas] + ([self._large] if self._large is not None else [])
         return sum(t.numel() * t.element_size() for t in held) + sum(lane.buffer_bytes for lane in self._lanes)
 
@@ -294,17 +229,9 @@ class CollectiveCheckpointEngine(OneToManyEngine):
         self._buffers, self._metas, self._large, self._pending_meta = [], [], None, None
 
     def finalize(self) -> None:
-        """End of one update: free the assembly buffer of tensors larger than a bucket; keep the group and
-        the bucket buffers for the next update while the topology is unchanged, as the transfer-library
-        engines keep their registered slots (verl's manager finalizes every update: refilling two buckets
-        of zeros each time cost more than the transfer on a host; :meth:`close` or another topology frees
-        them).
+        """Free the assembly buffer; keep the group and the buckets while the topology is unchanged.
 
-        A group that failed (a dead peer, a timeout) is released too, so the next :meth:`init_process_group`
-        (or send / receive) forms a new one: the other ranks drop their connection to the rendezvous store
-        as well (its host may have been replaced), while the rank hosting it keeps serving at the same
-        address (a peer's failure does not break it, and the old server would still hold the port).
-        """
+        A failed group is released too, so the next update forms a new one."""
         self._large, self._pending_meta = None, None
         for lane in self._lanes:
             lane.finalize()
@@ -317,12 +244,7 @@ class CollectiveCheckpointEngine(OneToManyEngine):
             self._broken = None
 
     def close(self) -> None:
-        """Release everything: buffers, the group and the store (the master's server included).
-
-        The sender first leaves word in the store that it closed (and at which step), so a receiver
-        waiting on it in :meth:`receive_weights` fails at once with :class:`TransferError` instead of after
-        ``timeout``; a receiver whose store was hosted by the sender finds the store gone, likewise.
-        """
+        """Release buffers, the group and the store; a waiting receiver fails at once with :class:`TransferError`."""
         if self._group is not None and self._joined is not None and self.is_sender and self._control is not None:
             when = (f"in the middle of step {self._sending}" if self._sending is not None else
                     f"after step {self._sent}" if self._sent is not None else "before sending any update")
@@ -356,8 +278,7 @@ class CollectiveCheckpointEngine(OneToManyEngine):
         return self._group
 
     def _sender_closed(self) -> str | None:
-        """Why the sender is gone, if a receiver can tell from the store: the sender's word that it closed,
-        or the store itself unreachable (its host closed or died); ``None`` on the sender or while neither."""
+        """Return why the sender is gone, if a receiver can tell from the store, else ``None``."""
         if self.is_sender or self._control is None or self._joined is None:
             return None
         try:
@@ -402,16 +323,9 @@ class CollectiveCheckpointEngine(OneToManyEngine):
 
     # ---- sender ----------------------------------------------------------------------------------
     async def send_weights(self, weights: Iterable[NamedTensor], global_steps: int | None = None) -> None:
-        """Broadcast ``weights`` (iterable of ``(name, tensor)``, any device/dtype/strides) tagged ``global_steps``.
+        """Broadcast ``weights`` tagged ``global_steps``; return when all is delivered.
 
-        Bucket k+1 is packed while bucket k is broadcast (two send buffers). Returns when all is delivered.
-
-        Raises:
-            CheckpointConfigError: called on a receiving rank, or bad ``global_steps``/pairs.
-            TransferTimeoutError, TransferError: a receiver died or stalled (within ``timeout``).
-            Whatever ``weights`` raises: the receivers are told (they raise :class:`TransferAbortedError` at once)
-            and the group stays usable for the next update.
-        """
+        If ``weights`` raises, the receivers raise :class:`TransferAbortedError` at once and the group stays usable."""
         global_steps = check_global_steps(global_steps)
         if self._outside(weights):  # a trainer rank outside the group: its iterator may need it (FSDP gathers)
             return
@@ -429,8 +343,7 @@ class CollectiveCheckpointEngine(OneToManyEngine):
 
     async def send_row_parts(self, weights: Iterable[NamedTensor], global_steps: int | None,
                     parts: dict[str, tuple[list[int], int]] | None) -> None:
-        """:meth:`send_weights` on a joined one-sender group; ``parts``: the row parts among ``weights``
-        (name -> ``(full_shape, row_start)``, see :func:`ckpt.bucket.plan_messages`)."""
+        """Run :meth:`send_weights` on a joined one-sender group; ``parts`` maps a row part's name to its place."""
         self._check_sender()
         group = await self._ensure_ready()
         self._sending = global_steps
@@ -469,11 +382,7 @@ class CollectiveCheckpointEngine(OneToManyEngine):
 
     # ---- receiver --------------------------------------------------------------------------------
     def _slot(self, index: int, nbytes: int | None = None) -> torch.Tensor:
-        """Bucket buffer ``index`` of ``nbytes`` (default ``bucket_size``), allocated and touched on first use,
-        then kept until ``finalize()``: the sender copies bucket k's tensors into buffer k % 3 while k-1 and
-        k-2 may be in flight from the others; a receiver receives message k+1 into buffer (k+1) % 2 while
-        k's tensors are read from the other. A receiver's buffers take the sender's bucket size (carried by
-        every message), so a sender built with another ``bucket_size`` is adopted before any byte moves."""
+        """Return bucket buffer ``index`` of ``nbytes`` (default ``bucket_size``), allocated on first use."""
         nbytes = self.bucket_size if nbytes is None else nbytes
         while len(self._buffers) <= index:
             self._buffers.append(None)
@@ -483,8 +392,7 @@ class CollectiveCheckpointEngine(OneToManyEngine):
         return self._buffers[index]
 
     async def _next_meta(self, group: hal.StoreGroup, step: int | None) -> WireMessage:
-        """The next message's metadata (its broadcast was posted ahead by :meth:`_post_data`, else now);
-        ``step``: the update it belongs to, if known (for error messages)."""
+        """Return the next message's metadata (its broadcast posted ahead, else now)."""
         pending, self._pending_meta = self._pending_meta, None
         await self._wait([pending or self._bcast(group, self._metas[0])],
                          "metadata broadcast of " + ("the next update" if step is None else f"step {step}"))
@@ -492,8 +400,7 @@ class CollectiveCheckpointEngine(OneToManyEngine):
 
     def _placed(self, placement, name: str, dtype: torch.dtype, shape: list[int], nbytes: int,
                 item: TensorEntry | Chunk | None = None) -> torch.Tensor | None:
-        """The consumer's destination for one tensor (for a row part ``item``: its rows of the consumer's
-        full tensor, through :class:`ckpt.multi_sender.PartPlacement`), if the engine can write there."""
+        """Return the consumer's destination for one tensor if the engine can write there, else ``None``."""
         if placement is None or nbytes == 0:
             return None
         if item is not None and item.full_shape is not None:
@@ -508,13 +415,10 @@ class CollectiveCheckpointEngine(OneToManyEngine):
         return dest
 
     def _segment_target(self, placement, entries: list[TensorEntry], seg: Segment):
-        """A flat ``uint8`` range of consumer memory that segment ``[offset, offset + nbytes)`` can be
-        received into directly, with the placed tensors it fills; ``(None, None)`` if there is none.
+        """Return a flat ``uint8`` range of consumer memory a segment can be received into, with its placed tensors.
 
-        It exists when every tensor of the segment has a placement in one storage at the same relative
-        offsets as in the bucket, the segment starts at its first tensor and ends at its last, and the gaps
-        between tensors are alignment padding (< ALIGN bytes, so no other 64-byte aligned tensor is in them).
-        """
+        Exists when the segment's tensors are placed in one storage at the bucket's relative offsets, with only
+        alignment padding between them; else ``(None, None)``."""
         offset, nbytes = seg.offset, seg.nbytes
         inside = sorted((e for e in entries if offset <= e.offset < offset + nbytes and e.nbytes > 0),
                         key=lambda e: e.offset)
@@ -542,11 +446,7 @@ class CollectiveCheckpointEngine(OneToManyEngine):
         return target, placed
 
     def _post_data(self, group: hal.StoreGroup, meta: WireMessage, slot: int, placement, big: dict[str, Any]):
-        """Post the data broadcasts of one message and the next message's metadata broadcast.
-
-        Returns ``(works, items)``: the pending broadcasts and the ``(name, tensor)`` pairs the message
-        completes once they are done (views into a receive buffer, or the consumer's placed tensors).
-        """
+        """Post one message's data broadcasts and the next metadata broadcast; return ``(works, items)``."""
         works, items = [], []
         chunk = meta.chunk
         for item in ([chunk] if chunk is not None else meta.entries):
@@ -596,8 +496,7 @@ class CollectiveCheckpointEngine(OneToManyEngine):
                                        f"it; the group stays usable): {meta.abort}")
 
     async def _drain(self, group: hal.StoreGroup, meta: WireMessage, works: list, slot: int = 0) -> None:
-        """Receive and discard the rest of an update whose message ``meta`` is posted (``works``, into
-        receive buffer ``slot``)."""
+        """Receive and discard the rest of an update whose message ``meta`` is posted."""
         big: dict[str, Any] = {}
         while True:
             await self._finish(meta, works)
@@ -614,29 +513,10 @@ class CollectiveCheckpointEngine(OneToManyEngine):
 
     async def receive_weights(self, global_steps: int | None = None, *,
                               placement: ReceivePlacement | None = None) -> AsyncIterator[NamedTensor]:
-        """Yield the ``(name, tensor)`` pairs of the next update, in send order (see the class docstring for
-        buffer ownership). With ``global_steps=N`` and another step on offer, the whole update is received
-        and discarded (the group stays in step) and :class:`VersionMismatchError` is raised, before
-        anything is yielded. A consumer that stops early (``aclose()``) drains the rest the same way.
+        """Yield the next update's ``(name, tensor)`` pairs in send order, receiving message k+1 while k is read.
 
-        Receive is double-buffered: once message k has arrived, message k+1's data is posted into the other
-        buffer before k's tensors are yielded, so the consumer's copies overlap the next transfer.
-
-        Args:
-            global_steps: the step asked for, or ``None`` for whatever is sent.
-            placement: optional :class:`ckpt.base.ReceivePlacement`, ``placement.target(name, dtype, shape)
-                -> torch.Tensor | None``: where the consumer wants a tensor's bytes (e.g. its slot in a rollout's weight bank): a contiguous tensor on the
-                engine's device, 64-byte aligned. Segments whose tensors all have placements in one storage
-                at the bucket's relative offsets, and tensors larger than a bucket, are received straight
-                into them (the broadcast writes there, padding between tensors included), and those very
-                tensors are yielded; everything else arrives in a receive buffer as without ``placement``.
-                Placed memory is written before the update is known to be complete.
-
-        Raises:
-            VersionMismatchError, CheckpointConfigError (called on the sending rank),
-            TransferTimeoutError / TransferError (the sender died or stalled, within ``timeout``; or its
-            weights iterator failed mid-update, in which case the group stays usable).
-        """
+        On a step mismatch or an early ``aclose()`` the rest is received and discarded. ``placement`` targets must
+        be contiguous, on the engine's device, 64-byte aligned; they are written before the update is complete."""
         global_steps = check_global_steps(global_steps)
         placement = as_placement(placement)
         self._check_receiver()

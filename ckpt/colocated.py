@@ -26,13 +26,10 @@ class _Offer:
 
     @property
     def done(self) -> bool:
-        """Every receiver is finished with every tensor."""
         return self.finished >= self.receivers
 
     def reader(self) -> Iterator[NamedTensor]:
-        """This receiver's pass over the sender's iterable, read once for all receivers: with one receiver
-        straight from it; with several, an item is held (a reference) until every receiver has taken it.
-        Raises what the iterable raised, in every receiver."""
+        """Return this receiver's pass over the sender's iterable, read once for all receivers."""
         if self.receivers == 1:
             return self._source
         me = len(self._positions)
@@ -65,37 +62,15 @@ class _Offer:
 class ColocatedCheckpointEngine(CheckpointEngine):
     """One instance shared by the trainer and the rollout of a process (one event loop); nothing is copied.
 
-    As in verl's colocated ("naive") mode, the rollout streams the trainer's own tensors from the trainer's
-    ``(name, tensor)`` iterable, one at a time, so the hand-over costs no memory beyond what producing one
-    tensor costs (a colocated rollout shares the trainer's device; a copy of the model would not fit).
-    Because nothing is copied, ``send_weights`` returns only when the receiver is done with every tensor:
-    after it asked for the item past the last one (or stopped early). A tensor yielded by
-    ``receive_weights`` is the trainer's live tensor and stays valid until the consumer asks for the next
-    item; copy it (``param.copy_(t)``, as a rollout's ``load_weights`` does) before that.
+    The rollout streams the trainer's own tensors from its iterable, one at a time. Ownership: a yielded tensor
+    is the trainer's live tensor, valid until the next item is requested; ``send_weights`` returns once every
+    receiver asked past the last item (or stopped). Sender and receiver must run concurrently, as verl's manager
+    runs them; a sender alone raises :class:`TransferTimeoutError` after ``timeout`` seconds and withdraws its
+    offer. ``channel``: every construction with that name in this process returns the same instance (verl's
+    workers each build their own). ``init_process_group(receivers=R)`` serves each offer to R receivers, the
+    iterable still read once."""
 
-    So the sender and the receiver must run concurrently, as verl's ``CheckpointEngineManager`` runs them
-    (``asyncio.gather(trainer.update_weights(step), rollout.update_weights(step))``). A sender awaited on its
-    own, before any receiver started, raises :class:`TransferTimeoutError` after ``timeout`` seconds and
-    withdraws its offer, rather than returning while the rollout has yet to read tensors the trainer's next
-    optimizer step changes.
-
-    Args:
-        bucket_size, is_master: accepted as verl's registry passes them (nothing is bucketed here).
-        timeout: seconds a sender waits for a receiver to take its offer and then for each next item to be
-            requested, and seconds ``receive_weights`` waits for an offer; past it,
-            :class:`TransferTimeoutError`.
-        channel: a name; every construction with the same name in this process returns the same
-            instance, so workers that each build their own engine (verl's trainer and rollout workers do,
-            through its registry) share one hand-over. ``None``: a private instance.
-
-    Several receivers: ``init_process_group(receivers=R)`` (what :meth:`build_topology` hands out for R
-    rollout ranks) makes each offer serve R ``receive_weights`` calls; the sender's iterable is still read
-    once, an item is held (a reference, no copy) until every receiver has taken it, and ``send_weights``
-    returns when all R are done. ``finalize()`` withdraws an offer not taken by every receiver.
-    """
-
-    send_buffer_words = ""
-    """What :meth:`send_buffer_bytes` counts, in words: nothing (the receiver reads the sender's own tensors)."""
+    send_buffer_words = ""  # nothing: the receiver reads the sender's own tensors
     one_process = True
     accepts_repeated_global_steps = True  # an offer is taken whatever its step, unless a step is asked for
 
@@ -124,7 +99,6 @@ class ColocatedCheckpointEngine(CheckpointEngine):
         self._loop: asyncio.AbstractEventLoop | None = None
 
     def _event(self) -> asyncio.Event:
-        """The "offered" event of the running loop (a new loop, e.g. a second ``asyncio.run``, gets a new one)."""
         loop = asyncio.get_running_loop()
         if self._ready is None or self._loop is not loop:
             self._ready, self._loop = asyncio.Event(), loop
@@ -134,14 +108,12 @@ class ColocatedCheckpointEngine(CheckpointEngine):
 
     @classmethod
     def send_buffer_bytes(cls, bucket_size: int, published_bytes: int) -> dict[str, int]:
-        """What a sender holds beyond its own tensors while ``send_weights`` runs, in bytes: ``{}`` (nothing
-        is copied; the arguments play no part)."""
         return {}
 
     @classmethod
     def build_topology(cls, trainer_world_size: int, rollout_world_size: int,
                        metadata: list) -> tuple[dict[str, list], dict[str, list]]:
-        """Every rank learns how many receivers share each offer: ``{"receivers": [rollout_world_size] * n}``."""
+        """Tell every rank how many receivers share each offer."""
         if isinstance(rollout_world_size, bool) or not isinstance(rollout_world_size, int) or rollout_world_size < 1:
             raise CheckpointConfigError(f"rollout_world_size must be an int >= 1, got {rollout_world_size!r}")
         return ({"receivers": [rollout_world_size] * trainer_world_size},
@@ -154,22 +126,15 @@ class ColocatedCheckpointEngine(CheckpointEngine):
         self.receivers = receivers
 
     def finalize(self) -> None:
-        """Withdraw an offer not taken by every receiver (nothing stale survives a failed update)."""
+        """Withdraw an offer not taken by every receiver."""
         self._offer = None
         if self._ready is not None:
             self._ready.clear()
 
     async def send_weights(self, weights: Iterable[NamedTensor], global_steps: int | None = None) -> None:
-        """Offer ``weights`` (``(name, tensor)`` iterable, iterated by the receiver) tagged ``global_steps``;
-        returns once the receiver is done with every tensor (see the class docstring).
+        """Offer ``weights`` tagged ``global_steps``; return once every receiver is done with every tensor.
 
-        Raises:
-            TransferError: another hand-over is still in flight on this engine.
-            TransferTimeoutError: no receiver took the offer, or it stopped asking for items, within
-                ``timeout`` (the offer is withdrawn; the engine is ready for the next update).
-            Whatever ``weights`` raised while the receiver iterated it (the receiver raises
-            :class:`TransferAbortedError` and keeps nothing of the update).
-        """
+        Raises :class:`TransferError` while another hand-over is in flight; what ``weights`` raised is raised here too."""
         global_steps = check_global_steps(global_steps)
         if self._offer is not None:
             raise TransferError(f"the hand-over of global_steps={self._offer.step} is still in flight; cannot "
@@ -198,18 +163,7 @@ class ColocatedCheckpointEngine(CheckpointEngine):
 
     async def receive_weights(self, global_steps: int | None = None, *,
                               placement: Any = None) -> AsyncIterator[NamedTensor]:
-        """Yield the offered pairs (the sender's own tensors, each valid until the next is requested),
-        waiting up to ``timeout`` s for an offer.
-
-        ``placement`` (a ``ReceivePlacement``) is accepted and ignored: nothing is copied, the consumer
-        copies each tensor where it belongs.
-
-        Raises:
-            VersionMismatchError: ``global_steps`` is given and the offer carries another step (the offer
-                is dropped and the sender released).
-            TransferTimeoutError: nothing was offered within ``timeout``.
-            TransferAbortedError: the sender's iterable raised mid-update.
-        """
+        """Yield the offered pairs, waiting up to ``timeout`` seconds for an offer; ``placement`` is ignored."""
         global_steps = check_global_steps(global_steps)
         try:
             await asyncio.wait_for(self._event().wait(), self.timeout)

@@ -1,32 +1,18 @@
 """The control channel of one one-to-many engine group, over torch.distributed's ``TCPStore``.
 
-One idea: typed messages between the ranks of a group, every wait bounded, a dead peer seen within seconds.
+Typed messages between the ranks of a group, every wait bounded, a dead peer seen within seconds:
 
-* **the store**: the trainer (rank 0, the master) hosts a ``TCPStore`` at its ``master_addr`` (:func:`host_store`,
-  once per engine: its port does not change across generations); every other rank connects to it
-  (:func:`connect_store`).
-* **keys**: a :class:`ControlChannel` works under one namespace (the engine and the group's generation, e.g.
-  ``"ckpt-p2p/3"``), so a new generation never reads an old one's keys. Messages travel in the store's FIFO
-  queues (``queue_push`` / ``queue_pop``), one queue per direction and peer, named by the caller
-  (``"msg/2/1"``: rank 2's messages of its first connection); single values (``post`` / ``peek``, or raw
-  bytes with ``post_bytes`` / ``get_bytes``, waited for per rank with ``wait_posted``) and counters (``add``)
-  sit under plain keys.
-* **messages**: dataclasses (:class:`~ckpt.wire.WireMessage`, :class:`Ack`, an engine's own) sent as JSON with
-  their type's name; a receiver names the type it expects and gets an instance of it, or a
-  :class:`~ckpt.errors.TransferError` naming what came instead.
-* **waits**: a receive blocks in a worker thread (``asyncio.to_thread``) on its own store connection, so the
-  event loop keeps running; it is bounded by the engine's timeout and a timeout names the peer, what was
-  awaited, the key and the seconds (:class:`PeerFailure` with ``timed_out``).
-* **liveness**: each channel runs a daemon thread that bumps its rank's counter (``store.add``) every
-  :data:`HEARTBEAT_S` and reads the counters of the peers it was told to :meth:`~ControlChannel.watch`. A peer
-  whose counter stood still for :data:`HEARTBEAT_DEAD_S` is dead: a wait on it is woken at once (a queue gets
-  a wake-up item, an unset key a wake-up value) and raises :class:`PeerFailure` naming it, and :meth:`~ControlChannel.check_alive` raises the same. A peer
-  whose counter moves again (it was stopped or starved, not dead) counts as alive again. The store's
-  host gone (its process exited) fails every wait at once, naming the host.
-
-The store keeps what is not taken: receivers pop their queues, and an engine drains the queues of a connection
-it drops (:meth:`~ControlChannel.drain`).
-"""
+* the trainer (rank 0) hosts the store at ``master_addr`` (:func:`host_store`, port kept across
+  generations); the other ranks connect (:func:`connect_store`);
+* a :class:`ControlChannel` works under one namespace (engine and generation, e.g. ``"ckpt-p2p/3"``):
+  messages travel in the store's FIFO queues, one per direction and peer, named by the caller; values and
+  counters sit under plain keys;
+* messages are dataclasses sent as JSON with their type's name; a receiver names the type it expects;
+* a receive blocks in a worker thread on its own store connection; a timeout raises :class:`PeerFailure`
+  naming the peer, what was awaited, the key and the seconds;
+* each channel's daemon thread bumps its rank's counter every :data:`HEARTBEAT_S` and reads its watched
+  peers'; one still for ``heartbeat_timeout`` is dead: waits on it wake at once and raise
+  :class:`PeerFailure`. A counter that moves again revives the peer. The store's host gone fails every wait."""
 
 from __future__ import annotations
 
@@ -47,16 +33,12 @@ import torch.distributed as dist
 import hal
 from ckpt.errors import CheckpointConfigError, TransferError, TransferTimeoutError
 
+# Seconds a blocking store call may run past its own deadline before recv gives up on it (a TCPStore client
+# cancelling a wait over a cut link blocks until the link is back).
 STORE_OVERRUN_S = 2.0
-"""Seconds a blocking store call may run past its own deadline before :meth:`ControlChannel.recv` gives up on it.
-A ``TCPStore`` client whose wait times out asks the server to cancel it and waits for the answer without a
-bound, so over a cut link (``hal soak``'s ``cut_link``) the call returned only once the link was back and TCP
-had retransmitted: an update's receive outlived every bound."""
-HEARTBEAT_S = 0.5
-"""Seconds between two bumps of a rank's heartbeat counter (and two looks at its peers' counters)."""
+HEARTBEAT_S = 0.5  # Seconds between two heartbeats (and two looks at the peers' counters).
+# Seconds a watched peer's counter may stand still before it counts as dead: ten beats, for starved CPUs.
 HEARTBEAT_DEAD_S = 5.0
-"""Seconds a watched peer's counter may stand still before the peer counts as dead: ten missed beats, so that a
-live process starved of its CPU or its GIL for a while (a loaded 2-core CI machine) is not taken for dead."""
 
 M = TypeVar("M")
 _WAKE_VALUE = b"\x00hal-ckpt-control-wake"  # what a key waited on is set to when its rank was found dead
@@ -65,11 +47,8 @@ _WAKE_VALUE = b"\x00hal-ckpt-control-wake"  # what a key waited on is set to whe
 class PeerFailure(TransferError):
     """A peer died, hangs, or did not answer in time.
 
-    Attributes:
-        peer: how the peer is named in messages (``"rollout rank 2 (at 10.0.0.3)"``).
-        timed_out: ``True`` when the wait ran out of time (the engine raises :class:`TransferTimeoutError`),
-            ``False`` when the peer is known dead or gone.
-    """
+    ``peer`` names it in messages; ``timed_out`` is ``True`` when the wait ran out of time (the engine raises
+    :class:`TransferTimeoutError`), ``False`` when the peer is known dead or gone."""
 
     def __init__(self, peer: str, text: str, timed_out: bool = False) -> None:
         super().__init__(text)
@@ -78,39 +57,25 @@ class PeerFailure(TransferError):
 
 @dataclasses.dataclass(frozen=True)
 class Ack:
-    """A receiver is done with message ``index`` (counted from 0 in one update) and its buffer."""
+    """A receiver is done with message ``index`` (from 0 in one update) and its buffer."""
 
     index: int
 
 
 class StoreUnanswered(dist.DistNetworkError):
-    """A call on a store client got no answer within :data:`STORE_OVERRUN_S` (:class:`BoundedStore`)."""
+    """A store call got no answer within :data:`STORE_OVERRUN_S` (:class:`BoundedStore`)."""
 
 
 class BoundedStore:
-    """A ``TCPStore`` client whose plain calls (``add``, ``set``, ``queue_push``, ...) each return or fail within
-    ``bound`` seconds.
+    """A ``TCPStore`` client whose plain calls each return or fail within ``bound`` seconds.
 
-    ``TCPStore``'s timeout bounds its waits only: a plain call over a link that is down blocks until TCP delivers
-    it once the link is back (with retransmission backoff, tens of seconds later), and on a stopped host for as
-    long as it is stopped (measured: an ``add`` to a SIGSTOPped host had not returned after 120 s). Called on an
-    engine's event loop, such a call stalled a rollout for the whole outage (``hal soak``'s ``cut_link``). Here
-    each call runs in this object's daemon thread and the caller waits at most ``bound``; once a call overran,
-    the client counts as lost and every later call raises at once (the thread stays with the stuck call; it is
-    a daemon, and the call ends when the link does). The caller connects again (a new client) to go on.
+    ``TCPStore``'s timeout bounds its waits only: a plain call blocks while the link is down or the host stopped.
+    Each call runs in this object's daemon thread; once one overran the client counts as lost and every later
+    call raises :class:`StoreUnanswered` at once (the caller connects again). ``clone()`` and ``set_timeout()``
+    go to the client directly."""
 
-    Args:
-        store: the client; ``clone()`` and ``set_timeout()`` go to it directly (a clone is a new connection).
-        bound: seconds a call may take.
-        where: how errors name the store (``"the store at host:port"``).
-
-    Raises (from every call):
-        StoreUnanswered: this call, or an earlier one, got no answer within ``bound``.
-    """
-
+    # The calls made through the thread (call() makes any, "clone" too).
     CALLS = ("set", "get", "check", "add", "delete_key", "compare_set", "queue_push", "queue_pop", "queue_len")
-    """The calls made through the thread (:meth:`call` makes any, ``"clone"`` too: a new connection's
-    handshake blocks on a stopped host as well)."""
 
     def __init__(self, store: dist.Store, bound: float, where: str) -> None:
         self.store, self.bound, self.where = store, bound, where
@@ -132,7 +97,7 @@ class BoundedStore:
                     future.set_exception(exc)
 
     def call(self, name: str, *args: Any) -> Any:
-        """``store.<name>(*args)``, waited for at most ``bound`` seconds."""
+        """Return ``store.<name>(*args)``, waited for at most ``bound`` seconds."""
         if self.lost is not None:
             raise StoreUnanswered(self.lost)
         future: concurrent.futures.Future = concurrent.futures.Future()
@@ -151,16 +116,11 @@ class BoundedStore:
         return getattr(self.store, name)
 
     def close(self) -> None:
-        """End the thread once it is done with the call it is in (if any); idempotent."""
         self._jobs.put(None)
 
 
 def host_store(addr: str, port: int | None, timeout: float) -> dist.TCPStore:
-    """Host the group's store at ``addr:port`` (``port`` ``None`` or 0: a free port; read it from ``.port``).
-
-    Raises:
-        CheckpointConfigError: the address cannot be bound (named).
-    """
+    """Host the group's store at ``addr:port`` (``None`` or 0: a free port, read from ``.port``)."""
     try:
         return hal.connect_store(addr, port or 0, 0, 1, timeout)
     except hal.DistributedTimeoutError as exc:
@@ -168,12 +128,7 @@ def host_store(addr: str, port: int | None, timeout: float) -> dist.TCPStore:
 
 
 def connect_store(addr: str, port: int, timeout: float, who: str) -> dist.TCPStore:
-    """Connect to the store hosted at ``addr:port``, waiting at most ``timeout`` seconds for it; ``who`` names
-    the host in the error.
-
-    Raises:
-        TransferTimeoutError: the store did not answer within ``timeout``.
-    """
+    """Connect to the store at ``addr:port`` within ``timeout`` seconds, else :class:`TransferTimeoutError`."""
     try:
         return hal.connect_store(addr, port, 1, 2, timeout)
     except hal.DistributedTimeoutError as exc:
@@ -182,17 +137,13 @@ def connect_store(addr: str, port: int, timeout: float, who: str) -> dist.TCPSto
 
 
 def encode(message: Any) -> bytes:
-    """A dataclass instance as JSON bytes with its type's name (``to_dict()`` when it has one)."""
+    """Encode a dataclass instance as JSON bytes with its type's name."""
     body = message.to_dict() if hasattr(message, "to_dict") else dataclasses.asdict(message)
     return json.dumps({"type": type(message).__name__, "body": body}, separators=(",", ":")).encode()
 
 
 def decode(raw: bytes, expect: type[M], where: str) -> M:
-    """Rebuild a message of type ``expect`` from :func:`encode`'s bytes (``expect.from_dict`` when it has one).
-
-    Raises:
-        TransferError: the bytes are not a message of that type (``where`` says whose and what).
-    """
+    """Rebuild a message of type ``expect`` from :func:`encode`'s bytes, else :class:`TransferError`."""
     try:
         item = json.loads(raw)
         kind, body = item["type"], item["body"]
@@ -209,11 +160,7 @@ def decode(raw: bytes, expect: type[M], where: str) -> M:
 
 
 def check_heartbeat_timeout(value: Any) -> float:
-    """``value`` as seconds a peer's heartbeat may stand still (see :class:`ControlChannel`).
-
-    Raises:
-        CheckpointConfigError: not a number >= ``2 * HEARTBEAT_S`` (a peer must miss two beats at least).
-    """
+    """Validate a heartbeat timeout: seconds, at least ``2 * HEARTBEAT_S``."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 2 * HEARTBEAT_S:
         raise CheckpointConfigError(f"heartbeat_timeout must be a number of seconds >= {2 * HEARTBEAT_S:g} "
                                     f"(two heartbeats), got {value!r}")
@@ -221,37 +168,17 @@ def check_heartbeat_timeout(value: Any) -> float:
 
 
 def _store_timeout(exc: BaseException) -> bool:
-    """A store wait that ran out of time (the store is fine), as against the store's host gone."""
     return isinstance(exc, dist.DistStoreError)
 
 
 class ControlChannel:
-    """One rank's control channel of one engine group (see the module docstring).
+    """One rank's control channel of one engine group (see the module overview).
 
-    Args:
-        store: a ``TCPStore`` (the host's own server object, or a client). The channel uses clones of it for
-            its blocking waits (made on the first) and its heartbeat; the caller keeps ``store`` and drops it
-            after :meth:`close`.
-        rank: this rank in the group (its heartbeat counter).
-        namespace: prefix of every key, e.g. ``"ckpt-p2p/3"`` (engine and generation).
-        timeout: seconds bounding every wait unless a call says otherwise (a number > 0).
-        label: ``label(rank) -> str``, how errors name a rank.
-        host_rank: the rank whose process hosts the store (named when the store is gone).
-        heartbeat: run the heartbeat thread (``False``: :meth:`watch` and dead-peer detection do nothing).
-        bounded: on a rank that does not host the store, make the plain calls on ``store`` (and the liveness
-            probe's) through a :class:`BoundedStore`: for a channel used on an event loop, where a call that
-            blocks for a link's outage stalls everything else. Leave it ``False`` where ``store`` is shared
-            with a process group's rendezvous (its long waits would count as the store not answering) or where
-            every call runs in a worker thread anyway.
-        heartbeat_timeout: seconds a watched peer's counter may stand still before the peer counts as dead
-            (:data:`HEARTBEAT_DEAD_S` by default; at least two beats, ``2 * HEARTBEAT_S``). Longer where a
-            rank may hold the GIL that long (a long C call that does not release it); shorter to find a dead
-            peer sooner.
-
-    Raises:
-        CheckpointConfigError: ``timeout`` is not a number > 0, or ``heartbeat_timeout`` is not a number
-            >= ``2 * HEARTBEAT_S``.
-    """
+    ``store`` stays the caller's (the channel uses clones of it). ``label(rank)`` names a rank in errors;
+    ``host_rank`` hosts the store. ``heartbeat=False``: no watching, no dead-peer detection. ``bounded``: on a
+    client, plain calls go through a :class:`BoundedStore` (for a channel on an event loop; not where the store is
+    shared with a process group's rendezvous). ``heartbeat_timeout`` (seconds) defaults to
+    :data:`HEARTBEAT_DEAD_S`."""
 
     def __init__(self, store: dist.Store, *, rank: int, namespace: str, timeout: float,
                  label: Callable[[int], str], host_rank: int = 0, heartbeat: bool = True,
@@ -288,20 +215,14 @@ class ControlChannel:
 
     # ---- keys, values, counters ------------------------------------------------------------------------
     def key(self, *parts: str) -> str:
-        """The store key of ``parts`` under this channel's namespace."""
         return "/".join((self.namespace, *parts))
 
     def post(self, name: str, message: Any) -> None:
-        """Set key ``name`` to ``message`` (a dataclass), replacing what was there; every client sees it once
-        this returns (see :meth:`post_bytes`)."""
+        """Set key ``name`` to ``message`` (a dataclass); every client sees it once this returns."""
         self._set_seen(self.key(name), encode(message))
 
     def peek(self, name: str, expect: type[M]) -> M | None:
-        """The message under key ``name`` without waiting, ``None`` if there is none.
-
-        Raises:
-            TransferError: the store's host is gone, or the value is not an ``expect`` message.
-        """
+        """Return the message under key ``name`` without waiting, ``None`` if there is none."""
         key = self.key(name)
         try:
             if not self.store.check([key]):
@@ -312,37 +233,24 @@ class ControlChannel:
         return decode(raw, expect, f"{self.label(self.rank)} reading {key!r}")
 
     def post_bytes(self, name: str, data: bytes) -> None:
-        """Set key ``name`` to ``data`` as is (a pickled object, a library's record); every client sees it once
-        this returns.
-
-        Raises:
-            PeerFailure: the store's host is gone.
-        """
+        """Set key ``name`` to ``data`` as is; every client sees it once this returns."""
         try:
             self._set_seen(self.key(name), data)
         except dist.DistError as exc:
             raise self._host_gone(f"setting {self.key(name)!r}", exc) from None
 
     def _set_seen(self, key: str, data: bytes) -> None:
-        # TCPStore's set sends and returns without an answer, and the server serves its connections in no
-        # fixed order: another client's check could still miss the key (11 of 2000 posts, measured on a
-        # loopback). A check on the same connection is answered only after the set is applied.
+        # set returns unanswered; a check on the same connection is answered once the set is applied
         self.store.set(key, data)
         self.store.check([key])
 
     def get_bytes(self, name: str) -> bytes:
-        """The bytes under key ``name`` (set by :meth:`post_bytes`; wait for it with :meth:`wait_posted`)."""
         return self.store.get(self.key(name))
 
     def wait_posted(self, names: dict[int, str], what: str, timeout: float | None = None) -> None:
-        """Block the calling thread until every rank ``r`` of ``names`` (``{rank: key name}``) has set its key,
-        at most ``timeout`` seconds in all (default: the channel's); a watched rank found dead meanwhile
-        fails the wait at once.
+        """Block until every rank of ``names`` (``{rank: key name}``) has set its key, within ``timeout`` s in all.
 
-        Raises:
-            PeerFailure: ``timed_out``: the ranks that did not set theirs in time, named (``peer``) with the
-                seconds; else a rank is dead (named) or the store's host is gone.
-        """
+        A watched rank found dead fails the wait at once."""
         timeout = self.timeout if timeout is None else timeout
         deadline = time.monotonic() + timeout
         for rank, name in names.items():
@@ -369,15 +277,10 @@ class ControlChannel:
                     self._waits.pop(token, None)
 
     def unset(self, name: str) -> None:
-        """Delete key ``name`` (nothing happens if it is not there)."""
         self.store.delete_key(self.key(name))
 
     def add(self, name: str, amount: int) -> int:
-        """Add ``amount`` to the counter ``name`` (created at 0); returns the new value.
-
-        Raises:
-            PeerFailure: the store's host is gone or does not answer.
-        """
+        """Add ``amount`` to counter ``name`` (created at 0); return the new value."""
         try:
             return int(self.store.add(self.key(name), amount))
         except dist.DistError as exc:
@@ -385,22 +288,18 @@ class ControlChannel:
 
     # ---- queues ----------------------------------------------------------------------------------------
     def send(self, queue: str, message: Any) -> None:
-        """Append ``message`` (a dataclass) to ``queue``; does not wait for a receiver.
-
-        Raises:
-            PeerFailure: the store's host is gone.
-        """
+        """Append ``message`` to ``queue`` without waiting for a receiver."""
         try:
             self.store.queue_push(self.key(queue), encode(message))
         except dist.DistError as exc:
             raise self._host_gone(f"sending on {self.key(queue)!r}", exc) from None
 
     def pending(self, queue: str) -> int:
-        """How many messages wait in ``queue`` (the wake-up items of :meth:`recv` count too)."""
+        """Return how many items wait in ``queue``, wake-up items included."""
         return int(self.store.queue_len(self.key(queue)))
 
     def drain(self, queue: str) -> None:
-        """Drop whatever waits in ``queue`` (a connection given up); quiet if the store is gone."""
+        """Drop whatever waits in ``queue``; quiet if the store is gone."""
         key = self.key(queue)
         try:
             while self.store.queue_len(key):
@@ -410,14 +309,9 @@ class ControlChannel:
 
     async def recv(self, queue: str, expect: type[M], peer: int | None, what: str,
                    timeout: float | None = None) -> M:
-        """The next message of ``queue``, an ``expect``, sent by ``peer`` (``None``: any rank, no liveness
-        watch); waits at most ``timeout`` seconds (default: the channel's) in a worker thread.
+        """Return the next ``expect`` message of ``queue`` from ``peer`` (``None``: any, unwatched), in a worker thread.
 
-        Raises:
-            PeerFailure: ``timed_out`` after ``timeout`` (naming the peer, ``what``, the key and the seconds);
-                else ``peer`` is dead (no heartbeat for :data:`HEARTBEAT_DEAD_S`) or the store's host is gone.
-            TransferError: what came is not an ``expect`` message.
-        """
+        Raises :class:`PeerFailure` after ``timeout`` seconds (``timed_out``), or when ``peer`` or the store dies."""
         timeout = self.timeout if timeout is None else timeout
         raw = self._pop_ready(self.key(queue), peer, what)
         if raw is None:
@@ -435,8 +329,7 @@ class ControlChannel:
         return decode(raw, expect, f"{self.label(self.rank)} receiving {what}")
 
     def pop(self, queue: str, peer: int | None, what: str, timeout: float) -> bytes:
-        """The next raw item of ``queue``, blocking the calling thread at most ``timeout`` seconds (see
-        :meth:`recv`, which decodes it; this is its blocking half, for a thread)."""
+        """Return the next raw item of ``queue``, blocking the calling thread at most ``timeout`` seconds."""
         key = self.key(queue)
         token = next(self._tokens)
         deadline = time.monotonic() + timeout
@@ -467,7 +360,7 @@ class ControlChannel:
                 self._waits.pop(token, None)
 
     def _pop_ready(self, key: str, peer: int | None, what: str) -> bytes | None:
-        """An item already in the queue ``key`` (stale wake-ups skipped), else ``None``; no thread hop."""
+        """Return an item already in queue ``key`` (stale wake-ups skipped), else ``None``."""
         if peer is not None:
             self.check_alive(peer, what)
         while True:
@@ -481,7 +374,7 @@ class ControlChannel:
                 return raw
 
     def _is_wake(self, raw: bytes, token: int, peer: int | None, what: str) -> bool:
-        """Whether ``raw`` is a wake-up item; raise if it is the one for this wait (``token``)."""
+        """Return whether ``raw`` is a wake-up item; raise if it is the one for this wait."""
         if not raw.startswith(b'{"type":"_Wake"'):
             return False
         if json.loads(raw)["body"].get("token") == token and peer is not None:
@@ -499,7 +392,6 @@ class ControlChannel:
 
     # ---- liveness --------------------------------------------------------------------------------------
     def watch(self, peers: list[int]) -> None:
-        """Watch the heartbeats of ``peers`` from now on (in addition to those watched already)."""
         with self._lock:
             for peer in peers:
                 self._watched.setdefault(peer, (-1, time.monotonic()))
@@ -507,7 +399,6 @@ class ControlChannel:
                 self._dead_count.pop(peer, None)
 
     def unwatch(self, peers: list[int]) -> None:
-        """Stop watching ``peers`` (they left, or a new connection of theirs is to be watched afresh)."""
         with self._lock:
             for peer in peers:
                 self._watched.pop(peer, None)
@@ -515,21 +406,13 @@ class ControlChannel:
                 self._dead_count.pop(peer, None)
 
     def check_alive(self, peer: int, what: str = "a message") -> None:
-        """Raise :class:`PeerFailure` if ``peer`` counts as dead (a dictionary look-up while it is alive; for a
-        peer found dead, one store round trip: its counter moved since, it was stopped or starved and counts as
-        alive again).
-
-        Raises:
-            PeerFailure: its heartbeat stood still for :data:`HEARTBEAT_DEAD_S` (and still does), or the store's
-                host is gone.
-        """
+        """Raise :class:`PeerFailure` if ``peer`` counts as dead; a dead one is asked once whether it beats again."""
         reason = self._dead.get(peer)
         if reason is not None and not self._beating_again(peer):
             raise PeerFailure(self.label(peer), f"{reason}, while {self.label(self.rank)} waited for {what}")
 
     def _beating_again(self, peer: int) -> bool:
-        """Whether ``peer``, found dead, bumped its counter since (read now, on this channel's own connection);
-        if so it is alive again (its next wait may wait on it)."""
+        """Return whether ``peer``, found dead, bumped its counter since; if so it is alive again."""
         with self._lock:
             dead_at = self._dead_count.get(peer)
         if dead_at is None:  # found dead some other way (the store's host gone): for good
@@ -567,7 +450,7 @@ class ControlChannel:
                 probe.close()
 
     def _beat(self, beat: dist.Store) -> None:
-        """The heartbeat thread: bump this rank's counter, judge the watched peers, wake waits on the dead."""
+        """Bump this rank's counter, judge the watched peers and wake waits on the dead, every heartbeat."""
         mine = self.key("hb", str(self.rank))
         while not self._stop.wait(HEARTBEAT_S):
             try:
@@ -608,8 +491,7 @@ class ControlChannel:
                 beat.compare_set(key, "", _WAKE_VALUE)
 
     def close(self) -> None:
-        """Stop the heartbeat thread (waits for it at most ``2 * HEARTBEAT_S``); idempotent. The store is the
-        caller's."""
+        """Stop the heartbeat thread (waiting at most ``2 * HEARTBEAT_S``); idempotent. The store is the caller's."""
         self._stop.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(2 * HEARTBEAT_S)
@@ -622,7 +504,6 @@ class ControlChannel:
 
 @dataclasses.dataclass(frozen=True)
 class _Wake:
-    """The item that wakes receive ``token`` (its peer was found dead)."""
 
     token: int
 

@@ -1,9 +1,4 @@
-"""Errors of the checkpoint engines, part of the one tree rooted at :class:`hal.errors.HalError`.
-
-Each also derives from the built-in a caller would naturally catch: ``ValueError`` for a step or a tensor
-that disagrees with what was asked, ``RuntimeError`` for a transfer that failed, ``TypeError`` for an
-engine that breaks the async contract.
-"""
+"""Errors of the checkpoint engines, under :class:`hal.errors.HalError` and the built-in a caller would catch."""
 
 from __future__ import annotations
 
@@ -15,11 +10,7 @@ class CheckpointEngineError(HalError):
 
 
 class VersionMismatchError(CheckpointEngineError, ValueError):
-    """A receiver asked for step ``expected`` and the weights on offer carry step ``received``.
-
-    Raised by ``receive_weights(global_steps=N)`` before any tensor is yielded; the collective engine first
-    receives and discards the whole update so the group stays in step and the next update works.
-    """
+    """A receiver asked for step ``expected`` and the weights on offer carry step ``received``."""
 
     def __init__(self, expected: int | None, received: int | None, where: str = "") -> None:
         self.expected, self.received = expected, received
@@ -36,8 +27,7 @@ class TransferError(CheckpointEngineError, RuntimeError):
 
 
 class TransferAbortedError(TransferError):
-    """The sender failed on its side mid-update (its weights iterator raised) and told the receivers;
-    nothing of that update is applied, and the transport stays usable for the next one."""
+    """The sender failed mid-update and told the receivers; nothing of it is applied, the transport stays usable."""
 
 
 class TransferTimeoutError(TransferError, TimeoutError):
@@ -49,16 +39,14 @@ class DuplicateCheckpointEngineError(CheckpointEngineError, ValueError):
 
 
 class UnknownCheckpointEngineError(CheckpointEngineError, KeyError):
-    """No checkpoint engine is registered under the asked name; the message lists the known ones and the
-    backends that failed to import, with their errors."""
+    """No engine is registered under the name; the message lists the known ones and the failed imports."""
 
     def __str__(self) -> str:  # KeyError would repr() the message
         return str(self.args[0]) if self.args else ""
 
 
 class CheckpointEngineUnavailableError(CheckpointEngineError, RuntimeError):
-    """A registered engine cannot run here (its library is missing, or no device kind it supports is
-    available); the message says why and which engines are available."""
+    """A registered engine cannot run here; the message says why and which engines are available."""
 
 
 class ContractError(CheckpointEngineError, TypeError):

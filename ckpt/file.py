@@ -24,7 +24,7 @@ INDEX = "index.json"
 
 
 def step_dir_name(step: int) -> str:
-    """``7`` -> ``"step-00000007"`` (zero padded so a plain listing sorts by step)."""
+    """Return a step's directory name, zero padded so a plain listing sorts by step (``step-00000007``)."""
     return f"step-{step:08d}"
 
 
@@ -37,45 +37,21 @@ def _fsync(path: Path) -> None:
 
 
 class FileCheckpointEngine(CheckpointEngine):
-    """Publishes each update as ``<root>/step-<global_steps>/`` holding safetensors shards and ``index.json``.
+    """Publishes each update as ``<root>/step-<global_steps>/``: safetensors shards and ``index.json``.
 
-    A step is written under a hidden temporary name and renamed into place (``os.rename`` is atomic on
-    one POSIX file system), so a reader never sees a half-written step; then all but the newest
-    ``keep_last`` steps are removed (renamed away first, then deleted). Steps only grow: ``send_weights``
-    refuses a step at or below the newest published one (see there for a trainer resumed from an older
-    checkpoint). A reader opens every shard of its
-    step before yielding, so pruning during a read does not disturb it (open files outlive ``unlink``).
-
-    Order and ownership: tensors arrive in the order they were sent (kept in ``index.json``); each yielded
-    tensor is freshly loaded and owned by the receiver. ``send_weights`` copies each tensor to the host
-    (a contiguous copy; the caller keeps its tensors) and holds at most ``shard_size`` bytes before writing.
-
-    Args:
-        root: directory of the steps (created if missing).
-        keep_last: how many newest steps to keep (>= 1).
-        device: kind (or ``torch.device``) of the received tensors; ``None``: host memory. The receiver binds
-            this rank's device (:func:`hal.bind_local_device`: the index given, else ``LOCAL_RANK``'s).
-        shard_size: bytes per safetensors file (bounds the sender's host memory).
-        timeout: seconds ``receive_weights`` waits for a step to be published (finite, >= 0; default 60, so
-            a receive started concurrently with the send, as verl's manager runs them, waits for the step;
-            0: do not wait).
-        poll_interval: seconds between directory listings while waiting (finite, > 0).
-        bucket_size, is_master: accepted as verl's registry passes them (shards are sized by ``shard_size``).
-
-    The lifecycle (``prepare``, ``build_topology``, ``init_process_group``, ``finalize``) is the ABC's no-op:
-    the directory is the only shared state.
-    """
+    A step is written under a hidden name and renamed into place (atomic), then all but the newest
+    ``keep_last`` are pruned; a reader opens every shard before yielding, so pruning does not disturb it.
+    Order and ownership: tensors arrive in send order; each yielded tensor is freshly loaded and the receiver's.
+    ``send_weights`` copies tensors to the host, at most ``shard_size`` bytes before writing. ``device``: where
+    received tensors go (``None``: host memory). ``timeout``: seconds a receive waits for its step (0: do not
+    wait); ``poll_interval``: seconds between listings."""
 
     send_buffer_words = "the update's host copies (one shard, at most the update)"
-    """What :meth:`send_buffer_bytes` counts, in words for a memory bound's report."""
     ranks_may_share_a_device = True  # files: no communicator between the processes
     publishes_to_files = True
 
     @classmethod
     def send_buffer_bytes(cls, bucket_size: int, published_bytes: int) -> dict[str, int]:
-        """What a sender holds beyond its own tensors while ``send_weights`` runs, in bytes:
-        ``{"host_copies_bytes": published_bytes}`` (the host copies of one shard, at most the whole update
-        of ``published_bytes``; ``bucket_size`` plays no part)."""
         return {"host_copies_bytes": published_bytes}
 
     def __init__(self, root: str | os.PathLike, keep_last: int = 2, device=None, shard_size: int = 1 << 30,
@@ -94,7 +70,6 @@ class FileCheckpointEngine(CheckpointEngine):
         self.bucket_size, self.is_master = bucket_size, bool(is_master)
 
     def published_steps(self) -> list[int]:
-        """The steps fully published under ``root``, ascending."""
         if not self.root.is_dir():
             return []
         return sorted(int(m.group(1)) for p in self.root.iterdir() if (m := _STEP_DIR.match(p.name)))
@@ -111,17 +86,8 @@ class FileCheckpointEngine(CheckpointEngine):
     async def send_weights(self, weights: Iterable[NamedTensor], global_steps: int | None = None) -> None:
         """Write ``weights`` as step ``global_steps`` (``None``: newest published + 1, or 0), publish, prune.
 
-        Published steps only grow: a step at or below the newest one under ``root`` is refused before
-        anything is written. Readers rely on it (a reader asking for step N while a newer one is published
-        is told at once that N will never come), and pruning keeps the newest ``keep_last``, so a lower step
-        would be deleted as soon as it was written. A trainer resumed from an older checkpoint either
-        publishes into a fresh ``root`` or removes the newer step directories (the error names them) first.
-        A failed or interrupted write publishes nothing: the newest published step stays readable.
-
-        Raises:
-            CheckpointConfigError: the step is already published or below the newest published step (the
-                message names both and how to proceed), or a pair is not ``(str, Tensor)``.
-        """
+        Published steps only grow: a step at or below the newest is refused (:class:`CheckpointConfigError` naming
+        the newer directories) before anything is written. A failed write publishes nothing."""
         global_steps = check_global_steps(global_steps)
         self.root.mkdir(parents=True, exist_ok=True)
         steps = self.published_steps()
@@ -211,24 +177,10 @@ class FileCheckpointEngine(CheckpointEngine):
 
     async def receive_weights(self, global_steps: int | None = None, *,
                               placement: Any = None) -> AsyncIterator[NamedTensor]:
-        """Yield the tensors of step ``global_steps`` (``None``: the newest step newer than the last received),
-        waiting up to ``timeout`` seconds for it to be published.
+        """Yield step ``global_steps`` (``None``: the newest newer than the last received), waiting up to ``timeout``.
 
-        A step counts as received (``received_global_steps``) once its first tensor is yielded; a consumer
-        that stops early (closes the stream before its end) leaves the previous value, so a later
-        ``receive_weights(None)`` offers that step again.
-
-        Args:
-            placement: a ``ReceivePlacement`` (``target(name, dtype, shape)``); accepted and ignored: each
-                tensor is loaded from its file into fresh memory.
-
-        Raises:
-            VersionMismatchError: a step newer than ``global_steps`` is published (steps only grow, so it
-                will never come).
-            TransferTimeoutError: the step asked for (or, with ``None``, a newer one) was not published
-                within ``timeout`` (names the step and the timeout).
-            TransferError: the step directory is corrupt (index or shard missing, step tag disagrees).
-        """
+        The step counts as received once its first tensor is yielded, unless the stream is closed early.
+        ``placement`` is ignored. A newer step published raises :class:`VersionMismatchError` at once."""
         global_steps = check_global_steps(global_steps)
         for _attempt in range(3):  # the chosen step may be pruned between listing and opening
             step = await self._choose(global_steps)

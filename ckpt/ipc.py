@@ -1,47 +1,28 @@
 """Same-host hand-over between processes: buckets shared in place, small messages in verl's protocol over pyzmq.
 
-When the trainer and its rollouts share a host (verl's hybrid engine), weights need not cross a network. The
-trainer fills a bucket that every rollout process maps; a rollout reads it in place (or copies it once to its
-device). How a bucket is shared is a fact of the device kind (``hal.resolve_device(kind).ipc_transport()``):
+The trainer fills a bucket every rollout process maps. How it is shared is the device kind's
+``ipc_transport()``: ``"device"``, device memory exported as an IPC handle that a rollout opens on its own
+device and reads in place; ``"shm"``, a POSIX shared-memory segment that a rollout on a device copies once per
+bucket to that device.
 
-* ``"device"``: the bucket is device memory exported as an IPC handle (CUDA IPC on cuda, Ascend's IPC on npu
-  where the driver and CANN allow it, the simulated npu's own when its reported versions do); a rollout opens
-  the handle on its own device index and reads the trainer's memory in place;
-* ``"shm"``: the bucket is a POSIX shared-memory segment (cpu; npu and npu-sim below the IPC gate); a rollout
-  on a device copies each bucket to that device (one host-to-device copy per bucket).
+Wire format: verl 0.9.1's ``BucketedWeightSender`` / ``BucketedWeightReceiver``, one ZMQ REQ (trainer, binds)
+/ REP (rollout, connects) pair per rollout, pickled objects:
 
-The protocol is verl 0.9.1's (``verl/workers/rollout/vllm_rollout/bucketed_weight_transfer.py``,
-``BucketedWeightSender`` / ``BucketedWeightReceiver``), per rollout one ZMQ REQ (trainer, binds) / REP
-(rollout, connects) pair, pickled Python objects (``send_pyobj``):
-
-1. the trainer sends the buffer: a device handle ``(rebuild_fn, args)`` or ``{"name": segment, "size": bytes}``;
-   the rollout opens it and replies ``b""`` (hal's rollout: :data:`HAL_HELLO`);
+1. the buffer: a device handle ``(rebuild_fn, args)`` or ``{"name": segment, "size": bytes}``; the rollout
+   replies ``b""`` (hal's rollout: :data:`HAL_HELLO`);
 2. per bucket, ``{"bucket_meta": {name: {"name", "shape", "dtype", "offset", "handle": None}}, "is_last":
-   bool}``; offsets are bytes into the whole buffer; the rollout reads the tensors and replies ``b""``
-   (for the last bucket, once it is done with everything).
+   bool}`` with byte offsets into the whole buffer; the rollout replies ``b""`` once it has read it.
 
-hal adds keys verl's receiver ignores: every bucket message carries ``"global_steps"`` and ``"bucket_size"``,
-and a tensor larger than a bucket travels in slices (``"chunk": (start, length, nbytes)`` on its entry, one per
-bucket), never refused and never sent as a handle of its own. A hal receiver that refuses an update (another
-step than it asked for, a receiver stopped early) replies ``b"refused: <why>"`` and the trainer raises it. verl's
-receiver takes what hal's sender sends when every tensor fits a bucket; hal's receiver takes what verl's
-sender sends (with ``global_steps=None``: verl's sender carries no step).
+hal adds ``"global_steps"`` and ``"bucket_size"`` to every bucket message, sends a tensor larger than a bucket
+in slices (``"chunk": (start, length, nbytes)``), and a hal rollout refuses an update with
+``b"refused: <why>"``, which the trainer raises. verl's receiver takes hal's sender when every tensor fits a
+bucket; hal's receiver takes verl's sender (with ``global_steps=None``).
 
-Pipeline: the buffer holds two buckets. The trainer fills bucket k+1 while the rollouts read bucket k, and
-sends it once every rollout has replied for bucket k (so neither side ever waits for the other's copy, except
-for the first and last bucket).
-
-In place: a trainer that stages its update in :meth:`IpcCheckpointEngine.publish_buffer` (casts its weights
-into views of it, as ``hal sync``'s trainer does) has that buffer shared instead: no copy on the trainer's side,
-the rollouts read the staged tensors where they are. The messages are the same, each spanning at most a bucket
-of the buffer (so a rollout's device bucket stays a bucket), with ``"in_place": True``. A rollout keeps the
-buffer mapped across updates as it keeps the buckets, unless the trainer frees it every update
-(``release_at_finalize``, as ``hal sync`` runs it; the messages say ``"transient": True``): then the rollout drops
-the pages of each message once read (:meth:`devices.base.DeviceSpec.drop_shared_pages`), so its resident memory
-holds a bucket of the update, not all of it, and lets go of the buffer at the end of the update (a mapping kept
-would keep the freed memory alive). Dropped pages are mapped again on the next read: a transient buffer costs
-page faults on both sides every update (measured: 1 GiB read from a fresh mapping takes about twice as long).
-"""
+Pipeline: the buffer holds two buckets; the trainer fills bucket k+1 while the rollouts read bucket k.
+In place: an update staged in :meth:`IpcCheckpointEngine.publish_buffer` is shared as it is (no trainer-side
+copy; messages say ``"in_place": True``). With ``release_at_finalize`` (``"transient": True``) the rollout
+drops each message's pages once read and lets go of the buffer at the end of the update, at the cost of page
+faults on both sides every update."""
 
 from __future__ import annotations
 
@@ -67,27 +48,19 @@ from ckpt.errors import CheckpointConfigError, TransferAbortedError, TransferErr
 from ckpt.layout import align
 from ckpt.one_to_many import DEFAULT_BUCKET_SIZE, check_int, check_keywords
 
-NUM_BUCKETS = 2
-"""Buckets in the shared buffer: the one being filled and the one being read."""
-SEGMENT_PREFIX = "hal-ipc-"
-"""Names of the engine's shared-memory segments (``/dev/shm/hal-ipc-*``)."""
-LIVENESS_S = 0.2
-"""Seconds between two looks at whether a peer process still lives, while waiting on it."""
-ABORT_S = 5.0
-"""Seconds at most (or the engine's timeout, if shorter) that an abandoned update spends telling the rollouts
-it is abandoned: a rollout that cannot be told by then times out on its own."""
-REFUSED = b"refused: "
-"""Start of a rollout's reply that refuses the update; the rest says why (UTF-8)."""
+NUM_BUCKETS = 2  # Buckets in the shared buffer: the one being filled and the one being read.
+SEGMENT_PREFIX = "hal-ipc-"  # Names of the engine's shared-memory segments (/dev/shm/hal-ipc-*).
+LIVENESS_S = 0.2  # Seconds between two looks at whether a waited-on peer still lives.
+ABORT_S = 5.0  # Seconds at most (or the engine's timeout) an abandoned update spends telling its rollouts.
+REFUSED = b"refused: "  # Start of a rollout's reply that refuses the update; the rest says why (UTF-8).
+# A hal rollout's reply to the buffer's handle (verl's is b""). The trainer keeps its socket to a hal rollout
+# across updates and binds a new one per update for verl's receiver, whose closed socket could swallow the
+# next update's first message.
 HAL_HELLO = b"hal-ipc"
-"""A hal rollout's reply to the buffer's handle (verl's receiver replies ``b""``; verl's sender reads no reply's
-content). A trainer keeps its socket to a hal rollout across updates, and binds a new one per update for a verl
-receiver, which connects a new socket per update: a socket a rollout closed can still be attached to the trainer's
-for a moment, and would swallow the next update's first message."""
 
 
 def default_endpoint() -> str:
-    """A new ZMQ endpoint for a trainer: an abstract Unix socket on Linux (nothing on disk, gone with the
-    process), else a socket file in the temporary directory."""
+    """Return a new ZMQ endpoint: an abstract Unix socket on Linux, else a socket file in the temporary directory."""
     tag = f"hal-ipc-{os.getpid()}-{os.urandom(4).hex()}"
     if sys.platform.startswith("linux"):
         return f"ipc://@{tag}"
@@ -102,9 +75,7 @@ def rollout_endpoint(endpoint: str, rank: int) -> str:
 
 
 class _Shared(NamedTuple):
-    """The trainer's buffer, whichever the transport: the flat ``uint8`` tensor, what the first message of an
-    update tells the rollouts (a device handle, or verl's ``{"name", "size"}`` of a segment), what frees it, and
-    the segment behind it (``None``: the runtime keeps the memory)."""
+    """The trainer's buffer: the ``uint8`` tensor, its first message to the rollouts, its release, its segment."""
 
     tensor: torch.Tensor
     handshake: Any
@@ -113,53 +84,26 @@ class _Shared(NamedTuple):
 
 
 class _Peer:
-    """One rollout's socket, as the trainer sees it (or the trainer's, as a rollout sees it)."""
 
     def __init__(self, sock: Any, name: str, pid: int | None) -> None:
         self.sock, self.name, self.pid = sock, name, pid
 
 
 class IpcCheckpointEngine(CheckpointEngine):
-    """Trainer and rollouts in separate processes of one host; buckets shared in place (see the module docstring).
+    """Trainer and rollouts in separate processes of one host; buckets shared in place (see the module overview).
 
-    Ranks: 0 is the trainer that sends, 1..N the rollouts; -1 a trainer rank outside the group (its
-    ``send_weights`` only drains the iterator, as verl's other trainer ranks do).
+    Ranks: 0 the trainer, 1..N the rollouts, -1 a trainer rank outside the group (its ``send_weights`` drains).
+    Built standalone (``rank``, ``world_size``, ``endpoint``) or verl's way (``is_master``, then the lifecycle).
+    ``endpoint`` is the trainer's ZMQ prefix (rollout r uses ``endpoint-r``); ``timeout`` (seconds) bounds every
+    wait, and a peer whose pid is known (``peer_pids``) is an error within :data:`LIVENESS_S` of its death.
+    ``release_at_finalize`` frees the buffer every update; else it lives per topology, until :meth:`close` or a
+    failed update.
 
-    Two ways to build one, as the other engines: hal's standalone use (``rank``, ``world_size`` and the trainer's
-    ``endpoint`` up front), or verl's (``IpcCheckpointEngine(bucket_size=..., is_master=...)`` then
-    ``prepare`` / ``build_topology`` / ``init_process_group`` / transfer / ``finalize`` each update).
-
-    Args:
-        bucket_size: bytes of one bucket; the shared buffer holds :data:`NUM_BUCKETS` of them.
-        is_master: verl's trainer rank 0 (picks the endpoint in :meth:`prepare`, sends).
-        rank, world_size: this process's place (trainer + rollouts), else given by :meth:`init_process_group`.
-        endpoint: the trainer's ZMQ endpoint prefix (``ipc://...``); rollout r uses ``endpoint-r``. Default on
-            the master: a new abstract Unix socket (:func:`default_endpoint`).
-        device: device kind (``"cpu"``, ``"npu-sim"``, ``"cuda:1"``, ...) or ``None`` for hal's resolution; the
-            engine uses this process's local device of that kind (:func:`hal.local_device`).
-        timeout: seconds bounding every wait (a reply, a bucket, the buffer); a dead peer whose pid is known
-            (``peer_pids``, or from :meth:`build_topology`) is an error within :data:`LIVENESS_S` of its death.
-        peer_pids: the pids of the other side (the trainer: its rollouts' in rank order; a rollout: the trainer's).
-        transport: ``"device"`` or ``"shm"`` to force one (tests, benchmarks); ``None``: the kind's.
-        release_at_finalize: ``True``: :meth:`finalize` frees the buffer, so a colocated rollout gets the device
-            memory back between updates (verl frees its bucket every update), at the price of allocating and
-            touching it again next update. ``False`` (default): the buffer is allocated once per topology and
-            freed by :meth:`close`, at process exit, on a changed topology, or after a failed update.
-
-    Memory: the trainer holds the buffer (2 x ``bucket_size``); a rollout maps it (no copy) and, when it
-    receives into a device from a shared-memory buffer, one device bucket more (kept while the topology is); a tensor larger than a bucket
-    arrives in a buffer of its size unless the consumer's ``placement`` gives its target.
-
-    Ownership: ``send_weights`` returns when every rollout replied for the last bucket, i.e. is done with every
-    tensor: the caller may reuse its tensors then (it may already once each is copied in, but the return says
-    so). A tensor yielded by ``receive_weights`` is a view into the shared buffer (or the device bucket),
-    **valid until the next item is requested**; copy it (``param.copy_(t)``) before advancing.
-
-    Order: tensors arrive in the order the trainer's iterable produced them.
-
-    Raises:
-        CheckpointConfigError: any argument out of range (named, with what is accepted).
-    """
+    Memory: the trainer holds 2 x ``bucket_size``; a rollout maps it, plus one device bucket for an ``"shm"``
+    buffer; a tensor larger than a bucket arrives in its own buffer unless ``placement`` gives its target.
+    Ownership: ``send_weights`` returns once every rollout is done with every tensor. A tensor yielded by
+    ``receive_weights`` is a view into the shared buffer (or the device bucket), **valid until the next item is
+    requested**: copy it before advancing."""
 
     send_buffer_words = "the shared buffer: two buckets, one filled while the other is read"
     bucketed = True  # two buckets of one shared buffer; the master picks the endpoint on the host
@@ -167,21 +111,16 @@ class IpcCheckpointEngine(CheckpointEngine):
     stages_in_shared_memory = True  # the shm transport's buckets, and the simulated npu's shareable buffers
 
     TRANSPORT_WORDS = {"device": "{kind} IPC handles, read in place", "shm": "shared memory, /dev/shm"}
-    """How :meth:`transport_words` says each of :data:`hal.ipc.TRANSPORTS`."""
 
     @classmethod
     def transport_words(cls, spec: Any) -> str:
-        """The kind's transport (``spec.ipc_transport()``, what an engine built without ``transport=`` uses) in
-        words: ``"cuda IPC handles, read in place"``, ``"shared memory, /dev/shm"``, and for a device kind
-        whose buckets go through shared memory ``"shared memory, /dev/shm, copied to and from npu memory"``
-        (a fresh user on npu-sim could not tell that each bucket is copied between the device and the segment)."""
+        """Say the kind's transport in words, adding the copy to and from device memory where buckets go through shm."""
         transport = spec.ipc_transport()
         words = cls.TRANSPORT_WORDS[transport].format(kind=spec.kind)
         return words if transport == "device" or spec.host_memory else f"{words}, copied to and from {spec.kind} memory"
 
     @classmethod
     def send_buffer_bytes(cls, bucket_size: int, published_bytes: int) -> dict[str, int]:
-        """What the trainer holds beyond its tensors: the shared buffer, ``NUM_BUCKETS * bucket_size`` bytes."""
         return {"buckets_bytes": NUM_BUCKETS * bucket_size}
 
     def __init__(self, bucket_size: int = DEFAULT_BUCKET_SIZE, is_master: bool = False, *, rank: int | None = None,
@@ -231,8 +170,7 @@ class IpcCheckpointEngine(CheckpointEngine):
         self.peer_pids = list(peer_pids) if peer_pids is not None else None
 
     def prepare(self) -> dict[str, Any]:
-        """This worker's metadata for :meth:`build_topology`: its pid and host, and on the master the endpoint
-        (a new one the first time; the master is verl's ``is_master`` or the standalone rank 0)."""
+        """Return this worker's pid and host, and on the master its endpoint (made the first time)."""
         meta = {"pid": os.getpid(), "host": socket.gethostname()}
         if self.is_master or self.rank == 0:
             if self.endpoint is None:
@@ -245,10 +183,7 @@ class IpcCheckpointEngine(CheckpointEngine):
                        metadata: list) -> tuple[dict[str, list], dict[str, list]]:
         """Trainer rank 0 sends to rollouts 1..R at the master's endpoint; every side learns the other's pids.
 
-        Raises:
-            CheckpointConfigError: counts out of range, no master's endpoint in ``metadata[0]``, or workers on
-                different hosts (this engine shares memory; use the collective engine across hosts).
-        """
+        Raises :class:`CheckpointConfigError` when the workers are on different hosts."""
         check_int(trainer_world_size, "trainer_world_size", 1)
         check_int(rollout_world_size, "rollout_world_size", 1)
         if not isinstance(metadata, list) or len(metadata) != trainer_world_size + rollout_world_size:
@@ -274,13 +209,12 @@ class IpcCheckpointEngine(CheckpointEngine):
 
     def init_process_group(self, rank: int, world_size: int, endpoint: str | None = None,
                            peer_pids: list[int] | None = None, **extra: Any) -> None:
-        """Take this rank's place (one entry of each :meth:`build_topology` list); a changed place frees the
-        buffer and sockets of the old topology. Nothing blocks: sockets open on the first update."""
+        """Take this rank's place; a changed place frees the old topology's buffer and sockets. Does not block."""
         check_keywords(extra, ("rank", "world_size", "endpoint", "peer_pids"), "IpcCheckpointEngine.init_process_group()")
         self._set_place(rank, world_size, endpoint, peer_pids)
 
     def finalize(self) -> None:
-        """End of an update: frees the buffers (the buckets, the publish buffer) only with ``release_at_finalize``."""
+        """Free the buffers only with ``release_at_finalize``."""
         if self.release_at_finalize:
             self._free()
             self.release_publish_buffer()
@@ -337,13 +271,7 @@ class IpcCheckpointEngine(CheckpointEngine):
 
     # ---- waiting -----------------------------------------------------------------------------------------
     async def _wait(self, make: Any, peer: _Peer, what: str, deadline: float) -> Any:
-        """Await ``make()`` (a socket call) until ``deadline``, looking every :data:`LIVENESS_S` whether ``peer``
-        still lives.
-
-        Raises:
-            PeerFailure: the peer died (a :class:`TransferError` naming it, with its pid).
-            TransferTimeoutError: the deadline passed.
-        """
+        """Await ``make()`` until ``deadline``; raise :class:`PeerFailure` as soon as ``peer`` is seen dead."""
         future = asyncio.ensure_future(make())
         try:
             while True:
@@ -365,7 +293,6 @@ class IpcCheckpointEngine(CheckpointEngine):
 
     # ---- the trainer ---------------------------------------------------------------------------------------
     def _share(self, nbytes: int) -> _Shared:
-        """A new buffer of ``nbytes`` the rollouts can open, by this engine's transport."""
         if self.transport == "device":  # verl's receiver rebuilds the handle itself
             shared = self.spec.share_device_buffer(nbytes, self.device)
             return _Shared(shared.tensor, shared.handle, shared.release, shared.segment)
@@ -378,23 +305,12 @@ class IpcCheckpointEngine(CheckpointEngine):
         return self._buffer
 
     def publish_buffer(self, nbytes: int, device: torch.device | str | None = None) -> torch.Tensor:
-        """A flat ``uint8`` buffer of ``nbytes`` on this engine's device, shared with the rollouts: an update whose
-        tensors are all contiguous views of it is sent without a copy (see the module docstring, "In place").
+        """Return a flat ``uint8`` buffer of ``nbytes`` on this engine's device, shared with the rollouts.
 
-        The same buffer is returned while ``nbytes`` is unchanged; another size frees the old one first. It
-        lives until :meth:`release_publish_buffer`, :meth:`close`, or with ``release_at_finalize`` the update's
-        :meth:`finalize` (a failed update does not free it: it is the caller's staging memory). Its memory counts once, in the trainer's process; it takes the place of the
-        two buckets, which an in-place update never allocates.
-
-        Args:
-            nbytes: bytes (> 0).
-            device: where the caller expects it (``None``: this engine's device); must be this engine's device.
-
-        Raises:
-            CheckpointConfigError: ``nbytes`` not a positive int, ``device`` another than the engine's, or a
-                rollout's engine.
-            OSError: ``/dev/shm`` cannot hold it (the shared-memory transport).
-        """
+        An update whose tensors are all contiguous views of it is sent without a copy. The same buffer is returned
+        while ``nbytes`` is unchanged; it lives until :meth:`release_publish_buffer`, :meth:`close`, or (with
+        ``release_at_finalize``) :meth:`finalize`; a failed update does not free it. Raises ``OSError`` when
+        ``/dev/shm`` cannot hold it."""
         if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes <= 0:
             raise CheckpointConfigError(f"publish_buffer needs a positive int of bytes, got {nbytes!r}")
         if device is not None and hal.local_device(str(device)) != self.device:
@@ -408,13 +324,13 @@ class IpcCheckpointEngine(CheckpointEngine):
         return self._publish.tensor
 
     def release_publish_buffer(self) -> None:
-        """Free the :meth:`publish_buffer` (unlink its segment; the memory goes with the last tensor viewing it)."""
+        """Free the :meth:`publish_buffer`; the memory goes with the last tensor viewing it."""
         shared, self._publish = self._publish, None
         if shared is not None and shared.release is not None:
             shared.release()
 
     def _publish_offset(self, name: str, tensor: torch.Tensor) -> int | None:
-        """Where ``tensor`` starts in the publish buffer (bytes), or ``None`` when it is not a contiguous view of it."""
+        """Return where ``tensor`` starts in the publish buffer (bytes), or ``None`` if it is not a contiguous view."""
         shared = self._publish
         if shared is None or tensor.device != shared.tensor.device or not tensor.is_contiguous():
             return None
@@ -426,18 +342,13 @@ class IpcCheckpointEngine(CheckpointEngine):
 
     @property
     def segment_name(self) -> str | None:
-        """The shared-memory segment behind the buffer (``/dev/shm/<name>``): the trainer's, or the one a rollout
-        opened; ``None`` before the first update, after the buffer is freed, and where device IPC keeps no segment
-        (CUDA, Ascend)."""
+        """The shared-memory segment behind the buffer, or ``None`` (no buffer yet, or device IPC)."""
         if self._opened is not None:  # a rollout: the segment it opened
             return self._opened[2]
         return None if self._buffer is None else self._buffer.segment
 
     def _fill(self, weights: Iterator[NamedTensor], step: int | None) -> Iterator[dict[str, Any]]:
-        """Copy ``weights`` into the buffer bucket by bucket; yields each bucket's message once it is filled.
-
-        The caller sends a message before asking for the next, and asks for the next only once the rollouts
-        replied for the one before the one it sent (the bucket about to be overwritten)."""
+        """Copy ``weights`` into the buffer bucket by bucket, yielding each bucket's message once filled."""
         buffer, size = self._buffer.tensor, self.bucket_size
         index, offset, meta = 0, 0, {}
 
@@ -472,12 +383,7 @@ class IpcCheckpointEngine(CheckpointEngine):
         yield message(True)
 
     def _fill_in_place(self, weights: Iterator[NamedTensor], step: int | None) -> Iterator[dict[str, Any]]:
-        """The messages of an update staged in the publish buffer: no copy, each message's tensors spanning at
-        most a bucket of it (a tensor above a bucket in slices, one per message).
-
-        Raises (through the iterator):
-            CheckpointConfigError: a tensor that is not a contiguous view of the publish buffer.
-        """
+        """Yield the messages of an update staged in the publish buffer, each spanning at most a bucket."""
         size, index, meta, span = self.bucket_size, 0, {}, None
 
         def message(is_last: bool) -> dict[str, Any]:
@@ -511,18 +417,10 @@ class IpcCheckpointEngine(CheckpointEngine):
         yield message(True)
 
     async def send_weights(self, weights: Iterable[NamedTensor], global_steps: int | None = None) -> None:
-        """Send ``weights`` (``(name, tensor)`` pairs, any dtype, shape, strides and device) to every rollout,
-        tagged ``global_steps``; returns when every rollout is done with them (see the class docstring). When
-        the first tensor is a view of :meth:`publish_buffer`, every one must be, and none is copied.
+        """Send ``weights`` to every rollout, tagged ``global_steps``; return when every rollout is done with them.
 
-        Raises:
-            CheckpointConfigError: no place yet, a rollout's engine, or a pair that is not ``(str, Tensor)``.
-            TransferError: a rollout refused the update (its reason; the other rollouts are told at once that it
-                is abandoned, and keep their previous step), or died (a ``PeerFailure`` naming it, with its pid).
-            TransferTimeoutError: a rollout did not reply within ``timeout``.
-            Whatever ``weights`` raised. After any failure the buffer is freed (nothing left in ``/dev/shm``) and
-            the next update starts clean.
-        """
+        Raises :class:`TransferError` when a rollout refuses (the others are told at once and keep their step) or
+        dies, :class:`TransferTimeoutError` after ``timeout``. Any failure frees the buffer."""
         step = check_global_steps(global_steps)
         self._check_place("send")
         if self.rank == -1:
@@ -561,9 +459,7 @@ class IpcCheckpointEngine(CheckpointEngine):
                 self._close_sockets()
 
     def _peek(self, weights: Iterable[NamedTensor]) -> tuple[Iterator[NamedTensor], bool]:
-        """``(the pairs of weights, whether the update is staged in the publish buffer)``, from its first pair; an
-        error of the iterable is raised where the pairs are read, after the rollouts have the handle (so they
-        are told: see :meth:`_abort`)."""
+        """Return ``(pairs, staged in the publish buffer?)``; an error of the iterable is raised where pairs are read."""
         pairs, head = named_tensors(weights), []
         try:
             while not head or head[-1][1].numel() == 0:  # empty tensors say nothing of where the update is
@@ -582,7 +478,7 @@ class IpcCheckpointEngine(CheckpointEngine):
 
     @staticmethod
     def _guarded(messages: Iterator[dict[str, Any]]) -> Iterator[dict[str, Any] | Exception]:
-        """``messages``, ending with the exception producing the next one raised (the trainer's iterable)."""
+        """Yield ``messages``, ending with the exception that producing the next one raised."""
         while True:
             try:
                 yield next(messages)
@@ -593,9 +489,7 @@ class IpcCheckpointEngine(CheckpointEngine):
                 return
 
     async def _abort(self, peers: list[_Peer], pending: str, step: int | None, error: BaseException) -> None:
-        """Tell every rollout that has not refused the update that it is abandoned (a last message with
-        ``"abort"``; a hal rollout raises ``TransferAbortedError`` and keeps its previous step), after reading
-        each one's reply to ``pending``; best effort, within :meth:`_abort_deadline`."""
+        """Tell every rollout that did not refuse that the update is abandoned; best effort."""
         deadline = self._abort_deadline()
         waiting = []
         for peer in peers:  # every reply read, a refusal too: none is left on its socket
@@ -608,14 +502,10 @@ class IpcCheckpointEngine(CheckpointEngine):
                                deadline)
 
     def _abort_deadline(self) -> float:
-        """The ``time.monotonic()`` by which an abandoned update has told its rollouts: :data:`ABORT_S` from now,
-        or the engine's timeout if shorter."""
         return time.monotonic() + min(self.timeout, ABORT_S)
 
     async def _tell_abort(self, peers: list[_Peer], step: int | None, why: str, deadline: float) -> None:
-        """Send each of ``peers`` (rollouts whose reply to the last message was read, and not a refusal) the
-        update's abort, and read its reply; best effort, until ``deadline``: a rollout that cannot be told
-        times out instead."""
+        """Send each of ``peers`` the update's abort and read its reply; best effort, until ``deadline``."""
         abort = {"bucket_meta": {}, "is_last": True, "global_steps": step, "abort": why}
         for peer in peers:
             try:
@@ -625,7 +515,6 @@ class IpcCheckpointEngine(CheckpointEngine):
                 pass
 
     async def _sender_sockets(self) -> list[_Peer]:
-        """One REQ socket per rollout, bound at ``endpoint-r`` (for one update)."""
         import zmq
 
         if not self._peers:
@@ -652,14 +541,7 @@ class IpcCheckpointEngine(CheckpointEngine):
 
     async def _replies(self, peers: list[_Peer], what: str, deadline: float, step: int | None,
                        tell_others: bool = False) -> list[bytes]:
-        """Every rollout's reply to ``what`` (each read, a refusal too, so none is left on its socket).
-
-        Raises:
-            TransferError: a rollout refused the update (the first refusal, its reason); with ``tell_others``
-                (the update goes on after ``what``), the rollouts that did not refuse are told it is abandoned
-                first (:meth:`_tell_abort`), so none waits out its timeout. Or a rollout died.
-            TransferTimeoutError: a rollout did not reply by ``deadline``.
-        """
+        """Read every rollout's reply to ``what``; raise the first refusal, telling the others first with ``tell_others``."""
         replies = [await self._wait(peer.sock.recv, peer, what, deadline) for peer in peers]
         refused = [(peer, reply) for peer, reply in zip(peers, replies) if reply.startswith(REFUSED)]
         if not refused:
@@ -673,7 +555,7 @@ class IpcCheckpointEngine(CheckpointEngine):
 
     # ---- a rollout -----------------------------------------------------------------------------------------
     def _open(self, handshake: Any) -> torch.Tensor:
-        """The trainer's buffer from its handshake, opened once and kept while the trainer keeps it."""
+        """Open the trainer's buffer from its handshake, once, kept while the trainer keeps it."""
         if isinstance(handshake, dict) and "name" in handshake:
             key = ("shm", handshake["name"], int(handshake["size"]))
         elif hal.ipc.is_ipc_handle(handshake):
@@ -695,19 +577,8 @@ class IpcCheckpointEngine(CheckpointEngine):
                               placement: ReceivePlacement | None = None) -> AsyncIterator[NamedTensor]:
         """Yield the update's ``(name, tensor)`` pairs in the trainer's order, on this rollout's device.
 
-        With a ``placement``, each tensor is copied straight into its target (when the target is contiguous and
-        of the tensor's dtype and shape) and that target is yielded; else a view valid until the next item.
-
-        Raises:
-            CheckpointConfigError: no place yet, or the trainer's engine.
-            VersionMismatchError: ``global_steps`` is given and the update carries another step (nothing yielded;
-                the trainer is told).
-            TransferError: the trainer died (a ``PeerFailure`` naming it, with its pid; the rollout then removes the
-                trainer's segment from ``/dev/shm``) or sent something else than the protocol.
-            TransferTimeoutError: nothing came within ``timeout``.
-            TransferAbortedError: the trainer's weights failed mid-update (the trainer says so; the tensors
-                yielded so far are of an incomplete update).
-        """
+        Raises :class:`TransferAbortedError` when the trainer's weights failed mid-update (what was yielded is
+        incomplete), :class:`TransferError` when the trainer died (its segment is then unlinked here)."""
         step = check_global_steps(global_steps)
         placement = as_placement(placement)
         self._check_place("receive")
@@ -798,7 +669,7 @@ class IpcCheckpointEngine(CheckpointEngine):
                 self._opened, self._staging = None, None
 
     def _drop_read(self, buffer: torch.Tensor, msg: dict[str, Any]) -> None:
-        """Stop counting the pages of one message this rollout has read in its resident memory (in place)."""
+        """Drop the pages of one read message from this rollout's resident memory."""
         entries = list(msg["bucket_meta"].values())
         if not entries:
             return
@@ -808,8 +679,6 @@ class IpcCheckpointEngine(CheckpointEngine):
         self.spec.drop_shared_pages(buffer, low, high - low)
 
     def _target(self, placement: ReceivePlacement | None, e: dict[str, Any]) -> torch.Tensor | None:
-        """The consumer's tensor for entry ``e``, if it can take the bytes as they are (contiguous, same dtype and
-        shape, on this rollout's device)."""
         target = placement.target(e["name"], e["dtype"], torch.Size(e["shape"])) if placement is not None else None
         if (target is not None and target.is_contiguous() and target.dtype == e["dtype"]
                 and target.shape == torch.Size(e["shape"]) and target.device == self.device):
@@ -817,9 +686,7 @@ class IpcCheckpointEngine(CheckpointEngine):
         return None
 
     def _staged(self, buffer: torch.Tensor, entries: list[dict[str, Any]], bucket_size: int) -> tuple[torch.Tensor, int]:
-        """``(source, shift)``: where ``entries`` are read from. A shared host buffer and a device rollout: the
-        bytes ``entries`` span, copied once to this rollout's device bucket (offsets then shift by ``shift``);
-        else the buffer itself."""
+        """Return ``(source, shift)``: the buffer, or the bytes ``entries`` span copied once to the device bucket."""
         if buffer.device == self.device or not entries:
             return buffer, 0
         shift = min(e["offset"] for e in entries)
@@ -832,11 +699,7 @@ class IpcCheckpointEngine(CheckpointEngine):
 
     async def _bucket(self, buffer: torch.Tensor, msg: dict[str, Any], placement: ReceivePlacement | None,
                       parts: dict[str, torch.Tensor]) -> AsyncIterator[NamedTensor]:
-        """The tensors of one bucket message (chunks assembled across messages in ``parts``).
-
-        A tensor with a usable target is copied straight from the shared buffer into it (one copy, host to
-        device where the buffer is host memory); the others are read from the buffer, or from one device copy
-        of the bytes they span (:meth:`_staged`)."""
+        """Yield the tensors of one bucket message, assembling chunks across messages in ``parts``."""
         entries = list(msg["bucket_meta"].values())
         targets = [None if e.get("handle") is not None else self._target(placement, e) for e in entries]
         staged = [e for e, t in zip(entries, targets) if t is None and e.get("handle") is None]

@@ -1,28 +1,16 @@
 """``kimi``: Kimi's ``checkpoint-engine`` (``checkpoint_engine.ps.ParameterServer``), peer-to-peer path.
 
-The path verl 0.9.1 drives (``verl/checkpoint_engine/kimi_checkpoint_engine.py``), in hal's contract:
+The path verl 0.9.1 drives, in hal's contract: the trainer (rank 0) copies the update into pinned host
+memory with ``ParameterServer.register_checkpoint`` and every rank runs ``gather_metas``; the rollouts cut
+the trainer's layout into buckets, one receiving rollout per network device and host pulls each bucket
+(Mooncake ``batch_transfer_sync_read``) and broadcasts it inside the rollout group, two device slots
+alternating; when every rollout is done the trainer unregisters and ``send_weights`` returns.
 
-* the trainer (rank 0) copies the update into pinned host memory with the library's
-  ``ParameterServer.register_checkpoint`` (which registers those buffers with its Mooncake ``P2PStore``),
-  then every rank runs ``ParameterServer.gather_metas`` (an all-gather of every rank's buffer layout);
-* the rollouts (ranks 1..N) cut the trainer's layout into buckets with the library's ``_gen_h2d_buckets``
-  (one receiving rollout per network device and host, the others get each bucket from it), the receiving
-  rollout pulls each bucket with the library's ``ParameterServer._copy_to_buffer`` (Mooncake
-  ``batch_transfer_sync_read`` from the trainer's host memory), and the bucket is broadcast inside the
-  rollout group, two device slots alternating so bucket k+1 moves while the consumer reads bucket k;
-* when every rollout said it is done, the trainer unregisters the checkpoint and ``send_weights`` returns.
-
-Every call into the library goes through :mod:`ckpt.kimi_library`, hal's adapter around checkpoint-engine
-0.4.2: the library's device manager and Mooncake store made from the hal device kind (Mooncake protocol:
-the kind's ``mooncake_protocol``, else host memory over ``tcp`` copied host-to-device), its collectives
-answered over hal's rendezvous store, its INFO logs quiet while hal calls it (``HAL_KIMI_LOGS=1`` lets
-them through). It runs on the device kinds that can pin host memory (``DeviceSpec.supports_pin_memory``): the
-library's ``register_checkpoint`` copies the update into pinned buffers. Other checkpoint-engine versions than
-those checked are reported unavailable.
+Every library call goes through :mod:`ckpt.kimi_library`, hal's adapter around checkpoint-engine 0.4.2. Runs
+on device kinds that can pin host memory; other library versions are reported unavailable.
 
 Install: the ``kimi`` extra, with ``pip install --no-deps checkpoint-engine==0.4.2`` (its wheel requires
-torch, which must stay the build you have) and Mooncake (the ``mooncake`` extra).
-"""
+torch, which must stay the build you have) and Mooncake (the ``mooncake`` extra)."""
 
 from __future__ import annotations
 
@@ -44,61 +32,35 @@ _MARK = "~hal/"  # names of the marker entries; every weight's name is "<8-digit
 
 
 def supported_kinds() -> list[str]:
-    """Device kinds Kimi's checkpoint-engine runs on: those that can pin host memory
-    (``DeviceSpec.supports_pin_memory``), since its ``ParameterServer.register_checkpoint`` copies the update
-    into pinned buffers (checkpoint-engine 0.4.2's ``ps.py``); a host-memory kind (cpu) cannot."""
+    """Return the device kinds that can pin host memory, which ``register_checkpoint`` needs."""
     from hal.registry import get_spec
 
     return [k for k in hal.known_kinds() if get_spec(k).supports_pin_memory]
 
 
-NAMESPACE = "kimi"
-"""Prefix of the engine's control keys (:mod:`ckpt.control`): ``kimi/<generation>/...``."""
+NAMESPACE = "kimi"  # Prefix of the engine's control keys: kimi/<generation>/...
 
 
 class KimiCheckpointEngine(OneToManyEngine):
-    """Weights through Kimi's ``checkpoint-engine`` ``ParameterServer`` over Mooncake (see the module doc).
+    """Weights through Kimi's ``checkpoint-engine`` ``ParameterServer`` over Mooncake (see the module overview).
 
-    Construction, standalone (hal's): ``rank`` (0: the trainer; 1..N: rollouts; -1: a trainer rank that does
-    not send), ``world_size`` (N + 1), ``master_addr`` / ``master_port`` (where rank 0 hosts the rendezvous
-    store) up front. Driven by verl's ``CheckpointEngineManager``: ``bucket_size`` and ``is_master``;
-    ``prepare()`` on the master hosts the store (on a port the kernel picks), :meth:`build_topology` hands its
-    address to every rank.
+    Built standalone (``rank``, ``world_size``, ``master_addr`` / ``master_port``) or verl's way. A tensor
+    larger than ``bucket_size`` makes that update's buckets as large (the library never splits a tensor).
+    ``timeout`` (seconds) bounds every wait.
 
-    Args:
-        bucket_size: bytes per bucket a rollout pulls and broadcasts; a tensor larger than it makes that
-            update's buckets as large as the tensor (the library never splits a tensor).
-        device: kind name (``"npu"``, ``"cuda"``, ``"npu-sim"``) or ``None`` for hal's resolution.
-        timeout: seconds bounding every wait (store, gather, pull, broadcast, the trainer's wait for the rollouts).
-        host: the address peers reach this process's Mooncake store at (default: ``master_addr`` on the
-            trainer, the local address towards it elsewhere).
-        heartbeat_timeout: seconds a rank's heartbeat may stand still before it counts as dead
-            (:data:`ckpt.control.HEARTBEAT_DEAD_S` by default; see :class:`ckpt.control.ControlChannel`).
-
-    Memory: the trainer holds the whole update in pinned host memory (the library's design), in the
-    library's shared pool, kept between updates and reused while the tensor sizes stay the same (a new
-    layout frees it and allocates another); a rollout holds two device slots of the bucket size, plus a
-    receiving buffer of one bucket where the kind has no Mooncake protocol (pinned host memory), also kept
-    across updates. :meth:`close` frees all of it.
-
-    Order and ownership: ``receive_weights`` yields in send order (the library sorts by name; hal prefixes
-    each name with its ordinal and strips it). A yielded tensor is a view into an engine-owned slot, valid
-    until the item after the next bucket's first is requested: copy it if it must outlive that.
-    ``send_weights`` returns when every rollout finished (the caller may reuse or free its tensors; they were
-    copied into host memory before any rollout read them).
-
-    Failures: a rollout that dies or stalls fails the trainer's send within ``timeout`` naming it; a dead
-    trainer fails each rollout's receive naming it; a dead rollout fails the others' broadcast. A sender
-    whose ``weights`` iterator raises tells the rollouts (:class:`TransferAbortedError`) and stays usable.
-    """
+    Memory: the trainer holds the whole update in the library's pinned pool, reused while tensor sizes stay the
+    same; a rollout two device slots of a bucket, plus a pinned host bucket where the kind has no Mooncake
+    protocol. All kept across updates until :meth:`close`.
+    Order and ownership: tensors arrive in send order; a yielded tensor is a view into an engine-owned slot,
+    valid until the item after the next bucket's first is requested. ``send_weights`` returns when every
+    rollout finished. A failing ``weights`` iterator raises :class:`TransferAbortedError` on the rollouts."""
 
     uses_transfer_library = True
     rollout_pulls = True  # the rollouts read from the trainer's registered buckets (Mooncake reads)
 
     @classmethod
     def bare_transport(cls, rank: int) -> Any:
-        """Mooncake over tcp on the loopback, the library Kimi's engine moves bytes with, no engine around it (a
-        benchmark's baseline, :meth:`ckpt.p2p.Transport.copy_sync` with ``read=True``: kimi's rollouts pull)."""
+        """Return Mooncake over tcp on the loopback, no engine around it (a benchmark's baseline; kimi's rollouts pull)."""
         from ckpt.mooncake import MooncakeCheckpointEngine
 
         return MooncakeCheckpointEngine.bare_transport(rank)
@@ -129,8 +91,7 @@ class KimiCheckpointEngine(OneToManyEngine):
 
     @classmethod
     def availability(cls, device: str | None = None) -> hal.Availability:
-        """Ok when the resolved device kind (``device``, else ``$HAL_DEVICE``, else auto) is one of
-        :func:`supported_kinds` and is available, and checkpoint-engine 0.4.2 and Mooncake import."""
+        """Ok when the resolved kind is one of :func:`supported_kinds`, and checkpoint-engine 0.4.2 and Mooncake import."""
         kinds = supported_kinds()
         try:
             spec = hal.resolve_device(device)
@@ -151,33 +112,20 @@ class KimiCheckpointEngine(OneToManyEngine):
 
     @classmethod
     def send_buffer_bytes(cls, bucket_size: int, published_bytes: int) -> dict[str, int]:
-        """The trainer copies the whole update into pinned host memory (bytes)."""
         return {"pinned_update_bytes": published_bytes}
 
     def _host_rendezvous(self) -> None:
-        """On the trainer: host the rendezvous store (once) at ``master_addr:master_port`` (a port the kernel
-        picks when unset), so the address ``prepare()`` reports is already served: no port is picked and bound
-        later, when another process may have taken it.
-
-        Raises:
-            CheckpointConfigError: the trainer's address cannot be bound.
-        """
+        """On the trainer: host the rendezvous store once, so the address ``prepare()`` reports is already served."""
         if self._store is None or self._store_moved():
             self._store = self._store_served = None  # the old one stops first: the new one may take its port
             self._store = self._host_store()
 
     def is_healthy(self) -> bool:
-        """Set up, and the rollout group (if any) in step: a failed broadcast breaks it for good, so the next
-        ``prepare()`` reports no group and the manager forms a new one (before ``hal soak`` found it, every
-        update after a rollout's stop failed in the old group's broadcast)."""
+        """Return whether set up with the rollout group in step (a failed broadcast breaks it for good)."""
         return self._ps is not None and not self._group_broken
 
     def _enter(self, membership) -> None:
-        """A new place (rank, world size, store address or generation) gets a new engine and group. The
-        trainer's store stays for a newer generation (its keys are the generation's, and verl's manager
-        raises it for every new group); a group of a generation the store already served (a standalone
-        engine joining generation 0 again) gets a new store, so nobody reads the keys of an update of the
-        group before (its metadata and done markers: a send would end at once, with no rollout there)."""
+        """Release for a new place; a generation the store already served also gets a new store (no stale keys)."""
         if self._store_served is not None and membership.generation <= self._store_served:
             self._store = self._store_served = None
         self._release()
@@ -186,18 +134,14 @@ class KimiCheckpointEngine(OneToManyEngine):
         self._release()
 
     def finalize(self) -> None:
-        """Nothing to release per update: the store, Mooncake engine, group, the rollout's registered slots
-        and the trainer's pinned pool stay for the next update while the place is unchanged (:meth:`close`
-        releases them)."""
+        """Nothing per update: everything stays while the place is unchanged (:meth:`close` releases it)."""
 
     def close(self) -> None:
-        """Release everything: the trainer's pinned pool, the rollout's slots, the group, the Mooncake engine,
-        the store the trainer hosts."""
+        """Release everything: pinned pool, slots, group, Mooncake engine, the trainer's store."""
         self._release()
         self._store = self._store_served = None
 
     def _release(self) -> None:
-        """Release the pinned pool, the slots, the group and the Mooncake engine (the trainer's store stays)."""
         if self._pool_layout is not None and self._ps is not None:
             self._ps.unregister(force=True)
         self._pool_layout = None
@@ -263,20 +207,11 @@ class KimiCheckpointEngine(OneToManyEngine):
                                        f"{self.timeout:g} s (a peer is dead or missing): {exc}") from None
 
     def _done(self, step: int | None) -> None:
-        """Tell the trainer this rollout is done with the update (it then unregisters the host buffers)."""
         self._world.channel.post_bytes(f"done/{self._world.calls}/{self.rank}", str(step).encode())
 
     # ---- trainer --------------------------------------------------------------------------------------
     async def send_weights(self, weights: Iterable[NamedTensor], global_steps: int | None = None) -> None:
-        """Publish ``weights`` (``(name, tensor)`` pairs, any device, dtype and strides) tagged ``global_steps``;
-        returns when every rollout is done with the update.
-
-        Raises:
-            CheckpointConfigError: called on a rollout, a bad ``global_steps``, or the trainer's store address
-                cannot be bound.
-            TransferTimeoutError, TransferError: a rollout is dead or stuck (named), within ``timeout``.
-            Whatever ``weights`` raises: the rollouts are told first (:class:`TransferAbortedError`).
-        """
+        """Publish ``weights`` tagged ``global_steps``; return when every rollout is done with the update."""
         global_steps = check_global_steps(global_steps)
         if self._outside(weights):  # a trainer rank that does not send (verl: every rank iterates its shard)
             return
@@ -301,8 +236,7 @@ class KimiCheckpointEngine(OneToManyEngine):
             raise failure
 
     def _publish(self, named: dict[str, torch.Tensor], step: int | None) -> None:
-        """Copy ``named`` into the library's shared pinned pool (reused while the sizes are unchanged, as
-        ``register_checkpoint(use_shared_memory_pool=True)`` allows), gather the layouts, wait for the rollouts."""
+        """Copy ``named`` into the library's pinned pool, gather the layouts, wait for the rollouts."""
         self._bind()  # a worker thread (asyncio.to_thread): on this rank's device
         ps = self._ps
         layout = tuple(t.numel() * t.element_size() for t in named.values())  # in name order: ordinal, marker
@@ -324,15 +258,7 @@ class KimiCheckpointEngine(OneToManyEngine):
     # ---- rollouts -------------------------------------------------------------------------------------
     async def receive_weights(self, global_steps: int | None = None, *,
                               placement: ReceivePlacement | None = None) -> AsyncIterator[NamedTensor]:
-        """Yield the ``(name, tensor)`` pairs of the next update in send order (views: see the class doc).
-        ``placement`` is not used: the library writes into this engine's registered slots.
-
-        Raises:
-            VersionMismatchError: ``global_steps`` given and another step on offer (before anything is yielded).
-            TransferAbortedError: the trainer's ``weights`` iterator raised.
-            TransferTimeoutError, TransferError: the trainer or another rollout is dead or stuck (named).
-            CheckpointConfigError: called on the trainer.
-        """
+        """Yield the next update's ``(name, tensor)`` pairs in send order, as views (``placement`` is not used)."""
         asked = check_global_steps(global_steps)
         self._check_receiver()
         await self._ready_async()
@@ -362,8 +288,7 @@ class KimiCheckpointEngine(OneToManyEngine):
                 pass
 
     async def _pull(self, metas: dict, step: int | None, bucket: int) -> AsyncIterator[NamedTensor]:
-        """Pull and broadcast the update in buckets of the trainer's ``bucket`` bytes (at least the largest
-        tensor), so every rollout cuts the same buckets."""
+        """Pull and broadcast the update in buckets of the trainer's ``bucket`` bytes (at least the largest tensor)."""
         ps = self._ps
         largest = max(m.aligned_size for owner in metas.values() for b in owner.memory_buffer_metas_list
                       for m in b.metas)
@@ -430,8 +355,7 @@ class KimiCheckpointEngine(OneToManyEngine):
                 raise
 
     def _buffers(self, size: int) -> None:
-        """Two device slots of ``size`` bytes; where the kind has no Mooncake protocol, also a pinned host
-        buffer the bucket is pulled into (then copied to the device). Registered with the Mooncake store."""
+        """Allocate two device slots of ``size`` bytes (and a pinned host bucket without a Mooncake protocol)."""
         if self._slots is not None and self._slots.numel() == 2 * size:
             return
         self._release_buffers()

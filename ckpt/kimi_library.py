@@ -1,37 +1,18 @@
 """hal's adapter around Kimi's ``checkpoint-engine`` 0.4.2 library (``checkpoint_engine.ps.ParameterServer``).
 
-What :mod:`ckpt.kimi`'s engine needs from the library, and every piece of hal that touches its internals:
+Every piece of hal that touches the library's internals:
 
-* :class:`ParameterServerAdapter`: one ``ParameterServer`` per engine, built without its constructor's
-  rendezvous store and ``npu-smi`` call, from subclasses of the library's ``DeviceManager`` (device type,
-  torch module, collective backend taken from the hal device spec rather than the library's if-chains),
-  ``P2PStore`` (Mooncake, its rank given rather than read from ``RANK``, failures raised as hal errors) and
-  ``ParameterServer``; its methods are the library calls the engine makes (register the trainer's update in
-  pinned host memory, ``gather_metas``, cut the layout into buckets with ``_gen_h2d_buckets``, pull one with
-  ``ParameterServer._copy_to_buffer``, read a bucket's tensors with ``_to_named_tensor``, register a receiving
-  buffer with the Mooncake store). The device identifier the library would read from ``npu-smi`` (used only by
-  its ``update()`` path, which hal does not call) is made from host, process and device index.
-* :func:`mooncake_protocol`: the kind's ``mooncake_protocol`` (``rdma`` on cuda, ``ascend_direct`` on npu); a
-  kind without one, such as npu-sim, or a cuda host without an RDMA NIC, moves host memory over ``tcp``, then
-  each bucket is copied host-to-device (the library's "h2d buffer").
-* The library's collectives (``checkpoint_engine.distributed``) go to torch's default process group; hal keeps
-  that group for the training job and gives the library a ``Distributed`` backend of its own (the library's
-  ABC) that answers ``all_gather_object`` over the engine's control channel (:class:`World`, on
-  :mod:`ckpt.control`), bounded by the engine's
-  timeout and naming the ranks that did not answer. checkpoint-engine selects its backend through the module
-  global ``checkpoint_engine.distributed.base._BACKEND_INSTANCE`` (its ``use_backend`` knows only
-  ``vllm_nccl``/``vllm_hccl``), so :func:`install_backend` installs hal's there once per process; it routes
-  calls made by a hal engine (marked with a context variable) to that engine's store and every other call to
-  the backend that was installed before.
-* The library logs INFO through loguru on every registration and ``gather_metas``. While hal's engine calls
-  it, its TRACE to SUCCESS records are dropped (warnings and errors pass); every other caller of the library,
-  and the user's own loguru configuration, are untouched (:func:`quiet_library_logs`). ``HAL_KIMI_LOGS=1``
-  lets them through.
+* :class:`ParameterServerAdapter`: one ``ParameterServer`` built without its constructor's rendezvous and
+  ``npu-smi`` call, from subclasses of the library's ``DeviceManager`` (facts from the hal device spec),
+  ``P2PStore`` (Mooncake, rank given) and ``ParameterServer``; its methods are the library calls the engine makes.
+* :func:`mooncake_protocol`: the kind's ``mooncake_protocol``, else host memory over ``tcp`` copied to the device.
+* The library's collectives use torch's default group; :func:`install_backend` puts hal's ``Distributed``
+  backend into ``checkpoint_engine.distributed.base._BACKEND_INSTANCE``, answering ``all_gather_object`` for
+  calls made inside a hal engine over its control channel (:class:`World`), and passing every other call on.
+* The library's loguru INFO records are dropped while hal's engine calls it (:func:`quiet_library_logs`);
+  ``HAL_KIMI_LOGS=1`` lets them through.
 
-That, and the private library functions used (``_gen_h2d_buckets``, ``_to_named_tensor``,
-``ParameterServer._copy_to_buffer``, the attributes ``gather_metas`` reads), were checked against
-checkpoint-engine 0.4.2 only: other versions are reported unavailable (:func:`library_problem`).
-"""
+The private functions used were checked against 0.4.2 only: other versions are unavailable."""
 
 from __future__ import annotations
 
@@ -47,17 +28,16 @@ import hal
 from ckpt.control import ControlChannel, PeerFailure
 from ckpt.errors import CheckpointConfigError, TransferError, TransferTimeoutError
 
+# checkpoint-engine versions whose private functions and attributes this adapter was checked against.
 CHECKED_VERSIONS = ("0.4.2",)
-"""checkpoint-engine versions whose private functions and attributes this adapter was checked against."""
-HOST_PROTOCOL = "tcp"
-"""Mooncake's protocol for host memory: used where the device kind has no ``mooncake_protocol``."""
+HOST_PROTOCOL = "tcp"  # Mooncake's protocol for host memory, where the kind has no mooncake_protocol.
+# Set to 1 to let checkpoint-engine's INFO (and lower) records through while hal's engine calls it.
 LOGS_ENV = "HAL_KIMI_LOGS"
-"""Set to ``1`` to let checkpoint-engine's INFO (and lower) records through while hal's engine calls it."""
 _LOGGING_MODULES = ("ps", "p2p_store", "pin_memory", "device_utils")  # the library's modules hal calls into
 
 
 def library_problem() -> str:
-    """Why checkpoint-engine cannot be used by this adapter, or ``""``."""
+    """Return why checkpoint-engine cannot be used by this adapter, or ``""``."""
     try:
         import checkpoint_engine
         import checkpoint_engine.ps
@@ -78,39 +58,21 @@ def library_problem() -> str:
 
 # ---- the library's collectives over hal's store ---------------------------------------------------------
 class World:
-    """One engine's world for the library's collectives, on its control channel (:mod:`ckpt.control`).
-
-    Args:
-        channel: the engine's :class:`ckpt.control.ControlChannel` (over the store rank 0 hosts; its rank is
-            this process's, its labels name the ranks, its heartbeat finds a dead rank).
-        world_size: the number of ranks.
-
-    ``calls`` counts the collectives made, so each one's keys are its own.
-    """
+    """One engine's world for the library's collectives, on its control channel; ``calls`` counts collectives."""
 
     def __init__(self, channel: ControlChannel, world_size: int) -> None:
         self.channel, self.rank, self.world_size = channel, channel.rank, world_size
         self.calls = 0
 
     def wait(self, keys: dict[int, str], what: str) -> None:
-        """Wait for every key of ``keys`` (``{rank: key name}``) until the channel's timeout; name the ranks that
-        did not set theirs, or the one found dead.
-
-        Raises:
-            TransferTimeoutError: a rank did not answer in time; TransferError: a rank is dead (no heartbeat),
-                or the store's host, the trainer, is gone.
-        """
+        """Wait for every key of ``keys`` (``{rank: key name}``) until the channel's timeout, naming missing ranks."""
         try:
             self.channel.wait_posted(keys, what)
         except PeerFailure as exc:
             raise (TransferTimeoutError if exc.timed_out else TransferError)(f"{what}: {exc}") from None
 
     def all_gather_object(self, object_list: list, obj: Any) -> None:
-        """``torch.distributed.all_gather_object`` over the store: ``object_list[r]`` becomes rank r's ``obj``.
-
-        Raises:
-            TransferTimeoutError, TransferError: as :meth:`wait`.
-        """
+        """Run ``torch.distributed.all_gather_object`` over the store: ``object_list[r]`` becomes rank r's ``obj``."""
         self.calls += 1
         prefix = f"gather/{self.calls}/"
         what = f"checkpoint-engine gather_metas on {self.channel.label(self.rank)}"
@@ -128,7 +90,7 @@ _INSIDE_HAL: contextvars.ContextVar[bool] = contextvars.ContextVar("hal_kimi_cal
 
 
 def install_backend() -> None:
-    """Install hal's ``Distributed`` backend into checkpoint-engine once per process (see the module doc)."""
+    """Install hal's ``Distributed`` backend into checkpoint-engine, once per process."""
     from checkpoint_engine.distributed import base
 
     if getattr(base._BACKEND_INSTANCE, "hal_routes", False):
@@ -187,7 +149,6 @@ def install_backend() -> None:
 
 # ---- the library's logging, quiet while hal calls it ------------------------------------------------------
 def _quiet(level: str):
-    """A loguru ``logger.<level>`` that drops the record inside hal's engine unless ``HAL_KIMI_LOGS=1``."""
     def log(self: _QuietInsideHal, message: Any, *args: Any, **kwargs: Any) -> None:
         if _INSIDE_HAL.get() and os.environ.get(LOGS_ENV, "") != "1":
             return None
@@ -198,10 +159,9 @@ def _quiet(level: str):
 
 
 class _QuietInsideHal:
-    """Stands in for loguru's ``logger`` in the library's modules: a TRACE..SUCCESS record of a call made
-    inside hal's engine is dropped unless ``HAL_KIMI_LOGS=1``; every other record goes to loguru's logger as
-    the library's own (``opt(depth=1)``: the caller is the library's frame, so the user's
-    ``logger.disable("checkpoint_engine")``, filters and formats see what they would without hal)."""
+    """Stands in for loguru's ``logger`` in the library's modules, dropping TRACE..SUCCESS inside hal's engine.
+
+    Other records go to loguru as the library's own (``opt(depth=1)``), so the user's configuration applies."""
 
     trace, debug, info, success = (_quiet(level) for level in ("trace", "debug", "info", "success"))
 
@@ -213,8 +173,7 @@ class _QuietInsideHal:
 
 
 def quiet_library_logs() -> None:
-    """Make checkpoint-engine's INFO-and-below records of calls hal's engine makes droppable (once per process;
-    see :class:`_QuietInsideHal`). Changes nothing for calls made outside hal's engine."""
+    """Make the library's INFO-and-below records of hal's calls droppable (once per process)."""
     import importlib
 
     from loguru import logger
@@ -227,7 +186,7 @@ def quiet_library_logs() -> None:
 
 @contextlib.contextmanager
 def _hal_call(world: World | None = None) -> Iterator[None]:
-    """Mark the library calls made inside: hal's (quiet logs) and, with ``world``, routed to it."""
+    """Mark the library calls made inside as hal's (quiet logs) and, with ``world``, routed to it."""
     inside = _INSIDE_HAL.set(True)
     routed = _CURRENT.set(world) if world is not None else None
     try:
@@ -240,13 +199,9 @@ def _hal_call(world: World | None = None) -> Iterator[None]:
 
 # ---- the library's objects, built from the hal device kind -----------------------------------------------
 def mooncake_protocol(spec) -> tuple[str, bool]:
-    """``(protocol, in_place)``: the Mooncake protocol for the kind ``spec`` and whether it moves the kind's
-    device memory itself (else buckets are pulled into pinned host memory over ``tcp`` and copied over).
+    """Return ``(protocol, in_place)`` for kind ``spec``: in place when Mooncake moves device memory itself.
 
-    The kind's ``mooncake_protocol`` field decides (``rdma`` on cuda, ``ascend_direct`` on npu); ``rdma``
-    also needs an RDMA NIC, found as checkpoint-engine finds it (``PS_P2P_STORE_RDMA_DEVICES``,
-    ``NCCL_IB_HCA``, else every ibverbs device): without one, host memory over ``tcp`` is what works.
-    """
+    ``rdma`` also needs an RDMA NIC, found as checkpoint-engine finds it; without one, ``tcp`` on host memory."""
     protocol = spec.mooncake_protocol
     if protocol is None:
         return HOST_PROTOCOL, False
@@ -263,16 +218,13 @@ def mooncake_protocol(spec) -> tuple[str, bool]:
 
 
 def _make_parameter_server(spec, protocol: str, device_index: int, rank: int, world_size: int, host: str):
-    """A ``ParameterServer`` (rank ``rank`` of ``world_size``) whose device manager and Mooncake store come
-    from the hal kind ``spec`` and ``protocol``; without the rendezvous store and ``npu-smi`` call of its own
-    constructor."""
+    """Build a ``ParameterServer`` whose device manager and Mooncake store come from ``spec`` and ``protocol``."""
     from checkpoint_engine.device_utils import DeviceManager
     from checkpoint_engine.p2p_store import P2PStore
     from checkpoint_engine.ps import ParameterServer
     from mooncake.engine import TransferEngine
 
     class HalDeviceManager(DeviceManager):
-        """The library's device facts from the hal device spec (its own detection knows cuda and npu only)."""
 
         def __init__(self) -> None:
             self.device_type = spec.name
@@ -290,7 +242,6 @@ def _make_parameter_server(spec, protocol: str, device_index: int, rank: int, wo
             return super().rdma_device(rank) if self.transfer_engine_protocol == "rdma" else ""
 
     class HalP2PStore(P2PStore):
-        """The library's Mooncake store, reachable at ``host``, its rank given rather than read from ``RANK``."""
 
         def __init__(self, device_manager: DeviceManager) -> None:
             self.rank, self.ip = rank, host
@@ -340,18 +291,8 @@ def _make_parameter_server(spec, protocol: str, device_index: int, rank: int, wo
 class ParameterServerAdapter:
     """The library calls hal's kimi engine makes, on one ``ParameterServer`` built from the hal kind.
 
-    Args:
-        spec: the hal device spec; protocol: the Mooncake protocol (:func:`mooncake_protocol`).
-        device_index: this process's local device index; rank, world_size: as the engine's.
-        host: the address peers reach this process's Mooncake store at.
-        world: the engine's :class:`World`, answering the library's ``all_gather_object``.
-
-    One checkpoint (:attr:`CHECKPOINT`) and one receiving buffer (:attr:`BUFFER`) are registered at a time.
-    Every call runs with the library's INFO records quiet (:func:`quiet_library_logs`).
-
-    Raises:
-        TransferError: Mooncake's transfer engine did not start.
-    """
+    One checkpoint and one receiving buffer are registered at a time. Raises :class:`TransferError` when
+    Mooncake's transfer engine does not start."""
 
     CHECKPOINT = "hal-kimi"
     BUFFER = "__hal_receive_buffer__"
@@ -365,31 +306,24 @@ class ParameterServerAdapter:
             self.ps = _make_parameter_server(spec, protocol, device_index, rank, world_size, host)
 
     def register(self, named: dict[str, torch.Tensor]) -> None:
-        """Copy ``named`` into the library's shared pinned pool and register it with the Mooncake store
-        (``register_checkpoint(use_shared_memory_pool=True)``; the pool is reused while the sizes match)."""
+        """Copy ``named`` into the library's shared pinned pool (reused while sizes match) and register it."""
         with _hal_call():
             self.ps.register_checkpoint(self.CHECKPOINT, named_tensors=named, use_inplace_pin_memory=False,
                                         use_shared_memory_pool=True)
 
     def unregister(self, force: bool) -> None:
-        """Unregister the checkpoint; ``force`` also frees the shared pinned pool (for a new layout)."""
+        """Unregister the checkpoint; ``force`` also frees the shared pinned pool."""
         with _hal_call():
             self.ps.unregister_checkpoint(self.CHECKPOINT, force=force)
 
     def gather_metas(self) -> dict:
-        """Every rank's buffer layout (the library's ``gather_metas``, over :attr:`world`); returns
-        ``{owner rank: MemoryBufferMetaList}``.
-
-        Raises:
-            TransferTimeoutError, TransferError: a rank did not answer (named).
-        """
+        """Return every rank's buffer layout, ``{owner rank: MemoryBufferMetaList}``, gathered over :attr:`world`."""
         with _hal_call(self.world):
             self.ps.gather_metas(self.CHECKPOINT)
         return self.ps._current_global_parameter_metas
 
     def buckets(self, metas: dict, size: int, receivers: list[int]) -> list:
-        """The layout ``metas`` cut into buckets of at most ``size`` bytes (a larger tensor is a bucket of its
-        own), each given a receiving rank of ``receivers``: ``[(receiver, owner rank, H2DBucket)]``."""
+        """Cut ``metas`` into buckets of at most ``size`` bytes: ``[(receiver, owner rank, H2DBucket)]``."""
         from checkpoint_engine.ps import _gen_h2d_buckets
 
         with _hal_call():
@@ -397,29 +331,22 @@ class ParameterServerAdapter:
                                     receivers)
 
     def pull(self, bucket: Any, target: torch.Tensor, owner: int) -> None:
-        """Read ``bucket`` from rank ``owner``'s registered host memory into ``target`` (uint8, registered,
-        at least ``bucket.size`` bytes).
-
-        Raises:
-            TransferError: the owner is dead or unreachable.
-        """
+        """Read ``bucket`` from rank ``owner``'s registered host memory into ``target``."""
         with _hal_call():
             self.ps._copy_to_buffer(self.CHECKPOINT, bucket, target, owner)
 
     @staticmethod
     def items(bucket: Any) -> list[dict]:
-        """The tensors of ``bucket`` in its order: ``{"name", "dtype", "shape", "offset" (bytes)}`` each."""
+        """Return the tensors of ``bucket``: ``{"name", "dtype", "shape", "offset" (bytes)}`` each."""
         from checkpoint_engine.ps import _to_named_tensor
 
         return _to_named_tensor(bucket.items, 0)
 
     def register_buffer(self, buffer: torch.Tensor) -> None:
-        """Register ``buffer`` (where pulled buckets land) with the Mooncake store."""
         with _hal_call():
             self.ps._p2p_store.register_named_tensors({self.BUFFER: buffer})
 
     def unregister_buffer(self) -> None:
-        """Unregister the receiving buffer from the Mooncake store."""
         with _hal_call():
             self.ps._p2p_store.unregister_named_tensors([self.BUFFER])
 

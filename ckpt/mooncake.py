@@ -1,13 +1,10 @@
 """``mooncake``: weights written by Mooncake's Transfer Engine into the rollouts' registered buffers.
 
-On :mod:`ckpt.p2p`'s shape: ``transfer_submit_write`` (one per piece) from the trainer's send slots into
-each rollout's two receive slots, polled with ``transfer_check_status`` from the event loop (so it and the
-packing of the next bucket go on), metadata (with ``global_steps``) over the control channel (:mod:`ckpt.control`) once a write returned. Each process runs a
-``TransferEngine`` in ``P2PHANDSHAKE`` mode (no metadata server); its protocol is the device kind's
-``mooncake_protocol`` (``"rdma"``, ``"ascend_direct"``: buffers on the device); kinds without one stage
-through host memory over ``"tcp"``. Install: ``pip install mooncake-transfer-engine-non-cuda==0.3.13.post1``
-(the ``mooncake`` extra; its import needs ``libibverbs.so.1``, Debian package ``libibverbs1``).
-"""
+:mod:`ckpt.p2p`'s shape with ``transfer_submit_write`` polled from the event loop. Each process runs a
+``TransferEngine`` in ``P2PHANDSHAKE`` mode (no metadata server) with the kind's ``mooncake_protocol``; kinds
+without one stage through host memory over ``"tcp"``. Install: ``pip install
+mooncake-transfer-engine-non-cuda==0.3.13.post1`` (the ``mooncake`` extra; its import needs ``libibverbs.so.1``,
+Debian package ``libibverbs1``)."""
 
 from __future__ import annotations
 
@@ -20,14 +17,12 @@ import hal
 from ckpt.errors import TransferError
 from ckpt.p2p import P2PCheckpointEngine, Transport
 
-HOST_PROTOCOL = "tcp"
-"""Mooncake's protocol for host memory, used when the device kind's memory cannot be moved in place."""
+HOST_PROTOCOL = "tcp"  # Mooncake's protocol for host memory, where the kind's memory cannot be moved in place.
 
 
 @dataclasses.dataclass
 class MooncakeWrite:
-    """The batches of one write (``transfer_submit_write`` ids still running, oldest first) and its state:
-    0 running, 1 done, < 0 the failed batch's ``transfer_check_status``."""
+    """One write's running batches (oldest first) and state: 0 running, 1 done, < 0 the failed batch's status."""
 
     batches: list[int]
     state: int = 0
@@ -121,18 +116,14 @@ class MooncakeTransport(Transport):
 
 
 class MooncakeCheckpointEngine(P2PCheckpointEngine):
-    """Checkpoint engine over Mooncake's Transfer Engine (see :class:`ckpt.p2p.P2PCheckpointEngine` for
-    arguments, memory, ownership and failures).
+    """Checkpoint engine over Mooncake's Transfer Engine (see :class:`ckpt.p2p.P2PCheckpointEngine`).
 
-    Args:
-        device_name: Mooncake's device filter (RDMA NIC names for ``"rdma"``; ``""``: let it choose).
-    """
+    ``device_name``: Mooncake's device filter (RDMA NIC names for ``"rdma"``; ``""``: let it choose)."""
 
     extra_keywords = ("device_name",)
 
     @staticmethod
     def in_place_value(spec: hal.DeviceSpec) -> str | None:
-        """The kind's Mooncake protocol (``"tcp"``, ``"rdma"``, ``"ascend_direct"``), ``None``: stage via host memory."""
         return spec.mooncake_protocol
 
     def __init__(self, *args: Any, device_name: str = "", **kwargs: Any) -> None:
@@ -151,8 +142,7 @@ class MooncakeCheckpointEngine(P2PCheckpointEngine):
 
     @classmethod
     def bare_transport(cls, rank: int) -> Transport:
-        """The engine's library over tcp on the loopback, no engine around it (a benchmark's baseline,
-        :meth:`ckpt.p2p.Transport.copy_sync`); ``rank`` is unused (Mooncake names peers by session)."""
+        """Return Mooncake over tcp on the loopback, no engine around it (a benchmark's baseline)."""
         return MooncakeTransport("127.0.0.1", HOST_PROTOCOL)
 
     def make_transport(self, host: str, in_place: str | None) -> Transport:

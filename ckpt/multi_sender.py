@@ -1,50 +1,19 @@
 """Every trainer rank a sender: S senders to N rollouts as S one-to-many *lanes*, received concurrently.
 
-With ``multi_sender=True`` (verl's name for the topology option), ``build_topology`` gives trainer ranks
-``0..S-1`` the sender role and the rollouts ranks ``S..S+N-1`` (``num_senders=S``, as verl's
-``NCCLCheckpointEngine`` numbers them). The group is then **one lane per sender**: lane ``s`` is sender ``s``
-plus every rollout, a single-sender group of the engine's own transport (its own communicator, keys
-``.../s<s>`` in the one rendezvous store trainer rank 0 hosts). Lanes run concurrently, so the update's
-bandwidth adds up over the senders' links (each sender's link carries only its shards, once per rollout).
+With ``multi_sender=True``, ``build_topology`` gives trainer ranks ``0..S-1`` the sender role and the
+rollouts ranks ``S..S+N-1`` (``num_senders=S``, as verl numbers them). Lane ``s`` is sender ``s`` plus every
+rollout, a single-sender group of the engine's own transport (keys ``.../s<s>`` in the one store trainer rank
+0 hosts); lanes run concurrently, so bandwidth adds up over the senders' links.
 
-Why lanes and not one group with the source rotating per bucket: in one group every collective involves
-every member, so a bucket broadcast from sender ``s`` also lands on the other senders (their links carry the
-whole model again, and their memory a receive buffer), and the collectives of one communicator are ordered,
-so the senders take turns instead of sending at once; the lanes' broadcasts are independent. Measured with
-``hal.apps.benchmarks.bench_senders`` (32 MiB bf16 to 2 rollouts, trainer links R = 100 Mbit/s, rollout links
-4R, gloo, one run): lanes 2.00x / 3.92x the one-sender throughput with 2 / 4 senders and 0.88 R with rollout
-links of R; one group rotating the source per bucket 1.21x / 0.80x and 0.38 R.
+A sender publishes whole tensors, :class:`ckpt.shards.RowShard` or FSDP2 ``DTensor`` values (e.g.
+``ckpt.local_parts(fsdp_module.state_dict().items(), r)``, no gathers); a row part travels with its row range
+and full shape. A rollout receives every lane at once and yields full tensors, each name once, when all its
+rows arrived (into ``placement``'s full tensor where given, else an engine-owned one).
 
-What a sharded trainer calls: on trainer rank ``r`` of ``T``, an engine built with ``multi_sender=True``
-(``is_master`` on rank 0), verl's ``prepare`` / ``build_topology(T, N, metadata)`` /
-``init_process_group(**entries)``, then ``send_weights(ckpt.local_parts(fsdp_module.state_dict().items(), r,
-dtype=torch.bfloat16), global_steps)`` on every trainer rank at once (no gathers); the rollouts call
-``receive_weights`` as for one sender.
-
-Sender side (:func:`send_parts`): a sender publishes ``(name, value)`` pairs, ``value`` a whole tensor, a
-:class:`ckpt.shards.RowShard` or an FSDP2 ``DTensor`` (:func:`ckpt.shards.as_row_shard`); a row part goes on
-the wire with its row range and the full shape (:class:`ckpt.wire.TensorEntry`).
-
-Rollout side (:func:`receive_parts`): it receives every lane at once and **yields full tensors**, each once
-all its rows have arrived (whole tensors as their lane delivers them), so a consumer sees the same stream as
-from one sender: every name once, in completion order (each sender's order is kept among its own tensors).
-Given a ``placement``, a part is received straight into rows ``[row_start, row_start + rows)`` of
-``placement.target(name, dtype, full_shape)`` and that full tensor is yielded; without one (or where the
-placement gives nothing usable) parts are assembled in an engine-owned tensor of the full shape, yielded
-once complete and dropped after the consumer advances.
-
-Guarantees, as for one sender:
-
-* **step**: every lane is checked against ``global_steps``; asked for ``None``, every sender must have sent the
-  same step. A sender with another step is a :class:`VersionMismatchError` naming its trainer rank, raised
-  before anything is yielded (each lane holds its first tensor until every lane's step is known);
-* **all or nothing**: the stream ends normally only when every lane ended and every tensor is complete; a
-  lane that failed (a dead sender, a timeout, an abort) fails the update with the error of that lane, naming
-  the trainer rank, after the other lanes were received and discarded (their groups stay in step);
-* **memory**: two receive buffers per lane (bucket-sized, as one sender's), plus, without a placement, the
-  full-size assembly tensors of the row-sharded tensors whose parts are still arriving;
-* **timeouts**: every lane's waits are bounded by the engine's ``timeout``.
-"""
+As for one sender: every lane is checked against ``global_steps`` (and the senders must agree) before
+anything is yielded; the update ends normally only when every lane ended and every tensor is complete, else
+it fails with the failing lane's error naming its trainer rank; memory is two buffers per lane plus the
+assembly tensors still filling; every wait is bounded by the engine's ``timeout``."""
 
 from __future__ import annotations
 
@@ -60,16 +29,9 @@ from ckpt.shards import RowShard, as_row_shard
 
 
 def published(weights: Iterable[tuple[str, Any]]) -> tuple[Iterable[NamedTensor], dict[str, tuple[list[int], int]]]:
-    """A sender's ``weights`` as ``(name, tensor)`` pairs for the wire, and the row parts among them.
+    """Return ``(pairs, parts)``: the wire's ``(name, tensor)`` pairs and ``{name: (full_shape, row_start)}``.
 
-    Returns:
-        ``(pairs, parts)``: ``pairs`` yields each whole tensor or each part's local rows (a list when
-        ``weights`` is a collection, so zero-copy sends of runs stay possible, else a generator);
-        ``parts`` maps a part's name to ``(full_shape, row_start)``, filled as ``pairs`` is consumed.
-
-    Raises (while consumed):
-        CheckpointConfigError: a value that is not a tensor, a :class:`RowShard` or a FSDP2 ``DTensor``.
-    """
+    ``parts`` fills as ``pairs`` is consumed; ``pairs`` is a list when ``weights`` is a collection."""
     parts: dict[str, tuple[list[int], int]] = {}
 
     def convert():
@@ -89,19 +51,13 @@ def published(weights: Iterable[tuple[str, Any]]) -> tuple[Iterable[NamedTensor]
 
 @dataclasses.dataclass
 class _Pending:
-    """A row-sharded tensor whose parts are arriving: where they go and how many rows came."""
 
     full: torch.Tensor
     rows: int = 0
 
 
 class PartAssembler:
-    """Puts received parts into full tensors; see the module docstring.
-
-    Args:
-        placement: the consumer's :class:`ReceivePlacement`, or ``None``.
-        device: where assembly tensors are allocated.
-    """
+    """Puts received parts into full tensors (the consumer's ``placement`` where usable, else on ``device``)."""
 
     def __init__(self, placement: ReceivePlacement | None, device: torch.device) -> None:
         self.placement, self.device = placement, device
@@ -116,13 +72,9 @@ class PartAssembler:
         return torch.empty(full_shape, dtype=dtype, device=self.device)
 
     def add(self, name: str, tensor: torch.Tensor, part: tuple[list[int], int] | None) -> NamedTensor | None:
-        """Take one received item; returns the ``(name, full tensor)`` it completes, if any.
+        """Take one received item; return the ``(name, full tensor)`` it completes, if any.
 
-        ``tensor`` may be a view into a lane's buffer (copied into place here) or the placed rows themselves.
-
-        Raises:
-            TransferError: a tensor arrived twice, or parts that overlap or overrun its rows.
-        """
+        Raises :class:`TransferError` when a tensor arrives twice or parts overlap."""
         if part is None:
             if name in self.done or name in self.pending:
                 raise TransferError(f"tensor {name!r} was sent by more than one sender")
@@ -155,13 +107,12 @@ class PartAssembler:
         return name, pending.full
 
     def missing(self) -> list[str]:
-        """What is incomplete after every lane ended: ``"name (k of n rows)"`` per tensor."""
+        """Return what is incomplete after every lane ended: ``"name (k of n rows)"`` per tensor."""
         return [f"{n} ({p.rows} of {p.full.shape[0]} rows)" for n, p in self.pending.items()]
 
 
 class PartPlacement:
-    """A lane's placement: for a row part, rows ``[row_start, row_start + rows)`` of the consumer's full
-    tensor (``placement.target(name, dtype, full_shape)``), so the lane receives a part in place."""
+    """A lane's placement: a row part goes straight into its rows of the consumer's full tensor."""
 
     def __init__(self, placement: ReceivePlacement) -> None:
         self.placement = placement
@@ -171,7 +122,6 @@ class PartPlacement:
 
     def part_target(self, name: str, dtype: torch.dtype, shape: Sequence[int], full_shape: Sequence[int],
                     row_start: int) -> torch.Tensor | None:
-        """The rows of the consumer's full tensor this part fills (a contiguous dim-0 slice), or ``None``."""
         full = self.placement.target(name, dtype, torch.Size(full_shape))
         if not isinstance(full, torch.Tensor) or list(full.shape) != list(full_shape) or not full.is_contiguous():
             return None
@@ -179,8 +129,7 @@ class PartPlacement:
 
 
 def named_error(exc: BaseException, sender: int) -> BaseException:
-    """``exc`` (a lane's failure) again, its message naming the trainer rank ``sender`` (same class when it
-    can be built from a message, else :class:`TransferError`)."""
+    """Return ``exc`` again with its message naming trainer rank ``sender`` (else a :class:`TransferError`)."""
     message = f"sender trainer rank {sender}: {exc}"
     if isinstance(exc, VersionMismatchError):
         return VersionMismatchError(exc.expected, exc.received, f"the lane of sender trainer rank {sender}")
@@ -193,23 +142,10 @@ def named_error(exc: BaseException, sender: int) -> BaseException:
 async def receive_parts(lanes: Sequence[Any], global_steps: int | None, placement: ReceivePlacement | None,
                         device: torch.device, parts_of: Callable[[Any, str], tuple[list[int], int] | None],
                         on_step: Callable[[int | None], None]) -> AsyncIterator[NamedTensor]:
-    """Receive one update from every lane at once and yield full tensors (see the module docstring).
+    """Receive one update from every lane at once and yield full tensors (see the module overview).
 
-    Args:
-        lanes: the lane engines, lane ``s`` from trainer rank ``s``; each has ``receive_weights(global_steps,
-            placement=...)`` and ``received_global_steps``.
-        global_steps: the step asked for, or ``None``.
-        placement: the consumer's placement, or ``None``.
-        device: where assembly tensors go.
-        parts_of: ``parts_of(lane, name)`` -> ``(full_shape, row_start)`` of the item the lane just yielded
-            when it is a row part, else ``None``.
-        on_step: called with the agreed step once every lane's step is known (before the first yield).
-
-    Raises:
-        VersionMismatchError: a sender sent another step than asked, or than the other senders.
-        TransferError, TransferTimeoutError: a lane failed (names the trainer rank), or the update ended
-            with tensors incomplete.
-    """
+    ``parts_of(lane, name)`` gives ``(full_shape, row_start)`` of the item a lane just yielded, or ``None``;
+    ``on_step`` gets the agreed step before the first yield."""
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue = asyncio.Queue()
     assembler = PartAssembler(placement, device)
@@ -298,7 +234,6 @@ async def receive_parts(lanes: Sequence[Any], global_steps: int | None, placemen
 
 
 async def send_parts(lane: Any, weights: Iterable[tuple[str, Any]], global_steps: int | None) -> None:
-    """Publish one sender's ``weights`` (whole tensors, :class:`RowShard` or FSDP2 ``DTensor`` values) on its
-    lane (its ``send_row_parts(pairs, global_steps, parts)``)."""
+    """Publish one sender's ``weights`` on its lane."""
     pairs, parts = published(weights)
     await lane.send_row_parts(pairs, global_steps, parts)

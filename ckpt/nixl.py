@@ -1,11 +1,8 @@
 """``nixl``: weights written by NIXL (``nixl_agent``, UCX backend) into the rollouts' registered buffers.
 
-The NIXL counterpart of verl's NIXL checkpoint engine, on :mod:`ckpt.p2p`'s shape: one-sided ``WRITE``
-transfers from the trainer's two send slots into each rollout's two receive slots, metadata (with
-``global_steps``) over the control channel (:mod:`ckpt.control`) once a write is ``DONE``. Memory type: the device kind's
-``nixl_memory_type`` (``"VRAM"`` where NIXL registers device memory); kinds without one stage through host
-memory (``"DRAM"``). Install: ``pip install --no-deps nixl==1.5.1 nixl-cu12==1.5.1`` (the ``nixl`` extra).
-"""
+:mod:`ckpt.p2p`'s shape with one-sided ``WRITE`` transfers. Memory type: the kind's ``nixl_memory_type``;
+kinds without one stage through host memory (``"DRAM"``). Install: ``pip install --no-deps nixl==1.5.1
+nixl-cu12==1.5.1`` (the ``nixl`` extra)."""
 
 from __future__ import annotations
 
@@ -23,24 +20,20 @@ import hal
 from ckpt.errors import TransferError
 from ckpt.p2p import P2PCheckpointEngine, Transport
 
-RDMA_SYSFS = "/sys/class/infiniband"
-"""Where Linux lists RDMA devices; absent or empty on a machine without them."""
-HOST_MEMORY_TYPE = "DRAM"
-"""NIXL's memory type of host memory, used when the device kind's memory cannot be registered."""
+RDMA_SYSFS = "/sys/class/infiniband"  # Where Linux lists RDMA devices; absent or empty without them.
+HOST_MEMORY_TYPE = "DRAM"  # NIXL's memory type of host memory, where the kind's memory cannot be registered.
 
 
 @dataclasses.dataclass
 class NixlWrite:
-    """One WRITE in flight: NIXL's transfer handle (``None`` once released) and its final state
-    (``None`` while running, ``"DONE"`` or ``"ERR..."``)."""
+    """One WRITE in flight: its handle (``None`` once released) and final state (``"DONE"`` or ``"ERR..."``)."""
 
     handle: Any
     state: str | None = None
 
 
 class NixlTransport(Transport):
-    """One ``nixl_agent`` with ``backends``; writes are ``initialize_xfer("WRITE", ...)`` + ``transfer``, waited
-    on by polling ``check_xfer_state`` (with a growing sleep, so the event loop keeps running)."""
+    """One ``nixl_agent`` with ``backends``; a write is ``initialize_xfer("WRITE", ...)`` + ``transfer``, polled."""
 
     library = "NIXL"
     max_in_flight = 2  # UCX progresses several WRITEs at once: measured faster than one at a time
@@ -49,9 +42,7 @@ class NixlTransport(Transport):
         from nixl._api import nixl_agent, nixl_agent_config
 
         if not (os.path.isdir(RDMA_SYSFS) and os.listdir(RDMA_SYSFS)):
-            # No RDMA NIC here: keep UCX from loading its InfiniBand module. In the nixl 1.5.1 wheels that
-            # module's bundled libnl-route crashes the process at exit (SIGSEGV in rtnl_tc_unregister, run
-            # from _dl_fini) once the system's libnl (pulled in by libibverbs1) is loaded too.
+            # no RDMA NIC: without UCX's ib module, whose bundled libnl crashes nixl 1.5.1 at exit
             os.environ.setdefault("UCX_MODULES", "^ib")
         if "NIXL_LOG_LEVEL" not in os.environ:
             # nixl logs every agent at INFO to stdout, which would corrupt a command's JSON output
@@ -62,7 +53,6 @@ class NixlTransport(Transport):
         self._reg = None
 
     def _dev(self, tensor: torch.Tensor) -> int:
-        """NIXL's device id of ``tensor``'s memory: the device index for ``VRAM``, 0 for host memory."""
         return (tensor.device.index or 0) if self.memory_type == "VRAM" else 0
 
     def _register(self, tensor: torch.Tensor) -> Any:
@@ -94,19 +84,10 @@ class NixlTransport(Transport):
         self.agent.deregister_memory(handle[0])
 
     def start_write(self, peer: int, pieces: list[tuple[int, int, int]]) -> Any:
-        """Post one WRITE of ``pieces`` to ``peer``; an endpoint UCX failed while the peer's agent may live is
-        made again from the peer's metadata and the write posted once more.
+        """Post one WRITE of ``pieces`` to ``peer``, remaking once an endpoint UCX failed while the peer may live.
 
-        UCX fails an endpoint for good on a reset connection or a keepalive missed (``NIXL_ERR_REMOTE_DISCONNECT``
-        at post time), and a live peer's agent is then unreachable through it: found by ``hal soak`` (nixl on
-        npu-sim, seed 2: a rollout alive and waiting, its first write of the update refused). A peer whose agent
-        is really gone fails the second post too. Making the endpoint again fails any other write to that peer
-        still in flight (nixl invalidates it), so the update they belong to fails as it would have.
-
-        Raises:
-            KeyError: ``peer`` was never added (:meth:`add_peer`).
-            TransferError: the write could not be posted (the library's error named).
-        """
+        UCX fails an endpoint for good on a reset connection (``NIXL_ERR_REMOTE_DISCONNECT``); remaking it fails
+        other writes to that peer still in flight. Raises ``KeyError`` for a peer never added."""
         from nixl._bindings import nixlRemoteDisconnectError
 
         if peer not in self.remote:
@@ -123,8 +104,7 @@ class NixlTransport(Transport):
             raise TransferError(f"{type(exc).__name__}: {exc}") from exc
 
     def _post(self, r: dict[str, Any], pieces: list[tuple[int, int, int]]) -> NixlWrite:
-        """``initialize_xfer`` + ``transfer`` of ``pieces`` to the remote agent ``r``; the handle is released
-        when posting fails (nixl raises the library's own errors)."""
+        """Post ``initialize_xfer`` + ``transfer`` of ``pieces`` to remote agent ``r``, releasing the handle on failure."""
         local = self.agent.get_xfer_descs([(a, n, self.dev) for a, _, n in pieces], self.memory_type)
         remote = self.agent.get_xfer_descs([(r["addr"] + o, n, r["dev"]) for _, o, n in pieces], r["memory_type"])
         handle = self.agent.initialize_xfer("WRITE", local, remote, r["name"])
@@ -169,18 +149,14 @@ class NixlTransport(Transport):
 
 
 class NixlCheckpointEngine(P2PCheckpointEngine):
-    """Checkpoint engine over NIXL (see :class:`ckpt.p2p.P2PCheckpointEngine` for arguments, memory,
-    ownership and failures).
+    """Checkpoint engine over NIXL (see :class:`ckpt.p2p.P2PCheckpointEngine`).
 
-    Args:
-        backends: NIXL backends to instantiate (default ``("UCX",)``; UCX reads ``UCX_TLS`` etc.).
-    """
+    ``backends``: NIXL backends to instantiate (default ``("UCX",)``; UCX reads ``UCX_TLS`` etc.)."""
 
     extra_keywords = ("backends",)
 
     @staticmethod
     def in_place_value(spec: hal.DeviceSpec) -> str | None:
-        """The kind's NIXL memory type (``"DRAM"``, ``"VRAM"``), ``None``: stage through host memory."""
         return spec.nixl_memory_type
 
     def __init__(self, *args: Any, backends: tuple[str, ...] | list[str] = ("UCX",), **kwargs: Any) -> None:
@@ -199,8 +175,7 @@ class NixlCheckpointEngine(P2PCheckpointEngine):
 
     @classmethod
     def bare_transport(cls, rank: int) -> Transport:
-        """The engine's library on host memory with its default backend, no engine around it (a benchmark's
-        baseline, :meth:`ckpt.p2p.Transport.copy_sync`)."""
+        """Return NIXL on host memory, no engine around it (a benchmark's baseline)."""
         return NixlTransport(f"bare-{rank}-{uuid.uuid4().hex[:12]}", HOST_MEMORY_TYPE, ("UCX",))
 
     def make_transport(self, host: str, in_place: str | None) -> Transport:

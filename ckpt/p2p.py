@@ -1,29 +1,17 @@
 """Weights over a transfer library (NIXL, Mooncake): one-sided writes into the rollouts' registered buffers.
 
-The shape every transfer-library engine shares, after verl's NIXL engine (``verl/checkpoint_engine``), with
-the library behind a small :class:`Transport` (register a buffer, describe it to a peer, write a byte range
-into a peer's buffer, wait for that write):
+After verl's NIXL engine, with the library behind a small :class:`Transport`:
 
-* **data plane**: the trainer (rank 0) packs bucket *k* into one of its two registered send slots while the
-  library writes bucket *k-1* from the other; it writes each bucket straight into slot ``k % 2`` of every
-  rollout's registered receive region (one write per rollout, issued together);
-* **control plane**: :mod:`ckpt.control` over the ``TCPStore`` the trainer hosts at ``master_addr`` (no
-  socket code of hal's; nothing bound to an event loop, so an engine survives several ``asyncio.run``
-  calls). A rollout says :class:`Hello` (its rank, its connection's epoch, bucket size and what its transport
-  needs: agent metadata, session, buffer address); the trainer sends each message's metadata
-  (:class:`ckpt.wire.WireMessage`: entries, chunk, ``step``, end or abort) only after that message's write
-  completed, and a rollout acknowledges every message (:class:`ckpt.control.Ack`) once it is done with its
-  slot, which is the trainer's credit to write slot ``k % 2`` again. When an update fails the trainer gives
-  every connection up and marks it so in the store; a rollout reads the mark before its next update and
-  connects again.
+* data plane: the trainer packs bucket *k* into one of its registered send slots while the library writes
+  bucket *k-1*, and writes each bucket straight into slot ``k % 2`` of every rollout's registered region;
+* control plane: :mod:`ckpt.control` over the ``TCPStore`` the trainer hosts at ``master_addr``. A rollout
+  sends :class:`Hello`; the trainer sends each message's :class:`ckpt.wire.WireMessage` only after its write
+  completed; a rollout acknowledges each message (:class:`ckpt.control.Ack`) once done with its slot, the
+  trainer's credit to write that slot again. A failed update gives every connection up; a rollout reads the
+  mark before its next update and connects again.
 
-Every wait (the store, hello, credit, write, metadata) is bounded by ``timeout``. Every rank heartbeats
-through the store: a dead or hung rollout fails the trainer's send naming that rollout within
-``heartbeat_timeout`` (:data:`ckpt.control.HEARTBEAT_DEAD_S` by default) plus a heartbeat, and a dead trainer
-(the store's host) fails a rollout's receive naming the trainer at once. Nothing a receiver yields is
-applied by the engine: a rollout that gets an error keeps serving its previous step (``ckpt.workers``
-applies updates all-or-nothing).
-"""
+Every wait is bounded by ``timeout``; a dead or hung peer is named within ``heartbeat_timeout`` plus a
+heartbeat. A rollout that gets an error keeps serving its previous step."""
 
 from __future__ import annotations
 
@@ -49,43 +37,30 @@ from ckpt.one_to_many import DEFAULT_BUCKET_SIZE, OneToManyEngine, local_address
 from ckpt.control import (HEARTBEAT_DEAD_S, STORE_OVERRUN_S, Ack, ControlChannel, PeerFailure, check_heartbeat_timeout,
                           connect_store)
 
-META_BUDGET = 1 << 20
-"""Bytes of JSON metadata per bucket at most (a bucket of many small tensors closes early)."""
-NAMESPACE = "ckpt-p2p"
-"""Prefix of the engine's store keys; the group's generation follows (``ckpt-p2p/<generation>/...``)."""
+META_BUDGET = 1 << 20  # Bytes of JSON metadata per bucket at most (a bucket of many small tensors closes early).
+NAMESPACE = "ckpt-p2p"  # Prefix of the engine's store keys: ckpt-p2p/<generation>/...
 
 
 class Transport(abc.ABC):
     """What an engine needs of a transfer library: registered memory and one-sided writes to peers.
 
-    One instance per engine, made by :meth:`P2PCheckpointEngine.make_transport` once the engine knows its
-    host address. All methods but :meth:`wait` are synchronous and quick.
-    """
+    All methods but :meth:`wait` are synchronous and quick."""
 
     library = "transfer library"
-    addr: int | None = None
-    """The address of the region :meth:`register` registered (``None`` before)."""
-    max_in_flight = 1
-    """Messages whose writes may be in flight at once (1 or 2): 2 lets the write of bucket k start while
-    k-1's completes, where the library gains from concurrent writes."""
+    addr: int | None = None  # Address of the region register() registered (None before).
+    max_in_flight = 1  # Messages whose writes may be in flight at once (1 or 2).
 
     @abc.abstractmethod
     def register(self, buffer: torch.Tensor) -> dict[str, Any]:
-        """Register ``buffer`` (flat ``uint8``, on the engine's buffer device) for transfers; returns the
-        JSON-ready description a peer needs to address it (sent in the hello)."""
+        """Register ``buffer`` (flat ``uint8``); return the JSON-ready description a peer needs to address it."""
 
     @abc.abstractmethod
     def add_peer(self, peer: int, info: dict[str, Any]) -> None:
-        """Learn peer ``peer``'s registered region from its hello ``info`` (replaces an earlier one).
-
-        Raises:
-            TransferError: the library cannot use ``info`` (the peer's agent is unreachable or closed).
-        """
+        """Learn ``peer``'s registered region from its hello; raise :class:`TransferError` if unusable."""
 
     @abc.abstractmethod
     def register_source(self, tensor: torch.Tensor) -> Any:
-        """Register the bytes of ``tensor`` (a flat ``uint8`` view of a weight's storage) so that a write can
-        read them in place; returns a handle for :meth:`release_source`."""
+        """Register the bytes of ``tensor`` for writes in place; return a handle for :meth:`release_source`."""
 
     @abc.abstractmethod
     def release_source(self, handle: Any) -> None:
@@ -93,26 +68,16 @@ class Transport(abc.ABC):
 
     @abc.abstractmethod
     def start_write(self, peer: int, pieces: list[tuple[int, int, int]]) -> Any:
-        """Begin writing ``pieces`` ``(local address, offset in the peer's region, nbytes)`` (local addresses
-        in registered memory) to ``peer``, as one transfer; returns a handle for :meth:`wait`."""
+        """Begin writing ``pieces`` ``(local address, offset in the peer's region, nbytes)`` to ``peer``."""
 
     @abc.abstractmethod
     def poll(self, handle: Any) -> bool:
-        """Whether the write ``handle`` is complete, without blocking (:meth:`wait` still releases it).
-
-        Raises:
-            TransferError: the library reports a failure.
-        """
+        """Return whether write ``handle`` is complete, without blocking; raise :class:`TransferError` on failure."""
 
     async def wait(self, handle: Any, timeout: float, alive: Callable[[], None] | None = None) -> None:
-        """Wait until the write completed at the target: :meth:`poll` with a backoff from 20 us to 1 ms,
-        yielding to the event loop between polls; ``alive()`` (if given) is called between polls and raises
-        when the target is known dead.
+        """Wait until the write completed at the target, calling ``alive()`` between polls.
 
-        Raises:
-            TransferError: the library reports a failure; TransferTimeoutError: not done in ``timeout`` s;
-            whatever ``alive`` raises.
-        """
+        Raises :class:`TransferTimeoutError` after ``timeout`` seconds."""
         deadline = time.monotonic() + timeout
         delay = 0.0
         while not self.poll(handle):
@@ -124,38 +89,25 @@ class Transport(abc.ABC):
             delay = min(1e-3, delay * 2 or 2e-5)
 
     def copy_sync(self, peer: int, nbytes: int, timeout: float, *, read: bool = False) -> None:
-        """Copy the first ``nbytes`` of the region :meth:`register` registered to the start of ``peer``'s
-        (``read``: from ``peer``'s into this one) as one transfer, blocking until done: the library's best
-        between two processes, the baseline :mod:`hal.apps.benchmarks.bench_p2p` holds an engine against.
+        """Copy the first ``nbytes`` of the registered region to ``peer``'s (``read``: from it), blocking until done.
 
-        Raises:
-            NotImplementedError: ``read`` where the library's engine only writes (the default here).
-            TransferError: the library reports a failure; TransferTimeoutError: not done in ``timeout`` s.
-        """
+        The library's best between two processes, the baseline of :mod:`hal.apps.benchmarks.bench_p2p`."""
         if read:
             raise NotImplementedError(f"{self.library}: hal's transport only writes")
         asyncio.run(self.wait(self.start_write(peer, [(self.addr, 0, nbytes)]), timeout))
 
     @abc.abstractmethod
     def close(self) -> None:
-        """Deregister memory and release the library's resources; idempotent. Once it returns the library
-        writes nothing more into memory this transport registered: a peer's write still on its way (a
-        failed update's, over a cut link) fails instead of landing."""
+        """Deregister memory and release the library's resources; idempotent.
+
+        Once it returns, no write lands in memory this transport registered."""
 
 
 @dataclasses.dataclass(frozen=True)
 class Hello:
-    """A rollout's first message on a connection (control queue ``"hello"``): who it is and what its transport
-    needs.
+    """A rollout's first message on a connection: who it is and what its transport needs.
 
-    Attributes:
-        rank: its rank (1..N).
-        epoch: the number of this connection of that rank (1, 2, ... in the group's generation): the trainer
-            keeps the newest, and the connection's queues are named by it, so nothing of an older one is read.
-        bucket_size: the bytes its receive slots are laid out for.
-        transport: :meth:`Transport.register`'s description of its receive region.
-        host: the address its transport is reached at (for messages).
-    """
+    ``epoch`` numbers the rank's connections; the trainer keeps the newest and its queues are named by it."""
 
     rank: int
     epoch: int
@@ -165,25 +117,22 @@ class Hello:
 
 
 def _queues(rank: int, epoch: int) -> tuple[str, str]:
-    """The control queues of rollout ``rank``'s connection ``epoch``: the trainer's messages, its acks."""
+    """Return the control queues of rollout ``rank``'s connection ``epoch``: messages, acks."""
     return f"msg/{rank}/{epoch}", f"ack/{rank}/{epoch}"
 
 
 def _give_up_connection(ctl: ControlChannel, rank: int, epoch: int) -> None:
-    """Mark rollout ``rank``'s connection ``epoch`` given up: by the trainer, which no longer writes to it, or by
-    the rollout, which closed its agent (see :meth:`P2PCheckpointEngine._connect`)."""
+    """Mark rollout ``rank``'s connection ``epoch`` given up."""
     ctl.add(f"given-up/{rank}/{epoch}", 1)
 
 
 def _connection_given_up(ctl: ControlChannel, rank: int, epoch: int) -> bool:
-    """Whether rollout ``rank``'s connection ``epoch`` was given up (:func:`_give_up_connection`)."""
     return ctl.add(f"given-up/{rank}/{epoch}", 0) > 0
 
 
 @dataclasses.dataclass
 class Registered:
-    """A storage registered with the library for direct writes: its handle and how many in-flight messages
-    use it (it is deregistered when the last one completed)."""
+    """A storage registered for direct writes, deregistered when the last in-flight message using it completed."""
 
     handle: Any
     users: int = 0
@@ -205,58 +154,24 @@ class _Peer:
 class P2PCheckpointEngine(OneToManyEngine):
     """Base of the transfer-library engines: bucketed one-sided writes, 1 trainer to N rollouts.
 
-    Construction, standalone (hal's): ``rank`` (0: the trainer; 1..N: rollouts), ``world_size`` (N + 1) and
-    the address of the control store the trainer hosts, ``master_addr`` / ``master_port`` (or
-    ``store_addr="host:port"``; port ``None`` on the trainer: a free one), up
-    front; the lifecycle then runs lazily on the first send or receive. Driven by verl's
-    ``CheckpointEngineManager``: construct with ``bucket_size`` and ``is_master``; ``prepare()`` returns the
-    trainer master's address, :meth:`build_topology` hands it to every rank, ``init_process_group(rank=,
-    world_size=, master_addr=, master_port=)`` sets each rank's place (trainer ranks other than the master
-    get ``rank=-1``: their ``send_weights`` consumes the iterator and returns). The library's agent, the
-    registered slots and the connections (control channels over the store) outlive ``finalize()`` (which verl
-    calls after every update) while the topology stays the same; a new topology or :meth:`close` releases
-    them. The trainer's store keeps its port across topologies until :meth:`close`.
+    Built standalone (``rank``, ``world_size``, and the trainer's store at ``master_addr`` / ``master_port`` or
+    ``store_addr="host:port"``) or verl's way (``bucket_size``, ``is_master``, then the lifecycle; trainer ranks
+    other than the master get ``rank=-1``). The agent, registered slots and connections outlive ``finalize()``
+    while the topology is unchanged. Buffers live on the device where the kind's :meth:`in_place_value` says the
+    library moves device memory, else in host memory. ``direct_threshold`` (bytes, default ``bucket_size // 8``):
+    tensors at least this large are written from their own memory.
 
-    Args:
-        bucket_size: bytes per bucket (per slot); tensors above it travel in chunks of it.
-        device: kind name (``"cpu"``, ``"npu-sim"``, ...) or ``None`` for hal's resolution. The buffers live
-            on that device when the library moves its memory in place (the kind's device-spec fact, see
-            :meth:`in_place_value`: host memory on cpu, the simulated device's memory on npu-sim, VRAM where
-            NIXL registers it), else in host memory (tensors are staged through it); a rollout receives
-            tensors on the buffer device.
-        timeout: seconds bounding every wait (the store, hello, credit, write, metadata).
-        host: the address peers reach this process at (default: ``master_addr`` on the trainer; on a rollout
-            the local address it reaches the trainer from).
-        direct_threshold: tensors on the buffer device of at least this many bytes (and runs of tensors
-            lying back to back in one storage) are registered with the library for the update and written
-            from their own memory, without a copy into a slot (default ``bucket_size // 8``; 0 packs all; else an
-            int >= 0, or :class:`CheckpointConfigError`).
-        heartbeat_timeout: seconds a peer's heartbeat may stand still before it counts as dead
-            (:data:`ckpt.control.HEARTBEAT_DEAD_S` by default; see :class:`ckpt.control.ControlChannel`).
-
-    Memory: the trainer holds three registered slots of ``bucket_size`` (each tensor is copied into bucket k's
-    slot when it is yielded while k-1 and k-2 may still be written; only tensors of a collection are
-    written from their own memory, see :func:`ckpt.bucket.plan_messages`), a rollout two slots (the trainer
-    writes k+1 while the consumer reads k) plus, when a tensor larger than a bucket arrives, one buffer of
-    that tensor's size (kept for the next one of the update). Both sides must be built with the same
-    ``bucket_size``: the trainer refuses a rollout whose slots are laid out for another, before any write.
-
-    Ownership: ``send_weights`` returns once every rollout acknowledged every message (the caller may reuse
-    or free its tensors). A tensor yielded by ``receive_weights`` is a view into an engine-owned slot,
-    valid until the next item is requested: copy it before advancing if it must outlive that.
-
-    Failures: a dead or hung rollout fails the trainer's send with :class:`TransferError` naming it (its
-    rank and address) within ``heartbeat_timeout`` (:data:`ckpt.control.HEARTBEAT_DEAD_S` by default) plus a
-    heartbeat or two (its heartbeat stopped), one that does not answer while alive within ``timeout``; the
-    other rollouts are told (they raise :class:`TransferAbortedError`) and every connection is dropped, so
-    the next update reconnects whoever is alive. A dead trainer fails each rollout's receive naming it. A
-    sender whose ``weights`` iterator raises tells the rollouts (``TransferAbortedError``) and stays usable.
-    """
+    Memory: the trainer holds three slots of ``bucket_size``, a rollout two, plus one buffer the size of a
+    tensor larger than a bucket. Both sides need the same ``bucket_size``.
+    Ownership: ``send_weights`` returns once every rollout acknowledged every message. A tensor yielded by
+    ``receive_weights`` is a view into an engine-owned slot, valid until the next item is requested.
+    Failures: a dead rollout fails the send with :class:`TransferError` naming it; the others raise
+    :class:`TransferAbortedError` and every connection is dropped. A failing ``weights`` iterator leaves the
+    sender usable."""
 
     @staticmethod
     def in_place_value(spec: hal.DeviceSpec) -> str | None:
-        """The kind's fact naming what the library does with its memory in place (its NIXL memory type, its
-        Mooncake protocol), ``None`` where the library stages it through host memory (set by subclasses)."""
+        """Return the kind's fact for the library's in-place memory, ``None`` where it stages through host memory."""
         return None
 
     min_bucket_size = 1024
@@ -288,13 +203,11 @@ class P2PCheckpointEngine(OneToManyEngine):
     # ---- the library ------------------------------------------------------------------------------
     @classmethod
     def availability(cls) -> hal.Availability:
-        """Whether the library imports here (``ok``) or why not."""
         raise NotImplementedError
 
     @abc.abstractmethod
     def make_transport(self, host: str, in_place: str | None) -> Transport:
-        """The library's transport for this process, reachable at ``host``; ``in_place`` is the kind's
-        spec value (memory type / protocol) when the buffers are on the device, else ``None`` (host)."""
+        """Return the library's transport, reachable at ``host``; ``in_place`` is the kind's value or ``None``."""
 
     # ---- configuration ----------------------------------------------------------------------------
     def _kind_value(self) -> str | None:
@@ -302,11 +215,7 @@ class P2PCheckpointEngine(OneToManyEngine):
 
     # ---- lifecycle --------------------------------------------------------------------------------
     def _host_rendezvous(self) -> None:
-        """On the trainer: host the control store (once) at ``master_addr:master_port`` (a free port when unset).
-
-        Raises:
-            CheckpointConfigError: the trainer's address cannot be bound.
-        """
+        """On the trainer: host the control store (once) at ``master_addr:master_port``."""
         if self._store is None or self._store_moved():
             self._store = None  # the old one stops first: the new one may take its port
             self._store = self._host_store()
@@ -315,7 +224,6 @@ class P2PCheckpointEngine(OneToManyEngine):
         return f"{NAMESPACE}/{self._membership.generation if self._membership is not None else 0}"
 
     def _peer_label(self, rank: int) -> str:
-        """How messages name ``rank``: the trainer with its address, a rollout with its transport's host."""
         peer = self._peers.get(rank)
         return peer.label if peer is not None and rank != self.src_rank else self._label(rank)
 
@@ -330,21 +238,16 @@ class P2PCheckpointEngine(OneToManyEngine):
         self._release()
 
     def finalize(self) -> None:
-        """End of one update (verl calls it after every one): frees the per-update buffer of a tensor larger
-        than a bucket. The agent, the registered slots and the connections are kept for the next update
-        while the topology is unchanged (they are released by :meth:`init_process_group` with another
-        topology, by :meth:`close`, or after a peer failed)."""
+        """Free the buffer of a tensor larger than a bucket; the agent, slots and connections are kept."""
         self._large = None
 
     def close(self) -> None:
-        """Drop every connection, stop the control store the trainer hosts, deregister and free the buffers;
-        idempotent (the engine can be set up again by a later send / receive)."""
+        """Drop every connection, stop the trainer's store, free the buffers; idempotent."""
         self._release()
         self._store = None
 
     def _release(self) -> None:
-        """Drop the connections and the control channel, the library's agent and the buffers (the trainer's
-        store stays: its port does not change across generations)."""
+        """Drop the connections, the control channel, the agent and the buffers (the trainer's store stays)."""
         self._drop_connections()
         if self._control is not None:
             self._control.close()
@@ -354,9 +257,7 @@ class P2PCheckpointEngine(OneToManyEngine):
         self._joined = None
 
     def _close_transport(self) -> None:
-        """Close the library's agent, then free the region it wrote into: closing stops the library's own
-        threads, so no write can land in that memory afterwards (Mooncake's tcp server, for one, writes
-        wherever a request's header points, registered or not)."""
+        """Close the agent, then free its region, so no write lands there afterwards."""
         if self._transport is not None:
             self._transport.close()
             self._transport = None
@@ -364,8 +265,7 @@ class P2PCheckpointEngine(OneToManyEngine):
         self._sources = {}
 
     def _drop_connections(self) -> None:
-        """Forget every rollout's connection (its queues drained; it connects again with a new epoch), or, on
-        a rollout, the connection to the trainer."""
+        """Forget every rollout's connection, or on a rollout the connection to the trainer."""
         if self.is_sender:
             for peer in self._peers.values():
                 self._forget(peer)
@@ -377,10 +277,7 @@ class P2PCheckpointEngine(OneToManyEngine):
                 pass
             self._control.close()
             self._control = self._store = None
-            # A write of the update that failed may still be on its way here (a cut link's TCP retransmits
-            # it minutes later): it must land in no slot a later update reads. So the next connection gets a
-            # new agent and new slots, and this agent is closed before its slots are freed (found by
-            # ``hal soak``: mooncake served bytes no trainer published for that step).
+            # a failed update's write may still arrive (a cut link retransmits): new agent and slots next time
             self._close_transport()
 
     def _forget(self, peer: _Peer) -> None:
@@ -391,10 +288,7 @@ class P2PCheckpointEngine(OneToManyEngine):
             self._control.unwatch([peer.rank])
 
     def _forget_given_up(self) -> bool:
-        """Forget the kept connections given up since they were accepted, by this trainer or by their rollout
-        (which dropped it, e.g. after a wait that timed out, and connects again: a hello it sent on that
-        connection may only now have been read); returns whether there were any (their new hellos are then
-        waited for, :meth:`_accept_all`)."""
+        """Forget kept connections given up since accepted; return whether there were any."""
         stale = [peer for peer in self._peers.values()
                  if _connection_given_up(self._control, peer.rank, peer.epoch)]
         for peer in stale:
@@ -403,8 +297,6 @@ class P2PCheckpointEngine(OneToManyEngine):
         return bool(stale)
 
     def _give_up(self, peer: _Peer) -> None:
-        """Tell ``peer``'s rollout that the trainer no longer writes to its connection (it reads that before its
-        next update and connects again, :meth:`_connect`)."""
         try:
             _give_up_connection(self._control, peer.rank, peer.epoch)
         except Exception:  # noqa: BLE001 - the store is gone: the rollout finds that instead
@@ -424,21 +316,13 @@ class P2PCheckpointEngine(OneToManyEngine):
             self._joined_now(self._membership)
 
     def _slot(self, k: int) -> torch.Tensor:
-        """A rollout's receive slot ``k % 2`` (flat ``uint8`` of ``bucket_size``)."""
         return self._region[(k % 2) * self.bucket_size:(k % 2 + 1) * self.bucket_size]
 
     def _send_slot(self, k: int) -> torch.Tensor:
-        """The trainer's send slot ``k % 3`` (flat ``uint8`` of ``bucket_size``, registered memory)."""
         return self._region[(k % 3) * self.bucket_size:(k % 3 + 1) * self.bucket_size]
 
     def _register_source(self, source: torch.Tensor, msg: Message, offset: int, nbytes: int) -> tuple[int, int]:
-        """Register the storage ``source`` lies in, once however many views of it an update sends (two
-        overlapping registrations of one memory range are refused by Mooncake); returns its key for
-        :meth:`_release_source`.
-
-        Raises:
-            TransferError: the library refused; the message names the tensors and the sizes.
-        """
+        """Register the storage ``source`` lies in, once per update; return its key for :meth:`_release_source`."""
         storage = source.untyped_storage()
         key = (storage.data_ptr(), storage.nbytes())
         registered = self._sources.get(key)
@@ -471,7 +355,6 @@ class P2PCheckpointEngine(OneToManyEngine):
 
     # ---- trainer ----------------------------------------------------------------------------------
     def _trainer_control(self) -> ControlChannel:
-        """The trainer's control channel of the current generation (made on first need)."""
         namespace = self._namespace()
         if self._control is None or self._control.namespace != namespace:
             self._drop_connections()
@@ -483,8 +366,7 @@ class P2PCheckpointEngine(OneToManyEngine):
         return self._control
 
     async def _accept_all(self) -> list[_Peer]:
-        """Every rollout's connection: those kept from earlier updates, replaced by a newer one where a rollout
-        connected again, and the missing ones waited for (their :class:`Hello`) until ``timeout``."""
+        """Return every rollout's connection: kept ones, newer ones, and missing ones waited for until ``timeout``."""
         self._host_rendezvous()
         self._setup_buffers(self.master_addr)
         ctl = self._trainer_control()
@@ -529,14 +411,9 @@ class P2PCheckpointEngine(OneToManyEngine):
         return [self._peers[r] for r in sorted(want)]
 
     async def send_weights(self, weights: Iterable[NamedTensor], global_steps: int | None = None) -> None:
-        """Write ``weights`` (iterable of ``(name, tensor)``, any device/dtype/strides) to every rollout,
-        tagged ``global_steps``; returns when every rollout acknowledged the whole update.
+        """Write ``weights`` to every rollout, tagged ``global_steps``; return once every rollout acknowledged it.
 
-        Raises:
-            CheckpointConfigError: called on a rollout rank, or bad ``global_steps`` / pairs.
-            TransferTimeoutError, TransferError: a rollout is dead, stuck or never connected (named).
-            Whatever ``weights`` raises: the rollouts are told (:class:`TransferAbortedError`) first.
-        """
+        If ``weights`` raises, the rollouts are told (:class:`TransferAbortedError`) first."""
         global_steps = check_global_steps(global_steps)
         if self._outside(weights):  # a trainer rank that does not send (verl: every rank iterates its shard)
             return
@@ -546,9 +423,7 @@ class P2PCheckpointEngine(OneToManyEngine):
             await self._send(peers, weights, global_steps)
         except PeerFailure as exc:
             await self._abort_all(global_steps, f"{exc.peer} failed: {exc}", fatal=True)
-            # every rollout connects again with a new agent: a new one here too, so writes this update left
-            # running die with the old one, and a long-lived trainer keeps no state of agents that are gone
-            # (Mooncake keeps each peer's segment and pooled sockets: +8 fds and MBs over a 150-update soak)
+            # the rollouts reconnect with new agents: a new one here too, so this update's writes die with it
             self._close_transport()
             error = TransferTimeoutError if exc.timed_out else TransferError
             raise error(f"step {global_steps} failed on the trainer: {exc}") from None
@@ -556,15 +431,11 @@ class P2PCheckpointEngine(OneToManyEngine):
     async def _send(self, peers: list[_Peer], weights: Iterable[NamedTensor], step: int | None) -> None:
         for peer in peers:
             peer.sent = peer.acked = 0
-        # messages whose writes were started and that are not announced yet, oldest first (at most 2: the
-        # slots). A message is announced as soon as its writes are complete, so the rollout consumes it and
-        # acknowledges while the next bucket is packed and written: the credit for slot k % 2 (the ack of
-        # message k-2) is then normally in before write k starts, and no round trip sits between writes.
+        # messages written but not yet announced, oldest first (at most 2: the rollouts' slots)
         pending: collections.deque = collections.deque()
         k = 0
         try:
-            # three local send slots in rotation: the planner copies message k's tensors into slot k % 3 once
-            # message k-1 was handed over, and by then message k-3 (which used it) has completed
+            # three send slots in rotation: message k-3, which used slot k % 3, has completed by now
             for msg in plan_messages(weights, step, self.bucket_size, META_BUDGET, self._buffer_device,
                                      self.direct_threshold, buffer_for=self._send_slot):
                 if len(pending) == 2:  # slot k % 2 was message k-2's: its writes must be done first
@@ -608,7 +479,6 @@ class P2PCheckpointEngine(OneToManyEngine):
             raise
 
     def _written(self, handles: list) -> bool:
-        """Whether every write of a message is complete (a failed one counts: :meth:`_complete` reports it)."""
         for _, handle in handles:
             try:
                 if not self._transport.poll(handle):
@@ -625,8 +495,7 @@ class P2PCheckpointEngine(OneToManyEngine):
                                           f"{exc}") from exc
 
     async def _complete(self, peers: list[_Peer], handles: list, record: WireMessage, sources: list) -> None:
-        """Wait for a message's writes, release the storage registered for them, then announce the message
-        to every rollout."""
+        """Wait for a message's writes, release their sources, then announce the message to every rollout."""
         ctl = self._control
         try:
             for peer, handle in handles:
@@ -646,7 +515,6 @@ class P2PCheckpointEngine(OneToManyEngine):
             peer.sent += 1
 
     async def _credit(self, peer: _Peer, count: int) -> None:
-        """Read acknowledgements from ``peer`` until it acknowledged ``count`` messages."""
         while peer.acked < count:
             ack = await self._control.recv(peer.queues[1], Ack, peer.rank,
                                            f"the acknowledgement of message {peer.acked}")
@@ -656,9 +524,7 @@ class P2PCheckpointEngine(OneToManyEngine):
             peer.acked += 1
 
     async def _abort_all(self, step: int | None, reason: str, fatal: bool) -> None:
-        """Tell every rollout still reachable that this update is off, wait (a few seconds at most) until each
-        live one took the word (so that a trainer closing next does not take it away with its store), then
-        drop every connection."""
+        """Tell every reachable rollout the update is off, wait a few seconds for each to take it, drop connections."""
         ctl = self._control
         if ctl is None:
             return
@@ -681,18 +547,9 @@ class P2PCheckpointEngine(OneToManyEngine):
 
     # ---- rollout ----------------------------------------------------------------------------------
     async def _connect(self) -> ControlChannel:
-        """The rollout's connection to the trainer: its control channel (the store reached, the buffers
-        registered, :class:`Hello` sent), made on first need and after a dropped one.
+        """Return the rollout's control channel to the trainer, connecting (and sending :class:`Hello`) when needed.
 
-        A kept connection the trainer gave up (it drops every connection when an update fails, and drains their
-        queues) is dropped and made again: a rollout that received that update whole before the trainer gave it
-        up (late, but every record still queued) would otherwise wait on a queue no one writes, while the
-        trainer waits for its hello, and the next update would fail on both sides after ``timeout``.
-
-        Raises:
-            CheckpointConfigError: no trainer address; TransferTimeoutError: the trainer's store did not
-            answer within ``timeout``.
-        """
+        A kept connection the trainer gave up is made again."""
         if self._control is not None:
             if not self._given_up():
                 return self._control
@@ -717,13 +574,7 @@ class P2PCheckpointEngine(OneToManyEngine):
         return ctl
 
     async def _open_channel(self) -> tuple[Any, ControlChannel]:
-        """Connect to the trainer's store and open this rollout's control channel, in a worker thread (the store
-        may be hosted by a trainer on this very event loop, not up yet; a channel's connections block on a
-        stopped host), waited for at most ``timeout + STORE_OVERRUN_S``.
-
-        Raises:
-            TransferTimeoutError: the trainer's store did not answer in time (named).
-        """
+        """Connect to the trainer's store in a worker thread, waiting at most ``timeout + STORE_OVERRUN_S``."""
         lock, opened, abandoned = threading.Lock(), [], []
 
         def open_channel() -> tuple[Any, ControlChannel]:
@@ -750,8 +601,7 @@ class P2PCheckpointEngine(OneToManyEngine):
                                        "(is its link down or its host stopped?)") from None
 
     def _given_up(self) -> bool:
-        """Whether the trainer gave this rollout's connection up (:meth:`_give_up`); an unreachable store counts
-        as given up (connecting again then names the trainer)."""
+        """Return whether the trainer gave this connection up; an unreachable store counts as given up."""
         try:
             return _connection_given_up(self._control, self.rank, self._epoch)
         except Exception:  # noqa: BLE001 - a store that does not answer: connect again, which says why
@@ -759,18 +609,9 @@ class P2PCheckpointEngine(OneToManyEngine):
 
     async def receive_weights(self, global_steps: int | None = None, *,
                               placement: ReceivePlacement | None = None) -> AsyncIterator[NamedTensor]:
-        """Yield the ``(name, tensor)`` pairs of the next update in send order (views: see the class doc).
-        ``placement`` is not used: the library writes into this engine's registered slots.
+        """Yield the next update's ``(name, tensor)`` pairs in send order, as views (``placement`` is not used).
 
-        With ``global_steps=N`` and another step on offer, the update is drained (acknowledged unread) and
-        :class:`VersionMismatchError` raised before anything is yielded. A consumer that stops early
-        (``aclose()``) drains the rest the same way.
-
-        Raises:
-            VersionMismatchError; CheckpointConfigError (called on the trainer); TransferAbortedError (the
-            trainer gave this update up); TransferTimeoutError / TransferError (the trainer is dead or
-            stuck, named, within ``timeout``).
-        """
+        On a step mismatch or an early ``aclose()`` the rest is acknowledged unread."""
         asked = check_global_steps(global_steps)
         self._check_receiver()
         k = 0

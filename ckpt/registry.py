@@ -1,10 +1,7 @@
 """One registry of checkpoint engines: built-ins by name, third-party ones by call or entry point.
 
-Like ``torch.distributed.Backend.register_backend``, registering a taken name raises. Built-in engines and
-those of the ``hal.checkpoint_engines`` entry-point group are imported on first lookup or registration (so
-registering a built-in's name raises even before any lookup); an import failure
-is remembered and shown when a lookup fails, so "unknown engine" also says which backend could not load.
-"""
+Registering a taken name raises. Built-ins and the ``hal.checkpoint_engines`` entry-point group load on first
+lookup or registration; an import failure is remembered and shown when a lookup fails."""
 
 from __future__ import annotations
 
@@ -62,15 +59,8 @@ def _load_once() -> None:
 def register_checkpoint_engine(name: str, cls_or_factory: Callable[..., Any]) -> None:
     """Register an engine class (or a factory ``(**config) -> engine``) under ``name``.
 
-    The built-in and entry-point engines are loaded first, so their names are taken even before any
-    lookup (a built-in that failed to import leaves its name free). A class is checked against the async
-    contract now; a factory's product is checked by :func:`get_checkpoint_engine`.
-
-    Raises:
-        CheckpointConfigError: ``name`` is not a non-empty ``str`` (a ``ValueError``; names the value).
-        DuplicateCheckpointEngineError: ``name`` is taken (a ``ValueError``).
-        ContractError: the class has a contract method that is not async (a ``TypeError``).
-    """
+    A class is checked against the async contract now, a factory's product at :func:`get_checkpoint_engine`.
+    Raises :class:`DuplicateCheckpointEngineError` when ``name`` is taken, built-ins included."""
     if not isinstance(name, str) or not name:
         raise CheckpointConfigError(f"checkpoint engine name must be a non-empty str, got {name!r}")
     _load_once()  # a no-op when called from inside it (already marked loaded)
@@ -86,27 +76,20 @@ def register_checkpoint_engine(name: str, cls_or_factory: Callable[..., Any]) ->
 
 
 def unregister_checkpoint_engine(name: str) -> None:
-    """Remove ``name`` from the registry (no error if absent); for tests and plugin reloads."""
+    """Remove ``name`` from the registry (no error if absent)."""
     _engines.pop(name, None)
 
 
 def known_checkpoint_engines() -> list[str]:
-    """Names of the registered engines (built-ins and entry points included), sorted."""
     _load_once()
     return sorted(_engines)
 
 
 def checkpoint_engine_says(name: str, fact: str) -> bool:
-    """Whether the class registered as ``name`` states ``fact``, one of :class:`ckpt.CheckpointEngine`'s
-    class facts (``bucketed``, ``hosts_rendezvous``, ``one_process``, ``publishes_to_files``, ...): how the job,
-    the CLI and the benchmarks ask what an engine is instead of comparing its name. A factory that is not a
-    class, or a class without the attribute, says nothing (``False``).
+    """Return whether the class registered as ``name`` states the class fact ``fact`` (e.g. ``bucketed``).
 
-    Raises:
-        UnknownCheckpointEngineError: no such name.
-        AttributeError: ``fact`` is not a fact of :class:`ckpt.CheckpointEngine` (a misspelt fact would
-            otherwise read ``False`` silently).
-    """
+    A factory that is not a class says nothing; a ``fact`` that is not one of :class:`ckpt.CheckpointEngine`'s
+    raises ``AttributeError`` rather than reading ``False``."""
     from ckpt.base import CheckpointEngine
 
     if not isinstance(getattr(CheckpointEngine, fact, None), bool):
@@ -116,13 +99,7 @@ def checkpoint_engine_says(name: str, fact: str) -> bool:
 
 
 def checkpoint_engine_transport(name: str, spec: Any) -> str | None:
-    """How the class registered as ``name`` moves bytes on the device kind ``spec`` (a ``hal.DeviceSpec``), in
-    words (:meth:`ckpt.CheckpointEngine.transport_words`); ``None`` when it says nothing, or for a factory that
-    is not such a class.
-
-    Raises:
-        UnknownCheckpointEngineError: no such name.
-    """
+    """Return how the engine ``name`` moves bytes on device kind ``spec``, in words, or ``None``."""
     from ckpt.base import CheckpointEngine
 
     factory = checkpoint_engine_factory(name)
@@ -132,27 +109,18 @@ def checkpoint_engine_transport(name: str, spec: Any) -> str | None:
 
 
 def checkpoint_engines_where(fact: str) -> list[str]:
-    """Names of the registered engines whose class states ``fact`` (see :func:`checkpoint_engine_says`),
-    sorted; e.g. for a message listing the engines a flag accepts.
-
-    Raises:
-        AttributeError: ``fact`` is not a fact of :class:`ckpt.CheckpointEngine`.
-    """
+    """Return the names of the registered engines whose class states ``fact``, sorted."""
     return [name for name in known_checkpoint_engines() if checkpoint_engine_says(name, fact)]
 
 
 def checkpoint_engine_import_errors() -> dict[str, str]:
-    """``{name: "ExceptionType: message"}`` for built-in or entry-point engines that failed to import."""
+    """Return ``{name: "ExceptionType: message"}`` of the engines that failed to import."""
     _load_once()
     return dict(_import_errors)
 
 
 def checkpoint_engine_factory(name: str) -> Callable[..., Any]:
-    """The class (or factory) registered as ``name``, not instantiated (for other frameworks' registries).
-
-    Raises:
-        UnknownCheckpointEngineError: no such name (the message lists the known ones).
-    """
+    """Return the class (or factory) registered as ``name``, not instantiated."""
     _load_once()
     if name not in _engines:
         _raise_unknown(name)
@@ -167,17 +135,9 @@ def _raise_unknown(name: str) -> None:
 
 
 def checkpoint_engine_availability(name: str, device: Any = None) -> tuple[bool, str]:
-    """``(ok, reason)`` for the engine registered as ``name``: an engine class may define a classmethod
-    ``availability()`` (truthy, with ``.reason`` when not); engines without one are always available.
+    """Return ``(ok, reason)`` from the engine's optional classmethod ``availability(device)``.
 
-    Args:
-        device: the device kind the engine would be built for (its ``device=`` argument); passed to
-            ``availability(device)`` when the probe takes it (an engine that runs on some kinds only), else
-            ``None`` means hal's resolution (``$HAL_DEVICE``, then the first available kind).
-
-    Raises:
-        UnknownCheckpointEngineError: no such name.
-    """
+    ``device`` is passed when the probe takes it; ``None`` means hal's resolution."""
     _load_once()
     if name not in _engines:
         _raise_unknown(name)
@@ -196,9 +156,7 @@ def checkpoint_engine_availability(name: str, device: Any = None) -> tuple[bool,
 
 
 def checkpoint_engine_status(device: Any = None) -> list[dict[str, Any]]:
-    """Every registered engine, and every built-in or entry-point one that failed to import, as
-    ``{"name", "available", "reason"}`` sorted by name (what ``hal info`` prints), for the device kind
-    ``device`` (``None``: hal's resolution; see :func:`checkpoint_engine_availability`)."""
+    """Return every engine, failed imports included, as ``{"name", "available", "reason"}`` (what ``hal info`` prints)."""
     _load_once()
     rows = []
     for name in sorted(set(_engines) | set(_import_errors)):
@@ -211,15 +169,10 @@ def checkpoint_engine_status(device: Any = None) -> list[dict[str, Any]]:
 
 
 def get_checkpoint_engine(name: str, **config: Any) -> Any:
-    """Build the engine registered as ``name`` with ``config`` (e.g. ``rank=0, world_size=3, bucket_size=...``).
+    """Build the engine registered as ``name`` with ``config``.
 
-    Raises:
-        UnknownCheckpointEngineError: no such name; the message lists the known names and each backend
-            that failed to import, with its error.
-        CheckpointEngineUnavailableError: the engine cannot run here (library missing, no device kind it
-            supports); the message says why and lists the engines that are available.
-        ContractError: the factory returned an engine whose contract methods are not all async.
-    """
+    Raises :class:`CheckpointEngineUnavailableError` (naming why and the available engines) when it cannot run
+    here."""
     factory = checkpoint_engine_factory(name)
     ok, reason = checkpoint_engine_availability(name, config.get("device"))
     if not ok:

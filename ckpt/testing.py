@@ -1,31 +1,14 @@
 """A contract test suite any checkpoint engine can be run through, third-party ones included.
 
-Give it an async *pair factory* returning ``(sender, receiver)`` engines that can talk to each other in
-this process (the same instance for a colocated engine; two ranks of one group for a collective one) and
-run every check::
+Give it an async *pair factory* returning ``(sender, receiver)`` engines that can talk to each other in this
+process (the same instance for a colocated engine) and run every check::
 
     failures = asyncio.run(run_contract_suite(make_pair))   # [] when the engine keeps the contract
 
-or parametrize a pytest test over :data:`CONTRACT_CHECKS` (see ``tests/ckpt/test_contract.py``).
-Each check raises :class:`ContractFailure` (an ``AssertionError``) or :class:`ContractError` (a
-``TypeError``: a method is not async) with what differed.
-
-What is checked, by behaviour: the call ``send_weights(...)`` gives an awaitable and ``receive_weights(...)``
-an async iterator (decorated methods pass; a plain ``def send_weights``, verl 0.9.1's own
-``ColocatedCheckpointEngine``, fails); verl's per-update lifecycle (sync ``prepare()``, the classmethod
-``build_topology``, ``init_process_group(**kwargs)`` on both ranks at once, the transfer, sync
-``finalize()``) carries three updates; ``global_steps`` round-trips
-(the receiver sees the sender's step, and asking for another raises :class:`VersionMismatchError` without
-breaking the next update); tensors of mixed dtypes (fp32, bf16, fp16, int64, bool) arrive byte-exact with
-their dtype, shape and order, including empty, 0-d, non-contiguous and larger-than-a-small-bucket ones;
-an empty update carries its step; three updates in a row carry steps 1, 2, 3; once ``await
-send_weights`` returns the sender may change its tensors (they are changed in place at once) and the
-receiver still gets the sent values; ``receive_weights(global_steps, placement=None)`` is accepted (the
-keyword every engine takes; an engine that cannot receive into the consumer's memory ignores it);
-``send_weights`` given ``get_per_tensor_param()``'s ``(weights, peft_config)`` pair raises
-:class:`CheckpointConfigError`, the receiver ends (with an error or nothing) rather than waiting on, and the
-next update arrives byte-exact.
-"""
+or parametrize a pytest test over :data:`CONTRACT_CHECKS` (see ``tests/ckpt/test_contract.py``). Each check
+raises :class:`ContractFailure` (an ``AssertionError``) or :class:`ContractError` (a ``TypeError``: a method
+is not async) saying what differed. The checks judge behaviour, so decorated methods pass and verl 0.9.1's
+plain ``def send_weights`` fails."""
 
 from __future__ import annotations
 
@@ -47,12 +30,9 @@ class ContractFailure(CheckpointEngineError, AssertionError):
 
 
 def sample_weights(step: int = 0, big_numel: int = 80_000) -> list[tuple[str, torch.Tensor]]:
-    """Named host tensors covering the contract's cases; values depend on ``step`` (so updates differ).
+    """Return named host tensors covering the contract's cases, with values depending on ``step``.
 
-    fp32 / bf16 / fp16 / int64 / bool tensors, an empty one, 0-d ones, two non-contiguous views (a
-    transpose and a strided slice), one of ``big_numel`` fp32 elements (320 KB) and a transposed 120 KB one:
-    larger than the small buckets the built-in suites configure, so they are split and reassembled.
-    """
+    fp32 / bf16 / fp16 / int64 / bool, empty, 0-d, non-contiguous, and two larger than the suites' small buckets."""
     g = torch.Generator().manual_seed(1234 + step)
     base = torch.randn(6, 8, generator=g)
     return [
@@ -73,7 +53,7 @@ def sample_weights(step: int = 0, big_numel: int = 80_000) -> list[tuple[str, to
 
 
 def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """True when ``a`` and ``b`` have the same dtype, shape and in-memory bytes (NaNs and -0.0 included)."""
+    """Return whether ``a`` and ``b`` have the same dtype, shape and bytes (NaNs and -0.0 included)."""
     if a.dtype != b.dtype or a.shape != b.shape:
         return False
     ab = a.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
@@ -82,7 +62,7 @@ def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def compare(expected: list[tuple[str, torch.Tensor]], received: list[tuple[str, torch.Tensor]], what: str) -> None:
-    """Raise :class:`ContractFailure` unless ``received`` has the names, order, dtypes, shapes and bytes of ``expected``."""
+    """Raise :class:`ContractFailure` unless ``received`` matches ``expected`` in names, order, dtypes, shapes, bytes."""
     names_e, names_r = [n for n, _ in expected], [n for n, _ in received]
     if names_e != names_r:
         raise ContractFailure(f"{what}: names/order differ: sent {names_e}, received {names_r}")
@@ -95,7 +75,7 @@ def compare(expected: list[tuple[str, torch.Tensor]], received: list[tuple[str, 
 
 
 async def collect(stream: Any) -> list[tuple[str, torch.Tensor]]:
-    """Consume a receive stream, copying each tensor to the host as it arrives (views may be reused)."""
+    """Consume a receive stream, copying each tensor to the host as it arrives."""
     if not (hasattr(stream, "__aiter__") and hasattr(stream, "__anext__")):
         raise ContractError(f"receive_weights returned {type(stream).__name__}, not an async iterator")
     return [(name, t.detach().to("cpu", copy=True)) async for name, t in stream]
@@ -138,12 +118,7 @@ async def transfer(sender: CheckpointEngine, receiver: CheckpointEngine, weights
                    receive_kwargs: dict[str, Any] | None = None) -> list[tuple[str, torch.Tensor]]:
     """Run one send and one receive concurrently; return what was received (host copies).
 
-    ``after_send`` runs the moment ``await send_weights(...)`` returns, while the receiver may still run.
-    ``receive_kwargs`` are passed to ``receive_weights`` as keywords (e.g. ``{"placement": None}``).
-
-    Raises the receiver's error if it failed, else the sender's; :class:`ContractError` when the call
-    ``send_weights(...)`` is not awaitable or ``receive_weights(...)`` not an async iterator.
-    """
+    ``after_send`` runs the moment ``await send_weights(...)`` returns. Raises the receiver's error first."""
     send = sender.send_weights(iter(weights), send_step)
     if not inspect.isawaitable(send):
         raise _not_awaitable(sender, send)
@@ -168,7 +143,7 @@ async def transfer(sender: CheckpointEngine, receiver: CheckpointEngine, weights
 
 
 def _call_sync(engine: Any, name: str, **kwargs: Any) -> Any:
-    """Call a lifecycle method as verl does (synchronously); an awaitable result is a violation."""
+    """Call a lifecycle method synchronously, as verl does; an awaitable result is a violation."""
     result = getattr(engine, name)(**kwargs)
     if inspect.isawaitable(result):
         _close_unstarted(result)
@@ -178,15 +153,7 @@ def _call_sync(engine: Any, name: str, **kwargs: Any) -> Any:
 
 
 async def verl_lifecycle(sender: CheckpointEngine, receiver: CheckpointEngine) -> None:
-    """One update's set-up as verl's ``CheckpointEngineManager`` runs it, for 1 trainer and 1 rollout.
-
-    ``prepare()`` on both, ``build_topology(1, 1, [sender's, receiver's])`` on the sender's class, then
-    ``init_process_group(**kwargs)`` on both at once (each in a thread: a rendezvous blocks).
-
-    Raises:
-        ContractError: a lifecycle call returned an awaitable, or ``build_topology`` returned something
-            other than two dicts of one-entry lists.
-    """
+    """Run one update's set-up as verl's manager does, for 1 trainer and 1 rollout."""
     metadata = [_call_sync(sender, "prepare"), _call_sync(receiver, "prepare")]
     topology = type(sender).build_topology(1, 1, metadata)
     if inspect.isawaitable(topology):
@@ -203,7 +170,7 @@ async def verl_lifecycle(sender: CheckpointEngine, receiver: CheckpointEngine) -
 
 
 async def finalize_both(sender: CheckpointEngine, receiver: CheckpointEngine) -> None:
-    """``finalize()`` each distinct engine, as verl does at the end of an update (synchronously)."""
+    """Call ``finalize()`` on each distinct engine, as verl does at the end of an update."""
     for engine in {id(sender): sender, id(receiver): receiver}.values():
         _call_sync(engine, "finalize")
 
@@ -215,8 +182,7 @@ def _check_step(receiver: CheckpointEngine, step: int | None, what: str) -> None
 
 
 async def check_call_contract(sender: CheckpointEngine, receiver: CheckpointEngine) -> None:
-    """Nothing declared wrong (:func:`check_async_contract`), and the calls behave: ``send_weights(...)`` is
-    awaitable, ``receive_weights(...)`` an async iterator, the round trip byte-exact."""
+    """Nothing declared wrong, ``send_weights(...)`` awaitable, ``receive_weights(...)`` async, byte-exact."""
     for engine in {id(sender): sender, id(receiver): receiver}.values():
         check_async_contract(engine)
     weights = sample_weights(1)
@@ -224,8 +190,7 @@ async def check_call_contract(sender: CheckpointEngine, receiver: CheckpointEngi
 
 
 async def check_verl_lifecycle(sender: CheckpointEngine, receiver: CheckpointEngine) -> None:
-    """Three updates, each run as verl's manager runs it: prepare, build_topology, init_process_group,
-    send and receive at once, finalize; byte-exact with the sender's step."""
+    """Three updates run as verl's manager runs them, byte-exact with the sender's step."""
     for step in (1, 2, 3):
         await verl_lifecycle(sender, receiver)
         weights = sample_weights(step)
@@ -235,7 +200,7 @@ async def check_verl_lifecycle(sender: CheckpointEngine, receiver: CheckpointEng
 
 
 async def check_round_trip_mixed_dtypes(sender: CheckpointEngine, receiver: CheckpointEngine) -> None:
-    """fp32/bf16/fp16/int64/bool, empty, 0-d, non-contiguous, larger-than-bucket: byte-exact, in order."""
+    """Mixed dtypes, empty, 0-d, non-contiguous, larger-than-bucket: byte-exact, in order."""
     weights = sample_weights(3)
     compare(weights, await transfer(sender, receiver, weights, 3, 3), "mixed dtypes")
     _check_step(receiver, 3, "mixed dtypes")
@@ -265,9 +230,7 @@ async def check_version_mismatch(sender: CheckpointEngine, receiver: CheckpointE
 
 
 async def check_weights_pair_refused(sender: CheckpointEngine, receiver: CheckpointEngine) -> None:
-    """``send_weights((weights, None), 3)`` (``get_per_tensor_param()``'s pair passed whole, verl's
-    ``(generator, peft_config)``) raises :class:`CheckpointConfigError`; the receiver's update ends with an
-    error or nothing (it must not be left waiting); step 4 then arrives byte-exact."""
+    """``send_weights((weights, None), 3)`` raises :class:`CheckpointConfigError`; the receiver does not hang."""
     weights = sample_weights(3)
     send = sender.send_weights((iter(weights), None), 3)
     stream = receiver.receive_weights(3)
@@ -283,8 +246,7 @@ async def check_weights_pair_refused(sender: CheckpointEngine, receiver: Checkpo
 
 
 def overwrite_in_place(weights: list[tuple[str, torch.Tensor]]) -> None:
-    """Change every value of ``weights`` in place, as a trainer's next optimizer step does (bools negated,
-    numbers + 1)."""
+    """Change every value of ``weights`` in place, as a trainer's next optimizer step does."""
     with torch.no_grad():
         for _, t in weights:
             if t.dtype == torch.bool:
@@ -294,9 +256,7 @@ def overwrite_in_place(weights: list[tuple[str, torch.Tensor]]) -> None:
 
 
 async def check_sender_may_reuse(sender: CheckpointEngine, receiver: CheckpointEngine) -> None:
-    """``await send_weights`` returns only when the sender may reuse or free its tensors: the sent tensors
-    are changed in place the moment it returns (the trainer's next optimizer step), and the receiver still
-    gets the values that were sent."""
+    """Tensors changed in place once ``await send_weights`` returns still arrive as sent."""
     weights = sample_weights(4)
     sent = [(name, t.clone()) for name, t in weights]
     got = await transfer(sender, receiver, weights, 4, 4, after_send=lambda: overwrite_in_place(weights))
@@ -319,8 +279,7 @@ async def check_empty_update(sender: CheckpointEngine, receiver: CheckpointEngin
 
 
 async def check_placement_keyword(sender: CheckpointEngine, receiver: CheckpointEngine) -> None:
-    """``receive_weights(global_steps, placement=None)`` is accepted (the keyword is part of every engine's
-    signature, so a rollout worker passes it without asking) and the update arrives byte-exact."""
+    """``receive_weights(global_steps, placement=None)`` is accepted and the update arrives byte-exact."""
     weights = sample_weights(7)
     try:
         got = await transfer(sender, receiver, weights, 7, 7, receive_kwargs={"placement": None})
@@ -334,6 +293,7 @@ async def check_placement_keyword(sender: CheckpointEngine, receiver: Checkpoint
     _check_step(receiver, 7, "placement keyword")
 
 
+# Every check by name: async check(sender, receiver) -> None, raising on a violation.
 CONTRACT_CHECKS: dict[str, Callable[[CheckpointEngine, CheckpointEngine], Awaitable[None]]] = {
     "call_contract": check_call_contract,
     "verl_lifecycle": check_verl_lifecycle,
@@ -345,15 +305,10 @@ CONTRACT_CHECKS: dict[str, Callable[[CheckpointEngine, CheckpointEngine], Awaita
     "placement_keyword": check_placement_keyword,
     "weights_pair_refused": check_weights_pair_refused,
 }
-"""Every check by name: ``async check(sender, receiver) -> None``, raising on a violation."""
 
 
 async def run_check(make_pair: PairFactory, name: str, timeout: float = 60.0) -> None:
-    """Run one check of :data:`CONTRACT_CHECKS` on a fresh pair, then ``finalize()`` both engines.
-
-    Raises:
-        ContractFailure, ContractError: the violation; TimeoutError: the check took over ``timeout`` s.
-    """
+    """Run one check of :data:`CONTRACT_CHECKS` on a fresh pair, then finalize and close both engines."""
     sender, receiver = await make_pair()
     try:
         await asyncio.wait_for(CONTRACT_CHECKS[name](sender, receiver), timeout)
@@ -382,16 +337,10 @@ async def run_contract_suite(make_pair: PairFactory, timeout: float = 60.0) -> d
 
 def standalone_engine(name: str | type, rank: int, world_size: int, store: Any, key: str = "engine",
                       master_addr: str = "127.0.0.1", **kwargs: Any) -> CheckpointEngine:
-    """Engine ``name`` (a registered name, or an engine class) made for hal's standalone use (``rank``,
-    ``world_size``, ``master_addr`` up front) by ranks that meet on ``store`` (a ``torch.distributed.Store``,
-    such as :func:`hal.launcher_store`). On rank 0 this calls the engine's ``prepare()``, which hosts its
-    rendezvous on a port the kernel picks; the others are given that port through ``store`` (under ``key``, a
-    new one for each group), so no port is picked ahead. The engine is returned ready for its first
-    ``send_weights`` / ``receive_weights``: the caller need not call ``prepare()``. ``kwargs`` go to the engine.
+    """Make engine ``name`` for standalone use by ranks that meet on ``store`` (under ``key``, new per group).
 
-    Raises:
-        what :func:`ckpt.get_checkpoint_engine` and the engine's ``prepare()`` raise.
-    """
+    Rank 0's ``prepare()`` hosts the rendezvous on a free port, given to the others through ``store``; the engine
+    is returned ready for its first send or receive."""
     from ckpt.registry import get_checkpoint_engine
 
     make = functools.partial(get_checkpoint_engine, name) if isinstance(name, str) else name
@@ -405,13 +354,7 @@ def standalone_engine(name: str | type, rank: int, world_size: int, store: Any, 
 
 def standalone_pair(name: str | type, devices: tuple[str | None, str | None] = (None, None),
                     **kwargs: Any) -> tuple[CheckpointEngine, CheckpointEngine]:
-    """``(sender, receiver)``: ranks 0 and 1 of one standalone group of engine ``name`` in this process
-    (:func:`standalone_engine` over an in-process ``torch.distributed.HashStore``). ``devices`` gives each its
-    own device where one is named (a communicator needs one device per rank); ``kwargs`` go to both.
-
-    Raises:
-        what :func:`standalone_engine` raises.
-    """
+    """Return ranks 0 and 1 of one standalone group of engine ``name`` in this process, on ``devices``."""
     import torch.distributed as dist
 
     store = dist.HashStore()

