@@ -76,6 +76,7 @@ class CheckpointEngine(abc.ABC):
     bucketed: bool = False
     hosts_rendezvous: bool = False  # The master hosts a rendezvous at master_addr that the other ranks connect to.
     supports_multi_sender: bool = False  # Runs multi_sender=True: every rank of a sharded trainer sends its own shards.
+    supports_reshard: bool = False  # Rollouts may declare a layout and receive only its slices (ckpt.reshard).
     # An update travels as files under root: what a full disk fails; the job gives it a scratch directory.
     publishes_to_files: bool = False
     # A second update with the step just received is taken again (hal sync --compare-full needs it).

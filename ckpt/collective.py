@@ -25,6 +25,8 @@ from ckpt.wire import Chunk, Segment, TensorEntry, WireMessage
 from ckpt.one_to_many import DEFAULT_BUCKET_SIZE, Membership, OneToManyEngine, check_int
 from ckpt.control import ControlChannel, PeerFailure
 from ckpt import multi_sender
+from ckpt.reshard.layout import RolloutLayout, held_parts
+from ckpt.reshard.transfer import PairBuffers, receive_update, send_update
 
 POLL_S = 0.25  # Seconds between a waiting receiver's looks in the store for word that the sender closed its engine.
 NAMESPACE = "ckpt-ctl"  # Prefix of the engine's control keys: ckpt-ctl/<generation>[/s<sender>]/...
@@ -58,7 +60,7 @@ class CollectiveCheckpointEngine(OneToManyEngine):
                  bucket_size: int = DEFAULT_BUCKET_SIZE, device: str | None = None,
                  timeout: float = hal.DEFAULT_TIMEOUT_S, meta_capacity: int = 64 << 10,
                  direct_threshold: int | None = None, is_master: bool = False, multi_sender: bool = False,
-                 **extra: Any) -> None:
+                 rollout_layout: Any = None, **extra: Any) -> None:
         self._check_extra(extra, CollectiveCheckpointEngine.__init__, "__init__")
         check_int(meta_capacity, "meta_capacity", 1024)
         super().__init__(bucket_size=bucket_size, is_master=is_master, rank=rank, world_size=world_size,
@@ -83,8 +85,12 @@ class CollectiveCheckpointEngine(OneToManyEngine):
         self._lane = ""  # a lane of a multi-sender group: its suffix of the store keys ("/s<sender>")
         self._lanes: list[CollectiveCheckpointEngine] = []  # multi-sender: this rank's lanes (one on a sender)
         self._parts: dict[str, tuple[list[int], int]] = {}  # receiver: the row parts of the current update
+        # a rollout rank that keeps only slices of the model (ckpt.reshard), and the buckets of its pairs
+        self.rollout_layout = None if rollout_layout is None else RolloutLayout.from_dict(rollout_layout)
+        self._pair_buffers = PairBuffers()
 
     supports_multi_sender = True
+    supports_reshard = True  # point-to-point sends over the same group (ckpt.reshard.transfer)
     bytes_cross_a_network = True  # NCCL, HCCL or gloo between the processes
     accepts_repeated_global_steps = True  # a step is checked only against the one asked for
     receives_inside_vllm = True  # the engine hal's vLLM rollout builds in vLLM's worker (tests/vllm)
@@ -108,13 +114,19 @@ class CollectiveCheckpointEngine(OneToManyEngine):
         if self.rank is not None and self.rank >= 0:
             self._allocate()
 
+    def prepare(self) -> dict[str, Any]:
+        out = super().prepare()
+        if self.rollout_layout is not None:
+            out["rollout_layout"] = self.rollout_layout.to_dict()
+        return out
+
     def is_healthy(self) -> bool:
         if self._lanes:
             return all(lane.is_healthy() for lane in self._lanes)
         return self._group is not None and not self._broken
 
     def _enter(self, membership: Membership) -> None:
-        if membership.senders > 1:
+        if membership.senders > 1 and not membership.reshard:
             self._join_lanes(membership)
         else:
             self._close_lanes()
@@ -223,10 +235,12 @@ class CollectiveCheckpointEngine(OneToManyEngine):
     def buffer_bytes(self) -> int:
         """Bytes of the buffers this engine holds now, every lane's included."""
         held = [*self._buffers, *self._metas] + ([self._large] if self._large is not None else [])
-        return sum(t.numel() * t.element_size() for t in held) + sum(lane.buffer_bytes for lane in self._lanes)
+        return (sum(t.numel() * t.element_size() for t in held) + sum(lane.buffer_bytes for lane in self._lanes)
+                + self._pair_buffers.nbytes)
 
     def _free_buffers(self) -> None:
         self._buffers, self._metas, self._large, self._pending_meta = [], [], None, None
+        self._pair_buffers = PairBuffers()
 
     def finalize(self) -> None:
         """Free the assembly buffer; keep the group and the buckets while the topology is unchanged.
@@ -262,7 +276,7 @@ class CollectiveCheckpointEngine(OneToManyEngine):
         if self._broken:
             raise TransferError(f"the checkpoint group of rank {self.rank} is unusable after an earlier "
                                 f"failure ({self._broken}); call finalize() and set it up again")
-        if self._membership is not None and self._membership.senders > 1:
+        if self._membership is not None and self._membership.senders > 1 and not self._membership.reshard:
             if not self._lanes or self._joined != self._membership:
                 await asyncio.to_thread(self._join_lanes, self._membership)
             self._bind()
@@ -321,6 +335,26 @@ class CollectiveCheckpointEngine(OneToManyEngine):
             self._broken = str(exc)
             raise TransferError(f"broadcast failed on rank {self.rank}: {type(exc).__name__}: {exc}") from exc
 
+    # ---- resharding (ckpt.reshard): point-to-point pieces on the same group ----------------------
+    @property
+    def _resharding(self) -> bool:
+        return self._membership is not None and self._membership.reshard
+
+    async def _send_resharded(self, weights: Iterable[NamedTensor], global_steps: int | None) -> None:
+        parts = held_parts(weights)
+        receivers = range(self.senders, self.world_size)
+        given = self.rollout_layouts or [None] * len(receivers)
+        if len(given) != len(receivers):
+            raise CheckpointConfigError(f"rollout_layouts has {len(given)} entries for {len(receivers)} rollout ranks")
+        layouts = {r: None if d is None else RolloutLayout.from_dict(d) for r, d in zip(receivers, given)}
+        self._sending = global_steps
+        try:
+            await send_update(_GroupChannel(self, self._group), self.rank, layouts, parts, global_steps,
+                              self.bucket_size, self._pair_buffers)
+        finally:
+            self._sending = None
+        self._sent = global_steps
+
     # ---- sender ----------------------------------------------------------------------------------
     async def send_weights(self, weights: Iterable[NamedTensor], global_steps: int | None = None) -> None:
         """Broadcast ``weights`` tagged ``global_steps``; return when all is delivered.
@@ -331,6 +365,9 @@ class CollectiveCheckpointEngine(OneToManyEngine):
             return
         self._check_sender()
         await self._ensure_ready()
+        if self._resharding:
+            await self._send_resharded(weights, global_steps)
+            return
         if self._lanes:
             self._sending = global_steps
             try:
@@ -521,6 +558,15 @@ class CollectiveCheckpointEngine(OneToManyEngine):
         placement = as_placement(placement)
         self._check_receiver()
         group = await self._ensure_ready()
+        if self._resharding:
+            def on_step(step: int | None) -> None:
+                self.received_global_steps = step
+
+            senders = list(range(self.senders))
+            async for item in receive_update(_GroupChannel(self, group), self.rank, senders, self.rollout_layout,
+                                             global_steps, placement, self._pair_buffers, on_step):
+                yield item
+            return
         if self._lanes:
             def agreed(step: int | None) -> None:
                 self.received_global_steps = step
@@ -583,3 +629,19 @@ class CollectiveCheckpointEngine(OneToManyEngine):
                 self._broken = self._broken or str(exc)
             raise
 
+
+
+class _GroupChannel:
+    """The point-to-point side of a collective engine's group, as :mod:`ckpt.reshard.transfer` uses it."""
+
+    def __init__(self, engine: CollectiveCheckpointEngine, group: hal.StoreGroup) -> None:
+        self.engine, self.group, self.device = engine, group, engine.device
+
+    def send(self, tensor: torch.Tensor, peer: int) -> Any:
+        return self.group.send(tensor, peer)
+
+    def recv(self, tensor: torch.Tensor, peer: int) -> Any:
+        return self.group.recv(tensor, peer)
+
+    async def wait(self, works: list, what: str) -> None:
+        await self.engine._wait(works, what)

@@ -89,10 +89,11 @@ class Membership:
     generation: int = 0
     src_rank: int = 0
     senders: int = 1
+    reshard: bool = False  # each rollout rank receives only the slices its layout keeps (ckpt.reshard)
 
     @classmethod
     def checked(cls, rank: Any, world_size: Any, master_addr: Any, master_port: Any, generation: Any = 0,
-                src_rank: Any = 0, min_world_size: int = 1, senders: Any = 1) -> Membership:
+                src_rank: Any = 0, min_world_size: int = 1, senders: Any = 1, reshard: Any = False) -> Membership:
         """Build a :class:`Membership` from arguments as given, checking each."""
         check_int(world_size, "world_size", min_world_size)
         check_int(rank, "rank", 0, world_size)
@@ -103,7 +104,9 @@ class Membership:
             check_int(master_port, "master_port", 1, 65536)
         check_int(generation, "generation", 0)
         check_int(senders, "num_senders", 1, world_size)
-        return cls(rank, world_size, master_addr, master_port, generation, src_rank, senders)
+        if not isinstance(reshard, bool):
+            raise CheckpointConfigError(f"reshard must be True or False, got {reshard!r}")
+        return cls(rank, world_size, master_addr, master_port, generation, src_rank, senders, reshard)
 
 
 class OneToManyEngine(CheckpointEngine):
@@ -144,6 +147,7 @@ class OneToManyEngine(CheckpointEngine):
                                         f"{'' if self.supports_multi_sender else ' (False: ' + type(self).__name__ + ' has one sender)'}"
                                         f", got {multi_sender!r}")
         self.multi_sender = multi_sender
+        self.rollout_layouts: list | None = None  # sender, resharding: every rollout rank's layout (None: whole)
         self.senders = 1
         self.bucket_size, self.is_master = bucket_size, bool(is_master)
         self.timeout = check_seconds(timeout)
@@ -277,6 +281,11 @@ class OneToManyEngine(CheckpointEngine):
                                         f"built with is_master=True), got {master!r}")
         senders = trainer_world_size if master.get("multi_sender") else 1
         world_size = senders + rollout_world_size
+        layouts = [m.get("rollout_layout") if isinstance(m, dict) else None for m in metadata[trainer_world_size:]]
+        reshard = any(layout is not None for layout in layouts)
+        if reshard and not cls.supports_reshard:
+            raise CheckpointConfigError(f"a rollout declares a resharding layout, but {cls.__name__} has no "
+                                        "point-to-point transfers to reshard with (the collective and ipc engines do)")
         if senders > 1:
             ranks = list(range(world_size))
         else:
@@ -284,7 +293,7 @@ class OneToManyEngine(CheckpointEngine):
         addr, port, generation = master["master_addr"], master["master_port"], master.get("generation", 0)
 
         def wanted(rank: int, gen: int) -> dict[str, Any]:
-            return dataclasses.asdict(Membership(rank, world_size, addr, port, gen, 0, senders))
+            return dataclasses.asdict(Membership(rank, world_size, addr, port, gen, 0, senders, reshard))
 
         keep = all(isinstance(m, dict) and m.get("joined") == wanted(r, generation)
                    for r, m in zip(ranks, metadata) if r >= 0)
@@ -297,11 +306,16 @@ class OneToManyEngine(CheckpointEngine):
                           "master_port": [port] * n, "generation": [generation] * n})
             if senders > 1:
                 sides[-1]["num_senders"] = [senders] * n
+            if reshard:
+                sides[-1]["reshard"] = [True] * n
+        if reshard:
+            sides[0]["rollout_layouts"] = [layouts] * trainer_world_size
         return sides[0], sides[1]
 
     def init_process_group(self, rank: int | None = None, world_size: int | None = None,
                            master_addr: str | None = None, master_port: int | None = None,
-                           generation: int = 0, num_senders: int = 1, **extra: Any) -> None:
+                           generation: int = 0, num_senders: int = 1, reshard: bool = False,
+                           rollout_layouts: list | None = None, **extra: Any) -> None:
         """Be rank ``rank`` of the group :meth:`build_topology` described; keep what is set up if it is that group.
 
         Without arguments: the group given at construction. ``rank=-1``: outside the group (releases what it held)."""
@@ -321,7 +335,10 @@ class OneToManyEngine(CheckpointEngine):
         else:
             membership = Membership.checked(rank, world_size, master_addr or self.master_addr,
                                             self.master_port if master_port is None else master_port,
-                                            generation, 0, self.min_world_size, num_senders)
+                                            generation, 0, self.min_world_size, num_senders, reshard)
+            if reshard and not self.supports_reshard:
+                raise CheckpointConfigError(f"reshard=True: {type(self).__name__} has no point-to-point transfers")
+            self.rollout_layouts = rollout_layouts
             if membership.senders > 1 and not self.supports_multi_sender:
                 raise CheckpointConfigError(f"num_senders={num_senders}: {type(self).__name__} has one sender")
         self._set_membership(membership)

@@ -131,6 +131,14 @@ class StoreGroup:
         self.wait_for(work, f"broadcast from rank {src}")
         return None
 
+    def send(self, tensor: torch.Tensor, dst: int) -> PendingWork:
+        """Post a send of ``tensor`` (contiguous) to rank ``dst``; leave it untouched until ``wait()``."""
+        return PendingWork(self, self.backend.send([tensor], dst, 0), f"send to rank {dst}", pollable=False)
+
+    def recv(self, tensor: torch.Tensor, src: int) -> PendingWork:
+        """Post a receive into ``tensor`` (contiguous) from rank ``src``; read it only after ``wait()``."""
+        return PendingWork(self, self.backend.recv([tensor], src, 0), f"receive from rank {src}", pollable=False)
+
     def all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM) -> None:
         """All-reduce ``tensor`` in place."""
         opts = dist.AllreduceOptions()
@@ -158,8 +166,9 @@ class StoreGroup:
 class PendingWork:
     """An enqueued collective of a :class:`StoreGroup`; ``wait()`` blocks at most the group's timeout."""
 
-    def __init__(self, group: StoreGroup, work, what: str) -> None:
+    def __init__(self, group: StoreGroup, work, what: str, pollable: bool = True) -> None:
         self._group, self._work, self._what = group, work, what
+        self._pollable = pollable  # gloo's send/recv works have no future to poll on: waited plainly
 
     def wait(self, poll: Callable[[], None] | None = None, every: float = 0.25) -> None:
         """Block until the collective completes, at most the group's timeout.
@@ -169,7 +178,7 @@ class PendingWork:
         if self._work is None:
             return
         work, self._work = self._work, None
-        if poll is not None:
+        if poll is not None and self._pollable:
             done = threading.Event()  # set when the work completes or fails (no exception per poll: costly)
             work.get_future().add_done_callback(lambda _: done.set())
             deadline = time.monotonic() + self._group.timeout.total_seconds()
