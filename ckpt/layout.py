@@ -72,13 +72,29 @@ def named_weights(module: nn.Module) -> Iterator[NamedTensor]:
             yield name, buf
 
 
+def local_weights(module: nn.Module) -> Iterator[NamedTensor]:
+    """Yield :func:`named_weights`, a ``DTensor`` as the local shard it stores (so ``.data`` re-points it)."""
+    from hal.torch_compat import dtensor_local
+
+    for name, tensor in named_weights(module):
+        yield name, dtensor_local(tensor) if _is_dtensor(tensor) else tensor
+
+
+def _is_dtensor(tensor: torch.Tensor) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a torch built without distributed
+        return False
+    return isinstance(tensor, DTensor)
+
+
 class WeightLayout:
     """The flat layout of named tensors (pairs, or a module), each at the next 64-byte aligned offset, in order.
 
     ``dtype``: floating-point tensors are laid out as this dtype (e.g. fp32 master weights published as bf16)."""
 
     def __init__(self, weights: Any, dtype: torch.dtype | None = None) -> None:
-        pairs = named_weights(weights) if isinstance(weights, nn.Module) else weights
+        pairs = local_weights(weights) if isinstance(weights, nn.Module) else weights
         self.entries: dict[str, LayoutEntry] = {}  # {name: LayoutEntry} in layout order
         cursor = AlignedCursor()  # the planner ckpt.bucket lays out a bucket's packed tensors with
         for name, tensor in pairs:
@@ -133,7 +149,7 @@ class WeightLayout:
 
     def fill(self, bank: torch.Tensor, weights: Any) -> None:
         """Copy (and cast) ``weights`` into ``bank``; an unknown name or another shape is a :class:`WeightMismatchError`."""
-        pairs = named_weights(weights) if isinstance(weights, nn.Module) else weights
+        pairs = local_weights(weights) if isinstance(weights, nn.Module) else weights
         with torch.no_grad():
             for name, tensor in pairs:
                 entry = self.entries.get(name)
@@ -149,7 +165,7 @@ class WeightLayout:
         """Point every named tensor of ``module`` at its view in ``bank`` (the same ``Parameter`` objects).
 
         ``None`` points them at empty placeholders, freeing the module's hold on a bank."""
-        for name, tensor in named_weights(module):
+        for name, tensor in local_weights(module):
             if name not in self.entries:
                 continue
             if bank is None:

@@ -26,8 +26,8 @@ import torch
 from torch import nn
 
 from ckpt.base import NamedTensor, ReceivePlacement, as_async_stream, check_global_steps, drain
-from ckpt.layout import LayoutEntry, WeightLayout, named_weights
-from ckpt.errors import CheckpointConfigError, WeightMismatchError
+from ckpt.layout import LayoutEntry, WeightLayout, local_weights, named_weights
+from ckpt.errors import CheckpointConfigError, TransferError, WeightMismatchError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,16 +60,19 @@ class ModelRolloutAdapter:
     """Rollout side of a weight update into a live module (see the module overview for the two modes).
 
     ``module``'s parameters and persistent buffers move into the bank now and stay the same objects; ``device``
-    defaults to that of its first tensor. Every update must carry every tensor the module serves."""
+    defaults to that of its first tensor. Every update must carry every tensor the module serves. A ``DTensor``
+    (a tensor-parallel shard) is served as its local shard. ``agree(ok) -> bool``, if given, runs at the end of
+    every update on every rank of a tensor-parallel rollout (blocking, bounded): a rank applies only if all did."""
 
-    def __init__(self, module: nn.Module, atomic: bool = True, device: torch.device | str | None = None) -> None:
+    def __init__(self, module: nn.Module, atomic: bool = True, device: torch.device | str | None = None,
+                 agree: Any = None) -> None:
         if not isinstance(atomic, bool):
             raise CheckpointConfigError(f"atomic must be True (two banks, all-or-nothing) or False (one bank, "
                                         f"updated in place), got {atomic!r}")
-        weights = list(named_weights(module))
+        weights = list(local_weights(module))
         if not weights:
             raise CheckpointConfigError(f"{type(module).__name__} has no parameters or buffers to serve")
-        self.module, self.atomic = module, atomic
+        self.module, self.atomic, self.agree = module, atomic, agree
         self.device = torch.device(device) if device is not None else weights[0][1].device
         self.layout = WeightLayout(weights)  # the banks' layout, from the module's own tensors
         # allocated once; banks[0] is served, banks[-1] receives
@@ -111,7 +114,7 @@ class ModelRolloutAdapter:
 
         Raises :class:`WeightMismatchError` for one that cannot be re-pointed (another device, dtype or shape)."""
         served, moved = self.banks[0], []
-        for name, tensor in named_weights(self.module):
+        for name, tensor in local_weights(self.module):
             entry = self.layout.entries.get(name)
             if entry is None:
                 continue
@@ -163,9 +166,16 @@ class ModelRolloutAdapter:
             raise CheckpointConfigError(f"ModelRolloutAdapter takes wire_format 'named_tensors', got {wire_format!r}")
         global_steps = check_global_steps(global_steps)
         async with self._update_lock():
-            self._refuse_backwards(global_steps)
-            self.repointed = self._repoint_moved()
+            try:
+                self._refuse_backwards(global_steps)
+                self.repointed = self._repoint_moved()
+            except Exception:
+                self._agreed(False)
+                raise
             await self._apply(weights, global_steps)
+
+    def _agreed(self, ok: bool) -> bool:
+        return ok if self.agree is None else bool(self.agree(ok))
 
     async def _apply(self, weights: AsyncIterator[NamedTensor], global_steps: int | None) -> None:
         staging, seen, copied = self.staging, set(), 0
@@ -210,6 +220,9 @@ class ModelRolloutAdapter:
             error = exc
         finally:
             self._receiving = False
+        if not self._agreed(error is None) and error is None:
+            error = TransferError("another tensor-parallel rank of this rollout did not receive the update whole; "
+                                  "nothing applied")
         if error is not None:
             if not self.atomic and (seen or copied or self._handed):
                 self.served_step = None

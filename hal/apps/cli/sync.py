@@ -42,6 +42,8 @@ class Sync:
     """Rollout ranks receiving each step."""
     trainer_ranks: int = 1
     """Trainer ranks; N > 1: FSDP2 shards the model over N processes, each publishing its own shards."""
+    rollout_tp: int = 1
+    """Tensor-parallel size of each rollout server (--rollouts ranks in servers of T); each rank receives only its slices."""
     steps: int = 3
     """Training steps, each published as global_steps 1..steps."""
     offload: Literal["none", "optimizer", "model", "all"] = "none"
@@ -132,6 +134,8 @@ def validate(args: Sync) -> None:
         validate_vllm(args)
     if args.trainer_ranks > 1:
         validate_sharded(args)
+    if args.rollout_tp != 1:
+        validate_tp(args)
     if args.link_gbit is not None:
         validate_links(args)
     spec = hal.resolve_device(args.device)
@@ -182,6 +186,29 @@ def validate_sharded(args: Sync) -> None:
             raise UsageError(f"{flag} runs with {name} {accepted}, got {name} {value}")
     if resolve_model(args.model) not in PRESETS:
         raise UsageError(f"{flag} trains a preset ({', '.join(sorted(PRESETS))}), got --model {args.model}")
+
+
+def validate_tp(args: Sync) -> None:
+    """``--rollout-tp T``'s own checks."""
+    import ckpt
+    from hal.apps.weightsync.models import PRESETS, qwen2_config, resolve_model
+    from hal.apps.weightsync.tp import check_tp
+
+    flag = f"--rollout-tp {args.rollout_tp}"
+    if args.rollout_tp < 1 or args.rollouts % args.rollout_tp:
+        raise UsageError(f"{flag} groups the --rollouts ranks into servers of {args.rollout_tp}: --rollouts must be a "
+                         f"multiple of it, got --rollouts {args.rollouts}")
+    if not ckpt.checkpoint_engine_says(args.engine, "supports_reshard"):
+        raise UsageError(f"{flag} sends each rank only its slices, over point-to-point transfers, which --engine "
+                         f"{' or '.join(ckpt.checkpoint_engines_where('supports_reshard'))} has; got --engine {args.engine}")
+    for name, value, accepted in (("--launcher", args.launcher, "torchrun"), ("--rollout", args.rollout, "hal"),
+                                  ("--wire-format", args.wire_format, "full"), ("--hybrid", args.hybrid, False)):
+        if value != accepted:
+            raise UsageError(f"{flag} runs with {name} {accepted}, got {name} {value}")
+    if resolve_model(args.model) not in PRESETS:
+        raise UsageError(f"{flag} splits a preset by its tensor-parallel plan ({', '.join(sorted(PRESETS))}), got "
+                         f"--model {args.model}")
+    check_tp(qwen2_config(resolve_model(args.model)), args.rollout_tp)
 
 
 def validate_links(args: Sync) -> None:
@@ -269,7 +296,8 @@ def execute(args: Sync) -> dict[str, Any]:
     start = time.perf_counter()
     vllm = options.rollout == "vllm"
     # the raw broadcast lands in hal's adapter's staging buffer: none in vLLM's worker, a sharded trainer or --hybrid
-    hooks: list[Any] = [] if options.colocated or vllm or options.sharded or options.hybrid else [RawReference()]
+    hooks: list[Any] = ([] if options.colocated or vllm or options.sharded or options.hybrid or options.resharded
+                        else [RawReference()])
     if options.compare_full:
         from hal.apps.weightsync.full_reference import FullReference
 
@@ -278,7 +306,7 @@ def execute(args: Sync) -> dict[str, Any]:
     out = {"device": options.device, "engine": options.engine,
            "transport": ckpt.checkpoint_engine_transport(options.engine, hal.resolve_device(options.device)),
            "model": options.model, "offload": options.offload,
-           "trainer_ranks": options.trainer_ranks, "hybrid": options.hybrid,
+           "trainer_ranks": options.trainer_ranks, "rollout_tp": options.rollout_tp, "hybrid": options.hybrid,
            "rollout_apply": options.rollout_apply, "launcher": options.launcher, "rollout": options.rollout,
            "publish_dtype": options.published_dtype, "wire_format": options.wire_format,
            "link_gbit": options.link_gbit, **result.report(options.steps), "wall_s": time.perf_counter() - start}
@@ -310,6 +338,7 @@ def print_table(result: dict[str, Any]) -> None:
                         f"rollout {result.get('rollout', 'hal')}, "
                         f"offload {result['offload']}, rollouts {result['rollout_apply']}"
                         + (f", {result['trainer_ranks']} trainer ranks" if result.get("trainer_ranks", 1) > 1 else "")
+                        + (f", rollout TP {result['rollout_tp']}" if result.get("rollout_tp", 1) > 1 else "")
                         + (f", emulated {result['link_gbit']:g} Gbit/s links" if result.get("link_gbit") else ""),
                   caption="publish s: trainer's send until every rollout serves the step; x raw: a raw broadcast "
                           "of the same bytes to the same rollouts (mean of one before and one after the publish), "
@@ -340,6 +369,9 @@ def print_table(result: dict[str, Any]) -> None:
             f"rank {t['rank']} published {t['memory']['terms']['published_shard_bytes'] / 1e6:.0f} of "
             f"{rows[-1]['bytes'] / 1e6:.0f} MB, peak {t['peak_host_bytes'] / 1e9:.2f}/{t['memory']['bound_bytes'] / 1e9:.2f} GB"
             for t in rows[-1]["trainer_ranks"]))
+    if rows and result.get("rollout_tp", 1) > 1:  # what each tensor-parallel rank received of the model
+        console.print("received per rollout rank (of the model's bytes): " + ", ".join(
+            f"rank {r['rank']} {r['received_fraction']:.3f}" for r in rows[-1]["rollouts"] if "received_fraction" in r))
     if result.get("wire_format") == "delta":  # what each delta update put on the wire
         for row in rows:
             ratio = row.get("delta_vs_full")

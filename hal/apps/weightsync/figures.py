@@ -52,6 +52,9 @@ def step_row(trained: Trained, sent: Sent, received: Sequence[Received], checked
            "tensors": tensors, **wire_figures(sent, nbytes), **raw_figures(nbytes, publish_s, None),
            "rollouts": [rollout_row(r, c) for r, c in zip(received, checked)], **dataclasses.asdict(tightest)}
     row["memory_bound_bytes"] = tightest.memory["bound_bytes"]
+    for r in row["rollouts"]:  # a tensor-parallel rank: what it received of the model
+        if r.get("received_bytes") is not None:
+            r["received_fraction"] = r["received_bytes"] / nbytes
     if len(concluded) > 1:
         row["trainer_ranks"] = [{"rank": rank, **dataclasses.asdict(c)} for rank, c in enumerate(concluded)]
     if tokens is not None:

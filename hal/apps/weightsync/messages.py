@@ -68,6 +68,7 @@ class Received:
     vllm: dict[str, Any] | None = None
     needs_seed: bool | None = None  # delta: the receiver takes only a seed next
     device: str | None = None  # "npu:1"
+    received_bytes: int | None = None  # a tensor-parallel rank: the bytes of its slices (the rest never came)
 
 
 @dataclasses.dataclass

@@ -43,6 +43,9 @@ class JobOptions:
     compare_full: bool = False
     hybrid: bool = False  # trainer and rollouts on device 0
     trainer_ranks: int = 1
+    # > 1: every rollout_tp consecutive rollout ranks are one tensor-parallel server, each rank receiving only
+    # its slices (ckpt.reshard)
+    rollout_tp: int = 1
 
     # None: the host's loopback; the control plane always stays there
     link_gbit: float | None = None
@@ -80,7 +83,18 @@ class JobOptions:
         """The dtype a preset is published in: ``"bfloat16"`` or ``"float32"``."""
         if self.publish_dtype is not None:
             return self.publish_dtype
-        return "float32" if self.rollout == "vllm" else "bfloat16"
+        # float32 for vLLM (its tokens equal transformers') and for tensor-parallel rollouts (bf16 partial sums
+        # round apart: the 0.5B preset's logits 1.26 from the trainer's, a token differs; float32: 4e-6)
+        return "float32" if self.rollout == "vllm" or self.resharded else "bfloat16"
+
+    @property
+    def resharded(self) -> bool:
+        """Each rollout rank receives only its tensor-parallel slices (``rollout_tp > 1``)."""
+        return self.rollout_tp > 1
+
+    def tp_rank(self, index: int) -> tuple[int, int]:
+        """``(server, rank within it)`` of the worker ``index`` (a rollout rank)."""
+        return divmod(index - self.trainer_ranks, self.rollout_tp)
 
     @property
     def delta(self) -> bool:

@@ -16,15 +16,25 @@ from hal.apps.weightsync.worker import RolloutRole, Where
 
 
 def rollout_model(options: JobOptions, adapter_cls: Any = None):
-    """A rollout's served model in an adapter (default :class:`ckpt.ModelRolloutAdapter`) and its greedy decode
-    (``None`` unless a preset)."""
+    """A rollout's served model in an adapter (default :class:`ckpt.ModelRolloutAdapter`), its greedy decode
+    (``None`` unless a preset) and, tensor-parallel, the layout of what this rank keeps (else ``None``)."""
     import ckpt
 
     import torch
 
-    module = models.serving_model(options.model, hal.get_device(options.rank_device),
-                                  getattr(torch, options.published_dtype))
-    adapter = (adapter_cls or ckpt.ModelRolloutAdapter)(module, atomic=options.rollout_apply == "atomic")
+    device, dtype = hal.get_device(options.rank_device), getattr(torch, options.published_dtype)
+    atomic, layout, agree = options.rollout_apply == "atomic", None, {}
+    if options.resharded:  # this process is one rank of the server's default process group (the launcher's)
+        from torch.distributed.device_mesh import init_device_mesh
+
+        from hal.apps.weightsync import tp
+
+        mesh = init_device_mesh(hal.resolve_device(options.device).name, (options.rollout_tp,))
+        module, layout = tp.tp_causal_lm(options.model, dtype, device, mesh)
+        agree = {"agree": tp.agreement(device)}
+    else:
+        module = models.serving_model(options.model, device, dtype)
+    adapter = (adapter_cls or ckpt.ModelRolloutAdapter)(module, atomic=atomic, **agree)
     decode = None
     if options.model in models.PRESETS:
         prompt = models.prompt_ids(options.model)
@@ -32,7 +42,7 @@ def rollout_model(options: JobOptions, adapter_cls: Any = None):
         def decode():
             with intra_op_threads(1):
                 return models.greedy_decode(module, prompt, options.decode_tokens)
-    return adapter, decode
+    return adapter, decode, layout
 
 
 class Rollout(RolloutRole):
@@ -46,10 +56,12 @@ class Rollout(RolloutRole):
         if options.delta:  # the served model takes deltas through a DeltaReceiver (hal.apps.weightsync.delta)
             from hal.apps.weightsync.delta import DeltaServing, single_bank
 
-            bank, self.decode = rollout_model(options, adapter_cls or single_bank)
+            bank, self.decode, self.layout = rollout_model(options, adapter_cls or single_bank)
             self.adapter = self.receiver = DeltaServing(bank, engine, options.rollout_apply == "atomic")
             return
-        self.adapter, self.decode = rollout_model(options, adapter_cls)
+        self.adapter, self.decode, self.layout = rollout_model(options, adapter_cls)
+        if self.layout is not None:  # reported by the engine's prepare(), so the trainer sends only these slices
+            engine.rollout_layout = self.layout
         self.receiver = ckpt.CheckpointEngineWorker(engine, self.adapter)
 
     async def update_weights(self, global_steps: int) -> Received:
@@ -68,7 +80,8 @@ class Rollout(RolloutRole):
         out = Received(rank=self.index, served_step=self.adapter.served_step, error=error,
                        receive_s=time.perf_counter() - start, copied_bytes=held.last_copied_bytes,
                        started_at=started_at, applied_at=applied_at, held_bytes=held.banks * held.bank_bytes,
-                       needs_seed=getattr(self.receiver, "needs_seed", None), device=str(hal.get_device(self.kind)))
+                       needs_seed=getattr(self.receiver, "needs_seed", None), device=str(hal.get_device(self.kind)),
+                       received_bytes=None if self.layout is None else self.layout.nbytes)
         delta_words, delta_terms = self.delta_memory(held)
         out.held_bytes += sum(delta_terms.values())
         if self.whereabouts.resource is not None:
@@ -96,7 +109,8 @@ class Rollout(RolloutRole):
 
     def check(self, global_steps: int, reference: Reference) -> Checked:
         """What this rollout proves after receiving ``global_steps`` (:func:`verify_rollout`)."""
-        return verify_rollout(self.adapter, global_steps, reference, self.decode, self.options.logits_atol)
+        return verify_rollout(self.adapter, global_steps, reference, self.decode, self.options.logits_atol,
+                              self.layout)
 
     def verify(self, global_steps: int, expected: dict[str, str]) -> str | None:
         """What is wrong with the weights in service against step ``global_steps``'s checksums (``None``: exact)."""

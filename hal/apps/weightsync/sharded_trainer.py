@@ -22,7 +22,6 @@ from hal.apps.weightsync import memory, models
 from hal.apps.weightsync.messages import Reference
 from hal.apps.weightsync.options import JobOptions
 from hal.apps.weightsync.trainer import Trainer, intra_op_threads
-from hal.apps.weightsync.verify import checksums
 from hal.apps.weightsync.worker import Where, Worker
 
 # copies of the root FSDP unit in compute dtype at once (measured: 0.5B preset, 2 cpu ranks): gathered
@@ -120,7 +119,7 @@ class ShardedTrainer(Trainer):
 
     def reference(self) -> Reference:
         """Checksums of this rank's parts and the published module's greedy decode (a collective on every rank)."""
-        sums = checksums(self.published())
+        sums = self.reference_sums()
         with intra_op_threads(1):
             tokens, logits = models.greedy_decode(self.skeleton, self.prompt, self.options.decode_tokens)
         self.published_engine.reshard()  # free the root unit the forward left gathered

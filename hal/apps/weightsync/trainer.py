@@ -15,7 +15,7 @@ import hal
 from hal.apps.weightsync import delta, memory, models
 from hal.apps.weightsync.messages import Concluded, Reference, Sent, Trained
 from hal.apps.weightsync.options import JobOptions
-from hal.apps.weightsync.verify import checksums
+from hal.apps.weightsync.verify import checksums, slice_checksums
 from hal.apps.weightsync.worker import Where, Worker
 
 
@@ -128,9 +128,16 @@ class Trainer(Worker):
         if self.sender is not None:
             self.sender.reseed(reason)
 
+    def reference_sums(self) -> dict[str, str]:
+        """Checksums of what this rank published: per tensor (or row part), or per piece each tensor-parallel
+        rollout rank was sent (the layouts of the last update, :func:`slice_checksums`)."""
+        if self.options.resharded:
+            return slice_checksums(self.published(), self.engine.rollout_layouts)
+        return checksums(self.published())
+
     def reference(self) -> Reference:
         """Checksums of the published buffer and the trainer's own greedy decode of it (presets)."""
-        sums = checksums(self.published())
+        sums = self.reference_sums()
         if self.skeleton is None:
             return Reference(sums)
         with intra_op_threads(1):

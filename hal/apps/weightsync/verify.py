@@ -42,6 +42,51 @@ def served_checksums(expected: dict[str, str], served: dict[str, torch.Tensor]) 
     return out
 
 
+REGION_KEY = re.compile(r"^(?P<name>.+)\[(?P<dims>(\d+:\d+(, )?)*)\]$")  # "name[a:b, c:d]": a box of a tensor
+
+
+def slice_checksums(weights: Iterable[tuple[str, Any]], layouts: list) -> dict[str, str]:
+    """``{"name[a:b, c:d]": CRC-32}`` of every piece this trainer rank sends the rollout ranks of ``layouts``
+    (each a ``ckpt.reshard.RolloutLayout`` dict, ``None`` for the whole model), keyed by its region."""
+    from ckpt.reshard import RolloutLayout, held_parts, pair_plan
+
+    parts = held_parts(weights)
+    held = [h for _, h in parts]
+    out = {}
+    for r, given in enumerate(layouts):
+        layout = RolloutLayout.whole(held) if given is None else RolloutLayout.from_dict(given)
+        for p in pair_plan(held, layout, 0, r):
+            out[f"{p.name}{p.region}"] = crc32(parts[p.index][0][p.source.index()])
+    return out
+
+
+def verify_slices(adapter: Any, step: int, expected: dict[str, str], layout: Any) -> str | None:
+    """What is wrong with a tensor-parallel rank after ``step``: the step it serves, else the first slice of
+    ``layout`` whose served bytes differ from the trainer's checksums or that no checksum covers."""
+    from ckpt.reshard import Region
+
+    if adapter.served_step != step:
+        return f"rollout serves step {adapter.served_step}, expected {step}"
+    served, covered = adapter.state_dict(), {}
+    for key, digest in expected.items():
+        match = REGION_KEY.match(key)
+        if match is None:
+            continue
+        bounds = [tuple(map(int, d.split(":"))) for d in match["dims"].split(", ") if d]
+        region = Region(tuple(a for a, _ in bounds), tuple(b - a for a, b in bounds))
+        for s in layout.by_name.get(match["name"], ()):
+            if s.region.intersect(region) == region or not region.sizes:
+                dest = region.moved(s.region.offsets, s.at)
+                got = crc32(served[s.target][dest.index()])
+                if got != digest:
+                    return f"slice {key} in {s.target}{dest}: checksum {got} differs from the trainer's {digest}"
+                covered[s] = covered.get(s, 0) + region.numel
+    for s in layout.slices:
+        if covered.get(s, 0) != s.region.numel:
+            return f"slice {s.describe()}: the trainer's checksums cover {covered.get(s, 0)} of {s.region.numel} elements"
+    return None
+
+
 def first_mismatch(expected: dict[str, str], got: dict[str, str]) -> str | None:
     """A sentence naming the first tensor that differs, is missing or is unexpected; ``None`` if equal."""
     for name, digest in expected.items():
@@ -73,11 +118,14 @@ def compare_decode(tokens: list[int], logits: torch.Tensor, reference: Reference
 
 
 def verify_rollout(adapter: Any, step: int, reference: Reference,
-                   decode: Callable[[], tuple[list[int], torch.Tensor]] | None, atol: float) -> Checked:
-    """What a rollout proves after receiving ``step``: :func:`verify`, then :func:`compare_decode` of ``decode()``
-    (``None``: no decode)."""
+                   decode: Callable[[], tuple[list[int], torch.Tensor]] | None, atol: float,
+                   layout: Any = None) -> Checked:
+    """What a rollout proves after receiving ``step``: :func:`verify` (:func:`verify_slices` for a tensor-parallel
+    rank's ``layout``), then :func:`compare_decode` of ``decode()`` (``None``: no decode; on a tensor-parallel rank
+    a collective, run by every rank of the server, which all serve the same step)."""
     start = time.perf_counter()
-    out = Checked(error=verify(adapter, step, reference.sums))
+    out = Checked(error=verify(adapter, step, reference.sums) if layout is None else
+                  verify_slices(adapter, step, reference.sums, layout))
     if adapter.served_step == step and reference.tokens is not None and decode is not None:
         tokens, logits = decode()
         out.tokens = tokens
@@ -87,4 +135,4 @@ def verify_rollout(adapter: Any, step: int, reference: Reference,
     return out
 
 
-__all__ = ["ROWS_KEY", "checksums", "crc32", "served_checksums", "compare_decode", "first_mismatch", "verify", "verify_rollout"]
+__all__ = ["REGION_KEY", "slice_checksums", "verify_slices", "ROWS_KEY", "checksums", "crc32", "served_checksums", "compare_decode", "first_mismatch", "verify", "verify_rollout"]

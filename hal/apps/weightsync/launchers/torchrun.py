@@ -280,6 +280,12 @@ def rank_main(options: JobOptions, hooks: Sequence[StepHook], net: Any = None) -
             return None
         engine = make_engine(options, rank, node_ip)
         if rank >= options.trainer_ranks:
+            if options.resharded:  # the server's tensor-parallel ranks: a default process group of their own
+                import torch.distributed as dist
+
+                server, tp_rank = options.tp_rank(rank)
+                hal.init_process_group(options.device, store=dist.PrefixStore(f"rollout-tp/{server}", store),
+                                       rank=tp_rank, world_size=options.rollout_tp, timeout=options.timeout)
             serve(Rollout(options, engine, rank, where=where), sock, rank, options.timeout)
             return None
         trainer = trainer_rank(options, engine, rank, store, where)
