@@ -349,7 +349,7 @@ class CollectiveCheckpointEngine(OneToManyEngine):
         layouts = {r: None if d is None else RolloutLayout.from_dict(d) for r, d in zip(receivers, given)}
         self._sending = global_steps
         try:
-            await send_update(_GroupChannel(self, self._group), self.rank, layouts, parts, global_steps,
+            await send_update(_GroupChannel(self.device, self._group, self._wait), self.rank, layouts, parts, global_steps,
                               self.bucket_size, self._pair_buffers)
         finally:
             self._sending = None
@@ -563,7 +563,8 @@ class CollectiveCheckpointEngine(OneToManyEngine):
                 self.received_global_steps = step
 
             senders = list(range(self.senders))
-            async for item in receive_update(_GroupChannel(self, group), self.rank, senders, self.rollout_layout,
+            async for item in receive_update(_GroupChannel(self.device, group, self._wait), self.rank, senders,
+                                             self.rollout_layout,
                                              global_steps, placement, self._pair_buffers, on_step):
                 yield item
             return
@@ -634,14 +635,11 @@ class CollectiveCheckpointEngine(OneToManyEngine):
 class _GroupChannel:
     """The point-to-point side of a collective engine's group, as :mod:`ckpt.reshard.transfer` uses it."""
 
-    def __init__(self, engine: CollectiveCheckpointEngine, group: hal.StoreGroup) -> None:
-        self.engine, self.group, self.device = engine, group, engine.device
+    def __init__(self, device: torch.device, group: hal.StoreGroup, wait: Any) -> None:
+        self.device, self.group, self.wait = device, group, wait  # wait: the engine's bounded wait
 
     def send(self, tensor: torch.Tensor, peer: int) -> Any:
         return self.group.send(tensor, peer)
 
     def recv(self, tensor: torch.Tensor, peer: int) -> Any:
         return self.group.recv(tensor, peer)
-
-    async def wait(self, works: list, what: str) -> None:
-        await self.engine._wait(works, what)

@@ -91,10 +91,11 @@ class _Flat(torch.nn.Module):
             self.register_buffer(n, t.clone())
 
 
-def resharded(rank, world_size, device, trainers, updates, kill=None, whole=(), bad=None):
+def resharded(rank, world_size, device, trainers, updates, kill=None, whole=(), bad=None, agree=False):
     """``trainers`` senders and ``world_size - trainers`` rollout ranks (TP ranks of one layout; rollout
     ranks in ``whole`` keep the whole model, no layout; ``bad=(update, rank)``: that rank declares a layout
-    for 16 q rows in that update). The first rollout serves through an atomic
+    for 16 q rows in that update; ``agree``: the rollout ranks are one tensor-parallel server, applying an update only
+    if all received it). The first rollout serves through an atomic
     ModelRolloutAdapter (received in place), the others through InMemoryRolloutAdapter. ``kill=(update,
     rank)``: that rank exits in that update (a rollout after its plan exchange, a trainer mid-send).
     Per update: ``error``, and on a rollout ``served_step``, ``exact`` (tensors equal to the step's slices),
@@ -112,8 +113,17 @@ def resharded(rank, world_size, device, trainers, updates, kill=None, whole=(), 
     if rank >= trainers:
         start = {n: t.to(dev) for n, t in expected(0, lay).items()} if lay else \
             {n: t.to(dev) for n, t in full_weights(0).items()}
-        if index == 0:
-            model = ckpt.ModelRolloutAdapter(_Flat(start), atomic=True)
+        agreement = {}
+        if agree:
+            import torch.distributed as dist
+
+            from hal.apps.weightsync.tp import agreement as tp_agreement
+
+            hal.init_process_group(device, store=dist.PrefixStore("tp", store), rank=index, world_size=rollouts,
+                                   timeout=8)
+            agreement = {"agree": tp_agreement(dev)}
+        if index == 0 or agree:
+            model = ckpt.ModelRolloutAdapter(_Flat(start), atomic=True, **agreement)
         else:
             model = ckpt.InMemoryRolloutAdapter(start)
         worker = ckpt.CheckpointEngineWorker(engine, model)

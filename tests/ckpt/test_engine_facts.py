@@ -13,7 +13,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 FACTS = {  # each built-in engine's facts that are true; every other fact is false
     "collective": {"accepts_repeated_global_steps", "bucketed", "bytes_cross_a_network", "hosts_rendezvous",
-                   "receives_inside_vllm", "supports_multi_sender"},
+                   "receives_inside_vllm", "supports_multi_sender", "supports_reshard"},
     "colocated": {"accepts_repeated_global_steps", "one_process"},
     "file": {"publishes_to_files", "ranks_may_share_a_device"},
     "ipc": {"bucketed", "ranks_may_share_a_device", "stages_in_shared_memory"},

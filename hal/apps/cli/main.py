@@ -18,6 +18,8 @@ from hal.apps.cli.info import Info
 from hal.apps.cli.info import run as run_info
 from hal.apps.cli.launch import Launch
 from hal.apps.cli.launch import run as run_launch
+from hal.apps.cli.plan import Plan
+from hal.apps.cli.plan import run as run_plan
 from hal.apps.cli.soak import Soak
 from hal.apps.cli.soak import run as run_soak
 from hal.apps.cli.sync import Sync
@@ -25,8 +27,8 @@ from hal.apps.cli.sync import run as run_sync
 from hal.apps.shutdown import interrupted_status
 from hal.errors import HalError
 
-SUBCOMMANDS = {"info": Info, "launch": Launch, "sync": Sync, "bench": Bench, "soak": Soak}
-RUNNERS = {Info: run_info, Launch: run_launch, Sync: run_sync, Bench: run_bench, Soak: run_soak}
+SUBCOMMANDS = {"info": Info, "launch": Launch, "sync": Sync, "plan": Plan, "bench": Bench, "soak": Soak}
+RUNNERS = {Info: run_info, Launch: run_launch, Sync: run_sync, Plan: run_plan, Bench: run_bench, Soak: run_soak}
 INTERRUPTED = 130  # exit status after Ctrl-C (128 + SIGINT)
 
 
