@@ -23,7 +23,8 @@ from hal.apps.errors import UsageError, WorkerFailedError, mib_to_bytes, require
 from hal.apps.shutdown import stop_on_signals
 
 
-BENCHMARKS = ("offload", "sync", "ipc", "delta", "main", "ray", "import", "senders")  # in the order they run
+BENCHMARKS = ("offload", "sync", "ipc", "delta", "main", "ray", "import", "senders", "m2n")  # in the order they run
+M2N_MB = {"full": 256, "quick": 32}  # m2n's model when --size-mb is not given (six ranks each hold their part)
 # a plain hal bench; main, ray, import, ipc, delta and senders run only when named
 DEFAULT_SELECTION = ("offload", "sync")
 RAY_STEPS = 3  # ray: steps per run (the first a warm-up)
@@ -50,7 +51,7 @@ class Bench:
     quick: bool = False
     """Small defaults for a smoke run (--size-mb 64, --bucket-mb 4 16, --rounds 2, --main-bucket-mb 4)."""
     only: Annotated[tuple[str, ...], tyro.conf.arg(metavar="{" + ",".join(BENCHMARKS) + "} [...]")] = DEFAULT_SELECTION
-    """Benchmarks to run: offload, sync; only when named: ipc, delta, main (hal sync's loop), ray, import, senders."""
+    """Benchmarks to run: offload, sync; only when named: ipc, delta, main (hal sync's loop), ray, import, senders, m2n."""
     rollouts: int = 2
     """main, ray: rollout ranks, each applying every update into its model."""
     main_bucket_mb: Annotated[float | None, _quick_default("FLOAT", "256", "4")] = None
@@ -62,7 +63,7 @@ class Bench:
     plot: Annotated[str | None, optional("FILE.png", "no plot")] = None
     """Write a PNG of sync and offload throughput (needs matplotlib, hal's plot extra)."""
     link_gbit: Annotated[float | None, optional("R", "loopback")] = None
-    """delta: run it over emulated links of R Gbit/s each way (root and ip netns, else skipped with the reason)."""
+    """delta, m2n: run over emulated links of R Gbit/s each way (root and ip netns, else skipped with the reason)."""
     json: bool = False
     """Print the figures as JSON."""
 
@@ -102,8 +103,8 @@ def selection(args: Bench) -> list[str]:
         from hal.apps.links import link_gbit_to_bps
 
         link_gbit_to_bps(args.link_gbit)
-        if "delta" not in chosen:
-            raise UsageError(f"--link-gbit has no effect without --only delta (got --only {' '.join(args.only)})")
+        if "delta" not in chosen and "m2n" not in chosen:
+            raise UsageError(f"--link-gbit has no effect without --only delta or m2n (got --only {' '.join(args.only)})")
     if args.plot:  # before any benchmark runs: a plot that cannot be written is known now, not in an hour
         require_extra("matplotlib", "plot", "--plot")
         folder = pathlib.Path(args.plot).resolve().parent
@@ -121,7 +122,8 @@ def execute(args: Bench) -> dict[str, Any]:
     chosen = selection(args)
     try:
         with stop_on_signals("hal bench"):  # SIGTERM: the ranks are stopped before hal bench ends
-            return _execute(chosen, with_defaults(args))
+            m2n_mb = args.size_mb or M2N_MB["quick" if args.quick else "full"]
+            return _execute(chosen, with_defaults(args), m2n_mb)
     except MultiprocessError as exc:
         if not exc.failures:
             raise
@@ -129,7 +131,7 @@ def execute(args: Bench) -> dict[str, Any]:
                                                           for rank, why in sorted(exc.failures.items()))) from None
 
 
-def _execute(chosen: list[str], args: Bench) -> dict[str, Any]:
+def _execute(chosen: list[str], args: Bench, m2n_mb: int = M2N_MB["full"]) -> dict[str, Any]:
     size, buckets, rounds = args.size_mb, args.bucket_mb, args.rounds
     kind = hal.resolve_device(args.device).kind
     out: dict[str, Any] = {}
@@ -185,6 +187,13 @@ def _execute(chosen: list[str], args: Bench) -> dict[str, Any]:
             out["senders"] = bench_senders.bench_senders(rounds=rounds)
         else:
             out["senders"] = {"skipped": reason}
+    if "m2n" in chosen:
+        from hal.apps.benchmarks import bench_m2n
+
+        from hal.apps.links import links_available
+
+        ok, reason = (True, "") if args.link_gbit is None else links_available()
+        out["m2n"] = (bench_m2n.run(m2n_mb, args.link_gbit, rounds) if ok else {"skipped": reason})
     return out
 
 
@@ -236,11 +245,12 @@ def print_tables(result: dict[str, Any]) -> None:
     from hal.apps.benchmarks import bench_ckpt, bench_import, bench_offload, bench_p2p, bench_ray, bench_sync
 
     tables = (("offload", bench_offload), ("sync", bench_ckpt), ("sync_p2p", bench_p2p), ("ipc", None), ("delta", None),
-              ("main", bench_sync), ("ray", bench_ray), ("import", bench_import), ("senders", None))
+              ("main", bench_sync), ("ray", bench_ray), ("import", bench_import), ("senders", None),
+              ("m2n", None))
     for key, module in tables:
         if key not in result:
             continue
-        if key in ("senders", "delta") and isinstance(result[key], dict) and "skipped" in result[key]:
+        if key in ("senders", "delta", "m2n") and isinstance(result[key], dict) and "skipped" in result[key]:
             print(f"{key}: skipped: {result[key]['skipped']}")
             continue
         if module is None:  # imported only when chosen (bench_senders needs the links module's tools)

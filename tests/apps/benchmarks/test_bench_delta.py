@@ -28,7 +28,7 @@ def test_a_bad_link_rate_is_refused_naming_the_flag_before_anything_runs(rate, m
 
 
 def test_a_link_rate_without_the_delta_benchmark_is_refused():
-    with pytest.raises(UsageError, match="--link-gbit has no effect without --only delta"):
+    with pytest.raises(UsageError, match="--link-gbit has no effect without --only delta or m2n"):
         selection(parse("--only", "sync", "--link-gbit", "1"))
     assert selection(parse("--only", "delta", "--link-gbit", "0.5")) == ["delta"]
 
