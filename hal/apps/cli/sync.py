@@ -180,8 +180,10 @@ def validate_sharded(args: Sync) -> None:
     flag = f"--trainer-ranks {args.trainer_ranks}"
     if not ckpt.checkpoint_engine_says(args.engine, "supports_multi_sender"):
         raise UsageError(f"{flag} needs an engine whose every trainer rank sends (collective), got --engine {args.engine}")
-    for name, value, accepted in (("--launcher", args.launcher, "torchrun"), ("--rollout", args.rollout, "hal"),
-                                  ("--wire-format", args.wire_format, "full")):
+    if args.rollout == "vllm" and args.rollout_tp == 1:  # the vLLM rollout checks a sharded trainer per slice
+        raise UsageError(f"{flag} runs with --rollout hal, or --rollout vllm as tensor-parallel servers "
+                         f"(--rollout-tp > 1); got --rollout vllm")
+    for name, value, accepted in (("--launcher", args.launcher, "torchrun"), ("--wire-format", args.wire_format, "full")):
         if value != accepted:
             raise UsageError(f"{flag} runs with {name} {accepted}, got {name} {value}")
     if resolve_model(args.model) not in PRESETS:
@@ -201,8 +203,8 @@ def validate_tp(args: Sync) -> None:
     if not ckpt.checkpoint_engine_says(args.engine, "supports_reshard"):
         raise UsageError(f"{flag} sends each rank only its slices, over point-to-point transfers, which --engine "
                          f"{' or '.join(ckpt.checkpoint_engines_where('supports_reshard'))} has; got --engine {args.engine}")
-    for name, value, accepted in (("--launcher", args.launcher, "torchrun"), ("--rollout", args.rollout, "hal"),
-                                  ("--wire-format", args.wire_format, "full"), ("--hybrid", args.hybrid, False)):
+    for name, value, accepted in (("--launcher", args.launcher, "torchrun"), ("--wire-format", args.wire_format, "full"),
+                                  ("--hybrid", args.hybrid, False)):
         if value != accepted:
             raise UsageError(f"{flag} runs with {name} {accepted}, got {name} {value}")
     if resolve_model(args.model) not in PRESETS:

@@ -24,7 +24,8 @@ LOGGING_STREAM_ENV = "VLLM_LOGGING_STREAM"  # default stdout; the role sends it 
 
 # the name a fault-injected update announces: never sent, so the update is refused after it arrived
 FAULT_TENSOR = "hal.fault-injection"
-# tests: comma-separated global_steps whose update every vLLM rollout refuses after receiving it
+# tests: comma-separated global_steps whose update every vLLM rollout refuses after receiving it (each
+# tensor-parallel server's rank 0 only)
 REFUSE_STEPS_ENV = "HAL_TEST_VLLM_REFUSE_STEPS"
 
 
@@ -114,12 +115,20 @@ class VllmRolloutRole(RolloutRole):
         """What this rollout proves after ``global_steps``: the step served, vLLM's checksums and greedy tokens equal
         the trainer's, log-probabilities within ``logits_atol``."""
         start = time.perf_counter()
-        self.references[global_steps] = reference_logprobs(reference)
         served = self.vllm.served_step
         if served != global_steps:
             error = f"step {global_steps} not served: vLLM serves step {served}"
         else:
             error = first_mismatch(reference.sums, self.received)
+        out = self.decode(global_steps, reference, error)
+        out.verify_s = time.perf_counter() - start
+        return out
+
+    def decode(self, global_steps: int, reference: Reference, error: str | None) -> Checked:
+        """``Checked(error)`` plus vLLM's greedy decode against the trainer's for the step it serves (tokens equal,
+        log-probabilities within ``logits_atol``)."""
+        self.references[global_steps] = reference_logprobs(reference)
+        served = self.vllm.served_step
         out = Checked(error=error)
         expected = self.references.get(served) if served is not None else None
         if expected is not None:
@@ -132,7 +141,6 @@ class VllmRolloutRole(RolloutRole):
             elif not out.logits_max_diff <= self.options.logits_atol and out.error is None:
                 out.error = (f"vLLM's log-probabilities differ from the trainer's by {out.logits_max_diff:.3g} "
                              f"(> --logits-atol {self.options.logits_atol:g})")
-        out.verify_s = time.perf_counter() - start
         return out
 
     def execute_checkpoint_engine(self, method: str, **kwargs: Any) -> Any:

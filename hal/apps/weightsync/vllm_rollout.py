@@ -14,7 +14,7 @@ import contextlib
 import os
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 from ckpt.vllm_transfer import BACKEND_NAME, EXTENSION, register_vllm_backend
 from hal.apps.weightsync.memory import peak_host_bytes
@@ -30,12 +30,13 @@ class VllmRollout:
     """One rollout: a ``vllm.LLM`` on ``model_dir`` whose weights hal's checkpoint engine updates.
 
     ``engine_kwargs`` build hal's engine inside vLLM's worker (``device`` filled in; it must agree with vLLM's
-    platform). ``in_process`` runs vLLM's engine core and worker in this process. ``interface``:
+    platform); ``None``: no engine there, the caller writes the weights (:meth:`load`). ``in_process`` runs vLLM's
+    engine core and worker in this process. ``interface``:
     ``"weight_transfer"`` (vLLM's RL interface, >= 0.32), ``"extension"``, or ``None`` for the first available.
     ``served_step`` is ``None`` before the first update or after a load that failed part way.
     """
 
-    def __init__(self, model_dir: str, engine_kwargs: dict[str, Any], device: str | None = None,
+    def __init__(self, model_dir: str, engine_kwargs: dict[str, Any] | None, device: str | None = None,
                  dtype: str = "float32", *, engine: str = "collective", llm_kwargs: dict[str, Any] | None = None,
                  in_process: bool = True, interface: str | None = None) -> None:
         if interface not in (None, "weight_transfer", "extension"):
@@ -50,20 +51,21 @@ class VllmRollout:
             kwargs.setdefault("distributed_executor_backend", "uni")
         start = time.perf_counter()
         # vLLM's RL interface with hal's backend where this vLLM has it, else the worker extension alone
-        registered = interface != "extension" and register_vllm_backend()
+        registered = interface != "extension" and engine_kwargs is not None and register_vllm_backend()
         if interface == "weight_transfer" and not registered:
             raise ValueError("interface='weight_transfer' needs vLLM's WeightTransferEngineFactory (vLLM >= 0.32)")
         self.interface = "weight_transfer" if registered else "extension"
         if self.interface == "weight_transfer":
             kwargs.setdefault("weight_transfer_config", {"backend": BACKEND_NAME})
         self.llm = vllm.LLM(model=str(model_dir), dtype=dtype, worker_extension_cls=EXTENSION, **kwargs)
-        engine_kwargs = dict(engine_kwargs)
-        if device is not None:
-            engine_kwargs.setdefault("device", device)
-        if self.interface == "weight_transfer":
-            self.llm.init_weight_transfer_engine({"init_info": {"engine": engine, "engine_kwargs": engine_kwargs}})
-        else:
-            self.llm.collective_rpc("hal_init", args=(engine, engine_kwargs))
+        if engine_kwargs is not None:
+            engine_kwargs = dict(engine_kwargs)
+            if device is not None:
+                engine_kwargs.setdefault("device", device)
+            if self.interface == "weight_transfer":
+                self.llm.init_weight_transfer_engine({"init_info": {"engine": engine, "engine_kwargs": engine_kwargs}})
+            else:
+                self.llm.collective_rpc("hal_init", args=(engine, engine_kwargs))
         self.startup_seconds = time.perf_counter() - start
         self.served_step: int | None = None
         self.dtype = dtype
@@ -111,6 +113,16 @@ class VllmRollout:
         result = await asyncio.to_thread(self._update, global_steps, expected)
         self.served_step = result["served_step"]
         return result
+
+    def load(self, write: Callable[[], Any], global_steps: int) -> Any:
+        """Run ``write()`` (into the served weights) with no request in progress, drop the prefix cache and serve
+        ``global_steps``; returns what ``write`` returns. If it raises, no step is served (weights may be mixed)."""
+        with self._lock:
+            self.served_step = None
+            out = write()
+            self.llm.reset_prefix_cache()
+            self.served_step = global_steps
+        return out
 
     def generate_greedy(self, prompt_token_ids: list[int], max_tokens: int, logprobs: bool = False):
         """Greedy decode ``max_tokens`` tokens after ``prompt_token_ids`` (EOS ignored); with ``logprobs``,

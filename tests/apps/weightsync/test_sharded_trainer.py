@@ -53,13 +53,16 @@ def test_a_sharded_trainer_refuses_what_it_cannot_run_naming_the_flag(flags, mes
         validate(Sync(device="cpu", model="qwen2.5-tiny", trainer_ranks=2, **flags))
 
 
-def test_a_sharded_trainer_refuses_the_vllm_rollout(monkeypatch):
+def test_a_sharded_trainer_takes_the_vllm_rollout_only_as_tensor_parallel_servers(monkeypatch):
     from hal.apps.cli import sync
 
     # vLLM's own checks come first and need vLLM installed (its lane has it): pass them here
     monkeypatch.setattr(sync, "validate_vllm", lambda args: None)
-    with pytest.raises(UsageError, match="--trainer-ranks 2 runs with --rollout hal, got --rollout vllm"):
+    with pytest.raises(UsageError, match=r"--trainer-ranks 2 runs with --rollout hal, or --rollout vllm as "
+                                         r"tensor-parallel servers \(--rollout-tp > 1\); got --rollout vllm"):
         sync.validate(sync.Sync(device="cpu", model="qwen2.5-tiny", trainer_ranks=2, rollout="vllm"))
+    assert sync.validate(sync.Sync(device="cpu", model="qwen2.5-tiny", trainer_ranks=2, rollout="vllm",
+                                   rollout_tp=2)) is None
 
 
 def test_trainer_ranks_must_be_positive_and_a_checkpoint_path_is_refused(tmp_path):

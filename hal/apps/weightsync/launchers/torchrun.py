@@ -273,9 +273,10 @@ def rank_main(options: JobOptions, hooks: Sequence[StepHook], net: Any = None) -
             sock = bind_calls(context, store, rank)
         node_ip = LOOPBACK if net is None else net.enter(link_endpoint(rank))
         where = Where(rank, node_ip, os.getpid(), options.device)
-        if rank >= options.trainer_ranks and options.rollout == "vllm":  # hal's engine is built inside vLLM's worker
+        if rank >= options.trainer_ranks and options.rollout == "vllm" and not options.resharded:
             from hal.apps.weightsync.vllm_role import VllmRolloutRole
 
+            # hal's engine is built inside vLLM's worker
             serve(VllmRolloutRole(options, rank), sock, rank, options.timeout)
             return None
         engine = make_engine(options, rank, node_ip)
@@ -286,7 +287,13 @@ def rank_main(options: JobOptions, hooks: Sequence[StepHook], net: Any = None) -
                 server, tp_rank = options.tp_rank(rank)
                 hal.init_process_group(options.device, store=dist.PrefixStore(f"rollout-tp/{server}", store),
                                        rank=tp_rank, world_size=options.rollout_tp, timeout=options.timeout)
-            serve(Rollout(options, engine, rank, where=where), sock, rank, options.timeout)
+            if options.rollout == "vllm":  # a vLLM rank over that group, hal's engine beside it
+                from hal.apps.weightsync.vllm_tp import VllmTPRolloutRole
+
+                role = VllmTPRolloutRole(options, engine, rank, where=where)
+            else:
+                role = Rollout(options, engine, rank, where=where)
+            serve(role, sock, rank, options.timeout)
             return None
         trainer = trainer_rank(options, engine, rank, store, where)
         if rank != 0:
@@ -347,6 +354,10 @@ def launch(options: JobOptions, hooks: Sequence[StepHook] = ()) -> JobResult:
                               rdzv_endpoint=f"{LOOPBACK}:0", max_restarts=0, monitor_interval=0.1,
                               start_method="spawn", logs_specs=elastic_logs(logs),
                               shutdown_timeout=LAUNCH_SHUTDOWN_TIMEOUT_S, signals_to_handle=OWN_LAUNCH_SIGNALS)
+        if options.rollout == "vllm" and options.resharded:  # what a killed vLLM rank leaves in shared memory
+            from hal.apps.weightsync.vllm_tp import remove_shm_segments
+
+            scratch.callback(remove_shm_segments, config.run_id)
         try:
             with own_elastic_launch(logs):
                 per_rank = elastic_launch(config, rank_main)(options, list(hooks), net)
