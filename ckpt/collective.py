@@ -26,7 +26,7 @@ from ckpt.one_to_many import DEFAULT_BUCKET_SIZE, Membership, OneToManyEngine, c
 from ckpt.control import ControlChannel, PeerFailure
 from ckpt import multi_sender
 from ckpt.reshard.layout import RolloutLayout, held_parts
-from ckpt.reshard.transfer import PairBuffers, receive_update, send_update
+from ckpt.reshard.transfer import PairBuffers, Posted, receive_update, send_update
 
 POLL_S = 0.25  # Seconds between a waiting receiver's looks in the store for word that the sender closed its engine.
 NAMESPACE = "ckpt-ctl"  # Prefix of the engine's control keys: ckpt-ctl/<generation>[/s<sender>]/...
@@ -340,6 +340,9 @@ class CollectiveCheckpointEngine(OneToManyEngine):
     def _resharding(self) -> bool:
         return self._membership is not None and self._membership.reshard
 
+    def _channel(self, group: hal.StoreGroup) -> _GroupChannel:
+        return _GroupChannel(self.device, group, self._wait, self._pair_buffers)
+
     async def _send_resharded(self, weights: Iterable[NamedTensor], global_steps: int | None) -> None:
         parts = held_parts(weights)
         receivers = range(self.senders, self.world_size)
@@ -349,8 +352,8 @@ class CollectiveCheckpointEngine(OneToManyEngine):
         layouts = {r: None if d is None else RolloutLayout.from_dict(d) for r, d in zip(receivers, given)}
         self._sending = global_steps
         try:
-            await send_update(_GroupChannel(self.device, self._group, self._wait), self.rank, layouts, parts, global_steps,
-                              self.bucket_size, self._pair_buffers)
+            await send_update(self._channel(self._group), self.rank, layouts, parts, global_steps,
+                              self.bucket_size)
         finally:
             self._sending = None
         self._sent = global_steps
@@ -563,9 +566,9 @@ class CollectiveCheckpointEngine(OneToManyEngine):
                 self.received_global_steps = step
 
             senders = list(range(self.senders))
-            async for item in receive_update(_GroupChannel(self.device, group, self._wait), self.rank, senders,
+            async for item in receive_update(self._channel(group), self.rank, senders,
                                              self.rollout_layout,
-                                             global_steps, placement, self._pair_buffers, on_step):
+                                             global_steps, placement, on_step):
                 yield item
             return
         if self._lanes:
@@ -635,8 +638,18 @@ class CollectiveCheckpointEngine(OneToManyEngine):
 class _GroupChannel:
     """The point-to-point side of a collective engine's group, as :mod:`ckpt.reshard.transfer` uses it."""
 
-    def __init__(self, device: torch.device, group: hal.StoreGroup, wait: Any) -> None:
-        self.device, self.group, self.wait = device, group, wait  # wait: the engine's bounded wait
+    def __init__(self, device: torch.device, group: hal.StoreGroup, wait: Any, buffers: PairBuffers) -> None:
+        self.device, self.group, self.wait, self.buffers = device, group, wait, buffers  # wait: the engine's, bounded
+
+    def bucket(self, peer: int, slot: int, nbytes: int) -> torch.Tensor:
+        return self.buffers.get(peer, slot, nbytes, self.device)
+
+    def send_bucket(self, source: torch.Tensor, peer: int, slot: int) -> Any:
+        return self.group.send(source, peer)
+
+    def recv_bucket(self, into: torch.Tensor | None, peer: int, slot: int, nbytes: int) -> Any:
+        buffer = into if into is not None else self.buffers.get(peer, slot, nbytes, self.device)[:nbytes]
+        return Posted(self.group.recv(buffer, peer), buffer, into is not None)
 
     def send(self, tensor: torch.Tensor, peer: int) -> Any:
         return self.group.send(tensor, peer)

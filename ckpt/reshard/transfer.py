@@ -26,13 +26,24 @@ ACCEPT, REFUSE, DONE, ABORT = 0, 1, 0, 2
 
 
 class Channel(Protocol):
-    """Point-to-point transfers between the ranks of one group (tensors on ``device``)."""
+    """Point-to-point transfers between the ranks of one group (tensors on ``device``).
+
+    ``send``/``recv`` carry the small messages; a pair's buckets go through two slots per peer: the sender packs
+    into ``bucket(peer, slot, nbytes)`` (or sends a tensor of its own), ``send_bucket`` hands it over;
+    ``recv_bucket`` lands it in ``into`` (or a slot of the channel's) and, once waited for, ``.buffer`` holds it,
+    valid until the next ``recv_bucket`` of that slot."""
 
     device: torch.device
 
     def send(self, tensor: torch.Tensor, peer: int) -> Any: ...  # a pending work for wait()
 
     def recv(self, tensor: torch.Tensor, peer: int) -> Any: ...
+
+    def bucket(self, peer: int, slot: int, nbytes: int) -> torch.Tensor: ...
+
+    def send_bucket(self, source: torch.Tensor, peer: int, slot: int) -> Any: ...
+
+    def recv_bucket(self, into: torch.Tensor | None, peer: int, slot: int, nbytes: int) -> Any: ...
 
     async def wait(self, works: list, what: str) -> None: ...  # bounded by the group's timeout
 
@@ -50,12 +61,22 @@ def read_note(tensor: torch.Tensor) -> tuple[int, str]:
     return raw[0], raw[1:].split(b"\0", 1)[0].decode(errors="replace")
 
 
+class Posted:
+    """A posted bucket receive: ``wait()`` it; ``buffer`` then holds the bytes (``direct``: the caller's ``into``)."""
+
+    def __init__(self, work: Any, buffer: torch.Tensor, direct: bool) -> None:
+        self.work, self.buffer, self.direct = work, buffer, direct
+
+    def wait(self, *args: Any, **kwargs: Any) -> Any:
+        return self.work.wait(*args, **kwargs)
+
+
 def flat(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8)
 
 
 class PairBuffers:
-    """Two bucket buffers per peer, kept across updates (the memory of a pair's transfer)."""
+    """Two bucket buffers per peer, kept across updates (a channel's memory for its pairs' buckets)."""
 
     def __init__(self) -> None:
         self.slots: dict[tuple[int, int], torch.Tensor] = {}
@@ -73,8 +94,7 @@ class PairBuffers:
 
 
 async def send_update(io: Channel, rank: int, layouts: dict[int, RolloutLayout | None],
-                      parts: Sequence[tuple[torch.Tensor, Holding]], step: int | None, bucket_size: int,
-                      buffers: PairBuffers) -> None:
+                      parts: Sequence[tuple[torch.Tensor, Holding]], step: int | None, bucket_size: int) -> None:
     """Send every rollout rank of ``layouts`` (``None``: the whole model) its pieces of ``parts``.
 
     Returns once every send completed (the caller may then change its tensors).
@@ -133,12 +153,12 @@ async def send_update(io: Channel, rank: int, layouts: dict[int, RolloutLayout |
             bucket = buckets[k]
             source = _direct(bucket, lambda p: parts[p.index][0][p.source.index()])
             if source is None:
-                source = buffers.get(r, k % 2, pair_bucket, io.device)
+                source = io.bucket(r, k % 2, pair_bucket)
                 for item in bucket:
                     p = item.piece
                     byte_view(source, item.offset, p.dtype, p.region.sizes).copy_(parts[p.index][0][p.source.index()])
                 source = source[:bucket_bytes(bucket)]
-            in_flight[(r, k % 2)] = ([io.send(source, r)], source)
+            in_flight[(r, k % 2)] = ([io.send_bucket(source, r, k % 2)], source)
     for r, slot in list(in_flight):
         await settle(r, slot)
     tails = [(r, note(DONE, "", io.device)) for r in pairs if r not in failed]
@@ -163,8 +183,7 @@ def _direct(bucket: Sequence[Any], view: Any) -> torch.Tensor | None:
 
 
 async def receive_update(io: Channel, rank: int, senders: Sequence[int], layout: RolloutLayout | None,
-                         asked: int | None, placement: ReceivePlacement | None, buffers: PairBuffers,
-                         on_step: Any = None) -> AsyncIterator[tuple[str, torch.Tensor]]:
+                         asked: int | None, placement: ReceivePlacement | None, on_step: Any = None) -> AsyncIterator[tuple[str, torch.Tensor]]:
     """Receive this rollout rank's pieces from every sender; yield ``(target, tensor)`` as each completes.
 
     A yielded tensor is the placement's (``placement.target(name, dtype, shape)``, where it is contiguous on
@@ -221,13 +240,13 @@ async def receive_update(io: Channel, rank: int, senders: Sequence[int], layout:
         raise refusal
     if on_step is not None:
         on_step(step)
-    async for item in _receive_data(io, rank, senders, layout, plans, metas, placement, buffers, step):
+    async for item in _receive_data(io, rank, senders, layout, plans, metas, placement, step):
         yield item
 
 
 async def _receive_data(io: Channel, rank: int, senders: Sequence[int], layout: RolloutLayout,
                         plans: dict[int, list], metas: dict[int, dict], placement: ReceivePlacement | None,
-                        buffers: PairBuffers, step: int | None) -> AsyncIterator[tuple[str, torch.Tensor]]:
+                        step: int | None) -> AsyncIterator[tuple[str, torch.Tensor]]:
     targets: dict[str, torch.Tensor] = {}
     left = {t: torch.Size(shape).numel() for t, (shape, _) in layout.targets.items()}
 
@@ -242,7 +261,7 @@ async def _receive_data(io: Channel, rank: int, senders: Sequence[int], layout: 
         return targets[name]
 
     buckets = {s: bucket_plan(plans[s], metas[s]["pair_bucket"]) for s in senders}
-    posted: dict[tuple[int, int], tuple[Any, torch.Tensor | None]] = {}
+    posted: dict[tuple[int, int], Any] = {}
     failed: dict[int, BaseException] = {}
     discard = False
 
@@ -251,9 +270,7 @@ async def _receive_data(io: Channel, rank: int, senders: Sequence[int], layout: 
             return
         bucket = buckets[s][k]
         into = None if discard else _direct(bucket, lambda p: target(p.target)[p.dest.index()])
-        buf = into if into is not None else buffers.get(s, k % 2, metas[s]["pair_bucket"], io.device)[
-            :bucket_bytes(bucket)]
-        posted[(s, k)] = (io.recv(buf, s), None if into is not None else buf)
+        posted[(s, k)] = io.recv_bucket(into, s, k % 2, bucket_bytes(bucket))
 
     for s in senders:
         post(s, 0)
@@ -266,16 +283,17 @@ async def _receive_data(io: Channel, rank: int, senders: Sequence[int], layout: 
             for s in senders:
                 if (s, k) not in posted:
                     continue
-                work, buf = posted.pop((s, k))
+                work = posted.pop((s, k))
                 try:
                     await io.wait([work], f"bucket {k} of step {step} from trainer rank {s}")
                 except TransferError as exc:
                     failed[s] = exc
                     continue
                 done = []
+                buf = work.buffer
                 for item in buckets[s][k]:
                     p = item.piece
-                    if buf is not None and not discard:
+                    if not work.direct and not discard:
                         target(p.target)[p.dest.index()].copy_(byte_view(buf, item.offset, p.dtype, p.region.sizes))
                     left[p.target] -= p.region.numel
                     if left[p.target] == 0:
@@ -313,7 +331,7 @@ async def _drain(io: Channel, posted: dict, buckets: dict, failed: dict, post: A
     for k in range(max((len(b) for b in buckets.values()), default=0)):
         for s in senders:
             if (s, k) in posted and s not in failed:
-                work, _ = posted.pop((s, k))
+                work = posted.pop((s, k))
                 try:
                     await io.wait([work], "drain")
                 except TransferError as exc:
@@ -329,4 +347,4 @@ async def _drain(io: Channel, posted: dict, buckets: dict, failed: dict, post: A
             pass
 
 
-__all__ = ["Channel", "PairBuffers", "receive_update", "send_update"]
+__all__ = ["Channel", "PairBuffers", "Posted", "receive_update", "send_update"]
