@@ -651,6 +651,9 @@ class _GroupChannel:
         buffer = into if into is not None else self.buffers.get(peer, slot, nbytes, self.device)[:nbytes]
         return Posted(self.group.recv(buffer, peer), buffer, into is not None)
 
+    def release(self, posted: Posted, peer: int, slot: int) -> None:
+        pass  # the engine's own buffer: the next receive into it may be posted at once
+
     def send(self, tensor: torch.Tensor, peer: int) -> Any:
         return self.group.send(tensor, peer)
 

@@ -30,8 +30,8 @@ class Channel(Protocol):
 
     ``send``/``recv`` carry the small messages; a pair's buckets go through two slots per peer: the sender packs
     into ``bucket(peer, slot, nbytes)`` (or sends a tensor of its own), ``send_bucket`` hands it over;
-    ``recv_bucket`` lands it in ``into`` (or a slot of the channel's) and, once waited for, ``.buffer`` holds it,
-    valid until the next ``recv_bucket`` of that slot."""
+    ``recv_bucket`` lands it in ``into`` (or a slot of the channel's) and, once waited for, ``.buffer`` holds it
+    until ``release`` gives the slot back to the sender."""
 
     device: torch.device
 
@@ -44,6 +44,8 @@ class Channel(Protocol):
     def send_bucket(self, source: torch.Tensor, peer: int, slot: int) -> Any: ...
 
     def recv_bucket(self, into: torch.Tensor | None, peer: int, slot: int, nbytes: int) -> Any: ...
+
+    def release(self, posted: Any, peer: int, slot: int) -> None: ...
 
     async def wait(self, works: list, what: str) -> None: ...  # bounded by the group's timeout
 
@@ -298,6 +300,7 @@ async def _receive_data(io: Channel, rank: int, senders: Sequence[int], layout: 
                     left[p.target] -= p.region.numel
                     if left[p.target] == 0:
                         done.append(p.target)
+                io.release(work, s, k % 2)
                 post(s, k + 2)
                 for name in done:
                     if not discard and not failed:
@@ -337,6 +340,7 @@ async def _drain(io: Channel, posted: dict, buckets: dict, failed: dict, post: A
                 except TransferError as exc:
                     failed[s] = exc
                     continue
+                io.release(work, s, k % 2)
                 post(s, k + 2)
     tails = [torch.zeros(NOTE_BYTES, dtype=torch.uint8, device=io.device) for s in senders if s not in failed]
     alive = [s for s in senders if s not in failed]

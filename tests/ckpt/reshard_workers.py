@@ -168,3 +168,51 @@ def resharded(rank, world_size, device, trainers, updates, kill=None, whole=(), 
     if rank == 0:
         store.wait([f"left/{r}" for r in range(world_size) if not (kill and r == kill[1])])
     return reports
+
+
+def shared_pairs(rank, world_size, device, trainers, token, updates=2):
+    """The resharding protocol over :class:`ckpt.reshard.shared.SharedChannel` (one host, the device kind's IPC
+    transport): ``trainers`` senders, the rest tensor-parallel ranks of one layout. Returns per update the rank's
+    error and, on a rollout, how many of its targets equal the step's slices and the slots' bytes held."""
+    import pickle
+
+    from ckpt.reshard import held_parts
+    from ckpt.reshard.shared import SharedChannel
+    from ckpt.reshard.transfer import receive_update, send_update
+
+    dev = hal.get_device(device)
+    spec = hal.resolve_device(device)
+    store = hal.launcher_store(timeout=60)
+    store.set(f"pid/{rank}", str(os.getpid()))
+    pids = {r: int(store.get(f"pid/{r}")) for r in range(world_size)}
+    endpoints = {r: f"ipc://@hal-test-{token}-{r}" for r in range(world_size)}
+    channel = SharedChannel(rank, endpoints, dev, spec, spec.ipc_transport(), 30.0, pids)
+    rollouts = world_size - trainers
+    layouts = {trainers + i: layout(i, rollouts) for i in range(rollouts)}
+    reports = []
+    for update in range(1, updates + 1):
+        error, exact = None, None
+        try:
+            if rank < trainers:
+                parts = held_parts(sender_parts(update, rank, trainers, dev))
+                asyncio.run(send_update(channel, rank, layouts, parts, update, BUCKET))
+            else:
+                async def main():
+                    got = {}
+                    async for name, t in receive_update(channel, rank, list(range(trainers)), layouts[rank], update,
+                                                        None):
+                        got[name] = t.clone()
+                    return got
+                got = asyncio.run(main())
+                want = expected(update, layouts[rank])
+                exact = sum(torch.equal(got[n].cpu(), t) for n, t in want.items() if n in got)
+        except Exception as exc:  # noqa: BLE001 - reported to the test
+            error = f"{type(exc).__name__}: {exc}"
+        reports.append({"error": error, "exact": exact, "slot_bytes": channel.nbytes})
+        store.set(f"done/{update}/{rank}", b"1")
+        store.wait([f"done/{update}/{r}" for r in range(world_size)])
+    channel.close()
+    store.set(f"left/{rank}", b"1")
+    if rank == 0:
+        store.wait([f"left/{r}" for r in range(world_size)])
+    return pickle.loads(pickle.dumps(reports))

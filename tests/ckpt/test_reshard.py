@@ -165,3 +165,15 @@ def test_a_wrong_layout_is_refused_before_any_byte_moves_and_the_next_update_goe
     assert "PlanError" in first["error"] and "'q'" in first["error"] and first["served_step"] is None
     assert second["error"] is None and second["served_step"] == 2 and second["exact"] == 7
     assert results[3][1]["served_step"] == 2
+
+
+@pytest.mark.multiprocess
+def test_the_same_protocol_over_shared_slots_on_one_host(hal_device):
+    import os
+
+    results = run_multiprocess(w.shared_pairs, 4, hal_device, 2, os.urandom(4).hex(), timeout=180)
+    for rank in (0, 1):
+        assert [r["error"] for r in results[rank]] == [None, None], results[rank]
+        assert 0 < results[rank][0]["slot_bytes"] <= 2 * 2 * (w.BUCKET // 2)  # two slots per rollout rank
+    for rank in (2, 3):
+        assert [(r["error"], r["exact"]) for r in results[rank]] == [(None, 7), (None, 7)], results[rank]
