@@ -47,6 +47,9 @@ from ckpt.control import PeerFailure
 from ckpt.errors import CheckpointConfigError, TransferAbortedError, TransferError, TransferTimeoutError
 from ckpt.layout import align
 from ckpt.one_to_many import DEFAULT_BUCKET_SIZE, check_int, check_keywords
+from ckpt.reshard.layout import RolloutLayout, held_parts
+from ckpt.reshard.shared import SharedChannel
+from ckpt.reshard.transfer import receive_update, send_update
 
 NUM_BUCKETS = 2  # Buckets in the shared buffer: the one being filled and the one being read.
 SEGMENT_PREFIX = "hal-ipc-"  # Names of the engine's shared-memory segments (/dev/shm/hal-ipc-*).
@@ -108,6 +111,7 @@ class IpcCheckpointEngine(CheckpointEngine):
     send_buffer_words = "the shared buffer: two buckets, one filled while the other is read"
     bucketed = True  # two buckets of one shared buffer; the master picks the endpoint on the host
     ranks_may_share_a_device = True  # verl's hybrid engine: the rollout opens the trainer's buffer on its device
+    supports_reshard = True  # each rollout rank its slices, in slots shared per pair (ckpt.reshard.shared)
     stages_in_shared_memory = True  # the shm transport's buckets, and the simulated npu's shareable buffers
 
     TRANSPORT_WORDS = {"device": "{kind} IPC handles, read in place", "shm": "shared memory, /dev/shm"}
@@ -126,9 +130,11 @@ class IpcCheckpointEngine(CheckpointEngine):
     def __init__(self, bucket_size: int = DEFAULT_BUCKET_SIZE, is_master: bool = False, *, rank: int | None = None,
                  world_size: int | None = None, endpoint: str | None = None, device: str | None = None,
                  timeout: float = hal.DEFAULT_TIMEOUT_S, peer_pids: list[int] | None = None,
-                 transport: str | None = None, release_at_finalize: bool = False, **extra: Any) -> None:
+                 transport: str | None = None, release_at_finalize: bool = False, rollout_layout: Any = None,
+                 multi_sender: bool = False, **extra: Any) -> None:
         check_keywords(extra, ("bucket_size", "is_master", "rank", "world_size", "endpoint", "device", "timeout",
-                               "peer_pids", "transport", "release_at_finalize"), "IpcCheckpointEngine()")
+                               "peer_pids", "transport", "release_at_finalize", "rollout_layout", "multi_sender"),
+                       "IpcCheckpointEngine()")
         self.bucket_size = check_int(bucket_size, "bucket_size", 256)
         self.timeout = check_seconds(timeout)
         if transport not in (None, *hal.ipc.TRANSPORTS):
@@ -153,6 +159,10 @@ class IpcCheckpointEngine(CheckpointEngine):
         self._publish: _Shared | None = None  # the trainer's publish_buffer(), shared as it is
         self._opened: tuple[Any, torch.Tensor, str | None] | None = None  # a rollout's: (key, buffer, segment)
         self._staging: torch.Tensor | None = None  # a rollout's device bucket, for a shared-memory buffer
+        # resharding (ckpt.reshard): this rank's layout, every trainer rank a sender with multi_sender, the topology
+        self.rollout_layout = None if rollout_layout is None else RolloutLayout.from_dict(rollout_layout)
+        self.multi_sender, self.senders, self.rollout_layouts = bool(multi_sender), 0, None  # senders 0: not resharding
+        self._channel: SharedChannel | None = None
 
     # ---- place and lifecycle -----------------------------------------------------------------------------
     def _set_place(self, rank: Any, world_size: Any, endpoint: Any, peer_pids: Any) -> None:
@@ -176,6 +186,10 @@ class IpcCheckpointEngine(CheckpointEngine):
             if self.endpoint is None:
                 self.endpoint = default_endpoint()
             meta["endpoint"] = self.endpoint
+            if self.multi_sender:
+                meta["multi_sender"] = True
+        if self.rollout_layout is not None:
+            meta["rollout_layout"] = self.rollout_layout.to_dict()
         return meta
 
     @classmethod
@@ -197,6 +211,18 @@ class IpcCheckpointEngine(CheckpointEngine):
         if len(hosts) > 1:
             raise CheckpointConfigError(f"the ipc engine shares memory on one host; the workers are on "
                                         f"{sorted(map(str, hosts))} (use the collective engine across hosts)")
+        layouts = [m.get("rollout_layout") for m in metadata[trainer_world_size:]]
+        if any(layout is not None for layout in layouts):  # resharding: every trainer rank sends with multi_sender
+            senders = trainer_world_size if master.get("multi_sender") else 1
+            world, pids = senders + rollout_world_size, [m.get("pid") for m in metadata]
+            pids = pids[:senders] + pids[trainer_world_size:]
+            ranks = list(range(senders)) + [-1] * (trainer_world_size - senders)
+            common = {"world_size": world, "endpoint": master["endpoint"], "peer_pids": pids, "reshard": True,
+                      "num_senders": senders}
+            trainer = {"rank": ranks, **{k: [v] * trainer_world_size for k, v in common.items()},
+                       "rollout_layouts": [layouts] * trainer_world_size}
+            rollout = {"rank": list(range(senders, world)), **{k: [v] * rollout_world_size for k, v in common.items()}}
+            return trainer, rollout
         world = 1 + rollout_world_size
         rollout_pids = [m.get("pid") for m in metadata[trainer_world_size:]]
         trainer = {"rank": [0] + [-1] * (trainer_world_size - 1), "world_size": [world] * trainer_world_size,
@@ -208,19 +234,32 @@ class IpcCheckpointEngine(CheckpointEngine):
         return trainer, rollout
 
     def init_process_group(self, rank: int, world_size: int, endpoint: str | None = None,
-                           peer_pids: list[int] | None = None, **extra: Any) -> None:
-        """Take this rank's place; a changed place frees the old topology's buffer and sockets. Does not block."""
-        check_keywords(extra, ("rank", "world_size", "endpoint", "peer_pids"), "IpcCheckpointEngine.init_process_group()")
+                           peer_pids: list[int] | None = None, reshard: bool = False, num_senders: int = 1,
+                           rollout_layouts: list | None = None, **extra: Any) -> None:
+        """Take this rank's place; a changed place frees the old topology's buffer and sockets. Does not block.
+
+        ``reshard``: ranks ``0..num_senders-1`` send each rollout rank the slices its layout keeps
+        (``rollout_layouts``, on the senders); ``peer_pids`` then lists every rank's pid."""
+        check_keywords(extra, ("rank", "world_size", "endpoint", "peer_pids", "reshard", "num_senders",
+                               "rollout_layouts"), "IpcCheckpointEngine.init_process_group()")
+        senders = check_int(num_senders, "num_senders", 1, world_size) if reshard else 0
+        if (rank, world_size, endpoint, senders) != (self.rank, self.world_size, self.endpoint, self.senders):
+            self._close_channel()  # a new topology: new endpoints and slots
         self._set_place(rank, world_size, endpoint, peer_pids)
+        self.senders = senders
+        self.rollout_layouts = rollout_layouts
 
     def finalize(self) -> None:
-        """Free the buffers only with ``release_at_finalize``."""
+        """Free the buffers only with ``release_at_finalize`` (a resharding channel keeps its sockets)."""
         if self.release_at_finalize:
             self._free()
             self.release_publish_buffer()
+            if self._channel is not None:
+                self._channel.free_slots()
 
     def close(self) -> None:
         """Free the buffers (unlink their segments) and the ZMQ context; the engine can be used again after."""
+        self._close_channel()
         self._free()
         self.release_publish_buffer()
         if self._zmq is not None:
@@ -233,6 +272,19 @@ class IpcCheckpointEngine(CheckpointEngine):
             self.release_publish_buffer()
         except Exception:  # noqa: BLE001 - interpreter shutdown: the resource tracker unlinks what is left
             pass
+
+    def _close_channel(self) -> None:
+        channel, self._channel = self._channel, None
+        if channel is not None:
+            channel.close()
+
+    def _resharding_channel(self) -> SharedChannel:
+        if self._channel is None:
+            endpoints = {r: f"{self.endpoint}-m2n-{r}" for r in range(self.world_size)}
+            pids = dict(enumerate(self.peer_pids or []))
+            self._channel = SharedChannel(self.rank, endpoints, self.device, self.spec, self.transport, self.timeout,
+                                          pids)
+        return self._channel
 
     def _close_sockets(self) -> None:
         for peer in self._peers:
@@ -422,6 +474,13 @@ class IpcCheckpointEngine(CheckpointEngine):
         Raises :class:`TransferError` when a rollout refuses (the others are told at once and keep their step) or
         dies, :class:`TransferTimeoutError` after ``timeout``. Any failure frees the buffer."""
         step = check_global_steps(global_steps)
+        if self.senders > 0 and self.rank is not None and 0 <= self.rank < self.senders:
+            receivers = range(self.senders, self.world_size)
+            given = self.rollout_layouts or [None] * len(receivers)
+            layouts = {r: None if d is None else RolloutLayout.from_dict(d) for r, d in zip(receivers, given)}
+            await send_update(self._resharding_channel(), self.rank, layouts, held_parts(weights), step,
+                              self.bucket_size)
+            return
         self._check_place("send")
         if self.rank == -1:
             for _ in weights:
@@ -581,6 +640,14 @@ class IpcCheckpointEngine(CheckpointEngine):
         incomplete), :class:`TransferError` when the trainer died (its segment is then unlinked here)."""
         step = check_global_steps(global_steps)
         placement = as_placement(placement)
+        if self.senders > 0 and self.rank is not None and self.rank >= self.senders:
+            def on_step(agreed: int | None) -> None:
+                self.received_global_steps = agreed
+
+            async for item in receive_update(self._resharding_channel(), self.rank, list(range(self.senders)),
+                                             self.rollout_layout, step, placement, on_step):
+                yield item
+            return
         self._check_place("receive")
         import zmq
 

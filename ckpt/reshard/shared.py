@@ -60,11 +60,15 @@ class SharedChannel:
         self._slots: dict[tuple[int, int], _Slot] = {}  # a sender's: (peer, slot) -> its shared buffer
         self._opened: dict[tuple[int, int], torch.Tensor] = {}  # a rollout's: the senders' slots, mapped
 
-    def close(self) -> None:
+    def free_slots(self) -> None:
+        """Free the slots this rank shares and forget the ones it mapped (the next update shares new ones)."""
         for slot in self._slots.values():
             if slot.release is not None:
                 slot.release()
         self._slots, self._opened = {}, {}
+
+    def close(self) -> None:
+        self.free_slots()
         self._ctx.destroy(linger=0)
 
     @property

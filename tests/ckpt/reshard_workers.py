@@ -91,7 +91,8 @@ class _Flat(torch.nn.Module):
             self.register_buffer(n, t.clone())
 
 
-def resharded(rank, world_size, device, trainers, updates, kill=None, whole=(), bad=None, agree=False):
+def resharded(rank, world_size, device, trainers, updates, kill=None, whole=(), bad=None, agree=False,
+              engine_name="collective"):
     """``trainers`` senders and ``world_size - trainers`` rollout ranks (TP ranks of one layout; rollout
     ranks in ``whole`` keep the whole model, no layout; ``bad=(update, rank)``: that rank declares a layout
     for 16 q rows in that update; ``agree``: the rollout ranks are one tensor-parallel server, applying an update only
@@ -107,9 +108,9 @@ def resharded(rank, world_size, device, trainers, updates, kill=None, whole=(), 
     lay = None
     if rank >= trainers and index not in whole:
         lay = layout(index, rollouts)
-    engine = ckpt.CollectiveCheckpointEngine(is_master=rank == 0, master_addr="127.0.0.1", device=device,
-                                            timeout=8 if kill else 30, bucket_size=BUCKET, multi_sender=True,
-                                            rollout_layout=lay)
+    kwargs = {"master_addr": "127.0.0.1"} if engine_name == "collective" else {}
+    engine = ckpt.get_checkpoint_engine(engine_name, is_master=rank == 0, device=device, timeout=8 if kill else 30,
+                                        bucket_size=BUCKET, multi_sender=True, rollout_layout=lay, **kwargs)
     if rank >= trainers:
         start = {n: t.to(dev) for n, t in expected(0, lay).items()} if lay else \
             {n: t.to(dev) for n, t in full_weights(0).items()}
@@ -197,7 +198,7 @@ def shared_pairs(rank, world_size, device, trainers, token, updates=2):
                 parts = held_parts(sender_parts(update, rank, trainers, dev))
                 asyncio.run(send_update(channel, rank, layouts, parts, update, BUCKET))
             else:
-                async def main():
+                async def main(update=update):
                     got = {}
                     async for name, t in receive_update(channel, rank, list(range(trainers)), layouts[rank], update,
                                                         None):

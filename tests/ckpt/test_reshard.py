@@ -129,6 +129,16 @@ def test_two_trainer_ranks_to_two_tp_ranks_each_receives_only_its_slices(hal_dev
 
 
 @pytest.mark.multiprocess
+def test_the_ipc_engine_reshards_on_one_host_through_verls_lifecycle(hal_device):
+    results = run_multiprocess(w.resharded, 4, hal_device, 2, 2, None, (), None, False, "ipc", timeout=180)
+    for rank in (0, 1):
+        assert [r["error"] for r in results[rank]] == [None, None], results[rank]
+        assert "rollout_layouts" in results[rank][0]["kwargs_keys"]
+    for rank in (2, 3):
+        assert [(r["error"], r["served_step"], r["exact"]) for r in results[rank]] == [(None, 1, 7), (None, 2, 7)]
+
+
+@pytest.mark.multiprocess
 def test_a_whole_model_rollout_and_a_tp_rank_share_one_update():
     results = run_multiprocess(w.resharded, 4, "cpu", 2, 1, None, (1,), timeout=120)
     assert results[2][0]["exact"] == 7 and results[3][0]["exact"] == 9 and results[3][0]["total"] == 9

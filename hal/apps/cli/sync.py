@@ -178,8 +178,10 @@ def validate_sharded(args: Sync) -> None:
     from hal.apps.weightsync.models import PRESETS, resolve_model
 
     flag = f"--trainer-ranks {args.trainer_ranks}"
-    if not ckpt.checkpoint_engine_says(args.engine, "supports_multi_sender"):
-        raise UsageError(f"{flag} needs an engine whose every trainer rank sends (collective), got --engine {args.engine}")
+    resharded = args.rollout_tp > 1 and ckpt.checkpoint_engine_says(args.engine, "supports_reshard")
+    if not ckpt.checkpoint_engine_says(args.engine, "supports_multi_sender") and not resharded:
+        raise UsageError(f"{flag} needs an engine whose every trainer rank sends (collective; ipc with --rollout-tp), "
+                         f"got --engine {args.engine}")
     if args.rollout == "vllm" and args.rollout_tp == 1:  # the vLLM rollout checks a sharded trainer per slice
         raise UsageError(f"{flag} runs with --rollout hal, or --rollout vllm as tensor-parallel servers "
                          f"(--rollout-tp > 1); got --rollout vllm")
@@ -203,10 +205,12 @@ def validate_tp(args: Sync) -> None:
     if not ckpt.checkpoint_engine_says(args.engine, "supports_reshard"):
         raise UsageError(f"{flag} sends each rank only its slices, over point-to-point transfers, which --engine "
                          f"{' or '.join(ckpt.checkpoint_engines_where('supports_reshard'))} has; got --engine {args.engine}")
-    for name, value, accepted in (("--launcher", args.launcher, "torchrun"), ("--wire-format", args.wire_format, "full"),
-                                  ("--hybrid", args.hybrid, False)):
+    for name, value, accepted in (("--launcher", args.launcher, "torchrun"), ("--wire-format", args.wire_format, "full")):
         if value != accepted:
             raise UsageError(f"{flag} runs with {name} {accepted}, got {name} {value}")
+    if args.hybrid and not args.trainer_ranks == args.rollouts == args.rollout_tp:
+        raise UsageError(f"--hybrid {flag} puts trainer rank r and rollout rank r on device r: --trainer-ranks and "
+                         f"--rollouts must be {args.rollout_tp}, got {args.trainer_ranks} and {args.rollouts}")
     if resolve_model(args.model) not in PRESETS:
         raise UsageError(f"{flag} splits a preset by its tensor-parallel plan ({', '.join(sorted(PRESETS))}), got "
                          f"--model {args.model}")
@@ -245,12 +249,16 @@ def validate_hybrid(args: Sync, spec: Any) -> None:
         raise UsageError(f"--hybrid offloads the model, gradients and optimizer states (--offload all), got --offload "
                          f"{args.offload}")
     for name, value, accepted in (("--launcher", args.launcher, "torchrun"), ("--rollout", args.rollout, "hal"),
-                                  ("--trainer-ranks", args.trainer_ranks, 1)):
+                                  ("--trainer-ranks", args.trainer_ranks, args.rollout_tp)):
         if value != accepted:
             raise UsageError(f"--hybrid runs with {name} {accepted}, got {name} {value}")
     from hal.apps.cli.launch import require_devices
 
-    require_devices(spec, 1, what="--hybrid (every process on device 0)")
+    if args.rollout_tp > 1:
+        require_devices(spec, args.rollout_tp, what=f"--hybrid --rollout-tp {args.rollout_tp} (device r: trainer rank r "
+                                                    "and rollout rank r)")
+    else:
+        require_devices(spec, 1, what="--hybrid (every process on device 0)")
 
 
 def validate_vllm(args: Sync) -> None:

@@ -92,6 +92,14 @@ class JobOptions:
         """Each rollout rank receives only its tensor-parallel slices (``rollout_tp > 1``)."""
         return self.rollout_tp > 1
 
+    def device_of(self, index: int) -> str:
+        """The device worker ``index`` resolves: :attr:`rank_device`, or with :attr:`hybrid` tensor-parallel ranks
+        device ``r`` for trainer rank ``r`` and for rollout rank ``r`` of the server (verl's hybrid engine on N
+        devices)."""
+        if not (self.hybrid and self.resharded):
+            return self.rank_device
+        return f"{self.device}:{index if index < self.trainer_ranks else self.tp_rank(index)[1]}"
+
     def tp_rank(self, index: int) -> tuple[int, int]:
         """``(server, rank within it)`` of the worker ``index`` (a rollout rank)."""
         return divmod(index - self.trainer_ranks, self.rollout_tp)

@@ -15,14 +15,15 @@ from hal.apps.weightsync.verify import verify, verify_rollout
 from hal.apps.weightsync.worker import RolloutRole, Where
 
 
-def rollout_model(options: JobOptions, adapter_cls: Any = None):
+def rollout_model(options: JobOptions, adapter_cls: Any = None, index: int | None = None):
     """A rollout's served model in an adapter (default :class:`ckpt.ModelRolloutAdapter`), its greedy decode
     (``None`` unless a preset) and, tensor-parallel, the layout of what this rank keeps (else ``None``)."""
     import ckpt
 
     import torch
 
-    device, dtype = hal.get_device(options.rank_device), getattr(torch, options.published_dtype)
+    device = hal.get_device(options.rank_device if index is None else options.device_of(index))
+    dtype = getattr(torch, options.published_dtype)
     atomic, layout, agree = options.rollout_apply == "atomic", None, {}
     if options.resharded:  # this process is one rank of the server's default process group (the launcher's)
         from torch.distributed.device_mesh import init_device_mesh
@@ -59,7 +60,7 @@ class Rollout(RolloutRole):
             bank, self.decode, self.layout = rollout_model(options, adapter_cls or single_bank)
             self.adapter = self.receiver = DeltaServing(bank, engine, options.rollout_apply == "atomic")
             return
-        self.adapter, self.decode, self.layout = rollout_model(options, adapter_cls)
+        self.adapter, self.decode, self.layout = rollout_model(options, adapter_cls, rank)
         if self.layout is not None:  # reported by the engine's prepare(), so the trainer sends only these slices
             engine.rollout_layout = self.layout
         self.receiver = ckpt.CheckpointEngineWorker(engine, self.adapter)

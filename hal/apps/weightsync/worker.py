@@ -44,12 +44,13 @@ def make_engine(options: JobOptions, index: int, node_ip: str) -> Any:
 
     if says("one_process"):
         return ckpt.get_checkpoint_engine(options.engine, timeout=options.timeout)
-    kwargs: dict[str, Any] = {"timeout": options.timeout, "device": options.rank_device}
+    kwargs: dict[str, Any] = {"timeout": options.timeout, "device": options.device_of(index)}
     if says("bucketed"):
         kwargs.update(bucket_size=options.bucket_bytes, is_master=index == 0)
     if says("hosts_rendezvous"):
         kwargs.update(master_addr=node_ip if index == 0 else None)
-    if says("supports_multi_sender") and options.sharded and index < options.trainer_ranks:
+    every_rank_sends = says("supports_multi_sender") or (options.resharded and says("supports_reshard"))
+    if every_rank_sends and options.sharded and index < options.trainer_ranks:
         kwargs.update(multi_sender=True)
     if says("stages_in_shared_memory"):
         kwargs.update(release_at_finalize=True)
@@ -66,7 +67,7 @@ class Worker(ManagedWorker):
 
     def __init__(self, options: JobOptions, index: int, engine: Any, where: Where | None = None) -> None:
         self.options, self.index, self.engine = options, index, engine
-        self.kind = options.rank_device  # a kind, or with --hybrid the kind's device 0
+        self.kind = options.device_of(index)  # a kind, or with --hybrid the device this rank shares
         self.whereabouts = where or Where(index, "127.0.0.1", os.getpid(), options.device)
         self.addons: dict[type, Any] = {}
 

@@ -48,12 +48,15 @@ def test_the_qwen2_plan_splits_attention_mlp_and_the_vocabulary():
     (dict(rollout_tp=2, engine="file"), "--rollout-tp 2 sends each rank only its slices, over point-to-point "
                                         "transfers, which --engine collective has; got --engine file"),
     (dict(rollout_tp=2, wire_format="delta"), "--rollout-tp 2 runs with --wire-format full, got --wire-format delta"),
+    (dict(rollout_tp=2, engine="ipc", hybrid=True, device="npu-sim", trainer_ranks=1),
+     "--hybrid --rollout-tp 2 puts trainer rank r and rollout rank r on device r: --trainer-ranks and --rollouts must be "
+     "2, got 1 and 2"),
 ])
 def test_a_tensor_parallel_rollout_refuses_what_cannot_work_naming_the_flag(flags, message):
     from hal.apps.cli.sync import Sync, validate
 
     with pytest.raises(UsageError, match=message.replace("(", r"\(").replace(")", r"\)")):
-        validate(Sync(device="cpu", model="qwen2.5-tiny", **flags))
+        validate(Sync(**{"device": "cpu", "model": "qwen2.5-tiny", **flags}))
 
 
 def test_hal_plan_shows_each_ranks_share_and_refuses_a_tp_that_splits_a_head(capsys):
@@ -132,14 +135,25 @@ def test_a_corrupted_slice_is_named_by_the_rank_that_holds_it():
                                           "model.layers.0.self_attn.o_proj.weight[0:128, 0:64]: checksum"), results[1]
 
 
+def test_hybrid_tensor_parallel_ranks_share_device_r_with_trainer_rank_r():
+    from hal.apps.cli.sync import Sync, job_options
+
+    options = job_options(Sync(device="npu-sim", model="qwen2.5-tiny", engine="ipc", hybrid=True, trainer_ranks=2,
+                               rollout_tp=2))
+    assert [options.device_of(i) for i in range(4)] == ["npu-sim:0", "npu-sim:1", "npu-sim:0", "npu-sim:1"]
+    assert job_options(Sync(device="npu-sim", model="qwen2.5-tiny", trainer_ranks=2, rollout_tp=2)).device_of(3) == \
+        "npu-sim"  # not hybrid: each rank its LOCAL_RANK's device
+
+
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("device", ["cpu", "npu-sim"])
-def test_two_trainer_ranks_to_a_tp2_rollout_every_step_verified_each_rank_half_the_model(device):
+@pytest.mark.parametrize("device, flags", [("cpu", ()), ("npu-sim", ()), ("cpu", ("--engine", "ipc")),
+                                           ("npu-sim", ("--engine", "ipc", "--hybrid"))])
+def test_two_trainer_ranks_to_a_tp2_rollout_every_step_verified_each_rank_half_the_model(device, flags):
     env = {k: v for k, v in os.environ.items() if k != "HAL_DEVICE"}
     out = subprocess.run([sys.executable, "-m", "hal.apps.cli.main", "sync", "--device", device, "--model",
                           "qwen2.5-tiny", "--trainer-ranks", "2", "--rollout-tp", "2", "--steps", "2",
-                          "--bucket-mb", "1", "--timeout", "120", "--json"],
+                          "--bucket-mb", "1", "--timeout", "120", "--json", *flags],
                          capture_output=True, text=True, timeout=290, env=env, cwd=ROOT)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     result = json.loads(out.stdout)
@@ -151,3 +165,6 @@ def test_two_trainer_ranks_to_a_tp2_rollout_every_step_verified_each_rank_half_t
         for r in row["rollouts"]:
             assert r["tokens"] == row["tokens"] and r["logits_max_diff"] < 1e-4
             assert 0.5 <= r["received_fraction"] < 0.51, r  # half of every split tensor; norms whole
+        if "--hybrid" in flags:  # rollout rank r on device r, beside trainer rank r; the trainer offloaded all
+            assert [r["device"] for r in row["rollouts"]] == ["npu:0", "npu:1"]
+            assert row["tensor_home"] == {"model": "cpu", "optimizer": "cpu", "grad": "cpu"}

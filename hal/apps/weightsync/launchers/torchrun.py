@@ -262,7 +262,7 @@ def rank_main(options: JobOptions, hooks: Sequence[StepHook], net: Any = None) -
 
     quiet_rank_exit()
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    hal.bind_local_device(options.rank_device)  # one device per rank, LOCAL_RANK's (with --hybrid: device 0)
+    hal.bind_local_device(options.device_of(rank))  # LOCAL_RANK's device (--hybrid: the one this rank shares)
     store = job_store(options.timeout)
     # the call channel before the namespace: its socket and ZeroMQ's I/O thread keep the host's loopback
     context = zmq.asyncio.Context() if rank == 0 else zmq.Context()  # rank 0 awaits replies in its event loop
@@ -285,7 +285,7 @@ def rank_main(options: JobOptions, hooks: Sequence[StepHook], net: Any = None) -
                 import torch.distributed as dist
 
                 server, tp_rank = options.tp_rank(rank)
-                hal.init_process_group(options.device, store=dist.PrefixStore(f"rollout-tp/{server}", store),
+                hal.init_process_group(options.device_of(rank), store=dist.PrefixStore(f"rollout-tp/{server}", store),
                                        rank=tp_rank, world_size=options.rollout_tp, timeout=options.timeout)
             if options.rollout == "vllm":  # a vLLM rank over that group, hal's engine beside it
                 from hal.apps.weightsync.vllm_tp import VllmTPRolloutRole
