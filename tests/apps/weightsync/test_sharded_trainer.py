@@ -40,7 +40,7 @@ def test_the_ranks_references_merge_their_row_checksums_and_keep_rank_0s_decode(
 
 
 @pytest.mark.parametrize("flags, message", [
-    (dict(engine="nixl"), "--trainer-ranks 2 needs an engine whose every trainer rank sends (collective), got --engine nixl"),
+    (dict(engine="nixl"), "--trainer-ranks 2 needs an engine whose every trainer rank sends (collective; ipc with --rollout-tp), got --engine nixl"),
     (dict(engine="file"), "got --engine file"),
     (dict(launcher="ray"), "--trainer-ranks 2 runs with --launcher torchrun, got --launcher ray"),
     (dict(wire_format="delta"), "--trainer-ranks 2 runs with --wire-format full, got --wire-format delta"),

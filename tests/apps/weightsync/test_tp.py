@@ -46,7 +46,7 @@ def test_the_qwen2_plan_splits_attention_mlp_and_the_vocabulary():
     (dict(rollout_tp=2, rollouts=3), "--rollout-tp 2 groups the --rollouts ranks into servers of 2: --rollouts must "
                                      "be a multiple of it, got --rollouts 3"),
     (dict(rollout_tp=2, engine="file"), "--rollout-tp 2 sends each rank only its slices, over point-to-point "
-                                        "transfers, which --engine collective has; got --engine file"),
+                                        "transfers, which --engine collective or ipc has; got --engine file"),
     (dict(rollout_tp=2, wire_format="delta"), "--rollout-tp 2 runs with --wire-format full, got --wire-format delta"),
     (dict(rollout_tp=2, engine="ipc", hybrid=True, device="npu-sim", trainer_ranks=1),
      "--hybrid --rollout-tp 2 puts trainer rank r and rollout rank r on device r: --trainer-ranks and --rollouts must be "
