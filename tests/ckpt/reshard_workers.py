@@ -153,7 +153,7 @@ def resharded(rank, world_size, device, trainers, updates, kill=None, whole=(), 
                 dict(model.module.named_buffers())
             step = model.served_step
             want = expected(step or 0, lay) if lay else full_weights(step or 0)
-            report.update(served_step=step, total=len(want), buffer_bytes=engine.buffer_bytes,
+            report.update(served_step=step, total=len(want), buffer_bytes=getattr(engine, "buffer_bytes", None),
                           exact=sum(torch.equal(served[n].cpu(), t) for n, t in want.items()),
                           devices=sorted({t.device.type for t in served.values()}),
                           received=lay.nbytes if lay else None)
