@@ -16,7 +16,7 @@ FACTS = {  # each built-in engine's facts that are true; every other fact is fal
                    "receives_inside_vllm", "supports_multi_sender", "supports_reshard"},
     "colocated": {"accepts_repeated_global_steps", "one_process"},
     "file": {"publishes_to_files", "ranks_may_share_a_device"},
-    "ipc": {"bucketed", "ranks_may_share_a_device", "stages_in_shared_memory"},
+    "ipc": {"bucketed", "ranks_may_share_a_device", "stages_in_shared_memory", "supports_reshard"},
     "kimi": {"bucketed", "hosts_rendezvous", "rollout_pulls", "uses_transfer_library"},
     "mooncake": {"bucketed", "bytes_cross_a_network", "hosts_rendezvous", "uses_transfer_library"},
     "nixl": {"bucketed", "bytes_cross_a_network", "hosts_rendezvous", "uses_transfer_library"},
