@@ -38,7 +38,6 @@ from hal.distributed import (
     init_process_group,
     launcher_store,
     new_group_from_store,
-    pick_port,
     process_alive,
 )
 from hal.errors import (
@@ -58,7 +57,7 @@ __all__ = [
     "get_visible_devices_keyword", "local_device", "bind_local_device", "is_host",
     "LocalDevice", "resolve_local_device", "split_device", "check_index",
     "synchronize", "empty_cache", "memory_stats", "manual_seed",
-    "init_process_group", "new_group_from_store", "connect_store", "launcher_store", "StoreGroup", "process_alive", "pick_port",
+    "init_process_group", "new_group_from_store", "connect_store", "launcher_store", "StoreGroup", "process_alive",
     "DeviceSpec", "Availability", "availability", "available_kinds", "known_kinds", "describe", "reset",
     "register_device", "unregister_device", "plugin_errors",
     "HalError", "UnknownDeviceError", "DeviceUnavailableError", "DeviceIndexError", "DuplicateDeviceError", "DistributedTimeoutError",

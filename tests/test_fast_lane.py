@@ -19,7 +19,7 @@ def fast_lane(*paths: str) -> set[str]:
 
 
 def test_the_fast_lane_leaves_out_rank_groups_other_frameworks_and_long_tests():
-    selected = fast_lane("tests/hal/test_multiprocess.py", "tests/interop/test_verl_sim.py", "tests/test_readme.py",
+    selected = fast_lane("tests/apps/test_multiprocess.py", "tests/interop/test_verl_sim.py", "tests/test_readme.py",
                          "tests/ckpt/test_collective_multiprocess.py")
     names = {nodeid.split("::")[-1].split("[")[0] for nodeid in selected}
     assert "test_results_larger_than_a_pipe_buffer_come_back" in names  # quick: kept

@@ -1,4 +1,4 @@
-"""Rank functions for the ipc engine's multi-process tests (run by ``hal.multiprocess.run_multiprocess``).
+"""Rank functions for the ipc engine's multi-process tests (run by ``hal.apps.multiprocess.run_multiprocess``).
 
 Rank 0 is the trainer, ranks 1.. the rollouts, each its own process on one host, as verl's hybrid engine runs
 them. They meet on the harness's store (``port``): the trainer posts its endpoint, everyone its pid.
@@ -205,7 +205,7 @@ def many_updates(rank, world_size, device, updates, bucket_size):
     return {"samples": samples, "segment_left": left}
 
 
-many_updates.start_method = "spawn"  # it measures its own resident memory (see hal.multiprocess.run_multiprocess)
+many_updates.start_method = "spawn"  # it measures its own resident memory (see hal.apps.multiprocess.run_multiprocess)
 
 
 def staged(eng, weights, device) -> list[tuple[str, torch.Tensor]]:

@@ -198,7 +198,7 @@ def bounded_memory(rank, world_size, bucket_size, model_mib, engine_name="collec
     return asyncio.run(main())
 
 
-bounded_memory.start_method = "spawn"  # hal.multiprocess: it measures its own process's memory
+bounded_memory.start_method = "spawn"  # hal.apps.multiprocess: it measures its own process's memory
 
 MEMORY_BUCKET = 32 << 20
 """The memory tests' ``bucket_size`` in bytes: above :data:`FIRST_UPDATE_SLACK`."""

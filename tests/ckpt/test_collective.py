@@ -10,7 +10,7 @@ import hal
 from ckpt.bucket import plan_messages
 from ckpt.testing import compare, sample_weights, standalone_pair, transfer
 from ckpt.wire import Segment, WireMessage
-from hal.testing import held_port
+from tests.ports import held_port
 
 
 def _pair(bucket_size, direct_threshold=None, **extra):

@@ -12,7 +12,7 @@ import torch.distributed as dist
 import ckpt
 import hal
 from ckpt.testing import collect, standalone_engine, standalone_pair
-from hal.multiprocess import run_multiprocess
+from hal.apps.multiprocess import run_multiprocess
 from tests.ckpt import mp_workers
 
 ENGINES = ["collective", "nixl", "mooncake"]

@@ -4,7 +4,7 @@ the bucket size."""
 
 import pytest
 
-from hal.multiprocess import run_multiprocess
+from hal.apps.multiprocess import run_multiprocess
 from tests.ckpt import mp_workers
 
 pytestmark = pytest.mark.multiprocess

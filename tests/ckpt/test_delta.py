@@ -14,7 +14,7 @@ import ckpt
 from ckpt.delta import (DeltaBaseError, DeltaChecksumError, DeltaReceiver, DeltaSender, apply_delta_flush,
                         delta_send, receive_delta, tensor_checksum)
 from ckpt.delta.wire import decode_spec
-from hal.multiprocess import run_multiprocess
+from hal.apps.multiprocess import run_multiprocess
 from tests.ckpt import delta_workers as w
 
 

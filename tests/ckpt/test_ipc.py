@@ -11,7 +11,7 @@ import ckpt
 import hal
 from ckpt.ipc import default_endpoint, rollout_endpoint
 from ckpt.testing import CONTRACT_CHECKS, run_check, sample_weights
-from hal.multiprocess import run_multiprocess
+from hal.apps.multiprocess import run_multiprocess
 from tests.ckpt import ipc_workers
 
 SIM_IPC_ENV = {"HAL_SIM_DRIVER_VERSION": "25.3.rc1", "HAL_SIM_CANN_VERSION": "8.3.RC1"}

@@ -11,7 +11,7 @@ import ckpt
 import hal
 from ckpt.testing import compare, sample_weights, transfer
 from ckpt.testing import standalone_pair
-from hal.multiprocess import run_multiprocess
+from hal.apps.multiprocess import run_multiprocess
 from tests.ckpt import mp_p2p_workers
 
 

@@ -14,7 +14,7 @@ import torch
 import ckpt
 from ckpt.multi_sender import PartAssembler, published
 from ckpt.one_to_many import OneToManyEngine
-from hal.multiprocess import run_multiprocess
+from hal.apps.multiprocess import run_multiprocess
 from tests.ckpt import mp_workers
 
 TOTAL = len(mp_workers.sharded_weights(0))

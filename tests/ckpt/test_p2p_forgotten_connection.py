@@ -19,7 +19,7 @@ import torch
 import ckpt
 import hal
 from ckpt.testing import standalone_engine
-from hal.multiprocess import run_multiprocess
+from hal.apps.multiprocess import run_multiprocess
 
 pytestmark = pytest.mark.multiprocess
 TIMEOUT = 3.0

@@ -5,7 +5,7 @@ mid-transfer, memory bounded by the bucket size."""
 import pytest
 
 import ckpt
-from hal.multiprocess import run_multiprocess
+from hal.apps.multiprocess import run_multiprocess
 from tests.ckpt import mp_p2p_workers, mp_workers
 
 pytestmark = pytest.mark.multiprocess

@@ -6,7 +6,7 @@ import torch
 import ckpt
 from ckpt.one_to_many import OneToManyEngine
 from ckpt.reshard import Holding, PlanError, Region, RolloutLayout, Slice, bucket_plan, check_coverage, pair_plan
-from hal.multiprocess import run_multiprocess
+from hal.apps.multiprocess import run_multiprocess
 from tests.ckpt import reshard_workers as w
 
 

@@ -14,6 +14,7 @@ import ckpt
 import hal
 from ckpt.collective import CollectiveCheckpointEngine
 from ckpt.testing import collect, compare, sample_weights, transfer
+from tests.ports import pick_port
 
 
 def test_engines_build_as_verls_registry_builds_them(tmp_path):
@@ -111,7 +112,7 @@ def test_verl_lifecycle_keeps_the_communicator_while_the_topology_is_unchanged()
 
 def test_standalone_engine_driven_by_verls_lifecycle_reuses_its_group():
     # a port the kernel gave a moment ago: the lazy first update has no prepare() to host it and report it
-    common = dict(world_size=2, master_addr="127.0.0.1", master_port=hal.pick_port("127.0.0.1"), bucket_size=4096,
+    common = dict(world_size=2, master_addr="127.0.0.1", master_port=pick_port("127.0.0.1"), bucket_size=4096,
                   device="cpu", timeout=20)
     sender, receiver = CollectiveCheckpointEngine(rank=0, **common), CollectiveCheckpointEngine(rank=1, **common)
 
@@ -311,7 +312,7 @@ def test_a_master_told_another_address_hosts_its_store_there(name, device):
                                         device=device, timeout=10)
     try:
         first = engine.prepare()["master_port"]
-        other = hal.pick_port("127.0.0.1")
+        other = pick_port("127.0.0.1")
         engine.init_process_group(rank=0, world_size=2, master_addr="127.0.0.1", master_port=other, generation=1)
         assert engine.prepare()["master_port"] == other != first
         assert _store_answers(other) == str(other).encode()

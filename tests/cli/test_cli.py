@@ -185,7 +185,7 @@ def test_the_cli_and_the_job_use_no_test_helper():
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, (ast.Import, ast.ImportFrom)):
                 names = [node.module or ""] if isinstance(node, ast.ImportFrom) else [a.name for a in node.names]
-                assert not any(n == "hal.testing" or n.startswith("hal.testing.") for n in names), path
+                assert not any(n == "tests" or n.startswith("tests.") for n in names), path
 
 
 SCRIPT = textwrap.dedent('''

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 import hal
-from hal.multiprocess import run_multiprocess
+from hal.apps.multiprocess import run_multiprocess
 from tests.devices import sim_workers
 
 REPO = pathlib.Path(__file__).resolve().parents[2]

@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 import hal
 from devices import torch_compat
-from hal.multiprocess import run_multiprocess
+from hal.apps.multiprocess import run_multiprocess
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 TD = datetime.timedelta(seconds=30)

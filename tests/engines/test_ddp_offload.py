@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import hal
-from hal.multiprocess import run_multiprocess
+from hal.apps.multiprocess import run_multiprocess
 from tests.engines.models import loss_for, make_model
 
 pytestmark = pytest.mark.multiprocess

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import hal
-from hal.multiprocess import run_multiprocess
+from hal.apps.multiprocess import run_multiprocess
 from tests.engines.models import host_copy, loss_for, make_model
 
 pytestmark = pytest.mark.multiprocess

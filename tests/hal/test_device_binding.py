@@ -2,7 +2,7 @@
 
 import pytest
 
-from hal.multiprocess import run_multiprocess
+from hal.apps.multiprocess import run_multiprocess
 from tests.hal import binding_workers
 
 pytestmark = [pytest.mark.hal_device("npu-sim"), pytest.mark.multiprocess]

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import hal
-from hal.multiprocess import run_multiprocess
+from hal.apps.multiprocess import run_multiprocess
 
 pytestmark = pytest.mark.multiprocess
 

@@ -6,7 +6,8 @@ import pytest
 import torch.distributed as dist
 
 import hal
-from hal.distributed import RENDEZVOUS_ERRORS, PendingWork, peer_failure, pick_port
+from hal.distributed import RENDEZVOUS_ERRORS, PendingWork, peer_failure
+from tests.ports import pick_port
 
 
 @pytest.mark.parametrize("exc, expected", [

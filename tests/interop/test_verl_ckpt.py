@@ -9,7 +9,7 @@ import pytest
 
 pytest.importorskip("verl.checkpoint_engine", reason="verl 0.9.1 is not installed (the verl extra)")
 
-from hal.multiprocess import run_multiprocess
+from hal.apps.multiprocess import run_multiprocess
 from tests.interop import verl_ckpt_workers
 
 pytestmark = pytest.mark.interop

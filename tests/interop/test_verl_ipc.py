@@ -7,7 +7,7 @@ import importlib.util
 import pytest
 
 import hal
-from hal.multiprocess import run_multiprocess
+from hal.apps.multiprocess import run_multiprocess
 from tests.interop import verl_ipc_workers
 
 pytestmark = [

@@ -99,10 +99,11 @@ def collective(rank: int, world_size: int, device: str, updates: int, mismatch_a
     """1 trainer (rank 0) + ``world_size - 1`` rollouts over hal-collective; returns per-update reports."""
     import hal
     from ckpt.testing import same_bytes
+    from tests.ports import pick_port
 
     store = hal.launcher_store(timeout=60)
     if rank > 0:  # each rollout worker is its own replica: a one-process default group (hosting its own store), as under Ray
-        os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_PORT=str(hal.pick_port()))
+        os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_PORT=str(pick_port()))
         os.environ.pop("TORCHELASTIC_USE_AGENT_STORE")
     backend = "hal-collective"
     import ckpt.collective as collective_module

@@ -88,7 +88,7 @@ def run(folder: str) -> dict:
                          tie_word_embeddings=False)
     torch.manual_seed(0)
     Qwen2ForCausalLM(config).save_pretrained(folder)
-    from hal.distributed import pick_port
+    from tests.ports import pick_port
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(pick_port()), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     dist.init_process_group("hccl", rank=0, world_size=1)

@@ -247,7 +247,7 @@ def _over_links(size_mb: int, fractions: list[float], device: str, rounds: int, 
                 link_gbit: float) -> dict[int, dict]:
     """The two ranks in network namespaces joined by links of ``link_gbit`` Gbit/s; their results by rank."""
     from hal.apps.links import emulated_network, links_available
-    from hal.multiprocess import run_multiprocess
+    from hal.apps.multiprocess import run_multiprocess
 
     ok, reason = links_available()
     if not ok:

@@ -156,7 +156,7 @@ def run(size_mb: int = 256, link_gbit: float | None = 1.0, rounds: int = 2, tps:
     import contextlib
 
     from hal.apps.links import emulated_network
-    from hal.multiprocess import run_multiprocess
+    from hal.apps.multiprocess import run_multiprocess
 
     shapes = model_shapes(size_mb << 20)
     nbytes = sum(2 * math.prod(s) for s in shapes.values())

@@ -214,7 +214,7 @@ def bench_senders(size_mb: int = 32, rate_mbit: float = 100.0, rollout_factor: f
     median seconds, ``ratio`` against 1 sender (rollout-limited row: against the link's rate).
     """
     from hal.apps.links import emulated_network, links_available
-    from hal.multiprocess import run_multiprocess
+    from hal.apps.multiprocess import run_multiprocess
 
     senders = sorted(set(int(s) for s in senders))
     if not senders or senders[0] != 1 or senders[-1] > 64:

@@ -1,4 +1,4 @@
-"""Start a benchmark's ranks on this node with the harness the tests use (:func:`hal.multiprocess.run_multiprocess`).
+"""Start a benchmark's ranks on this node with the tests' harness (:func:`hal.apps.multiprocess.run_multiprocess`).
 
 A benchmark writes ``fn(rank, world_size, *args)``; :func:`run_ranks` runs it in fresh spawned processes and
 returns ``{rank: figures}``. Ranks meet on the store the caller hosts (:func:`launcher_store`); past the
@@ -33,7 +33,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
     ``fn`` and ``args`` must pickle. ``timeout``: seconds the ranks may run together. MultiprocessError names
     a rank that raised, died or passed the deadline.
     """
-    from hal.multiprocess import run_multiprocess
+    from hal.apps.multiprocess import run_multiprocess
 
     if world_size < 1 or not timeout > 0:
         raise ValueError(f"world_size must be >= 1 and timeout > 0, got world_size={world_size}, timeout={timeout}")

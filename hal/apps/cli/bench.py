@@ -117,7 +117,7 @@ def selection(args: Bench) -> list[str]:
 
 def execute(args: Bench) -> dict[str, Any]:
     """Run the chosen benchmarks; returns ``{name: figures}`` of those chosen and available."""
-    from hal.multiprocess import MultiprocessError
+    from hal.apps.multiprocess import MultiprocessError
 
     chosen = selection(args)
     try:

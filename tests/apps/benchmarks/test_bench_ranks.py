@@ -1,4 +1,4 @@
-"""How the benchmarks start their ranks (the tests' harness, ``hal.multiprocess.run_multiprocess``, spawning): each
+"""How the benchmarks start their ranks (the tests' harness, ``hal.apps.multiprocess.run_multiprocess``, spawning): each
 rank's return value comes back by rank, a rank that raises or hangs fails the run naming it, and ``hal bench``
 says so in one line."""
 
@@ -13,7 +13,7 @@ from ckpt.manager import join_engine
 from hal.apps.benchmarks.ranks import launcher_store, run_ranks
 from hal.apps.cli.bench import Bench, execute
 from hal.apps.errors import WorkerFailedError
-from hal.multiprocess import MultiprocessError
+from hal.apps.multiprocess import MultiprocessError
 
 pytestmark = pytest.mark.multiprocess
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from hal.apps.errors import UsageError
-from hal.multiprocess import run_multiprocess
+from hal.apps.multiprocess import run_multiprocess
 
 ROOT = pathlib.Path(__file__).resolve().parents[3]
 

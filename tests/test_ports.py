@@ -1,12 +1,11 @@
-"""``hal.pick_port``: a port no outgoing connection can take before its server binds it."""
+"""``tests.ports.pick_port``: a port no outgoing connection can take before its server binds it."""
 
 import socket
 
 import pytest
 
-import hal.distributed
-from hal.distributed import pick_port
-from hal.testing import held_port
+from tests import ports
+from tests.ports import held_port, pick_port
 
 
 def _bindable(port: int) -> bool:
@@ -19,28 +18,28 @@ def _bindable(port: int) -> bool:
 
 
 def test_the_port_is_free_and_below_the_kernels_ephemeral_range():
-    low, high = hal.distributed.ephemeral_port_range()
-    ports = {pick_port() for _ in range(20)}
-    assert all(10_000 <= p < low and _bindable(p) for p in ports), (ports, low)
-    assert len(ports) > 1  # drawn at random, not one fixed port
+    low, high = ports.ephemeral_port_range()
+    picked = {pick_port() for _ in range(20)}
+    assert all(10_000 <= p < low and _bindable(p) for p in picked), (picked, low)
+    assert len(picked) > 1  # drawn at random, not one fixed port
 
 
 def test_a_busy_port_is_never_returned(monkeypatch):
     with held_port() as taken:
         # a range of one port to draw from, and that one taken: the operating system chooses instead
-        monkeypatch.setattr(hal.distributed, "_LOWEST_PICKED_PORT", taken)
-        monkeypatch.setattr(hal.distributed, "ephemeral_port_range", lambda: (taken + 1, 65535))
+        monkeypatch.setattr(ports, "_LOWEST_PICKED_PORT", taken)
+        monkeypatch.setattr(ports, "ephemeral_port_range", lambda: (taken + 1, 65535))
         port = pick_port()
     assert port != taken and _bindable(port)
 
 
 def test_without_a_range_to_draw_from_the_operating_system_chooses(tmp_path, monkeypatch):
-    low, high = hal.distributed.ephemeral_port_range()
+    low, high = ports.ephemeral_port_range()
     wide = tmp_path / "ip_local_port_range"
     wide.write_text("1024\t65535\n")  # no room below the range
-    monkeypatch.setattr(hal.distributed, "EPHEMERAL_RANGE_FILE", str(wide))
+    monkeypatch.setattr(ports, "EPHEMERAL_RANGE_FILE", str(wide))
     assert low <= pick_port() <= high  # bound to port 0: the kernel's range
-    monkeypatch.setattr(hal.distributed, "EPHEMERAL_RANGE_FILE", str(tmp_path / "missing"))
+    monkeypatch.setattr(ports, "EPHEMERAL_RANGE_FILE", str(tmp_path / "missing"))
     assert low <= pick_port() <= high
 
 

@@ -1,4 +1,4 @@
-"""hal.multiprocess.run_multiprocess: ranks started from the forkserver see what a spawned rank would."""
+"""hal.apps.multiprocess.run_multiprocess: ranks started from the forkserver see what a spawned rank would."""
 
 import multiprocessing
 import os
@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from hal import multiprocess as harness
+from hal.apps import multiprocess as harness
 
 
 def _report(rank, world_size):
