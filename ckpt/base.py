@@ -81,7 +81,7 @@ class CheckpointEngine(abc.ABC):
     publishes_to_files: bool = False
     # A second update with the step just received is taken again (hal sync --compare-full needs it).
     accepts_repeated_global_steps: bool = False
-    # Moves bytes with a transfer library whose bare transport bare_transport(rank) offers (hal bench compares).
+    # Moves bytes with a transfer library (hal bench compares it with that library alone).
     uses_transfer_library: bool = False
     # Rollouts read the update from the trainer's registered memory (Kimi's engine): its baseline is a read.
     rollout_pulls: bool = False

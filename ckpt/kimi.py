@@ -58,13 +58,6 @@ class KimiCheckpointEngine(OneToManyEngine):
     uses_transfer_library = True
     rollout_pulls = True  # the rollouts read from the trainer's registered buckets (Mooncake reads)
 
-    @classmethod
-    def bare_transport(cls, rank: int) -> Any:
-        """Return Mooncake over tcp on the loopback, no engine around it (a benchmark's baseline; kimi's rollouts pull)."""
-        from ckpt.mooncake import MooncakeCheckpointEngine
-
-        return MooncakeCheckpointEngine.bare_transport(rank)
-
     def __init__(self, bucket_size: int = DEFAULT_BUCKET_SIZE, is_master: bool = False, *, rank: int | None = None,
                  world_size: int | None = None, master_addr: str | None = None, master_port: int | None = None,
                  store_addr: str | None = None, device: str | None = None, timeout: float = hal.DEFAULT_TIMEOUT_S,

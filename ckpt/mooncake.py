@@ -93,17 +93,6 @@ class MooncakeTransport(Transport):
         handle.state = 1
         return True
 
-    def copy_sync(self, peer: int, nbytes: int, timeout: float, *, read: bool = False) -> None:
-        # the library's own synchronous calls, as its users call them (the engine submits and polls instead,
-        # see start_write); they take no timeout: Mooncake's own transfer timeout bounds them
-        r = self.remote[peer]
-        call = self.engine.transfer_sync_read if read else self.engine.transfer_sync_write
-        rc = call(r["session"], self.addr, r["addr"], nbytes)
-        if rc != 0:
-            raise TransferError(f"Mooncake {'transfer_sync_read' if read else 'transfer_sync_write'} of {nbytes} "
-                                f"bytes with {r['session']} returned {rc}")
-
-
     def close(self) -> None:
         if self.engine is None:
             return
@@ -139,11 +128,6 @@ class MooncakeCheckpointEngine(P2PCheckpointEngine):
                 f"import mooncake.engine failed ({type(exc).__name__}: {exc}); install the 'mooncake' extra "
                 "(pip install mooncake-transfer-engine-non-cuda==0.3.13.post1) and Debian's libibverbs1")
         return hal.Availability.available()
-
-    @classmethod
-    def bare_transport(cls, rank: int) -> Transport:
-        """Return Mooncake over tcp on the loopback, no engine around it (a benchmark's baseline)."""
-        return MooncakeTransport("127.0.0.1", HOST_PROTOCOL)
 
     def make_transport(self, host: str, in_place: str | None) -> Transport:
         return MooncakeTransport(host, in_place or HOST_PROTOCOL, self.device_name)

@@ -173,11 +173,6 @@ class NixlCheckpointEngine(P2PCheckpointEngine):
                 "pip install --no-deps nixl==1.5.1 nixl-cu12==1.5.1 numpy")
         return hal.Availability.available()
 
-    @classmethod
-    def bare_transport(cls, rank: int) -> Transport:
-        """Return NIXL on host memory, no engine around it (a benchmark's baseline)."""
-        return NixlTransport(f"bare-{rank}-{uuid.uuid4().hex[:12]}", HOST_MEMORY_TYPE, ("UCX",))
-
     def make_transport(self, host: str, in_place: str | None) -> Transport:
         return NixlTransport(f"hal-ckpt-{self.rank}-{uuid.uuid4().hex[:12]}", in_place or HOST_MEMORY_TYPE,
                              self.backends)

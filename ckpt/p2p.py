@@ -88,14 +88,6 @@ class Transport(abc.ABC):
             await asyncio.sleep(delay)
             delay = min(1e-3, delay * 2 or 2e-5)
 
-    def copy_sync(self, peer: int, nbytes: int, timeout: float, *, read: bool = False) -> None:
-        """Copy the first ``nbytes`` of the registered region to ``peer``'s (``read``: from it), blocking until done.
-
-        The library's best between two processes, the baseline of :mod:`hal.apps.benchmarks.bench_p2p`."""
-        if read:
-            raise NotImplementedError(f"{self.library}: hal's transport only writes")
-        asyncio.run(self.wait(self.start_write(peer, [(self.addr, 0, nbytes)]), timeout))
-
     @abc.abstractmethod
     def close(self) -> None:
         """Deregister memory and release the library's resources; idempotent.

@@ -9,8 +9,10 @@ peak memory against ``bucket_size``). Rounds alternate which goes first; ratios 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import statistics
+import uuid
 import zlib
 from typing import Any, Callable
 
@@ -24,12 +26,47 @@ from hal.apps.benchmarks.ranks import launcher_store, run_ranks
 from hal.apps.errors import mib_to_bytes
 
 
+def _bare_nixl(rank: int) -> Any:
+    from ckpt.nixl import HOST_MEMORY_TYPE, NixlTransport
+
+    return NixlTransport(f"bare-{rank}-{uuid.uuid4().hex[:12]}", HOST_MEMORY_TYPE, ("UCX",))
+
+
+def _bare_mooncake(rank: int) -> Any:
+    from ckpt.mooncake import HOST_PROTOCOL, MooncakeTransport
+
+    return MooncakeTransport("127.0.0.1", HOST_PROTOCOL)
+
+
+# An engine's library alone on host memory, its baseline: the engine's transport with no engine around it.
+BARE_TRANSPORTS = {"nixl": _bare_nixl, "mooncake": _bare_mooncake, "kimi": _bare_mooncake}  # kimi pulls via Mooncake
+
 
 def transfer_library_engines() -> list[str]:
-    """The registered engines whose class says ``uses_transfer_library``."""
+    """The registered engines whose class says ``uses_transfer_library`` and whose library has a baseline here."""
     import ckpt
 
-    return ckpt.checkpoint_engines_where("uses_transfer_library")
+    return [e for e in ckpt.checkpoint_engines_where("uses_transfer_library") if e in BARE_TRANSPORTS]
+
+
+def copy_sync(raw: Any, peer: int, nbytes: int, timeout: float, read: bool = False) -> None:
+    """Copy the first ``nbytes`` of ``raw``'s registered region to ``peer``'s (``read``: from it), blocking.
+
+    Mooncake: its own synchronous calls, as its users call them (bounded by Mooncake's transfer timeout, not
+    ``timeout``); others: one write of the transport, waited for."""
+    from ckpt.errors import TransferError
+    from ckpt.mooncake import MooncakeTransport
+
+    if isinstance(raw, MooncakeTransport):
+        r = raw.remote[peer]
+        name = "transfer_sync_read" if read else "transfer_sync_write"
+        rc = getattr(raw.engine, name)(r["session"], raw.addr, r["addr"], nbytes)
+        if rc != 0:
+            raise TransferError(f"Mooncake {name} of {nbytes} bytes with {r['session']} returned {rc}")
+    elif read:
+        raise NotImplementedError(f"{raw.library}: hal's transport only writes")
+    else:
+        asyncio.run(raw.wait(raw.start_write(peer, [(raw.addr, 0, nbytes)]), timeout))
 
 
 def _bench_rank(rank: int, world_size: int, size_mb: int, bucket: int, device: str, rounds: int,
@@ -67,14 +104,14 @@ def _raw_once(name: str, rank: int, store, host: torch.Tensor) -> tuple[Callable
     import ckpt
 
     engine_class = ckpt.checkpoint_engine_factory(name)
-    raw = engine_class.bare_transport(rank)
+    raw = BARE_TRANSPORTS[name](rank)
     store.set(f"raw/{name}/{rank}", json.dumps(raw.register(host)))
     raw.add_peer(1 - rank, json.loads(store.get(f"raw/{name}/{1 - rank}")))
     moves = 1 if engine_class.rollout_pulls else 0  # the rank that starts the transfer
 
     def once() -> None:
         if rank == moves:
-            raw.copy_sync(1 - rank, host.numel(), 300, read=engine_class.rollout_pulls)
+            copy_sync(raw, 1 - rank, host.numel(), 300, read=engine_class.rollout_pulls)
 
     return once, raw
 
