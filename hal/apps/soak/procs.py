@@ -2,15 +2,9 @@
 restarted by the driver, and the in-process group of the colocated engine.
 
 :class:`ProcessGroup` is a :class:`ckpt.manager.WorkerGroup`. Each worker is ``python -m hal.apps.soak.child FD``
-inside the sandbox, joined to the driver by a socket pair carrying standard pickles (tensors by value):
-
-* driver -> worker: ``("call", seq, call)`` (run in order), ``call`` the pickle of ``(method, args, kwargs)``;
-  ``("stop",)``;
-* worker -> driver: ``("reply", seq, ok, value, error)``, ``value`` the result's pickle; ``("notice", message)``.
-
-Contents are pickled apart from their message, so one that does not load fails only its call. When a
-process dies its socket closes and every call in flight fails with :class:`WorkerDied`; a stopped worker
-fails its call at the manager's deadline.
+inside the sandbox, joined to the driver by a socket pair: first its :class:`ChildSpec`, then the job's call
+channel (:mod:`hal.apps.weightsync.channel`; tensors by value). When a process dies its socket closes and every
+call in flight fails with :class:`WorkerDied`; a stopped worker fails its call at the manager's deadline.
 """
 
 from __future__ import annotations
@@ -19,19 +13,16 @@ import asyncio
 import contextlib
 import dataclasses
 import os
-import pickle
 import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 from multiprocessing.connection import Connection
 from typing import Any, Callable
 
 import hal
-from ckpt.manager import method_class
-from hal.apps.weightsync.messages import load_message
+from hal.apps.weightsync.channel import Caller, RemoteError, WorkerDied, send
 from hal.apps.weightsync.options import JobOptions
 from hal.apps.weightsync.worker import Where, Worker, describe_worker
 
@@ -42,14 +33,6 @@ EXIT_WAIT_S = 10.0  # seconds a stopping worker has before it is killed
 # torch's flight recorder ring (2000 gloo entries by default) grows ~0.8 KiB per collective until full, and
 # glibc's per-thread arenas keep freed pages resident (1.8 MB in 15 arenas measured; 0.1 MB with one)
 WORKER_ENV_DEFAULTS = {"TORCH_FR_BUFFER_SIZE": "64", "MALLOC_ARENA_MAX": "1"}
-
-
-class WorkerDied(hal.HalError, RuntimeError):
-    """The worker's process ended while a call was in flight (the message says how: signal or exit status)."""
-
-
-class RemoteError(hal.HalError, RuntimeError):
-    """A call raised in the worker; the message is its ``"ExceptionType: message"``."""
 
 
 @dataclasses.dataclass
@@ -81,28 +64,6 @@ def build_host(spec: ChildSpec, notify: Callable[[tuple], None], in_process: boo
     return host
 
 
-def send(conn: Connection, message: Any) -> None:
-    """Send ``message`` pickled by the standard pickler; OSError when the other end is gone."""
-    conn.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
-
-
-def receive(conn: Connection) -> Any:
-    """The next message (blocks until one comes); EOFError when the other end closed."""
-    return pickle.loads(conn.recv_bytes())
-
-
-def settle(future: asyncio.Future, ok: bool, value: bytes | None, error: str | None) -> None:
-    """Complete a call's ``future`` from its reply: the result ``value`` pickles, or :class:`RemoteError`."""
-    if not ok:
-        future.set_exception(RemoteError(error or "the call failed in the worker, which did not say why"))
-        return
-    value, why = load_message(value)
-    if why is None:
-        future.set_result(value)
-    else:
-        future.set_exception(RemoteError(f"its result does not load in the driver: {why}"))
-
-
 def explain_exit(returncode: int | None) -> str:
     """How a process ended, in words: ``"killed by SIGKILL"``, ``"exited with status 1"``."""
     if returncode is None:
@@ -127,20 +88,30 @@ def log_tail(path: str, lines: int = 3, size: int = 4096) -> str:
 
 
 class Incarnation:
-    """One process of worker ``index``: its ``Popen``, connection, calls in flight and reader thread."""
+    """One process of worker ``index``: its ``Popen``, log and the driver's end of its call channel."""
 
-    def __init__(self, index: int, number: int, proc: subprocess.Popen, conn: Connection, log: str) -> None:
-        self.index, self.number, self.proc, self.conn, self.log = index, number, proc, conn, log
-        self.pending: dict[int, asyncio.Future] = {}
-        self.seq = 0
-        # how the process ended (None while it runs)
-        self.dead: str | None = None
+    def __init__(self, index: int, number: int, proc: subprocess.Popen, log: str) -> None:
+        self.index, self.number, self.proc, self.log = index, number, proc, log
+        self.caller: Caller | None = None
         self.stopped = False
-        self.thread: threading.Thread | None = None
 
     @property
     def pid(self) -> int:
         return self.proc.pid
+
+    @property
+    def dead(self) -> str | None:
+        """How the process ended (``None`` while it runs)."""
+        return self.caller.dead
+
+    def ended(self, why: str | None) -> str:
+        """How the process ended, with its log's last lines, once its end of the channel closed."""
+        try:
+            how = why or explain_exit(self.proc.wait(timeout=EXIT_WAIT_S))
+        except subprocess.TimeoutExpired:
+            how = explain_exit(None)
+        tail = log_tail(self.log)
+        return how + (f"; its log ends: {tail}" if tail and "SIGKILL" not in how else "")
 
 
 class ProcessGroup:
@@ -171,55 +142,15 @@ class ProcessGroup:
                                     stderr=subprocess.STDOUT, start_new_session=True)
         theirs.close()
         conn = Connection(ours.detach())
-        worker = Incarnation(index, self.started[index], proc, conn, log_path)
+        worker = Incarnation(index, self.started[index], proc, log_path)
         spec = ChildSpec(self.options, index, self.sandbox.node_ip(index), self.sandbox.surroundings(index))
-        try:
+        with contextlib.suppress(OSError):  # it died at once: the reader sees it
             send(conn, ("spec", spec))
-        except OSError:
-            pass  # it died at once: the reader sees it
-        worker.thread = threading.Thread(target=self._read, args=(worker,), daemon=True,
-                                         name=f"hal-soak-reader-{index}-{worker.number}")
-        worker.thread.start()
+        loop = self.loop
+        worker.caller = Caller(conn, on_notice=lambda notice: loop.call_soon_threadsafe(self.on_notice, index, notice),
+                               ended=worker.ended, name=f"hal-soak-reader-{index}-{worker.number}")
         self.workers[index] = worker
         return worker
-
-    def _read(self, worker: Incarnation) -> None:
-        """The reader thread: hand each message to the loop; on end of file, the death."""
-        while True:
-            try:
-                message = receive(worker.conn)
-            except (EOFError, OSError):
-                break
-            except Exception as exc:  # noqa: BLE001 - an unpicklable message: the worker is unusable
-                self.loop.call_soon_threadsafe(self._on_death, worker, f"sent a message that does not load ({exc})")
-                return
-            self.loop.call_soon_threadsafe(self._on_message, worker, message)
-        try:
-            returncode = worker.proc.wait(timeout=EXIT_WAIT_S)
-        except subprocess.TimeoutExpired:
-            returncode = None
-        self.loop.call_soon_threadsafe(self._on_death, worker, explain_exit(returncode))
-
-    def _on_message(self, worker: Incarnation, message: tuple) -> None:
-        if message[0] == "notice":
-            self.on_notice(worker.index, message[1])
-            return
-        _, seq, ok, value, error = message
-        future = worker.pending.pop(seq, None)
-        if future is not None and not future.done():  # else a call the manager gave up on (cancelled)
-            settle(future, ok, value, error)
-
-    def _on_death(self, worker: Incarnation, how: str) -> None:
-        if worker.dead is not None:
-            return
-        tail = log_tail(worker.log)
-        worker.dead = how + (f"; its log ends: {tail}" if tail and "SIGKILL" not in how else "")
-        with contextlib.suppress(OSError):
-            worker.conn.close()
-        for future in worker.pending.values():
-            if not future.done():
-                future.set_exception(WorkerDied(f"the worker died ({worker.dead})"))
-        worker.pending.clear()
 
     async def start(self) -> None:
         """Start every worker's process (they build their roles concurrently)."""
@@ -255,26 +186,14 @@ class ProcessGroup:
     def submit(self, index: int, method: Callable, *args: Any, **kwargs: Any) -> asyncio.Future:
         """Post ``method(*args, **kwargs)`` to worker ``index``; the future fails with :class:`RemoteError` or
         :class:`WorkerDied`."""
-        future = self.loop.create_future()
+        worker = self.workers[index]
+        if worker is None:
+            future = self.loop.create_future()
+            future.set_exception(WorkerDied("the worker died (never started)"))
+        else:
+            future = asyncio.wrap_future(worker.caller.post(method, *args, **kwargs), loop=self.loop)
         # a call nobody awaits any more (the manager gave up on it, the run was stopped) fails quietly
         future.add_done_callback(lambda f: f.cancelled() or f.exception())
-        worker = self.workers[index]
-        if worker is None or worker.dead is not None:
-            future.set_exception(WorkerDied(f"the worker died ({worker.dead if worker else 'never started'})"))
-            return future
-        try:
-            method_class(method)
-            call = pickle.dumps((method, args, kwargs), protocol=pickle.HIGHEST_PROTOCOL)
-        except Exception as exc:  # noqa: BLE001 - a string, a lambda, what does not pickle: this call fails, unsent
-            future.set_exception(exc)
-            return future
-        seq = worker.seq
-        worker.seq += 1
-        worker.pending[seq] = future
-        try:
-            send(worker.conn, ("call", seq, call))
-        except OSError:
-            pass  # the process is gone: the reader thread fails the call
         return future
 
     def describe(self, index: int) -> str:
@@ -316,8 +235,7 @@ class ProcessGroup:
         for worker in self.workers:
             if worker is not None and worker.dead is None:
                 self.resume(worker.index)
-                with contextlib.suppress(OSError):
-                    send(worker.conn, ("stop",))
+                worker.caller.stop()
         deadline = time.monotonic() + EXIT_WAIT_S
         while any(w is not None and w.dead is None for w in self.workers) and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
@@ -374,5 +292,4 @@ class InProcessGroup:
         """Nothing to stop."""
 
 
-__all__ = ["WORKER_ENV_DEFAULTS", "ChildSpec", "InProcessGroup", "ProcessGroup", "RemoteError", "WorkerDied",
-           "build_host", "explain_exit", "receive", "send", "settle"]
+__all__ = ["WORKER_ENV_DEFAULTS", "ChildSpec", "InProcessGroup", "ProcessGroup", "build_host", "explain_exit"]

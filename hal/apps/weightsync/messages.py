@@ -7,7 +7,6 @@ seconds; ``*_bytes`` are bytes.
 from __future__ import annotations
 
 import dataclasses
-import pickle
 from typing import Any
 
 import torch
@@ -92,15 +91,6 @@ class Concluded:
     memory: dict[str, Any]
 
 
-def load_message(data: bytes) -> tuple[Any, str | None]:
-    """``(message, None)`` from one message's pickle, or ``(None, "ExceptionType: message")`` where it does not
-    load in this process: that one call fails, not the process that read it."""
-    try:
-        return pickle.loads(data), None
-    except Exception as exc:  # noqa: BLE001 - any load failure is that one message's, reported to its caller
-        return None, f"{type(exc).__name__}: {exc}"
-
-
 def merge_sent(sent: list[Sent]) -> Sent:
     """The trainer's send of an update from each rank's: ``t0`` the latest start, ``send_s`` the longest."""
     if len(sent) == 1:
@@ -133,5 +123,5 @@ def rollout_row(received: Received, checked: Checked) -> dict[str, Any]:
     return row
 
 
-__all__ = ["Checked", "Concluded", "Received", "Reference", "Sent", "Trained", "load_message", "merge_references",
+__all__ = ["Checked", "Concluded", "Received", "Reference", "Sent", "Trained", "merge_references",
            "merge_sent", "rollout_row"]

@@ -2,28 +2,28 @@
 machine, one device each.
 
 Ranks ``0..T-1`` are the trainer (T > 1: a sharded trainer with its own process group), ranks ``T..`` the
-rollouts. Rank 0 runs the step loop; every other rank runs :func:`serve`. Calls travel over ZeroMQ DEALER
-sockets as two frames (sequence number, pickle); a serving rank publishes its kernel-picked port in the elastic
-agent's store. Every wait is bounded by the job's timeout; a rank that raises is named in the call's error,
-and a rank that dies takes the run down, reported by role and cause.
+rollouts. Rank 0 runs the step loop; every other rank runs :func:`serve`. Calls travel over the job's call
+channel (:mod:`hal.apps.weightsync.channel`), one loopback connection per serving rank, whose kernel-picked
+port it publishes in the elastic agent's store. Every wait is bounded by the job's timeout; a rank that raises
+is named in the call's error, and a rank that dies takes the run down, reported by role and cause.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import dataclasses
 import functools
 import os
-import pickle
-import time
+import socket
 import uuid
+from multiprocessing.connection import Connection
 from typing import Any, Callable, Sequence
 
 import hal
-from ckpt.manager import method_class
+from hal.apps.weightsync import channel
 from hal.apps.weightsync.loop import JobResult, StepHook, run
-from hal.apps.weightsync.messages import load_message
 from hal.apps.weightsync.options import JobOptions
 from hal.apps.weightsync.rollout import Rollout
 from hal.apps.weightsync.trainer import Trainer
@@ -35,149 +35,68 @@ REPLY_MARGIN_S = 30.0
 STORE_PREFIX = "hal-sync"  # the job's keys in the elastic agent's store
 
 
-@dataclasses.dataclass
-class Call:
-    """One call rank 0 sends a serving rank: ``method(*args, **kwargs)`` on its worker; ``None``: end."""
-
-    method: Callable | None
-    args: tuple = ()
-    kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
-
-
-@dataclasses.dataclass
-class Reply:
-    """A serving rank's answer: the result, or its failure as ``"ExceptionType: message"``."""
-
-    ok: bool
-    value: Any = None
-    error: str | None = None
-
-
-class RemoteCallError(hal.HalError, RuntimeError):
-    """A call on a serving rank raised; the message is its ``"ExceptionType: message"``."""
-
-
-def frames(seq: int, message: Call | Reply) -> list[bytes]:
-    """``message`` as it travels: its sequence number apart from its pickle, so a pickle that does not load at
-    the other end still fails only its call."""
-    return [str(seq).encode(), pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)]
-
-
-def unframe(parts: list[bytes]) -> tuple[int, Any, str | None]:
-    """``(seq, message, None)`` from :func:`frames`' two frames, or ``(seq, None, why)`` where the pickle does not
-    load here; ValueError for anything else."""
-    if len(parts) != 2 or not parts[0].isdigit():
-        got = f"{len(parts)} frame(s) starting {parts[0][:20]!r}" if parts else "no frame"
-        raise ValueError(f"a call channel message must be 2 frames, a sequence number then a pickle; got {got}")
-    return int(parts[0]), *load_message(parts[1])
-
-
 def job_store(timeout: float, prefix: str = STORE_PREFIX) -> Any:
     """The launcher's store under ``prefix`` (DistributedTimeoutError after ``timeout`` seconds)."""
     return hal.launcher_store(timeout, prefix)
 
 
-def bind_calls(context: Any, store: Any, rank: int) -> Any:
-    """A serving rank's end of the call channel: a DEALER socket on a kernel-picked loopback port, published in
-    ``store`` as ``calls/{rank}``."""
-    import zmq
-
-    sock = context.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 1000)  # a last reply (stop's) still goes out while the process ends
-    port = sock.bind_to_random_port(f"tcp://{LOOPBACK}")
-    store.set(f"calls/{rank}", str(port))
-    return sock
+def accept_calls(store: Any, rank: int, timeout: float) -> Connection:
+    """A serving rank's end of the call channel: a loopback port published in ``store`` as ``calls/{rank}``,
+    connected by rank 0 within ``timeout`` seconds."""
+    with socket.create_server((LOOPBACK, 0)) as server:
+        store.set(f"calls/{rank}", str(server.getsockname()[1]))
+        return channel.accept(server, timeout)
 
 
-def connect_calls(context: Any, store: Any, world_size: int) -> dict[int, Any]:
-    """Rank 0's ends of the call channels, ``{rank: DEALER socket}``, each port waited for in ``store``."""
-    import zmq
-
-    sockets = {}
+def connect_calls(store: Any, world_size: int, timeout: float) -> dict[int, Connection]:
+    """Rank 0's ends of the call channels, ``{rank: connection}``, each port waited for in ``store``."""
+    conns = {}
     for index in range(1, world_size):
         try:
             port = int(store.get(f"calls/{index}"))
         except (TimeoutError, RuntimeError) as exc:  # torch.distributed.DistStoreError is a RuntimeError
             raise hal.DistributedTimeoutError(f"rank {index} did not publish its call port within the store's "
                                               f"timeout (it failed or is gone): {exc}") from exc
-        sock = context.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(f"tcp://{LOOPBACK}:{port}")
-        sockets[index] = sock
-    return sockets
+        conns[index] = channel.connect(LOOPBACK, port, timeout)
+    return conns
 
 
 class TorchrunGroup:
     """A :class:`ckpt.manager.WorkerGroup` on rank 0: worker 0 here, the others serving ranks; a reply may take
     ``timeout + REPLY_MARGIN_S`` seconds."""
 
-    def __init__(self, local: Any, sockets: dict[int, Any], world_size: int, timeout: float,
+    def __init__(self, local: Any, conns: dict[int, Connection], world_size: int, timeout: float,
                  trainers: int = 1) -> None:
-        self.local, self.sockets, self.timeout = local, sockets, timeout
+        self.local, self.timeout = local, timeout
         self.trainer_world_size, self.rollout_world_size = trainers, world_size - trainers
-        self.seq = [0] * world_size
-        self.early: list[dict[int, Reply]] = [{} for _ in range(world_size)]  # replies read before their turn
-        self.reading = [asyncio.Lock() for _ in range(world_size)]
-
-    def post(self, index: int, call: Call) -> int:
-        """Send ``call`` to serving rank ``index`` now; returns its sequence number."""
-        import zmq
-
-        seq = self.seq[index]
-        message = frames(seq, call)
-        self.seq[index] += 1
-        sock = self.sockets[index]
-        try:
-            asyncio.get_running_loop()
-        except RuntimeError:  # stop() after the job's loop ended: no receive is pending on the socket
-            zmq.Socket.shadow(sock.underlying).send_multipart(message)
-        else:  # through zmq.asyncio (queued at once), so a receive already awaited on this socket is woken
-            sock.send_multipart(message)
-        return seq
-
-    def _keep(self, index: int, parts: list[bytes]) -> None:
-        """File a reply from rank ``index`` under its sequence number (a pickle that does not load fails that call)."""
-        seq, reply, why = unframe(parts)
-        if why is not None:
-            reply = Reply(False, error=f"the reply does not load on rank 0: {why}")
-        self.early[index][seq] = reply
+        self.callers = {index: channel.Caller(conn, "rank 0", name=f"hal-calls-{index}")
+                        for index, conn in conns.items()}
 
     def submit(self, index: int, method: Callable, *args: Any, **kwargs: Any):
         """Start ``method`` on worker ``index``: posted now, awaited by the returned coroutine."""
         if index == 0:
             return self.local.invoke(method, *args, **kwargs)
-        method_class(method)  # a string or a lambda is refused here, not posted
-        return self.reply(index, self.post(index, Call(method, args, kwargs)), method.__qualname__)
+        posted = self.callers[index].post(method, *args, **kwargs)
+        return self.reply(index, posted, getattr(method, "__qualname__", repr(method)))
 
-    async def reply(self, index: int, seq: int, method: str) -> Any:
-        """The reply to call ``seq`` of rank ``index``; RemoteCallError when it raised there, TimeoutError when late."""
+    async def reply(self, index: int, posted: concurrent.futures.Future, method: str) -> Any:
+        """The reply to ``posted`` on rank ``index``; RemoteError when it raised there, TimeoutError when late."""
         limit = self.timeout + REPLY_MARGIN_S
-        deadline = time.monotonic() + limit
-        async with self.reading[index]:
-            while seq not in self.early[index]:
-                try:
-                    parts = await asyncio.wait_for(self.sockets[index].recv_multipart(),
-                                                   max(0.0, deadline - time.monotonic()))
-                except asyncio.TimeoutError:
-                    raise TimeoutError(f"{method} on rank {index}: no reply within {limit:g} s") from None
-                self._keep(index, parts)
-            reply = self.early[index].pop(seq)
-        if not reply.ok:
-            raise RemoteCallError(reply.error)
-        return reply.value
+        try:
+            return await asyncio.wait_for(asyncio.wrap_future(posted), limit)
+        except asyncio.TimeoutError:
+            raise TimeoutError(f"{method} on rank {index}: no reply within {limit:g} s") from None
 
     def stop(self, wait: bool) -> None:
         """Tell every serving rank to return; ``wait``: until each said so (TimeoutError past the timeout)."""
-        import zmq
+        stops = [caller.stop() for caller in self.callers.values()]
+        if wait and concurrent.futures.wait(stops, self.timeout).not_done:
+            raise TimeoutError(f"the serving ranks did not stop within {self.timeout:g} s")
 
-        stops = {index: self.post(index, Call(None)) for index in self.sockets}
-        deadline = time.monotonic() + self.timeout
-        for index, seq in stops.items() if wait else ():
-            sock = zmq.Socket.shadow(self.sockets[index].underlying)
-            while seq not in self.early[index]:
-                if not sock.poll(max(0, int((deadline - time.monotonic()) * 1000))):
-                    raise TimeoutError(f"the serving ranks did not stop within {self.timeout:g} s")
-                self._keep(index, sock.recv_multipart())
+    def close(self) -> None:
+        """Close the call channels (calls still in flight fail)."""
+        for caller in self.callers.values():
+            caller.close()
 
     def describe(self, index: int) -> str:
         return f"{describe_worker(index, None, self.trainer_world_size)} (rank {index})"
@@ -186,50 +105,18 @@ class TorchrunGroup:
         return False  # a dead rank ends the run through the elastic agent, which names it
 
     def explain(self, error: BaseException) -> str:
-        return str(error) if isinstance(error, RemoteCallError) else f"{type(error).__name__}: {error}"
+        if isinstance(error, (channel.RemoteError, channel.WorkerDied)):
+            return str(error)
+        return f"{type(error).__name__}: {error}"
 
     async def replace(self, index: int) -> None:
         raise NotImplementedError("the torchrun launcher does not restart a rank (max_restarts=0)")
 
 
-def serve(worker: Any, sock: Any, rank: int, timeout: float) -> None:
+def serve(worker: Any, conn: Connection, rank: int, timeout: float) -> None:
     """A serving rank's loop: run each call from rank 0 in order until the stop; DistributedTimeoutError when
-    none comes within ``timeout`` seconds."""
-    import zmq
-
-    def answer(seq: int, reply: Reply, method: Callable | None = None) -> None:
-        try:
-            message = frames(seq, reply)
-        except Exception as exc:  # noqa: BLE001 - a result that does not pickle is the call's failure
-            name = getattr(method, "__qualname__", method)
-            message = frames(seq, Reply(False, error=f"the result of {name} on rank {rank} does not pickle: "
-                                                     f"{type(exc).__name__}: {exc}"))
-        try:
-            sock.send_multipart(message)
-        except zmq.Again:
-            raise hal.DistributedTimeoutError(f"rank {rank}: could not answer rank 0 within {timeout:g} s (rank 0 "
-                                              "is gone)") from None
-
-    sock.setsockopt(zmq.SNDTIMEO, int(timeout * 1000))  # a DEALER whose peer is gone blocks a send for ever
-    loop = asyncio.new_event_loop()
-    try:
-        while True:
-            if not sock.poll(int(timeout * 1000)):
-                raise hal.DistributedTimeoutError(f"rank {rank}: no call from rank 0 within {timeout:g} s")
-            seq, call, why = unframe(sock.recv_multipart())
-            if why is not None:
-                answer(seq, Reply(False, error=f"the call does not load on rank {rank}: {why}"))
-                continue
-            if call.method is None:
-                answer(seq, Reply(True))
-                return
-            try:
-                reply = Reply(True, loop.run_until_complete(worker.invoke(call.method, *call.args, **call.kwargs)))
-            except Exception as exc:  # noqa: BLE001 - every failure goes back to rank 0, which names this rank
-                reply = Reply(False, error=f"{type(exc).__name__}: {exc}")
-            answer(seq, reply, call.method)
-    finally:
-        loop.close()
+    none comes within ``timeout`` seconds, CallerGone when rank 0's end closes."""
+    channel.serve(conn, worker, f"rank {rank}", timeout)
 
 
 def trainer_rank(options: JobOptions, engine: Any, rank: int, store: Any, where: Any = None) -> Trainer:
@@ -254,9 +141,6 @@ def link_endpoint(rank: int) -> str:
 def rank_main(options: JobOptions, hooks: Sequence[StepHook], net: Any = None) -> dict[str, Any] | None:
     """One process: rank 0 runs the job and returns its result (a dict); the others serve. With ``net`` the rank
     runs in its own network namespace."""
-    import zmq
-    import zmq.asyncio
-
     from hal.apps.shutdown import quiet_rank_exit
     from hal.apps.weightsync.worker import Where
 
@@ -264,13 +148,12 @@ def rank_main(options: JobOptions, hooks: Sequence[StepHook], net: Any = None) -
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     hal.bind_local_device(options.device_of(rank))  # LOCAL_RANK's device (--hybrid: the one this rank shares)
     store = job_store(options.timeout)
-    # the call channel before the namespace: its socket and ZeroMQ's I/O thread keep the host's loopback
-    context = zmq.asyncio.Context() if rank == 0 else zmq.Context()  # rank 0 awaits replies in its event loop
+    # the call channel before the namespace: its sockets keep the host's loopback
+    conns = connect_calls(store, world_size, options.timeout) if rank == 0 else \
+        {rank: accept_calls(store, rank, options.timeout)}
+    group = None
     try:
-        if rank == 0:
-            sockets = connect_calls(context, store, world_size)
-        else:
-            sock = bind_calls(context, store, rank)
+        sock = conns.get(rank)
         node_ip = LOOPBACK if net is None else net.enter(link_endpoint(rank))
         where = Where(rank, node_ip, os.getpid(), options.device)
         if rank >= options.trainer_ranks and options.rollout == "vllm" and not options.resharded:
@@ -299,7 +182,7 @@ def rank_main(options: JobOptions, hooks: Sequence[StepHook], net: Any = None) -
         if rank != 0:
             serve(trainer, sock, rank, options.timeout)
             return None
-        group = TorchrunGroup(trainer, sockets, world_size, options.timeout, options.trainer_ranks)
+        group = TorchrunGroup(trainer, conns, world_size, options.timeout, options.trainer_ranks)
         try:
             result = asyncio.run(run(options, group, hooks))
         except BaseException:
@@ -308,7 +191,10 @@ def rank_main(options: JobOptions, hooks: Sequence[StepHook], net: Any = None) -
         group.stop(wait=True)
         return dataclasses.asdict(result)
     finally:
-        context.destroy(linger=1000)
+        if group is not None:
+            group.close()  # its readers end first
+        for conn in conns.values():
+            conn.close()
 
 
 def role(rank: int, trainers: int = 1) -> str:
@@ -366,5 +252,5 @@ def launch(options: JobOptions, hooks: Sequence[StepHook] = ()) -> JobResult:
     return JobResult(**per_rank[0])
 
 
-__all__ = ["Call", "RemoteCallError", "Reply", "TorchrunGroup", "bind_calls", "connect_calls", "frames", "job_store",
-           "launch", "link_endpoint", "rank_main", "role", "serve", "trainer_rank", "unframe"]
+__all__ = ["TorchrunGroup", "accept_calls", "connect_calls", "job_store", "launch", "link_endpoint", "rank_main",
+           "role", "serve", "trainer_rank"]
