@@ -142,7 +142,7 @@ class IpcCheckpointEngine(CheckpointEngine):
                                         f"{hal.ipc.TRANSPORTS}, got {transport!r}")
         self.is_master, self.release_at_finalize = bool(is_master), bool(release_at_finalize)
         self.spec = hal.resolve_device(device)
-        self.device = hal.local_device(device)
+        self.device = hal.get_device(device)
         self.transport = transport or self.spec.ipc_transport()
         if self.transport == "device" and self.spec.host_memory:
             raise CheckpointConfigError(f"transport 'device' needs a device kind, got {self.spec.kind!r} (cpu "
@@ -365,7 +365,7 @@ class IpcCheckpointEngine(CheckpointEngine):
         ``/dev/shm`` cannot hold it."""
         if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes <= 0:
             raise CheckpointConfigError(f"publish_buffer needs a positive int of bytes, got {nbytes!r}")
-        if device is not None and hal.local_device(str(device)) != self.device:
+        if device is not None and hal.get_device(str(device)) != self.device:
             raise CheckpointConfigError(f"publish_buffer on {device} asked of an ipc engine on {self.device}: the "
                                         f"buffer is this engine's (build the engine with device={device!r})")
         if self.rank is not None and self.rank > 0:

@@ -27,7 +27,7 @@ class BaseEngine(abc.ABC):
     """A trainable module plus optimizer that can move its parts between its device and the host.
 
     Subclasses implement the three ``_*_holders`` hooks and :meth:`_per_tensor_params`. ``torch_device`` is the
-    index given in ``device``, else :func:`hal.local_device`'s; ``last_moved_bytes`` the bytes the last :meth:`to`
+    index given in ``device``, else :func:`hal.get_device`'s; ``last_moved_bytes`` the bytes the last :meth:`to`
     copied.
     """
 
@@ -36,7 +36,7 @@ class BaseEngine(abc.ABC):
 
     def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer | None, device: hal.device.DeviceLike):
         self.device: DeviceSpec = hal.resolve_device(device)
-        self.torch_device: torch.device = hal.local_device(device)
+        self.torch_device: torch.device = hal.get_device(device)
         self.module = module
         self.optimizer = optimizer
         self.host_buffers = HostBufferPool(pin=pin_memory_supported(self.device))

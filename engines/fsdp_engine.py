@@ -42,7 +42,7 @@ class FSDPEngine(BaseEngine):
         spec = hal.resolve_device(device)
         on_meta = any(t.is_meta for t in module.parameters())
         if not on_meta:
-            module.to(hal.local_device(device))
+            module.to(hal.get_device(device))
         if mesh is None:
             mesh = init_device_mesh(spec.name, (dist.get_world_size(),))
         policy = {"mp_policy": mp_policy} if mp_policy is not None else {}
@@ -51,7 +51,7 @@ class FSDPEngine(BaseEngine):
                 fully_shard(sub, mesh=mesh, **policy)
         fully_shard(module, mesh=mesh, **policy)
         if on_meta:  # the shards only: FSDP2 resets its sharded parameters after the move
-            module.to_empty(device=hal.local_device(device))
+            module.to_empty(device=hal.get_device(device))
         self.mesh = mesh
         self._freed_shards: list[tuple[object, torch.device]] = []
         optimizer = optimizer_factory(module.parameters()) if optimizer_factory is not None else None

@@ -234,20 +234,15 @@ def _index_or_current(spec: DeviceSpec, index: int | None) -> int:
 
 
 def get_device(device: DeviceLike = None) -> torch.device:
-    """Return the device to put tensors on: ``cpu``, or a kind-qualified ``npu:<index>`` / ``cuda:<index>``.
+    """Return this process's device to put tensors on: ``cpu``, or a kind-qualified ``npu:<index>`` / ``cuda:<index>``.
 
-    Reads the environment only; :func:`bind_local_device` makes it current.
+    Reads the environment only; :func:`set_device` makes it current.
     """
     return resolve_local_device(device).device
 
 
-def local_device(device: DeviceLike = None) -> torch.device:
-    """Return the device this process's rank should use (same as :func:`get_device`)."""
-    return get_device(device)
-
-
-def bind_local_device(device: DeviceLike = None) -> torch.device:
-    """Make :func:`local_device` the current device of the resolved kind (``set_device``) and return it."""
+def set_device(device: DeviceLike = None) -> torch.device:
+    """Make :func:`get_device`'s device the current device of its kind (the kind's ``set_device``) and return it."""
     return resolve_local_device(device).bind()  # the kind resolved once, for the device and its module
 
 
@@ -275,7 +270,7 @@ class LocalDevice:
 
 
 def resolve_local_device(device: DeviceLike = None) -> LocalDevice:
-    """Resolve the kind and :func:`local_device`'s device once, as a :class:`LocalDevice` to keep."""
+    """Resolve the kind and :func:`get_device`'s device once, as a :class:`LocalDevice` to keep."""
     spec, index = _spec_and_index(device)  # the kind resolved once, not again through get_device_id
     if spec.host_memory:
         return LocalDevice(spec, torch.device("cpu"))

@@ -16,7 +16,7 @@ from typing import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from hal.device import DeviceLike, bind_local_device, get_dist_backend, get_torch_device, resolve_device
+from hal.device import DeviceLike, get_dist_backend, get_torch_device, resolve_device, set_device
 from hal.errors import DistributedTimeoutError
 
 # Default timeout of rendezvous and collectives, in seconds (torch's own default is 10-30 minutes).
@@ -69,7 +69,7 @@ def init_process_group(
     """
     spec = resolve_device(device)
     backend = backend or get_dist_backend(spec, with_host=with_host)
-    local_device = bind_local_device(device)
+    local_device = set_device(device)
     td = as_timedelta(timeout)
     kwargs = {}
     if not spec.host_memory and "," not in backend:
@@ -238,7 +238,7 @@ def launcher_store(timeout: Timeout | None = None, prefix: str | None = None) ->
 
 
 __all__: Sequence[str] = [
-    "DEFAULT_TIMEOUT_S", "as_timedelta", "bind_local_device", "init_process_group", "StoreGroup", "PendingWork",
+    "DEFAULT_TIMEOUT_S", "as_timedelta", "set_device", "init_process_group", "StoreGroup", "PendingWork",
     "new_group_from_store", "connect_store", "launcher_store",
 ]
 

@@ -331,7 +331,7 @@ class SimHcclGroup(dist.ProcessGroup):
                     f"npu-sim hccl: Duplicate NPU detected: rank {rank} and rank {first} of this communicator "
                     f"(size {self._size}) are both on physical npu device {physical} of one host (local index "
                     f"{local}); each rank needs its own device: bind it before the first collective "
-                    f"(hal.bind_local_device(), or torch.npu.set_device(LOCAL_RANK))")
+                    f"(hal.set_device(), or torch.npu.set_device(LOCAL_RANK))")
             seen[(host, physical)] = rank
 
     # -- what a queued collective does when it runs

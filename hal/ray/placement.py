@@ -231,7 +231,7 @@ def bind_assigned_device(kind: str) -> DeviceBinding:
     """Bind the device Ray assigned to this actor as the local device of ``kind``; set ``HAL_DEVICE``.
 
     Call it first in an actor's ``__init__``. Sets ``LOCAL_RANK`` to the device's visible index, then calls
-    ``hal.bind_local_device``. Raises RayLaunchError outside a Ray worker or when Ray assigned no device.
+    ``hal.set_device``. Raises RayLaunchError outside a Ray worker or when Ray assigned no device.
     """
     ray = require_ray()
     import hal
@@ -283,7 +283,7 @@ def bind_assigned_device(kind: str) -> DeviceBinding:
                              f"make it visible")
     os.environ["LOCAL_RANK"] = str(local_index)
     hal.reset()
-    hal.bind_local_device(kind)
+    hal.set_device(kind)
     return DeviceBinding(kind, resource, tuple(ids), env, visible, set_by, local_index, device_id, node_id,
                          node_ip, os.getpid())
 

@@ -218,7 +218,7 @@ def staged(eng, weights, device) -> list[tuple[str, torch.Tensor]]:
     for _, t in weights:
         offsets.append(align(end))
         end = offsets[-1] + t.numel() * t.element_size()
-    buffer = eng.publish_buffer(max(end, 1), hal.local_device(device))
+    buffer = eng.publish_buffer(max(end, 1), hal.get_device(device))
     out = []
     for (name, t), offset in zip(weights, offsets):
         view = byte_view(buffer, offset, t.dtype, t.shape)
@@ -236,7 +236,7 @@ def in_place_updates(rank, world_size, device, steps, bucket_size, transient, bl
     and its resident-memory growth over each in-place update (VmHWM, bytes)."""
     endpoint, pids = meet(rank, world_size)
     eng = engine(rank, world_size, endpoint, pids, device, bucket_size, release_at_finalize=transient)
-    dev = hal.local_device(device)
+    dev = hal.get_device(device)
 
     def weights_of(step):
         g = torch.Generator().manual_seed(step)

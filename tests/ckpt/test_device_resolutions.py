@@ -1,5 +1,5 @@
 """An engine resolves its device once, not on every update (issue 30): one update of collective made about 38
-registry lookups per process, because ckpt handed kind strings to ``hal.bind_local_device`` and
+registry lookups per process, because ckpt handed kind strings to ``hal.set_device`` and
 ``hal.synchronize`` on every bucket and thread. The engines keep a :class:`hal.LocalDevice` instead."""
 
 from __future__ import annotations

@@ -183,7 +183,7 @@ def test_a_failed_rollout_group_broadcast_makes_the_engine_unhealthy():
     engine = KimiCheckpointEngine(bucket_size=1024, device="npu-sim", rank=1, world_size=3,
                                   master_addr="127.0.0.1", master_port=1)
     engine._ps, engine._group, engine._in_place = StubServer(), BrokenGroup(), True
-    engine._device = hal.local_device("npu-sim")
+    engine._device = hal.get_device("npu-sim")
     assert engine.is_healthy()
     metas = {0: types.SimpleNamespace(memory_buffer_metas_list=[
         types.SimpleNamespace(metas=[types.SimpleNamespace(aligned_size=64)])])}

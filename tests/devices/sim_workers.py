@@ -13,7 +13,7 @@ import hal
 
 def store_group_collectives(rank: int, world_size: int) -> dict:
     """hccl through ``hal.new_group_from_store``: broadcast, all_reduce and barrier of npu tensors."""
-    hal.bind_local_device("npu-sim")  # one device per rank, or the communicator refuses the pair
+    hal.set_device("npu-sim")  # one device per rank, or the communicator refuses the pair
     store = hal.launcher_store(timeout=30)
     group = hal.new_group_from_store(store, rank, world_size, device="npu-sim", timeout=30)
     src = torch.arange(6, dtype=torch.float32, device="npu").reshape(2, 3) * 1.5 if rank == 0 else \

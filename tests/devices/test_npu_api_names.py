@@ -60,7 +60,7 @@ def test_every_torch_npu_name_hal_uses_is_in_real_torch_npu(monkeypatch):
     hal.empty_cache("npu-sim")
     hal.memory_stats("npu-sim")
     hal.manual_seed(0, "npu-sim")
-    hal.distributed.bind_local_device("npu-sim")
+    hal.distributed.set_device("npu-sim")
     assert {"current_device", "synchronize", "mem_get_info", "memory_allocated", "manual_seed_all"} <= recorder.used
     missing = recorder.used - real_names()
     assert not missing, f"hal uses torch.npu names that torch_npu 2.14.0 lacks: {sorted(missing)}"

@@ -21,7 +21,7 @@ def sync_ranks_devices(rank: int, world_size: int, explicit: str | None) -> dict
     from engines import TorchEngine
 
     device = explicit or "npu-sim"
-    out: dict = {"bound": str(hal.bind_local_device(device))}
+    out: dict = {"bound": str(hal.set_device(device))}
     if rank == 0:
         model = torch.nn.Linear(16, 8)
         trainer = TorchEngine(model, torch.optim.AdamW(model.parameters(), lr=1e-3), device=device)
@@ -100,7 +100,7 @@ def unbound_rank_devices(rank: int, world_size: int) -> dict:
     x = torch.arange(8, dtype=torch.float32, device=hal.get_device()).reshape(2, 4)
     out = engine.module(x)
     return {"local_rank": os.environ["LOCAL_RANK"], "get_device": str(hal.get_device()),
-            "get_device_id": hal.get_device_id(), "local_device": str(hal.local_device()),
+            "get_device_id": hal.get_device_id(),
             "engine": str(engine.torch_device), "params": sorted({str(p.device) for p in model.parameters()}),
             "out_device": str(out.device), "out_equal": torch.equal(out.detach().cpu(), expected),
             "current": hal.get_torch_device().current_device()}

@@ -61,7 +61,7 @@ def test_a_launched_rank_needs_no_binding_to_meet_its_engine(hal_device):
     for rank in (0, 1):
         assert results[rank] == {
             "local_rank": str(rank), "get_device": f"npu:{rank}", "get_device_id": rank,
-            "local_device": f"npu:{rank}", "engine": f"npu:{rank}", "params": [f"npu:{rank}"],
+            "engine": f"npu:{rank}", "params": [f"npu:{rank}"],
             "out_device": f"npu:{rank}", "out_equal": True,
             "current": 0,  # nothing was bound: torch's current device is still the default
         }

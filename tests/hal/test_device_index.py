@@ -25,13 +25,13 @@ def test_an_index_in_hal_device_is_honoured_like_an_explicit_one(sim, monkeypatc
     assert hal.resolve_device() is hal.resolve_device("npu-sim:1")
     assert hal.get_device() == hal.get_device("npu-sim:1") == torch.device("npu", 1)
     # the explicit index wins over LOCAL_RANK, and binding makes it current
-    assert hal.bind_local_device() == torch.device("npu", 1)
+    assert hal.set_device() == torch.device("npu", 1)
     assert sim.current_device() == 1
 
 
 def test_an_index_out_of_range_is_refused_everywhere_with_the_count(sim, monkeypatch):
     count = sim.device_count()
-    for call in (hal.resolve_device, hal.get_device, hal.local_device):
+    for call in (hal.resolve_device, hal.get_device):
         with pytest.raises(hal.DeviceIndexError, match=f"index {count} .*sees {count} npu-sim device"):
             call(f"npu-sim:{count}")
     monkeypatch.setenv("HAL_DEVICE", f"npu-sim:{count}")
@@ -50,13 +50,13 @@ def test_the_host_has_one_device():
 def test_local_rank_picks_the_device_and_a_rank_past_the_count_is_a_hal_error(sim, monkeypatch):
     monkeypatch.delenv("HAL_DEVICE", raising=False)
     monkeypatch.setenv("LOCAL_RANK", "2")
-    assert hal.local_device("npu-sim") == torch.device("npu", 2)
-    assert hal.bind_local_device("npu-sim") == torch.device("npu", 2) and sim.current_device() == 2
-    assert hal.local_device("cpu") == torch.device("cpu")
+    assert hal.get_device("npu-sim") == torch.device("npu", 2)
+    assert hal.set_device("npu-sim") == torch.device("npu", 2) and sim.current_device() == 2
+    assert hal.get_device("cpu") == torch.device("cpu")
     count = sim.device_count()
     monkeypatch.setenv("LOCAL_RANK", str(count))
     with pytest.raises(hal.DeviceIndexError) as info:
-        hal.bind_local_device("npu-sim")
+        hal.set_device("npu-sim")
     assert not isinstance(info.value, IndexError)
     assert f"LOCAL_RANK={count}" in str(info.value) and f"sees {count} npu-sim device(s)" in str(info.value)
     assert "ASCEND_RT_VISIBLE_DEVICES" in str(info.value)
@@ -160,17 +160,17 @@ def test_a_launched_rank_defaults_to_its_local_device_without_binding(sim, monke
     monkeypatch.setenv("LOCAL_RANK", "1")
     sim.set_device(0)
     assert hal.get_device() == hal.get_device("npu-sim") == hal.get_device(torch.device("npu")) == torch.device("npu", 1)
-    assert hal.local_device() == torch.device("npu", 1) and hal.get_device_id() == 1
+    assert hal.get_device() == torch.device("npu", 1) and hal.get_device_id() == 1
     assert sim.current_device() == 0  # reading the default device binds nothing
     # an explicit index, in the argument or in HAL_DEVICE, still wins over LOCAL_RANK
     assert hal.get_device("npu-sim:2") == torch.device("npu", 2) and hal.get_device_id("npu:3") == 3
     monkeypatch.setenv("HAL_DEVICE", "npu-sim:2")
-    assert hal.get_device() == hal.local_device() == torch.device("npu", 2)
+    assert hal.get_device() == torch.device("npu", 2)
     # without LOCAL_RANK (a plain process): the current device, as before
     monkeypatch.setenv("HAL_DEVICE", "npu-sim")
     monkeypatch.delenv("LOCAL_RANK")
     sim.set_device(3)
-    assert hal.get_device() == hal.local_device() == torch.device("npu", 3) and hal.get_device_id() == 3
+    assert hal.get_device() == torch.device("npu", 3) and hal.get_device_id() == 3
 
 
 def test_a_local_rank_the_process_has_no_device_for_is_refused_by_get_device(sim, monkeypatch):

@@ -85,7 +85,7 @@ def _bench_rank(rank: int, world_size: int, size_mb: int, bucket_sizes: list[int
     import ckpt
 
     torch.set_num_threads(1)
-    dev = hal.bind_local_device(device)  # one device per rank (LOCAL_RANK's), as a communicator requires
+    dev = hal.set_device(device)  # one device per rank (LOCAL_RANK's), as a communicator requires
     sizes = tensor_sizes(size_mb << 20)
     total = sum(sizes)
     store = launcher_store()

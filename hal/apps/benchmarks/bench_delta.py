@@ -92,7 +92,7 @@ def _measure(rank: int, world_size: int, addr: str, store, size_mb: int, fractio
     from hal.apps.benchmarks.bench_ckpt import tensor_sizes
 
     torch.set_num_threads(1)  # two ranks on one host: one core each
-    dev = hal.bind_local_device(device)
+    dev = hal.set_device(device)
     group = hal.new_group_from_store(store, rank, world_size, device=device, timeout=timeout_s, prefix="bench-delta")
     engine = ckpt.get_checkpoint_engine("collective", is_master=rank == 0, master_addr=addr, bucket_size=bucket,
                                         device=device, timeout=timeout_s)

@@ -64,7 +64,7 @@ def _rank(rank: int, world_size: int, endpoint: str, size_mb: int, bucket: int, 
     import ckpt
 
     torch.set_num_threads(1)
-    dev = hal.bind_local_device(device)
+    dev = hal.set_device(device)
     sizes = tensor_sizes(size_mb << 20)
     total = sum(sizes)
     store = launcher_store()

@@ -133,7 +133,7 @@ class ProcessGroup:
         self.started[index] += 1
         ours, theirs = socket.socketpair()
         log_path = self.sandbox.log_path(index, self.started[index])
-        # one device per worker, as torchrun's LOCAL_RANK gives each rank (hal.bind_local_device reads it)
+        # one device per worker, as torchrun's LOCAL_RANK gives each rank (hal.set_device reads it)
         env = {**WORKER_ENV_DEFAULTS, **os.environ, hal.ENV_VAR: self.options.device, "LOCAL_RANK": str(index),
                **self.sandbox.env(index)}
         argv = [*self.sandbox.prefix(index), sys.executable, "-m", "hal.apps.soak.child", str(theirs.fileno())]

@@ -146,7 +146,7 @@ def rank_main(options: JobOptions, hooks: Sequence[StepHook], net: Any = None) -
 
     quiet_rank_exit()
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    hal.bind_local_device(options.device_of(rank))  # LOCAL_RANK's device (--hybrid: the one this rank shares)
+    hal.set_device(options.device_of(rank))  # LOCAL_RANK's device (--hybrid: the one this rank shares)
     store = job_store(options.timeout)
     # the call channel before the namespace: its sockets keep the host's loopback
     conns = connect_calls(store, world_size, options.timeout) if rank == 0 else \
