@@ -65,6 +65,7 @@ class CheckpointEngine(abc.ABC):
 
     wire_format = "named_tensors"  # How receive_weights yields (verl's attribute): (name, tensor) pairs.
     received_global_steps: int | None = None  # global_steps of the update last received (None before any).
+    outcomes: dict = {}  # Sender: {receiver: ckpt.outcome.Outcome} of the last update, from those that report.
     send_buffer_words: str = ""  # What send_buffer_bytes counts, in words for a memory report ("": nothing).
     # Trainer and rollouts may use one device (verl's hybrid engine); device communicators refuse it.
     ranks_may_share_a_device: bool = False
@@ -121,6 +122,15 @@ class CheckpointEngine(abc.ABC):
 
     def init_process_group(self, **kwargs: Any) -> None:
         """Join the communicator described by one rank's ``build_topology`` entries (no-op here)."""
+
+    def promise_reports(self) -> bool:
+        """Promise a :meth:`report_outcome` after every update received from now on; return whether it is carried."""
+        return False
+
+    def report_outcome(self, error: BaseException | None = None, live: Any = None) -> None:
+        """Tell the sender the update last received was applied (``error`` ``None``) or refused (:mod:`ckpt.outcome`).
+
+        ``live``: the parameters in service (``{name: tensor}`` or a callable giving them), for a checked update."""
 
     @abc.abstractmethod
     async def send_weights(self, weights: Iterable[NamedTensor], global_steps: int | None = None) -> None:

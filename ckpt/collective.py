@@ -24,6 +24,8 @@ from ckpt.errors import CheckpointConfigError, TransferAbortedError, TransferErr
 from ckpt.wire import Chunk, Segment, TensorEntry, WireMessage
 from ckpt.one_to_many import DEFAULT_BUCKET_SIZE, Membership, OneToManyEngine, check_int
 from ckpt.control import ControlChannel, PeerFailure
+from ckpt.checker import region_key
+from ckpt.outcome import Reports, StoreBoard
 from ckpt import multi_sender
 from ckpt.reshard.layout import RolloutLayout, held_parts
 from ckpt.reshard.transfer import PairBuffers, Posted, receive_update, send_update
@@ -88,6 +90,8 @@ class CollectiveCheckpointEngine(OneToManyEngine):
         # a rollout rank that keeps only slices of the model (ckpt.reshard), and the buckets of its pairs
         self.rollout_layout = None if rollout_layout is None else RolloutLayout.from_dict(rollout_layout)
         self._pair_buffers = PairBuffers()
+        self._reports = Reports(self._label)  # the rollouts' words on each update, on the joined group's store
+        self._lane_of: tuple[int, int] | None = None  # a lane: (its sender's trainer rank, senders), for names
 
     supports_multi_sender = True
     supports_reshard = True  # point-to-point sends over the same group (ckpt.reshard.transfer)
@@ -176,6 +180,9 @@ class CollectiveCheckpointEngine(OneToManyEngine):
                     store = hal.connect_store(m.master_addr, m.master_port, 1, receivers + 1, self.timeout)
                     hosted = False
                 self._lanes.append(lane)  # closed with the others if it fails to join
+                lane._lane_of = (s, m.senders)
+                if self._reports.promised:
+                    lane._reports.promise()
                 lane.join_as_lane(f"/s{s}", store, hosted, (m.master_addr, m.master_port),
                                   Membership(lane_rank, receivers + 1, m.master_addr, m.master_port, m.generation, 0))
         except hal.DistributedTimeoutError as exc:
@@ -205,12 +212,48 @@ class CollectiveCheckpointEngine(OneToManyEngine):
                                            timeout=self.timeout, label=self._label, heartbeat=False)
             if m.rank == m.src_rank:  # a sender forming this generation again is not closed
                 self._control.unset("closed")
+            self._control.post_bytes(f"present/{m.rank}", b"1")  # what an init timeout names the missing by
+            # a promise is announced before the rendezvous: the sender reads it once the group formed
+            self._reports.bind(StoreBoard(self._control), m.rank)
             self._group = hal.new_group_from_store(self._store, m.rank, m.world_size, self.device_kind,
                                                    self.timeout, f"ckpt/{m.generation}{self._lane}")
         except hal.DistributedTimeoutError as exc:
             raise TransferTimeoutError(f"rank {m.rank} could not form the checkpoint group at "
-                                       f"{m.master_addr}:{m.master_port}: {exc}") from exc
+                                       f"{m.master_addr}:{m.master_port}{self._absent(m)}: {exc}") from exc
         self._joined_now(m)
+
+    def _absent(self, m: Membership) -> str:
+        """``": <who> did not join within T s"`` for the ranks of ``m`` not at the rendezvous, else ``""``."""
+        try:
+            absent = [self._label(r) for r in range(m.world_size)
+                      if r != m.rank and not self._control.store.check([self._control.key(f"present/{r}")])]
+        except Exception:  # noqa: BLE001 - the store itself is gone: the error says so
+            return ""
+        if not absent:
+            return ""
+        return f": {', '.join(absent)} did not join within {self.timeout:g} s"
+
+    def _label(self, rank: int) -> str:
+        if self._lane_of is None:
+            return super()._label(rank)
+        sender, senders = self._lane_of
+        return f"trainer rank {sender}" if rank == 0 else f"rollout rank {senders - 1 + rank}"
+
+    # ---- the rollouts' words on each update (ckpt.outcome) --------------------------------------
+    def promise_reports(self) -> bool:
+        for lane in self._lanes:
+            lane.promise_reports()
+        self._reports.promise()
+        return True
+
+    def report_outcome(self, error: BaseException | None = None, live: Any = None) -> None:
+        for lane in self._lanes:
+            lane.report_outcome(error, live)
+        if not self._lanes:
+            self._reports.report(error, live, self.timeout)
+
+    def _begin_reports(self, step: int | None, receivers: Iterable[int], check: Any):
+        return self._reports.begin(list(receivers), step, check)
 
     def _release_group(self, keep_store: bool) -> None:
         if self._group is not None:
@@ -218,6 +261,7 @@ class CollectiveCheckpointEngine(OneToManyEngine):
         if self._control is not None:
             self._control.close()
         self._group = self._joined = self._control = None
+        self._reports.unbind()
         self._pending_meta = None
         if not keep_store:
             self._store = self._store_at = None
@@ -343,13 +387,23 @@ class CollectiveCheckpointEngine(OneToManyEngine):
     def _channel(self, group: hal.StoreGroup) -> _GroupChannel:
         return _GroupChannel(self.device, group, self._wait, self._pair_buffers)
 
-    async def _send_resharded(self, weights: Iterable[NamedTensor], global_steps: int | None) -> None:
-        parts = held_parts(weights)
+    async def _send_resharded(self, weights: Iterable[NamedTensor], global_steps: int | None, check: Any) -> None:
         receivers = range(self.senders, self.world_size)
         given = self.rollout_layouts or [None] * len(receivers)
         if len(given) != len(receivers):
             raise CheckpointConfigError(f"rollout_layouts has {len(given)} entries for {len(receivers)} rollout ranks")
+        if check and any(d is not None for d in given):
+            raise CheckpointConfigError("check=True: the weight check of rollouts that keep slices (rollout_layout) "
+                                        "is not supported yet; check an update sent to whole-model rollouts")
         layouts = {r: None if d is None else RolloutLayout.from_dict(d) for r, d in zip(receivers, given)}
+        pending = self._begin_reports(global_steps, receivers, check)
+        parts = held_parts(weights)
+        if pending.digester is not None and not pending.outer:
+            for local, held in parts:
+                whole = all(o == 0 for o in held.region.offsets) and tuple(held.region.sizes) == tuple(held.full_shape)
+                key = held.name if whole else region_key(held.name, [(o, o + n) for o, n in
+                                                                     zip(held.region.offsets, held.region.sizes)])
+                pending.digester.add(key, local, held.region.offsets, held.full_shape)
         self._sending = global_steps
         try:
             await send_update(self._channel(self._group), self.rank, layouts, parts, global_steps,
@@ -357,10 +411,13 @@ class CollectiveCheckpointEngine(OneToManyEngine):
         finally:
             self._sending = None
         self._sent = global_steps
+        self.outcomes = await pending.collect(self.timeout)
 
     # ---- sender ----------------------------------------------------------------------------------
-    async def send_weights(self, weights: Iterable[NamedTensor], global_steps: int | None = None) -> None:
-        """Broadcast ``weights`` tagged ``global_steps``; return when all is delivered.
+    async def send_weights(self, weights: Iterable[NamedTensor], global_steps: int | None = None, *,
+                           check: Any = False) -> None:
+        """Broadcast ``weights`` tagged ``global_steps``; return when all is delivered and every reporting rollout
+        applied it (:mod:`ckpt.outcome`; ``check``: and serves it, :mod:`ckpt.checker`).
 
         If ``weights`` raises, the receivers raise :class:`TransferAbortedError` at once and the group stays usable."""
         global_steps = check_global_steps(global_steps)
@@ -369,23 +426,26 @@ class CollectiveCheckpointEngine(OneToManyEngine):
         self._check_sender()
         await self._ensure_ready()
         if self._resharding:
-            await self._send_resharded(weights, global_steps)
+            await self._send_resharded(weights, global_steps, check)
             return
         if self._lanes:
             self._sending = global_steps
             try:
-                await multi_sender.send_parts(self._lanes[0], weights, global_steps)
+                await multi_sender.send_parts(self._lanes[0], weights, global_steps, check)
             finally:
                 self._sending = None
+                self.outcomes = self._lanes[0].outcomes
             self._sent = global_steps
             return
-        await self.send_row_parts(weights, global_steps, None)
+        await self.send_row_parts(weights, global_steps, None, check)
 
     async def send_row_parts(self, weights: Iterable[NamedTensor], global_steps: int | None,
-                    parts: dict[str, tuple[list[int], int]] | None) -> None:
+                             parts: dict[str, tuple[list[int], int]] | None, check: Any = False) -> None:
         """Run :meth:`send_weights` on a joined one-sender group; ``parts`` maps a row part's name to its place."""
         self._check_sender()
         group = await self._ensure_ready()
+        pending = self._begin_reports(global_steps, (r for r in range(self.world_size) if r != self.src_rank), check)
+        weights = pending.watch(weights, parts)
         self._sending = global_steps
         in_flight: list[list] = [[], []]
         keep: list[Any] = [None, None]  # each slot's message: holds directly sent tensors until delivered
@@ -419,6 +479,7 @@ class CollectiveCheckpointEngine(OneToManyEngine):
         for slot in range(2):
             await self._wait(in_flight[slot], f"end of step {global_steps}")
         self._sending, self._sent = None, global_steps
+        self.outcomes = await pending.collect(self.timeout)
 
     # ---- receiver --------------------------------------------------------------------------------
     def _slot(self, index: int, nbytes: int | None = None) -> torch.Tensor:
@@ -564,6 +625,7 @@ class CollectiveCheckpointEngine(OneToManyEngine):
         if self._resharding:
             def on_step(step: int | None) -> None:
                 self.received_global_steps = step
+                self._reports.take(step)
 
             senders = list(range(self.senders))
             async for item in receive_update(self._channel(group), self.rank, senders,
@@ -590,6 +652,7 @@ class CollectiveCheckpointEngine(OneToManyEngine):
         unposted: WireMessage | None = None  # a message whose metadata is read but whose data is not posted
         try:
             meta = await self._next_meta(group, global_steps)
+            self._reports.take(meta.step)
             try:
                 check_step(global_steps, meta.step, f"collective receive on rank {self.rank}")
             except Exception:

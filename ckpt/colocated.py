@@ -8,6 +8,7 @@ from typing import Any, AsyncIterator, Iterable, Iterator
 
 from ckpt.base import CheckpointEngine, NamedTensor, check_global_steps, check_seconds, check_step, named_tensors
 from ckpt.errors import CheckpointConfigError, TransferAbortedError, TransferError, TransferTimeoutError
+from ckpt.outcome import MemoryBoard, Reports
 
 
 class _Offer:
@@ -97,6 +98,9 @@ class ColocatedCheckpointEngine(CheckpointEngine):
         self._offer: _Offer | None = None
         self._ready: asyncio.Event | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        board = MemoryBoard(lambda who: "the trainer" if who == "trainer" else f"colocated receiver {who}")
+        self._reports = Reports(board.label, "trainer")
+        self._reports.bind(board)  # receivers anonymous, numbered in report order
 
     def _event(self) -> asyncio.Event:
         loop = asyncio.get_running_loop()
@@ -131,15 +135,25 @@ class ColocatedCheckpointEngine(CheckpointEngine):
         if self._ready is not None:
             self._ready.clear()
 
-    async def send_weights(self, weights: Iterable[NamedTensor], global_steps: int | None = None) -> None:
-        """Offer ``weights`` tagged ``global_steps``; return once every receiver is done with every tensor.
+    def promise_reports(self) -> bool:
+        self._reports.promise()
+        return True
+
+    def report_outcome(self, error: BaseException | None = None, live: Any = None) -> None:
+        self._reports.report(error, live, self.timeout)
+
+    async def send_weights(self, weights: Iterable[NamedTensor], global_steps: int | None = None, *,
+                           check: Any = False) -> None:
+        """Offer ``weights`` tagged ``global_steps``; return once every receiver is done with every tensor and every
+        reporting one applied it (:mod:`ckpt.outcome`; ``check``: and serves it, :mod:`ckpt.checker`).
 
         Raises :class:`TransferError` while another hand-over is in flight; what ``weights`` raised is raised here too."""
         global_steps = check_global_steps(global_steps)
         if self._offer is not None:
             raise TransferError(f"the hand-over of global_steps={self._offer.step} is still in flight; cannot "
                                 f"offer global_steps={global_steps} (run one update at a time)")
-        offer = _Offer(global_steps, weights, self.receivers)
+        pending = self._reports.begin(self.receivers, global_steps, check)
+        offer = _Offer(global_steps, pending.watch(weights), self.receivers)
         self._offer = offer
         self._event().set()
         try:
@@ -160,6 +174,7 @@ class ColocatedCheckpointEngine(CheckpointEngine):
                 self._event().clear()
         if offer.error is not None:
             raise offer.error
+        self.outcomes = await pending.collect(self.timeout)
 
     async def receive_weights(self, global_steps: int | None = None, *,
                               placement: Any = None) -> AsyncIterator[NamedTensor]:
@@ -176,6 +191,7 @@ class ColocatedCheckpointEngine(CheckpointEngine):
             self._event().clear()
         offer.activity.set()
         try:
+            self._reports.take(offer.step)
             check_step(global_steps, offer.step, "colocated hand-over")
             self.received_global_steps = offer.step
             items = offer.reader()

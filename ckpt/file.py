@@ -7,6 +7,7 @@ import json
 import os
 import re
 import shutil
+import socket
 import time
 import uuid
 from pathlib import Path
@@ -18,9 +19,11 @@ from safetensors.torch import save_file
 
 from ckpt.base import CheckpointEngine, NamedTensor, check_global_steps, check_seconds, named_tensors
 from ckpt.errors import CheckpointConfigError, TransferError, TransferTimeoutError, VersionMismatchError
+from ckpt.outcome import DirectoryBoard, Reports
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 INDEX = "index.json"
+REPORTS = ".reports"  # The folder under root where rollouts promise and give their word on each step.
 
 
 def step_dir_name(step: int) -> str:
@@ -68,6 +71,10 @@ class FileCheckpointEngine(CheckpointEngine):
         self._device = device
         self._local = None
         self.bucket_size, self.is_master = bucket_size, bool(is_master)
+        self.reporter = f"{socket.gethostname()}-{os.getpid()}-{id(self):x}"  # names this rollout in its reports
+        self._board = DirectoryBoard(self.root / REPORTS, poll_interval, label=lambda who: f"rollout {who}")
+        self._reports = Reports(self._board.label, "the trainer")
+        self._reports.bind(self._board, self.reporter)
 
     def published_steps(self) -> list[int]:
         if not self.root.is_dir():
@@ -83,8 +90,10 @@ class FileCheckpointEngine(CheckpointEngine):
             self._local = hal.resolve_local_device(self._device)
         return self._local.bind()
 
-    async def send_weights(self, weights: Iterable[NamedTensor], global_steps: int | None = None) -> None:
-        """Write ``weights`` as step ``global_steps`` (``None``: newest published + 1, or 0), publish, prune.
+    async def send_weights(self, weights: Iterable[NamedTensor], global_steps: int | None = None, *,
+                           check: Any = False) -> None:
+        """Write ``weights`` as step ``global_steps`` (``None``: newest published + 1, or 0), publish, prune, then
+        wait ``timeout`` for the word of every rollout that promised one (:mod:`ckpt.outcome`, ``check``).
 
         Published steps only grow: a step at or below the newest is refused (:class:`CheckpointConfigError` naming
         the newer directories) before anything is written. A failed write publishes nothing."""
@@ -105,11 +114,13 @@ class FileCheckpointEngine(CheckpointEngine):
                 f"older checkpoint, publish into a fresh root or remove {', '.join(newer)} from {self.root} first")
         tmp = self.root / f".tmp-{step_dir_name(global_steps)}-{uuid.uuid4().hex[:8]}"
         tmp.mkdir()
+        reporting = bool(self._board.list("report/promise"))  # some reader reports: who reads this step, below
+        pending = self._reports.begin(None if reporting else [], global_steps, check, n=global_steps)
         try:
             order: list[tuple[str, str]] = []
             shard: dict[str, torch.Tensor] = {}
             shard_index = size = 0
-            for name, tensor in named_tensors(weights, unique=True):
+            for name, tensor in pending.watch(named_tensors(weights, unique=True)):
                 # a private contiguous host copy: safetensors refuses shared or strided storage
                 shard[name] = tensor.detach().to("cpu", copy=True).contiguous()
                 order.append((name, self._shard_name(shard_index)))
@@ -125,6 +136,33 @@ class FileCheckpointEngine(CheckpointEngine):
             shutil.rmtree(tmp, ignore_errors=True)
             raise
         self._prune()
+        if reporting:
+            pending.waiting = self._readers(global_steps)
+        self.outcomes = await pending.collect(self.timeout)
+
+    def _readers(self, step: int) -> list[str]:
+        """The reporting readers that read ``step``: those reading now for it (or the newest), those that reported it."""
+        readers = []
+        for who in self._board.list("report/reading"):
+            asked = self._board.get(f"report/reading/{who}")
+            if asked is not None and json.loads(asked) in (None, step):
+                readers.append(who)
+        posted = [w for w in self._board.list(f"report/{step}") if w not in ("update", "expect", "count")]
+        return sorted(set(readers) | set(posted))
+
+    # ---- the rollouts' words on each step (ckpt.outcome): files under root/.reports -----------------
+    def promise_reports(self) -> bool:
+        """Promise a report of every step received; a sender then waits for it (:meth:`close` withdraws it)."""
+        self._reports.promise()
+        return True
+
+    def report_outcome(self, error: BaseException | None = None, live: Any = None) -> None:
+        self._reports.report(error, live, self.timeout)
+        self._board.delete(f"report/reading/{self.reporter}")
+
+    def close(self) -> None:
+        """Withdraw this rollout's promise to report (a sender stops waiting for it)."""
+        self._reports.withdraw()
 
     @staticmethod
     def _shard_name(index: int) -> str:
@@ -151,6 +189,7 @@ class FileCheckpointEngine(CheckpointEngine):
             except FileNotFoundError:  # another writer pruned it first
                 continue
             shutil.rmtree(trash, ignore_errors=True)
+            shutil.rmtree(self.root / REPORTS / "report" / str(step), ignore_errors=True)  # words nobody collected
 
     async def _choose(self, global_steps: int | None) -> int:
         deadline = time.monotonic() + self.timeout
@@ -182,6 +221,8 @@ class FileCheckpointEngine(CheckpointEngine):
         The step counts as received once its first tensor is yielded, unless the stream is closed early.
         ``placement`` is ignored. A newer step published raises :class:`VersionMismatchError` at once."""
         global_steps = check_global_steps(global_steps)
+        if self._reports.armed:  # a reporting reader: a sender publishing the step it waits for waits for its word
+            self._board.put(f"report/reading/{self.reporter}", json.dumps(global_steps).encode())
         for _attempt in range(3):  # the chosen step may be pruned between listing and opening
             step = await self._choose(global_steps)
             path = self.root / step_dir_name(step)
@@ -199,6 +240,7 @@ class FileCheckpointEngine(CheckpointEngine):
                 raise TransferError(f"{path / f} is tagged global_steps={tagged}, index={index.get('global_steps')}, "
                                     f"expected {step}")
         before, self.received_global_steps = self.received_global_steps, step
+        self._reports.take(step, n=step)
         device = self._target_device()
         finished = False
         try:

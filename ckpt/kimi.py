@@ -27,6 +27,8 @@ from ckpt.errors import (CheckpointConfigError, CheckpointEngineUnavailableError
 from ckpt.kimi_library import (CHECKED_VERSIONS, HOST_PROTOCOL, LOGS_ENV, ParameterServerAdapter, World,
                                library_problem, mooncake_protocol)
 from ckpt.one_to_many import DEFAULT_BUCKET_SIZE, OneToManyEngine, local_address_towards
+from ckpt.checker import Digester
+from ckpt.outcome import Reports, StoreBoard
 
 _MARK = "~hal/"  # names of the marker entries; every weight's name is "<8-digit ordinal>/<name>"
 
@@ -81,6 +83,7 @@ class KimiCheckpointEngine(OneToManyEngine):
         self._pool_layout: tuple[int, ...] | None = None  # sizes of what the trainer's pinned pool holds
         self._store: Any = None  # the rendezvous store the trainer hosts (kept until close()), else None
         self._store_served: int | None = None  # the highest generation whose keys that store holds
+        self._reports = Reports(self._label)  # the rollouts' words on each update, on the control channel's keys
 
     @classmethod
     def availability(cls, device: str | None = None) -> hal.Availability:
@@ -144,6 +147,7 @@ class KimiCheckpointEngine(OneToManyEngine):
         if self._world is not None:
             self._world.channel.close()
         self._group = self._ps = self._world = None
+        self._reports.unbind()
         self._group_broken = False
         self._joined = None
 
@@ -183,6 +187,7 @@ class KimiCheckpointEngine(OneToManyEngine):
                                  timeout=self.timeout, label=self._label, heartbeat_timeout=self.heartbeat_timeout)
         channel.watch([r for r in range(self.world_size) if r != self.rank])
         world = World(channel, self.world_size)
+        self._reports.bind(StoreBoard(channel), self.rank)
         ps = ParameterServerAdapter(spec, self._protocol, device.index or 0, self.rank, self.world_size, host, world)
         self._world = world
         if self.rank > 0 and self.world_size > 2:
@@ -202,9 +207,19 @@ class KimiCheckpointEngine(OneToManyEngine):
     def _done(self, step: int | None) -> None:
         self._world.channel.post_bytes(f"done/{self._world.calls}/{self.rank}", str(step).encode())
 
+    # ---- the rollouts' words on each update (ckpt.outcome) --------------------------------------------
+    def promise_reports(self) -> bool:
+        self._reports.promise()
+        return True
+
+    def report_outcome(self, error: BaseException | None = None, live: Any = None) -> None:
+        self._reports.report(error, live, self.timeout)
+
     # ---- trainer --------------------------------------------------------------------------------------
-    async def send_weights(self, weights: Iterable[NamedTensor], global_steps: int | None = None) -> None:
-        """Publish ``weights`` tagged ``global_steps``; return when every rollout is done with the update."""
+    async def send_weights(self, weights: Iterable[NamedTensor], global_steps: int | None = None, *,
+                           check: Any = False) -> None:
+        """Publish ``weights`` tagged ``global_steps``; return when every rollout is done with the update and every
+        reporting one applied it (:mod:`ckpt.outcome`; ``check``: and serves it, :mod:`ckpt.checker`)."""
         global_steps = check_global_steps(global_steps)
         if self._outside(weights):  # a trainer rank that does not send (verl: every rank iterates its shard)
             return
@@ -212,6 +227,9 @@ class KimiCheckpointEngine(OneToManyEngine):
             raise CheckpointConfigError("send/receive before init_process_group: this engine has no rank")
         self._check_sender()
         await self._ready_async()
+        digester = Digester() if check else None
+        if digester is not None:
+            weights = digester.watch(weights)
         named: dict[str, torch.Tensor] = {}
         failure: BaseException | None = None
         try:
@@ -224,12 +242,18 @@ class KimiCheckpointEngine(OneToManyEngine):
         named[f"{_MARK}step={global_steps};bucket={self.bucket_size}"
               + (f"/aborted={type(failure).__name__}: {failure}" if failure else "")] = \
             torch.zeros(1, dtype=torch.uint8)
-        await asyncio.to_thread(self._publish, named, global_steps)
+        pending = []  # the update's reports, begun once every rollout promised (they do before gather_metas)
+
+        def begin() -> None:
+            pending.append(self._reports.begin(range(1, self.world_size), global_steps, digester or False))
+
+        await asyncio.to_thread(self._publish, named, global_steps, begin)
         if failure is not None:
             raise failure
+        self.outcomes = await pending[0].collect(self.timeout)
 
-    def _publish(self, named: dict[str, torch.Tensor], step: int | None) -> None:
-        """Copy ``named`` into the library's pinned pool, gather the layouts, wait for the rollouts."""
+    def _publish(self, named: dict[str, torch.Tensor], step: int | None, gathered: Any) -> None:
+        """Copy ``named`` into the library's pinned pool, gather the layouts, call ``gathered()``, wait for the rollouts."""
         self._bind()  # a worker thread (asyncio.to_thread): on this rank's device
         ps = self._ps
         layout = tuple(t.numel() * t.element_size() for t in named.values())  # in name order: ordinal, marker
@@ -244,6 +268,7 @@ class KimiCheckpointEngine(OneToManyEngine):
             ps.gather_metas()
         except TransferError as exc:
             raise type(exc)(f"step {step}: {exc}") from None
+        gathered()
         n = self._world.calls
         self._world.wait({r: f"done/{n}/{r}" for r in range(1, self.world_size)},
                           f"step {step} on the trainer, waiting for the rollouts to pull it")
@@ -274,7 +299,8 @@ class KimiCheckpointEngine(OneToManyEngine):
             self.received_global_steps = step
             async for item in self._pull(metas, step, bucket):
                 yield item
-        finally:
+        finally:  # the trainer's record of the update is posted by now (after its gather_metas)
+            self._reports.take(None if step == "unknown" else step)
             try:
                 self._done(step)
             except Exception:  # noqa: BLE001 - the store's host (the trainer) is gone: nobody waits for it

@@ -233,7 +233,8 @@ async def receive_parts(lanes: Sequence[Any], global_steps: int | None, placemen
         raise failure
 
 
-async def send_parts(lane: Any, weights: Iterable[tuple[str, Any]], global_steps: int | None) -> None:
-    """Publish one sender's ``weights`` on its lane."""
+async def send_parts(lane: Any, weights: Iterable[tuple[str, Any]], global_steps: int | None,
+                     check: Any = False) -> None:
+    """Publish one sender's ``weights`` on its lane (``check``: see ``send_weights``)."""
     pairs, parts = published(weights)
-    await lane.send_row_parts(pairs, global_steps, parts)
+    await lane.send_row_parts(pairs, global_steps, parts, check)

@@ -36,6 +36,7 @@ from ckpt.errors import (CheckpointConfigError, TransferAbortedError, TransferEr
 from ckpt.one_to_many import DEFAULT_BUCKET_SIZE, OneToManyEngine, local_address_towards
 from ckpt.control import (HEARTBEAT_DEAD_S, STORE_OVERRUN_S, Ack, ControlChannel, PeerFailure, check_heartbeat_timeout,
                           connect_store)
+from ckpt.outcome import Reports, StoreBoard
 
 META_BUDGET = 1 << 20  # Bytes of JSON metadata per bucket at most (a bucket of many small tensors closes early).
 NAMESPACE = "ckpt-p2p"  # Prefix of the engine's store keys: ckpt-p2p/<generation>/...
@@ -191,6 +192,7 @@ class P2PCheckpointEngine(OneToManyEngine):
         self._large: torch.Tensor | None = None
         self._buffer_device: torch.device | None = None
         self._device: torch.device | None = None
+        self._reports = Reports(self._peer_label, self.src_rank)  # the rollouts' words, on the control keys
 
     # ---- the library ------------------------------------------------------------------------------
     @classmethod
@@ -269,6 +271,7 @@ class P2PCheckpointEngine(OneToManyEngine):
                 pass
             self._control.close()
             self._control = self._store = None
+            self._reports.unbind()
             # a failed update's write may still arrive (a cut link retransmits): new agent and slots next time
             self._close_transport()
 
@@ -355,6 +358,7 @@ class P2PCheckpointEngine(OneToManyEngine):
             self._control = ControlChannel(self._store, rank=self.src_rank, namespace=namespace,
                                            timeout=self.timeout, label=self._peer_label,
                                            heartbeat_timeout=self.heartbeat_timeout)
+            self._reports.bind(StoreBoard(self._control), self.src_rank)
         return self._control
 
     async def _accept_all(self) -> list[_Peer]:
@@ -402,8 +406,10 @@ class P2PCheckpointEngine(OneToManyEngine):
             raise CheckpointConfigError(reason)
         return [self._peers[r] for r in sorted(want)]
 
-    async def send_weights(self, weights: Iterable[NamedTensor], global_steps: int | None = None) -> None:
-        """Write ``weights`` to every rollout, tagged ``global_steps``; return once every rollout acknowledged it.
+    async def send_weights(self, weights: Iterable[NamedTensor], global_steps: int | None = None, *,
+                           check: Any = False) -> None:
+        """Write ``weights`` to every rollout, tagged ``global_steps``; return once every rollout acknowledged it and
+        every reporting one applied it (:mod:`ckpt.outcome`; ``check``: and serves it, :mod:`ckpt.checker`).
 
         If ``weights`` raises, the rollouts are told (:class:`TransferAbortedError`) first."""
         global_steps = check_global_steps(global_steps)
@@ -412,13 +418,23 @@ class P2PCheckpointEngine(OneToManyEngine):
         self._check_sender()
         try:
             peers = await self._accept_all()
-            await self._send(peers, weights, global_steps)
+            pending = self._reports.begin([p.rank for p in peers], global_steps, check)
+            await self._send(peers, pending.watch(weights), global_steps)
         except PeerFailure as exc:
             await self._abort_all(global_steps, f"{exc.peer} failed: {exc}", fatal=True)
             # the rollouts reconnect with new agents: a new one here too, so this update's writes die with it
             self._close_transport()
             error = TransferTimeoutError if exc.timed_out else TransferError
             raise error(f"step {global_steps} failed on the trainer: {exc}") from None
+        self.outcomes = await pending.collect(self.timeout)
+
+    # ---- the rollouts' words on each update (ckpt.outcome) --------------------------------------------
+    def promise_reports(self) -> bool:
+        self._reports.promise()
+        return True
+
+    def report_outcome(self, error: BaseException | None = None, live: Any = None) -> None:
+        self._reports.report(error, live, self.timeout)
 
     async def _send(self, peers: list[_Peer], weights: Iterable[NamedTensor], step: int | None) -> None:
         for peer in peers:
@@ -557,6 +573,7 @@ class P2PCheckpointEngine(OneToManyEngine):
             if epoch > 1:  # the connection before (a lost client may not have said so): the trainer skips its hello
                 _give_up_connection(ctl, self.rank, epoch - 1)
             ctl.watch([self.src_rank])
+            self._reports.bind(StoreBoard(ctl), self.rank)  # a promise before the hello: read once it is accepted
             ctl.send("hello", Hello(self.rank, epoch, self.bucket_size, self._region_info, host))
         except BaseException:
             ctl.close()
@@ -627,6 +644,7 @@ class P2PCheckpointEngine(OneToManyEngine):
                 return record
 
             record = await next_record()
+            self._reports.take(record.step)
             try:
                 check_step(asked, record.step, f"{type(self).__name__} receive on rollout rank {self.rank}")
             except VersionMismatchError:

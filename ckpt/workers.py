@@ -5,6 +5,7 @@ interchangeable."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any, AsyncIterator, Mapping
 
 import torch
@@ -71,10 +72,14 @@ class _StepTagged:
 class CheckpointEngineWorker:
     """Rollout side: receives one update and hands it to the server adapter (verl's ``update_weights`` keywords).
 
-    An adapter's ``receive_placement``, if it has one, is passed to ``receive_weights(..., placement=...)``."""
+    An adapter's ``receive_placement``, if it has one, is passed to ``receive_weights(..., placement=...)``. After
+    every update the engine tells the sender whether it was applied and why not (:mod:`ckpt.outcome`), with the
+    adapter's ``state_dict()`` for a weight check."""
 
     def __init__(self, checkpoint_engine: CheckpointEngine, adapter: Any) -> None:
         self.checkpoint_engine, self.adapter = checkpoint_engine, adapter
+        promise = getattr(checkpoint_engine, "promise_reports", None)
+        self.reports = bool(promise()) if promise is not None else False  # the engine carries our word back
 
     async def update_weights(self, global_steps: int | None = None) -> int | None:
         """Receive step ``global_steps`` and apply it; return the step applied.
@@ -83,6 +88,8 @@ class CheckpointEngineWorker:
         the error propagates: an update not applied does not count as received."""
         global_steps = check_global_steps(global_steps)
         engine = self.checkpoint_engine
+        if self.reports:
+            engine.promise_reports()  # this update is reported (one received otherwise is answered "received")
         placement = getattr(self.adapter, "receive_placement", None)
         received_before = getattr(engine, "received_global_steps", None)
         if placement is None:
@@ -93,12 +100,24 @@ class CheckpointEngineWorker:
         try:
             await self.adapter.update_weights(stream, global_steps=global_steps,
                                               wire_format=getattr(engine, "wire_format", "named_tensors"))
-        except Exception:
+        except Exception as exc:
             if not stream.finished:
                 await drain(stream)
             engine.received_global_steps = received_before  # not applied: not received
+            await self._report(exc)
             raise
-        return self.checkpoint_engine.received_global_steps
+        served = engine.received_global_steps  # before the report: a colocated engine is shared by its rollouts
+        await self._report(None)
+        return served
+
+    async def _report(self, error: BaseException | None) -> None:
+        if not self.reports:
+            return
+        try:  # in a thread: a checked update waits for the sender's digests, which may run on this event loop
+            await asyncio.to_thread(self.checkpoint_engine.report_outcome, error,
+                                    getattr(self.adapter, "state_dict", None))
+        except Exception:  # noqa: BLE001 - the sender's wait for it times out and names this rollout
+            pass
 
 
 ExpectedSpec = Mapping[str, Any]

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from ckpt.base import CheckpointEngine
+from ckpt.checker import Digester
 from ckpt.delta.sender import DEFAULT_FLUSH_BYTES, DeltaSender, Flush, UpdateStats
 from ckpt.delta.transport import delta_send, receive_delta_flushes
 from ckpt.errors import CheckpointConfigError
@@ -61,15 +62,29 @@ class DeltaCheckpointEngine(CheckpointEngine):
         if close is not None:
             close()
 
+    def promise_reports(self) -> bool:
+        return self.inner.promise_reports()
+
+    def report_outcome(self, error: BaseException | None = None, live: Any = None) -> None:
+        self.inner.report_outcome(error, live)
+
+    @property
+    def outcomes(self) -> dict:
+        return self.inner.outcomes
+
     # ---- transfer -----------------------------------------------------------------------------------
-    async def send_weights(self, weights: Iterable[tuple[str, torch.Tensor]], global_steps: int | None = None
-                           ) -> None:
-        """Publish ``weights`` as a delta (or a seed) through ``inner``."""
+    async def send_weights(self, weights: Iterable[tuple[str, torch.Tensor]], global_steps: int | None = None, *,
+                           check: bool = False) -> None:
+        """Publish ``weights`` as a delta (or a seed) through ``inner``; ``check`` compares the rollouts' live
+        parameters with ``weights`` (:mod:`ckpt.checker`). A refusal makes the next update a seed."""
         topology = getattr(self.inner, "topology", None)
         if topology is not None and self._topology is not None and topology != self._topology:
             self.sender.reseed(f"topology changed: {self._topology} -> {topology}")
         self._topology = topology
-        self.last_stats = await delta_send(self.inner, weights, global_steps, self.sender)
+        digester = Digester() if check else None
+        if digester is not None:
+            weights = digester.watch(weights)
+        self.last_stats = await delta_send(self.inner, weights, global_steps, self.sender, check=digester)
 
     async def receive_weights(self, global_steps: int | None = None, **kwargs: Any) -> AsyncIterator[Flush]:
         """Yield ``(named_tensors, is_last)`` flushes of one update (verl's ``delta_flush``)."""

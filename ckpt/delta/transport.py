@@ -25,14 +25,17 @@ def wire_tensors(flushes: Iterable[Flush]) -> Iterator[tuple[str, torch.Tensor]]
 
 
 async def delta_send(engine: Any, weights: Iterable[tuple[str, torch.Tensor]], global_steps: int | None,
-                     sender: DeltaSender) -> UpdateStats:
+                     sender: DeltaSender, check: Any = None) -> UpdateStats:
     """Publish ``weights`` through ``engine`` as a delta against ``sender``'s snapshot (a seed when due).
 
     Commits the snapshot when ``engine.send_weights`` returns, abandons it (next update: a seed) when anything
-    raises. Returns the update's :class:`UpdateStats`.
+    raises (a rollout's refusal included). ``check``: a :class:`ckpt.checker.Digester` of ``weights`` for ``engine``'s
+    weight check. Returns the update's :class:`UpdateStats`.
     """
+    extra = {} if check is None else {"check": check}
     try:
-        await engine.send_weights(wire_tensors(sender.flushes(weights, global_steps)), global_steps=global_steps)
+        await engine.send_weights(wire_tensors(sender.flushes(weights, global_steps)), global_steps=global_steps,
+                                  **extra)
     except BaseException as exc:
         sender.abandon(f"{type(exc).__name__}: {exc}")
         raise

@@ -555,3 +555,31 @@ def dtensor_rows(rank, world_size):
         return out
     finally:
         dist.destroy_process_group()
+
+
+def multi_sender_refusal(rank, world_size):
+    """2 senders (``multi_sender=True``) and rollout rank 2 over the verl lifecycle on cpu: update 1 is refused by
+    the rollout (a tensor it expects under another name), update 2 is applied and weight-checked (row parts).
+    Returns ``[(error type, text) or None per update]``."""
+    trainers, dev = 2, torch.device("cpu")
+    store = hal.launcher_store(timeout=60)
+    engine = ckpt.CollectiveCheckpointEngine(is_master=rank == 0, master_addr="127.0.0.1", device="cpu", timeout=20,
+                                            bucket_size=MULTI_BUCKET, multi_sender=True)
+    full = sharded_weights(0)
+    renamed = {("model." + n if n == "vec" else n): t for n, t in full.items()}
+    results = []
+    worker = ckpt.CheckpointEngineWorker(engine, None) if rank >= trainers else None  # built once, as a rollout is
+    for update, expected in ((1, renamed), (2, full)):
+        lifecycle(engine, store, f"u{update}", rank, trainers, world_size - trainers)
+        try:
+            if rank < trainers:
+                asyncio.run(engine.send_weights(sender_part(update, rank, trainers, dev), update, check=update == 2))
+            else:
+                worker.adapter = ckpt.InMemoryRolloutAdapter(expected)
+                asyncio.run(worker.update_weights(update))
+            results.append(None)
+        except Exception as exc:  # noqa: BLE001 - reported to the test
+            results.append((type(exc).__name__, str(exc)))
+        engine.finalize()
+    engine.close()
+    return results

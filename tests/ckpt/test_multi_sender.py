@@ -113,7 +113,10 @@ def test_a_trainer_rank_killed_mid_update_leaves_every_rollout_on_its_previous_s
     results = run_multiprocess(mp_workers.multi_sender, 4, hal_device, 2, 2, (2, 1), timeout=180,
                                expect_failure=True)
     assert 1 not in results  # the killed rank returned nothing
-    assert results[0][1]["error"] is None  # trainer rank 0's own lane completed
+    # trainer rank 0's own lane completed, and the rollouts told it they applied nothing (issue 50, point 4)
+    refused = results[0][1]["error"]
+    assert refused.startswith("UpdateRefusedError: step 2 was not applied by 2 of 2 reporting rollouts"), refused
+    assert "rollout rank 2: " in refused and "rollout rank 3: " in refused and "sender trainer rank 1" in refused
     for rank in (2, 3):
         first, second = results[rank]
         assert first["error"] is None and first["served_step"] == 1 and first["exact"] == TOTAL
