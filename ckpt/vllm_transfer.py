@@ -19,7 +19,7 @@ Use (what :class:`hal.apps.weightsync.vllm_rollout.VllmRollout` does)::
     # per step, while the trainer runs `await engine.send_weights(weights, step)`:
     llm.start_weight_update()
     llm.update_weights({"update_info": {"global_steps": step, "checksums": trainer_crc32s}})  # raises if refused
-    llm.finish_weight_update(weight_version=str(step))
+    finish_weight_update(llm, weight_version=str(step))  # vLLM's, then reset_prefix_cache(): no KV of old weights
     llm.collective_rpc("hal_last_result")  # [{"error", "served_step", "receive_s", "load_s", "checksums", ...}]"""
 
 from __future__ import annotations
@@ -178,6 +178,16 @@ def load_checkpoint_format(worker: Any, weights: Iterable[NamedTensor]) -> None:
             return
     raise CheckpointConfigError(f"{type(worker).__name__} has no reload_weights(weights_iterator=..., "
                                 "is_checkpoint_format=True); hal's vLLM backend needs vLLM >= 0.32")
+
+
+def finish_weight_update(llm: Any, weight_version: str | None = None) -> None:
+    """End an update on ``llm`` (a ``vllm.LLM``): vLLM's ``finish_weight_update``, then ``reset_prefix_cache()``.
+
+    vLLM keeps the KV blocks of prompts computed with the old weights; served again they would mix steps."""
+    llm.finish_weight_update(weight_version=weight_version)
+    if not llm.reset_prefix_cache():
+        raise TransferError("vLLM refused to reset its prefix cache after the update (requests still running?); "
+                            "cached KV of the previous weights would be served")
 
 
 class HalTransferState:
@@ -398,7 +408,7 @@ if "vllm" in sys.modules:  # imported by vLLM's worker (worker_extension_cls): m
     register_vllm_backend()
 
 
-__all__ = ["BACKEND_NAME", "EXTENSION", "StagedUpdate", "stage_update", "verify_staged", "crc32_hex",
+__all__ = ["BACKEND_NAME", "EXTENSION", "StagedUpdate", "stage_update", "verify_staged", "crc32_hex", "finish_weight_update",
            "load_checkpoint_format", "reload_checkpoint_format", "shared_parameter_aliases", "retie",
            "HalTransferState", "HalInitInfo", "HalUpdateInfo", "UpdateFailedError",
            "HalWeightTransferEngine", "register_vllm_backend", "HalWorkerExtension"]  # noqa: F822 - HalWeightTransferEngine comes from the module __getattr__ (built on first use: it needs vLLM)

@@ -16,7 +16,7 @@ import threading
 import time
 from typing import Any, Callable
 
-from ckpt.vllm_transfer import BACKEND_NAME, EXTENSION, register_vllm_backend
+from ckpt.vllm_transfer import BACKEND_NAME, EXTENSION, finish_weight_update, register_vllm_backend
 from hal.apps.weightsync.memory import peak_host_bytes
 
 IN_PROCESS_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"  # "0": the engine core in this process
@@ -88,7 +88,7 @@ class VllmRollout:
                 except Exception as exc:  # noqa: BLE001 - the worker's result says why (vLLM ended the session)
                     failure = exc
                 else:
-                    self.llm.finish_weight_update(weight_version=str(global_steps))
+                    finish_weight_update(self.llm, weight_version=str(global_steps))
                 results = self.llm.collective_rpc("hal_last_result")
             else:
                 results = self.llm.collective_rpc("hal_update", args=(global_steps, expected))
@@ -96,7 +96,7 @@ class VllmRollout:
             if result is None or result["global_steps"] != global_steps:
                 raise RuntimeError(f"vLLM's update_weights failed before hal's backend received step "
                                    f"{global_steps}: {failure}") from failure
-            if result["error"] is None:
+            if result["error"] is None and self.interface == "extension":  # finish_weight_update did it otherwise
                 self.llm.reset_prefix_cache()
         return result
 
