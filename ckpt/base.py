@@ -123,8 +123,9 @@ class CheckpointEngine(abc.ABC):
     def init_process_group(self, **kwargs: Any) -> None:
         """Join the communicator described by one rank's ``build_topology`` entries (no-op here)."""
 
-    def promise_reports(self) -> bool:
-        """Promise a :meth:`report_outcome` after every update received from now on; return whether it is carried."""
+    def promise_reports(self, arm: bool = True) -> bool:
+        """Promise a :meth:`report_outcome` from this consumer (``arm``: after the next update it receives in this
+        task); return whether the engine carries reports (:mod:`ckpt.outcome`)."""
         return False
 
     def report_outcome(self, error: BaseException | None = None, live: Any = None) -> None:

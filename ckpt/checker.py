@@ -7,9 +7,10 @@ slices of the leading dimensions; a sharded trainer's rows ``"name[a:b]"``).
 
 :func:`digest` runs with torch on the tensor's own device, with no host copy: the region as a matrix of rows
 (its last dimension) of 64-bit words (a row zero padded to 8 bytes), and two sums modulo 2**64 (torch's integer
-arithmetic wraps), of every word times ``2r+1`` and times ``2c+1``, ``r`` and ``c`` the word's row and column
-in the whole tensor. A changed, lost or moved word changes it; it reads the data twice and copies nothing
-when rows are 8-byte aligned. Engines carry the digests with the rollouts' reports (:mod:`ckpt.outcome`)."""
+arithmetic wraps): of every word times ``2r+1``, and of the words of every :data:`SAMPLE`-th row times ``2c+1``,
+``r`` and ``c`` the word's row and column in the whole tensor. A changed or lost word, moved rows and columns moved
+in every row change it; it reads the data about once and copies nothing when rows are 8-byte aligned. Engines
+carry the digests with the rollouts' reports (:mod:`ckpt.outcome`)."""
 
 from __future__ import annotations
 
@@ -22,8 +23,7 @@ from ckpt.errors import CheckpointEngineError
 
 _KEY = re.compile(r"^(?P<name>.+)\[(?P<region>[^\[\]]*)\]$")
 _MASK = (1 << 64) - 1
-# Below this many words a digest is computed in one go (its temporaries are small).
-_SMALL_WORDS = 1 << 16
+SAMPLE = 16  # The column sums cover every SAMPLE-th row of the whole tensor (a second read of 1/SAMPLE of it).
 
 Region = tuple[tuple[int, int], ...]  # (start, stop) per leading dimension
 Locate = Callable[[str, Region], "torch.Tensor | None"]
@@ -35,6 +35,7 @@ class WeightCheckError(CheckpointEngineError, RuntimeError):
     def __init__(self, text: str, mismatches: dict[Any, list[str]] | None = None) -> None:
         super().__init__(text)
         self.mismatches = mismatches or {}
+        self.outcomes: dict = {}  # every rollout's ckpt.outcome.Outcome, where the check ran through the reports
 
 
 def region_key(name: str, region: Region | Sequence[slice | tuple[int, int]] = ()) -> str:
@@ -63,13 +64,29 @@ def _slices(tensor: torch.Tensor, region: Region) -> tuple[slice, ...]:
     return tuple(slice(a, tensor.shape[d] if b < 0 else b) for d, (a, b) in enumerate(region))
 
 
-def _rows(shape: Sequence[int], origin: Sequence[int], full: Sequence[int], device: torch.device) -> torch.Tensor:
-    """The global row index (leading dims flattened, in the whole tensor) of each row of a region, as int64."""
+def _odd(start: int, n: int, device: torch.device) -> torch.Tensor:
+    """``2 * [start, start + n) + 1`` as int64 on ``device``, kept for the shapes a model repeats."""
+    key = (start, n, str(device))
+    found = _ODD.get(key)
+    if found is None:
+        if len(_ODD) > 256:
+            _ODD.clear()
+        found = _ODD[key] = torch.arange(start, start + n, dtype=torch.int64, device=device) * 2 + 1
+    return found
+
+
+_ODD: dict[tuple[int, int, str], torch.Tensor] = {}
+
+
+def _row_weights(shape: Sequence[int], origin: Sequence[int], full: Sequence[int], device: torch.device) -> torch.Tensor:
+    """``2g+1`` of each row of a region, ``g`` its row (leading dims flattened) in the whole tensor, as int64."""
+    if len(shape) == 2:
+        return _odd(origin[0], shape[0], device)
     index = torch.zeros((), dtype=torch.int64, device=device)
     for d in range(len(shape) - 1):
         step = torch.arange(origin[d], origin[d] + shape[d], dtype=torch.int64, device=device)
         index = index.unsqueeze(-1) * full[d] + step
-    return index.reshape(-1)
+    return index.reshape(-1) * 2 + 1
 
 
 def _words(region: torch.Tensor) -> torch.Tensor:
@@ -93,12 +110,13 @@ def _sums(tensor: torch.Tensor, origin: Sequence[int] = (), full: Sequence[int] 
     words = _words(tensor)
     device = words.device
     col0 = (origin[-1] * tensor.element_size()) // 8 if tensor.dim() else 0
-    rows = (_rows(tensor.shape, origin, full, device) if tensor.dim() >= 2
-            else torch.zeros(1, dtype=torch.int64, device=device))
-    row_weight = 2 * rows + 1
-    cols = torch.arange(col0, col0 + words.shape[1], dtype=torch.int64, device=device)
-    a = (words.sum(dim=1) * row_weight).sum()
-    b = (words.sum(dim=0) * (2 * cols + 1)).sum()
+    rows = _row_weights(tensor.shape, origin, full, device) if tensor.dim() >= 2 else _odd(0, 1, device)
+    a = (words.sum(dim=1) * rows).sum()
+    if tensor.dim() == 2:  # the sampled rows: every SAMPLE-th of the whole tensor
+        sampled = words[(-origin[0]) % SAMPLE::SAMPLE]
+    else:
+        sampled = words[((rows - 1) // 2) % SAMPLE == 0] if tensor.dim() > 2 else words
+    b = (sampled.sum(dim=0) * _odd(col0, words.shape[1], device)).sum()
     return torch.stack([a, b])
 
 

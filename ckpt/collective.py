@@ -182,7 +182,7 @@ class CollectiveCheckpointEngine(OneToManyEngine):
                 self._lanes.append(lane)  # closed with the others if it fails to join
                 lane._lane_of = (s, m.senders)
                 if self._reports.promised:
-                    lane._reports.promise()
+                    lane._reports.promise(arm=False)
                 lane.join_as_lane(f"/s{s}", store, hosted, (m.master_addr, m.master_port),
                                   Membership(lane_rank, receivers + 1, m.master_addr, m.master_port, m.generation, 0))
         except hal.DistributedTimeoutError as exc:
@@ -240,10 +240,10 @@ class CollectiveCheckpointEngine(OneToManyEngine):
         return f"trainer rank {sender}" if rank == 0 else f"rollout rank {senders - 1 + rank}"
 
     # ---- the rollouts' words on each update (ckpt.outcome) --------------------------------------
-    def promise_reports(self) -> bool:
+    def promise_reports(self, arm: bool = True) -> bool:
         for lane in self._lanes:
-            lane.promise_reports()
-        self._reports.promise()
+            lane.promise_reports(arm)
+        self._reports.promise(arm)
         return True
 
     def report_outcome(self, error: BaseException | None = None, live: Any = None) -> None:

@@ -135,8 +135,8 @@ class ColocatedCheckpointEngine(CheckpointEngine):
         if self._ready is not None:
             self._ready.clear()
 
-    def promise_reports(self) -> bool:
-        self._reports.promise()
+    def promise_reports(self, arm: bool = True) -> bool:
+        self._reports.promise(arm)
         return True
 
     def report_outcome(self, error: BaseException | None = None, live: Any = None) -> None:

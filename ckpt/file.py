@@ -151,9 +151,9 @@ class FileCheckpointEngine(CheckpointEngine):
         return sorted(set(readers) | set(posted))
 
     # ---- the rollouts' words on each step (ckpt.outcome): files under root/.reports -----------------
-    def promise_reports(self) -> bool:
+    def promise_reports(self, arm: bool = True) -> bool:
         """Promise a report of every step received; a sender then waits for it (:meth:`close` withdraws it)."""
-        self._reports.promise()
+        self._reports.promise(arm)
         return True
 
     def report_outcome(self, error: BaseException | None = None, live: Any = None) -> None:
@@ -221,7 +221,7 @@ class FileCheckpointEngine(CheckpointEngine):
         The step counts as received once its first tensor is yielded, unless the stream is closed early.
         ``placement`` is ignored. A newer step published raises :class:`VersionMismatchError` at once."""
         global_steps = check_global_steps(global_steps)
-        if self._reports.armed:  # a reporting reader: a sender publishing the step it waits for waits for its word
+        if self._reports.armed():  # a reporting reader: a sender publishing the step it waits for waits for its word
             self._board.put(f"report/reading/{self.reporter}", json.dumps(global_steps).encode())
         for _attempt in range(3):  # the chosen step may be pruned between listing and opening
             step = await self._choose(global_steps)

@@ -208,8 +208,8 @@ class KimiCheckpointEngine(OneToManyEngine):
         self._world.channel.post_bytes(f"done/{self._world.calls}/{self.rank}", str(step).encode())
 
     # ---- the rollouts' words on each update (ckpt.outcome) --------------------------------------------
-    def promise_reports(self) -> bool:
-        self._reports.promise()
+    def promise_reports(self, arm: bool = True) -> bool:
+        self._reports.promise(arm)
         return True
 
     def report_outcome(self, error: BaseException | None = None, live: Any = None) -> None:

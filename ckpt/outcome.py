@@ -17,6 +17,7 @@ sender's digests), ``report/<n>/<id>`` (a receiver's :class:`Outcome`)."""
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import dataclasses
 import json
 import threading
@@ -28,14 +29,17 @@ from ckpt.checker import Digester, WeightCheckError, mismatches, served_digests
 from ckpt.errors import CheckpointEngineError, TransferError, TransferTimeoutError
 
 PREFIX = "report"
+# A consumer's state in its task (a thread of asyncio.to_thread sees it): {"armed": it reports the next update it
+# takes, "taken": {id of a Reports: the update it took}} (several for a multi-sender rollout's lanes).
+_CONSUMER: contextvars.ContextVar[dict | None] = contextvars.ContextVar("hal_ckpt_report_consumer", default=None)
 
 
 class UpdateRefusedError(CheckpointEngineError, RuntimeError):
     """Rollouts received an update and did not apply it; ``refusals`` maps each to its cause."""
 
-    def __init__(self, text: str, refusals: dict[Any, str]) -> None:
+    def __init__(self, text: str, refusals: dict[Any, str], outcomes: dict[Any, Outcome] | None = None) -> None:
         super().__init__(text)
-        self.refusals = refusals
+        self.refusals, self.outcomes = refusals, outcomes or {}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -228,12 +232,14 @@ class Pending:
         if refused:
             text = "; ".join(f"{label(i)}: {cause}" for i, cause in refused.items())
             raise UpdateRefusedError(f"step {self.step} was not applied by {len(refused)} of {len(outcomes)} "
-                                     f"reporting rollouts: {text}", refused)
+                                     f"reporting rollouts: {text}", refused, outcomes)
         wrong = {i: o.mismatches for i, o in outcomes.items() if o.mismatches}
         if wrong:
             text = "; ".join(f"{label(i)}: {', '.join(found)}" for i, found in wrong.items())
-            raise WeightCheckError(f"the weight check of step {self.step} failed: {text}",
-                                   {label(i): found for i, found in wrong.items()})
+            error = WeightCheckError(f"the weight check of step {self.step} failed: {text}",
+                                     {label(i): found for i, found in wrong.items()})
+            error.outcomes = outcomes
+            raise error
         return outcomes
 
 
@@ -246,26 +252,33 @@ class Reports:
         self.board: Board | None = None
         self.me: Any = None
         self.promised = False  # receiver: its consumer reports (announced on every board bound)
-        self.armed = False  # receiver: the consumer will report the next update it takes
-        self.received: dict[str, Any] | None = None  # receiver: the update in hand, {"step", "n"}
         self._announced = False
 
     def bind(self, board: Board, me: Any = None) -> None:
         """Work on ``board`` (a group's) as receiver ``me`` (``None``: anonymous, numbered in report order)."""
-        self.board, self.me, self._announced, self.received = board, me, False, None
+        self.board, self.me, self._announced = board, me, False
         self._announce()
 
     def unbind(self) -> None:
-        self.board, self.received = None, None
+        self.board = None
 
     # ---- receiver ---------------------------------------------------------------------------------
-    def promise(self) -> None:
-        """Announce that the consumer reports, and that it reports the next update taken."""
-        self.promised = self.armed = True
-        self._announce()
+    def promise(self, arm: bool = True) -> None:
+        """Announce that a consumer reports; ``arm``: it reports the next update taken in this task."""
+        self.promised = True
+        if arm:
+            _CONSUMER.set({"armed": True, "taken": {}})
+            self._announce()
+        else:  # a new consumer: an anonymous board counts it
+            self._announce(again=self.me is None)
 
-    def _announce(self) -> None:
-        if not self.promised or self.board is None or self._announced:
+    @staticmethod
+    def armed() -> bool:
+        state = _CONSUMER.get()
+        return bool(state and state["armed"])
+
+    def _announce(self, again: bool = False) -> None:
+        if not self.promised or self.board is None or (self._announced and not again):
             return
         if self.me is None:
             self.board.add(_key("promises"), 1)
@@ -274,11 +287,8 @@ class Reports:
         self._announced = True
 
     def withdraw(self) -> None:
-        if self.board is not None and self._announced:
-            if self.me is None:
-                self.board.add(_key("promises"), -1)
-            else:
-                self.board.delete(_key("promise", self.me))
+        if self.board is not None and self._announced and self.me is not None:
+            self.board.delete(_key("promise", self.me))
         self.promised = self._announced = False
 
     def take(self, step: int | None, n: int | None = None) -> None:
@@ -287,21 +297,29 @@ class Reports:
         Taken without a consumer armed to report it (the engine used directly), it is answered now: received."""
         if not self.promised or self.board is None:
             return
-        self.received = {"step": step, "n": n}
-        if not self.armed:
-            self.report(None, None, 0.0, unarmed=True)
-        self.armed = False
+        taken = {"step": step, "n": n}
+        state = _CONSUMER.get()
+        if state is not None and state["armed"]:
+            state["taken"][id(self)] = taken
+        else:
+            self._post(taken, None, None, 0.0, None, unarmed=True)
 
     def report(self, error: BaseException | str | None, live: Mapping[str, Any] | Callable[[], Mapping[str, Any]] | None,
-               timeout: float, locate: Any = None, unarmed: bool = False) -> None:
-        """Post this receiver's :class:`Outcome` of the update in hand, if the sender waits for it.
+               timeout: float, locate: Any = None) -> None:
+        """Post this consumer's :class:`Outcome` of the update it took, if the sender waits for it.
 
         The sender's record of the update is read now: it is current while the sender waits for this word, and a
         record of another step, or one that waits for someone else, is not answered."""
-        taken, self.received = self.received, None
-        self.armed = self.armed and unarmed  # an arm is for one update, reported or not
-        if taken is None or self.board is None:
+        state = _CONSUMER.get()
+        if state is None:
             return
+        taken = state["taken"].pop(id(self), None)
+        if not state["taken"]:
+            state["armed"] = False  # an arm is for one update, reported or not
+        if taken is not None and self.board is not None:
+            self._post(taken, error, live, timeout, locate)
+
+    def _post(self, taken: dict, error: Any, live: Any, timeout: float, locate: Any, unarmed: bool = False) -> None:
         try:
             raw = self.board.get(_key("update") if taken["n"] is None else _key(taken["n"], "update"))
         except Exception:  # noqa: BLE001 - an unreachable board: the sender's wait names this receiver

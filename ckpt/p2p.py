@@ -429,8 +429,8 @@ class P2PCheckpointEngine(OneToManyEngine):
         self.outcomes = await pending.collect(self.timeout)
 
     # ---- the rollouts' words on each update (ckpt.outcome) --------------------------------------------
-    def promise_reports(self) -> bool:
-        self._reports.promise()
+    def promise_reports(self, arm: bool = True) -> bool:
+        self._reports.promise(arm)
         return True
 
     def report_outcome(self, error: BaseException | None = None, live: Any = None) -> None:

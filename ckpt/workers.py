@@ -79,7 +79,7 @@ class CheckpointEngineWorker:
     def __init__(self, checkpoint_engine: CheckpointEngine, adapter: Any) -> None:
         self.checkpoint_engine, self.adapter = checkpoint_engine, adapter
         promise = getattr(checkpoint_engine, "promise_reports", None)
-        self.reports = bool(promise()) if promise is not None else False  # the engine carries our word back
+        self.reports = bool(promise(arm=False)) if promise is not None else False  # the engine carries our word back
 
     async def update_weights(self, global_steps: int | None = None) -> int | None:
         """Receive step ``global_steps`` and apply it; return the step applied.

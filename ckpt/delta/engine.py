@@ -62,8 +62,8 @@ class DeltaCheckpointEngine(CheckpointEngine):
         if close is not None:
             close()
 
-    def promise_reports(self) -> bool:
-        return self.inner.promise_reports()
+    def promise_reports(self, arm: bool = True) -> bool:
+        return self.inner.promise_reports(arm)
 
     def report_outcome(self, error: BaseException | None = None, live: Any = None) -> None:
         self.inner.report_outcome(error, live)

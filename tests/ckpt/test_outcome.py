@@ -214,6 +214,9 @@ def test_the_digest_is_one_of_the_region_where_either_side_holds_it():
     moved = full.clone()
     moved[[2, 3]] = moved[[3, 2]]  # two rows swapped: same values, other places
     assert served_digests(rows, {"w": moved}) != rows
+    columns = full.clone()
+    columns[:, 0:4], columns[:, 4:8] = full[:, 4:8], full[:, 0:4]  # a tensor-parallel split mixed up in every row
+    assert digests([("w", columns)]) != digests([("w", full)])
     flipped = full.clone()
     flipped.view(torch.int16)[5, 7] ^= 1  # one bit
     assert served_digests(rows, {"w": flipped}) != rows

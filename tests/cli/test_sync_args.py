@@ -171,3 +171,11 @@ def test_a_table_keeps_a_terminals_width_only_where_it_fits_in_it(monkeypatch):
     assert console_for(wide).width == Console(width=1 << 12).measure(wide).maximum > 100
     monkeypatch.setattr(Console, "is_terminal", property(lambda self: False))  # piped: as wide as the rows
     assert console_for(narrow, 140).width == 140 and console_for(wide).width > 100
+
+
+def test_check_every_is_a_count_of_steps_for_hals_rollouts():
+    assert job_options(Sync(device="cpu", model="qwen2.5-tiny", check_every=3)).check_every == 3
+    with pytest.raises(UsageError, match="--check-every must be >= 0 \\(0: never\\), got -1"):
+        validate(Sync(device="cpu", model="qwen2.5-tiny", check_every=-1))
+    with pytest.raises(UsageError, match="--check-every checks hal's rollouts"):
+        validate(Sync(device="cpu", model="qwen2.5-tiny", check_every=1, rollout="vllm"))

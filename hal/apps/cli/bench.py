@@ -23,9 +23,9 @@ from hal.apps.errors import UsageError, WorkerFailedError, mib_to_bytes, require
 from hal.apps.shutdown import stop_on_signals
 
 
-BENCHMARKS = ("offload", "sync", "ipc", "delta", "main", "ray", "import", "senders", "m2n")  # in the order they run
+BENCHMARKS = ("offload", "sync", "ipc", "delta", "main", "ray", "import", "senders", "m2n", "check")  # in the order they run
 M2N_MB = {"full": 256, "quick": 32}  # m2n's model when --size-mb is not given (six ranks each hold their part)
-# a plain hal bench; main, ray, import, ipc, delta and senders run only when named
+# a plain hal bench; main, ray, import, ipc, delta, senders, m2n and check run only when named
 DEFAULT_SELECTION = ("offload", "sync")
 RAY_STEPS = 3  # ray: steps per run (the first a warm-up)
 
@@ -51,7 +51,8 @@ class Bench:
     quick: bool = False
     """Small defaults for a smoke run (--size-mb 64, --bucket-mb 4 16, --rounds 2, --main-bucket-mb 4)."""
     only: Annotated[tuple[str, ...], tyro.conf.arg(metavar="{" + ",".join(BENCHMARKS) + "} [...]")] = DEFAULT_SELECTION
-    """Benchmarks to run: offload, sync; only when named: ipc, delta, main (hal sync's loop), ray, import, senders, m2n."""
+    """Benchmarks to run: offload, sync; only when named: ipc, delta, main (hal sync's loop), ray, import, senders, m2n,
+    check (the weight checker against one copy of the model)."""
     rollouts: int = 2
     """main, ray: rollout ranks, each applying every update into its model."""
     main_bucket_mb: Annotated[float | None, _quick_default("FLOAT", "256", "4")] = None
@@ -194,6 +195,10 @@ def _execute(chosen: list[str], args: Bench, m2n_mb: int = M2N_MB["full"]) -> di
 
         ok, reason = (True, "") if args.link_gbit is None else links_available()
         out["m2n"] = (bench_m2n.run(m2n_mb, args.link_gbit, rounds) if ok else {"skipped": reason})
+    if "check" in chosen:
+        from hal.apps.benchmarks import bench_check
+
+        out["check"] = bench_check.run(size, kind, rounds)
     return out
 
 
@@ -246,7 +251,7 @@ def print_tables(result: dict[str, Any]) -> None:
 
     tables = (("offload", bench_offload), ("sync", bench_ckpt), ("sync_p2p", bench_p2p), ("ipc", None), ("delta", None),
               ("main", bench_sync), ("ray", bench_ray), ("import", bench_import), ("senders", None),
-              ("m2n", None))
+              ("m2n", None), ("check", None))
     for key, module in tables:
         if key not in result:
             continue

@@ -87,6 +87,9 @@ class Sync:
     """verl's hybrid engine: trainer and rollouts on device 0, the trainer offloading all around each update."""
     compare_full: bool = False
     """With --wire-format delta: also publish each step in full before and after, and report delta_vs_full."""
+    check_every: int = 0
+    """Weight-check every K-th step: each rollout digests its live parameters and the trainer names every tensor
+    that differs from what it published (ckpt.checker); 0: never."""
     link_gbit: Annotated[float | None, optional("R", "the host's loopback")] = None
     """Give every process a network namespace joined by emulated links of R Gbit/s each way (root, iproute2)."""
 
@@ -109,6 +112,11 @@ def validate(args: Sync) -> None:
     mib_to_bytes(args.bucket_mb, "--bucket-mb")
     if not args.logits_atol >= 0:
         raise UsageError(f"--logits-atol must be >= 0, got {args.logits_atol}")
+    if not args.check_every >= 0:
+        raise UsageError(f"--check-every must be >= 0 (0: never), got {args.check_every}")
+    if args.check_every and args.rollout == "vllm":
+        raise UsageError("--check-every checks hal's rollouts; --rollout vllm verifies each update by its checksums "
+                         "before loading it")
     resolve_model(args.model)
     if args.file_root is not None and os.path.exists(args.file_root) and not os.path.isdir(args.file_root):
         raise UsageError(f"--file-root {args.file_root} is not a directory (give a directory, new or existing, for "
@@ -388,6 +396,11 @@ def print_table(result: dict[str, Any]) -> None:
             console.print(f"step {row['global_steps']}: sent {row['sent_bytes'] / 1e6:.2f} of {row['dense_bytes'] / 1e6:.2f} MB"
                           f" ({100 * row['changed_fraction']:.2f}% of values changed){', a full seed' if row['seed'] else ''}"
                           + ("" if ratio is None else f"; {delta_versus_full(ratio)}"))
+    checked = [row for row in rows if row.get("check") is not None]
+    if checked:  # --check-every: the weight checker's verdict per checked step
+        console.print("weight check: " + "; ".join(
+            f"step {row['global_steps']} {'differs' if row['check']['mismatches'] else 'matches'} on "
+            f"{row['check']['checked']} rollout(s)" for row in checked))
     for error in result["errors"]:
         console.print(f"[red]failed:[/red] {error}")
     how = "tokens, logits and checksums" if rows and rows[0].get("tokens") else "checksums"

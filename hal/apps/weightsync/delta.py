@@ -11,6 +11,8 @@ step 0 is a seed.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from typing import Any, Sequence
 
 import torch
@@ -43,6 +45,8 @@ class DeltaServing:
 
         self.adapter, self.engine, self.atomic = adapter, engine, bool(atomic)
         self.receiver = DeltaReceiver(adapter.state_dict(), atomic=self.atomic)
+        promise = getattr(engine, "promise_reports", None)
+        self.reports = bool(promise(arm=False)) if promise is not None else False  # the trainer hears of each update
         self.layout, self.device = adapter.layout, adapter.device
         self.error: str | None = None
 
@@ -79,7 +83,20 @@ class DeltaServing:
         previous step still served)."""
         from ckpt.delta import receive_delta
 
-        return await receive_delta(self.engine, self.receiver, global_steps)
+        if self.reports:
+            self.engine.promise_reports()
+        try:
+            served = await receive_delta(self.engine, self.receiver, global_steps)
+        except Exception as exc:
+            await self._report(exc)
+            raise
+        await self._report(None)
+        return served
+
+    async def _report(self, error: BaseException | None) -> None:
+        if self.reports:
+            with contextlib.suppress(Exception):  # not heard: the trainer's wait names this rollout
+                await asyncio.to_thread(self.engine.report_outcome, error, self.state_dict)
 
 
 def receiver_memory(atomic: bool, model_bytes: int, largest_tensor_bytes: int, flush_bytes: int

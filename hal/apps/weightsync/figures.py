@@ -59,6 +59,10 @@ def step_row(trained: Trained, sent: Sent, received: Sequence[Received], checked
         row["trainer_ranks"] = [{"rank": rank, **dataclasses.asdict(c)} for rank, c in enumerate(concluded)]
     if tokens is not None:
         row["tokens"] = tokens
+    if sent.refused:
+        row["refused"] = sent.refused
+    if sent.check is not None:
+        row["check"] = sent.check
     return row
 
 
@@ -78,8 +82,10 @@ def memory_failures(row: dict[str, Any]) -> list[str]:
 
 
 def row_ok(row: dict[str, Any]) -> bool:
-    """A step's row is ok when every rollout verified it and every peak stayed within its bound."""
-    return all(r["error"] is None for r in row["rollouts"]) and not memory_failures(row)
+    """A step's row is ok when every rollout verified it (and the weight check found nothing) and every peak stayed
+    within its bound."""
+    return (all(r["error"] is None for r in row["rollouts"]) and not row.get("refused")
+            and not (row.get("check") or {}).get("mismatches") and not memory_failures(row))
 
 
 def summary(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:

@@ -32,6 +32,9 @@ class Sent:
     t0: float
     send_s: float
     delta: dict[str, Any] | None = None  # delta: ckpt.delta.UpdateStats as a dict
+    refused: dict[str, str] | None = None  # rollouts that told the trainer they applied nothing: {who: cause}
+    # a weight-checked step: {"checked": rollouts that answered, "mismatches": {who: [sentence, ...]}}
+    check: dict[str, Any] | None = None
 
 
 @dataclasses.dataclass
@@ -95,7 +98,12 @@ def merge_sent(sent: list[Sent]) -> Sent:
     """The trainer's send of an update from each rank's: ``t0`` the latest start, ``send_s`` the longest."""
     if len(sent) == 1:
         return sent[0]
-    return Sent(t0=max(s.t0 for s in sent), send_s=max(s.send_s for s in sent), delta=sent[0].delta)
+    refused = {k: v for s in sent for k, v in (s.refused or {}).items()} or None
+    checks = [s.check for s in sent if s.check is not None]
+    check = None if not checks else {"checked": min(c["checked"] for c in checks),
+                                     "mismatches": {k: v for c in checks for k, v in c["mismatches"].items()}}
+    return Sent(t0=max(s.t0 for s in sent), send_s=max(s.send_s for s in sent), delta=sent[0].delta,
+                refused=refused, check=check)
 
 
 def merge_references(references: list[Reference]) -> Reference:

@@ -42,6 +42,7 @@ class JobOptions:
     wire_format: str = "full"
     compare_full: bool = False
     hybrid: bool = False  # trainer and rollouts on device 0
+    check_every: int = 0  # every K-th step is weight-checked (ckpt.checker); 0: none
     trainer_ranks: int = 1
     # > 1: every rollout_tp consecutive rollout ranks are one tensor-parallel server, each rank receiving only
     # its slices (ckpt.reshard)

@@ -113,15 +113,33 @@ class Trainer(Worker):
         return self.bank
 
     async def update_weights(self, global_steps: int) -> Sent:
-        """Send the published buffer as ``global_steps`` through the engine (verl's trainer worker method)."""
-        t0 = time.time()
-        if self.sender is None:
-            await self.engine.send_weights(self.published(), global_steps)
-            return Sent(t0=t0, send_s=time.time() - t0)
-        from ckpt.delta import delta_send
+        """Send the published buffer as ``global_steps`` through the engine (verl's trainer worker method); a
+        rollout's refusal, and every ``check_every``-th step's weight check, are in the result."""
+        from ckpt.checker import Digester, WeightCheckError
+        from ckpt.outcome import UpdateRefusedError
 
-        stats = await delta_send(self.engine, self.published(), global_steps, self.sender)
-        return Sent(t0=t0, send_s=time.time() - t0, delta=dataclasses.asdict(stats))
+        t0 = time.time()
+        every = self.options.check_every
+        digester = Digester() if every and global_steps % every == 0 else None
+        sent = Sent(t0=t0, send_s=0.0)
+        try:
+            if self.sender is None:
+                await self.engine.send_weights(self.published(), global_steps,
+                                               **({"check": True} if digester else {}))
+            else:
+                from ckpt.delta import delta_send
+
+                weights = self.published() if digester is None else digester.watch(self.published())
+                sent.delta = dataclasses.asdict(await delta_send(self.engine, weights, global_steps, self.sender,
+                                                                 check=digester))
+        except UpdateRefusedError as exc:  # the rollouts say why; the job reports them with their own errors
+            sent.refused = {str(who): cause for who, cause in exc.refusals.items()}
+        except WeightCheckError as exc:
+            sent.check = {"checked": len(exc.outcomes), "mismatches": exc.mismatches}
+        if digester is not None and sent.check is None and sent.refused is None:
+            sent.check = {"checked": len(getattr(self.engine, "outcomes", {})), "mismatches": {}}
+        sent.send_s = time.time() - t0
+        return sent
 
     def reseed(self, reason: str) -> None:
         """Make the next update a full seed (the job's fault policy, :mod:`hal.apps.weightsync.delta`)."""

@@ -1,5 +1,5 @@
-"""What a rollout proves after an update: the step it serves, a CRC-32 per tensor equal to the trainer's, and
-a greedy decode equal to the trainer's."""
+"""What a rollout proves after an update: the step it serves, a CRC-32 per tensor (or region, keyed as
+:mod:`ckpt.checker` keys them) equal to the trainer's, and a greedy decode equal to the trainer's."""
 
 from __future__ import annotations
 
@@ -9,22 +9,20 @@ from typing import Any, Callable, Iterable
 
 import torch
 
+from ckpt.checker import locate_region, parse_key, region_key
 from ckpt.vllm_transfer import crc32_hex as crc32
 from hal.apps.weightsync.messages import Checked, Reference
 
 
-# checksum key of rows [start:stop) of a tensor: "name[start:stop]" (a sharded trainer's part)
-ROWS_KEY = re.compile(r"^(?P<name>.+)\[(?P<start>\d+):(?P<stop>\d+)\]$")
-
-
 def checksums(weights: Iterable[tuple[str, Any]]) -> dict[str, str]:
-    """``{key: CRC-32 of the bytes}`` in iteration order (a ``ckpt.RowShard`` under ``"name[start:stop]"``)."""
+    """``{key: CRC-32 of the bytes}`` in iteration order, keyed as :mod:`ckpt.checker` keys regions (a
+    ``ckpt.RowShard`` under ``"name[start:stop]"``)."""
     out = {}
     for name, value in weights:
         if isinstance(value, torch.Tensor):
             out[name] = crc32(value)
         else:  # a RowShard: rows [row_start, row_start + rows) of the full tensor
-            out[f"{name}[{value.row_start}:{value.row_start + value.local.shape[0]}]"] = crc32(value.local)
+            out[region_key(name, [(value.row_start, value.row_start + value.local.shape[0])])] = crc32(value.local)
     return out
 
 
@@ -32,12 +30,11 @@ def served_checksums(expected: dict[str, str], served: dict[str, torch.Tensor]) 
     """The checksums of what a rollout serves, keyed as ``expected``, plus every served tensor no key covers."""
     out, covered = {}, set()
     for key in expected:
-        match = ROWS_KEY.match(key)
-        name = match["name"] if match and match["name"] in served and key not in served else key
+        name, region = (key, None) if key in served else parse_key(key)
         covered.add(name)
-        if name in served:
-            tensor = served[name]
-            out[key] = crc32(tensor[int(match["start"]):int(match["stop"])] if name != key else tensor)
+        view = locate_region(served, name, region)
+        if view is not None:
+            out[key] = crc32(view)
     out.update({name: crc32(t) for name, t in served.items() if name not in covered})
     return out
 
@@ -135,4 +132,5 @@ def verify_rollout(adapter: Any, step: int, reference: Reference,
     return out
 
 
-__all__ = ["REGION_KEY", "slice_checksums", "verify_slices", "ROWS_KEY", "checksums", "crc32", "served_checksums", "compare_decode", "first_mismatch", "verify", "verify_rollout"]
+__all__ = ["REGION_KEY", "slice_checksums", "verify_slices", "checksums", "crc32", "served_checksums", "compare_decode",
+           "first_mismatch", "verify", "verify_rollout"]

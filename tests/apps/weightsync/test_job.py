@@ -4,6 +4,7 @@ around the publish, a corrupted update named by its tensor, a failing rollout na
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import importlib.util
 import pathlib
 
@@ -13,6 +14,7 @@ import torch
 import ckpt
 from ckpt.manager import UpdateError
 from hal.apps.weightsync import memory
+from hal.apps.weightsync.figures import row_ok
 from hal.apps.weightsync.launchers.colocated import local_group
 from hal.apps.weightsync.loop import Job, run
 from hal.apps.weightsync.options import JobOptions
@@ -118,6 +120,22 @@ def test_a_corrupted_update_is_named_by_its_tensor_and_fails_verification():
     assert len(result.errors) == 2  # steps 1 and 2 of rollout 2 (step 0 is not checked, only applied)
     assert result.errors[0].startswith("step 1, rollout rank 2: tensor 'model.norm.weight': checksum ")
     assert [r["error"] is None for r in result.rows[0]["rollouts"]] == [True, False]
+
+
+def test_the_weight_check_every_k_steps_names_the_tensor_a_rollout_serves_wrongly():
+    """hal sync --check-every 2: the trainer's send of step 2 compares every rollout's live parameters with what it
+    published (ckpt.checker, through the rollouts' reports); step 1 is not checked."""
+    options = dataclasses.replace(OPTIONS, check_every=2)
+    group = local_group(options)
+    group.workers[2] = Rollout(options, group.workers[0].engine, 2, adapter_cls=FlipsOneByte)
+    result = asyncio.run(run(options, group))
+    first, second = result.rows
+    assert "check" not in first
+    assert second["check"]["checked"] == 2  # both rollouts answered
+    [(who, found)] = second["check"]["mismatches"].items()
+    assert found[0].startswith("'model.norm.weight' differs"), found
+    assert f"step 2, weight check, {who}: 'model.norm.weight' differs" in " | ".join(result.errors)
+    assert not row_ok(second)
 
 
 def test_a_rollout_that_raises_fails_the_step_naming_it_and_the_next_step_is_clean(monkeypatch):
