@@ -143,9 +143,11 @@ class CollectiveCheckpointEngine(OneToManyEngine):
 
     # ---- lanes: this class's engines that a multi-sender rank runs, one per sender (ckpt/multi_sender.py) ----
     def join_as_lane(self, suffix: str, store: Any, hosted: bool, store_at: tuple[str, int],
-                     membership: Membership) -> None:
-        """Join as one lane of a multi-sender rank: keys under ``suffix``, on ``store``, as ``membership``'s rank."""
+                     membership: Membership, lane_of: tuple[int, int] | None = None) -> None:
+        """Join as one lane of a multi-sender rank: keys under ``suffix``, on ``store``, as ``membership``'s rank;
+        ``lane_of``: (its sender's trainer rank, senders), to name ranks as the whole group does."""
         self._lane, self._store, self._store_server, self._store_at = suffix, store, hosted, store_at
+        self._lane_of = lane_of
         self._set_membership(membership)
         self._join(membership)
 
@@ -180,11 +182,11 @@ class CollectiveCheckpointEngine(OneToManyEngine):
                     store = hal.connect_store(m.master_addr, m.master_port, 1, receivers + 1, self.timeout)
                     hosted = False
                 self._lanes.append(lane)  # closed with the others if it fails to join
-                lane._lane_of = (s, m.senders)
                 if self._reports.promised:
-                    lane._reports.promise(arm=False)
+                    lane.promise_reports(arm=False)
                 lane.join_as_lane(f"/s{s}", store, hosted, (m.master_addr, m.master_port),
-                                  Membership(lane_rank, receivers + 1, m.master_addr, m.master_port, m.generation, 0))
+                                  Membership(lane_rank, receivers + 1, m.master_addr, m.master_port, m.generation, 0),
+                                  (s, m.senders))
         except hal.DistributedTimeoutError as exc:
             self._close_lanes()
             raise TransferTimeoutError(f"rank {m.rank} could not reach the checkpoint store at "

@@ -203,6 +203,8 @@ class HalTransferState:
             raise CheckpointConfigError(f"engine_kwargs must be a dict, got {type(engine_kwargs).__name__}")
         self.engine_name = engine
         self.engine = get_checkpoint_engine(engine, **engine_kwargs)
+        promise = getattr(self.engine, "promise_reports", None)
+        self.reports = bool(promise(arm=False)) if promise is not None else False  # the trainer hears each outcome
         self.served_step: int | None = None
         self.last_result: dict[str, Any] | None = None
         self.loop = asyncio.new_event_loop()
@@ -211,12 +213,15 @@ class HalTransferState:
                expected: dict[str, str] | None) -> dict[str, Any]:
         """Receive step ``global_steps`` whole into host memory, verify it against ``expected``, then ``load`` it.
 
-        Blocks until loaded or failed; never raises for a failed update. Returns ``{"error": None or a sentence,
+        Blocks until loaded or failed; never raises for a failed update (the trainer's ``send_weights`` is told,
+        :mod:`ckpt.outcome`). Returns ``{"error": None or a sentence,
         "served_step", "global_steps", "receive_s", "load_s", "bytes", "tensors", "checksums"}``; ``served_step`` is
         ``None`` when loading failed part way (weights may be mixed)."""
         result: dict[str, Any] = {"error": None, "served_step": self.served_step, "global_steps": global_steps,
                                   "receive_s": 0.0, "load_s": 0.0, "bytes": 0, "checksums": {}, "tensors": 0}
         self.last_result = result
+        if self.reports:
+            self.engine.promise_reports()
         try:
             global_steps = check_global_steps(global_steps)
             staged = self.loop.run_until_complete(stage_update(self.engine.receive_weights(global_steps),
@@ -227,6 +232,7 @@ class HalTransferState:
         except Exception as exc:  # noqa: BLE001 - reported: the previous step keeps serving
             result["error"] = (f"step {global_steps} not served, step {self.served_step} keeps serving: "
                                f"{type(exc).__name__}: {exc}")
+            self._report(exc)
             return result
         start = time.perf_counter()
         try:
@@ -235,12 +241,20 @@ class HalTransferState:
             self.served_step = None
             result.update(served_step=None, error=f"step {global_steps} failed while loading into vLLM's model "
                                                   f"(weights may be mixed; no step served): {type(exc).__name__}: {exc}")
+            self._report(exc)
             return result
         finally:
             staged.weights.clear()
         self.served_step = global_steps
         result.update(served_step=global_steps, load_s=time.perf_counter() - start)
+        self._report(None)
         return result
+
+    def _report(self, error: BaseException | None) -> None:
+        """Tell the trainer the update's outcome (vLLM's fused parameters are not offered to a weight check)."""
+        if self.reports:
+            with contextlib.suppress(Exception):  # not heard: the trainer's wait names this rollout
+                self.engine.report_outcome(error, None)
 
     def close(self) -> None:
         """Release the checkpoint engine and the event loop."""

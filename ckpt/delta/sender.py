@@ -89,6 +89,7 @@ class DeltaSender:
         self.published_step: int | None = None  # the step the snapshot holds, once committed
         self._valid = False  # the snapshot is a base the receivers hold (committed and not reseeded)
         self._reseed_reason: str | None = "first update"
+        self.undelivered: UpdateStats | None = None  # the figures of the last update abandoned
         self._pending: UpdateStats | None = None
         self.last: UpdateStats | None = None
         self._outputs = Outputs()  # the C diff's pairs, kept from update to update
@@ -119,8 +120,9 @@ class DeltaSender:
         return stats
 
     def abandon(self, reason: str) -> None:
-        """Invalidate the snapshot: the update just produced was not delivered (the next update is a seed)."""
-        self._pending, self._valid = None, False
+        """Invalidate the snapshot: the update just produced was not delivered (the next update is a seed); its
+        figures stay in :attr:`undelivered`."""
+        self.undelivered, self._pending, self._valid = self._pending, None, False
         self._reseed_reason = f"last update not delivered: {reason}"
 
     # ---- producing flushes ---------------------------------------------------------------------------

@@ -25,7 +25,7 @@ kw["master_port"] = sender.prepare()["master_port"]  # its store, on a port the 
 with tempfile.TemporaryDirectory() as tmp:
     rollout = VllmRollout(trainer.save(pathlib.Path(tmp) / "m"), dict(rank=1, **kw), device="cpu",
                           interface="extension")
-    out = {"interface": rollout.interface, "results": [], "tokens_equal": [], "tokens": []}
+    out = {"interface": rollout.interface, "results": [], "tokens_equal": [], "tokens": [], "sent": []}
     for step, expected in ((1, None), (2, "corrupt")):
         trainer.step(step)
         sums = trainer.checksums()
@@ -33,8 +33,9 @@ with tempfile.TemporaryDirectory() as tmp:
             sums = {n: "00000000" for n in sums}
         async def both():
             return await asyncio.wait_for(asyncio.gather(sender.send_weights(trainer.published(), step),
-                                                         rollout.receive(step, sums)), 240)
-        result = asyncio.run(both())[1]
+                                                         rollout.receive(step, sums), return_exceptions=True), 240)
+        sent, result = asyncio.run(both())
+        out["sent"].append(None if sent is None else type(sent).__name__ + ": " + str(sent))
         out["results"].append({k: result[k] for k in ("error", "served_step")})
         out["tokens"].append(rollout.generate_greedy(trainer.prompt[0].tolist(), 12))
         out["tokens_equal"].append(out["tokens"][-1] == trainer.reference_tokens(12))
@@ -56,5 +57,6 @@ def test_the_worker_extension_path_serves_a_verified_step_and_refuses_a_corrupte
     assert out["interface"] == "extension"
     assert out["results"][0] == {"error": None, "served_step": 1}
     assert out["results"][1]["served_step"] == 1 and "step 2 not served" in out["results"][1]["error"]
+    assert out["sent"][0] is None and out["sent"][1].startswith("UpdateRefusedError: step 2 was not applied")
     assert out["tokens_equal"] == [True, False]  # step 2 (refused) is not what vLLM serves
     assert out["tokens"][1] == out["tokens"][0]  # step 1 still is

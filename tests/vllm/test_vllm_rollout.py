@@ -17,6 +17,7 @@ pytest.importorskip("vllm", reason="vLLM is not installed here: scripts/setup_vl
 import torch
 
 from ckpt.collective import CollectiveCheckpointEngine
+from ckpt.outcome import UpdateRefusedError
 from hal.apps.weightsync.vllm_rollout import VllmRollout
 from tests.vllm.trainer import Trainer
 
@@ -135,7 +136,8 @@ def test_a_corrupted_checksum_leaves_the_previous_step_serving(job):
     name = next(iter(expected))
     expected[name] = f"{int(expected[name], 16) ^ 1:08x}"
     sent, result = job.publish(expected=expected)
-    assert sent is None
+    # the trainer hears the refusal and its cause (issue 50, point 4)
+    assert isinstance(sent, UpdateRefusedError) and "WeightMismatchError" in str(sent) and name in str(sent), sent
     assert result["served_step"] == served == job.rollout.served_step
     assert f"step {job.step} not served" in result["error"] and name in result["error"]
     assert result["checksums"] == job.trainer.checksums()  # what arrived was right; the announcement differs
@@ -149,6 +151,6 @@ def test_a_step_other_than_the_one_asked_for_is_not_served(job):
     step = job.step + 1
     sent, result = asyncio.run(job._publish(job.trainer.published(), step + 5, None, asked=step))
     job.step = step + 5
-    assert sent is None
+    assert isinstance(sent, UpdateRefusedError) and "VersionMismatchError" in str(sent), sent
     assert result["served_step"] == served and "VersionMismatchError" in result["error"]
     assert job.tokens() == tokens

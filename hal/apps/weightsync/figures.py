@@ -84,8 +84,8 @@ def memory_failures(row: dict[str, Any]) -> list[str]:
 def row_ok(row: dict[str, Any]) -> bool:
     """A step's row is ok when every rollout verified it (and the weight check found nothing) and every peak stayed
     within its bound."""
-    return (all(r["error"] is None for r in row["rollouts"]) and not row.get("refused")
-            and not (row.get("check") or {}).get("mismatches") and not memory_failures(row))
+    return (all(r["error"] is None for r in row["rollouts"]) and not (row.get("check") or {}).get("mismatches")
+            and not memory_failures(row))
 
 
 def summary(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:

@@ -69,8 +69,6 @@ class JobResult:
             errors += [f"step {row['global_steps']}, rollout rank {r['rank']}: {r['error']}"
                        for r in row["rollouts"] if r["error"]]
             errors += [f"step {row['global_steps']}, {failure}" for failure in memory_failures(row)]
-            errors += [f"step {row['global_steps']}, the trainer heard {who} refuse it: {cause}"
-                       for who, cause in (row.get("refused") or {}).items()]
             errors += [f"step {row['global_steps']}, weight check, {who}: {'; '.join(found)}"
                        for who, found in ((row.get("check") or {}).get("mismatches") or {}).items()]
         return errors

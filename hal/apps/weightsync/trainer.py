@@ -134,6 +134,9 @@ class Trainer(Worker):
                                                                  check=digester))
         except UpdateRefusedError as exc:  # the rollouts say why; the job reports them with their own errors
             sent.refused = {str(who): cause for who, cause in exc.refusals.items()}
+            stats = getattr(self.sender, "undelivered", None)
+            if stats is not None:  # sent, not applied everywhere: the next update is a seed
+                sent.delta = dataclasses.asdict(stats)
         except WeightCheckError as exc:
             sent.check = {"checked": len(exc.outcomes), "mismatches": exc.mismatches}
         if digester is not None and sent.check is None and sent.refused is None:
