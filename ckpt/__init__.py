@@ -14,7 +14,9 @@ from ckpt.errors import (
     TransferError,
     TransferTimeoutError,
     UnknownCheckpointEngineError,
+    UpdateRefusedError,
     VersionMismatchError,
+    WeightCheckError,
     WeightMismatchError,
 )
 from ckpt.registry import (
@@ -59,5 +61,5 @@ __all__ = [
     "TrainerWorker", "CheckpointEngineWorker", "InMemoryRolloutAdapter", "ModelRolloutAdapter", "WeightLayout",
     "CheckpointEngineError", "CheckpointConfigError", "CheckpointEngineUnavailableError", "VersionMismatchError", "WeightMismatchError",
     "TransferError", "TransferAbortedError", "TransferTimeoutError", "DuplicateCheckpointEngineError", "UnknownCheckpointEngineError",
-    "ContractError", "RowShard", "dim0_rows", "local_parts",
+    "ContractError", "UpdateRefusedError", "WeightCheckError", "RowShard", "dim0_rows", "local_parts",
 ]

@@ -19,7 +19,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 import torch
 
-from ckpt.errors import CheckpointEngineError
+from ckpt.errors import WeightCheckError
 
 _KEY = re.compile(r"^(?P<name>.+)\[(?P<region>[^\[\]]*)\]$")
 _MASK = (1 << 64) - 1
@@ -27,15 +27,6 @@ SAMPLE = 16  # The column sums cover every SAMPLE-th row of the whole tensor (a 
 
 Region = tuple[tuple[int, int], ...]  # (start, stop) per leading dimension
 Locate = Callable[[str, Region], "torch.Tensor | None"]
-
-
-class WeightCheckError(CheckpointEngineError, RuntimeError):
-    """A rollout serves other values than the trainer published; ``mismatches`` maps each rollout to its sentences."""
-
-    def __init__(self, text: str, mismatches: dict[Any, list[str]] | None = None) -> None:
-        super().__init__(text)
-        self.mismatches = mismatches or {}
-        self.outcomes: dict = {}  # every rollout's ckpt.outcome.Outcome, where the check ran through the reports
 
 
 def region_key(name: str, region: Region | Sequence[slice | tuple[int, int]] = ()) -> str:

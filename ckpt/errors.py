@@ -22,6 +22,23 @@ class WeightMismatchError(CheckpointEngineError, ValueError):
     """A received tensor's name, dtype or shape disagrees with what the rollout expects; names the tensor."""
 
 
+class UpdateRefusedError(CheckpointEngineError, RuntimeError):
+    """Rollouts received an update and did not apply it (:mod:`ckpt.outcome`); ``refusals`` maps each to its cause."""
+
+    def __init__(self, text: str, refusals: dict | None = None, outcomes: dict | None = None) -> None:
+        super().__init__(text)
+        self.refusals, self.outcomes = refusals or {}, outcomes or {}
+
+
+class WeightCheckError(CheckpointEngineError, RuntimeError):
+    """A rollout serves other values than the trainer published (:mod:`ckpt.checker`); ``mismatches`` maps each
+    rollout to its sentences."""
+
+    def __init__(self, text: str, mismatches: dict | None = None, outcomes: dict | None = None) -> None:
+        super().__init__(text)
+        self.mismatches, self.outcomes = mismatches or {}, outcomes or {}
+
+
 class TransferError(CheckpointEngineError, RuntimeError):
     """Weights could not be moved: a peer died or timed out, a file is missing, or the protocol broke."""
 

@@ -26,20 +26,12 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Protocol
 
 from ckpt.checker import Digester, WeightCheckError, mismatches, served_digests
-from ckpt.errors import CheckpointEngineError, TransferError, TransferTimeoutError
+from ckpt.errors import TransferError, TransferTimeoutError, UpdateRefusedError
 
 PREFIX = "report"
 # A consumer's state in its task (a thread of asyncio.to_thread sees it): {"armed": it reports the next update it
 # takes, "taken": {id of a Reports: the update it took}} (several for a multi-sender rollout's lanes).
 _CONSUMER: contextvars.ContextVar[dict | None] = contextvars.ContextVar("hal_ckpt_report_consumer", default=None)
-
-
-class UpdateRefusedError(CheckpointEngineError, RuntimeError):
-    """Rollouts received an update and did not apply it; ``refusals`` maps each to its cause."""
-
-    def __init__(self, text: str, refusals: dict[Any, str], outcomes: dict[Any, Outcome] | None = None) -> None:
-        super().__init__(text)
-        self.refusals, self.outcomes = refusals, outcomes or {}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -236,10 +228,8 @@ class Pending:
         wrong = {i: o.mismatches for i, o in outcomes.items() if o.mismatches}
         if wrong:
             text = "; ".join(f"{label(i)}: {', '.join(found)}" for i, found in wrong.items())
-            error = WeightCheckError(f"the weight check of step {self.step} failed: {text}",
-                                     {label(i): found for i, found in wrong.items()})
-            error.outcomes = outcomes
-            raise error
+            raise WeightCheckError(f"the weight check of step {self.step} failed: {text}",
+                                   {label(i): found for i, found in wrong.items()}, outcomes)
         return outcomes
 
 

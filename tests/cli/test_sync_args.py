@@ -179,3 +179,5 @@ def test_check_every_is_a_count_of_steps_for_hals_rollouts():
         validate(Sync(device="cpu", model="qwen2.5-tiny", check_every=-1))
     with pytest.raises(UsageError, match="--check-every checks hal's rollouts"):
         validate(Sync(device="cpu", model="qwen2.5-tiny", check_every=1, rollout="vllm"))
+    with pytest.raises(UsageError, match="--check-every checks whole-model rollouts"):
+        validate(Sync(device="cpu", model="qwen2.5-tiny", check_every=1, rollout_tp=2, rollouts=2))

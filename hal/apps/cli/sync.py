@@ -117,6 +117,9 @@ def validate(args: Sync) -> None:
     if args.check_every and args.rollout == "vllm":
         raise UsageError("--check-every checks hal's rollouts; --rollout vllm verifies each update by its checksums "
                          "before loading it")
+    if args.check_every and args.rollout_tp != 1:
+        raise UsageError(f"--check-every checks whole-model rollouts; a --rollout-tp {args.rollout_tp} rank keeps "
+                         "slices, which each step's per-slice checksums verify")
     resolve_model(args.model)
     if args.file_root is not None and os.path.exists(args.file_root) and not os.path.isdir(args.file_root):
         raise UsageError(f"--file-root {args.file_root} is not a directory (give a directory, new or existing, for "
