@@ -171,7 +171,7 @@ def test_the_weight_check_names_what_a_rollout_serves_wrongly_and_passes_what_it
 
 @pytest.mark.multiprocess
 def test_multi_sender_lanes_carry_the_refusal_to_every_sender_and_check_their_row_parts():
-    from hal.multiprocess import run_multiprocess
+    from hal.apps.multiprocess import run_multiprocess
     from tests.ckpt import mp_workers
 
     results = run_multiprocess(mp_workers.multi_sender_refusal, 3, timeout=120)
