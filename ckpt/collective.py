@@ -394,11 +394,13 @@ class CollectiveCheckpointEngine(OneToManyEngine):
         given = self.rollout_layouts or [None] * len(receivers)
         if len(given) != len(receivers):
             raise CheckpointConfigError(f"rollout_layouts has {len(given)} entries for {len(receivers)} rollout ranks")
-        if check and any(d is not None for d in given):
-            raise CheckpointConfigError("check=True: the weight check of rollouts that keep slices (rollout_layout) "
-                                        "is not supported yet; check an update sent to whole-model rollouts")
+        if check and (self.senders > 1 or any(d is not None for d in given)):
+            raise CheckpointConfigError("check=True: the weight check of rollouts that keep slices (rollout_layout), "
+                                        "or of several senders' pieces, is not supported yet; check an update one "
+                                        "sender sends to whole-model rollouts")
         layouts = {r: None if d is None else RolloutLayout.from_dict(d) for r, d in zip(receivers, given)}
-        pending = self._begin_reports(global_steps, receivers, check)
+        # the senders share the group's board: trainer rank 0 alone numbers the update and collects the words
+        pending = self._begin_reports(global_steps, receivers if self.rank == 0 else [], check)
         parts = held_parts(weights)
         if pending.digester is not None and not pending.outer:
             for local, held in parts:
