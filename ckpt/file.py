@@ -138,7 +138,10 @@ class FileCheckpointEngine(CheckpointEngine):
         self._prune()
         if reporting:
             pending.waiting = self._readers(global_steps)
-        self.outcomes = await pending.collect(self.timeout)
+        try:
+            self.outcomes = await pending.collect(self.timeout)
+        finally:
+            self._board.tidy()
 
     def _readers(self, step: int) -> list[str]:
         """The reporting readers that read ``step``: those reading now for it (or the newest), those that reported it."""
@@ -163,6 +166,7 @@ class FileCheckpointEngine(CheckpointEngine):
     def close(self) -> None:
         """Withdraw this rollout's promise to report (a sender stops waiting for it)."""
         self._reports.withdraw()
+        self._board.tidy()
 
     @staticmethod
     def _shard_name(index: int) -> str:

@@ -132,10 +132,30 @@ class DirectoryBoard:
 
     def put(self, key: str, data: bytes) -> None:
         path = self._path(key)
-        path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.{threading.get_ident()}.tmp")
-        tmp.write_bytes(data)
+        for attempt in range(3):  # another process's tidy() may remove the empty folder between mkdir and write
+            path.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                tmp.write_bytes(data)
+                break
+            except FileNotFoundError:
+                if attempt == 2:
+                    raise
         tmp.replace(path)  # atomic: a reader sees all of it or nothing
+
+    def tidy(self) -> None:
+        """Remove the board's empty folders, the board's own included (nothing is left in a user's root)."""
+        if not self.root.is_dir():
+            return
+        for folder in sorted((p for p in self.root.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts)):
+            try:
+                folder.rmdir()
+            except OSError:  # not empty, or gone
+                pass
+        try:
+            self.root.rmdir()
+        except OSError:
+            pass
 
     def get(self, key: str) -> bytes | None:
         try:
