@@ -314,9 +314,16 @@ class LocalCluster:
         if self.process.poll() is None:
             self.process.kill()
         self.process.wait()
+        deadline = time.monotonic() + 5.0  # a killed process may write its last log lines until the kernel reaps it
+        while self.pids() and time.monotonic() < deadline:
+            time.sleep(0.05)
         self.process = None
         if getattr(self, "_own_temp_dir", False):  # made by start(): logs and sockets go with the node
-            shutil.rmtree(self.temp_dir, ignore_errors=True)
+            for _ in range(20):  # a file written during the removal makes rmtree miss its folder: go again
+                shutil.rmtree(self.temp_dir, ignore_errors=True)
+                if not os.path.exists(self.temp_dir):
+                    break
+                time.sleep(0.1)
             self.temp_dir, self._own_temp_dir = None, False
 
     def __enter__(self) -> LocalCluster:
