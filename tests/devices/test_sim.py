@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import gc
 import os
 import pathlib
 import subprocess
@@ -82,7 +83,16 @@ def test_pinned_host_memory(npu):
     assert torch.equal(back, pinned)
 
 
-def test_memory_accounting_counts_blocks_as_torch_npu_does(npu):
+@pytest.fixture
+def no_gc():
+    """Collect now and not during the test: garbage of an earlier test in this worker would change the counters."""
+    gc.collect()
+    gc.disable()
+    yield
+    gc.enable()
+
+
+def test_memory_accounting_counts_blocks_as_torch_npu_does(npu, no_gc):
     npu.empty_cache()
     base = npu.memory_allocated()
     npu.reset_peak_memory_stats()
