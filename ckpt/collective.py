@@ -401,7 +401,12 @@ class CollectiveCheckpointEngine(OneToManyEngine):
         layouts = {r: None if d is None else RolloutLayout.from_dict(d) for r, d in zip(receivers, given)}
         # the senders share the group's board: trainer rank 0 alone numbers the update and collects the words
         pending = self._begin_reports(global_steps, receivers if self.rank == 0 else [], check)
-        parts = held_parts(weights)
+        try:
+            parts = held_parts(weights)
+        except Exception as exc:  # the rollouts wait for our head: tell them, then raise
+            await send_update(self._channel(self._group), self.rank, layouts, [], global_steps, self.bucket_size,
+                              abort=exc)
+            raise
         if pending.digester is not None and not pending.outer:
             for local, held in parts:
                 whole = all(o == 0 for o in held.region.offsets) and tuple(held.region.sizes) == tuple(held.full_shape)
@@ -631,11 +636,13 @@ class CollectiveCheckpointEngine(OneToManyEngine):
                 self.received_global_steps = step
                 self._reports.take(step)
 
-            senders = list(range(self.senders))
-            async for item in receive_update(self._channel(group), self.rank, senders,
-                                             self.rollout_layout,
-                                             global_steps, placement, on_step):
-                yield item
+            stream = receive_update(self._channel(group), self.rank, list(range(self.senders)), self.rollout_layout,
+                                    global_steps, placement, on_step)
+            try:
+                async for item in stream:
+                    yield item
+            finally:  # an early aclose() drains the rest now, so the group stays in step
+                await stream.aclose()
             return
         if self._lanes:
             def agreed(step: int | None) -> None:

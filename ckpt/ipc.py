@@ -478,8 +478,12 @@ class IpcCheckpointEngine(CheckpointEngine):
             receivers = range(self.senders, self.world_size)
             given = self.rollout_layouts or [None] * len(receivers)
             layouts = {r: None if d is None else RolloutLayout.from_dict(d) for r, d in zip(receivers, given)}
-            await send_update(self._resharding_channel(), self.rank, layouts, held_parts(weights), step,
-                              self.bucket_size)
+            try:
+                parts = held_parts(weights)
+            except Exception as exc:  # the rollouts wait for our head: tell them, then raise
+                await send_update(self._resharding_channel(), self.rank, layouts, [], step, self.bucket_size, abort=exc)
+                raise
+            await send_update(self._resharding_channel(), self.rank, layouts, parts, step, self.bucket_size)
             return
         self._check_place("send")
         if self.rank == -1:
@@ -644,9 +648,13 @@ class IpcCheckpointEngine(CheckpointEngine):
             def on_step(agreed: int | None) -> None:
                 self.received_global_steps = agreed
 
-            async for item in receive_update(self._resharding_channel(), self.rank, list(range(self.senders)),
-                                             self.rollout_layout, step, placement, on_step):
-                yield item
+            stream = receive_update(self._resharding_channel(), self.rank, list(range(self.senders)),
+                                    self.rollout_layout, step, placement, on_step)
+            try:
+                async for item in stream:
+                    yield item
+            finally:  # an early aclose() drains the rest now
+                await stream.aclose()
             return
         self._check_place("receive")
         import zmq

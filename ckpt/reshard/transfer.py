@@ -96,10 +96,12 @@ class PairBuffers:
 
 
 async def send_update(io: Channel, rank: int, layouts: dict[int, RolloutLayout | None],
-                      parts: Sequence[tuple[torch.Tensor, Holding]], step: int | None, bucket_size: int) -> None:
+                      parts: Sequence[tuple[torch.Tensor, Holding]], step: int | None, bucket_size: int,
+                      abort: BaseException | None = None) -> None:
     """Send every rollout rank of ``layouts`` (``None``: the whole model) its pieces of ``parts``.
 
-    Returns once every send completed (the caller may then change its tensors).
+    Returns once every send completed (the caller may then change its tensors). ``abort``: this rank's weights
+    failed; the rollouts are told (they raise :class:`TransferAbortedError` at once) and ``abort`` is raised.
 
     Raises:
         PlanError: this rank cannot plan a pair (the rollouts are told and refuse the update).
@@ -107,8 +109,8 @@ async def send_update(io: Channel, rank: int, layouts: dict[int, RolloutLayout |
     """
     held = [h for _, h in parts]
     pair_bucket = max(64, bucket_size // max(1, len(layouts)))
-    plans, error = {}, None
-    for r, layout in layouts.items():
+    plans, error = {}, abort
+    for r, layout in layouts.items() if abort is None else ():
         try:  # a rollout without a layout keeps the whole model (no digest: its tensors are the union of ours)
             plans[r] = (pair_plan(held, layout or RolloutLayout.whole(held), rank, r),
                         layout and layout_digest(layout))
@@ -118,7 +120,8 @@ async def send_update(io: Channel, rank: int, layouts: dict[int, RolloutLayout |
     for r in layouts:
         meta = json.dumps({"step": step, "held": [h.to_list() for h in held], "pair_bucket": pair_bucket,
                            "digest": plans[r][1] if r in plans else None,
-                           "error": None if error is None else str(error)}).encode()
+                           "error": None if error is None else str(error),
+                           "abort": abort is not None and f"{type(abort).__name__}: {abort}"}).encode()
         head = torch.tensor([MAGIC, len(meta)], dtype=torch.int64, device=io.device)
         body = torch.frombuffer(bytearray(meta), dtype=torch.uint8).to(io.device)
         heads += [head, body]
@@ -209,6 +212,10 @@ async def receive_update(io: Channel, rank: int, senders: Sequence[int], layout:
     held = {s: [Holding.from_list(v) for v in m["held"]] for s, m in metas.items()}
     refusal: Exception | None = None
     try:
+        aborted = next((s for s, m in metas.items() if m.get("abort")), None)
+        if aborted is not None:
+            raise TransferAbortedError(f"trainer rank {aborted} stopped step {metas[aborted]['step']} before "
+                                       f"sending (rollout rank {rank} keeps nothing of it): {metas[aborted]['abort']}")
         refusal_from = next((s for s, m in metas.items() if m["error"]), None)
         if refusal_from is not None:
             raise PlanError(f"trainer rank {refusal_from} cannot plan: {metas[refusal_from]['error']}")
@@ -233,7 +240,7 @@ async def receive_update(io: Channel, rank: int, senders: Sequence[int], layout:
                 raise PlanError(f"trainer rank {s} planned rollout rank {rank} from another layout than the one it "
                                 "keeps (the rollout changed its layout without a new topology)")
         check_coverage(layout, plans, held, rank)
-    except (PlanError, VersionMismatchError) as exc:
+    except (PlanError, VersionMismatchError, TransferAbortedError) as exc:
         refusal = exc
     verdict = note(ACCEPT, "", io.device) if refusal is None else note(REFUSE, f"{type(refusal).__name__}: {refusal}",
                                                                         io.device)
@@ -242,8 +249,12 @@ async def receive_update(io: Channel, rank: int, senders: Sequence[int], layout:
         raise refusal
     if on_step is not None:
         on_step(step)
-    async for item in _receive_data(io, rank, senders, layout, plans, metas, placement, step):
-        yield item
+    stream = _receive_data(io, rank, senders, layout, plans, metas, placement, step)
+    try:
+        async for item in stream:
+            yield item
+    finally:  # an early aclose() reaches the inner stream now, which drains the rest (not the garbage collector)
+        await stream.aclose()
 
 
 async def _receive_data(io: Channel, rank: int, senders: Sequence[int], layout: RolloutLayout,
