@@ -11,7 +11,7 @@ import torch
 import ckpt
 import hal
 from tests.ckpt.mp_workers import lifecycle
-from tests.ckpt.reshard_workers import BUCKET, _Flat, expected, layout, sender_parts
+from tests.ckpt.reshard_workers import BUCKET, FlatModule, expected, layout, sender_parts
 
 
 class _Slow:
@@ -60,7 +60,7 @@ def faulty(rank, world_size, trainers, updates, faults, timeout=8.0, agree=False
             hal.init_process_group("cpu", store=dist.PrefixStore("tp", store), rank=index, world_size=rollouts,
                                    timeout=timeout)
             agreement = {"agree": tp_agreement(dev)}
-        model = ckpt.ModelRolloutAdapter(_Flat(expected(0, lay)), atomic=True, **agreement)
+        model = ckpt.ModelRolloutAdapter(FlatModule(expected(0, lay)), atomic=True, **agreement)
     reports = []
     for update in range(1, updates + 1):
         kind, value = faults.get((update, rank), (None, None))

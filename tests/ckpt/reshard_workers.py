@@ -84,7 +84,9 @@ def sender_parts(step: int, sender: int, senders: int, device: torch.device) -> 
     return out
 
 
-class _Flat(torch.nn.Module):
+class FlatModule(torch.nn.Module):
+    """Buffers named as given: a model made of the checkpoint's tensors."""
+
     def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
         super().__init__()
         for n, t in tensors.items():
@@ -124,7 +126,7 @@ def resharded(rank, world_size, device, trainers, updates, kill=None, whole=(), 
                                    timeout=8)
             agreement = {"agree": tp_agreement(dev)}
         if index == 0 or agree:
-            model = ckpt.ModelRolloutAdapter(_Flat(start), atomic=True, **agreement)
+            model = ckpt.ModelRolloutAdapter(FlatModule(start), atomic=True, **agreement)
         else:
             model = ckpt.InMemoryRolloutAdapter(start)
         worker = ckpt.CheckpointEngineWorker(engine, model)
