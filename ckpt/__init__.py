@@ -33,6 +33,7 @@ from ckpt.registry import (
     unregister_checkpoint_engine,
 )
 from ckpt.layout import WeightLayout
+from ckpt.lora import LoraRolloutAdapter
 from ckpt.serving import InMemoryRolloutAdapter, ModelRolloutAdapter
 from ckpt.shards import RowShard, dim0_rows, local_parts
 from ckpt.workers import CheckpointEngineWorker, TrainerWorker
@@ -58,7 +59,8 @@ __all__ = [
     "checkpoint_engines_where",
     "ColocatedCheckpointEngine", "CollectiveCheckpointEngine", "FileCheckpointEngine",
     "NixlCheckpointEngine", "MooncakeCheckpointEngine", "KimiCheckpointEngine", "IpcCheckpointEngine",
-    "TrainerWorker", "CheckpointEngineWorker", "InMemoryRolloutAdapter", "ModelRolloutAdapter", "WeightLayout",
+    "TrainerWorker", "CheckpointEngineWorker", "InMemoryRolloutAdapter", "ModelRolloutAdapter", "LoraRolloutAdapter",
+    "WeightLayout",
     "CheckpointEngineError", "CheckpointConfigError", "CheckpointEngineUnavailableError", "VersionMismatchError", "WeightMismatchError",
     "TransferError", "TransferAbortedError", "TransferTimeoutError", "DuplicateCheckpointEngineError", "UnknownCheckpointEngineError",
     "ContractError", "UpdateRefusedError", "WeightCheckError", "RowShard", "dim0_rows", "local_parts",

@@ -149,15 +149,20 @@ class CheckpointEngineManager:
         return list(range(self.group.trainer_world_size, self.world_size))
 
     async def call(self, indices: Sequence[int], method: Callable, args: Sequence[tuple] | None = None, *,
-                   what: str | None = None, limit: float | None = None) -> list[Any]:
-        """Run ``method`` on every worker of ``indices`` concurrently (``args[i]`` for the i-th); return results in order.
+                   what: str | None = None, limit: float | None = None,
+                   kwargs: Sequence[dict[str, Any]] | None = None) -> list[Any]:
+        """Run ``method`` on every worker of ``indices`` concurrently (``args[i]`` and ``kwargs[i]`` for the i-th);
+        return results in order.
 
         Raises :class:`UpdateError` naming each worker that failed or did not answer within ``limit`` seconds."""
         method_class(method)
         args = list(args) if args is not None else [()] * len(indices)
-        if len(args) != len(indices):
-            raise ValueError(f"args must give one tuple per worker: {len(args)} for {len(indices)} workers")
-        futures = [asyncio.ensure_future(self.group.submit(i, method, *a)) for i, a in zip(indices, args)]
+        kwargs = list(kwargs) if kwargs is not None else [{}] * len(indices)
+        if len(args) != len(indices) or len(kwargs) != len(indices):
+            raise ValueError(f"args and kwargs must give one entry per worker: {len(args)} and {len(kwargs)} for "
+                             f"{len(indices)} workers")
+        futures = [asyncio.ensure_future(self.group.submit(i, method, *a, **k))
+                   for i, a, k in zip(indices, args, kwargs)]
         return await self.settle(futures, what or method.__qualname__, list(indices), limit)
 
     async def settle(self, futures: list[asyncio.Future], what: str, indices: list[int],
@@ -241,14 +246,17 @@ class CheckpointEngineManager:
                    for i, kwargs in enumerate(per_rank)]
         await self.settle(futures, "init_process_group", everyone)
 
-    async def update_weights(self, global_steps: int | None) -> list[Any]:
-        """Run one update as verl's manager does; return every worker's result, trainer ranks first."""
+    async def update_weights(self, global_steps: int | None, **rollout_kwargs: Any) -> list[Any]:
+        """Run one update as verl's manager does; return every worker's result, trainer ranks first.
+
+        ``rollout_kwargs`` go to every rollout's ``update_weights`` (verl's ``peft_config``, ``base_sync_done``)."""
         await self.settle_leftovers()
         everyone = list(range(self.world_size))
+        kwargs = [{}] * self.group.trainer_world_size + [rollout_kwargs] * self.group.rollout_world_size
         try:
             await self.build_process_group()
             results = await self.call(everyone, ManagedWorker.update_weights, [(global_steps,)] * self.world_size,
-                                      what=f"update to global_steps {global_steps}")
+                                      what=f"update to global_steps {global_steps}", kwargs=kwargs)
         finally:
             await self.finalize([i for i in everyone if i not in self.unsettled])
         return results

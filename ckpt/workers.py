@@ -14,20 +14,24 @@ from ckpt.base import CheckpointEngine, NamedTensor, check_global_steps, drain
 from ckpt.errors import CheckpointConfigError
 
 
-def _per_tensor_params(engine: Any):
-    """Return the ``(name, tensor)`` iterable of ``engine.get_per_tensor_param()``; a LoRA ``peft_config`` is refused."""
+def _per_tensor_params(engine: Any, base_sync_done: bool | None = None) -> tuple[Any, dict[str, Any] | None]:
+    """Return ``(the (name, tensor) iterable, peft_config)`` of ``engine.get_per_tensor_param()``.
+
+    ``base_sync_done`` is passed on when given; a LoRA ``peft_config`` is refused without it (the rollouts could
+    not tell the adapter from the base)."""
     getter = getattr(engine, "get_per_tensor_param", None)
     if getter is None:
         raise CheckpointConfigError(f"{type(engine).__name__} has no get_per_tensor_param(); the trainer "
                                     "engine must provide one returning (generator, peft_config)")
-    result = getter()
+    result = getter() if base_sync_done is None else getter(base_sync_done=base_sync_done)
     if isinstance(result, tuple) and len(result) == 2 and not _is_pair(result[1]):
         per_tensor_param, peft_config = result
-        if peft_config is not None:
+        if peft_config is not None and base_sync_done is None:
             raise CheckpointConfigError(f"{type(engine).__name__}.get_per_tensor_param() returned a peft_config "
-                                        f"({type(peft_config).__name__}); publish merged weights instead")
-        return per_tensor_param
-    return result
+                                        f"({type(peft_config).__name__}); pass base_sync_done (LoRA adapters) or "
+                                        "publish merged weights")
+        return per_tensor_param, peft_config
+    return result, None
 
 
 def _is_pair(item: Any) -> bool:
@@ -39,10 +43,15 @@ class TrainerWorker:
 
     def __init__(self, engine: Any, checkpoint_engine: CheckpointEngine) -> None:
         self.engine, self.checkpoint_engine = engine, checkpoint_engine
+        self.peft_config: dict[str, Any] | None = None  # of the last update (what its rollouts are told)
 
-    async def update_weights(self, global_steps: int | None = None, **_verl_kwargs: Any) -> None:
-        """Send the engine's weights as step ``global_steps``; return when delivered (verl's ``mode`` is accepted)."""
-        await self.checkpoint_engine.send_weights(_per_tensor_params(self.engine), check_global_steps(global_steps))
+    async def update_weights(self, global_steps: int | None = None, base_sync_done: bool | None = None,
+                             **_verl_kwargs: Any) -> None:
+        """Send the engine's weights as step ``global_steps``; return when delivered (verl's ``mode`` is accepted).
+
+        ``base_sync_done`` (LoRA): ``True`` sends the adapter alone, ``False`` the base."""
+        weights, self.peft_config = _per_tensor_params(self.engine, base_sync_done)
+        await self.checkpoint_engine.send_weights(weights, check_global_steps(global_steps))
 
 
 class _StepTagged:
@@ -72,16 +81,18 @@ class _StepTagged:
 class CheckpointEngineWorker:
     """Rollout side: receives one update and hands it to the server adapter (verl's ``update_weights`` keywords).
 
-    An adapter's ``receive_placement``, if it has one, is passed to ``receive_weights(..., placement=...)``. After
-    every update the engine tells the sender whether it was applied and why not (:mod:`ckpt.outcome`), with the
-    adapter's ``state_dict()`` for a weight check."""
+    An adapter's ``receive_placement``, if it has one, is passed to ``receive_weights(..., placement=...)``; a LoRA
+    update's ``peft_config`` and ``base_sync_done`` to the adapter's ``update_weights``. After every update the
+    engine tells the sender whether it was applied and why not (:mod:`ckpt.outcome`), with the adapter's
+    ``state_dict()`` for a weight check."""
 
     def __init__(self, checkpoint_engine: CheckpointEngine, adapter: Any) -> None:
         self.checkpoint_engine, self.adapter = checkpoint_engine, adapter
         promise = getattr(checkpoint_engine, "promise_reports", None)
         self.reports = bool(promise(arm=False)) if promise is not None else False  # the engine carries our word back
 
-    async def update_weights(self, global_steps: int | None = None) -> int | None:
+    async def update_weights(self, global_steps: int | None = None, peft_config: dict[str, Any] | None = None,
+                             base_sync_done: bool = False) -> int | None:
         """Receive step ``global_steps`` and apply it; return the step applied.
 
         If the adapter raises, the rest of the update is drained and ``received_global_steps`` is restored before
@@ -98,8 +109,9 @@ class CheckpointEngineWorker:
             call = engine.receive_weights(global_steps, placement=placement)
         stream = _StepTagged(engine, call)
         try:
+            lora = {} if peft_config is None else {"peft_config": peft_config, "base_sync_done": base_sync_done}
             await self.adapter.update_weights(stream, global_steps=global_steps,
-                                              wire_format=getattr(engine, "wire_format", "named_tensors"))
+                                              wire_format=getattr(engine, "wire_format", "named_tensors"), **lora)
         except Exception as exc:
             if not stream.finished:
                 await drain(stream)

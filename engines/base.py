@@ -62,12 +62,23 @@ class BaseEngine(abc.ABC):
         """Yield ``(name, tensor)`` for weight sync: full, unsharded tensors in ``state_dict`` order."""
 
     def get_per_tensor_param(self, layered_summon: bool = False, base_sync_done: bool = True,
-                             **kwargs: Any) -> tuple[Iterator[tuple[str, torch.Tensor]], None]:
+                             **kwargs: Any) -> tuple[Iterator[tuple[str, torch.Tensor]], dict[str, Any] | None]:
         """Return ``(generator of (name, tensor), peft_config)`` for weight sync, as verl's engines do.
 
-        Full, unsharded tensors in ``state_dict`` order; ``peft_config`` is ``None`` and the LoRA options do nothing.
-        """
-        return self._per_tensor_params(), None
+        Full, unsharded tensors in ``state_dict`` order. A peft LoRA module gives its ``peft_config`` (a dict) and,
+        with ``base_sync_done``, only the adapter under ``get_peft_model_state_dict``'s names, else the base under
+        plain names; any other module gives every tensor and ``None``."""
+        config = getattr(self.module, "peft_config", None)
+        if not isinstance(config, dict) or "default" not in config:
+            return self._per_tensor_params(), None
+        from peft import get_peft_model_state_dict
+
+        if base_sync_done:
+            return iter(get_peft_model_state_dict(self.module).items()), config["default"].to_dict()
+        prefix = "base_model.model."
+        base = ((name.removeprefix(prefix).replace(".base_layer", ""), t) for name, t in self._per_tensor_params()
+                if ".lora_" not in name)
+        return base, config["default"].to_dict()
 
     def _before_move(self) -> None:
         """Run once before tensors move (FSDP reshards here)."""
