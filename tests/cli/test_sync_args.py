@@ -43,11 +43,34 @@ def test_vllm_rollouts_take_full_updates_only():
     (dict(compare_full=True), "--compare-full has no effect without --wire-format delta (got --wire-format full)"),
     (dict(file_root="somewhere"), "--file-root has no effect without --engine file (got --engine collective)"),
     (dict(compare_hal=False), "--no-compare-hal has no effect without --rollout vllm (got --rollout hal)"),
+    (dict(lora_alpha=32), "--lora-alpha has no effect without --lora-rank R (got --lora-rank 0)"),
+    (dict(lora_targets=("q_proj",)), "--lora-targets has no effect without --lora-rank R (got --lora-rank 0)"),
+    (dict(lora_publish="merged"), "--lora-publish has no effect without --lora-rank R (got --lora-rank 0)"),
 ])
 def test_a_flag_without_effect_is_refused_naming_the_flag_it_needs(given, message):
     with pytest.raises(UsageError) as info:
         validate(Sync(device="cpu", model="qwen2.5-tiny", **given))
     assert str(info.value) == message
+
+
+@pytest.mark.parametrize("given, message", [
+    (dict(trainer_ranks=2, engine="collective"), "--lora-rank 8 runs with --trainer-ranks 1, got --trainer-ranks 2"),
+    (dict(wire_format="delta"), "--lora-rank 8 runs with --wire-format full, got --wire-format delta"),
+    (dict(lora_rank=-1), "--lora-rank and --lora-alpha must be positive, got -1 and 16"),
+])
+def test_lora_is_refused_where_it_does_not_run_naming_the_flag(given, message):
+    with pytest.raises(UsageError) as info:
+        validate(Sync(**{"device": "cpu", "model": "qwen2.5-tiny", "engine": "colocated", "lora_rank": 8, **given}))
+    assert str(info.value) == message
+
+
+def test_lora_flags_become_the_jobs_options():
+    options = job_options(Sync(device="cpu", model="qwen2.5-tiny", lora_rank=4, lora_alpha=8,
+                               lora_targets=("q_proj", "v_proj"), lora_publish="merged"))
+    assert (options.lora_rank, options.lora_alpha, options.lora_targets, options.lora_publish) == \
+        (4, 8, ("q_proj", "v_proj"), "merged")
+    assert options.lora and not options.lora_adapters
+    assert job_options(Sync(device="cpu", model="qwen2.5-tiny", lora_rank=8)).lora_adapters
 
 
 def test_a_file_root_that_is_a_file_is_refused_before_the_job_starts(tmp_path):

@@ -92,6 +92,15 @@ class Sync:
     that differs from what it published (ckpt.checker); 0: never."""
     link_gbit: Annotated[float | None, optional("R", "the host's loopback")] = None
     """Give every process a network namespace joined by emulated links of R Gbit/s each way (root, iproute2)."""
+    lora_rank: Annotated[int, tyro.conf.arg(metavar="R")] = 0
+    """Train a peft LoRA adapter of rank R on the frozen base (0: train every weight)."""
+    lora_alpha: int = 16
+    """With --lora-rank: LoRA's alpha (the adapter is scaled by alpha / rank)."""
+    lora_targets: Annotated[tuple[str, ...], tyro.conf.arg(metavar="NAME [NAME ...]")] = ()
+    """With --lora-rank: the modules the adapter targets (e.g. q_proj v_proj); default every linear layer."""
+    lora_publish: Literal["adapter", "merged"] = "adapter"
+    """With --lora-rank: adapter publishes the base once, then the adapter alone (peft_config, base_sync_done);
+    merged publishes base and adapter merged into whole weights every step."""
 
 
 LINK_ENGINES = ("collective",)  # bytes cross TCP between processes
@@ -139,6 +148,8 @@ def validate(args: Sync) -> None:
     if args.launcher == "ray" and args.engine not in RAY_ENGINES:
         raise UsageError(f"--launcher ray runs engines {', '.join(RAY_ENGINES)} (collective across nodes, ipc with "
                          f"every actor on one node), got --engine {args.engine}")
+    if args.lora_rank:
+        validate_lora(args)
     if args.rollout == "vllm":
         if args.wire_format != "full":  # the vLLM role loads whole tensors (reload_weights), not delta flushes
             raise UsageError(f"--rollout vllm takes --wire-format full, got --wire-format {args.wire_format}")
@@ -174,13 +185,39 @@ def refuse_flags_without_effect(args: Sync) -> None:
              ("--file-root", args.file_root is not None, ckpt.checkpoint_engine_says(args.engine, "publishes_to_files"),
               f"--engine {' or '.join(ckpt.checkpoint_engines_where('publishes_to_files'))}", f"--engine {args.engine}"),
              ("--no-compare-hal", not args.compare_hal, args.rollout == "vllm", "--rollout vllm",
-              f"--rollout {args.rollout}"))
+              f"--rollout {args.rollout}"),
+             *((flag, given, args.lora_rank > 0, "--lora-rank R", f"--lora-rank {args.lora_rank}")
+               for flag, given in (("--lora-alpha", args.lora_alpha != 16), ("--lora-targets", bool(args.lora_targets)),
+                                   ("--lora-publish", args.lora_publish != "adapter"))))
     for flag, given, applies, needed, got in needs:
         if given and not applies:
             raise UsageError(f"{flag} has no effect without {needed} (got {got})")
     if args.publish_dtype != "auto" and resolve_model(args.model) not in PRESETS:
         raise UsageError(f"--publish-dtype applies to a preset --model ({', '.join(sorted(PRESETS))}); "
                          f"{args.model} is published in the dtypes it stores")
+
+
+def validate_lora(args: Sync) -> None:
+    """``--lora-rank R``'s own checks."""
+    import importlib.util
+
+    from hal.apps.weightsync.models import PRESETS, resolve_model
+    from hal.apps.weightsync.lora import MAX_LORA_RANKS
+
+    flag = f"--lora-rank {args.lora_rank}"
+    if args.lora_rank < 0 or args.lora_alpha <= 0:
+        raise UsageError(f"--lora-rank and --lora-alpha must be positive, got {args.lora_rank} and {args.lora_alpha}")
+    if resolve_model(args.model) not in PRESETS:
+        raise UsageError(f"{flag} trains an adapter on a preset's linear layers ({', '.join(sorted(PRESETS))}), got "
+                         f"--model {args.model}")
+    for name, value, accepted in (("--trainer-ranks", args.trainer_ranks, 1), ("--wire-format", args.wire_format, "full"),
+                                  ("--rollout-tp", args.rollout_tp, 1)):
+        if value != accepted:
+            raise UsageError(f"{flag} runs with {name} {accepted}, got {name} {value}")
+    if args.rollout == "vllm" and args.lora_publish == "adapter" and args.lora_rank > max(MAX_LORA_RANKS):
+        raise UsageError(f"{flag}: vLLM serves adapters up to rank {max(MAX_LORA_RANKS)}")
+    if importlib.util.find_spec("peft") is None:
+        raise UsageError(f"{flag} needs peft in this environment (the verl extra; scripts/setup_vllm.sh for .venv-vllm)")
 
 
 def validate_sharded(args: Sync) -> None:
@@ -317,8 +354,9 @@ def execute(args: Sync) -> dict[str, Any]:
     start = time.perf_counter()
     vllm = options.rollout == "vllm"
     # the raw broadcast lands in hal's adapter's staging buffer: none in vLLM's worker, a sharded trainer or --hybrid
+    # LoRA adapters: the published bytes change from step to step, the staging buffers' do not
     hooks: list[Any] = ([] if options.colocated or vllm or options.sharded or options.hybrid or options.resharded
-                        else [RawReference()])
+                        or options.lora_adapters else [RawReference()])
     if options.compare_full:
         from hal.apps.weightsync.full_reference import FullReference
 
@@ -330,7 +368,10 @@ def execute(args: Sync) -> dict[str, Any]:
            "trainer_ranks": options.trainer_ranks, "rollout_tp": options.rollout_tp, "hybrid": options.hybrid,
            "rollout_apply": options.rollout_apply, "launcher": options.launcher, "rollout": options.rollout,
            "publish_dtype": options.published_dtype, "wire_format": options.wire_format,
-           "link_gbit": options.link_gbit, **result.report(options.steps), "wall_s": time.perf_counter() - start}
+           "link_gbit": options.link_gbit,
+           "lora": {"rank": options.lora_rank, "alpha": options.lora_alpha, "targets": list(options.lora_targets),
+                    "publish": options.lora_publish} if options.lora else None,
+           **result.report(options.steps), "wall_s": time.perf_counter() - start}
     if vllm and args.compare_hal:
         from hal.apps.weightsync.vllm_role import update_time_comparison
 
@@ -360,7 +401,9 @@ def print_table(result: dict[str, Any]) -> None:
                         f"offload {result['offload']}, rollouts {result['rollout_apply']}"
                         + (f", {result['trainer_ranks']} trainer ranks" if result.get("trainer_ranks", 1) > 1 else "")
                         + (f", rollout TP {result['rollout_tp']}" if result.get("rollout_tp", 1) > 1 else "")
-                        + (f", emulated {result['link_gbit']:g} Gbit/s links" if result.get("link_gbit") else ""),
+                        + (f", emulated {result['link_gbit']:g} Gbit/s links" if result.get("link_gbit") else "")
+                        + (f", LoRA rank {result['lora']['rank']} ({result['lora']['publish']})" if result.get("lora")
+                           else ""),
                   caption="publish s: trainer's send until every rollout serves the step; x raw: a raw broadcast "
                           "of the same bytes to the same rollouts (mean of one before and one after the publish), "
                           "its time / publish s (above 1: faster than raw); "
@@ -393,6 +436,15 @@ def print_table(result: dict[str, Any]) -> None:
     if rows and result.get("rollout_tp", 1) > 1:  # what each tensor-parallel rank received of the model
         console.print("received per rollout rank (of the model's bytes): " + ", ".join(
             f"rank {r['rank']} {r['received_fraction']:.3f}" for r in rows[-1]["rollouts"] if "received_fraction" in r))
+    if result.get("lora"):  # what each LoRA publish carried against a merged publish of the same weights
+        for row in [result["warmup"], *rows]:
+            lora = row["lora"]
+            what = "merged weights" if lora["publish"] == "merged" else \
+                "the adapter" if lora["base_sync_done"] else "the base and the adapter"
+            nbytes, merged = row.get("bytes", row["sent_bytes"]), lora["merged_bytes"]
+            console.print(f"step {row.get('global_steps', 0)}: published {what}, {nbytes / 1e6:.2f} MB ("
+                          f"{100 * nbytes / merged:.2f}% of a merged publish, {merged / 1e6:.2f} MB) in "
+                          f"{row['publish_s']:.3f} s")
     if result.get("wire_format") == "delta":  # what each delta update put on the wire
         for row in rows:
             ratio = row.get("delta_vs_full")

@@ -51,6 +51,8 @@ def step_row(trained: Trained, sent: Sent, received: Sequence[Received], checked
     row = {**dataclasses.asdict(trained), "send_s": sent.send_s, **throughput(nbytes, publish_s),
            "tensors": tensors, **wire_figures(sent, nbytes), **raw_figures(nbytes, publish_s, None),
            "rollouts": [rollout_row(r, c) for r, c in zip(received, checked)], **dataclasses.asdict(tightest)}
+    if sent.lora is not None:
+        row["lora"] = sent.lora
     row["memory_bound_bytes"] = tightest.memory["bound_bytes"]
     for r in row["rollouts"]:  # a tensor-parallel rank: what it received of the model
         if r.get("received_bytes") is not None:

@@ -125,7 +125,7 @@ class Job:
     async def settle(self) -> None:
         """Settle what a failed step left running; then, if that step could not yet, the trainer onloads."""
         await self.manager.settle_leftovers()
-        if self.reseed_pending is not None and self.options.delta:
+        if self.reseed_pending is not None and (self.options.delta or self.options.lora_adapters):
             await self.on_trainers(Trainer.reseed, (self.reseed_pending,))
         self.reseed_pending = None
         if self.abandon_pending:
@@ -142,11 +142,14 @@ class Job:
             await self.on_trainers(Trainer.abandon, what="onload")
 
     async def reseed_if_needed(self, received: Sequence[Any]) -> None:
-        """Make the trainer re-seed the next update when a rollout's receiver needs a seed (delta)."""
-        if not self.options.delta:
+        """Make the trainer re-seed the next update when a rollout's receiver needs a seed (delta) or holds no base
+        (LoRA adapters)."""
+        if self.options.delta:
+            from hal.apps.weightsync.delta import reseed_reason
+        elif self.options.lora_adapters:
+            from hal.apps.weightsync.lora import rebase_reason as reseed_reason
+        else:
             return
-        from hal.apps.weightsync.delta import reseed_reason
-
         reason = reseed_reason(received)
         if reason is not None:
             await self.on_trainers(Trainer.reseed, (reason,))
@@ -157,13 +160,16 @@ class Job:
         await self.settle()
         await self.on_trainers(Trainer.stage)
         try:
-            sent, received = self.split(await self.manager.update_weights(0))
+            sent, received = self.split(await self.manager.update_weights(0, **await self.update_kwargs()))
             await self.reseed_if_needed(received)
-            out = {"publish_s": publish_seconds(sent, received), **wire_figures(sent, self.shape[0]),
+            nbytes = sent.nbytes or self.shape[0]
+            out = {"publish_s": publish_seconds(sent, received), **wire_figures(sent, nbytes),
                    "errors": [f"rollout rank {r.rank}: {r.error}" for r in received if r.error]}
             for hook in self.hooks:
                 await hook.after_publish(self, 0)
-                out.update(hook.figures(0, self.shape[0], out["publish_s"]))
+                out.update(hook.figures(0, nbytes, out["publish_s"]))
+            if sent.lora is not None:
+                out["lora"] = sent.lora
         except UpdateError:
             await self.abandon()
             raise
@@ -180,7 +186,8 @@ class Job:
         try:
             for hook in self.hooks:
                 await hook.before_publish(self, global_steps)
-            sent, received = self.split(await self.manager.update_weights(global_steps))
+            sent, received = self.split(await self.manager.update_weights(global_steps,
+                                                                          **await self.update_kwargs()))
             await self.reseed_if_needed(received)
             reference = merge_references(await self.on_trainers(Trainer.reference))
             checked = await self.manager.call(rollouts, RolloutRole.check, [(global_steps, reference)] * len(rollouts),
@@ -195,11 +202,21 @@ class Job:
                  "the rollouts' banks" + (" and delta receivers" if self.options.delta else "")) \
             if self.options.colocated else (None, "")
         concluded = await self.on_trainers(Trainer.conclude, extra, what="onload")
-        row = step_row(trained, sent, received, checked, concluded, *self.shape, reference.tokens)
+        row = step_row(trained, sent, received, checked, concluded, sent.nbytes or self.shape[0],
+                       sent.tensors or self.shape[1], reference.tokens)
+        if reference.adapter_logits_shift is not None:
+            row["lora"]["adapter_logits_shift"] = reference.adapter_logits_shift
         for hook in self.hooks:
             row.update(hook.figures(global_steps, row["bytes"], row["publish_s"]))
         self.checksums = {global_steps: reference.sums}
         return row
+
+    async def update_kwargs(self) -> dict[str, Any]:
+        """The rollouts' ``update_weights`` keywords for the staged publish (LoRA adapters: ``peft_config``,
+        ``base_sync_done``)."""
+        if not self.options.lora_adapters:
+            return {}
+        return (await self.on_trainers(Trainer.update_kwargs))[0]
 
     def split(self, results: Sequence[Any]) -> tuple[Sent, list[Any]]:
         """An update's results as ``(the trainer's send, [each rollout's receive])``."""

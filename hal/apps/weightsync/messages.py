@@ -35,6 +35,9 @@ class Sent:
     refused: dict[str, str] | None = None  # rollouts that told the trainer they applied nothing: {who: cause}
     # a weight-checked step: {"checked": rollouts that answered, "mismatches": {who: [sentence, ...]}}
     check: dict[str, Any] | None = None
+    nbytes: int | None = None  # bytes and tensors of this publish where they vary per step (LoRA)
+    tensors: int | None = None
+    lora: dict[str, Any] | None = None  # LoRA: hal.apps.weightsync.lora.LoraPublisher.figures
 
 
 @dataclasses.dataclass
@@ -45,6 +48,8 @@ class Reference:
     sums: dict[str, str]
     tokens: list[int] | None = None
     logits: torch.Tensor | None = None
+    # LoRA adapters: the largest |logits difference| the adapter makes against the base alone (what it proves)
+    adapter_logits_shift: float | None = None
 
 
 @dataclasses.dataclass
@@ -69,6 +74,7 @@ class Received:
     # a vLLM rollout's figures measured inside its worker (startup_s, receive_s, load_s, bytes)
     vllm: dict[str, Any] | None = None
     needs_seed: bool | None = None  # delta: the receiver takes only a seed next
+    needs_base: bool | None = None  # LoRA adapters: the rollout serves no base (the next publish must carry it)
     device: str | None = None  # "npu:1"
     received_bytes: int | None = None  # a tensor-parallel rank: the bytes of its slices (the rest never came)
 
@@ -103,7 +109,7 @@ def merge_sent(sent: list[Sent]) -> Sent:
     check = None if not checks else {"checked": min(c["checked"] for c in checks),
                                      "mismatches": {k: v for c in checks for k, v in c["mismatches"].items()}}
     return Sent(t0=max(s.t0 for s in sent), send_s=max(s.send_s for s in sent), delta=sent[0].delta,
-                refused=refused, check=check)
+                refused=refused, check=check, nbytes=sent[0].nbytes, tensors=sent[0].tensors, lora=sent[0].lora)
 
 
 def merge_references(references: list[Reference]) -> Reference:
@@ -114,7 +120,7 @@ def merge_references(references: list[Reference]) -> Reference:
     for reference in references:
         sums.update(reference.sums)
     first = references[0]
-    return Reference(sums, first.tokens, first.logits)
+    return Reference(sums, first.tokens, first.logits, first.adapter_logits_shift)
 
 
 # fields of Received that serve the timing and the colocated bound, not the row

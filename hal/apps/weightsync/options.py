@@ -47,6 +47,10 @@ class JobOptions:
     # > 1: every rollout_tp consecutive rollout ranks are one tensor-parallel server, each rank receiving only
     # its slices (ckpt.reshard)
     rollout_tp: int = 1
+    lora_rank: int = 0  # > 0: train a peft LoRA adapter of this rank on the frozen base
+    lora_alpha: int = 16
+    lora_targets: tuple[str, ...] = ()  # module names; (): every linear layer (peft's "all-linear")
+    lora_publish: str = "adapter"  # or "merged": base and adapter merged into whole weights every step
 
     # None: the host's loopback; the control plane always stays there
     link_gbit: float | None = None
@@ -104,6 +108,16 @@ class JobOptions:
     def tp_rank(self, index: int) -> tuple[int, int]:
         """``(server, rank within it)`` of the worker ``index`` (a rollout rank)."""
         return divmod(index - self.trainer_ranks, self.rollout_tp)
+
+    @property
+    def lora(self) -> bool:
+        """The trainer trains a LoRA adapter (``lora_rank > 0``)."""
+        return self.lora_rank > 0
+
+    @property
+    def lora_adapters(self) -> bool:
+        """Updates carry the adapter alone after the base (LoRA, ``lora_publish == "adapter"``)."""
+        return self.lora and self.lora_publish == "adapter"
 
     @property
     def delta(self) -> bool:

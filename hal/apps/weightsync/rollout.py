@@ -60,19 +60,22 @@ class Rollout(RolloutRole):
             bank, self.decode, self.layout = rollout_model(options, adapter_cls or single_bank)
             self.adapter = self.receiver = DeltaServing(bank, engine, options.rollout_apply == "atomic")
             return
+        if adapter_cls is None and options.lora_adapters:  # the base, and peft's LoRA layers on the first adapter
+            adapter_cls = ckpt.LoraRolloutAdapter
         self.adapter, self.decode, self.layout = rollout_model(options, adapter_cls, rank)
         if self.layout is not None:  # reported by the engine's prepare(), so the trainer sends only these slices
             engine.rollout_layout = self.layout
         self.receiver = ckpt.CheckpointEngineWorker(engine, self.adapter)
 
-    async def update_weights(self, global_steps: int) -> Received:
-        """Receive and apply ``global_steps`` (a transfer error is reported in the result, not raised)."""
+    async def update_weights(self, global_steps: int, **lora: Any) -> Received:
+        """Receive and apply ``global_steps`` (a transfer error is reported in the result, not raised); ``lora``:
+        the update's ``peft_config`` and ``base_sync_done``."""
         started_at = time.time()
         memory.reset_peak(self.kind)
         error = None
         start = time.perf_counter()
         try:
-            await self.receiver.update_weights(global_steps)
+            await self.receiver.update_weights(global_steps, **lora)
             hal.synchronize(self.kind)
         except hal.HalError as exc:
             error = f"{type(exc).__name__}: {exc}"
@@ -82,7 +85,8 @@ class Rollout(RolloutRole):
                        receive_s=time.perf_counter() - start, copied_bytes=held.last_copied_bytes,
                        started_at=started_at, applied_at=applied_at, held_bytes=held.banks * held.bank_bytes,
                        needs_seed=getattr(self.receiver, "needs_seed", None), device=str(hal.get_device(self.kind)),
-                       received_bytes=None if self.layout is None else self.layout.nbytes)
+                       received_bytes=None if self.layout is None else self.layout.nbytes,
+                       needs_base=getattr(self.adapter, "needs_base", None))
         delta_words, delta_terms = self.delta_memory(held)
         out.held_bytes += sum(delta_terms.values())
         if self.whereabouts.resource is not None:
@@ -109,13 +113,23 @@ class Rollout(RolloutRole):
         return receiver_memory(self.receiver.atomic, held.model_bytes, largest, flush_bytes(self.options.bucket_bytes))
 
     def check(self, global_steps: int, reference: Reference) -> Checked:
-        """What this rollout proves after receiving ``global_steps`` (:func:`verify_rollout`)."""
+        """What this rollout proves after receiving ``global_steps`` (:func:`verify_rollout`; LoRA adapters: the
+        adapter's tensors, and the base's where the update carried it)."""
         return verify_rollout(self.adapter, global_steps, reference, self.decode, self.options.logits_atol,
-                              self.layout)
+                              self.layout, self.checked_tensors(reference.sums))
 
     def verify(self, global_steps: int, expected: dict[str, str]) -> str | None:
         """What is wrong with the weights in service against step ``global_steps``'s checksums (``None``: exact)."""
-        return verify(self.adapter, global_steps, expected)
+        return verify(self.adapter, global_steps, expected, self.checked_tensors(expected))
+
+    def checked_tensors(self, expected: dict[str, str]) -> dict[str, Any] | None:
+        """LoRA adapters: the tensors checked against ``expected`` (the adapter's, and the base's where the update
+        carried it); else ``None`` (every tensor served)."""
+        if not self.options.lora_adapters:
+            return None
+        from ckpt.lora import is_adapter_tensor
+
+        return self.adapter.state_dict(with_base=not all(map(is_adapter_tensor, expected)))
 
     def raw_buffer(self):
         """The adapter's staging area (a raw broadcast lands there; the weights in service stay as they are)."""

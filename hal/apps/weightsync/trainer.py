@@ -33,6 +33,8 @@ def intra_op_threads(n: int) -> Iterator[None]:
 class Trainer(Worker):
     """Worker 0: the model being trained (``options.model``) and the sending checkpoint engine."""
 
+    lora: Any = None  # --lora-rank: the adapter's publisher (hal.apps.weightsync.lora.LoraPublisher)
+
     def __init__(self, options: JobOptions, engine: Any, where: Where | None = None) -> None:
         import ckpt
         from engines import TorchEngine
@@ -42,6 +44,16 @@ class Trainer(Worker):
         self.device = hal.get_device(self.kind)
         self.preset = options.model in models.PRESETS
         module, self.loss_fn = models.build(options.model)
+        published = getattr(torch, options.published_dtype)
+        self.skeleton = None
+        if self.preset:  # the trainer's own model in the published dtype, bound to each step's buffer for its decode
+            self.skeleton = models.causal_lm(options.model, published, device=self.device, seed=None)
+            self.prompt = models.prompt_ids(options.model)
+        if options.lora:
+            from hal.apps.weightsync.lora import LoraPublisher
+
+            self.lora = LoraPublisher(module, options, published, self.skeleton)
+            module = self.lora.model
         params = [p for p in module.parameters() if p.requires_grad]
         # one pass over the states where the kind runs it (DeviceSpec.fused_adamw)
         fused = hal.resolve_device(self.kind).fused_adamw and all(p.dtype == torch.float32 for p in params)
@@ -49,15 +61,13 @@ class Trainer(Worker):
         self.fused = fused
         self.torch_engine = TorchEngine(module, optimizer, device=self.kind)  # moves parameters in place
         self.flags = options.offload_flags
-        published = getattr(torch, options.published_dtype)
-        self.layout = ckpt.WeightLayout(module, dtype=published if self.preset else None)
+        self.layout = ckpt.WeightLayout(module, dtype=published if self.preset else None) if self.lora is None \
+            else self.lora.with_base_layout if options.lora_adapters else self.lora.base_layout
         self.model_bytes = sum(p.numel() * p.element_size() for p in module.parameters())
-        self.state_bytes = {"param_bytes": self.model_bytes, "grad_bytes": self.model_bytes, "optimizer_bytes": 0}
-        self.skeleton = None
-        if self.preset:  # the trainer's own model in the published dtype, bound to each step's buffer for its decode
-            self.skeleton = models.causal_lm(options.model, published, device=self.device, seed=None)
+        grad_bytes = sum(p.numel() * p.element_size() for p in params)
+        self.state_bytes = {"param_bytes": self.model_bytes, "grad_bytes": grad_bytes, "optimizer_bytes": 0}
+        if self.skeleton is not None and not options.lora_adapters:
             self.layout.bind(self.skeleton, None)
-            self.prompt = models.prompt_ids(options.model)
         self.bank: torch.Tensor | None = None
         self.sender = None  # --wire-format delta: the snapshot of the last published step, kept across steps
         if options.delta:
@@ -97,9 +107,12 @@ class Trainer(Worker):
         from ckpt.layout import named_weights
 
         start = time.perf_counter()
-        self.bank = self.engine.publish_buffer(self.layout.nbytes, self.device)
-        self.layout.fill(self.bank, named_weights(self.torch_engine.module))
-        if self.skeleton is not None:
+        if self.lora is not None:
+            self.bank, self.layout = self.lora.stage(self.engine, self.device)
+        else:
+            self.bank = self.engine.publish_buffer(self.layout.nbytes, self.device)
+            self.layout.fill(self.bank, named_weights(self.torch_engine.module))
+        if self.skeleton is not None and not self.options.lora_adapters:
             self.layout.bind(self.skeleton, self.bank)
         hal.synchronize(self.kind)
         return time.perf_counter() - start
@@ -111,6 +124,11 @@ class Trainer(Worker):
     def raw_buffer(self) -> torch.Tensor:
         """The published buffer (a raw broadcast sends it as it is)."""
         return self.bank
+
+    def update_kwargs(self) -> dict[str, Any]:
+        """The rollouts' ``update_weights`` keywords for the staged publish (LoRA adapters: ``peft_config`` and
+        ``base_sync_done``; else none)."""
+        return self.lora.update_kwargs() if self.lora is not None else {}
 
     async def update_weights(self, global_steps: int) -> Sent:
         """Send the published buffer as ``global_steps`` through the engine (verl's trainer worker method); a
@@ -142,12 +160,17 @@ class Trainer(Worker):
         if digester is not None and sent.check is None and sent.refused is None:
             sent.check = {"checked": len(getattr(self.engine, "outcomes", {})), "mismatches": {}}
         sent.send_s = time.time() - t0
+        if self.lora is not None:  # what this publish carried varies per step
+            sent.nbytes, sent.tensors = self.layout.nbytes, len(self.layout.slots)
+            sent.lora = self.lora.figures(self.layout)
         return sent
 
     def reseed(self, reason: str) -> None:
-        """Make the next update a full seed (the job's fault policy, :mod:`hal.apps.weightsync.delta`)."""
+        """Make the next update a full seed (delta) or carry the base (LoRA adapters): the job's fault policy."""
         if self.sender is not None:
             self.sender.reseed(reason)
+        if self.lora is not None:
+            self.lora.base_due = reason
 
     def reference_sums(self) -> dict[str, str]:
         """Checksums of what this rank published: per tensor (or row part), or per piece each tensor-parallel
@@ -163,11 +186,17 @@ class Trainer(Worker):
             return Reference(sums)
         with intra_op_threads(1):
             tokens, logits = models.greedy_decode(self.skeleton, self.prompt, self.options.decode_tokens)
-        return Reference(sums, tokens, logits)
+            if self.lora is None or self.lora.adapter_holder is None:
+                return Reference(sums, tokens, logits)
+            with self.lora.base_only():
+                _, base_logits = models.greedy_decode(self.skeleton, self.prompt, self.options.decode_tokens)
+        return Reference(sums, tokens, logits, float((logits - base_logits).abs().max()))
 
     def release(self) -> None:
         """Drop the published buffer (and the engine's, :meth:`ckpt.CheckpointEngine.release_publish_buffer`)."""
-        if self.skeleton is not None:
+        if self.lora is not None and self.options.lora_adapters:
+            self.lora.unbind()
+        elif self.skeleton is not None:
             self.layout.bind(self.skeleton, None)
         self.bank = None
         self.engine.release_publish_buffer()
@@ -181,6 +210,8 @@ class Trainer(Worker):
 
     def role_terms(self) -> tuple[str, dict[str, int]]:
         """What this role holds besides model, optimizer and engine: ``(words, {term: bytes})``."""
+        if self.lora is not None:
+            return self.lora.memory_terms()
         if self.sender is None:
             return "", {}
         largest = max(e.nbytes for e in self.layout.entries.values())

@@ -95,12 +95,13 @@ def first_mismatch(expected: dict[str, str], got: dict[str, str]) -> str | None:
     return f"tensor {extra[0]!r} was received but not sent" if extra else None
 
 
-def verify(adapter: Any, step: int, expected: dict[str, str]) -> str | None:
+def verify(adapter: Any, step: int, expected: dict[str, str], served: dict[str, torch.Tensor] | None = None
+           ) -> str | None:
     """What is wrong with a rollout after receiving ``step``: the step it serves, else the first differing
-    checksum; ``None`` when it serves ``step`` byte-exact."""
+    checksum of ``served`` (default ``adapter.state_dict()``); ``None`` when it serves ``step`` byte-exact."""
     if adapter.served_step != step:
         return f"rollout serves step {adapter.served_step}, expected {step}"
-    return first_mismatch(expected, served_checksums(expected, adapter.state_dict()))
+    return first_mismatch(expected, served_checksums(expected, adapter.state_dict() if served is None else served))
 
 
 def compare_decode(tokens: list[int], logits: torch.Tensor, reference: Reference, atol: float) -> tuple[bool, float, str | None]:
@@ -116,12 +117,12 @@ def compare_decode(tokens: list[int], logits: torch.Tensor, reference: Reference
 
 def verify_rollout(adapter: Any, step: int, reference: Reference,
                    decode: Callable[[], tuple[list[int], torch.Tensor]] | None, atol: float,
-                   layout: Any = None) -> Checked:
-    """What a rollout proves after receiving ``step``: :func:`verify` (:func:`verify_slices` for a tensor-parallel
-    rank's ``layout``), then :func:`compare_decode` of ``decode()`` (``None``: no decode; on a tensor-parallel rank
-    a collective, run by every rank of the server, which all serve the same step)."""
+                   layout: Any = None, served: dict[str, torch.Tensor] | None = None) -> Checked:
+    """What a rollout proves after receiving ``step``: :func:`verify` of ``served`` (:func:`verify_slices` for a
+    tensor-parallel rank's ``layout``), then :func:`compare_decode` of ``decode()`` (``None``: no decode; on a
+    tensor-parallel rank a collective, run by every rank of the server, which all serve the same step)."""
     start = time.perf_counter()
-    out = Checked(error=verify(adapter, step, reference.sums) if layout is None else
+    out = Checked(error=verify(adapter, step, reference.sums, served) if layout is None else
                   verify_slices(adapter, step, reference.sums, layout))
     if adapter.served_step == step and reference.tokens is not None and decode is not None:
         tokens, logits = decode()
