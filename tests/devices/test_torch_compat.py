@@ -277,7 +277,9 @@ ALLOWED = {("devices/npu_sim/strict.py", "_getframe"),  # CPython's sys._getfram
            ("hal/ray/placement.py", "_private"),  # Ray's worker lookup, not torch (see _assigned_ids there)
            ("ckpt/kimi_library.py", "_BACKEND_INSTANCE"),  # checkpoint-engine's, not torch (see its doc)
            ("ckpt/kimi_library.py", "_copy_to_buffer"),  # checkpoint-engine's ParameterServer, not torch
-           ("hal/apps/shutdown.py", "_exit")}  # Python's documented os._exit (a rank's exit without cleanup), not torch
+           ("hal/apps/shutdown.py", "_exit"),  # Python's documented os._exit (a rank's exit without cleanup), not torch
+           # vLLM's LoRA manager, not torch: one manager loads an adapter from tensors (verl's VLLMHijack does it for all)
+           ("ckpt/vllm_transfer.py", "_load_adapter")}
 
 
 def _root(node):

@@ -78,6 +78,7 @@ class VllmRolloutRole(RolloutRole):
 
     def __init__(self, options: JobOptions, rank: int, where: Where | None = None) -> None:
         from hal.apps.weightsync import models
+        from hal.apps.weightsync.lora import max_lora_rank
         from hal.apps.weightsync.vllm_rollout import VllmRollout
 
         if options.vllm_model_dir is None:
@@ -86,21 +87,25 @@ class VllmRolloutRole(RolloutRole):
         super().__init__(options, rank, None, where)
         os.environ.setdefault(LOGGING_STREAM_ENV, "ext://sys.stderr")  # stdout is hal sync --json's
         engine_kwargs = dict(bucket_size=options.bucket_bytes, is_master=False, timeout=options.timeout)
+        lora = dict(enable_lora=True, max_lora_rank=max_lora_rank(options.lora_rank), max_loras=1) \
+            if options.lora_adapters else None  # one adapter, swapped in place each update
         self.vllm = VllmRollout(options.vllm_model_dir, engine_kwargs, device=options.device,
-                                dtype=options.published_dtype, engine=options.engine, in_process=True)
+                                dtype=options.published_dtype, engine=options.engine, in_process=True,
+                                llm_kwargs=lora)
         [self.engine] = self.vllm.llm.collective_rpc(worker_engine)  # the manager drives its lifecycle
         self.prompt = models.prompt_ids(options.model)[0].tolist()
         self.received: dict[str, str] = {}
         self.references: dict[int, list[int] | None] = {}
 
-    async def update_weights(self, global_steps: int) -> Received:
-        """Receive ``global_steps`` into vLLM's worker, checksum it there and load it; a failure is reported in the
-        result, vLLM's own times in ``Received.vllm``."""
+    async def update_weights(self, global_steps: int, **lora: Any) -> Received:
+        """Receive ``global_steps`` into vLLM's worker, checksum it there and load it (``lora``: a LoRA update's
+        ``peft_config`` and ``base_sync_done``); a failure is reported in the result, vLLM's own times in
+        ``Received.vllm``."""
         started_at = time.time()
         start = time.perf_counter()
         expected = {FAULT_TENSOR: "00000000"} if global_steps in self.refuse_steps else None
         try:
-            result = await self.vllm.receive(global_steps, expected)
+            result = await self.vllm.receive(global_steps, expected, **lora)
         except Exception as exc:  # noqa: BLE001 - reported as this step's error; the previous step serves
             result = {"error": f"{type(exc).__name__}: {exc}", "bytes": 0, "receive_s": 0.0, "load_s": 0.0,
                       "checksums": {}}
@@ -109,7 +114,8 @@ class VllmRolloutRole(RolloutRole):
                         receive_s=time.perf_counter() - start, copied_bytes=result["bytes"], started_at=started_at,
                         applied_at=time.time(), held_bytes=0, peak_host_bytes=self.vllm.peak_host_bytes,
                         vllm={"startup_s": self.vllm.startup_seconds, "receive_s": result["receive_s"],
-                              "load_s": result["load_s"], "bytes": result["bytes"]})
+                              "load_s": result["load_s"], "bytes": result["bytes"]},
+                        needs_base=result.get("needs_base"))
 
     def check(self, global_steps: int, reference: Reference) -> Checked:
         """What this rollout proves after ``global_steps``: the step served, vLLM's checksums and greedy tokens equal

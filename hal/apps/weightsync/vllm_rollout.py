@@ -16,7 +16,8 @@ import threading
 import time
 from typing import Any, Callable
 
-from ckpt.vllm_transfer import BACKEND_NAME, EXTENSION, finish_weight_update, register_vllm_backend
+from ckpt.lora import is_adapter_tensor
+from ckpt.vllm_transfer import BACKEND_NAME, EXTENSION, finish_weight_update, register_vllm_backend, tensor_lora_request
 from hal.apps.weightsync.memory import peak_host_bytes
 
 IN_PROCESS_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"  # "0": the engine core in this process
@@ -32,8 +33,9 @@ class VllmRollout:
     ``engine_kwargs`` build hal's engine inside vLLM's worker (``device`` filled in; it must agree with vLLM's
     platform); ``None``: no engine there, the caller writes the weights (:meth:`load`). ``in_process`` runs vLLM's
     engine core and worker in this process. ``interface``:
-    ``"weight_transfer"`` (vLLM's RL interface, >= 0.32), ``"extension"``, or ``None`` for the first available.
-    ``served_step`` is ``None`` before the first update or after a load that failed part way.
+    ``"weight_transfer"`` (vLLM's RL interface, >= 0.32), ``"extension"``, or ``None`` for the first available
+    (``"extension"`` with ``enable_lora``: an adapter swap needs the worker's LoRA manager). ``served_step`` is
+    ``None`` before the first update or after a load that failed part way.
     """
 
     def __init__(self, model_dir: str, engine_kwargs: dict[str, Any] | None, device: str | None = None,
@@ -51,7 +53,10 @@ class VllmRollout:
             kwargs.setdefault("distributed_executor_backend", "uni")
         start = time.perf_counter()
         # vLLM's RL interface with hal's backend where this vLLM has it, else the worker extension alone
-        registered = interface != "extension" and engine_kwargs is not None and register_vllm_backend()
+        lora = bool(kwargs.get("enable_lora"))
+        if lora and interface == "weight_transfer":
+            raise ValueError("interface='weight_transfer' loads whole weights; enable_lora takes 'extension' or None")
+        registered = interface != "extension" and not lora and engine_kwargs is not None and register_vllm_backend()
         if interface == "weight_transfer" and not registered:
             raise ValueError("interface='weight_transfer' needs vLLM's WeightTransferEngineFactory (vLLM >= 0.32)")
         self.interface = "weight_transfer" if registered else "extension"
@@ -68,6 +73,7 @@ class VllmRollout:
                 self.llm.collective_rpc("hal_init", args=(engine, engine_kwargs))
         self.startup_seconds = time.perf_counter() - start
         self.served_step: int | None = None
+        self.adapter_served = False  # a LoRA adapter is in service: requests carry its LoRARequest
         self.dtype = dtype
         self._lock = threading.Lock()  # one of: a generation request, an update
         self._closed = False
@@ -77,7 +83,7 @@ class VllmRollout:
         """Peak resident bytes of the process holding this rollout (in-process: vLLM's engine included)."""
         return peak_host_bytes()
 
-    def _update(self, global_steps: int, expected: dict[str, str] | None) -> dict[str, Any]:
+    def _update(self, global_steps: int, expected: dict[str, str] | None, lora: dict[str, Any]) -> dict[str, Any]:
         """One update under the lock (no generation meanwhile); then the prefix cache is dropped."""
         failure: Exception | None = None
         with self._lock:
@@ -91,7 +97,7 @@ class VllmRollout:
                     finish_weight_update(self.llm, weight_version=str(global_steps))
                 results = self.llm.collective_rpc("hal_last_result")
             else:
-                results = self.llm.collective_rpc("hal_update", args=(global_steps, expected))
+                results = self.llm.collective_rpc("hal_update", args=(global_steps, expected), kwargs=lora)
             result = results[0] if len(results) == 1 else _merge(results)
             if result is None or result["global_steps"] != global_steps:
                 raise RuntimeError(f"vLLM's update_weights failed before hal's backend received step "
@@ -100,18 +106,22 @@ class VllmRollout:
                 self.llm.reset_prefix_cache()
         return result
 
-    async def receive(self, global_steps: int, expected: dict[str, str] | None = None) -> dict[str, Any]:
+    async def receive(self, global_steps: int, expected: dict[str, str] | None = None, **lora: Any) -> dict[str, Any]:
         """Receive step ``global_steps`` into vLLM's workers, verify it against ``expected`` (``{name: CRC-32 hex}``)
-        and load it, after the request in progress.
+        and load it, after the request in progress; ``lora``: a LoRA update's ``peft_config`` and ``base_sync_done``.
 
-        Returns ``{"error", "served_step", "receive_s", "load_s", "bytes", "checksums"}``; on error the previous step
-        keeps serving.
+        Returns ``{"error", "served_step", "receive_s", "load_s", "bytes", "checksums"}`` (LoRA: and
+        ``"needs_base"``); on error the previous step keeps serving.
         """
         if self._closed:
             raise RuntimeError("VllmRollout.receive after close()")
+        if lora and self.interface != "extension":
+            raise ValueError("a LoRA update needs a VllmRollout started with enable_lora=True")
         # collective_rpc blocks: off the event loop, so a trainer in the same loop can send meanwhile
-        result = await asyncio.to_thread(self._update, global_steps, expected)
+        result = await asyncio.to_thread(self._update, global_steps, expected, lora)
         self.served_step = result["served_step"]
+        if lora and result["error"] is None and any(is_adapter_tensor(n) for n in result["checksums"]):
+            self.adapter_served = True
         return result
 
     def load(self, write: Callable[[], Any], global_steps: int) -> Any:
@@ -134,8 +144,10 @@ class VllmRollout:
             raise RuntimeError("VllmRollout.generate_greedy after close()")
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
                                 logprobs=0 if logprobs else None)
+        adapter = tensor_lora_request() if self.adapter_served else None  # loaded in the worker: found by its id
         with self._lock:
-            out = self.llm.generate([TokensPrompt(prompt_token_ids=list(prompt_token_ids))], params, use_tqdm=False)
+            out = self.llm.generate([TokensPrompt(prompt_token_ids=list(prompt_token_ids))], params, use_tqdm=False,
+                                    lora_request=adapter)
         tokens = list(out[0].outputs[0].token_ids)
         if not logprobs:
             return tokens
