@@ -29,8 +29,8 @@ def test_bucket_flags_are_fractional_mib_like_hal_sync():
     (("--bucket-mb", "64", "0"), "--bucket-mb must be positive, got 0.0"),
     (("--bucket-mb", "-4"), "--bucket-mb must be positive, got -4.0"),
     (("--main-bucket-mb", "0"), "--main-bucket-mb must be positive, got 0.0"),
-    (("--only", "mian"), "--only takes offload, sync, ipc, delta, main, ray, import, senders, m2n, check (default: "
-                         "offload sync), "
+    (("--only", "mian"), "--only takes offload, sync, ipc, delta, main, ray, import, senders, m2n, check, lora "
+                         "(default: offload sync), "
                           "got ['mian']"),
     (("--rounds", "0"), "--rounds must be >= 1, got 0"),
     (("--apply", "both"), "--apply takes atomic and/or in-place, got ['both']"),

@@ -4,8 +4,9 @@ Every figure is a ratio measured side by side in one run: offload+onload against
 (``bench_offload``), the collective engine against broadcasts across bucket sizes (``bench_ckpt``), the
 transfer-library engines against their own library's raw transfer (``bench_p2p``); only when named with
 ``--only``: the whole ``hal sync`` job (``bench_sync``), over Ray (``bench_ray``), the ipc engine
-(``bench_ipc``), ``import hal`` (``bench_import``), delta updates (``bench_delta``) and 1, 2, 4 senders over
-emulated links (``bench_senders``). Bucket sizes are in MiB; ``--quick`` means :data:`QUICK_DEFAULTS`.
+(``bench_ipc``), ``import hal`` (``bench_import``), delta updates (``bench_delta``), 1, 2, 4 senders over
+emulated links (``bench_senders``) and LoRA adapters against merged weights (``bench_lora``). Bucket sizes are in MiB;
+``--quick`` means :data:`QUICK_DEFAULTS`.
 """
 
 from __future__ import annotations
@@ -23,9 +24,10 @@ from hal.apps.errors import UsageError, WorkerFailedError, mib_to_bytes, require
 from hal.apps.shutdown import stop_on_signals
 
 
-BENCHMARKS = ("offload", "sync", "ipc", "delta", "main", "ray", "import", "senders", "m2n", "check")  # in the order they run
+# in the order they run
+BENCHMARKS = ("offload", "sync", "ipc", "delta", "main", "ray", "import", "senders", "m2n", "check", "lora")
 M2N_MB = {"full": 256, "quick": 32}  # m2n's model when --size-mb is not given (six ranks each hold their part)
-# a plain hal bench; main, ray, import, ipc, delta, senders, m2n and check run only when named
+# a plain hal bench; main, ray, import, ipc, delta, senders, m2n, check and lora run only when named
 DEFAULT_SELECTION = ("offload", "sync")
 RAY_STEPS = 3  # ray: steps per run (the first a warm-up)
 
@@ -52,13 +54,14 @@ class Bench:
     """Small defaults for a smoke run (--size-mb 64, --bucket-mb 4 16, --rounds 2, --main-bucket-mb 4)."""
     only: Annotated[tuple[str, ...], tyro.conf.arg(metavar="{" + ",".join(BENCHMARKS) + "} [...]")] = DEFAULT_SELECTION
     """Benchmarks to run: offload, sync; only when named: ipc, delta, main (hal sync's loop), ray, import, senders, m2n,
-    check (the weight checker against one copy of the model)."""
+    check (the weight checker against one copy of the model), lora (adapter against merged publishes)."""
     rollouts: int = 2
     """main, ray: rollout ranks, each applying every update into its model."""
     main_bucket_mb: Annotated[float | None, _quick_default("FLOAT", "256", "4")] = None
     """main, ray: bucket size of the collective engine, in MiB (256: hal sync's --bucket-mb default)."""
-    main_model: Annotated[str | None, optional("MODEL", "the tensor mix of --size-mb")] = None
-    """main: a hal sync preset or safetensors path instead of the tensor mix of --size-mb."""
+    main_model: Annotated[str | None, optional("MODEL", "main: the tensor mix of --size-mb; lora: qwen2.5-0.5b")] = None
+    """main: a hal sync preset or safetensors path instead of the tensor mix of --size-mb; lora: the preset
+    (with --quick: qwen2.5-tiny)."""
     apply: Annotated[tuple[str, ...], tyro.conf.arg(metavar="{atomic,in-place} [...]")] = ("atomic",)
     """main: rollout apply modes to run (atomic, in-place), one run each."""
     plot: Annotated[str | None, optional("FILE.png", "no plot")] = None
@@ -199,6 +202,11 @@ def _execute(chosen: list[str], args: Bench, m2n_mb: int = M2N_MB["full"]) -> di
         from hal.apps.benchmarks import bench_check
 
         out["check"] = bench_check.run(size, kind, rounds)
+    if "lora" in chosen:
+        from hal.apps.benchmarks import bench_lora
+
+        model = args.main_model or ("qwen2.5-tiny" if args.quick else "qwen2.5-0.5b")
+        out["lora"] = bench_lora.run(model, kind, args.rollouts, rounds, args.main_bucket_mb)
     return out
 
 
@@ -251,7 +259,7 @@ def print_tables(result: dict[str, Any]) -> None:
 
     tables = (("offload", bench_offload), ("sync", bench_ckpt), ("sync_p2p", bench_p2p), ("ipc", None), ("delta", None),
               ("main", bench_sync), ("ray", bench_ray), ("import", bench_import), ("senders", None),
-              ("m2n", None), ("check", None))
+              ("m2n", None), ("check", None), ("lora", None))
     for key, module in tables:
         if key not in result:
             continue
