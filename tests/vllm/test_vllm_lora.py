@@ -19,6 +19,7 @@ import torch  # noqa: E402
 
 from ckpt.collective import CollectiveCheckpointEngine  # noqa: E402
 from ckpt.lora import is_adapter_tensor, plain_peft_config  # noqa: E402
+from ckpt.outcome import UpdateRefusedError  # noqa: E402
 from ckpt.vllm_transfer import crc32_hex  # noqa: E402
 from hal.apps.cli.sync import Sync, execute  # noqa: E402
 from hal.apps.weightsync.models import causal_lm, greedy_decode, prompt_ids  # noqa: E402
@@ -73,8 +74,9 @@ class Job:
                                    llm_kwargs=dict(enable_lora=True, max_lora_rank=8, max_loras=1))
         self.step = 0
 
-    def publish(self, weights, peft_config, base_sync_done, step=None):
-        self.step = step = self.step + 1 if step is None else step
+    def publish(self, weights, peft_config, base_sync_done, refused: str | None = None):
+        """Send one update; ``refused``: the cause the trainer's ``send_weights`` must be told (issue 50)."""
+        self.step = step = self.step + 1
         expected = {n: crc32_hex(t) for n, t in weights}
 
         async def go():
@@ -83,7 +85,10 @@ class Job:
                 self.rollout.receive(step, expected, peft_config=peft_config, base_sync_done=base_sync_done),
                 return_exceptions=True), 2 * TIMEOUT_S)
         sent, result = asyncio.run(go())
-        assert sent is None, sent
+        if refused is None:
+            assert sent is None, sent
+        else:
+            assert isinstance(sent, UpdateRefusedError) and f"rollout rank 1: {refused}" in str(sent), sent
         return result
 
     def tokens(self) -> list[int]:
@@ -100,7 +105,7 @@ def job(tmp_path_factory):
 
 
 def test_an_adapter_before_any_base_is_refused(job):
-    result = job.publish(job.trainer.adapter(), job.trainer.peft_config, True)
+    result = job.publish(job.trainer.adapter(), job.trainer.peft_config, True, refused="CheckpointConfigError")
     assert "step 1 not served, step None keeps serving: CheckpointConfigError: an adapter update reached a rollout " \
            "that received no base" in result["error"]
     assert result["needs_base"] is True and job.rollout.served_step is None
@@ -137,18 +142,22 @@ def test_an_adapter_that_does_not_fit_is_refused_and_the_previous_serves(job, ca
         other = LoraTrainer(r=16)
         config, weights = other.peft_config, other.adapter()
         match = re.escape("rank 16 is above the rollout's max_lora_rank 8")
+        refused = "WeightMismatchError"
     elif case == "shape":
         name, t = weights[0]
         weights[0] = (name, torch.zeros(t.shape[0], t.shape[1] + 2))
         match = re.escape(f"tensor {name!r} has shape (8, 130), which does not fit model.layers.0.self_attn.q_proj"
                           f".weight (128, 128) at rank 8")
+        refused = "WeightMismatchError"
     elif case == "target":
         weights.append(("base_model.model.model.layers.0.mlp.nope.lora_A.weight", torch.zeros(8, 128)))
         match = re.escape("targets 'model.layers.0.mlp.nope', which has no 2-D weight in the base")
+        refused = "WeightMismatchError"
     else:  # fits the base, but vLLM's own check refuses it (DoRA): the previous adapter goes back
         config = {**config, "use_dora": True}
         match = "AdapterRefusedError: vLLM refused the adapter .*DoRA.*the previous adapter is in service again"
-    result = job.publish(weights, config, True)
+        refused = "AdapterRefusedError"
+    result = job.publish(weights, config, True, refused=refused)
     assert result["error"] is not None and result["served_step"] == served == job.rollout.served_step
     assert f"step {job.step} not served, step {served} keeps serving" in result["error"]
     assert re.search(match, result["error"]), result["error"]
