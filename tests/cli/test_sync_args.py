@@ -54,8 +54,12 @@ def test_a_flag_without_effect_is_refused_naming_the_flag_it_needs(given, messag
 
 
 @pytest.mark.parametrize("given, message", [
-    (dict(trainer_ranks=2, engine="collective"), "--lora-rank 8 runs with --trainer-ranks 1, got --trainer-ranks 2"),
-    (dict(wire_format="delta"), "--lora-rank 8 runs with --wire-format full, got --wire-format delta"),
+    (dict(trainer_ranks=2, engine="collective"), "--lora-rank 8 runs with --trainer-ranks 1 (the adapter is trained "
+                                                 "and published by one rank), got --trainer-ranks 2"),
+    (dict(wire_format="delta"), "--lora-rank 8 runs with --wire-format full (an adapter update is whole tensors, "
+                                "already small), got --wire-format delta"),
+    (dict(rollout_tp=2, rollouts=2, engine="collective"), "--lora-rank 8 runs with --rollout-tp 1 (adapters are not "
+                                                          "resharded across tensor-parallel ranks), got --rollout-tp 2"),
     (dict(lora_rank=-1), "--lora-rank and --lora-alpha must be positive, got -1 and 16"),
 ])
 def test_lora_is_refused_where_it_does_not_run_naming_the_flag(given, message):

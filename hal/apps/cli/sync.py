@@ -210,10 +210,12 @@ def validate_lora(args: Sync) -> None:
     if resolve_model(args.model) not in PRESETS:
         raise UsageError(f"{flag} trains an adapter on a preset's linear layers ({', '.join(sorted(PRESETS))}), got "
                          f"--model {args.model}")
-    for name, value, accepted in (("--trainer-ranks", args.trainer_ranks, 1), ("--wire-format", args.wire_format, "full"),
-                                  ("--rollout-tp", args.rollout_tp, 1)):
+    for name, value, accepted, why in (
+            ("--trainer-ranks", args.trainer_ranks, 1, "the adapter is trained and published by one rank"),
+            ("--wire-format", args.wire_format, "full", "an adapter update is whole tensors, already small"),
+            ("--rollout-tp", args.rollout_tp, 1, "adapters are not resharded across tensor-parallel ranks")):
         if value != accepted:
-            raise UsageError(f"{flag} runs with {name} {accepted}, got {name} {value}")
+            raise UsageError(f"{flag} runs with {name} {accepted} ({why}), got {name} {value}")
     if args.rollout == "vllm" and args.lora_publish == "adapter" and args.lora_rank > max(MAX_LORA_RANKS):
         raise UsageError(f"{flag}: vLLM serves adapters up to rank {max(MAX_LORA_RANKS)}")
     if importlib.util.find_spec("peft") is None:
