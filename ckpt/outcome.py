@@ -177,8 +177,10 @@ class DirectoryBoard:
             pass
 
     def list(self, prefix: str) -> list[str]:
-        folder = self._path(prefix)
-        return sorted(p.name for p in folder.iterdir() if not p.name.startswith(".")) if folder.is_dir() else []
+        try:  # a reader's delete() may remove the folder under us
+            return sorted(p.name for p in self._path(prefix).iterdir() if not p.name.startswith("."))
+        except (FileNotFoundError, NotADirectoryError):
+            return []
 
     def wait(self, keys: dict[Any, str], what: str, timeout: float) -> None:
         deadline = time.monotonic() + timeout

@@ -221,3 +221,18 @@ def test_the_digest_is_one_of_the_region_where_either_side_holds_it():
     flipped.view(torch.int16)[5, 7] ^= 1  # one bit
     assert served_digests(rows, {"w": flipped}) != rows
     assert digest(full) == digests([("w", full)])["w"]
+
+
+def test_the_file_boards_list_of_a_folder_removed_under_it_is_empty(tmp_path, monkeypatch):
+    # a rollout's close() deleted the last promise (and its folder) between the sender's is_dir() and iterdir():
+    # the trainer's close failed with FileNotFoundError on '.reports/report/promise' (cpu, engine file)
+    from pathlib import Path
+
+    from ckpt.outcome import DirectoryBoard
+
+    board = DirectoryBoard(tmp_path)
+    board.put("report/promise/rollout-1", b"1")
+    assert board.list("report/promise") == ["rollout-1"]
+    board.delete("report/promise/rollout-1")
+    monkeypatch.setattr(Path, "is_dir", lambda self: True)  # the race's window: the folder was there a moment ago
+    assert board.list("report/promise") == []
