@@ -6,6 +6,7 @@ weights; one torchrun run as a user runs it."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import pathlib
@@ -13,7 +14,9 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
+from ckpt import LoraRolloutAdapter
 from ckpt.errors import TransferError
 from ckpt.lora import is_adapter_tensor
 from hal.apps.weightsync.launchers.colocated import local_group
@@ -27,6 +30,7 @@ pytest.importorskip("peft")
 ROOT = pathlib.Path(__file__).resolve().parents[3]
 MERGED_BYTES = 1_788_160  # the tiny preset in bf16, 26 tensors
 ADAPTER_BYTES = 74_752  # rank 8 on its 14 linear layers (2 x 7), bf16, 28 tensors
+BROKEN = "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight"  # the tensor DropsOneAdapterByte flips
 OPTIONS = JobOptions(device="cpu", model="qwen2.5-tiny", rollouts=2, steps=3, engine="colocated", timeout=60.0,
                      bucket_bytes=1 << 20, lr=3e-2, lora_rank=8)
 
@@ -140,19 +144,46 @@ def test_a_rollout_that_lost_its_base_says_so_and_gets_it_before_any_adapter():
     check_adapter_row(second, 2)
 
 
+class DropsOneAdapterByte(LoraRolloutAdapter):
+    """Serves every update but with one byte of layer 0's ``q_proj.lora_B`` flipped after applying it."""
+
+    async def update_weights(self, weights, global_steps=None, wire_format="named_tensors", **kwargs):
+        await super().update_weights(weights, global_steps, wire_format, **kwargs)
+        with torch.no_grad():
+            self.module.model.layers[0].self_attn.q_proj.lora_B["default"].weight.view(torch.uint8)[0] ^= 1
+
+
+def test_the_weight_check_compares_the_adapter_the_rollouts_serve():
+    """--check-every 1 with --lora-rank: every adapter update is weight-checked against the rollouts' live adapter."""
+    options = dataclasses.replace(OPTIONS, check_every=1, steps=2)
+    group = local_group(options)
+    group.workers[2] = Rollout(options, group.workers[0].engine, 2, adapter_cls=DropsOneAdapterByte)
+    result = asyncio.run(run(options, group))
+    for row in result.rows:
+        assert row["lora"]["base_sync_done"] is True and row["check"]["checked"] == 2
+        [(who, found)] = row["check"]["mismatches"].items()
+        assert found[0].startswith(f"'{BROKEN}' differs"), found
+    assert result.report(2)["verified"] is False
+    assert any(e.startswith(f"step 1, rollout rank 2: tensor '{BROKEN}': checksum ") for e in result.errors), \
+        result.errors
+
+
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("engine", ["collective", "ipc"])
-def test_torchrun_runs_the_lora_job_verified(engine):
+@pytest.mark.parametrize("device, engine", [("cpu", "collective"), ("cpu", "ipc"), ("cpu", "file"),
+                                            ("npu-sim", "collective"), ("npu-sim", "ipc"), ("npu-sim", "file")])
+def test_torchrun_runs_the_lora_job_verified(device, engine):
     env = {k: v for k, v in os.environ.items() if k != "HAL_DEVICE"}
-    out = subprocess.run([sys.executable, "-m", "hal.apps.cli.main", "sync", "--device", "cpu", "--model",
+    out = subprocess.run([sys.executable, "-m", "hal.apps.cli.main", "sync", "--device", device, "--model",
                           "qwen2.5-tiny", "--steps", "2", "--rollouts", "1", "--timeout", "120", "--json", "--engine",
                           engine, "--bucket-mb", "1", "--lora-rank", "8", "--lr", "3e-2"],
                          capture_output=True, text=True, timeout=290, env=env, cwd=ROOT)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     result = json.loads(out.stdout)
     assert result["verified"] is True and result["errors"] == [] and result["memory_within"] is True
+    assert (result["device"], result["engine"]) == (device, engine)
     assert result["lora"] == {"rank": 8, "alpha": 16, "targets": [], "publish": "adapter"}
     assert result["warmup"]["lora"]["base_sync_done"] is False
     for step, row in enumerate(result["rows"], start=1):
         check_adapter_row(row, step, rollouts=1)
+        assert row["rollouts"][0]["device"] == ("npu:1" if device == "npu-sim" else "cpu")
