@@ -2,9 +2,10 @@
 
 Two ``hal sync --lora-rank R`` runs of one training (same seed, preset, engine, rollouts): ``--lora-publish
 adapter`` (the base once, then the adapter alone) and ``merged`` (whole weights every step). Per update after
-the first: bytes and publish seconds (the trainer's send until every rollout serves the step).
-``adapter_bytes_fraction`` is an adapter update's bytes over a merged one's, ``adapter_vs_merged_time`` the
-median adapter update's seconds over the median merged one's.
+the first: bytes and publish seconds (the trainer's send until every rollout serves the step). Each run makes
+``steps + 1`` updates after the first publish; the first of them is a warm-up in both (one-time allocations for
+the adapter's size) and left out of the medians. ``adapter_bytes_fraction`` is an adapter update's bytes over a
+merged one's, ``adapter_vs_merged_time`` the median adapter update's seconds over the median merged one's.
 
     hal bench --only lora --main-model qwen2.5-0.5b       # rank 8 on the default preset
 """
@@ -32,9 +33,9 @@ def run(model: str = "qwen2.5-0.5b", device: str = "cpu", rollouts: int = 2, ste
     runs = {}
     for mode in MODES:
         options = JobOptions(device=hal.resolve_device(device).kind, model=resolve_model(model), rollouts=rollouts,
-                             steps=steps, bucket_bytes=mib_to_bytes(bucket_mb, "bucket_mb"), timeout=timeout,
+                             steps=steps + 1, bucket_bytes=mib_to_bytes(bucket_mb, "bucket_mb"), timeout=timeout,
                              engine=engine, lora_rank=rank, lora_publish=mode)
-        report = launch(options).report(steps)
+        report = launch(options).report(steps + 1)
         if not report["verified"]:
             raise RuntimeError(f"hal sync --lora-rank {rank} --lora-publish {mode} did not verify: "
                                f"{report['errors'][:3]}")
@@ -43,8 +44,8 @@ def run(model: str = "qwen2.5-0.5b", device: str = "cpu", rollouts: int = 2, ste
                                   for row in report["rows"]],
                       "memory_within": report["memory_within"]}
     med = statistics.median
-    adapter, merged = runs["adapter"]["updates"], runs["merged"]["updates"]
-    if [r["loss"] for r in adapter] != [r["loss"] for r in merged]:
+    adapter, merged = runs["adapter"]["updates"][1:], runs["merged"]["updates"][1:]  # after the warm-up update
+    if [r["loss"] for r in runs["adapter"]["updates"]] != [r["loss"] for r in runs["merged"]["updates"]]:
         raise RuntimeError("the two runs did not train alike (losses differ): not the same training")
     return {"device": device, "model": model, "engine": engine, "rank": rank, "rollouts": rollouts, "runs": runs,
             "adapter_bytes": med(r["bytes"] for r in adapter), "merged_bytes": med(r["bytes"] for r in merged),
@@ -61,7 +62,8 @@ def print_table(r: dict[str, Any]) -> None:
 
     table = Table(title=f"LoRA rank {r['rank']}: the adapter alone against merged weights, {r['model']}, "
                         f"{r['device']}, engine {r['engine']}, {r['rollouts']} rollouts",
-                  caption="step 0: the first publish (adapter: the base and the adapter); MB = 10^6 bytes")
+                  caption="step 0: the first publish (adapter: the base and the adapter); step 1: a warm-up, left out "
+                          "of the medians; MB = 10^6 bytes")
     for col in ("publish", "step", "MB", "publish ms"):
         table.add_column(col, justify="right")
     for mode in MODES:
