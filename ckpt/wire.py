@@ -54,7 +54,7 @@ class TensorEntry:
 
 
 def _record(item: Any) -> dict[str, Any]:
-    record = dataclasses.asdict(item)
+    record = {f.name: getattr(item, f.name) for f in dataclasses.fields(item)}  # shallow: asdict deep-copies
     if record.get("full_shape") is None:
         record.pop("full_shape", None)
         record.pop("row_start", None)
@@ -117,8 +117,9 @@ class WireMessage:
     slot: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        record = dataclasses.asdict(self)
+        record = _record(self)
         record["entries"] = [_record(e) for e in self.entries]
+        record["segments"] = [_record(s) for s in self.segments]
         if self.chunk is not None:
             record["chunk"] = _record(self.chunk)
         return record
