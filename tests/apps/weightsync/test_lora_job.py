@@ -16,6 +16,7 @@ import sys
 import pytest
 import torch
 
+import ckpt
 from ckpt import LoraRolloutAdapter
 from ckpt.errors import TransferError
 from ckpt.lora import is_adapter_tensor
@@ -171,8 +172,12 @@ def test_the_weight_check_compares_the_adapter_the_rollouts_serve():
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("device, engine", [("cpu", "collective"), ("cpu", "ipc"), ("cpu", "file"),
-                                            ("npu-sim", "collective"), ("npu-sim", "ipc"), ("npu-sim", "file")])
+                                            ("npu-sim", "collective"), ("npu-sim", "ipc"), ("npu-sim", "file"),
+                                            ("cpu", "nixl"), ("cpu", "mooncake"), ("npu-sim", "kimi")])
 def test_torchrun_runs_the_lora_job_verified(device, engine):
+    available, why = ckpt.checkpoint_engine_availability(engine, device)
+    if not available:
+        pytest.skip(why)
     env = {k: v for k, v in os.environ.items() if k != "HAL_DEVICE"}
     out = subprocess.run([sys.executable, "-m", "hal.apps.cli.main", "sync", "--device", device, "--model",
                           "qwen2.5-tiny", "--steps", "2", "--rollouts", "1", "--timeout", "120", "--json", "--engine",
