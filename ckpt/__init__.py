@@ -10,6 +10,7 @@ from ckpt.errors import (
     CheckpointEngineError,
     ContractError,
     DuplicateCheckpointEngineError,
+    SendInProgressError,
     TransferAbortedError,
     TransferError,
     TransferTimeoutError,
@@ -63,5 +64,6 @@ __all__ = [
     "WeightLayout",
     "CheckpointEngineError", "CheckpointConfigError", "CheckpointEngineUnavailableError", "VersionMismatchError", "WeightMismatchError",
     "TransferError", "TransferAbortedError", "TransferTimeoutError", "DuplicateCheckpointEngineError", "UnknownCheckpointEngineError",
-    "ContractError", "UpdateRefusedError", "WeightCheckError", "RowShard", "dim0_rows", "local_parts",
+    "ContractError", "SendInProgressError", "UpdateRefusedError", "WeightCheckError", "RowShard", "dim0_rows",
+    "local_parts",
 ]

@@ -18,14 +18,17 @@ The contract is judged by behaviour (:mod:`ckpt.testing`), so decorated methods 
 from __future__ import annotations
 
 import abc
+import asyncio
+import functools
 import inspect
 import math
 import numbers
+import threading
 from typing import Any, AsyncIterator, Iterable, Iterator, Protocol, runtime_checkable
 
 import torch
 
-from ckpt.errors import CheckpointConfigError, ContractError, VersionMismatchError
+from ckpt.errors import CheckpointConfigError, ContractError, SendInProgressError, VersionMismatchError
 
 NamedTensor = tuple[str, torch.Tensor]
 # {keyword: [value for rank 0, value for rank 1, ...]}: what build_topology returns per side.
@@ -88,6 +91,15 @@ class CheckpointEngine(abc.ABC):
     rollout_pulls: bool = False
     # hal sync --rollout vllm builds it inside vLLM's worker (ckpt.vllm_transfer); the job refuses any other.
     receives_inside_vllm: bool = False
+    # (task, global_steps) of the send_weights running on this engine, None when none runs (see __init_subclass__).
+    _send_running: tuple[Any, int | None] | None = None
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """Make the ``async`` ``send_weights`` a subclass defines refuse a second call while one runs."""
+        super().__init_subclass__(**kwargs)
+        send = cls.__dict__.get("send_weights")
+        if send is not None and inspect.iscoroutinefunction(unwrap_method(send)):
+            cls.send_weights = one_send_at_a_time(send)
 
     @classmethod
     def transport_words(cls, spec: Any) -> str | None:
@@ -145,6 +157,39 @@ class CheckpointEngine(abc.ABC):
 
     def finalize(self) -> None:
         """Release what ``prepare()`` allocated for this update (no-op here)."""
+
+
+_SEND_LOCK = threading.Lock()  # makes a send's check-and-claim of its engine atomic across threads
+
+
+def one_send_at_a_time(send: Any) -> Any:
+    """Wrap ``send_weights`` so a call while another runs on the engine raises :class:`SendInProgressError` at once.
+
+    The refused call touches nothing; the running one goes on. A call from inside the running one (``super()``) passes."""
+    if getattr(send, "_one_send_at_a_time", False):
+        return send
+
+    @functools.wraps(send)
+    async def guarded(self: Any, weights: Any, global_steps: Any = None, *args: Any, **kwargs: Any) -> Any:
+        task = asyncio.current_task()
+        with _SEND_LOCK:
+            running = self._send_running
+            if running is not None and running[0] is not task:
+                raise SendInProgressError(
+                    f"send_weights(global_steps={global_steps!r}) refused: this {type(self).__name__} is still "
+                    f"sending global_steps={running[1]!r}; one update at a time per engine (await the running "
+                    f"send_weights first)")
+            owner = running is None
+            if owner:
+                self._send_running = (task, global_steps)
+        try:
+            return await send(self, weights, global_steps, *args, **kwargs)
+        finally:
+            if owner:
+                self._send_running = None
+
+    guarded._one_send_at_a_time = True
+    return guarded
 
 
 def named_tensors(weights: Any, accepted: tuple[type, ...] = (torch.Tensor,),

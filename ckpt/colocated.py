@@ -7,7 +7,7 @@ import weakref
 from typing import Any, AsyncIterator, Iterable, Iterator
 
 from ckpt.base import CheckpointEngine, NamedTensor, check_global_steps, check_seconds, check_step, named_tensors
-from ckpt.errors import CheckpointConfigError, TransferAbortedError, TransferError, TransferTimeoutError
+from ckpt.errors import CheckpointConfigError, TransferAbortedError, TransferTimeoutError
 from ckpt.outcome import MemoryBoard, Reports
 
 
@@ -147,11 +147,8 @@ class ColocatedCheckpointEngine(CheckpointEngine):
         """Offer ``weights`` tagged ``global_steps``; return once every receiver is done with every tensor and every
         reporting one applied it (:mod:`ckpt.outcome`; ``check``: and serves it, :mod:`ckpt.checker`).
 
-        Raises :class:`TransferError` while another hand-over is in flight; what ``weights`` raised is raised here too."""
+        What ``weights`` raised is raised here too."""
         global_steps = check_global_steps(global_steps)
-        if self._offer is not None:
-            raise TransferError(f"the hand-over of global_steps={self._offer.step} is still in flight; cannot "
-                                f"offer global_steps={global_steps} (run one update at a time)")
         pending = self._reports.begin(self.receivers, global_steps, check)
         offer = _Offer(global_steps, pending.watch(weights), self.receivers)
         self._offer = offer

@@ -43,6 +43,10 @@ class TransferError(CheckpointEngineError, RuntimeError):
     """Weights could not be moved: a peer died or timed out, a file is missing, or the protocol broke."""
 
 
+class SendInProgressError(CheckpointEngineError, RuntimeError):
+    """``send_weights`` was called while the same engine's previous call still runs; names that call's step."""
+
+
 class TransferAbortedError(TransferError):
     """The sender failed mid-update and told the receivers; nothing of it is applied, the transport stays usable."""
 

@@ -15,12 +15,14 @@ from __future__ import annotations
 import asyncio
 import functools
 import inspect
+import threading
 from typing import Any, Awaitable, Callable
 
 import torch
 
 from ckpt.base import CheckpointEngine, callable_kind, check_async_contract, unwrap_method
-from ckpt.errors import CheckpointConfigError, CheckpointEngineError, ContractError, VersionMismatchError
+from ckpt.errors import (CheckpointConfigError, CheckpointEngineError, ContractError, SendInProgressError,
+                         VersionMismatchError)
 
 PairFactory = Callable[[], Awaitable[tuple[CheckpointEngine, CheckpointEngine]]]
 
@@ -293,6 +295,44 @@ async def check_placement_keyword(sender: CheckpointEngine, receiver: Checkpoint
     _check_step(receiver, 7, "placement keyword")
 
 
+def _send_from_another_thread(sender: CheckpointEngine, step: int, wait_s: float = 10.0) -> Any:
+    """Run ``sender.send_weights`` of ``step`` in a new thread and event loop; return what it raised, ``None`` if it
+    returned, or ``"still running"`` after ``wait_s`` seconds."""
+    out: list[Any] = []
+
+    def run() -> None:
+        try:
+            asyncio.run(sender.send_weights(iter(sample_weights(step)), step))
+            out.append(None)
+        except BaseException as exc:  # noqa: BLE001 - the check reads it
+            out.append(exc)
+    thread = threading.Thread(target=run, name=f"send_weights-{step}", daemon=True)
+    thread.start()
+    thread.join(wait_s)
+    return out[0] if out else "still running"
+
+
+async def check_one_send_at_a_time(sender: CheckpointEngine, receiver: CheckpointEngine) -> None:
+    """A ``send_weights`` while another runs raises :class:`SendInProgressError` naming the running step; the running
+    update arrives byte-exact and the next one works."""
+    weights, second = sample_weights(5), []
+
+    def first() -> Any:
+        for i, item in enumerate(weights):
+            if i == 1:  # the first call is consuming its weights: it runs
+                second.append(_send_from_another_thread(sender, 6))
+            yield item
+    got = await transfer(sender, receiver, first(), 5, 5)  # type: ignore[arg-type]
+    refused = second[0] if second else "never tried"
+    if not isinstance(refused, SendInProgressError) or "global_steps=5" not in str(refused):
+        raise ContractFailure(f"send_weights(global_steps=6) while global_steps=5 was being sent gave {refused!r}, "
+                              "not a SendInProgressError naming global_steps=5")
+    compare(weights, got, "the update running while a second send_weights was refused")
+    _check_step(receiver, 5, "one send at a time")
+    weights = sample_weights(7)
+    compare(weights, await transfer(sender, receiver, weights, 7, 7), "the update after a refused send_weights")
+
+
 # Every check by name: async check(sender, receiver) -> None, raising on a violation.
 CONTRACT_CHECKS: dict[str, Callable[[CheckpointEngine, CheckpointEngine], Awaitable[None]]] = {
     "call_contract": check_call_contract,
@@ -304,6 +344,7 @@ CONTRACT_CHECKS: dict[str, Callable[[CheckpointEngine, CheckpointEngine], Awaita
     "sender_may_reuse": check_sender_may_reuse,
     "placement_keyword": check_placement_keyword,
     "weights_pair_refused": check_weights_pair_refused,
+    "one_send_at_a_time": check_one_send_at_a_time,
 }
 
 

@@ -409,3 +409,26 @@ def test_a_flipped_byte_in_a_dense_flush_is_refused_by_the_tensors_checksum(atom
         receiver.apply_flush(corrupted, last)
     assert receiver.needs_seed and receiver.degraded == (not atomic)
     assert bits_equal(served, {n: torch.zeros_like(t) for n, t in weights.items()}) == atomic
+
+
+def test_the_delta_engine_refuses_a_second_send_while_one_runs_and_the_first_goes_on():
+    """Issue 50: concurrent sends on one engine broke each other. The guard every engine's send_weights gets from
+    CheckpointEngine covers the delta engine too; the refused call leaves the running update and its seed whole."""
+    from ckpt.delta import DeltaCheckpointEngine
+
+    engine = DeltaCheckpointEngine(ckpt.ColocatedCheckpointEngine(timeout=10))
+    weights = {"w": torch.randn(2048).to(torch.bfloat16)}
+    served = {"w": torch.zeros(2048, dtype=torch.bfloat16)}
+    receiver = DeltaReceiver(served)
+
+    async def go():
+        first = asyncio.ensure_future(engine.send_weights(iter(weights.items()), 1))
+        await asyncio.sleep(0)  # the first send runs: it waits for the rollout
+        with pytest.raises(ckpt.SendInProgressError, match="still sending global_steps=1"):
+            await engine.send_weights(iter(weights.items()), 2)
+        async for named, is_last in engine.receive_weights(1):
+            receiver.apply_flush(named, is_last)
+        await first
+
+    asyncio.run(go())
+    assert engine.last_stats.seed and bits_equal(served, weights) and engine.received_global_steps == 1

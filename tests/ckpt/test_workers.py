@@ -108,7 +108,7 @@ def test_colocated_engine_is_zero_copy_and_refuses_a_second_offer_in_flight():
     async def go():
         first = asyncio.ensure_future(engine.send_weights([("t", t)], 1))
         await asyncio.sleep(0)  # the first offer is in flight
-        with pytest.raises(ckpt.TransferError, match="global_steps=1 is still in flight"):
+        with pytest.raises(ckpt.SendInProgressError, match="still sending global_steps=1"):
             await engine.send_weights([("t", t)], 2)
         got = [x async for _, x in engine.receive_weights(1)]
         await first
