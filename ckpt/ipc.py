@@ -9,14 +9,19 @@ Wire format: verl 0.9.1's ``BucketedWeightSender`` / ``BucketedWeightReceiver``,
 / REP (rollout, connects) pair per rollout, pickled objects:
 
 1. the buffer: a device handle ``(rebuild_fn, args)`` or ``{"name": segment, "size": bytes}``; the rollout
-   replies ``b""`` (hal's rollout: :data:`HAL_HELLO`);
+   replies ``b""`` (hal's rollout: its hello, :data:`HAL_HELLO`);
 2. per bucket, ``{"bucket_meta": {name: {"name", "shape", "dtype", "offset", "handle": None}}, "is_last":
    bool}`` with byte offsets into the whole buffer; the rollout replies ``b""`` once it has read it.
 
-hal adds ``"global_steps"`` and ``"bucket_size"`` to every bucket message, sends a tensor larger than a bucket
-in slices (``"chunk": (start, length, nbytes)``), and a hal rollout refuses an update with
-``b"refused: <why>"``, which the trainer raises. verl's receiver takes hal's sender when every tensor fits a
-bucket; hal's receiver takes verl's sender (with ``global_steps=None``).
+hal adds ``"global_steps"``, ``"bucket_size"`` and the trainer's identity (``"trainer": {"job", "generation",
+"pid"}``, also in a segment's dict) to every message, sends a tensor larger than a bucket in slices (``"chunk":
+(start, length, nbytes)``), and a hal rollout refuses an update with ``b"refused: <error type>: <why>"``, which
+the trainer raises. A hal rollout refuses a trainer it was not built for (another job or generation, or another
+pid than its ``peer_pids``); a trainer does not bind an endpoint another process holds. The hello says whether
+the rollout opened the buffer and what it can open; a rollout that cannot open a device handle (a cpu rollout)
+is sent a shared-memory copy of each bucket instead, for as long as its socket lives. Sockets live per topology
+(verl's receiver: per update), whatever frees the buffers. verl's receiver takes hal's sender when every tensor
+fits a bucket; hal's receiver takes verl's sender (with ``global_steps=None``).
 
 Pipeline: the buffer holds two buckets; the trainer fills bucket k+1 while the rollouts read bucket k.
 In place: an update staged in :meth:`IpcCheckpointEngine.publish_buffer` is shared as it is (no trainer-side
@@ -28,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import os
 import pickle
 import socket
@@ -56,10 +62,18 @@ SEGMENT_PREFIX = "hal-ipc-"  # Names of the engine's shared-memory segments (/de
 LIVENESS_S = 0.2  # Seconds between two looks at whether a waited-on peer still lives.
 ABORT_S = 5.0  # Seconds at most (or the engine's timeout) an abandoned update spends telling its rollouts.
 REFUSED = b"refused: "  # Start of a rollout's reply that refuses the update; the rest says why (UTF-8).
-# A hal rollout's reply to the buffer's handle (verl's is b""). The trainer keeps its socket to a hal rollout
-# across updates and binds a new one per update for verl's receiver, whose closed socket could swallow the
-# next update's first message.
+# Start of a hal rollout's reply to the buffer's handle (verl's is b""), then " " and JSON {"opened", "opens"}.
+# The trainer keeps its socket to a hal rollout across updates and binds a new one per update for verl's
+# receiver, whose closed socket could swallow the next update's first message.
 HAL_HELLO = b"hal-ipc"
+REBIND_S = 5.0  # Seconds a socket this process closed may keep its endpoint bound: a bind retries that long.
+CLOSE_LINGER_MS = 1000  # Milliseconds a rollout leaving a foreign trainer's endpoint lets its refusal go out.
+_closed_here: dict[str, float] = {}  # endpoint -> when this process closed a socket bound to it (monotonic s)
+
+
+def default_job() -> str:
+    """Return a new job name for a trainer not given one: host, pid and a random part."""
+    return f"{socket.gethostname()}-{os.getpid()}-{os.urandom(4).hex()}"
 
 
 def default_endpoint() -> str:
@@ -86,10 +100,47 @@ class _Shared(NamedTuple):
     segment: str | None
 
 
+class ForeignTrainerError(TransferError):
+    """A trainer of another job or generation (or pid) than the rollout was built for sent to its endpoint."""
+
+
 class _Peer:
 
-    def __init__(self, sock: Any, name: str, pid: int | None) -> None:
-        self.sock, self.name, self.pid = sock, name, pid
+    def __init__(self, sock: Any, name: str, pid: int | None, endpoint: str | None = None) -> None:
+        self.sock, self.name, self.pid, self.endpoint = sock, name, pid, endpoint
+        self.hal = False  # its hello was hal's (a kept socket); else verl's receiver
+        self.transport: str | None = None  # "shm" once it said it cannot open the trainer's device handle
+
+    async def reply(self) -> bytes:
+        """Receive the reply to the last request (REQ_CORRELATE drops a late one, which may wake the poller for nothing)."""
+        import zmq
+
+        while True:
+            try:
+                return await self.sock.recv()
+            except zmq.Again:
+                await asyncio.sleep(0)
+
+
+def _trainer_of(msg: Any) -> Any:
+    return msg.get("trainer") if isinstance(msg, dict) else None
+
+
+def _hello(reply: bytes) -> dict[str, Any] | None:
+    """Return a hal rollout's hello as a dict, ``None`` for verl's receiver (or a refusal)."""
+    if reply == HAL_HELLO:
+        return {"opened": True}
+    if reply.startswith(HAL_HELLO + b" "):
+        return json.loads(reply[len(HAL_HELLO) + 1:])
+    return None
+
+
+def _span(entries: Iterable[dict[str, Any]]) -> tuple[int, int]:
+    """Return the ``(start, end)`` bytes a message's entries cover in its buffer."""
+    entries = list(entries)
+    return (min(e["offset"] for e in entries),
+            max(e["offset"] + (e["chunk"][1] if e.get("chunk") else e["dtype"].itemsize * torch.Size(e["shape"]).numel())
+                for e in entries))
 
 
 class IpcCheckpointEngine(CheckpointEngine):
@@ -100,7 +151,8 @@ class IpcCheckpointEngine(CheckpointEngine):
     ``endpoint`` is the trainer's ZMQ prefix (rollout r uses ``endpoint-r``); ``timeout`` (seconds) bounds every
     wait, and a peer whose pid is known (``peer_pids``) is an error within :data:`LIVENESS_S` of its death.
     ``release_at_finalize`` frees the buffer every update; else it lives per topology, until :meth:`close` or a
-    failed update.
+    failed update. ``job`` names the job: a rollout refuses a trainer of another job (a trainer not given one makes
+    one up; the lifecycle gives each rollout its trainer's job and generation).
 
     Memory: the trainer holds 2 x ``bucket_size``; a rollout maps it, plus one device bucket for an ``"shm"``
     buffer; a tensor larger than a bucket arrives in its own buffer unless ``placement`` gives its target.
@@ -131,10 +183,14 @@ class IpcCheckpointEngine(CheckpointEngine):
                  world_size: int | None = None, endpoint: str | None = None, device: str | None = None,
                  timeout: float = hal.DEFAULT_TIMEOUT_S, peer_pids: list[int] | None = None,
                  transport: str | None = None, release_at_finalize: bool = False, rollout_layout: Any = None,
-                 multi_sender: bool = False, **extra: Any) -> None:
+                 multi_sender: bool = False, job: str | None = None, **extra: Any) -> None:
         check_keywords(extra, ("bucket_size", "is_master", "rank", "world_size", "endpoint", "device", "timeout",
-                               "peer_pids", "transport", "release_at_finalize", "rollout_layout", "multi_sender"),
-                       "IpcCheckpointEngine()")
+                               "peer_pids", "transport", "release_at_finalize", "rollout_layout", "multi_sender",
+                               "job"), "IpcCheckpointEngine()")
+        if job is not None and (not isinstance(job, str) or not job):
+            raise CheckpointConfigError(f"job must be None or a non-empty str naming the job, got {job!r}")
+        self.job, self._made_job, self.generation = job, job or default_job(), 0
+        self._pin: dict[str, Any] | None = None  # a rollout's: the trainer's {"job", "generation"} (lifecycle)
         self.bucket_size = check_int(bucket_size, "bucket_size", 256)
         self.timeout = check_seconds(timeout)
         if transport not in (None, *hal.ipc.TRANSPORTS):
@@ -156,6 +212,7 @@ class IpcCheckpointEngine(CheckpointEngine):
         self._peers: list[_Peer] = []  # the trainer's sockets, one per rollout, kept while updates succeed
         self._rep: Any = None  # a rollout's socket, likewise
         self._buffer: _Shared | None = None  # the trainer's
+        self._mirror: _Shared | None = None  # the trainer's shared-memory copy, for rollouts that cannot open _buffer
         self._publish: _Shared | None = None  # the trainer's publish_buffer(), shared as it is
         self._opened: tuple[Any, torch.Tensor, str | None] | None = None  # a rollout's: (key, buffer, segment)
         self._staging: torch.Tensor | None = None  # a rollout's device bucket, for a shared-memory buffer
@@ -175,17 +232,24 @@ class IpcCheckpointEngine(CheckpointEngine):
             raise CheckpointConfigError(f"peer_pids must be a list of pids (ints > 0), got {peer_pids!r}")
         changed = (rank, world_size, endpoint) != (self.rank, self.world_size, self.endpoint)
         if changed and (self.rank is not None):
-            self._free()  # a new topology: buffers are per topology
+            self._close_sockets()  # a new topology: sockets and buffers are per topology
+            self._free()
         self.rank, self.world_size, self.endpoint = rank, world_size, endpoint
         self.peer_pids = list(peer_pids) if peer_pids is not None else None
 
+    @property
+    def identity(self) -> dict[str, Any]:
+        """The trainer identity this engine's messages carry: ``{"job", "generation", "pid"}``."""
+        return {"job": self._made_job, "generation": self.generation, "pid": os.getpid()}
+
     def prepare(self) -> dict[str, Any]:
-        """Return this worker's pid and host, and on the master its endpoint (made the first time)."""
-        meta = {"pid": os.getpid(), "host": socket.gethostname()}
+        """Return this worker's pid, host, place and trainer identity, and on the master its endpoint (made once)."""
+        place = None if self.rank is None else [self.rank, self.world_size, self.endpoint]
+        meta = {"pid": os.getpid(), "host": socket.gethostname(), "place": place, "trainer": self._pin}
         if self.is_master or self.rank == 0:
             if self.endpoint is None:
                 self.endpoint = default_endpoint()
-            meta["endpoint"] = self.endpoint
+            meta.update(endpoint=self.endpoint, trainer=self.identity)
             if self.multi_sender:
                 meta["multi_sender"] = True
         if self.rollout_layout is not None:
@@ -197,7 +261,8 @@ class IpcCheckpointEngine(CheckpointEngine):
                        metadata: list) -> tuple[dict[str, list], dict[str, list]]:
         """Trainer rank 0 sends to rollouts 1..R at the master's endpoint; every side learns the other's pids.
 
-        Raises :class:`CheckpointConfigError` when the workers are on different hosts."""
+        Every rank also gets the trainer's job and generation, the generation one higher when any place or rollout's
+        trainer changes. Raises :class:`CheckpointConfigError` when the workers are on different hosts."""
         check_int(trainer_world_size, "trainer_world_size", 1)
         check_int(rollout_world_size, "rollout_world_size", 1)
         if not isinstance(metadata, list) or len(metadata) != trainer_world_size + rollout_world_size:
@@ -231,23 +296,44 @@ class IpcCheckpointEngine(CheckpointEngine):
         rollout = {"rank": list(range(1, world)), "world_size": [world] * rollout_world_size,
                    "endpoint": [master["endpoint"]] * rollout_world_size,
                    "peer_pids": [[master["pid"]]] * rollout_world_size}
+        ident = master.get("trainer")
+        if isinstance(ident, dict):  # a hal master: the rollouts pin its job and this topology's generation
+            now = {"job": ident["job"], "generation": ident["generation"]}
+            kept = master.get("place") == [0, world, master["endpoint"]] and all(
+                m.get("place") == [r, world, master["endpoint"]] and m.get("trainer") == now
+                for r, m in enumerate(metadata[trainer_world_size:], 1))
+            pin = {"job": now["job"], "generation": now["generation"] + (0 if kept else 1)}
+            trainer["trainer"], rollout["trainer"] = [pin] * trainer_world_size, [pin] * rollout_world_size
         return trainer, rollout
 
     def init_process_group(self, rank: int, world_size: int, endpoint: str | None = None,
                            peer_pids: list[int] | None = None, reshard: bool = False, num_senders: int = 1,
-                           rollout_layouts: list | None = None, **extra: Any) -> None:
+                           rollout_layouts: list | None = None, trainer: dict[str, Any] | None = None,
+                           **extra: Any) -> None:
         """Take this rank's place; a changed place frees the old topology's buffer and sockets. Does not block.
 
         ``reshard``: ranks ``0..num_senders-1`` send each rollout rank the slices its layout keeps
-        (``rollout_layouts``, on the senders); ``peer_pids`` then lists every rank's pid."""
+        (``rollout_layouts``, on the senders); ``peer_pids`` then lists every rank's pid. ``trainer`` (``{"job",
+        "generation"}``): the trainer's identity, taken by the trainer, pinned by a rollout."""
         check_keywords(extra, ("rank", "world_size", "endpoint", "peer_pids", "reshard", "num_senders",
-                               "rollout_layouts"), "IpcCheckpointEngine.init_process_group()")
+                               "rollout_layouts", "trainer"), "IpcCheckpointEngine.init_process_group()")
+        if trainer is not None and (not isinstance(trainer, dict) or set(trainer) != {"job", "generation"}):
+            raise CheckpointConfigError(f"trainer must be None or {{'job': str, 'generation': int}}, got {trainer!r}")
         senders = check_int(num_senders, "num_senders", 1, world_size) if reshard else 0
         if (rank, world_size, endpoint, senders) != (self.rank, self.world_size, self.endpoint, self.senders):
             self._close_channel()  # a new topology: new endpoints and slots
         self._set_place(rank, world_size, endpoint, peer_pids)
         self.senders = senders
         self.rollout_layouts = rollout_layouts
+        if trainer is None or self.rank == -1:
+            return
+        if self.rank > 0:
+            self._pin = dict(trainer)
+        elif trainer["job"] != self._made_job:
+            raise CheckpointConfigError(f"build_topology gave trainer job {trainer['job']!r} to the trainer of job "
+                                        f"{self._made_job!r}: metadata[0] must be this engine's prepare()")
+        else:
+            self.generation = trainer["generation"]
 
     def finalize(self) -> None:
         """Free the buffers only with ``release_at_finalize`` (a resharding channel keeps its sockets)."""
@@ -258,8 +344,9 @@ class IpcCheckpointEngine(CheckpointEngine):
                 self._channel.free_slots()
 
     def close(self) -> None:
-        """Free the buffers (unlink their segments) and the ZMQ context; the engine can be used again after."""
+        """Free the buffers (unlink their segments), the sockets and the ZMQ context; the engine can be used again after."""
         self._close_channel()
+        self._close_sockets()
         self._free()
         self.release_publish_buffer()
         if self._zmq is not None:
@@ -268,6 +355,7 @@ class IpcCheckpointEngine(CheckpointEngine):
 
     def __del__(self) -> None:
         try:
+            self._close_sockets()
             self._free()
             self.release_publish_buffer()
         except Exception:  # noqa: BLE001 - interpreter shutdown: the resource tracker unlinks what is left
@@ -289,17 +377,20 @@ class IpcCheckpointEngine(CheckpointEngine):
     def _close_sockets(self) -> None:
         for peer in self._peers:
             peer.sock.close(linger=0)
+            if peer.endpoint is not None:
+                _closed_here[peer.endpoint] = time.monotonic()  # still bound for a moment: a rebind here may wait
         self._peers = []
         if self._rep is not None:
             self._rep.close(linger=0)
             self._rep = None
 
     def _free(self) -> None:
-        self._close_sockets()
-        buffer, self._buffer = self._buffer, None
+        """Free the buffers; the sockets stay (a closing socket could swallow the next update's first message)."""
+        buffers, self._buffer, self._mirror = (self._buffer, self._mirror), None, None
         self._opened, self._staging = None, None
-        if buffer is not None and buffer.release is not None:
-            buffer.release()
+        for buffer in buffers:
+            if buffer is not None and buffer.release is not None:
+                buffer.release()
         if self.transport == "device" and not self.spec.host_memory:
             collect = getattr(self._torch_device, "ipc_collect", None)
             if collect is not None:
@@ -348,6 +439,10 @@ class IpcCheckpointEngine(CheckpointEngine):
         if self.transport == "device":  # verl's receiver rebuilds the handle itself
             shared = self.spec.share_device_buffer(nbytes, self.device)
             return _Shared(shared.tensor, shared.handle, shared.release, shared.segment)
+        return self._share_memory(nbytes)
+
+    @staticmethod
+    def _share_memory(nbytes: int) -> _Shared:
         segment = hal.ipc.SharedSegment(nbytes, SEGMENT_PREFIX)
         return _Shared(segment.tensor, {"name": segment.name, "size": nbytes}, segment.unlink, segment.name)
 
@@ -355,6 +450,26 @@ class IpcCheckpointEngine(CheckpointEngine):
         if self._buffer is None:
             self._buffer = self._share(NUM_BUCKETS * self.bucket_size)
         return self._buffer
+
+    def _offer(self, peer: _Peer, primary: _Shared, ident: dict[str, Any]) -> Any:
+        """Return the first message to ``peer``: ``primary``'s handle, or the shared-memory copy's for a rollout on it."""
+        if peer.transport == "shm" and self.transport == "device":
+            if self._mirror is None:
+                self._mirror = self._share_memory(NUM_BUCKETS * self.bucket_size)
+            primary = self._mirror
+        return {**primary.handshake, "trainer": ident} if isinstance(primary.handshake, dict) else primary.handshake
+
+    def _mirrored(self, msg: dict[str, Any], primary: _Shared) -> dict[str, Any]:
+        """Copy the bytes ``msg`` names from ``primary`` into its bucket of the shared-memory copy; return its message."""
+        entries = msg["bucket_meta"]
+        if not entries:
+            return {**msg, "in_place": False, "transient": False}
+        low, high = _span(entries.values())
+        slot = (msg["index"] % NUM_BUCKETS) * self.bucket_size
+        self._mirror.tensor[slot:slot + high - low].copy_(primary.tensor[low:high])
+        self._torch_device.synchronize()
+        return {**msg, "bucket_meta": {n: {**e, "offset": e["offset"] - low + slot} for n, e in entries.items()},
+                "in_place": False, "transient": False}
 
     def publish_buffer(self, nbytes: int, device: torch.device | str | None = None) -> torch.Tensor:
         """Return a flat ``uint8`` buffer of ``nbytes`` on this engine's device, shared with the rollouts.
@@ -399,14 +514,14 @@ class IpcCheckpointEngine(CheckpointEngine):
             return self._opened[2]
         return None if self._buffer is None else self._buffer.segment
 
-    def _fill(self, weights: Iterator[NamedTensor], step: int | None) -> Iterator[dict[str, Any]]:
+    def _fill(self, weights: Iterator[NamedTensor], step: int | None, ident: dict[str, Any]) -> Iterator[dict[str, Any]]:
         """Copy ``weights`` into the buffer bucket by bucket, yielding each bucket's message once filled."""
         buffer, size = self._buffer.tensor, self.bucket_size
         index, offset, meta = 0, 0, {}
 
         def message(is_last: bool) -> dict[str, Any]:
             return {"bucket_meta": meta, "is_last": is_last, "global_steps": step, "bucket_size": size,
-                    "index": index}
+                    "index": index, "trainer": ident}
 
         for name, tensor in weights:
             tensor = tensor.detach()
@@ -434,13 +549,14 @@ class IpcCheckpointEngine(CheckpointEngine):
                 index, offset, meta = index + 1, 0, {}
         yield message(True)
 
-    def _fill_in_place(self, weights: Iterator[NamedTensor], step: int | None) -> Iterator[dict[str, Any]]:
+    def _fill_in_place(self, weights: Iterator[NamedTensor], step: int | None,
+                       ident: dict[str, Any]) -> Iterator[dict[str, Any]]:
         """Yield the messages of an update staged in the publish buffer, each spanning at most a bucket."""
         size, index, meta, span = self.bucket_size, 0, {}, None
 
         def message(is_last: bool) -> dict[str, Any]:
             return {"bucket_meta": meta, "is_last": is_last, "global_steps": step, "bucket_size": size,
-                    "index": index, "in_place": True, "transient": self.release_at_finalize}
+                    "index": index, "in_place": True, "transient": self.release_at_finalize, "trainer": ident}
 
         for name, tensor in weights:
             offset = self._publish_offset(name, tensor)
@@ -471,8 +587,9 @@ class IpcCheckpointEngine(CheckpointEngine):
     async def send_weights(self, weights: Iterable[NamedTensor], global_steps: int | None = None) -> None:
         """Send ``weights`` to every rollout, tagged ``global_steps``; return when every rollout is done with them.
 
-        Raises :class:`TransferError` when a rollout refuses (the others are told at once and keep their step) or
-        dies, :class:`TransferTimeoutError` after ``timeout``. Any failure frees the buffer."""
+        Raises :class:`TransferError` when a rollout refuses, naming it and its error (the others are told at once
+        and keep their step) or when it dies, :class:`TransferTimeoutError` after ``timeout``,
+        :class:`CheckpointConfigError` when another process holds the endpoint. Any failure frees the buffers."""
         step = check_global_steps(global_steps)
         if self.senders > 0 and self.rank is not None and 0 <= self.rank < self.senders:
             receivers = range(self.senders, self.world_size)
@@ -490,35 +607,42 @@ class IpcCheckpointEngine(CheckpointEngine):
             for _ in weights:
                 pass
             return
-        ok, hello = False, None  # hello: the rollouts' replies to the handle (HAL_HELLO from hal's)
+        ok, ident, peers = False, self.identity, []
         pairs, in_place = self._peek(weights)
         try:
-            handshake = (self._publish if in_place else self._ensure_buffer()).handshake
+            primary = self._publish if in_place else self._ensure_buffer()
             peers = await self._sender_sockets()
             deadline = time.monotonic() + self.timeout
             for peer in peers:  # the handle first; bucket 0 is filled while the rollouts open it
-                await self._wait(lambda p=peer: p.sock.send_pyobj(handshake), peer, "send of the buffer", deadline)
-            pending = "reply to the buffer's handle"
+                offer = self._offer(peer, primary, ident)
+                await self._wait(lambda p=peer, o=offer: p.sock.send_pyobj(o), peer, "send of the buffer", deadline)
+            pending, greeted = "reply to the buffer's handle", False
             fill = self._fill_in_place if in_place else self._fill
-            for msg in self._guarded(fill(pairs, step)):
+            for msg in self._guarded(fill(pairs, step, ident)):
                 if isinstance(msg, BaseException):  # the trainer's weights failed: tell the rollouts, then raise
                     await self._abort(peers, pending, step, msg)
                     raise msg
                 if self.transport == "device" or not self.spec.host_memory:
                     self._torch_device.synchronize()  # the copies into the bucket are done before it is announced
-                replies = await self._replies(peers, pending, deadline, step, tell_others=True)
-                hello = replies if hello is None else hello
+                if not greeted:
+                    await self._greet(peers, primary, ident, deadline, step)
+                    greeted = True
+                else:
+                    await self._replies(peers, pending, deadline, step, tell_others=True)
                 deadline = time.monotonic() + self.timeout
+                mirrored = None
                 for peer in peers:
-                    await self._wait(lambda p=peer, m=msg: p.sock.send_pyobj(m), peer, "send of a bucket", deadline)
+                    out = msg
+                    if peer.transport == "shm" and self.transport == "device":
+                        mirrored = out = mirrored or self._mirrored(msg, primary)
+                    await self._wait(lambda p=peer, m=out: p.sock.send_pyobj(m), peer, "send of a bucket", deadline)
                 pending = f"reply for bucket {msg['index']}"
-            replies = await self._replies(peers, pending, deadline, step)
-            hello = replies if hello is None else hello  # an empty update: its one message was the last
+            await self._replies(peers, pending, deadline, step)
             ok = True
         finally:
             if not ok:
-                self._free()  # nothing half-done survives: the next update starts from a new buffer and sockets
-            elif not all(r == HAL_HELLO for r in hello):  # a verl receiver: new sockets next update (see HAL_HELLO; measured: 1 update in 2 lost)
+                self._free()  # nothing half-done survives: the next update starts from new buffers
+            elif not all(peer.hal for peer in peers):  # a verl receiver: new sockets next update (see HAL_HELLO; measured: 1 update in 2 lost)
                 self._close_sockets()
 
     def _peek(self, weights: Iterable[NamedTensor]) -> tuple[Iterator[NamedTensor], bool]:
@@ -557,7 +681,7 @@ class IpcCheckpointEngine(CheckpointEngine):
         waiting = []
         for peer in peers:  # every reply read, a refusal too: none is left on its socket
             try:
-                if not (await self._wait(peer.sock.recv, peer, pending, deadline)).startswith(REFUSED):
+                if not (await self._wait(peer.reply, peer, pending, deadline)).startswith(REFUSED):
                     waiting.append(peer)  # a refusing rollout expects nothing more of this update
             except (TransferError, TransferTimeoutError):
                 pass  # this rollout times out instead
@@ -569,11 +693,11 @@ class IpcCheckpointEngine(CheckpointEngine):
 
     async def _tell_abort(self, peers: list[_Peer], step: int | None, why: str, deadline: float) -> None:
         """Send each of ``peers`` the update's abort and read its reply; best effort, until ``deadline``."""
-        abort = {"bucket_meta": {}, "is_last": True, "global_steps": step, "abort": why}
+        abort = {"bucket_meta": {}, "is_last": True, "global_steps": step, "abort": why, "trainer": self.identity}
         for peer in peers:
             try:
                 await self._wait(lambda p=peer: p.sock.send_pyobj(abort), peer, "abort", deadline)
-                await self._wait(peer.sock.recv, peer, "reply to the abort", deadline)
+                await self._wait(peer.reply, peer, "reply to the abort", deadline)
             except (TransferError, TransferTimeoutError):
                 pass
 
@@ -581,31 +705,67 @@ class IpcCheckpointEngine(CheckpointEngine):
         import zmq
 
         if not self._peers:
-            for r in range(1, self.world_size):
-                sock = self._context().socket(zmq.REQ)
-                sock.setsockopt(zmq.LINGER, 0)
-                pid = self.peer_pids[r - 1] if self.peer_pids and len(self.peer_pids) >= r else None
-                self._peers.append(_Peer(sock, f"rollout rank {r}", pid))
-                await self._bind(sock, rollout_endpoint(self.endpoint, r))
+            peers = []
+            try:
+                for r in range(1, self.world_size):
+                    sock = self._context().socket(zmq.REQ)
+                    sock.setsockopt(zmq.LINGER, 0)
+                    sock.setsockopt(zmq.REQ_RELAXED, 1)  # a request may follow one whose reply never came
+                    sock.setsockopt(zmq.REQ_CORRELATE, 1)  # and that late reply is dropped
+                    pid = self.peer_pids[r - 1] if self.peer_pids and len(self.peer_pids) >= r else None
+                    endpoint = rollout_endpoint(self.endpoint, r)
+                    peers.append(_Peer(sock, f"rollout rank {r}", pid))
+                    await self._bind(sock, endpoint)
+                    peers[-1].endpoint = endpoint
+            except BaseException:
+                self._peers = peers
+                self._close_sockets()
+                raise
+            self._peers = peers
         return self._peers
 
     async def _bind(self, sock: Any, endpoint: str) -> None:
         import zmq
 
-        deadline = time.monotonic() + min(self.timeout, 5.0)
-        while True:  # the previous update's socket of the same name may still be closing
+        closed = _closed_here.get(endpoint)
+        while True:  # a socket this process closed on that endpoint may still hold it, for a moment
             try:
                 sock.bind(endpoint)
+                _closed_here.pop(endpoint, None)
                 return
             except zmq.ZMQError as exc:
-                if exc.errno != zmq.EADDRINUSE or time.monotonic() > deadline:
+                if exc.errno != zmq.EADDRINUSE:
                     raise TransferError(f"cannot bind the ipc engine's endpoint {endpoint}: {exc}") from exc
+                if closed is None or time.monotonic() > closed + min(self.timeout, REBIND_S):
+                    raise CheckpointConfigError(
+                        f"the ipc endpoint {endpoint} is in use by another process (another job's trainer?); a "
+                        f"trainer does not take over an endpoint in use: give each job its own endpoint, or leave "
+                        f"endpoint unset for a new one") from exc
                 await asyncio.sleep(0.01)
+
+    async def _greet(self, peers: list[_Peer], primary: _Shared, ident: dict[str, Any], deadline: float,
+                     step: int | None) -> None:
+        """Read every rollout's hello; send shared memory to one that cannot open ``primary``; raise a refusal."""
+        replies = [await self._wait(peer.reply, peer, "reply to the buffer's handle", deadline) for peer in peers]
+        for i, peer in enumerate(peers):
+            hello = _hello(replies[i])
+            peer.hal = hello is not None
+            if hello is not None and not hello.get("opened", True) and peer.transport is None:
+                peer.transport = "shm"  # every kind opens shared memory; the rollout keeps it while the socket lives
+                offer = self._offer(peer, primary, ident)
+                await self._wait(lambda p=peer, o=offer: p.sock.send_pyobj(o), peer, "send of the buffer", deadline)
+                replies[i] = await self._wait(peer.reply, peer, "reply to the shared-memory buffer", deadline)
+        await self._refused(peers, replies, step, tell_others=True)
 
     async def _replies(self, peers: list[_Peer], what: str, deadline: float, step: int | None,
                        tell_others: bool = False) -> list[bytes]:
         """Read every rollout's reply to ``what``; raise the first refusal, telling the others first with ``tell_others``."""
-        replies = [await self._wait(peer.sock.recv, peer, what, deadline) for peer in peers]
+        replies = [await self._wait(peer.reply, peer, what, deadline) for peer in peers]
+        return await self._refused(peers, replies, step, tell_others)
+
+    async def _refused(self, peers: list[_Peer], replies: list[bytes], step: int | None,
+                       tell_others: bool) -> list[bytes]:
+        """Return ``replies``, or raise the first refusal among them, telling the others first with ``tell_others``."""
         refused = [(peer, reply) for peer, reply in zip(peers, replies) if reply.startswith(REFUSED)]
         if not refused:
             return replies
@@ -636,12 +796,69 @@ class IpcCheckpointEngine(CheckpointEngine):
             self._opened = (key, buffer, segment)
         return self._opened[1]
 
+    def _opens(self) -> list[str]:
+        """What this rollout opens: device handles where its transport is ``"device"``, shared memory always."""
+        return ["device", "shm"] if self.transport == "device" else ["shm"]
+
+    def _hello_bytes(self, cannot: str | None = None) -> bytes:
+        return HAL_HELLO + b" " + json.dumps({"opened": cannot is None, "opens": self._opens(), "why": cannot}).encode()
+
+    def _check_trainer(self, msg: Any) -> None:
+        why = self._foreign(msg)
+        if why is not None:
+            raise ForeignTrainerError(why)
+
+    def _foreign(self, msg: Any) -> str | None:
+        """Say why ``msg`` is from a trainer this rollout was not built for; ``None`` when it is not."""
+        offered = _trainer_of(msg)
+        if not isinstance(offered, dict):
+            return None  # verl's sender names no trainer
+        want = dict(self._pin or {})
+        if self.job is not None:
+            want.setdefault("job", self.job)
+        if self.peer_pids:
+            want["pid"] = self.peer_pids[0]
+        if all(offered.get(k) == v for k, v in want.items()):
+            return None
+        words = lambda d: ", ".join(f"{k} {d.get(k)!r}" for k in ("job", "generation", "pid") if k in want)  # noqa: E731
+        return (f"the trainer at {rollout_endpoint(self.endpoint, self.rank)} is {words(offered)}, but this rollout "
+                f"was built for {words(want)}: two jobs on one endpoint? (give each job its own endpoint)")
+
+    def _accept(self, handshake: Any) -> tuple[torch.Tensor | None, bytes]:
+        """Open the trainer's buffer; return it (``None`` if not opened) and the reply: the hello, or a refusal.
+
+        A device handle this rollout cannot open gets a hello asking for shared memory; a buffer already gone (its
+        segment unlinked: an update the trainer gave up, still queued here) a refusal."""
+        if hal.ipc.is_ipc_handle(handshake) and "device" not in self._opens():
+            return None, self._hello_bytes(f"a {self.spec.kind} rollout on transport {self.transport!r} opens shared "
+                                           f"memory only")
+        try:
+            return self._open(handshake), self._hello_bytes()
+        except FileNotFoundError as exc:
+            return None, REFUSED + f"TransferError: the trainer's buffer is gone ({exc})".encode()
+        except Exception as exc:  # another kind's handle: shared memory instead
+            if not hal.ipc.is_ipc_handle(handshake):
+                raise
+            return None, self._hello_bytes(f"{type(exc).__name__}: {exc}")
+
+    async def _handshake(self, sock: Any, trainer: _Peer, deadline: float) -> Any:
+        """Return the first message of an update (or a foreign trainer's), answering those of an update this rollout
+        left (timed out)."""
+        while True:
+            msg = await self._wait(sock.recv_pyobj, trainer, "buffer handle", deadline)
+            if not isinstance(msg, dict) or "bucket_meta" not in msg or _trainer_of(msg) is None or self._foreign(msg):
+                return msg
+            await sock.send(b"" if msg.get("abort") else REFUSED + b"TransferError: this rollout left that update "
+                            b"(it timed out or stopped) and waits for the next")
+
     async def receive_weights(self, global_steps: int | None = None, *,
                               placement: ReceivePlacement | None = None) -> AsyncIterator[NamedTensor]:
         """Yield the update's ``(name, tensor)`` pairs in the trainer's order, on this rollout's device.
 
         Raises :class:`TransferAbortedError` when the trainer's weights failed mid-update (what was yielded is
-        incomplete), :class:`TransferError` when the trainer died (its segment is then unlinked here)."""
+        incomplete), :class:`TransferError` when the trainer died (its segment is then unlinked here),
+        :class:`ForeignTrainerError` for a trainer it was not built for. An error the consumer throws in
+        (``athrow``) is the refusal the trainer raises, with its type and text."""
         step = check_global_steps(global_steps)
         placement = as_placement(placement)
         if self.senders > 0 and self.rank is not None and self.rank >= self.senders:
@@ -659,37 +876,36 @@ class IpcCheckpointEngine(CheckpointEngine):
         self._check_place("receive")
         import zmq
 
-        if self._rep is None:  # made on the first update, kept while updates succeed (see HAL_HELLO)
+        if self._rep is None:  # made on the first update, kept for the topology (see HAL_HELLO)
             self._rep = self._context().socket(zmq.REP)
             self._rep.setsockopt(zmq.LINGER, 0)
             self._rep.setsockopt(zmq.RECONNECT_IVL, 5)  # a trainer that binds per update (verl's) is found soon
             self._rep.connect(rollout_endpoint(self.endpoint, self.rank))
         sock = self._rep
         trainer = _Peer(sock, "the trainer", self.peer_pids[0] if self.peer_pids else None)
-        owe_reply, why, ok, complete = False, "the receiver stopped before the end of the update", False, False
+        owe_reply, complete, error, buffer = False, False, None, None
         transient = False  # the trainer's publish buffer, freed after this update: let go of it at the end
-        trainer_gone = False
         try:
-            handshake = await self._wait(sock.recv_pyobj, trainer, "buffer handle", time.monotonic() + self.timeout)
+            msg = await self._handshake(sock, trainer, time.monotonic() + self.timeout)
             owe_reply = True
-            buffer = self._open(handshake)
-            await sock.send(HAL_HELLO)
-            owe_reply, first, parts = False, True, {}
-            while True:
+            while not (isinstance(msg, dict) and "bucket_meta" in msg):  # every buffer offered is answered; the update
+                self._check_trainer(msg)  # starts at the first bucket, in the buffer last opened
+                buffer, reply = self._accept(msg)
+                await sock.send(reply)
+                owe_reply = False
                 msg = await self._wait(sock.recv_pyobj, trainer, "bucket", time.monotonic() + self.timeout)
                 owe_reply = True
-                if not isinstance(msg, dict) or "bucket_meta" not in msg:
-                    raise TransferError(f"the trainer sent {type(msg).__name__}, not a bucket message")
+            first, parts = True, {}
+            while True:
+                self._check_trainer(msg)
                 if msg.get("abort"):
-                    why = "the update was aborted"
                     raise TransferAbortedError(f"global_steps={msg.get('global_steps')}: {msg['abort']}")
+                if buffer is None:
+                    raise TransferError("the trainer sent a bucket without a buffer this rollout opened (verl's sender "
+                                        "to a rollout that cannot open its device handle: use_shm=True)")
                 if first:
                     offered = msg.get("global_steps")
-                    try:
-                        check_step(step, offered, "ipc hand-over")
-                    except Exception as exc:
-                        why = str(exc)
-                        raise
+                    check_step(step, offered, "ipc hand-over")
                     self.received_global_steps, first = offered, False
                 left = sum(1 for e in msg["bucket_meta"].values()  # items this message completes
                            if not e.get("chunk") or e["chunk"][0] + e["chunk"][1] >= e["chunk"][2])
@@ -706,18 +922,24 @@ class IpcCheckpointEngine(CheckpointEngine):
                     self._drop_read(buffer, msg)
                 await sock.send(b"")
                 owe_reply = False
+                msg = await self._wait(sock.recv_pyobj, trainer, "bucket", time.monotonic() + self.timeout)
+                owe_reply = True
+                if not isinstance(msg, dict) or "bucket_meta" not in msg:
+                    raise TransferError(f"the trainer sent {type(msg).__name__}, not a bucket message (it gave up on "
+                                        f"this update?)")
             if not self.spec.host_memory:
                 self._torch_device.synchronize()
             await sock.send(b"")  # the last reply: the trainer may reuse everything now
-            owe_reply, ok = False, True
-        except PeerFailure:
-            trainer_gone = True
-            # the trainer died: its segment would stay until its resource tracker ends (shared with its parent
-            # under multiprocessing), so the rollout that saw it die removes the name; mappings stay valid
-            segment = self.segment_name
-            self._opened, self._staging = None, None
-            if segment is not None:
-                hal.ipc.unlink_shared_segment(segment)
+            owe_reply = False
+        except BaseException as exc:
+            error = exc
+            if isinstance(exc, PeerFailure):
+                # the trainer died: its segment would stay until its resource tracker ends (shared with its parent
+                # under multiprocessing), so the rollout that saw it die removes the name; mappings stay valid
+                segment = self.segment_name
+                self._opened, self._staging = None, None
+                if segment is not None:
+                    hal.ipc.unlink_shared_segment(segment)
             raise
         finally:
             if owe_reply and complete:  # the consumer took the last item and stopped: a whole update
@@ -725,33 +947,30 @@ class IpcCheckpointEngine(CheckpointEngine):
                     self._torch_device.synchronize()
                 try:
                     sock.send(b"", flags=zmq.NOBLOCK)
-                    owe_reply, ok = False, True
+                    owe_reply = False
                 except zmq.ZMQError:
                     pass
-            settled = ok or trainer_gone  # the trainer sends nothing more of this update
-            if owe_reply:
+            if owe_reply:  # the trainer reads the refusal, with its cause, and abandons the update
+                stopped = error is None or isinstance(error, (GeneratorExit, asyncio.CancelledError))
+                why = "the receiver stopped before the end of the update" if stopped else f"{type(error).__name__}: {error}"
                 try:
                     sock.send(REFUSED + why.encode(), flags=zmq.NOBLOCK)
-                    settled = True  # the trainer reads the refusal and abandons the update
+                    owe_reply = False
                 except zmq.ZMQError:
                     pass
-            if not settled:  # e.g. a timeout: the trainer may still send into this socket, so a new one next time
+            # the socket is kept (one closing beside a new one could swallow the next update's first message), unless
+            # it owes a reply it could not send, or it is a foreign trainer's: leaving stops taking its messages
+            if owe_reply or isinstance(error, ForeignTrainerError):
                 self._rep = None
-                sock.close(linger=0)
-            # else the socket is kept: a new one beside it, still closing, could attach to the trainer's next
-            # binding of the same endpoint and swallow its first message (seen after an aborted update)
+                sock.close(linger=0 if owe_reply else CLOSE_LINGER_MS)
             if transient:  # the trainer frees its publish buffer now: a mapping kept here would keep it alive
                 self._opened, self._staging = None, None
 
     def _drop_read(self, buffer: torch.Tensor, msg: dict[str, Any]) -> None:
         """Drop the pages of one read message from this rollout's resident memory."""
-        entries = list(msg["bucket_meta"].values())
-        if not entries:
-            return
-        low = min(e["offset"] for e in entries)
-        high = max(e["offset"] + (e["chunk"][1] if e.get("chunk") else e["dtype"].itemsize * torch.Size(e["shape"]).numel())
-                   for e in entries)
-        self.spec.drop_shared_pages(buffer, low, high - low)
+        if msg["bucket_meta"]:
+            low, high = _span(msg["bucket_meta"].values())
+            self.spec.drop_shared_pages(buffer, low, high - low)
 
     def _target(self, placement: ReceivePlacement | None, e: dict[str, Any]) -> torch.Tensor | None:
         target = placement.target(e["name"], e["dtype"], torch.Size(e["shape"])) if placement is not None else None
@@ -764,9 +983,7 @@ class IpcCheckpointEngine(CheckpointEngine):
         """Return ``(source, shift)``: the buffer, or the bytes ``entries`` span copied once to the device bucket."""
         if buffer.device == self.device or not entries:
             return buffer, 0
-        shift = min(e["offset"] for e in entries)
-        high = max(e["offset"] + (e["chunk"][1] if e.get("chunk") else e["dtype"].itemsize * e["shape"].numel())
-                   for e in entries)
+        shift, high = _span(entries)
         if self._staging is None or self._staging.numel() < high - shift:
             self._staging = torch.empty(max(high - shift, bucket_size), dtype=torch.uint8, device=self.device)
         self._staging[:high - shift].copy_(buffer[shift:high])
@@ -804,4 +1021,4 @@ class IpcCheckpointEngine(CheckpointEngine):
                 yield name, whole
 
 
-__all__ = ["HAL_HELLO", "IpcCheckpointEngine", "NUM_BUCKETS", "SEGMENT_PREFIX", "default_endpoint", "rollout_endpoint"]
+__all__ = ["ForeignTrainerError", "HAL_HELLO", "IpcCheckpointEngine", "NUM_BUCKETS", "SEGMENT_PREFIX", "default_endpoint", "default_job", "rollout_endpoint"]

@@ -10,6 +10,7 @@ import asyncio
 import hashlib
 import os
 import pathlib
+import random
 import time
 
 import torch
@@ -296,3 +297,134 @@ def peak_rss_bytes() -> int:
         if line.startswith("VmHWM:"):
             return int(line.split()[1]) * 1024
     raise RuntimeError("no VmHWM in /proc/self/status")
+
+
+def back_to_back(rank, world_size, device, transport, updates, timeout=10.0):
+    """``updates`` updates in a row with ``release_at_finalize=True`` (as the job builds every worker), each side
+    calling ``finalize()`` after each; returns the errors per update on this side, the updates it verified and
+    its seconds. A rollout checks every update's step and values (each tensor filled with the step), then works
+    on it for 0 to 10 ms (as a rollout applies and checks an update) before its ``finalize()``."""
+    endpoint, pids = meet(rank, world_size)
+    eng = engine(rank, world_size, endpoint, pids, device, 8192, timeout=timeout, transport=transport,
+                 release_at_finalize=True)
+    dev = hal.get_device(device)
+    shapes = [(5, 7), (1000,), (3000,), (13,)]  # 12 kB of float32 over buckets of 8 kB: a tensor in slices
+    errors, good = [], 0
+
+    async def go():
+        nonlocal good
+        for step in range(1, updates + 1):
+            try:
+                if rank == 0:
+                    await eng.send_weights([(f"w{i}", torch.full(s, float(step), device=dev))
+                                            for i, s in enumerate(shapes)], step)
+                    good += 1
+                else:
+                    got = [(n, t.clone()) async for n, t in eng.receive_weights(step)]
+                    if [n for n, _ in got] != [f"w{i}" for i in range(len(shapes))] or not all(
+                            bool((t == step).all()) and tuple(t.shape) == s for (_, t), s in zip(got, shapes)):
+                        raise RuntimeError(f"update {step} arrived wrong")
+                    good += 1
+                    time.sleep(random.random() / 100)
+            except Exception as exc:  # noqa: BLE001 - counted and reported
+                errors.append(f"update {step}: {type(exc).__name__}: {exc}")
+            finally:
+                eng.finalize()
+    start = time.monotonic()
+    asyncio.run(go())
+    seconds = time.monotonic() - start
+    trainer_done(rank)
+    eng.close()
+    return {"errors": errors, "good": good, "seconds": seconds}
+
+
+def two_jobs(rank, world_size, how, tries, timeout):
+    """Two jobs on one explicit endpoint: ranks 0 (trainer) and 1 (rollout) are job A, ranks 2 and 3 job B, which
+    starts once A has sent an update. ``how``: ``"lifecycle"`` (verl's prepare / build_topology /
+    init_process_group, the master given the endpoint) or ``"job"`` (standalone, each engine given its job's name).
+    Each trainer sends ``tries`` updates, its tensor filled with its job's number, A's paced so that B's workers
+    run meanwhile; a rollout tries as many (fewer once A is done). Every worker returns its errors (and the seconds
+    each took), a rollout the updates it received from each job."""
+    from ckpt.manager import join_engine
+
+    store = hal.launcher_store(timeout=120)
+    _STORES.append(store)
+    job, role = "AB"[rank // 2], rank % 2  # role 0: the trainer
+    if rank == 0:
+        store.set("endpoint", default_endpoint())
+    endpoint = store.get("endpoint").decode()
+    if job == "B":
+        store.wait(["A-started"])  # A holds the endpoint first
+    common = dict(device="cpu", bucket_size=8192, timeout=timeout, release_at_finalize=True)
+    if how == "lifecycle":
+        eng = ckpt.get_checkpoint_engine("ipc", is_master=role == 0, endpoint=endpoint if role == 0 else None,
+                                         **common)
+        join_engine(eng, role, 2, store, f"{job}/group")
+    else:
+        eng = ckpt.get_checkpoint_engine("ipc", rank=role, world_size=2, endpoint=endpoint, job=job, **common)
+    out = {"errors": [], "seconds": [], "received": {"A": 0, "B": 0}, "sent": 0}
+
+    async def go():
+        for step in range(1, tries + 1):
+            start = time.monotonic()
+            try:
+                if role == 0:
+                    await eng.send_weights([("w", torch.full((100,), float("AB".index(job))))], step)
+                    out["sent"] += 1
+                else:
+                    got = [t.clone() async for _, t in eng.receive_weights(None)]
+                    out["received"]["AB"[int(got[0][0])]] += 1
+            except Exception as exc:  # noqa: BLE001 - the test reads it
+                out["errors"].append(f"{type(exc).__name__}: {exc}")
+                out["seconds"].append(time.monotonic() - start)
+                if role == 1 and store.check(["A-done"]):
+                    break  # nothing more comes
+            finally:
+                eng.finalize()
+            if rank == 0 and step == 1:
+                store.set("A-started", "1")
+                store.wait(["B-ready"])
+            if rank == 0:
+                await asyncio.sleep(0.05)  # B's workers try meanwhile
+    if rank == 2:
+        store.set("B-ready", "1")
+    asyncio.run(go())
+    if rank == 0:
+        store.set("A-done", "1")
+        store.wait(["B-done"])  # A holds the endpoint while B tries
+    elif rank == 2:
+        store.wait(["A-done"])  # B's rollout stays exposed to A's trainer until A is done
+        store.set("B-done", "1")
+    eng.close()
+    return out
+
+
+def mixed_kinds(rank, world_size, devices, steps):
+    """``steps`` updates from a trainer on ``devices[0]`` to rollouts on ``devices[1:]``; the trainer returns its
+    sent digests, the transport each rollout was served on and its segments; a rollout its received digests and
+    devices, and the privateuse1 backend of its process (``"npu"`` once the simulated npu is registered)."""
+    endpoint, pids = meet(rank, world_size)
+    eng = engine(rank, world_size, endpoint, pids, devices[rank], 8192)
+
+    async def go():
+        out = []
+        for step in range(1, steps + 1):
+            if rank == 0:
+                weights = sample_weights(step)
+                await eng.send_weights(weights, step)
+                out.append(digest(weights))
+            else:
+                got = await receive_all(eng, step)
+                out.append({"digest": digest(got), "devices": sorted({str(t.device) for _, t in got})})
+        return out
+    result = asyncio.run(go())
+    if rank == 0:
+        served = [peer.transport or eng.transport for peer in eng._peers]
+        segments = [s.segment for s in (eng._buffer, eng._mirror) if s is not None]
+        eng.close()
+        trainer_done(rank)
+        return {"sent": result, "served": served, "transport": eng.transport, "segments": segments,
+                "segments_left": [s for s in segments if segment_exists(s)]}
+    trainer_done(rank)
+    eng.close()
+    return {"received": result, "backend": torch._C._get_privateuse1_backend_name()}

@@ -9,7 +9,7 @@ import torch
 
 import ckpt
 import hal
-from ckpt.ipc import default_endpoint, rollout_endpoint
+from ckpt.ipc import ForeignTrainerError, default_endpoint, rollout_endpoint
 from ckpt.testing import CONTRACT_CHECKS, run_check, sample_weights
 from hal.apps.multiprocess import run_multiprocess
 from tests.ckpt import ipc_workers
@@ -316,3 +316,245 @@ def test_a_consumer_that_stops_after_the_last_item_completes_the_update():
         sender.close(), receiver.close()
         return got
     assert ipc_workers.digest(asyncio.run(go())) == ipc_workers.digest(weights)
+
+
+def test_finalize_frees_the_buffers_but_keeps_the_sockets():
+    """Issue 50: with release_at_finalize (how the job builds every worker) finalize() closed both sides' sockets,
+    and the next update's first message could land on the rollout's old, still-closing socket (both sides then
+    timed out). The buffers go every update; the sockets stay."""
+    async def go():
+        common = dict(world_size=2, endpoint=default_endpoint(), bucket_size=4096, device="cpu", timeout=20,
+                      release_at_finalize=True)
+        sender, receiver = (ckpt.get_checkpoint_engine("ipc", rank=r, **common) for r in (0, 1))
+        seen = []
+        for step in (1, 2, 3):
+            weights = sample_weights(step)
+            got = await asyncio.gather(sender.send_weights(weights, step), _collect(receiver.receive_weights(step)))
+            assert ipc_workers.digest(got[1]) == ipc_workers.digest(weights)
+            segment = sender.segment_name
+            sender.finalize(), receiver.finalize()
+            seen.append((sender._peers[0].sock, receiver._rep, segment, ipc_workers.segment_exists(segment)))
+        sender.close(), receiver.close()
+        return seen
+    seen = asyncio.run(go())
+    assert len({id(s[0]) for s in seen}) == 1 and len({id(s[1]) for s in seen}) == 1  # one socket each, kept
+    assert len({s[2] for s in seen}) == 3 and not any(s[3] for s in seen)  # a new buffer each update, freed
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("device, transport", LANES)
+def test_back_to_back_updates_that_free_their_buffers_lose_none(device, transport):
+    """2,000 updates with release_at_finalize, the rollout working 0-10 ms on each before its finalize() (about 20 s
+    a lane): before the fix an update was lost within the first 20 on every lane, then the steps drifted apart."""
+    results = run_multiprocess(ipc_workers.back_to_back, 2, device, transport, 2000, 10.0, timeout=110,
+                               env=_env(device, transport))
+    for rank in (0, 1):
+        assert results[rank]["errors"] == [] and results[rank]["good"] == 2000, (rank, results[rank]["errors"][:3])
+
+
+def test_a_rollout_refuses_a_trainer_of_another_job_and_the_trainer_says_why():
+    async def go():
+        common = dict(world_size=2, endpoint=default_endpoint(), bucket_size=4096, device="cpu", timeout=20)
+        sender = ckpt.get_checkpoint_engine("ipc", rank=0, job="job-a", **common)
+        receiver = ckpt.get_checkpoint_engine("ipc", rank=1, job="job-b", **common)
+        got = await asyncio.gather(sender.send_weights(sample_weights(1), 1), _collect(receiver.receive_weights(1)),
+                                   return_exceptions=True)
+        sender.close(), receiver.close()
+        return got
+    sent, received = asyncio.run(go())
+    assert isinstance(received, ForeignTrainerError), received
+    assert "is job 'job-a'" in str(received) and "built for job 'job-b'" in str(received)
+    assert isinstance(sent, ckpt.TransferError) and "rollout rank 1 refused the update of global_steps=1: " \
+        "ForeignTrainerError: the trainer at" in str(sent), sent
+
+
+def test_the_lifecycle_pins_each_rollout_to_its_trainers_job_and_generation():
+    """build_topology hands the master's job and a generation to every rank (one higher when the topology or a
+    rollout's trainer changed); a rollout then refuses another generation of its own job."""
+    from ckpt.testing import finalize_both, transfer, verl_lifecycle
+
+    async def go():
+        common = dict(bucket_size=4096, device="cpu", timeout=20)
+        sender = ckpt.get_checkpoint_engine("ipc", is_master=True, job="ppo", **common)
+        receiver = ckpt.get_checkpoint_engine("ipc", **common)
+        generations = []
+        for step in (1, 2):
+            await verl_lifecycle(sender, receiver)
+            generations.append((sender.identity["generation"], dict(receiver._pin)))
+            await transfer(sender, receiver, sample_weights(step), step, step)
+            await finalize_both(sender, receiver)
+        sender.generation += 1  # as a trainer of a later topology of the same job
+        try:
+            await transfer(sender, receiver, sample_weights(3), 3, 3)
+        except Exception as exc:  # noqa: BLE001 - read below
+            refused = exc
+        sender.close(), receiver.close()
+        return generations, refused
+    generations, refused = asyncio.run(go())
+    assert generations == [(1, {"job": "ppo", "generation": 1})] * 2  # formed once, kept while unchanged
+    assert isinstance(refused, ForeignTrainerError) and "generation 2" in str(refused) and \
+        "built for job 'ppo', generation 1" in str(refused), refused
+
+
+def test_a_second_trainer_on_an_endpoint_in_use_fails_at_once_naming_it():
+    """Before, a second trainer's bind retried for 5 s and took the endpoint over whenever the first one closed its
+    socket (every finalize with release_at_finalize)."""
+    async def go():
+        endpoint = default_endpoint()
+        common = dict(world_size=2, endpoint=endpoint, bucket_size=4096, device="cpu", timeout=20)
+        first, rollout, second = (ckpt.get_checkpoint_engine("ipc", rank=r, **common) for r in (0, 1, 0))
+        await asyncio.gather(first.send_weights(sample_weights(1), 1), _collect(rollout.receive_weights(1)))
+        first.finalize()
+        start = asyncio.get_running_loop().time()
+        try:
+            await second.send_weights(sample_weights(1), 1)
+        except Exception as exc:  # noqa: BLE001 - read below
+            error = exc
+        seconds = asyncio.get_running_loop().time() - start
+        again = await asyncio.gather(first.send_weights(sample_weights(2), 2), _collect(rollout.receive_weights(2)))
+        for engine in (first, rollout, second):
+            engine.close()
+        return endpoint, error, seconds, again[1]
+    endpoint, error, seconds, again = asyncio.run(go())
+    assert isinstance(error, ckpt.CheckpointConfigError), error
+    assert f"the ipc endpoint {endpoint}-1 is in use by another process" in str(error) and seconds < 1, seconds
+    assert ipc_workers.digest(again) == ipc_workers.digest(sample_weights(2))  # the first job goes on
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("how", ["lifecycle", "job"])
+def test_two_jobs_on_one_explicit_endpoint_never_take_each_others_updates(how):
+    """Issue 50 (verl 6233, 6246): two jobs given one endpoint; before, some rollouts applied the other job's weights
+    with no error on either side. Now the second trainer fails at once naming the endpoint, and a rollout refuses
+    the other job's trainer: 0 updates cross in 20 tries."""
+    results = run_multiprocess(ipc_workers.two_jobs, 4, how, 20, 2.0, timeout=110)
+    a_trainer, a_rollout, b_trainer, b_rollout = (results[r] for r in range(4))
+    assert a_rollout["received"] == {"A": a_trainer["sent"], "B": 0} and a_trainer["sent"] >= 1
+    assert b_rollout["received"] == {"A": 0, "B": 0} and b_trainer["sent"] == 0
+    assert len(b_trainer["errors"]) == 20 and all("CheckpointConfigError: the ipc endpoint ipc://" in e and
+                                                  "-1 is in use by another process" in e for e in b_trainer["errors"])
+    assert max(b_trainer["seconds"]) < 1, b_trainer["seconds"]
+    refusals = [e for e in b_rollout["errors"] if e.startswith("ForeignTrainerError")]
+    assert refusals and all("but this rollout was built for job" in e for e in refusals)
+    assert all(e.startswith(("ForeignTrainerError", "TransferTimeoutError", "PeerFailure")) for e in b_rollout["errors"])
+    for e in a_trainer["errors"]:  # its messages that reached the other job's rollout were refused, naming why
+        assert "ForeignTrainerError" in e or "TransferTimeoutError" in e, e
+
+
+def test_three_sends_at_once_refuse_the_later_two_naming_the_step_and_the_first_and_next_arrive():
+    """Issue 50: three concurrent send_weights on one ipc engine gave a CancelledError, 'Socket operation on
+    non-socket' and a rollout told 'the trainer sent dict', and the lone update after them was refused too."""
+    async def go():
+        sender, receiver = await _pair("cpu", None, bucket_size=4096)()
+        got = await asyncio.gather(sender.send_weights(sample_weights(1), 1), sender.send_weights(sample_weights(2), 2),
+                                   sender.send_weights(sample_weights(3), 3), _collect(receiver.receive_weights(1)),
+                                   return_exceptions=True)
+        again = await asyncio.gather(sender.send_weights(sample_weights(4), 4), _collect(receiver.receive_weights(4)))
+        sender.close(), receiver.close()
+        return got, again[1]
+    (first, second, third, received), again = asyncio.run(go())
+    assert first is None and ipc_workers.digest(received) == ipc_workers.digest(sample_weights(1))
+    for refused, step in ((second, 2), (third, 3)):
+        assert isinstance(refused, ckpt.SendInProgressError), refused
+        assert f"send_weights(global_steps={step}) refused" in str(refused) and "sending global_steps=1" in str(refused)
+    assert ipc_workers.digest(again) == ipc_workers.digest(sample_weights(4))
+
+
+def test_an_error_the_rollout_throws_into_the_stream_reaches_the_trainer_with_its_cause():
+    """Before, the trainer heard 'the receiver stopped before the end of the update', without the cause."""
+    async def go():
+        sender, receiver = await _pair("cpu", None, bucket_size=4096)()
+        sender.timeout = receiver.timeout = 60.0
+
+        async def refuse():
+            stream = receiver.receive_weights(1)
+            async for name, _ in stream:
+                if name == "int64.ids":
+                    await stream.athrow(ckpt.WeightMismatchError("tensor 'int64.ids': received int64, serves int32"))
+        got = await asyncio.gather(sender.send_weights(sample_weights(1), 1), refuse(), return_exceptions=True)
+        again = await asyncio.gather(sender.send_weights(sample_weights(2), 2), _collect(receiver.receive_weights(2)))
+        sender.close(), receiver.close()
+        return got, again[1]
+    (sent, refused), again = asyncio.run(go())
+    assert isinstance(refused, ckpt.WeightMismatchError)  # athrow raises it back to the consumer
+    assert isinstance(sent, ckpt.TransferError) and str(sent) == (
+        "rollout rank 1 refused the update of global_steps=1: WeightMismatchError: tensor 'int64.ids': received "
+        "int64, serves int32"), sent
+    assert ipc_workers.digest(again) == ipc_workers.digest(sample_weights(2))
+
+
+@pytest.mark.multiprocess
+def test_a_device_handle_goes_only_to_a_rollout_that_can_open_it_and_a_cpu_rollout_gets_shared_memory():
+    """Issue 50: an npu-sim trainer above the IPC gate sent its device handle to a cpu rollout, which failed in torch
+    ("Please register PrivateUse1HooksInterface"). The cpu rollout's hello says it opens shared memory only; the
+    trainer serves it a shared-memory copy of each bucket, the npu-sim rollout the device buffer in place."""
+    results = run_multiprocess(ipc_workers.mixed_kinds, 3, ("npu-sim", "cpu", "npu-sim"), 3, timeout=110,
+                               env=SIM_IPC_ENV)
+    trainer = results[0]
+    assert trainer["transport"] == "device" and trainer["served"] == ["shm", "device"]
+    assert len(trainer["segments"]) == 2 and not trainer["segments_left"]
+    cpu, npu = results[1], results[2]
+    assert cpu["backend"] == "privateuseone"  # the simulated npu was never registered there
+    assert [r["digest"] for r in cpu["received"]] == [r["digest"] for r in npu["received"]] == trainer["sent"]
+    assert all(r["devices"] == ["cpu"] for r in cpu["received"])
+    assert all(r["devices"] == ["npu:2"] for r in npu["received"])
+
+
+def test_a_rollout_that_timed_out_mid_update_refuses_its_rest_and_takes_the_next_on_the_same_socket():
+    """The rollout keeps its socket after a timeout too: the bucket the trainer sends late reaches the rollout's next
+    receive_weights, which refuses it (the trainer's update fails at once) and goes on to the next update."""
+    import time
+
+    def slow():
+        for i, item in enumerate(sample_weights(1)):
+            if i == 10:
+                time.sleep(0.6)  # the trainer stalls mid-update, past the rollout's timeout
+            yield item
+
+    async def trainer(sender):  # in its own thread and event loop, as a trainer process would be
+        outcomes = []
+        for weights, step in ((slow(), 1), (sample_weights(2), 2)):
+            start = time.monotonic()
+            try:
+                await sender.send_weights(weights, step)
+                outcomes.append((None, time.monotonic() - start))
+            except ckpt.TransferError as exc:
+                outcomes.append((exc, time.monotonic() - start))
+        return outcomes
+
+    async def go():
+        sender, receiver = await _pair("cpu", None, bucket_size=4096)()
+        receiver.timeout = 0.2
+        sent = asyncio.ensure_future(asyncio.to_thread(asyncio.run, trainer(sender)))
+        with pytest.raises(ckpt.TransferTimeoutError, match="no bucket within 0.2 s"):
+            await _collect(receiver.receive_weights(1))
+        receiver.timeout = 20.0
+        sock = receiver._rep
+        received = await _collect(receiver.receive_weights(2))
+        outcomes = await sent
+        kept = receiver._rep is sock
+        sender.close(), receiver.close()
+        return outcomes, received, kept
+    ((late, late_s), (second, _)), received, kept = asyncio.run(go())
+    assert isinstance(late, ckpt.TransferError) and "TransferError: this rollout left that update" in str(late), late
+    assert late_s < 5 and second is None and kept
+    assert ipc_workers.digest(received) == ipc_workers.digest(sample_weights(2))
+
+
+def test_an_update_the_trainer_gave_up_before_the_rollout_read_it_does_not_fail_the_next():
+    """The trainer's first message of an update it abandoned (no rollout read it within its timeout) waits in the
+    rollout's kept socket, its buffer freed: the rollout answers it (the trainer drops that late reply) and takes
+    the next update."""
+    async def go():
+        sender, receiver = await _pair("cpu", None, bucket_size=4096)()
+        await asyncio.gather(sender.send_weights(sample_weights(0), 0), _collect(receiver.receive_weights(0)))
+        sender.timeout = 0.3
+        with pytest.raises(ckpt.TransferTimeoutError, match="no reply to the buffer's handle within 0.3 s"):
+            await sender.send_weights(sample_weights(1), 1)
+        sender.timeout = 20.0
+        got = await asyncio.gather(sender.send_weights(sample_weights(2), 2), _collect(receiver.receive_weights(2)))
+        sender.close(), receiver.close()
+        return got[1]
+    assert ipc_workers.digest(asyncio.run(go())) == ipc_workers.digest(sample_weights(2))
