@@ -19,8 +19,10 @@ hal adds ``"global_steps"``, ``"bucket_size"`` and the trainer's identity (``"tr
 the trainer raises. A hal rollout refuses a trainer it was not built for (another job or generation, or another
 pid than its ``peer_pids``); a trainer does not bind an endpoint another process holds. The hello says whether
 the rollout opened the buffer and what it can open; a rollout that cannot open a device handle (a cpu rollout)
-is sent a shared-memory copy of each bucket instead, for as long as its socket lives. Sockets live per topology
-(verl's receiver: per update), whatever frees the buffers. verl's receiver takes hal's sender when every tensor
+is sent a shared-memory copy of each bucket instead, for as long as its socket lives. A rollout whose consumer
+promised reports (:mod:`ckpt.outcome`) holds its last reply until ``report_outcome``: ``b"reported: "`` and JSON
+``{"error", "mismatches"}`` (``check=True``: the trainer's digests ride in the last message). Sockets live per
+topology (verl's receiver: per update), whatever frees the buffers. verl's receiver takes hal's sender when every tensor
 fits a bucket; hal's receiver takes verl's sender (with ``global_steps=None``).
 
 Pipeline: the buffer holds two buckets; the trainer fills bucket k+1 while the rollouts read bucket k.
@@ -50,9 +52,12 @@ from ckpt.base import (CheckpointEngine, NamedTensor, ReceivePlacement, as_place
 from ckpt.bucket import as_bytes
 from ckpt.layout import byte_view
 from ckpt.control import PeerFailure
-from ckpt.errors import CheckpointConfigError, TransferAbortedError, TransferError, TransferTimeoutError
+from ckpt.checker import Digester, mismatches, served_digests
+from ckpt.errors import (CheckpointConfigError, TransferAbortedError, TransferError, TransferTimeoutError,
+                         UpdateRefusedError, WeightCheckError)
 from ckpt.layout import align
 from ckpt.one_to_many import DEFAULT_BUCKET_SIZE, check_int, check_keywords
+from ckpt.outcome import Outcome
 from ckpt.reshard.layout import RolloutLayout, held_parts
 from ckpt.reshard.shared import SharedChannel
 from ckpt.reshard.transfer import receive_update, send_update
@@ -62,6 +67,8 @@ SEGMENT_PREFIX = "hal-ipc-"  # Names of the engine's shared-memory segments (/de
 LIVENESS_S = 0.2  # Seconds between two looks at whether a waited-on peer still lives.
 ABORT_S = 5.0  # Seconds at most (or the engine's timeout) an abandoned update spends telling its rollouts.
 REFUSED = b"refused: "  # Start of a rollout's reply that refuses the update; the rest says why (UTF-8).
+REPORTED = b"reported: "  # Start of a reporting rollout's last reply: JSON {"error", "mismatches"} (ckpt.outcome).
+UNCHECKED = "the update was received without a consumer that reports (ckpt.CheckpointEngineWorker): nothing was checked"
 # Start of a hal rollout's reply to the buffer's handle (verl's is b""), then " " and JSON {"opened", "opens"}.
 # The trainer keeps its socket to a hal rollout across updates and binds a new one per update for verl's
 # receiver, whose closed socket could swallow the next update's first message.
@@ -216,6 +223,10 @@ class IpcCheckpointEngine(CheckpointEngine):
         self._publish: _Shared | None = None  # the trainer's publish_buffer(), shared as it is
         self._opened: tuple[Any, torch.Tensor, str | None] | None = None  # a rollout's: (key, buffer, segment)
         self._staging: torch.Tensor | None = None  # a rollout's device bucket, for a shared-memory buffer
+        self._promised = False  # a rollout's consumer reports (an update it did not arm for is "not checked")
+        self._armed = False  # a rollout's consumer reports the next update it receives (promise_reports)
+        self._owed: tuple[Any, dict | None] | None = None  # a rollout's (socket, digests) of the update to report
+        self._updates = 0  # the trainer's updates sent, numbering its outcomes
         # resharding (ckpt.reshard): this rank's layout, every trainer rank a sender with multi_sender, the topology
         self.rollout_layout = None if rollout_layout is None else RolloutLayout.from_dict(rollout_layout)
         self.multi_sender, self.senders, self.rollout_layouts = bool(multi_sender), 0, None  # senders 0: not resharding
@@ -380,6 +391,7 @@ class IpcCheckpointEngine(CheckpointEngine):
             if peer.endpoint is not None:
                 _closed_here[peer.endpoint] = time.monotonic()  # still bound for a moment: a rebind here may wait
         self._peers = []
+        self._owed = None
         if self._rep is not None:
             self._rep.close(linger=0)
             self._rep = None
@@ -584,13 +596,18 @@ class IpcCheckpointEngine(CheckpointEngine):
             span = None
         yield message(True)
 
-    async def send_weights(self, weights: Iterable[NamedTensor], global_steps: int | None = None) -> None:
-        """Send ``weights`` to every rollout, tagged ``global_steps``; return when every rollout is done with them.
+    async def send_weights(self, weights: Iterable[NamedTensor], global_steps: int | None = None, *,
+                           check: bool | Digester = False) -> None:
+        """Send ``weights`` to every rollout, tagged ``global_steps``; return when every rollout is done with them
+        and every reporting one applied it (``check``: and serves it, :mod:`ckpt.checker`).
 
         Raises :class:`TransferError` when a rollout refuses, naming it and its error (the others are told at once
         and keep their step) or when it dies, :class:`TransferTimeoutError` after ``timeout``,
-        :class:`CheckpointConfigError` when another process holds the endpoint. Any failure frees the buffers."""
+        :class:`CheckpointConfigError` when another process holds the endpoint (any of these frees the buffers);
+        :class:`UpdateRefusedError` or :class:`WeightCheckError` from a reporting rollout's word."""
         step = check_global_steps(global_steps)
+        if check and self.senders > 0:
+            raise CheckpointConfigError("the ipc engine's resharding path carries no weight check (check=True)")
         if self.senders > 0 and self.rank is not None and 0 <= self.rank < self.senders:
             receivers = range(self.senders, self.world_size)
             given = self.rollout_layouts or [None] * len(receivers)
@@ -609,6 +626,9 @@ class IpcCheckpointEngine(CheckpointEngine):
             return
         ok, ident, peers = False, self.identity, []
         pairs, in_place = self._peek(weights)
+        digester = check if isinstance(check, Digester) else Digester() if check else None
+        if digester is not None and digester is not check:
+            pairs = digester.watch(pairs)
         try:
             primary = self._publish if in_place else self._ensure_buffer()
             peers = await self._sender_sockets()
@@ -624,6 +644,8 @@ class IpcCheckpointEngine(CheckpointEngine):
                     raise msg
                 if self.transport == "device" or not self.spec.host_memory:
                     self._torch_device.synchronize()  # the copies into the bucket are done before it is announced
+                if msg["is_last"] and digester is not None:
+                    msg = {**msg, "check": digester.result()}  # what a reporting rollout compares its live weights with
                 if not greeted:
                     await self._greet(peers, primary, ident, deadline, step)
                     greeted = True
@@ -637,13 +659,30 @@ class IpcCheckpointEngine(CheckpointEngine):
                         mirrored = out = mirrored or self._mirrored(msg, primary)
                     await self._wait(lambda p=peer, m=out: p.sock.send_pyobj(m), peer, "send of a bucket", deadline)
                 pending = f"reply for bucket {msg['index']}"
-            await self._replies(peers, pending, deadline, step)
+            replies = await self._replies(peers, pending, deadline, step)
             ok = True
         finally:
             if not ok:
                 self._free()  # nothing half-done survives: the next update starts from new buffers
             elif not all(peer.hal for peer in peers):  # a verl receiver: new sockets next update (see HAL_HELLO; measured: 1 update in 2 lost)
                 self._close_sockets()
+        self._judge(peers, replies, step)
+
+    def _judge(self, peers: list[_Peer], replies: list[bytes], step: int | None) -> None:
+        """Keep the reporting rollouts' words as :attr:`outcomes`; raise a refusal, then a failed check, naming each."""
+        self._updates += 1
+        words = {p.name: json.loads(r[len(REPORTED):]) for p, r in zip(peers, replies) if r.startswith(REPORTED)}
+        self.outcomes = {who: Outcome(self._updates, step, w.get("error"), w.get("mismatches"))
+                         for who, w in words.items()}
+        refused = {who: o.error for who, o in self.outcomes.items() if o.error is not None}
+        if refused:
+            raise UpdateRefusedError(f"step {step} was not applied by {len(refused)} of {len(words)} reporting "
+                                     f"rollouts: " + "; ".join(f"{who}: {why}" for who, why in refused.items()),
+                                     refused, self.outcomes)
+        wrong = {who: o.mismatches for who, o in self.outcomes.items() if o.mismatches}
+        if wrong:
+            raise WeightCheckError(f"the weight check of step {step} failed: " + "; ".join(
+                f"{who}: {', '.join(found)}" for who, found in wrong.items()), wrong, self.outcomes)
 
     def _peek(self, weights: Iterable[NamedTensor]) -> tuple[Iterator[NamedTensor], bool]:
         """Return ``(pairs, staged in the publish buffer?)``; an error of the iterable is raised where pairs are read."""
@@ -885,7 +924,11 @@ class IpcCheckpointEngine(CheckpointEngine):
         trainer = _Peer(sock, "the trainer", self.peer_pids[0] if self.peer_pids else None)
         owe_reply, complete, error, buffer = False, False, None, None
         transient = False  # the trainer's publish buffer, freed after this update: let go of it at the end
+        armed, self._armed = self._armed, False  # an arm is for one update
         try:
+            if self._owed is not None and self._owed[0] is sock:  # the last update's word never came
+                self._owed = None
+                await sock.send(REFUSED + b"TransferError: the rollout's consumer promised a report and made none")
             msg = await self._handshake(sock, trainer, time.monotonic() + self.timeout)
             owe_reply = True
             while not (isinstance(msg, dict) and "bucket_meta" in msg):  # every buffer offered is answered; the update
@@ -929,7 +972,9 @@ class IpcCheckpointEngine(CheckpointEngine):
                                         f"this update?)")
             if not self.spec.host_memory:
                 self._torch_device.synchronize()
-            await sock.send(b"")  # the last reply: the trainer may reuse everything now
+            last = self._settle(sock, msg, armed)  # the last reply: the trainer may reuse everything now
+            if last is not None:
+                await sock.send(last)
             owe_reply = False
         except BaseException as exc:
             error = exc
@@ -946,7 +991,9 @@ class IpcCheckpointEngine(CheckpointEngine):
                 if not self.spec.host_memory:
                     self._torch_device.synchronize()
                 try:
-                    sock.send(b"", flags=zmq.NOBLOCK)
+                    last = self._settle(sock, msg, armed)
+                    if last is not None:
+                        sock.send(last, flags=zmq.NOBLOCK)
                     owe_reply = False
                 except zmq.ZMQError:
                     pass
@@ -965,6 +1012,42 @@ class IpcCheckpointEngine(CheckpointEngine):
                 sock.close(linger=0 if owe_reply else CLOSE_LINGER_MS)
             if transient:  # the trainer frees its publish buffer now: a mapping kept here would keep it alive
                 self._opened, self._staging = None, None
+
+    def promise_reports(self, arm: bool = True) -> bool:
+        """Promise a :meth:`report_outcome` (``arm``: for the next update received): its last reply waits for it."""
+        self._promised = True
+        self._armed = self._armed or arm
+        return True
+
+    def report_outcome(self, error: BaseException | str | None = None, live: Any = None) -> None:
+        """Tell the trainer the update last received was applied (``error`` ``None``) or refused, and for a checked
+        one what ``live`` (``{name: tensor}`` or a callable giving it) serves otherwise. Any thread may call it."""
+        owed, self._owed = self._owed, None
+        if owed is None:
+            return
+        sock, expected = owed
+        word: dict[str, Any] = {"error": None if error is None else error if isinstance(error, str)
+                                else f"{type(error).__name__}: {error}"}
+        if expected is not None and error is None:
+            if live is None:
+                word["mismatches"] = ["the rollout gave no live parameters to check (report_outcome(live=...))"]
+            else:
+                word["mismatches"] = mismatches(expected, served_digests(expected, live() if callable(live) else live))
+        import zmq
+
+        try:  # a plain socket over the same one: this may be another thread than the event loop's
+            zmq.Socket.shadow(sock.underlying).send(REPORTED + json.dumps(word).encode(), flags=zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass  # the trainer's wait names this rollout
+
+    def _settle(self, sock: Any, msg: dict[str, Any], armed: bool) -> bytes | None:
+        """Return the last reply of a whole update, or ``None`` when the consumer's report will send it (armed)."""
+        if armed:
+            self._owed = (sock, msg.get("check"))
+            return None
+        if msg.get("check") is None or not self._promised:
+            return b""
+        return REPORTED + json.dumps({"error": None, "mismatches": [UNCHECKED]}).encode()
 
     def _drop_read(self, buffer: torch.Tensor, msg: dict[str, Any]) -> None:
         """Drop the pages of one read message from this rollout's resident memory."""

@@ -1,5 +1,5 @@
 """A rollout's refusal reaches the trainer's send_weights (issue 50, point 4; verl 7495: a rollout sampled the
-initial policy for weeks), on every engine but ipc (tests/ckpt/test_ipc.py): hal's CheckpointEngineWorker reports
+initial policy for weeks), on every engine: hal's CheckpointEngineWorker reports
 each update; a receiver that does not (verl's) leaves the sender as it was. And the weight checker
 (``send_weights(..., check=True)``) through the same reports."""
 
@@ -15,7 +15,7 @@ from ckpt.delta import DeltaCheckpointEngine, DeltaReceiver
 from ckpt.outcome import UpdateRefusedError
 from ckpt.testing import collect, sample_weights, standalone_pair
 
-ENGINES = ["collective", "nixl", "mooncake", "kimi", "file", "colocated", "delta"]
+ENGINES = ["collective", "nixl", "mooncake", "kimi", "file", "colocated", "delta", "ipc"]
 
 
 def _pair(name, tmp_path, device="cpu"):
@@ -30,6 +30,12 @@ def _pair(name, tmp_path, device="cpu"):
     if not ok:
         pytest.skip(f"{inner}: {reason}")
     devices = (None, None) if hal.is_host(device) else (f"{device}:0", f"{device}:1")  # a device per rank
+    if name == "ipc":  # its ranks meet at an endpoint, not a rendezvous
+        from ckpt.ipc import default_endpoint
+
+        endpoint = default_endpoint()
+        return tuple(ckpt.get_checkpoint_engine("ipc", rank=r, world_size=2, endpoint=endpoint, device=d or device,
+                                                bucket_size=1 << 16, timeout=10) for r, d in enumerate(devices))
     sender, receiver = standalone_pair(inner, devices, device=device, bucket_size=1 << 16, timeout=10)
     if name == "delta":
         return DeltaCheckpointEngine(sender), DeltaCheckpointEngine(receiver)
