@@ -88,8 +88,12 @@ def test_verl_workers_drive_hal_collective_1_trainer_2_rollouts_and_keep_groups_
             if rank == 2 and r["update"] == 2:  # asked for step 102 while 2 was sent
                 assert r["error"].startswith("VersionMismatchError") and "102" in r["error"]
                 assert r["served_step"] == 1 and r["exact"] == N_TENSORS  # previous step kept, byte-exact
+                # the weight checker, called from verl's rollout worker, names what it does not serve
+                assert r["check"].startswith("rollout rank 2 does not serve what the trainer published: "), r["check"]
+                assert all(f"{name!r} differs" in r["check"] for name in verl_ckpt_workers.weights(2)), r["check"]
             else:
                 assert r["error"] is None and r["served_step"] == r["update"] and r["exact"] == N_TENSORS
+                assert r["check"] is None
 
 
 @pytest.fixture(scope="module")

@@ -97,7 +97,9 @@ def _exchange(store, key: str, rank: int, world: int, value):
 
 def collective(rank: int, world_size: int, device: str, updates: int, mismatch_at: int | None):
     """1 trainer (rank 0) + ``world_size - 1`` rollouts over hal-collective; returns per-update reports."""
+    import ckpt
     import hal
+    from ckpt import checker
     from ckpt.testing import same_bytes
     from tests.ports import pick_port
 
@@ -156,9 +158,17 @@ def collective(rank: int, world_size: int, device: str, updates: int, mismatch_a
         else:
             worker.execute_checkpoint_engine("finalize")
         report = {"update": update, "fds": fds(), "groups": len(formed), "error": error}
+        # the weight checker as a verl rollout worker calls it: the trainer's digests against its live tensors
+        published = _exchange(store, f"digests/{update}", rank, world_size,
+                              checker.digests(weights(step).items()) if rank == 0 else None)[0]
         if rank > 0:
             adapter = worker.server_adapter
             served = adapter.state_dict()
+            try:
+                checker.check(published, checker.served_digests(published, served), f"rollout rank {rank}")
+                report["check"] = None
+            except ckpt.WeightCheckError as exc:
+                report["check"] = str(exc)
             report.update(served_step=adapter.served_step,
                           exact=sum(same_bytes(served[n], t) for n, t in weights(adapter.served_step or 0).items()),
                           devices=sorted({t.device.type for t in served.values()}))
