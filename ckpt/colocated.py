@@ -8,7 +8,7 @@ from typing import Any, AsyncIterator, Iterable, Iterator
 
 from ckpt.base import CheckpointEngine, NamedTensor, check_global_steps, check_seconds, check_step, named_tensors
 from ckpt.errors import CheckpointConfigError, TransferAbortedError, TransferTimeoutError
-from ckpt.outcome import MemoryBoard, Reports
+from ckpt.outcome import MemoryBoard, Reports, ReportsOnBoard
 
 
 class _Offer:
@@ -60,7 +60,7 @@ class _Offer:
             yield item
 
 
-class ColocatedCheckpointEngine(CheckpointEngine):
+class ColocatedCheckpointEngine(ReportsOnBoard, CheckpointEngine):
     """One instance shared by the trainer and the rollout of a process (one event loop); nothing is copied.
 
     The rollout streams the trainer's own tensors from its iterable, one at a time. Ownership: a yielded tensor
@@ -134,13 +134,6 @@ class ColocatedCheckpointEngine(CheckpointEngine):
         self._offer = None
         if self._ready is not None:
             self._ready.clear()
-
-    def promise_reports(self, arm: bool = True) -> bool:
-        self._reports.promise(arm)
-        return True
-
-    def report_outcome(self, error: BaseException | None = None, live: Any = None) -> None:
-        self._reports.report(error, live, self.timeout)
 
     async def send_weights(self, weights: Iterable[NamedTensor], global_steps: int | None = None, *,
                            check: Any = False) -> None:

@@ -19,7 +19,7 @@ from safetensors.torch import save_file
 
 from ckpt.base import CheckpointEngine, NamedTensor, check_global_steps, check_seconds, named_tensors
 from ckpt.errors import CheckpointConfigError, TransferError, TransferTimeoutError, VersionMismatchError
-from ckpt.outcome import DirectoryBoard, Reports
+from ckpt.outcome import DirectoryBoard, Reports, ReportsOnBoard
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 INDEX = "index.json"
@@ -39,7 +39,7 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
-class FileCheckpointEngine(CheckpointEngine):
+class FileCheckpointEngine(ReportsOnBoard, CheckpointEngine):
     """Publishes each update as ``<root>/step-<global_steps>/``: safetensors shards and ``index.json``.
 
     A step is written under a hidden name and renamed into place (atomic), then all but the newest
@@ -154,13 +154,8 @@ class FileCheckpointEngine(CheckpointEngine):
         return sorted(set(readers) | set(posted))
 
     # ---- the rollouts' words on each step (ckpt.outcome): files under root/.reports -----------------
-    def promise_reports(self, arm: bool = True) -> bool:
-        """Promise a report of every step received; a sender then waits for it (:meth:`close` withdraws it)."""
-        self._reports.promise(arm)
-        return True
-
     def report_outcome(self, error: BaseException | None = None, live: Any = None) -> None:
-        self._reports.report(error, live, self.timeout)
+        super().report_outcome(error, live)
         self._board.delete(f"report/reading/{self.reporter}")
 
     def close(self) -> None:

@@ -28,7 +28,7 @@ from ckpt.kimi_library import (CHECKED_VERSIONS, HOST_PROTOCOL, LOGS_ENV, Parame
                                library_problem, mooncake_protocol)
 from ckpt.one_to_many import DEFAULT_BUCKET_SIZE, OneToManyEngine, local_address_towards
 from ckpt.checker import Digester
-from ckpt.outcome import Reports, StoreBoard
+from ckpt.outcome import Reports, ReportsOnBoard, StoreBoard
 
 _MARK = "~hal/"  # names of the marker entries; every weight's name is "<8-digit ordinal>/<name>"
 
@@ -43,7 +43,7 @@ def supported_kinds() -> list[str]:
 NAMESPACE = "kimi"  # Prefix of the engine's control keys: kimi/<generation>/...
 
 
-class KimiCheckpointEngine(OneToManyEngine):
+class KimiCheckpointEngine(ReportsOnBoard, OneToManyEngine):
     """Weights through Kimi's ``checkpoint-engine`` ``ParameterServer`` over Mooncake (see the module overview).
 
     Built standalone (``rank``, ``world_size``, ``master_addr`` / ``master_port``) or verl's way. A tensor
@@ -206,14 +206,6 @@ class KimiCheckpointEngine(OneToManyEngine):
 
     def _done(self, step: int | None) -> None:
         self._world.channel.post_bytes(f"done/{self._world.calls}/{self.rank}", str(step).encode())
-
-    # ---- the rollouts' words on each update (ckpt.outcome) --------------------------------------------
-    def promise_reports(self, arm: bool = True) -> bool:
-        self._reports.promise(arm)
-        return True
-
-    def report_outcome(self, error: BaseException | None = None, live: Any = None) -> None:
-        self._reports.report(error, live, self.timeout)
 
     # ---- trainer --------------------------------------------------------------------------------------
     async def send_weights(self, weights: Iterable[NamedTensor], global_steps: int | None = None, *,

@@ -255,6 +255,21 @@ class Pending:
         return outcomes
 
 
+class ReportsOnBoard:
+    """``promise_reports``/``report_outcome`` of an engine that keeps its :class:`Reports` as ``_reports`` (mix in
+    before :class:`ckpt.base.CheckpointEngine`)."""
+
+    _reports: Reports
+    timeout: float
+
+    def promise_reports(self, arm: bool = True) -> bool:
+        self._reports.promise(arm)
+        return True
+
+    def report_outcome(self, error: BaseException | None = None, live: Any = None) -> None:
+        self._reports.report(error, live, self.timeout)
+
+
 class Reports:
     """One engine's side of the reports, kept for its life and bound to each group's board: a receiver's (``me``
     its id on the board) or the sender's. ``label(id)`` names a receiver, or the sender by its id ``sender``."""
@@ -391,5 +406,5 @@ class Reports:
         pending.record = key
         return pending
 
-__all__ = ["Board", "DirectoryBoard", "MemoryBoard", "Outcome", "Pending", "Reports", "StoreBoard",
+__all__ = ["Board", "DirectoryBoard", "MemoryBoard", "Outcome", "Pending", "Reports", "ReportsOnBoard", "StoreBoard",
            "UpdateRefusedError"]

@@ -36,7 +36,7 @@ from ckpt.errors import (CheckpointConfigError, TransferAbortedError, TransferEr
 from ckpt.one_to_many import DEFAULT_BUCKET_SIZE, OneToManyEngine, local_address_towards
 from ckpt.control import (HEARTBEAT_DEAD_S, STORE_OVERRUN_S, Ack, ControlChannel, PeerFailure, check_heartbeat_timeout,
                           connect_store)
-from ckpt.outcome import Reports, StoreBoard
+from ckpt.outcome import Reports, ReportsOnBoard, StoreBoard
 
 META_BUDGET = 1 << 20  # Bytes of JSON metadata per bucket at most (a bucket of many small tensors closes early).
 NAMESPACE = "ckpt-p2p"  # Prefix of the engine's store keys: ckpt-p2p/<generation>/...
@@ -144,7 +144,7 @@ class _Peer:
         return _queues(self.rank, self.epoch)
 
 
-class P2PCheckpointEngine(OneToManyEngine):
+class P2PCheckpointEngine(ReportsOnBoard, OneToManyEngine):
     """Base of the transfer-library engines: bucketed one-sided writes, 1 trainer to N rollouts.
 
     Built standalone (``rank``, ``world_size``, and the trainer's store at ``master_addr`` / ``master_port`` or
@@ -427,14 +427,6 @@ class P2PCheckpointEngine(OneToManyEngine):
             error = TransferTimeoutError if exc.timed_out else TransferError
             raise error(f"step {global_steps} failed on the trainer: {exc}") from None
         self.outcomes = await pending.collect(self.timeout)
-
-    # ---- the rollouts' words on each update (ckpt.outcome) --------------------------------------------
-    def promise_reports(self, arm: bool = True) -> bool:
-        self._reports.promise(arm)
-        return True
-
-    def report_outcome(self, error: BaseException | None = None, live: Any = None) -> None:
-        self._reports.report(error, live, self.timeout)
 
     async def _send(self, peers: list[_Peer], weights: Iterable[NamedTensor], step: int | None) -> None:
         for peer in peers:
