@@ -166,7 +166,7 @@ def one_send_at_a_time(send: Any) -> Any:
     """Wrap ``send_weights`` so a call while another runs on the engine raises :class:`SendInProgressError` at once.
 
     The refused call touches nothing; the running one goes on. A call from inside the running one (``super()``) passes."""
-    if getattr(send, "_one_send_at_a_time", False):
+    if getattr(send, "one_send_at_a_time", False):
         return send
 
     @functools.wraps(send)
@@ -188,7 +188,7 @@ def one_send_at_a_time(send: Any) -> Any:
             if owner:
                 self._send_running = None
 
-    guarded._one_send_at_a_time = True
+    guarded.one_send_at_a_time = True  # wrapping it again is a no-op
     return guarded
 
 

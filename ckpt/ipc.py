@@ -859,7 +859,9 @@ class IpcCheckpointEngine(CheckpointEngine):
             want["pid"] = self.peer_pids[0]
         if all(offered.get(k) == v for k, v in want.items()):
             return None
-        words = lambda d: ", ".join(f"{k} {d.get(k)!r}" for k in ("job", "generation", "pid") if k in want)  # noqa: E731
+        def words(d: dict) -> str:
+            return ", ".join(f"{k} {d.get(k)!r}" for k in ("job", "generation", "pid") if k in want)
+
         return (f"the trainer at {rollout_endpoint(self.endpoint, self.rank)} is {words(offered)}, but this rollout "
                 f"was built for {words(want)}: two jobs on one endpoint? (give each job its own endpoint)")
 

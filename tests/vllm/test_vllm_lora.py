@@ -15,15 +15,15 @@ import pytest
 pytest.importorskip("vllm", reason="vLLM is not installed here: scripts/setup_vllm.sh builds .venv-vllm")
 peft = pytest.importorskip("peft")
 
-import torch  # noqa: E402
+import torch  # noqa: E402 - after the skips
 
-from ckpt.collective import CollectiveCheckpointEngine  # noqa: E402
-from ckpt.lora import is_adapter_tensor, plain_peft_config  # noqa: E402
-from ckpt.outcome import UpdateRefusedError  # noqa: E402
-from ckpt.vllm_transfer import crc32_hex  # noqa: E402
-from hal.apps.cli.sync import Sync, execute  # noqa: E402
-from hal.apps.weightsync.models import causal_lm, greedy_decode, prompt_ids  # noqa: E402
-from hal.apps.weightsync.vllm_rollout import VllmRollout  # noqa: E402
+from ckpt.collective import CollectiveCheckpointEngine  # noqa: E402 - after the skips
+from ckpt.lora import is_adapter_tensor, plain_peft_config  # noqa: E402 - after the skips
+from ckpt.outcome import UpdateRefusedError  # noqa: E402 - after the skips
+from ckpt.vllm_transfer import crc32_hex  # noqa: E402 - after the skips
+from hal.apps.cli.sync import Sync, execute  # noqa: E402 - after the skips
+from hal.apps.weightsync.models import causal_lm, greedy_decode, prompt_ids  # noqa: E402 - after the skips
+from hal.apps.weightsync.vllm_rollout import VllmRollout  # noqa: E402 - after the skips
 
 pytestmark = pytest.mark.timeout(600)
 TIMEOUT_S = 120.0
