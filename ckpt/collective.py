@@ -27,8 +27,8 @@ from ckpt.control import ControlChannel, PeerFailure
 from ckpt.checker import region_key
 from ckpt.outcome import Reports, StoreBoard
 from ckpt import multi_sender
-from ckpt.reshard.layout import RolloutLayout, held_parts
-from ckpt.reshard.transfer import PairBuffers, Posted, receive_update, send_update
+from ckpt.reshard.layout import RolloutLayout
+from ckpt.reshard.transfer import PairBuffers, Posted, held_or_abort, layouts_by_rank, receive_update, send_update
 
 POLL_S = 0.25  # Seconds between a waiting receiver's looks in the store for word that the sender closed its engine.
 NAMESPACE = "ckpt-ctl"  # Prefix of the engine's control keys: ckpt-ctl/<generation>[/s<sender>]/...
@@ -391,22 +391,15 @@ class CollectiveCheckpointEngine(OneToManyEngine):
 
     async def _send_resharded(self, weights: Iterable[NamedTensor], global_steps: int | None, check: Any) -> None:
         receivers = range(self.senders, self.world_size)
-        given = self.rollout_layouts or [None] * len(receivers)
-        if len(given) != len(receivers):
-            raise CheckpointConfigError(f"rollout_layouts has {len(given)} entries for {len(receivers)} rollout ranks")
-        if check and (self.senders > 1 or any(d is not None for d in given)):
+        layouts = layouts_by_rank(self.rollout_layouts, receivers)
+        if check and (self.senders > 1 or any(d is not None for d in layouts.values())):
             raise CheckpointConfigError("check=True: the weight check of rollouts that keep slices (rollout_layout), "
                                         "or of several senders' pieces, is not supported yet; check an update one "
                                         "sender sends to whole-model rollouts")
-        layouts = {r: None if d is None else RolloutLayout.from_dict(d) for r, d in zip(receivers, given)}
         # the senders share the group's board: trainer rank 0 alone numbers the update and collects the words
         pending = self._begin_reports(global_steps, receivers if self.rank == 0 else [], check)
-        try:
-            parts = held_parts(weights)
-        except Exception as exc:  # the rollouts wait for our head: tell them, then raise
-            await send_update(self._channel(self._group), self.rank, layouts, [], global_steps, self.bucket_size,
-                              abort=exc)
-            raise
+        parts = await held_or_abort(self._channel(self._group), self.rank, layouts, weights, global_steps,
+                                    self.bucket_size)
         if pending.digester is not None and not pending.outer:
             for local, held in parts:
                 whole = all(o == 0 for o in held.region.offsets) and tuple(held.region.sizes) == tuple(held.full_shape)

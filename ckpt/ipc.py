@@ -58,9 +58,9 @@ from ckpt.errors import (CheckpointConfigError, TransferAbortedError, TransferEr
 from ckpt.layout import align
 from ckpt.one_to_many import DEFAULT_BUCKET_SIZE, check_int, check_keywords
 from ckpt.outcome import Outcome
-from ckpt.reshard.layout import RolloutLayout, held_parts
+from ckpt.reshard.layout import RolloutLayout
 from ckpt.reshard.shared import SharedChannel
-from ckpt.reshard.transfer import receive_update, send_update
+from ckpt.reshard.transfer import held_or_abort, layouts_by_rank, receive_update, send_update
 
 NUM_BUCKETS = 2  # Buckets in the shared buffer: the one being filled and the one being read.
 SEGMENT_PREFIX = "hal-ipc-"  # Names of the engine's shared-memory segments (/dev/shm/hal-ipc-*).
@@ -609,15 +609,10 @@ class IpcCheckpointEngine(CheckpointEngine):
         if check and self.senders > 0:
             raise CheckpointConfigError("the ipc engine's resharding path carries no weight check (check=True)")
         if self.senders > 0 and self.rank is not None and 0 <= self.rank < self.senders:
-            receivers = range(self.senders, self.world_size)
-            given = self.rollout_layouts or [None] * len(receivers)
-            layouts = {r: None if d is None else RolloutLayout.from_dict(d) for r, d in zip(receivers, given)}
-            try:
-                parts = held_parts(weights)
-            except Exception as exc:  # the rollouts wait for our head: tell them, then raise
-                await send_update(self._resharding_channel(), self.rank, layouts, [], step, self.bucket_size, abort=exc)
-                raise
-            await send_update(self._resharding_channel(), self.rank, layouts, parts, step, self.bucket_size)
+            layouts = layouts_by_rank(self.rollout_layouts, range(self.senders, self.world_size))
+            io = self._resharding_channel()
+            parts = await held_or_abort(io, self.rank, layouts, weights, step, self.bucket_size)
+            await send_update(io, self.rank, layouts, parts, step, self.bucket_size)
             return
         self._check_place("send")
         if self.rank == -1:

@@ -15,9 +15,9 @@ from typing import Any, AsyncIterator, Protocol, Sequence
 import torch
 
 from ckpt.base import ReceivePlacement
-from ckpt.errors import TransferAbortedError, TransferError, VersionMismatchError
+from ckpt.errors import CheckpointConfigError, TransferAbortedError, TransferError, VersionMismatchError
 from ckpt.layout import byte_view
-from ckpt.reshard.layout import Holding, RolloutLayout
+from ckpt.reshard.layout import Holding, RolloutLayout, held_parts
 from ckpt.reshard.plan import PlanError, bucket_bytes, bucket_plan, check_coverage, layout_digest, pair_plan
 
 MAGIC = 0x4D324E  # first word of a head: "M2N"
@@ -93,6 +93,24 @@ class PairBuffers:
     @property
     def nbytes(self) -> int:
         return sum(t.numel() for t in self.slots.values())
+
+
+def layouts_by_rank(given: Sequence[dict | None] | None, receivers: Sequence[int]) -> dict[int, RolloutLayout | None]:
+    """Return each rollout rank's layout from ``build_topology``'s ``rollout_layouts`` (``None``: the whole model)."""
+    given = list(given) if given else [None] * len(receivers)
+    if len(given) != len(receivers):
+        raise CheckpointConfigError(f"rollout_layouts has {len(given)} entries for {len(receivers)} rollout ranks")
+    return {r: None if d is None else RolloutLayout.from_dict(d) for r, d in zip(receivers, given)}
+
+
+async def held_or_abort(io: Channel, rank: int, layouts: dict[int, RolloutLayout | None], weights: Any,
+                        step: int | None, bucket_size: int) -> list[tuple[torch.Tensor, Holding]]:
+    """Return ``held_parts(weights)``; if ``weights`` raises, tell every rollout (they abort at once) and re-raise."""
+    try:
+        return held_parts(weights)
+    except Exception as exc:  # the rollouts wait for our head
+        await send_update(io, rank, layouts, [], step, bucket_size, abort=exc)
+        raise
 
 
 async def send_update(io: Channel, rank: int, layouts: dict[int, RolloutLayout | None],
@@ -362,4 +380,4 @@ async def _drain(io: Channel, posted: dict, buckets: dict, failed: dict, post: A
             pass
 
 
-__all__ = ["Channel", "PairBuffers", "Posted", "receive_update", "send_update"]
+__all__ = ["Channel", "PairBuffers", "Posted", "held_or_abort", "layouts_by_rank", "receive_update", "send_update"]
