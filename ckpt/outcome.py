@@ -20,6 +20,7 @@ import asyncio
 import contextvars
 import dataclasses
 import json
+import os
 import threading
 import time
 from pathlib import Path
@@ -145,17 +146,11 @@ class DirectoryBoard:
 
     def tidy(self) -> None:
         """Remove the board's empty folders, the board's own included (nothing is left in a user's root)."""
-        if not self.root.is_dir():
-            return
-        for folder in sorted((p for p in self.root.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts)):
+        for folder, _, _ in os.walk(self.root, topdown=False):  # deepest first, root last; a vanished folder is skipped
             try:
-                folder.rmdir()
+                os.rmdir(folder)
             except OSError:  # not empty, or gone
                 pass
-        try:
-            self.root.rmdir()
-        except OSError:
-            pass
 
     def get(self, key: str) -> bytes | None:
         try:
