@@ -73,6 +73,21 @@ async def receive_all(eng, step):
     return [(n, t.clone()) async for n, t in eng.receive_weights(step)]
 
 
+async def exchange(eng, rank: int, steps: int) -> list:
+    """Steps 1..``steps``: the trainer's sent digests, or a rollout's received digests, steps and devices."""
+    out = []
+    for step in range(1, steps + 1):
+        if rank == 0:
+            weights = sample_weights(step)
+            await eng.send_weights(weights, step)
+            out.append(digest(weights))
+        else:
+            got = await receive_all(eng, step)
+            out.append({"digest": digest(got), "step": eng.received_global_steps,
+                        "devices": sorted({str(t.device) for _, t in got})})
+    return out
+
+
 def updates(rank, world_size, device, steps, bucket_size, transport=None):
     """``steps`` updates of the contract's sample weights (every dtype, one tensor above the bucket); returns the
     trainer's sent digests per step, or a rollout's received digests, steps and device per step, and whether the
@@ -80,19 +95,7 @@ def updates(rank, world_size, device, steps, bucket_size, transport=None):
     endpoint, pids = meet(rank, world_size)
     eng = engine(rank, world_size, endpoint, pids, device, bucket_size, transport=transport)
 
-    async def go():
-        out = []
-        for step in range(1, steps + 1):
-            if rank == 0:
-                weights = sample_weights(step)
-                await eng.send_weights(weights, step)
-                out.append(digest(weights))
-            else:
-                got = await receive_all(eng, step)
-                out.append({"digest": digest(got), "step": eng.received_global_steps,
-                            "devices": sorted({str(t.device) for _, t in got})})
-        return out
-    result = asyncio.run(go())
+    result = asyncio.run(exchange(eng, rank, steps))
     segment = eng.segment_name if rank == 0 else None
     eng.close()
     return {"result": result, "transport": eng.transport, "segment": segment,
@@ -406,18 +409,7 @@ def mixed_kinds(rank, world_size, devices, steps):
     endpoint, pids = meet(rank, world_size)
     eng = engine(rank, world_size, endpoint, pids, devices[rank], 8192)
 
-    async def go():
-        out = []
-        for step in range(1, steps + 1):
-            if rank == 0:
-                weights = sample_weights(step)
-                await eng.send_weights(weights, step)
-                out.append(digest(weights))
-            else:
-                got = await receive_all(eng, step)
-                out.append({"digest": digest(got), "devices": sorted({str(t.device) for _, t in got})})
-        return out
-    result = asyncio.run(go())
+    result = asyncio.run(exchange(eng, rank, steps))
     if rank == 0:
         served = [peer.transport or eng.transport for peer in eng._peers]
         segments = [s.segment for s in (eng._buffer, eng._mirror) if s is not None]
