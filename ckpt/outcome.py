@@ -250,6 +250,13 @@ class Pending:
         return outcomes
 
 
+def carries_reports(engine: Any) -> bool:
+    """Announce a reporting consumer to ``engine``; return whether it carries reports (one without
+    ``promise_reports``, verl's own, does not)."""
+    promise = getattr(engine, "promise_reports", None)
+    return bool(promise(arm=False)) if promise is not None else False
+
+
 class ReportsOnBoard:
     """``promise_reports``/``report_outcome`` of an engine that keeps its :class:`Reports` as ``_reports`` (mix in
     before :class:`ckpt.base.CheckpointEngine`)."""
@@ -401,5 +408,5 @@ class Reports:
         pending.record = key
         return pending
 
-__all__ = ["Board", "DirectoryBoard", "MemoryBoard", "Outcome", "Pending", "Reports", "ReportsOnBoard", "StoreBoard",
+__all__ = ["Board", "DirectoryBoard", "carries_reports", "MemoryBoard", "Outcome", "Pending", "Reports", "ReportsOnBoard", "StoreBoard",
            "UpdateRefusedError"]

@@ -43,6 +43,7 @@ import torch
 from ckpt.base import NamedTensor, check_global_steps
 from ckpt.errors import CheckpointConfigError, TransferError, WeightMismatchError
 from ckpt.lora import adapter_misfits, is_adapter_tensor
+from ckpt.outcome import carries_reports
 
 BACKEND_NAME = "hal"  # The name hal's backend is registered under in vLLM's WeightTransferEngineFactory.
 
@@ -312,8 +313,7 @@ class HalTransferState:
             raise CheckpointConfigError(f"engine_kwargs must be a dict, got {type(engine_kwargs).__name__}")
         self.engine_name = engine
         self.engine = get_checkpoint_engine(engine, **engine_kwargs)
-        promise = getattr(self.engine, "promise_reports", None)
-        self.reports = bool(promise(arm=False)) if promise is not None else False  # the trainer hears each outcome
+        self.reports = carries_reports(self.engine)  # the trainer hears each outcome
         self.served_step: int | None = None
         self.last_result: dict[str, Any] | None = None
         self.base_shapes: dict[str, tuple[int, ...]] | None = None  # LoRA: {name: shape} of the last base loaded

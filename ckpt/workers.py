@@ -12,6 +12,7 @@ import torch
 
 from ckpt.base import CheckpointEngine, NamedTensor, check_global_steps, drain
 from ckpt.errors import CheckpointConfigError
+from ckpt.outcome import carries_reports
 
 
 def _per_tensor_params(engine: Any, base_sync_done: bool | None = None) -> tuple[Any, dict[str, Any] | None]:
@@ -88,8 +89,7 @@ class CheckpointEngineWorker:
 
     def __init__(self, checkpoint_engine: CheckpointEngine, adapter: Any) -> None:
         self.checkpoint_engine, self.adapter = checkpoint_engine, adapter
-        promise = getattr(checkpoint_engine, "promise_reports", None)
-        self.reports = bool(promise(arm=False)) if promise is not None else False  # the engine carries our word back
+        self.reports = carries_reports(checkpoint_engine)  # the engine carries our word back
 
     async def update_weights(self, global_steps: int | None = None, peft_config: dict[str, Any] | None = None,
                              base_sync_done: bool = False) -> int | None:

@@ -42,11 +42,11 @@ class DeltaServing:
 
     def __init__(self, adapter: Any, engine: Any, atomic: bool) -> None:
         from ckpt.delta import DeltaReceiver
+        from ckpt.outcome import carries_reports
 
         self.adapter, self.engine, self.atomic = adapter, engine, bool(atomic)
         self.receiver = DeltaReceiver(adapter.state_dict(), atomic=self.atomic)
-        promise = getattr(engine, "promise_reports", None)
-        self.reports = bool(promise(arm=False)) if promise is not None else False  # the trainer hears of each update
+        self.reports = carries_reports(engine)  # the trainer hears of each update
         self.layout, self.device = adapter.layout, adapter.device
         self.error: str | None = None
 
