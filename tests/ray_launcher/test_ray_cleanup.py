@@ -90,12 +90,32 @@ def test_a_one_node_cluster_starts_under_a_120_character_tmpdir_and_leaves_it_em
     assert leftovers(tmpdir) == []
 
 
+def own_ray_dirs(tmpdir: pathlib.Path) -> tuple[set[str], object]:
+    """A watch of the Ray folders of the processes run with ``TMPDIR=tmpdir`` (this run's, not another xdist
+    worker's): each is noted while its process lives and reported while it exists."""
+    seen: set[str] = set()
+    marker = f"TMPDIR={tmpdir}".encode()
+
+    def watch() -> set[str]:
+        for entry in os.listdir("/proc"):
+            try:
+                environ = pathlib.Path(f"/proc/{entry}/environ").read_bytes()
+                cmdline = pathlib.Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if marker in environ.split(b"\0"):
+                seen.update(a.split(b"=", 1)[1].decode() for a in cmdline if a.startswith(b"--temp-dir=/tmp/hal-ray-"))
+        return hal_segments() | {d for d in seen if os.path.exists(d)}
+    return seen, watch
+
+
 @pytest.mark.timeout(300)
 def test_ctrl_c_ends_sync_on_ray_with_status_130_one_line_and_nothing_left(tmp_path):
     tmpdir = long_dir(tmp_path)  # the one-node cluster's sockets need a short directory of their own
+    seen, watch = own_ray_dirs(tmpdir)  # /tmp/hal-ray-* of this run only: other workers run Ray tests too
     stopped = interrupt_hal([*RAY_SYNC, "--steps", "1000", "--timeout", "60"], hal_env(tmpdir, tmp_path / "cache"),
-                            said("hal sync: step 1/1000"), start_timeout=240,
-                            watch=lambda: hal_segments() | {str(p) for p in pathlib.Path("/tmp").glob("hal-ray-*")})
+                            said("hal sync: step 1/1000"), start_timeout=240, watch=watch)
+    assert len(seen) == 1, seen  # the run's own cluster folder was found, so the check below can fail
     assert stopped.returncode == 130, stopped.transcript()
     assert stopped.after == ["hal: interrupted"], stopped.transcript()  # was: a traceback ending in "ImportError: sys.meta_path is None"
     assert "Connecting to existing Ray cluster" not in stopped.before, stopped.transcript()  # hal's own node
